@@ -1,0 +1,91 @@
+"""Flash attention for prefill, with GQA and an optional KV prefix.
+
+q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (any strides, last dim contiguous) -> o [B, Sq, Hq, D]:
+
+    o[b, i, h] = softmax(scale * q[b, i, h] . k[b, :, h // (Hq/Hk)]) @ v[b, :, h // (Hq/Hk)]
+
+With `causal`, query i sits at position Sk - Sq + i and sees keys 0..Sk-Sq+i, so
+Sk > Sq attends over a cached prefix (chunked prefill / prompt continuation).
+Online softmax in fp32 (base 2): the score matrix never leaves registers. GQA
+reads each kv head in place (no repeat in memory). Grid: (cdiv(Sq, BLOCK_M), B*Hq).
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_helpers import dot
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+    SQ, SK, HQ, GROUP, qk_scale,
+    CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HQ).to(tl.int64)
+    h = pid_bh % HQ
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=offs_m[:, None] < SQ, other=0.0)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    delta = SK - SQ
+    hi = SK
+    if CAUSAL:
+        hi = min(SK, (pid_m + 1) * BLOCK_M + delta)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    # Every row sees key 0 in the first block, so m_i is finite from the first step on.
+    for n0 in range(0, hi, BLOCK_N):
+        cols = n0 + offs_n
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
+        s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
+        valid = cols[None, :] < SK
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=cols[:, None] < SK, other=0.0)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
+
+
+def _blocks(d: int, sq: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim, BLOCK_M shrunk for short queries."""
+    bm, bn, warps, stages = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}.get(d, (64, 32, 4, 2))
+    return min(bm, max(16, triton.next_power_of_2(sq))), bn, warps, stages
+
+
+def attention(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    bsz, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device)
+    if bsz * sq == 0:
+        return o
+    bm, bn, warps, stages = _blocks(d, sq)
+    _attention_kernel[(triton.cdiv(sq, bm), bsz * hq)](
+        q, k, v, o,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        sq, sk, hq, hq // hk, scale * LOG2E,
+        CAUSAL=causal, D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    )
+    return o

@@ -1,0 +1,197 @@
+"""GEMM y = x @ weight.T (+ bias): a tiled kernel for prefill and a split-K path for decode.
+
+x [M, K], weight [N, K] (the nn.Linear layout), bias [N] -> y [M, N] in x's dtype,
+fp32 accumulation, bias added in fp32.
+
+Prefill (M > DECODE_MAX_M): one program per BLOCK_M x BLOCK_N tile of y, tiles
+visited in GROUP_M-row groups so neighbouring programs share weight tiles in L2.
+
+Decode (M <= DECODE_MAX_M): reading the weight once is the whole cost, and with
+N = 1024 a tile per program leaves most of the GPU idle. The K axis is cut into
+SPLIT_K slices; program (n, s) writes the fp32 partial product of slice s to a
+[SPLIT_K, M, N] buffer and a second kernel sums the slices in a fixed order and
+adds the bias (deterministic: no atomics). SPLIT_K = 1 writes y directly.
+The per-shape configs come from `bench/ops.py --sweep-splitk` on an H200 and are
+kept in DECODE_CONFIGS; nothing is tuned at call time (safe in CUDA graph capture).
+"""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_helpers import dot
+
+DECODE_MAX_M = 16
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K) -> config, measured on an H200 (bench/results/). Shapes not listed use decode_config's rule.
+DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {}
+
+_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+
+
+def decode_config(n: int, k: int) -> DecodeConfig:
+    """The stored config for (N, K), else: 64-wide N tiles, 128-deep K steps, and
+    enough K slices for about two programs per SM."""
+    if (n, k) in DECODE_CONFIGS:
+        return DECODE_CONFIGS[(n, k)]
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, tiles))))
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Out-of-range rows/cols read a valid row (wrapped) and are masked at the store.
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=rk[None, :] < K - k0, other=0.0)
+            b = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0.0)
+        acc = dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _splitk_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < k_hi - k0
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _prefill_blocks(m: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel."""
+    if m <= 64:
+        return 64, 128, 64, 8, 4, 4
+    return 128, 128, 64, 8, 8, 3
+
+
+def matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor) -> None:
+    """Tiled GEMM into y2: x2 [M, K] @ weight[N, K].T (+ bias)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _matmul_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y2, m, n, k,
+        x2.stride(0), weight.stride(0), y2.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
+    )
+
+
+def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, cfg: DecodeConfig) -> None:
+    """Decode GEMM into y2 (M <= DECODE_MAX_M) with cfg's K split and a separate reduce."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    has_bias = bias is not None
+    out = y2 if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    _splitk_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x2, weight, bias if has_bias else weight, out, m, n, k, k_per_split,
+        x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        SPLIT_K=split, HAS_BIAS=has_bias,
+        BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            out, bias if has_bias else out, y2, n, out.stride(0), out.stride(1), y2.stride(0),
+            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias, decode_cfg: DecodeConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N]. decode_cfg overrides the table (benchmarks)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        return y
+    y2 = y.view(m, n)
+    if m <= DECODE_MAX_M:
+        splitk_matmul(x2, weight, bias, y2, decode_cfg or decode_config(n, k))
+    else:
+        matmul(x2, weight, bias, y2)
+    return y

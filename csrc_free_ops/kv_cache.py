@@ -1,0 +1,48 @@
+"""KV-cache write: k_cache[b, positions[b, t]] = k[b, t] (and the same for v).
+
+k, v [B, T, Hk, D] (any strides with the last dim contiguous, e.g. slices of a
+fused QKV output); caches [B, L, Hk, D] contiguous. Grid: (B*T,), one program
+copies the Hk*D values of one token for both k and v. A position outside
+[0, L) is not written: the kernel never stores out of bounds.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_cache_store_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_pb, stride_pt,
+    T, L, HK,
+    D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // T).to(tl.int64)
+    t = (pid % T).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    heads_to_write = tl.where((pos >= 0) & (pos < L), HK, 0)
+    mask = (heads[:, None] < heads_to_write) & (d[None, :] < D)
+    src_off = heads[:, None] * stride_kh + d[None, :]
+    dst = b * stride_cb + pos * stride_ct + heads[:, None] * D + d[None, :]
+    k = tl.load(k_ptr + b * stride_kb + t * stride_kt + src_off, mask=mask)
+    tl.store(kc_ptr + dst, k, mask=mask)
+    v_off = heads[:, None] * stride_vh + d[None, :]
+    v = tl.load(v_ptr + b * stride_vb + t * stride_vt + v_off, mask=mask)
+    tl.store(vc_ptr + dst, v, mask=mask)
+
+
+def kv_cache_store(k, v, k_cache, v_cache, positions) -> None:
+    bsz, t, hk, d = k.shape
+    if bsz * t == 0:
+        return
+    _kv_cache_store_kernel[(bsz * t,)](
+        k, v, k_cache, v_cache, positions,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), positions.stride(0), positions.stride(1),
+        t, k_cache.shape[1], hk,
+        D=d, BLOCK_H=triton.next_power_of_2(hk), num_warps=4,
+    )

@@ -1,0 +1,30 @@
+"""Small pieces shared by the kernels: interpreter detection and the matrix product."""
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
+
+_DOT_IN_FP32 = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """acc + a @ b with fp32 accumulation.
+
+    fp32 operands use exact fp32 products (`ieee`), not tf32, so fp32 models keep
+    fp32 accuracy. The Triton interpreter (3.9) returns garbage for a bf16
+    `tl.dot`, so under the interpreter the operands are widened to fp32 first.
+    """
+    if _DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+def row_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel over `block` elements."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16

@@ -1,0 +1,29 @@
+"""Test setup: without a GPU the Triton kernels run on CPU through Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so it is set here, first.
+Tests marked `cuda` need a GPU and are skipped without one.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (realistic shapes); skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    """No GPU: skip `cuda` tests. A GPU and no interpreter: skip the kernel tests' CPU cases,
+    since CPU tensors would take the PyTorch reference and compare it with itself."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    for item in items:
+        on_cpu = getattr(item, "callspec", None) is not None and item.callspec.params.get("device") == "cpu"
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif on_cpu and not interpret:
+            item.add_marker(pytest.mark.skip(reason="CPU runs the reference unless TRITON_INTERPRET=1"))

@@ -1,0 +1,38 @@
+"""Shared test utilities: devices, tolerances, and a comparison that explains itself."""
+import pytest
+import torch
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.float32, id="fp32")]
+
+# ||out - ref|| / ||ref|| ceilings (DESIGN.md section 3). bf16 is looser on CPU because the
+# Triton interpreter truncates (rather than rounds) when it converts to bf16.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel_tol: float | None = None, what: str = ""):
+    """Relative-norm check; on failure print shape, max/mean abs diff and where the largest one is."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    tol = REL_TOL[ref.dtype] if rel_tol is None else rel_tol
+    o, r = out.double(), ref.double()
+    assert not torch.isnan(o).any(), f"{what}: NaN in output of shape {tuple(out.shape)} (an unwritten element?)"
+    diff = (o - r).abs()
+    rel = ((o - r).norm() / r.norm().clamp_min(1e-30)).item()
+    if not rel <= tol:
+        where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(
+            f"{what}: rel err {rel:.3e} > {tol:.1e}; shape {tuple(out.shape)} {out.dtype}, "
+            f"max_abs_diff {diff.max().item():.4e} at {where} (out {o[where].item():.5g}, ref {r[where].item():.5g}), "
+            f"mean_abs_diff {diff.mean().item():.4e}")
+
+
+def poison_allocator(device: str):
+    """Fill recently freed CUDA memory with NaN so an output element a kernel forgets to write shows up."""
+    if device == "cuda":
+        torch.full((64 << 20,), float("nan"), device="cuda")
+        torch.cuda.synchronize()
+
+
+def randn(*shape, dtype, device, scale: float = 1.0):
+    return (torch.randn(*shape, dtype=torch.float32, device=device) * scale).to(dtype)

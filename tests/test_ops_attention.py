@@ -1,0 +1,114 @@
+import math
+
+import pytest
+import torch
+
+import qwen_ops  # noqa: F401
+from qwen_ops import attention_reference, decode_attention_reference, kv_cache_store_reference
+from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+
+# (batch, Sq, Sk, q heads, kv heads, head_dim)
+PREFILL = {
+    "cpu": [(1, 1, 1, 2, 1, 16), (2, 7, 7, 4, 2, 32), (1, 20, 33, 2, 2, 64), (1, 5, 5, 2, 1, 256)],
+    "cuda": [(1, 255, 255, 16, 8, 128), (1, 256, 256, 14, 2, 64), (2, 1000, 1000, 8, 2, 256),
+             (4, 7, 7, 16, 8, 128), (1, 1, 1, 8, 2, 128), (1, 2048, 2048, 16, 8, 128), (2, 100, 612, 16, 8, 128)],
+}
+# (batch, Tq, cache length, q heads, kv heads, head_dim)
+DECODE = {
+    "cpu": [(1, 1, 40, 4, 2, 32), (3, 2, 70, 4, 4, 16), (2, 1, 20, 2, 1, 256)],
+    "cuda": [(1, 1, 4096, 16, 8, 128), (4, 1, 1000, 14, 2, 64), (2, 1, 2048, 8, 2, 256), (3, 4, 777, 16, 8, 128)],
+}
+
+
+def _qkv(b, sq, sk, hq, hk, d, dtype, device):
+    return (randn(b, sq, hq, d, dtype=dtype, device=device), randn(b, sk, hk, d, dtype=dtype, device=device),
+            randn(b, sk, hk, d, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_matches_reference(device, dtype, causal):
+    for b, sq, sk, hq, hk, d in PREFILL[device]:
+        q, k, v = _qkv(b, sq, sk, hq, hk, d, dtype, device)
+        poison_allocator(device)
+        out = torch.ops.qwen.attention(q, k, v, d ** -0.5, causal)
+        assert_close(out, attention_reference(q, k, v, d ** -0.5, causal),
+                     what=f"attention b{b} sq{sq} sk{sk} hq{hq} hk{hk} d{d} causal={causal}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_strided_qkv_views(device):
+    """q/k/v sliced out of one fused QKV activation, as the model passes them."""
+    b, s, hq, hk, d = 2, 9, 4, 2, 32
+    qkv = randn(b, s, (hq + 2 * hk) * d, dtype=torch.float32, device=device)
+    q = qkv[..., : hq * d].view(b, s, hq, d)
+    k = qkv[..., hq * d : (hq + hk) * d].view(b, s, hk, d)
+    v = qkv[..., (hq + hk) * d :].view(b, s, hk, d)
+    assert_close(torch.ops.qwen.attention(q, k, v, 0.3), attention_reference(q, k, v, 0.3), what="strided attention")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_reference(device, dtype):
+    for b, tq, cache_len, hq, hk, d in DECODE[device]:
+        q = randn(b, tq, hq, d, dtype=dtype, device=device)
+        k_cache = randn(b, cache_len, hk, d, dtype=dtype, device=device)
+        v_cache = randn(b, cache_len, hk, d, dtype=dtype, device=device)
+        # Ragged lengths: one sequence just long enough, one full, the rest random.
+        seqlens = torch.randint(tq, cache_len + 1, (b,), device=device, dtype=torch.int32)
+        seqlens[0] = tq
+        seqlens[-1] = cache_len
+        poison_allocator(device)
+        out = torch.ops.qwen.decode_attention(q, k_cache, v_cache, seqlens, d ** -0.5)
+        ref = decode_attention_reference(q, k_cache, v_cache, seqlens, d ** -0.5)
+        assert_close(out, ref, what=f"decode_attention b{b} tq{tq} L{cache_len} hq{hq} hk{hk} d{d} lens {seqlens.tolist()}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_equals_prefill_on_last_rows(device):
+    """Decode over a cache holding a whole prompt = the last rows of causal prefill attention."""
+    b, s, tq, hq, hk, d = 1, 21, 3, 4, 2, 32
+    q, k, v = _qkv(b, s, s, hq, hk, d, torch.float32, device)
+    k_cache = torch.zeros(b, 40, hk, d, device=device)
+    v_cache = torch.zeros(b, 40, hk, d, device=device)
+    positions = torch.arange(s, device=device)[None]
+    torch.ops.qwen.kv_cache_store(k, v, k_cache, v_cache, positions)
+    seqlens = torch.full((b,), s, dtype=torch.int32, device=device)
+    out = torch.ops.qwen.decode_attention(q[:, -tq:], k_cache, v_cache, seqlens, d ** -0.5)
+    assert_close(out, attention_reference(q, k, v, d ** -0.5)[:, -tq:], what="decode vs prefill rows")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_store_matches_reference(device, dtype):
+    b, t, cache_len, hk, d = (2, 5, 30, 2, 32) if device == "cpu" else (4, 255, 4096, 8, 128)
+    kv = randn(b, t, 2 * hk * d, dtype=dtype, device=device)  # k and v as views of one activation
+    k, v = kv[..., : hk * d].view(b, t, hk, d), kv[..., hk * d :].view(b, t, hk, d)
+    positions = torch.stack([torch.randperm(cache_len, device=device)[:t] for _ in range(b)])
+    k_cache = torch.full((b, cache_len, hk, d), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    torch.ops.qwen.kv_cache_store(k, v, k_cache, v_cache, positions)
+    kv_cache_store_reference(k, v, k_ref, v_ref, positions)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert not torch.isnan(k_cache[torch.arange(b, device=device)[:, None], positions]).any()
+
+
+@pytest.mark.cuda
+def test_kv_cache_store_drops_out_of_range_positions_on_cuda():
+    k = torch.randn(1, 2, 2, 64, device="cuda")
+    k_cache = torch.zeros(1, 8, 2, 64, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    torch.ops.qwen.kv_cache_store(k, k, k_cache, v_cache, torch.tensor([[3, 8]], device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache[0, 3], k[0, 0]) and k_cache.abs().sum() == k[0, 0].abs().sum()
+
+
+def test_attention_scale_is_applied():
+    """A changed scale changes the output (guards against a kernel ignoring the argument)."""
+    q, k, v = _qkv(1, 4, 4, 2, 1, 16, torch.float32, "cpu")
+    a = torch.ops.qwen.attention(q, k, v, 0.1)
+    b = torch.ops.qwen.attention(q, k, v, 1.0 / math.sqrt(2.0))
+    assert not torch.allclose(a, b)

@@ -1,0 +1,113 @@
+"""The op contract of DESIGN.md section 2: opcheck, torch.compile(fullgraph=True), clear errors."""
+import pytest
+import torch
+
+import qwen_ops
+from tests.helpers import DEVICES, assert_close, randn
+
+
+def _samples(device):
+    """One small argument tuple per op (fresh random data)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    b, t, hq, hk, d, n = 2, 3, 4, 2, 16, 48
+    qkv = randn(b, t, (hq + 2 * hk) * d, **f32)
+    q = qkv[..., : hq * d].view(b, t, hq, d)
+    k = qkv[..., hq * d : (hq + hk) * d].view(b, t, hk, d)
+    v = qkv[..., (hq + hk) * d :].view(b, t, hk, d)
+    cache = lambda: randn(b, 8, hk, d, **f32)  # noqa: E731
+    positions = torch.tensor([[0, 1, 2], [4, 5, 6]], device=device)
+    return {
+        "rms_norm": (randn(b, n, **f32), randn(n, **f32), 1e-6),
+        "add_rms_norm": (randn(b, n, **f32), randn(b, n, **f32), randn(n, **f32), 1e-6, 1.0),
+        "rope": (q, k, positions, 1e4, d, randn(d, **f32), randn(d, **f32)),
+        "linear": (randn(b, n, **f32), randn(24, n, **f32), randn(24, **f32)),
+        "silu_mul": (randn(b, 2 * n, **f32),),
+        "attention": (q, k, v, 0.25, True),
+        "kv_cache_store": (k, v, cache(), cache(), positions),
+        "decode_attention": (q[:, :1], cache(), cache(), torch.tensor([3, 7], dtype=torch.int32, device=device), 0.25),
+    }
+
+
+OPS = list(_samples("cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(device, name):
+    torch.library.opcheck(getattr(torch.ops.qwen, name).default, _samples(device)[name])
+
+
+def test_every_op_is_registered_with_a_fake_kernel():
+    for name in OPS:
+        op = getattr(torch.ops.qwen, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or \
+            torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_whole_chain(device):
+    """Every op in one compiled function, no graph break, same result as eager."""
+    s = _samples(device)
+
+    def chain(x, res, w, q, k, positions, k_cache, v_cache, lw, gu):
+        h, res2 = torch.ops.qwen.add_rms_norm(x, res, w, 1e-6)
+        h = torch.ops.qwen.rms_norm(h, w, 1e-6)
+        qr, kr = torch.ops.qwen.rope(q, k, positions, 1e4, q.shape[-1])
+        torch.ops.qwen.kv_cache_store(kr, kr, k_cache, v_cache, positions)
+        a = torch.ops.qwen.attention(qr, kr, kr, 0.25)
+        lens = (positions[:, -1] + 1).to(torch.int32)
+        dq = torch.ops.qwen.decode_attention(qr[:, -1:], k_cache, v_cache, lens, 0.25)
+        y = torch.ops.qwen.linear(h, lw) + torch.ops.qwen.silu_mul(gu)
+        return res2, y, a, dq
+
+    x, res, w = s["add_rms_norm"][:3]
+    q, k, positions = s["rope"][0], s["rope"][1], s["rope"][2]
+    caches = [s["kv_cache_store"][2], s["kv_cache_store"][3]]
+    lw, gu = randn(24, 48, dtype=torch.float32, device=device), randn(2, 48, dtype=torch.float32, device=device)
+    eager_caches = [c.clone() for c in caches]
+    expected = chain(x, res, w, q, k, positions, *eager_caches, lw, gu)
+    backend = "aot_eager" if device == "cpu" else "inductor"
+    compiled = torch.compile(chain, fullgraph=True, backend=backend)
+    got = compiled(x, res, w, q, k, positions, *caches, lw, gu)
+    for g, e in zip(got, expected):
+        assert_close(g, e, what="compiled vs eager")
+    assert_close(caches[0], eager_caches[0], what="compiled cache store")
+
+
+ERRORS = [
+    ("rms_norm", lambda: (torch.randn(2, 8), torch.randn(7), 1e-6), "weight has 7 elements"),
+    ("rms_norm", lambda: (torch.randint(0, 3, (2, 8)), torch.randn(8), 1e-6), "x must be bfloat16"),
+    ("add_rms_norm", lambda: (torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6), "residual has shape"),
+    ("rope", lambda: (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.zeros(3, dtype=torch.long), 1e4, 16), "positions must have shape"),
+    ("rope", lambda: (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.long), 1e4, 15), "rotary_dim must be even"),
+    ("rope", lambda: (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.zeros(2), 1e4, 16), "positions must be int32 or int64"),
+    ("linear", lambda: (torch.randn(2, 8), torch.randn(4, 9)), "x's last dim is 8"),
+    ("linear", lambda: (torch.randn(2, 8), torch.randn(4, 8).half()), "weight has dtype torch.float16"),
+    ("linear", lambda: (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5)), "bias has 5 elements"),
+    ("silu_mul", lambda: (torch.randn(2, 7),), "must be even"),
+    ("attention", lambda: (torch.randn(1, 4, 2, 48), torch.randn(1, 4, 1, 48), torch.randn(1, 4, 1, 48), 0.1), "head_dim 48 is not supported"),
+    ("attention", lambda: (torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "multiple of kv heads"),
+    ("attention", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "Sk >= Sq"),
+    ("kv_cache_store", lambda: (torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.zeros(1, 4, 2, 16),
+                                torch.zeros(1, 4, 2, 16), torch.tensor([[3, 4]])), "positions must lie in [0, 4)"),
+    ("kv_cache_store", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16), torch.zeros(1, 4, 2, 16),
+                                torch.zeros(1, 4, 2, 16), torch.zeros(1, 5, dtype=torch.long)), "do not fit a cache of length 4"),
+    ("decode_attention", lambda: (torch.randn(2, 1, 2, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
+                                  torch.tensor([1, 2, 3], dtype=torch.int32), 0.1), "cache_seqlens must have shape (2,)"),
+    ("decode_attention", lambda: (torch.randn(1, 9, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16),
+                                  torch.tensor([8], dtype=torch.int32), 0.1), "do not fit a cache of length 8"),
+]
+
+
+@pytest.mark.parametrize("name,make_args,message", ERRORS, ids=[f"{e[0]}-{i}" for i, e in enumerate(ERRORS)])
+def test_bad_input_raises_clear_error(name, make_args, message):
+    with pytest.raises(qwen_ops.QwenOpError, match=f"qwen.{name}: .*" + message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        getattr(torch.ops.qwen, name)(*make_args())
+
+
+@pytest.mark.cuda
+def test_device_mismatch_names_the_argument():
+    with pytest.raises(qwen_ops.QwenOpError, match="weight is on cpu but x is on cuda"):
+        torch.ops.qwen.rms_norm(torch.randn(2, 8, device="cuda"), torch.randn(8), 1e-6)
+    with pytest.raises(qwen_ops.QwenOpError, match="weight is on cpu but x is on cuda"):
+        torch.ops.qwen.linear(torch.randn(2, 8, device="cuda"), torch.randn(4, 8))

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+import qwen_ops  # noqa: F401
+from qwen_ops import add_rms_norm_reference, rms_norm_reference
+from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+
+SHAPES = {"cpu": [(1, 96), (7, 896), (2, 3, 100)], "cuda": [(1, 1024), (255, 896), (1000, 2048), (4, 256, 1024)]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_reference(device, dtype, offset):
+    for shape in SHAPES[device]:
+        x = randn(*shape, dtype=dtype, device=device, scale=3.0)
+        w = randn(shape[-1], dtype=dtype, device=device)
+        poison_allocator(device)
+        out = torch.ops.qwen.rms_norm(x, w, 1e-6, offset)
+        assert_close(out, rms_norm_reference(x, w, 1e-6, offset), what=f"rms_norm {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_reference(device, dtype):
+    for shape in SHAPES[device]:
+        x, r = randn(*shape, dtype=dtype, device=device), randn(*shape, dtype=dtype, device=device)
+        w = randn(shape[-1], dtype=dtype, device=device)
+        poison_allocator(device)
+        normed, summed = torch.ops.qwen.add_rms_norm(x, r, w, 1e-6)
+        ref_normed, ref_summed = add_rms_norm_reference(x, r, w, 1e-6)
+        assert_close(summed, ref_summed, what=f"add_rms_norm sum {shape}")
+        assert_close(normed, ref_normed, what=f"add_rms_norm norm {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_strided_input(device):
+    """A row-strided view (e.g. a slice of a wider activation) is read correctly."""
+    big = randn(9, 160, dtype=torch.float32, device=device)
+    x = big[:, 16:112]
+    w = randn(96, dtype=torch.float32, device=device)
+    assert_close(torch.ops.qwen.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), what="strided rms_norm")

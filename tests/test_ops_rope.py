@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+import qwen_ops  # noqa: F401
+from qwen_ops import rope_reference
+from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+
+# (batch, tokens, q heads, kv heads, head_dim, rotary_dim)
+CASES = {
+    "cpu": [(1, 1, 4, 2, 32, 32), (2, 7, 4, 4, 16, 16), (1, 5, 2, 1, 64, 16)],
+    "cuda": [(1, 1, 16, 8, 128, 128), (4, 255, 14, 2, 64, 64), (1, 1000, 8, 2, 256, 64), (2, 256, 16, 8, 128, 128)],
+}
+
+
+def _fused_qkv(b, t, hq, hk, d, dtype, device):
+    """q and k as strided views into one fused QKV activation, as the model produces them."""
+    qkv = randn(b, t, (hq + 2 * hk) * d, dtype=dtype, device=device)
+    return qkv[..., : hq * d].view(b, t, hq, d), qkv[..., hq * d : (hq + hk) * d].view(b, t, hk, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_rope_matches_reference(device, dtype, qk_norm):
+    for b, t, hq, hk, d, rot in CASES[device]:
+        q, k = _fused_qkv(b, t, hq, hk, d, dtype, device)
+        positions = torch.randint(0, 4096, (b, t), device=device)
+        norm = (randn(d, dtype=dtype, device=device), randn(d, dtype=dtype, device=device)) if qk_norm else (None, None)
+        poison_allocator(device)
+        q_out, k_out = torch.ops.qwen.rope(q, k, positions, 1e6, rot, *norm, norm_eps=1e-6)
+        q_ref, k_ref = rope_reference(q, k, positions, 1e6, rot, *norm, norm_eps=1e-6)
+        what = f"rope b{b} t{t} hq{hq} hk{hk} d{d} rot{rot}"
+        # Angles up to 4096 rad: fp32 angle rounding alone moves a value by ~1e-4 relative.
+        tol = 5e-5 if dtype == torch.float32 else None
+        assert_close(q_out, q_ref, tol, what=what + " q")
+        assert_close(k_out, k_ref, tol, what=what + " k")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_int32_positions_and_offset_norm(device):
+    q, k = _fused_qkv(1, 6, 4, 2, 32, torch.float32, device)
+    positions = torch.arange(6, dtype=torch.int32, device=device)[None]
+    wq, wk = randn(32, dtype=torch.float32, device=device), randn(32, dtype=torch.float32, device=device)
+    out = torch.ops.qwen.rope(q, k, positions, 1e4, 8, wq, wk, norm_eps=1e-6, norm_offset=1.0)
+    ref = rope_reference(q, k, positions, 1e4, 8, wq, wk, 1e-6, 1.0)
+    assert_close(out[0], ref[0], what="rope q (partial rotary, offset norm)")
+    assert_close(out[1], ref[1], what="rope k (partial rotary, offset norm)")
