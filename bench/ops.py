@@ -1,0 +1,201 @@
+"""Per-op benchmark on the GPU: every torch.ops.qwen op against its PyTorch peer.
+
+    python -m bench.ops [--out DIR] [--sweep-splitk]
+
+Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
+vocab 151936) and the seed's (hidden 896, 8 q / 2 kv heads, head_dim 128, intermediate
+4864), at decode (M=1) and prefill (256 and 2048 tokens), bf16. Each case is timed as a
+CUDA graph of calls (the host launch cost is not what we measure), cycling through
+enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest bytes
+the op must move over the time, and "%copy" compares it with a device-to-device copy
+measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
+config and prints the table that csrc_free_ops/gemm.py's DECODE_CONFIGS keeps.
+"""
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench_cudagraph
+
+import qwen_ops
+from csrc_free_ops import gemm
+
+SHAPES = {
+    "qwen3-0.6b": dict(hidden=1024, hq=16, hk=8, d=128, inter=3072, vocab=151936),
+    "seed": dict(hidden=896, hq=8, hk=2, d=128, inter=4864, vocab=151936),
+}
+L2_BYTES = 60 << 20
+BF16 = torch.bfloat16
+
+
+def bench_us(fn_per_set, arg_sets):
+    """Median microseconds per call: one graph replays fn over every argument set."""
+    def run():
+        for args in arg_sets:
+            fn_per_set(*args)
+    run()
+    return do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(arg_sets)
+
+
+def copies(make, nbytes_each):
+    """Enough fresh argument sets that together they are 4x the L2."""
+    return [make() for _ in range(max(1, min(64, (4 * L2_BYTES) // max(1, nbytes_each) + 1)))]
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), rep=200, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def rnd(*shape, scale=1.0):
+    return torch.randn(*shape, device="cuda", dtype=BF16) * scale
+
+
+def linear_cases(cfg):
+    h, hq, hk, d, i, v = (cfg[k] for k in ("hidden", "hq", "hk", "d", "inter", "vocab"))
+    return {"qkv": ((hq + 2 * hk) * d, h), "o_proj": (h, hq * d), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
+
+
+def bench_linear(rows, name, m, n, k, decode_cfg=None):
+    nbytes = (n * k + m * k + m * n) * 2
+    sets = copies(lambda: (rnd(m, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
+    if decode_cfg is None:
+        ours = bench_us(lambda x, w: torch.ops.qwen.linear(x, w), sets)
+    else:
+        ours = bench_us(lambda x, w: gemm.linear(x, w, None, decode_cfg=decode_cfg), sets)
+    peer = bench_us(lambda x, w: F.linear(x, w), sets)
+    rows.append((name, f"M={m} N={n} K={k}", ours, "cuBLAS F.linear", peer, nbytes))
+
+
+def bench_model_ops(rows, cfg, m):
+    h, hq, hk, d, i = (cfg[k] for k in ("hidden", "hq", "hk", "d", "inter"))
+    act = m * h * 2
+    sets = copies(lambda: (rnd(m, h), rnd(m, h), rnd(h)), 2 * act)
+    rows.append(("rms_norm", f"M={m} N={h}", bench_us(lambda x, r, w: torch.ops.qwen.rms_norm(x, w, 1e-6), sets),
+                 "eager", bench_us(lambda x, r, w: qwen_ops.rms_norm_reference(x, w, 1e-6), sets), 2 * act + 2 * h))
+    rows.append(("add_rms_norm", f"M={m} N={h}",
+                 bench_us(lambda x, r, w: torch.ops.qwen.add_rms_norm(x, r, w, 1e-6), sets), "eager",
+                 bench_us(lambda x, r, w: qwen_ops.add_rms_norm_reference(x, r, w, 1e-6), sets), 4 * act + 2 * h))
+    sets = copies(lambda: (rnd(m, 2 * i),), m * 3 * i * 2)
+    rows.append(("silu_mul", f"M={m} I={i}", bench_us(lambda gu: torch.ops.qwen.silu_mul(gu), sets), "eager",
+                 bench_us(lambda gu: qwen_ops.silu_mul_reference(gu), sets), m * 3 * i * 2))
+    qkv_dim = (hq + 2 * hk) * d
+
+    def rope_set():
+        qkv = rnd(1, m, qkv_dim)
+        return (qkv[..., : hq * d].view(1, m, hq, d), qkv[..., hq * d : (hq + hk) * d].view(1, m, hk, d),
+                torch.arange(m, device="cuda")[None] + 7, rnd(d), rnd(d))
+    sets = copies(rope_set, m * qkv_dim * 2)
+    rope_bytes = 2 * m * (hq + hk) * d * 2
+    rows.append(("rope+qk_norm", f"T={m} {hq}/{hk}x{d}",
+                 bench_us(lambda q, k, p, wq, wk: torch.ops.qwen.rope(q, k, p, 1e6, d, wq, wk), sets), "eager",
+                 bench_us(lambda q, k, p, wq, wk: qwen_ops.rope_reference(q, k, p, 1e6, d, wq, wk), sets), rope_bytes))
+
+
+def bench_attention(rows, cfg, s):
+    hq, hk, d = cfg["hq"], cfg["hk"], cfg["d"]
+    sets = copies(lambda: (rnd(1, s, hq, d), rnd(1, s, hk, d), rnd(1, s, hk, d)), s * (hq + 2 * hk) * d * 2)
+    ours = bench_us(lambda q, k, v: torch.ops.qwen.attention(q, k, v, d ** -0.5), sets)
+    peer = bench_us(lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True), sets)
+    rows.append(("attention", f"S={s} {hq}/{hk}x{d} causal", ours, "SDPA", peer, s * (2 * hq + 2 * hk) * d * 2))
+
+
+def bench_decode_attention(rows, cfg, cache_len, batch=1):
+    hq, hk, d = cfg["hq"], cfg["hk"], cfg["d"]
+    cache_bytes = 2 * batch * cache_len * hk * d * 2
+
+    def make():
+        kc, vc = rnd(batch, cache_len, hk, d), rnd(batch, cache_len, hk, d)
+        return (rnd(batch, 1, hq, d), kc, vc, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda"),
+                kc.permute(0, 2, 1, 3).contiguous(), vc.permute(0, 2, 1, 3).contiguous())
+    sets = copies(make, 2 * cache_bytes)
+    ours = bench_us(lambda q, kc, vc, lens, kt, vt: torch.ops.qwen.decode_attention(q, kc, vc, lens, d ** -0.5), sets)
+    peer = bench_us(lambda q, kc, vc, lens, kt, vt: F.scaled_dot_product_attention(
+        q.transpose(1, 2), kt, vt, enable_gqa=True), sets)
+    rows.append(("decode_attention", f"B={batch} L={cache_len} {hq}/{hk}x{d}", ours, "SDPA [B,H,L,D]", peer, cache_bytes))
+
+    def store_set():
+        kc, vc = rnd(batch, cache_len, hk, d), rnd(batch, cache_len, hk, d)
+        return rnd(batch, 1, hk, d), rnd(batch, 1, hk, d), kc, vc, torch.full((batch, 1), cache_len // 2, device="cuda")
+    sets = copies(store_set, 64 << 20)[:8]
+    rows.append(("kv_cache_store", f"B={batch} T=1 {hk}x{d}",
+                 bench_us(lambda k, v, kc, vc, p: torch.ops.qwen.kv_cache_store(k, v, kc, vc, p), sets), "index_put",
+                 bench_us(lambda k, v, kc, vc, p: qwen_ops.kv_cache_store_reference(k, v, kc, vc, p), sets),
+                 4 * batch * hk * d * 2))
+
+
+def sweep_splitk(cfgs):
+    """Time each decode GEMM at every (block_n, block_k, split_k); return the best per shape."""
+    best, table = {}, []
+    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
+    for n, k in shapes:
+        sets = copies(lambda: (rnd(1, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
+        results = []
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                for split in (1, 2, 4, 8, 16):
+                    if split * block_k > k * 2:
+                        continue
+                    c = gemm.DecodeConfig(block_n, block_k, split)
+                    results.append((bench_us(lambda x, w: gemm.linear(x, w, None, decode_cfg=c), sets), c))
+        no_split = min(r for r in results if r[1].split_k == 1)
+        winner = min(results)
+        peer = bench_us(lambda x, w: F.linear(x, w), sets)
+        best[(n, k)] = winner[1]
+        table.append((n, k, no_split[0], no_split[1], winner[0], winner[1], peer))
+    return best, table
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--sweep-splitk", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    lines = [f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}",
+             f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", ""]
+    if args.sweep_splitk:
+        best, table = sweep_splitk(SHAPES.values())
+        lines += ["## decode GEMM (M=1): split-K sweep", "",
+                  "| N | K | no split (us) | config | best (us) | best config | cuBLAS (us) | best %copy |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for n, k, t1, c1, tb, cb, peer in table:
+            pct = 100 * (n * k * 2 / (tb * 1e-6)) / copy_bw
+            lines.append(f"| {n} | {k} | {t1:.1f} | {tuple(c1)[:2]} | {tb:.1f} | {tuple(cb)[:3]} | {peer:.1f} | {pct:.0f}% |")
+        lines += ["", "DECODE_CONFIGS = {"] + [f"    ({n}, {k}): DecodeConfig({c.block_n}, {c.block_k}, {c.split_k})," for (n, k), c in sorted(best.items())] + ["}", ""]
+        with open(os.path.join(args.out, "splitk_configs.json"), "w") as f:
+            json.dump({f"{n}x{k}": list(c) for (n, k), c in best.items()}, f)
+    rows = []
+    for shape_name, cfg in SHAPES.items():
+        for lname, (n, k) in linear_cases(cfg).items():
+            for m in (1, 256, 2048):
+                bench_linear(rows, f"{shape_name} {lname}", m, n, k)
+        for m in (1, 256, 2048):
+            bench_model_ops(rows, cfg, m)
+        for s in (256, 2048):
+            bench_attention(rows, cfg, s)
+        for cache_len in (1024, 4096):
+            bench_decode_attention(rows, cfg, cache_len)
+    lines += ["## ops (bf16)", "", "| op | shape | ours (us) | peer | peer (us) | speedup | ours GB/s | %copy |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, shape, ours, peer_name, peer, nbytes in rows:
+        bw = nbytes / (ours * 1e-6)
+        lines.append(f"| {name} | {shape} | {ours:.1f} | {peer_name} | {peer:.1f} | {peer / ours:.2f}x | {bw / 1e9:.0f} | {100 * bw / copy_bw:.0f}% |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "ops.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
