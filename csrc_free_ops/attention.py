@@ -68,9 +68,12 @@ def _attention_kernel(
              o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
 
 
-def _blocks(d: int, sq: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim, BLOCK_M shrunk for short queries."""
+def _blocks(d: int, sq: int, itemsize: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim; BLOCK_M shrunk for short queries
+    and halved for fp32 (twice the bytes per tile) to fit shared memory."""
     bm, bn, warps, stages = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}.get(d, (64, 32, 4, 2))
+    if itemsize == 4:
+        bm, stages = bm // 2, 2
     return min(bm, max(16, triton.next_power_of_2(sq))), bn, warps, stages
 
 
@@ -80,7 +83,7 @@ def attention(q, k, v, scale: float, causal: bool) -> torch.Tensor:
     o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device)
     if bsz * sq == 0:
         return o
-    bm, bn, warps, stages = _blocks(d, sq)
+    bm, bn, warps, stages = _blocks(d, sq, q.element_size())
     _attention_kernel[(triton.cdiv(sq, bm), bsz * hq)](
         q, k, v, o,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

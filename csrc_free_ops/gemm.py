@@ -136,8 +136,11 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _prefill_blocks(m: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel."""
+def _prefill_blocks(m: int, itemsize: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel.
+    fp32 tiles are twice the bytes: half as deep and fewer stages, to fit shared memory."""
+    if itemsize == 4:
+        return (64 if m <= 64 else 128), 128, 32, 8, 8, 2
     if m <= 64:
         return 64, 128, 64, 8, 4, 4
     return 128, 128, 64, 8, 8, 3
@@ -147,7 +150,7 @@ def matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor) -> No
     """Tiled GEMM into y2: x2 [M, K] @ weight[N, K].T (+ bias)."""
     m, k = x2.shape
     n = weight.shape[0]
-    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m)
+    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m, x2.element_size())
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y2, m, n, k,
@@ -170,7 +173,7 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
         x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         SPLIT_K=split, HAS_BIAS=has_bias,
         BLOCK_M=DECODE_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages if x2.element_size() == 2 else 2,
     )
     if split > 1:
         block = 1024
