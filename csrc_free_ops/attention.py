@@ -21,6 +21,32 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta, qk_scale,
+                  m_i, l_i, acc, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block of the online softmax; MASKED blocks check the sequence end and the diagonal."""
+    cols = n0 + offs_n
+    if MASKED:
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=cols[:, None] < SK, other=0.0)
+    else:
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None])
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
+    s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
+    if MASKED:
+        valid = cols[None, :] < SK
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -28,7 +54,8 @@ def _attention_kernel(
     SQ, SK, HQ, GROUP, qk_scale,
     CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Causal: the last query blocks have the most keys, so they start first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
     h = pid_bh % HQ
@@ -41,28 +68,23 @@ def _attention_kernel(
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     delta = SK - SQ
-    hi = SK
+    # Blocks before `full_end` need no mask: every row of this query block sees all their keys.
     if CAUSAL:
+        full_end = min((pid_m * BLOCK_M + delta + 1) // BLOCK_N * BLOCK_N, SK // BLOCK_N * BLOCK_N)
         hi = min(SK, (pid_m + 1) * BLOCK_M + delta)
+    else:
+        full_end = SK // BLOCK_N * BLOCK_N
+        hi = SK
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    # Every row sees key 0 in the first block, so m_i is finite from the first step on.
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
-        s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
-        valid = cols[None, :] < SK
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=cols[:, None] < SK, other=0.0)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
+                                      qk_scale, m_i, l_i, acc, False, CAUSAL, BLOCK_M, BLOCK_N)
+    # Every row sees key 0, so after the first block m_i is finite and no row divides by zero.
+    for n0 in range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
+                                      qk_scale, m_i, l_i, acc, True, CAUSAL, BLOCK_M, BLOCK_N)
     o = acc / l_i[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)

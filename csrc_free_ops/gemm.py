@@ -33,8 +33,21 @@ class DecodeConfig(NamedTuple):
     num_stages: int = 4
 
 
-# (N, K) -> config, measured on an H200 (bench/results/). Shapes not listed use decode_config's rule.
-DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {}
+# (N, K) -> config: the fastest of `python -m bench.ops --sweep-splitk` on an H200, 2026-11-29
+# (bench/results/). Split-K pays where N is small and K long (o_proj, down); shapes with
+# enough N tiles run unsplit. Shapes not listed use decode_config's rule.
+DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
+    (896, 1024): DecodeConfig(32, 256, 1),     # seed o_proj
+    (896, 4864): DecodeConfig(32, 128, 8),     # seed down
+    (1024, 2048): DecodeConfig(32, 128, 4),    # Qwen3-0.6B o_proj
+    (1024, 3072): DecodeConfig(32, 128, 4),    # Qwen3-0.6B down
+    (1536, 896): DecodeConfig(32, 128, 1),     # seed qkv
+    (4096, 1024): DecodeConfig(32, 128, 1),    # Qwen3-0.6B qkv
+    (6144, 1024): DecodeConfig(64, 256, 1),    # Qwen3-0.6B gate_up
+    (9728, 896): DecodeConfig(32, 128, 1),     # seed gate_up
+    (151936, 896): DecodeConfig(64, 128, 1),   # lm_head, hidden 896
+    (151936, 1024): DecodeConfig(64, 128, 1),  # lm_head, hidden 1024
+}
 
 _TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
 
@@ -136,21 +149,24 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _prefill_blocks(m: int, itemsize: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel.
-    fp32 tiles are twice the bytes: half as deep and fewer stages, to fit shared memory."""
+def _prefill_blocks(m: int, n: int, itemsize: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel: the
+    largest tile that still gives about a wave of programs (256-token prefills of N=1024
+    would leave most SMs idle with 128x128 tiles). fp32 tiles are twice the bytes: half as
+    deep and fewer stages, to fit shared memory."""
     if itemsize == 4:
         return (64 if m <= 64 else 128), 128, 32, 8, 8, 2
-    if m <= 64:
-        return 64, 128, 64, 8, 4, 4
-    return 128, 128, 64, 8, 8, 3
+    for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= _TARGET_PROGRAMS // 2:
+            break
+    return bm, bn, 64, 8, warps, stages
 
 
 def matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor) -> None:
     """Tiled GEMM into y2: x2 [M, K] @ weight[N, K].T (+ bias)."""
     m, k = x2.shape
     n = weight.shape[0]
-    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m, x2.element_size())
+    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m, n, x2.element_size())
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _matmul_kernel[grid](
         x2, weight, bias if bias is not None else weight, y2, m, n, k,

@@ -30,8 +30,9 @@ def test_rope_matches_reference(device, dtype, qk_norm):
         q_out, k_out = torch.ops.qwen.rope(q, k, positions, 1e6, rot, *norm, norm_eps=1e-6)
         q_ref, k_ref = rope_reference(q, k, positions, 1e6, rot, *norm, norm_eps=1e-6)
         what = f"rope b{b} t{t} hq{hq} hk{hk} d{d} rot{rot}"
-        # Angles up to 4096 rad: fp32 angle rounding alone moves a value by ~1e-4 relative.
-        tol = 5e-5 if dtype == torch.float32 else None
+        # Angles up to 4096 rad: one ulp of inv_freq (exp2 here, pow in the reference) moves the
+        # angle by ~2e-4 rad, so fp32 agrees to ~1e-4, not 1e-5.
+        tol = 1.5e-4 if dtype == torch.float32 else None
         assert_close(q_out, q_ref, tol, what=what + " q")
         assert_close(k_out, k_ref, tol, what=what + " k")
 
