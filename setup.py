@@ -8,5 +8,5 @@ setup(
     packages=find_packages(include=["csrc_free_ops", "qwen_ops", "modeling"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "triton>=3.3", "safetensors>=0.4", "tokenizers>=0.19"],
-    extras_require={"test": ["pytest>=8", "expecttest>=0.2", "transformers>=4.51"]},
+    extras_require={"test": ["pytest>=8", "expecttest>=0.2", "transformers>=4.56"]},
 )

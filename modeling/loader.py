@@ -1,0 +1,133 @@
+"""Load a Hugging Face Qwen checkpoint (safetensors) into the fused layout of ``modeling.model``.
+
+The checkpoint is ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+Tensors are read one at a time with ``safe_open`` and copied straight into their target
+tensor on the target device and dtype, so the host never holds a second full copy.
+
+Fusion (rows concatenated along dim 0, in this order):
+
+- ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
+- ``layers.{i}.qkv_bias``   [(Hq + 2*Hk) * D]         <- q_proj, k_proj, v_proj biases (qwen2)
+- ``layers.{i}.gate_up_weight`` [2 * I, hidden]       <- gate_proj, up_proj weights
+"""
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Dict, List, Tuple, Union
+
+import torch
+from safetensors import safe_open
+
+from .config import QwenConfig
+
+Shape = Tuple[int, ...]
+# target name in the model's state_dict -> the checkpoint tensors concatenated along dim 0
+LoadPlan = Dict[str, List[Tuple[str, Shape]]]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the config: a missing, unexpected or misshapen tensor."""
+
+
+def load_plan(config: QwenConfig) -> LoadPlan:
+    """For each model tensor, the Hugging Face tensors (name, expected shape) it is made of."""
+    c = config
+    hidden, d = c.hidden_size, c.head_dim
+    q_rows, kv_rows = c.num_attention_heads * d, c.num_key_value_heads * d
+    plan: LoadPlan = {"embed_tokens": [("model.embed_tokens.weight", (c.vocab_size, hidden))]}
+    for i in range(c.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        plan[ours + "input_norm"] = [(hf + "input_layernorm.weight", (hidden,))]
+        plan[ours + "qkv_weight"] = [
+            (attn + "q_proj.weight", (q_rows, hidden)),
+            (attn + "k_proj.weight", (kv_rows, hidden)),
+            (attn + "v_proj.weight", (kv_rows, hidden)),
+        ]
+        if c.qkv_bias:
+            plan[ours + "qkv_bias"] = [
+                (attn + "q_proj.bias", (q_rows,)),
+                (attn + "k_proj.bias", (kv_rows,)),
+                (attn + "v_proj.bias", (kv_rows,)),
+            ]
+        if c.qk_norm:
+            plan[ours + "q_norm"] = [(attn + "q_norm.weight", (d,))]
+            plan[ours + "k_norm"] = [(attn + "k_norm.weight", (d,))]
+        plan[ours + "o_weight"] = [(attn + "o_proj.weight", (hidden, q_rows))]
+        plan[ours + "post_norm"] = [(hf + "post_attention_layernorm.weight", (hidden,))]
+        plan[ours + "gate_up_weight"] = [
+            (hf + "mlp.gate_proj.weight", (c.intermediate_size, hidden)),
+            (hf + "mlp.up_proj.weight", (c.intermediate_size, hidden)),
+        ]
+        plan[ours + "down_weight"] = [(hf + "mlp.down_proj.weight", (hidden, c.intermediate_size))]
+    plan["norm"] = [("model.norm.weight", (hidden,))]
+    if not c.tie_word_embeddings:
+        plan["lm_head"] = [("lm_head.weight", (c.vocab_size, hidden))]
+    return plan
+
+
+def checkpoint_files(path: Union[str, Path]) -> List[Path]:
+    """The safetensors files of a checkpoint directory: one file, or the shards of the index."""
+    path = Path(path)
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = [path / SINGLE_FILE]
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"checkpoint file {str(f)!r} not found")
+    return files
+
+
+def load_state_dict(
+    path: Union[str, Path],
+    config: QwenConfig,
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Dict[str, torch.Tensor]:
+    """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``.
+
+    Every tensor is checked (names and shapes) before any is loaded. A tied-embedding model
+    needs no ``lm_head.weight``; one present anyway is ignored.
+    """
+    plan = load_plan(config)
+    expected = {name: shape for sources in plan.values() for name, shape in sources}
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    device = torch.device(device)
+    with ExitStack() as stack:
+        handles = {}
+        for f in checkpoint_files(path):
+            handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
+            for name in handle.keys():
+                if name in handles:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one shard")
+                handles[name] = handle
+        _check(handles, expected, ignored)
+        state = {}
+        for target, sources in plan.items():
+            rows = sum(shape[0] for _, shape in sources)
+            out = torch.empty((rows, *sources[0][1][1:]), dtype=dtype, device=device)
+            row = 0
+            for name, shape in sources:
+                out[row : row + shape[0]].copy_(handles[name].get_tensor(name))
+                row += shape[0]
+            state[target] = out
+    return state
+
+
+def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
+    missing = sorted(set(expected) - set(handles))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+    unexpected = sorted(set(handles) - set(expected) - ignored)
+    if unexpected:
+        raise CheckpointError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected)}")
+    for name, shape in expected.items():
+        found = tuple(handles[name].get_slice(name).get_shape())
+        if found != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {list(found)}, the config expects {list(shape)}")

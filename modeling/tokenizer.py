@@ -1,0 +1,126 @@
+"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML chat formatting,
+and an incremental detokenizer for streaming."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from tokenizers import Tokenizer
+
+Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+
+
+def format_chat(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    """Qwen's ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
+    ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
+
+
+class QwenTokenizer:
+    """Encode/decode with a checkpoint's tokenizer.
+
+    ``eos_token_ids`` gathers the end-of-sequence ids from generation_config.json
+    (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and config.json
+    (``eos_token_id``), in that order, without repeats. ``pad_token_id`` comes from
+    tokenizer_config.json's ``pad_token`` (None if absent).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], pad_token_id: Optional[int] = None):
+        self.tokenizer = tokenizer
+        self.eos_token_ids: Tuple[int, ...] = tuple(eos_token_ids)
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path]) -> "QwenTokenizer":
+        path = Path(path)
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        eos = _eos_ids(_read_json(path / "generation_config.json"))
+        eos += _token_ids(tokenizer, tokenizer_config, "eos_token")
+        eos += _eos_ids(_read_json(path / "config.json"))
+        pad = _token_ids(tokenizer, tokenizer_config, "pad_token")
+        return cls(tokenizer, list(dict.fromkeys(eos)), pad[0] if pad else None)
+
+    @property
+    def special_tokens(self) -> Dict[str, int]:
+        """The special added tokens (``<|im_start|>``, ``<|im_end|>``, ...) and their ids."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return {token.content: i for i, token in sorted(added.items()) if token.special}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> List[int]:
+        """Token ids of ``format_chat(messages, add_generation_prompt)``."""
+        return self.encode(format_chat(messages, add_generation_prompt))
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, one at a time, into newly completed text.
+
+    Text ending in U+FFFD (an incomplete multi-byte UTF-8 character) is held back until the
+    following tokens complete it. Only a short window of ids is decoded per step: the ids since
+    the last emitted text plus the ones before them, so that decoders which treat the first
+    token specially (leading space) see the same context as in a full decode.
+    """
+
+    def __init__(self, tokenizer: QwenTokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: List[int] = []
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # ids before this have been emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token id; return the text it completes ('' if none yet)."""
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix_text) :]
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_ids(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any], field: str) -> List[int]:
+    """[id] of the token named by ``tokenizer_config[field]`` (a string or {"content": ...}), or []."""
+    token = tokenizer_config.get(field)
+    if isinstance(token, dict):
+        token = token["content"]
+    if token is None:
+        return []
+    if tokenizer.token_to_id(token) is None:
+        raise ValueError(f"tokenizer_config.json {field} {token!r} is not in tokenizer.json")
+    return [tokenizer.token_to_id(token)]
+
+
+def _eos_ids(config: Mapping[str, Any]) -> List[int]:
+    """``eos_token_id`` of a config dict (an int, a list, or absent) as a list."""
+    ids = config.get("eos_token_id")
+    return [ids] if isinstance(ids, int) else list(ids or [])

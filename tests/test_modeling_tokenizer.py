@@ -1,0 +1,88 @@
+"""QwenTokenizer and IncrementalDetokenizer on a small byte-level BPE built in the test."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from modeling import IncrementalDetokenizer, QwenTokenizer, format_chat
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, héllo 世界! Streaming text one token at a time.",
+    "You are a helpful assistant. What is the capital of France?",
+]
+MULTIBYTE = "héllo 世界 🙂 naïve café"
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """tokenizer.json (byte-level BPE), tokenizer_config.json, generation_config.json, config.json."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>"}})
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "eos_token_id": 2}))
+    return tmp_path
+
+
+def test_special_tokens_and_eos(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    assert tok.special_tokens == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    assert tok.eos_token_ids == (2, 0)
+    assert tok.pad_token_id == 0
+
+
+def test_eos_from_int_and_missing_files(checkpoint):
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    (checkpoint / "config.json").unlink()
+    assert QwenTokenizer.from_pretrained(checkpoint).eos_token_ids == (0, 2)
+
+
+def test_round_trip(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    for text in CORPUS + [MULTIBYTE, "unseen wørds ✓"]:
+        ids = tok.encode(text)
+        assert all(isinstance(i, int) for i in ids)
+        assert tok.decode(ids) == text
+
+
+def test_chat_format(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    text = format_chat(messages)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert format_chat(messages, add_generation_prompt=False) == text[: -len("<|im_start|>assistant\n")]
+    ids = tok.chat(messages)
+    assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2  # special tokens matched as one id
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == "system\nBe brief.\nuser\nHi!\nassistant\n"
+
+
+def test_incremental_detokenizer_holds_back_partial_characters(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    ids = tok.encode(MULTIBYTE)
+    assert len(ids) > len(MULTIBYTE.split())  # some characters span several tokens
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == MULTIBYTE
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # a token that only starts a multi-byte character emits nothing
+
+
+def test_incremental_detokenizer_flush_emits_incomplete_tail(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    ids = tok.encode("ok 🙂")
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push(i) for i in ids[:-1])
+    assert streamed == "ok "
+    assert detok.flush().endswith("\ufffd")
