@@ -1,0 +1,113 @@
+"""End-to-end generation benchmark on the GPU: a random Qwen3-0.6B-shaped model in bf16.
+
+    python -m bench.generate [--out DIR] [--new-tokens 128] [--reps 5]
+
+- prefill: prompts of 16 / 128 / 512 tokens, eager (one Python launch per op) vs captured in a
+  CUDA graph (``Generator(prefill_graph=True)``; these lengths are buckets, so no padding).
+  Wall time from the prompt to the first token on the host (``GenerationResult.prefill_ms``).
+- decode: ms per step over ``--new-tokens`` tokens (greedy; no stop token), eager vs the
+  CUDA-graph step, at batch 1 and 8, plus batch 1 with top-k/top-p sampling in the graph.
+  Wall time of the decode loop (readback of tokens included) over the steps run.
+
+Medians over ``--reps`` runs after a warm-up run (compilation and capture excluded). Prints a
+markdown table and writes it to ``DIR/<date>-<gpu>-generate.md`` (default $OUT, else bench/results).
+"""
+import argparse
+import datetime
+import os
+import statistics
+
+import torch
+
+from modeling import QwenConfig
+from modeling.generator import Generator
+from modeling.random_checkpoint import random_model
+from modeling.sampling import SamplingParams
+
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)
+
+
+def prompt(length, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+def median_of(reps, fn):
+    fn()  # warm-up: compile, capture
+    return statistics.median(fn() for _ in range(reps))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[16, 128, 512])
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "bench.generate needs a CUDA GPU"
+
+    config = QwenConfig.from_dict(QWEN3_0_6B)
+    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
+    vocab, new = config.vocab_size, args.new_tokens
+    rows = []
+
+    max_len = max(args.prefill_lengths) + 8
+    for length in args.prefill_lengths:
+        ids = prompt(length, vocab, length)
+        times = {}
+        for captured in (False, True):
+            gen = Generator(model, max_batch_size=1, max_seq_len=max_len, prefill_graph=captured)
+            times[captured] = median_of(args.reps, lambda: gen.generate([ids], 1).prefill_ms)
+        rows.append((f"prefill {length} tokens", "batch 1", times[False], times[True], "ms"))
+        print(rows[-1], flush=True)
+
+    decode_cases = [
+        ("greedy", 1, SamplingParams()),
+        ("greedy", 8, SamplingParams()),
+        ("T=0.8 top-k 50 top-p 0.95", 1, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=0)),
+    ]
+    for name, batch, sampling in decode_cases:
+        prompts = [prompt(32 + 7 * i, vocab, 100 + i) for i in range(batch)]
+        times = {}
+        for graph in (False, True):
+            gen = Generator(model, max_batch_size=batch, max_seq_len=32 + 7 * batch + new + 8, use_cuda_graph=graph)
+
+            def run():
+                r = gen.generate(prompts, new, sampling)
+                assert r.decode_steps == new - 1 and r.cuda_graph == graph
+                return r.decode_ms_per_step
+
+            times[graph] = median_of(max(1, args.reps // 2) if not graph else args.reps, run)
+        rows.append((f"decode {name}, {new} tokens", f"batch {batch}", times[False], times[True], "ms/step"))
+        print(rows[-1], flush=True)
+
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    import triton
+
+    lines = [
+        f"# bench/generate.py on {gpu}, {date}, torch {torch.__version__}, triton {triton.__version__}",
+        "",
+        "Random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128, intermediate 3072, "
+        "vocab 151936), bf16. Wall-clock medians; prefill = prompt to first token on the host; "
+        "decode = decode loop time / steps (one step decodes the whole batch).",
+        "",
+        "| what | batch | eager | CUDA graph | unit | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    for what, batch, eager, graph, unit in rows:
+        lines.append(f"| {what} | {batch} | {eager:.3f} | {graph:.3f} | {unit} | {eager / graph:.1f}x |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    slug = gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = os.path.join(args.out, f"{date}-{slug}-generate.md")
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

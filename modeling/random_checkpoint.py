@@ -1,0 +1,177 @@
+"""A small random Qwen3 checkpoint built with this package's own code (no transformers, no download).
+
+``build_random_checkpoint(path)`` writes a directory that ``QwenForCausalLM.from_pretrained`` and
+``QwenTokenizer.from_pretrained`` load like a real one:
+
+- ``tokenizer.json``: a byte-level BPE trained with the ``tokenizers`` library on a few built-in
+  sentences, with the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
+  (ids 0, 1, 2), so any text (any UTF-8) encodes and decodes;
+- ``config.json`` (``model_type: qwen3``, vocab = the tokenizer's), ``tokenizer_config.json``,
+  ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``);
+- ``model.safetensors``: Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``
+  ...) from ``modeling.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2).
+
+``default_random_model_dir()`` is where ``python -m modeling.generate`` keeps it when run
+without ``--model``. ``random_model(config, ...)`` builds a random ``QwenForCausalLM`` in memory
+(no files; used by the GPU tests and the benchmark for full-size shapes).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from safetensors.torch import save_file
+
+from .config import QwenConfig
+from .loader import load_plan
+from .model import QwenForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The meaning of life is a question that people have asked for thousands of years.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "You are a helpful assistant. What is the capital of France? The capital of France is Paris.",
+    "Machine learning models turn numbers into text, one token at a time.",
+    "def generate(prompt, max_new_tokens):\n    return model(prompt)\n",
+    "Hello world! Bonjour le monde. Hallo Welt. こんにちは世界。 你好，世界！ Привет, мир! 🙂",
+    "1 2 3 4 5 6 7 8 9 10, and the numbers go on: 100, 1000, 3.14159.",
+]
+# The default shape: tiny, but every feature of the decoder (GQA, q/k norm, tied embedding).
+DEFAULT_SIZES = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+)
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def default_random_model_dir() -> Path:
+    """``$XDG_CACHE_HOME`` (or ~/.cache) / qwen-triton-ops / random-qwen3-tiny."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "qwen-triton-ops" / "random-qwen3-tiny"
+
+
+def is_complete(path: Union[str, Path]) -> bool:
+    return all((Path(path) / f).is_file() for f in FILES)
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``CORPUS``; specials get ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: int = 4096):
+    """Write tokenizer.json (``build_tokenizer``), tokenizer_config.json and generation_config.json
+    (EOS ``<|im_end|>`` then ``<|endoftext|>``) into ``path``; returns the ``tokenizers.Tokenizer``."""
+    path = Path(path)
+    tok = build_tokenizer(vocab_size)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "model_max_length": max_length,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+    }, indent=2))
+    return tok
+
+
+def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
+    """A Hugging Face style Qwen3 config.json dict."""
+    d = dict(DEFAULT_SIZES, **sizes)
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        **d,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+
+def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
+                  device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """N(0, std^2); a norm weight (1-d, name containing 'norm') gets 1 + N(0, std^2)."""
+    t = torch.randn(shape, generator=generator, dtype=torch.float32, device=device) * std
+    if "norm" in name and len(shape) == 1:
+        t += 1.0
+    return t.to(dtype)
+
+
+def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional[float] = None,
+                            vocab_size: int = 512, **sizes: Any) -> Path:
+    """Write a random Qwen3 checkpoint to ``path`` (created; replaced atomically if it exists).
+
+    ``std`` defaults to min(0.2, 2 / sqrt(hidden)), large enough for logits that are not flat.
+    ``sizes`` override ``DEFAULT_SIZES`` (hidden_size, num_hidden_layers, ...).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        tok = write_tokenizer(tmp, vocab_size)
+        cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **sizes)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        config = QwenConfig.from_dict(cfg)
+        std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for sources in load_plan(config).values():
+            for name, shape in sources:
+                tensors[name] = random_tensor(name, shape, std, g).contiguous()
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(
+            "Random Qwen3 weights written by modeling.random_checkpoint (seed "
+            f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
+    """The random checkpoint at ``path`` (default ``default_random_model_dir()``), built if missing."""
+    path = Path(path) if path is not None else default_random_model_dir()
+    if not is_complete(path):
+        build_random_checkpoint(path)
+    return path
+
+
+@torch.no_grad()
+def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device] = "cpu",
+                 std: float = 0.02, seed: int = 0) -> QwenForCausalLM:
+    """A ``QwenForCausalLM`` with random weights, built in memory on ``device``."""
+    with torch.device(device):
+        model = QwenForCausalLM(config)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.copy_(random_tensor(name, tuple(p.shape), std, g, dtype=p.dtype, device=device))
+    return model.to(dtype).requires_grad_(False)

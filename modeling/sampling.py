@@ -1,0 +1,134 @@
+"""Token sampling on the device, safe inside a CUDA graph: greedy, temperature, top-k, top-p.
+
+Everything here is plain tensor code: no ``.item()``, no host sync, no Python branch on tensor
+values, fixed shapes. The sampling *values* (temperature, top-k, top-p) are device tensors
+with one entry per batch row, so one captured graph serves every setting; only the *mode*
+(which code runs) is a Python choice, made once per generate call (``sampling_mode``):
+
+- ``greedy``: ``argmax(logits)`` (temperature 0, or top-k 1).
+- ``sample``: temperature only. The exponential race ``argmax(p_i / E_i)`` with
+  ``E_i ~ Exponential(1)``, computed in log space as ``argmax(logits_i / T - log E_i)``
+  (the Gumbel-max trick), draws token i with probability ``softmax(logits / T)_i`` without
+  ``torch.multinomial`` (which syncs with the host).
+- ``top``: top-k and/or top-p. Sort the scaled logits once (descending), mask ranks >= k, take
+  the softmax of what is left, mask ranks whose preceding mass is already >= p (so the kept set
+  is the smallest prefix with mass >= p, never empty), then the same exponential race over the
+  kept ranks. Order as in transformers: temperature, then top-k, then top-p on the renormalized
+  top-k distribution.
+
+Randomness comes from ``Tensor.exponential_(generator=...)``. On CUDA pass the device's default
+generator (``torch.cuda.default_generators[i]``): CUDA graphs register it and advance its
+Philox offset on every replay, so a replayed graph draws fresh numbers, and reseeding it
+(``manual_seed``) before a run makes the run reproducible.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+MODES = ("greedy", "sample", "top")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 means no top-k; top_p 1.0 means no top-p;
+    seed None draws from the generator's current state (not reproducible)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def mode(self) -> str:
+        return sampling_mode(self.temperature, self.top_k, self.top_p)
+
+
+def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional[int] = None) -> list:
+    """Messages naming each invalid value (empty when all are valid)."""
+    errors = []
+    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
+        errors.append(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
+        errors.append(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+        errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return errors
+
+
+def sampling_mode(temperature: float, top_k: int, top_p: float) -> str:
+    """Which code path the values need: ``greedy``, ``sample`` or ``top`` (see the module doc)."""
+    if temperature == 0 or top_k == 1:
+        return "greedy"
+    if top_k == 0 and top_p >= 1:
+        return "sample"
+    return "top"
+
+
+def _exponential_noise(shape, device, generator: Optional[torch.Generator], out: Optional[Tensor]) -> Tensor:
+    """E ~ Exponential(1), fp32, strictly positive (so -log E is finite)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
+    noise.exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def filtered_sorted_scores(scores: Tensor, top_k: Tensor, top_p: Tensor):
+    """scores [B, V] fp32 (already divided by the temperature); top_k [B] (0 = off), top_p [B].
+
+    Returns (sorted scores with the dropped ranks set to -inf, the vocabulary index of each rank),
+    both [B, V]; rank 0 (the most likely token) is always kept.
+    """
+    vocab = scores.shape[-1]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scores.device)
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)
+    sorted_scores = sorted_scores.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_scores.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_scores = sorted_scores.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return sorted_scores, order
+
+
+def sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    mode: str,
+    generator: Optional[torch.Generator] = None,
+    noise: Optional[Tensor] = None,
+) -> Tensor:
+    """Draw one token per row. logits [B, V] (any float dtype); temperature/top_p [B] float,
+    top_k [B] int; ``noise`` an optional preallocated fp32 [B, V] scratch. Returns [B] int64.
+
+    In ``sample`` and ``top`` modes the temperature must be > 0 (``greedy`` ignores the values).
+    """
+    if mode == "greedy":
+        return logits.argmax(dim=-1)
+    if mode not in MODES:
+        raise ValueError(f"unknown sampling mode {mode!r}: expected one of {MODES}")
+    scores = logits.float() / temperature[:, None]
+    if mode == "top":
+        sorted_scores, order = filtered_sorted_scores(scores, top_k, top_p)
+        gumbel = _exponential_noise(scores.shape, scores.device, generator, noise).log_().neg_()
+        rank = (sorted_scores + gumbel).argmax(dim=-1, keepdim=True)
+        return order.gather(-1, rank)[:, 0]
+    gumbel = _exponential_noise(scores.shape, scores.device, generator, noise).log_().neg_()
+    return (scores + gumbel).argmax(dim=-1)
+
+
+def sampling_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The distribution ``sample`` draws from in the ``sample``/``top`` modes, [B, V] fp32
+    (for tests and inspection; not used while generating)."""
+    scores = logits.float() / temperature[:, None]
+    sorted_scores, order = filtered_sorted_scores(scores, top_k, top_p)
+    return torch.zeros_like(scores).scatter_(-1, order, sorted_scores.softmax(dim=-1))
