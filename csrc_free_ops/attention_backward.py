@@ -7,8 +7,8 @@ Sk - Sq + i. lse [B, Hq, Sq] fp32 is the natural-log log-sum-exp of the scaled s
 
 Nothing of size Sq x Sk is stored: every kernel recomputes its tile of P = exp(s - lse).
 
-1. `attention_lse` (when the forward did not keep lse): one online-softmax pass per query
-   block, the same loop as the forward, optionally also writing o (`attention_with_lse`).
+1. lse, when the forward did not keep it: attention.py's forward kernel run for the row
+   statistics only (`attention_with_lse(..., write_o=False)`).
 2. preprocess: delta_i = sum_d dO_id * O_id (minus dlse_i when lse itself gets a gradient),
    grid (cdiv(Sq, BLOCK), B*Hq).
 3. dK/dV, grid (cdiv(Sk, BLOCK_N), B*Hk): a program owns one key block of one kv head, holds
@@ -22,71 +22,12 @@ Nothing of size Sq x Sk is stored: every kernel recomputes its tile of P = exp(s
 dK and dQ get the softmax scale at the end. Two kernels instead of one with atomic dQ:
 deterministic, at the price of recomputing q k^T twice.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from .attention import LOG2E, attention_with_lse
 from .triton_helpers import INTERPRET, dot
-
-LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
-
-
-@triton.jit
-def _fwd_lse_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-    SQ, SK, HQ, GROUP, qk_scale,
-    CAUSAL: tl.constexpr, WRITE_O: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HQ).to(tl.int64)
-    h = pid_bh % HQ
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_m < SQ
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_base = k_ptr + b * stride_kb + hk * stride_kh
-    v_base = v_ptr + b * stride_vb + hk * stride_vh
-    delta = SK - SQ
-    hi = SK
-    if CAUSAL:
-        hi = min(SK, (pid_m + 1) * BLOCK_M + delta)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
-        s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
-        valid = cols[None, :] < SK
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows past Sq see no key at all: shift by 0 instead of -inf (no NaN; they are not stored).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if WRITE_O:
-            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=cols[:, None] < SK, other=0.0)
-            acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # base 2 -> natural log
-    tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, lse, mask=row_ok)
-    if WRITE_O:
-        o = acc / l_safe[:, None]
-        tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -212,21 +153,10 @@ def _bwd_dq_kernel(
     tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _fwd_blocks(d: int, sq: int, itemsize: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward-with-lse kernel. Chosen so that
-    ptxas (sm_90) reports no register spills; fp32 (ieee dots) needs much smaller tiles."""
-    if INTERPRET:
-        return min(32, max(16, triton.next_power_of_2(sq))), 32, 4, 1
-    if itemsize == 4:
-        bm, bn, warps, stages = (32, 32, 8, 1) if d <= 64 else (16, 16, 4, 1)
-    else:
-        bm, bn, warps, stages = {256: (64, 32, 8, 2), 128: (64, 64, 8, 3)}.get(d, (64, 64, 4, 3))
-    return min(bm, max(16, triton.next_power_of_2(sq))), bn, warps, stages
-
-
 def _bwd_blocks(d: int, itemsize: int):
     """((BLOCK_M, BLOCK_N) of the dK/dV kernel, (BLOCK_M, BLOCK_N) of the dQ kernel, num_warps,
-    num_stages); spill-free on sm_90 like _fwd_blocks."""
+    num_stages), chosen so that ptxas (sm_90) reports no register spills; fp32 (ieee dots)
+    needs much smaller tiles."""
     if INTERPRET:
         return (32, 32), (32, 32), 4, 1
     if itemsize == 4:
@@ -240,24 +170,6 @@ def _bwd_blocks(d: int, itemsize: int):
 
 def _qstrides(t):
     return t.stride(0), t.stride(1), t.stride(2)
-
-
-def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True):
-    """-> (o [B, Sq, Hq, D] or None, lse [B, Hq, Sq] fp32, natural log)."""
-    bsz, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
-    o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device) if write_o else None
-    if bsz * sq * hq == 0:
-        return o, lse
-    bm, bn, warps, stages = _fwd_blocks(d, sq, q.element_size())
-    ot = o if write_o else q
-    _fwd_lse_kernel[(triton.cdiv(sq, bm), bsz * hq)](
-        q, k, v, ot, lse, *_qstrides(q), *_qstrides(k), *_qstrides(v), *_qstrides(ot),
-        sq, sk, hq, hq // hk, scale * LOG2E,
-        CAUSAL=causal, WRITE_O=write_o, D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-    )
-    return o, lse
 
 
 def attention_backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None):

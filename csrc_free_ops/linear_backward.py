@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .norm_backward import column_sum, sum_partials
-from .triton_helpers import INTERPRET, dot
+from .triton_helpers import INTERPRET, dot, grouped_tile
 
 
 @triton.jit
@@ -28,15 +28,8 @@ def _mm_kernel(
 ):
     """Tile (pid_m, pid_n) of c, over the K slice [pid_s * K_PER_SPLIT, ...) of program axis 1
     (one slice: the whole K). With several slices c is a [SPLIT, M, N] fp32 partial buffer."""
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_s = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_s.to(tl.int64) * K_PER_SPLIT

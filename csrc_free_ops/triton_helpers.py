@@ -25,6 +25,17 @@ def dot(a, b, acc):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, visiting output tiles in GROUP_M-row groups so that
+    neighbouring programs share operand tiles in L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
 def row_warps(block: int) -> int:
     """Warps for a one-row-per-program kernel over `block` elements."""
     return 4 if block <= 1024 else 8 if block <= 4096 else 16

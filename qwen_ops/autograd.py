@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import activation_backward as act_kernels
+from csrc_free_ops import attention as attn_fwd_kernels
 from csrc_free_ops import attention_backward as attn_kernels
 from csrc_free_ops import linear_backward as linear_kernels
 from csrc_free_ops import norm_backward as norm_kernels
@@ -428,7 +429,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bo
     """qwen::attention that also returns lse [B, Hq, Sq] (fp32, natural log; float64 for float64 q)."""
     _check_attention(q, k, v, causal)
     if use_triton(q):
-        return attn_kernels.attention_with_lse(q, k, v, scale, causal)
+        return attn_fwd_kernels.attention_with_lse(q, k, v, scale, causal)
     return attention_with_lse_reference(q, k, v, scale, causal)
 
 
