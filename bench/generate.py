@@ -21,12 +21,8 @@ import torch
 
 from modeling import QwenConfig
 from modeling.generator import Generator
-from modeling.random_checkpoint import random_model
+from modeling.random_checkpoint import QWEN3_0_6B, random_model
 from modeling.sampling import SamplingParams
-
-QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)
 
 
 def prompt(length, vocab, seed):

@@ -112,7 +112,6 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True
     """-> (o [B, Sq, Hq, D] or None without write_o, lse [B, Hq, Sq] fp32 natural log).
     write_o=False recomputes only the softmax statistics (the backward of plain attention)."""
     bsz, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device) if write_o else None
     lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
     if bsz * sq * hq > 0:

@@ -78,6 +78,7 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int, compute_gra
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
+    targets = targets.contiguous()  # the kernel reads row r at offset r
     count = (targets != ignore_index).sum()
     inv_count = 1.0 / count.clamp_min(1).to(torch.float32)
     losses = torch.empty(n, dtype=torch.float32, device=dev)

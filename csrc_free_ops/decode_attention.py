@@ -19,9 +19,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E
-from .triton_helpers import dot
-
-_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
+from .triton_helpers import TARGET_PROGRAMS, dot
 
 
 @triton.jit
@@ -92,7 +90,7 @@ def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr,
 
 def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
     """(num_splits, split_len): about two waves of programs, each split a whole number of key blocks."""
-    splits = min(triton.cdiv(cache_len, block_n), max(1, triton.cdiv(_TARGET_PROGRAMS, bsz * hk)))
+    splits = min(triton.cdiv(cache_len, block_n), max(1, triton.cdiv(TARGET_PROGRAMS, bsz * hk)))
     split_len = triton.cdiv(triton.cdiv(cache_len, splits), block_n) * block_n
     return triton.cdiv(cache_len, split_len), split_len
 
@@ -107,6 +105,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     block_n = 64 if d <= 128 else 32
     num_splits, split_len = split_plan(bsz, hk, cache_len, block_n)
     part_out = torch.empty((bsz, tq, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads element b at offset b
     part_lse = torch.empty((bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz * hk, num_splits)](
         q, k_cache, v_cache, cache_seqlens, part_out, part_lse,

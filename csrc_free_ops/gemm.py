@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, grouped_tile
+from .triton_helpers import TARGET_PROGRAMS, dot, grouped_tile
 
 DECODE_MAX_M = 16
 
@@ -49,8 +49,6 @@ DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
     (151936, 1024): DecodeConfig(64, 128, 1),  # lm_head, hidden 1024
 }
 
-_TARGET_PROGRAMS = 264  # two waves of the H200's 132 SMs
-
 
 def decode_config(n: int, k: int) -> DecodeConfig:
     """The stored config for (N, K), else: 64-wide N tiles, 128-deep K steps, and
@@ -60,7 +58,7 @@ def decode_config(n: int, k: int) -> DecodeConfig:
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, tiles))))
+    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, tiles))))
 
 
 @triton.jit
@@ -150,7 +148,7 @@ def _prefill_blocks(m: int, n: int, itemsize: int):
     if itemsize == 4:
         return (64 if m <= 64 else 128), 128, 32, 8, 8, 2
     for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
-        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= _TARGET_PROGRAMS // 2:
+        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= TARGET_PROGRAMS // 2:
             break
     return bm, bn, 64, 8, warps, stages
 

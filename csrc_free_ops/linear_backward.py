@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .norm_backward import column_sum, sum_partials
-from .triton_helpers import INTERPRET, dot, grouped_tile
+from .triton_helpers import INTERPRET, TARGET_PROGRAMS, dot, grouped_tile
 
 
 @triton.jit
@@ -64,9 +64,6 @@ def _blocks(m: int, n: int, k: int, itemsize: int):
     return 128, 128, 64, 8, 3
 
 
-_TARGET_PROGRAMS = 264  # two waves of an H200's 132 SMs
-
-
 def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
     """K slices for a GEMM whose output has too few tiles to fill the GPU but a long K (dW over
     all tokens, dhidden against a 150K vocabulary): about two waves of programs, each slice at
@@ -74,9 +71,9 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
     if INTERPRET:
         return 1
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    if tiles >= _TARGET_PROGRAMS // 2:
+    if tiles >= TARGET_PROGRAMS // 2:
         return 1
-    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, tiles), k // (16 * bk)))
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None) -> torch.Tensor:

@@ -88,7 +88,7 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
     hq, d = q.shape[-2:]
     hk = k.shape[-2]
     q3, k3 = _as_rows(q), _as_rows(k)
-    pos = positions.reshape(-1)
+    pos = positions.reshape(-1).contiguous()  # an expanded or sliced view has stride != 1
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     rows = q3.shape[0]

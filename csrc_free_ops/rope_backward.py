@@ -123,7 +123,7 @@ def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
 def rope_backward(dq, dk, q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_weight,
                   eps: float, offset: float):
     """Gradients of csrc_free_ops.rope.rope: (dq_in, dk_in, d q_norm_weight or None, d k_norm_weight or None)."""
-    pos = positions.reshape(-1)
+    pos = positions.reshape(-1).contiguous()  # an expanded or sliced view has stride != 1
     dq_in, dqw = _one(dq, q, pos, q_norm_weight, theta, rotary_dim, eps, offset)
     dk_in, dkw = _one(dk, k, pos, k_norm_weight, theta, rotary_dim, eps, offset)
     return dq_in, dk_in, dqw, dkw

@@ -7,6 +7,9 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
 
+TARGET_PROGRAMS = 264
+"""Programs that make about two waves on an H200 (132 SMs): the grid size the launchers aim for."""
+
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 

@@ -317,8 +317,8 @@ class Generator:
         self._sync()
         t1 = time.perf_counter()
 
-        if sampling.seed is not None:
-            self._rng.manual_seed(sampling.seed)
+        if sampling.seed is not None:  # each chunk of prompts gets its own stream
+            self._rng.manual_seed(sampling.seed + offset)
         self._temperature.fill_(max(float(sampling.temperature), MIN_TEMPERATURE))
         self._top_k.fill_(int(sampling.top_k))
         self._top_p.fill_(float(sampling.top_p))

@@ -46,6 +46,10 @@ DEFAULT_SIZES = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
 )
+QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)
+"""config.json fields of the Qwen3-0.6B shape, for random models in GPU tests and benchmarks."""
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 

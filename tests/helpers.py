@@ -27,6 +27,14 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel_tol: float | None = N
             f"mean_abs_diff {diff.mean().item():.4e}")
 
 
+def hf_greedy(hf_model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation [B, new_tokens] of ids [B, T] by a transformers model, no cache."""
+    out = ids
+    for _ in range(new_tokens):
+        out = torch.cat([out, hf_model(out).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return out[:, ids.shape[1]:]
+
+
 def poison_allocator(device: str):
     """Fill recently freed CUDA memory with NaN so an output element a kernel forgets to write shows up."""
     if device == "cuda":

@@ -11,8 +11,9 @@ import torch
 
 from modeling import QwenConfig
 from modeling.generator import Generator
-from modeling.random_checkpoint import random_model
+from modeling.random_checkpoint import QWEN3_0_6B, random_model
 from modeling.sampling import SamplingParams, sample, sampling_mode, sampling_probs
+from tests.helpers import hf_greedy
 
 TINY = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -225,13 +226,6 @@ def hf_tiny_checkpoint(path, seed=0):
 
 
 @torch.no_grad()
-def hf_greedy(hf, ids, new_tokens):
-    out = torch.tensor([ids])
-    for _ in range(new_tokens):
-        out = torch.cat([out, hf(out).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return out[0, len(ids):].tolist()
-
-
 def test_greedy_matches_transformers_ragged_batch(tmp_path):
     """fp32 through the Triton kernels (the interpreter on CPU): a ragged batch of 3 (bucket 4)."""
     from modeling import QwenForCausalLM
@@ -240,16 +234,12 @@ def test_greedy_matches_transformers_ragged_batch(tmp_path):
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     prompts = prompts_of([3, 9, 6], hf.config.vocab_size, seed=4)
     result = Generator(model, max_batch_size=4, max_seq_len=24).generate(prompts, 8)
-    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    expected = [hf_greedy(hf, torch.tensor([p]), 8)[0].tolist() for p in prompts]
     assert result.tokens == expected
     assert len({t for row in expected for t in row}) > 6  # not a trivial repetition
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
-
-QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)
 
 
 @pytest.fixture(scope="module")
@@ -308,9 +298,10 @@ def test_prefill_graph_buckets(qwen3_0_6b):
     gen = Generator(qwen3_0_6b, max_batch_size=2, max_seq_len=200, prefill_graph=True)
     prompt = prompts_of([45], qwen3_0_6b.config.vocab_size, seed=7)[0]
     with torch.no_grad():
+        graph = gen._prefill_graph_for(64, "greedy")  # capture first: capturing resets the inputs
         gen._pf_ids[0, :45] = torch.tensor(prompt)
         gen._pf_last.fill_(44)
-        gen._prefill_graph_for(64, "greedy").replay()
+        graph.replay()
         captured = (gen._pf_token.clone(), gen._staging.k[:, 0, :45].clone())
         gen._prefill_bucket_body(64, "greedy")
         assert torch.equal(gen._pf_token, captured[0]) and torch.equal(gen._staging.k[:, 0, :45], captured[1])

@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling import KVCache, QwenForCausalLM
+from tests.helpers import hf_greedy
 
 HF_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # (model_type, tie_word_embeddings, heads, kv heads, head_dim); head_dim None: hidden / heads
@@ -84,13 +85,6 @@ def greedy(model, ids, new_tokens, dtype=torch.float32):
         token = model(token[:, None], positions, cache, seqlens).argmax(-1)
         out.append(token)
     return torch.stack(out, 1)
-
-
-def hf_greedy(hf_model, ids, new_tokens):
-    out = ids
-    for _ in range(new_tokens):
-        out = torch.cat([out, hf_model(out).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return out[:, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("spec", TINY, ids=TINY_IDS)

@@ -112,3 +112,25 @@ def test_attention_scale_is_applied():
     a = torch.ops.qwen.attention(q, k, v, 0.1)
     b = torch.ops.qwen.attention(q, k, v, 1.0 / math.sqrt(2.0))
     assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_strided_seqlens(device):
+    q = randn(2, 1, 4, 16, dtype=torch.float32, device=device)
+    k_cache, v_cache = randn(2, 20, 2, 16, dtype=torch.float32, device=device), randn(2, 20, 2, 16, dtype=torch.float32, device=device)
+    seqlens = torch.tensor([[5, 17], [12, 3]], dtype=torch.int32, device=device)[:, 0]  # stride 2
+    assert_close(torch.ops.qwen.decode_attention(q, k_cache, v_cache, seqlens, 0.25),
+                 decode_attention_reference(q, k_cache, v_cache, seqlens, 0.25), what="strided cache_seqlens")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_cache_store_caches_with_different_strides(device):
+    """k_cache and v_cache of one shape but different batch strides (v a slice of a longer cache)."""
+    k, v = randn(2, 1, 1, 16, dtype=torch.float32, device=device), randn(2, 1, 1, 16, dtype=torch.float32, device=device)
+    k_cache = torch.zeros(2, 4, 1, 16, device=device)
+    v_cache = torch.zeros(2, 8, 1, 16, device=device)[:, :4]
+    positions = torch.tensor([[1], [2]], device=device)
+    torch.ops.qwen.kv_cache_store(k, v, k_cache, v_cache, positions)
+    for b, pos in enumerate((1, 2)):
+        assert torch.equal(k_cache[b, pos], k[b, 0]) and torch.equal(v_cache[b, pos], v[b, 0])
+    assert k_cache.abs().sum() == k.abs().sum() and v_cache.abs().sum() == v.abs().sum()

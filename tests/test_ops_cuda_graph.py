@@ -62,3 +62,4 @@ def test_decode_ops_replay_in_cuda_graph():
         for r, e in zip(replayed, eager):
             assert torch.equal(r, e), f"step {step}: graph replay differs from eager"
         assert torch.equal(replayed_caches[0], s["k_cache"])
+        assert torch.equal(replayed_caches[1], s["v_cache"])

@@ -46,3 +46,15 @@ def test_rope_int32_positions_and_offset_norm(device):
     ref = rope_reference(q, k, positions, 1e4, 8, wq, wk, 1e-6, 1.0)
     assert_close(out[0], ref[0], what="rope q (partial rotary, offset norm)")
     assert_close(out[1], ref[1], what="rope k (partial rotary, offset norm)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_expanded_and_sliced_positions(device):
+    """positions that are views with stride != 1 (expanded, or a column of a wider tensor)."""
+    q, k = _fused_qkv(3, 1, 4, 2, 16, torch.float32, device)
+    wide = torch.randint(0, 500, (3, 2), device=device)
+    for positions in (torch.tensor([[7]], device=device).expand(3, 1), wide[:, 1:]):
+        out = torch.ops.qwen.rope(q, k, positions, 1e4, 16)
+        ref = rope_reference(q, k, positions, 1e4, 16)
+        assert_close(out[0], ref[0], what=f"rope q, positions strides {positions.stride()}")
+        assert_close(out[1], ref[1], what=f"rope k, positions strides {positions.stride()}")

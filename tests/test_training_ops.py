@@ -241,6 +241,9 @@ def test_linear_cross_entropy_chunks_ignore_and_eval(device, monkeypatch):
         assert dh.numel() == 0 and dw.numel() == 0
         assert_close(loss, linear_cross_entropy_reference(hid, w, t), what="eval lce")
         assert_close(ops.linear_cross_entropy(hid, w, t), loss, what="eval composite lce")
+        wide = torch.stack([t, torch.zeros_like(t)], dim=1)  # targets as a column: stride 2
+        strided, _, _ = ops.linear_cross_entropy_fwd(hid, w, wide[:, 0], -100, False)
+        assert_close(strided, loss, what="lce with strided targets")
 
 
 # ---------------------------------------------------------------------------------------------
