@@ -20,23 +20,32 @@ MAX_DECODE_ROWS = 128
 """decode_attention handles Tq * (Hq / Hk) <= 128 query rows per kv head: a few tokens, not a prefill."""
 
 
-def _softmax_attention(q, k, v, scale, mask):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hk, D], mask broadcastable to [B, Hq, Sq, Sk] (True = keep)."""
+def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """[B, S, H, D] -> [B, H * group, S, D] in dtype: each kv head repeated for its q heads."""
+    return t.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+
+
+def masked_scores(q: Tensor, k: Tensor, scale: float, keep: Tensor) -> Tensor:
+    """scale q k^T [B, Hq, Sq, Sk] in the reference dtype, -inf where keep (broadcastable) is False."""
     dt = acc_dtype(q)
-    group = q.shape[2] // k.shape[2]
-    qf = q.to(dt).transpose(1, 2)
-    kf = k.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
-    vf = v.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(s, dim=-1) @ vf).transpose(1, 2).contiguous().to(q.dtype)
+    s = (heads_first(q, 1, dt) @ heads_first(k, q.shape[2] // k.shape[2], dt).transpose(-1, -2)) * scale
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def causal_keep(sq: int, sk: int, device) -> Tensor:
+    """[Sq, Sk] True where query i (at position Sk - Sq + i) sees key j."""
+    return torch.arange(sk, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (sk - sq)
+
+
+def _softmax_attention(q, k, v, scale, keep):
+    s = masked_scores(q, k, scale, keep)
+    o = torch.softmax(s, dim=-1) @ heads_first(v, q.shape[2] // k.shape[2], s.dtype)
+    return o.transpose(1, 2).contiguous().to(q.dtype)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
     sq, sk = q.shape[1], k.shape[1]
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    keep = causal_keep(sq, sk, q.device) if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     return _softmax_attention(q, k, v, scale, keep)
 
 

@@ -32,9 +32,10 @@ from csrc_free_ops import linear_backward as linear_kernels
 from csrc_free_ops import norm_backward as norm_kernels
 from csrc_free_ops import rope_backward as rope_kernels
 
-from .attention import _check_attention
+from .attention import _check_attention, causal_keep, heads_first, masked_scores
 from .checks import check_float, check_same, fail
 from .dispatch import acc_dtype, use_triton
+from .rope import rope_cos_sin
 
 ops = torch.ops.qwen
 
@@ -249,9 +250,7 @@ def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positi
                             k_norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6, norm_offset: float = 0.0):
     dt = acc_dtype(q)
     half = rotary_dim // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=q.device, dtype=dt) / rotary_dim)
-    angle = positions.to(dt)[..., None, None] * inv_freq
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
 
     def unrotate(dy, x, w):
         dyf = dy.to(dt)
@@ -378,33 +377,25 @@ torch.library.register_autograd("qwen::linear", _linear_bwd, setup_context=_line
 # Attention
 # ---------------------------------------------------------------------------------------------
 
-def _attention_probs(q, k, scale, causal):
-    """softmax(scale q k^T) [B, Hq, Sq, Sk] and the expanded k/v helper, in the acc dtype."""
-    dt = acc_dtype(q)
+def _scores(q, k, scale, causal):
+    """Masked scale q k^T [B, Hq, Sq, Sk] in the reference dtype."""
     sq, sk = q.shape[1], k.shape[1]
-    group = q.shape[2] // k.shape[2]
-    qf = q.to(dt).transpose(1, 2)
-    kf = k.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-        s = s.masked_fill(~keep, float("-inf"))
-    return s, qf, kf, group
+    keep = causal_keep(sq, sk, q.device) if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    return masked_scores(q, k, scale, keep)
 
 
 def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True):
-    s, _, _, group = _attention_probs(q, k, scale, causal)
-    vf = v.to(s.dtype).transpose(1, 2).repeat_interleave(group, dim=1)
-    o = (torch.softmax(s, dim=-1) @ vf).transpose(1, 2).contiguous().to(q.dtype)
-    return o, torch.logsumexp(s, dim=-1)
+    s = _scores(q, k, scale, causal)
+    o = torch.softmax(s, dim=-1) @ heads_first(v, q.shape[2] // k.shape[2], s.dtype)
+    return o.transpose(1, 2).contiguous().to(q.dtype), torch.logsumexp(s, dim=-1)
 
 
 def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Optional[Tensor],
                                  scale: float, causal: bool = True, dlse: Optional[Tensor] = None):
     """Plain math (o and lse are recomputed; the arguments only mirror the kernel's)."""
-    s, qf, kf, group = _attention_probs(q, k, scale, causal)
-    dt = s.dtype
-    vf = v.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = _scores(q, k, scale, causal)
+    dt, group = s.dtype, q.shape[2] // k.shape[2]
+    qf, kf, vf = heads_first(q, 1, dt), heads_first(k, group, dt), heads_first(v, group, dt)
     p = torch.softmax(s, dim=-1)
     dof = do.to(dt).transpose(1, 2)
     of = p @ vf

@@ -19,14 +19,19 @@ from .dispatch import acc_dtype, use_triton
 from .norm import rms_norm_reference
 
 
+def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
+    """cos, sin of the angles [..., 1, R/2] (broadcast over heads) for positions [...]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim)
+    angle = positions.to(dtype)[..., None, None] * inv_freq
+    return angle.cos(), angle.sin()
+
+
 def rope_reference(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary_dim: int,
                    q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
                    norm_eps: float = 1e-6, norm_offset: float = 0.0):
     dt = acc_dtype(q)
     half = rotary_dim // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=q.device, dtype=dt) / rotary_dim)
-    angle = positions.to(dt)[..., None, None] * inv_freq  # [..., 1, R/2]: broadcast over heads
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
 
     def rotate(x, w):
         xf = x.to(dt)
