@@ -1,5 +1,5 @@
-"""SwiGLU backward, and the split-input SwiGLU (gate and up in two tensors) used by the
-transformers patch, where gate_proj and up_proj are separate nn.Linear layers.
+"""SwiGLU backward, for the fused (gate_up [..., 2I]) and the split (gate, up [..., I]) forms
+(the split form serves the transformers patch, whose gate_proj and up_proj stay separate).
 
     y = silu(g) * u,   s = sigmoid(g),   silu(g) = g * s
     dg = dy * u * s * (1 + g * (1 - s)),   du = dy * silu(g)
@@ -12,21 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import INTERPRET
-
-_BLOCK = 1024
-_ROWS = 16 if INTERPRET else 1  # rows per program: the interpreter pays per program, a GPU does not
-
-
-@triton.jit
-def _silu_mul_split_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, ROWS, I,
-                           BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
-    row = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
-    mask = (row < ROWS) & (cols < I)
-    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
+from .activation import BLOCK as _BLOCK
+from .activation import ROWS_PER_PROGRAM as _ROWS
 
 
 @triton.jit
@@ -63,19 +50,6 @@ def silu_mul_backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     d2 = dgu.view(-1, 2 * inter)
     _launch_bwd(dy.reshape(-1, inter), gu[:, :inter], gu[:, inter:], d2[:, :inter], d2[:, inter:])
     return dgu
-
-
-def silu_mul_split(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [..., I] -> silu(gate) * up [..., I] (contiguous, gate's dtype)."""
-    inter = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, inter), up.reshape(-1, inter)
-    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    y2 = y.view(-1, inter)
-    if g2.shape[0] and inter:
-        _silu_mul_split_kernel[(triton.cdiv(g2.shape[0], _ROWS), triton.cdiv(inter, _BLOCK))](
-            g2, u2, y2, g2.stride(0), u2.stride(0), y2.stride(0), g2.shape[0], inter,
-            BLOCK_R=_ROWS, BLOCK=_BLOCK, num_warps=4)
-    return y
 
 
 def silu_mul_split_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):

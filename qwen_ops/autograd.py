@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from csrc_free_ops import activation as act_fwd_kernels
 from csrc_free_ops import activation_backward as act_kernels
 from csrc_free_ops import attention as attn_fwd_kernels
 from csrc_free_ops import attention_backward as attn_kernels
@@ -199,7 +200,7 @@ def silu_mul_split(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for gate and up held in two tensors (transformers' gate_proj / up_proj)."""
     _check_split("silu_mul_split", gate, up)
     if use_triton(gate):
-        return act_kernels.silu_mul_split(gate, up)
+        return act_fwd_kernels.silu_mul_split(gate, up)
     return silu_mul_split_reference(gate, up)
 
 
