@@ -12,6 +12,10 @@ must not carry over). Reported: median step time over --steps timed steps after 
 peak allocated memory, and the first step's loss (same seed and data: the setups should agree).
 
     python -m bench.train [--batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--modes eager,patch,...]
+                          [--profile 25]
+
+--profile K adds one profiled step per setup after the timed ones and prints its K costliest GPU
+kernels (torch.profiler, self CUDA time) to stderr, to see where a setup spends its step.
 
 Prints a markdown table (GPU name, date, versions); with $OUT (or --out) set, also writes
 train_bench.md and train_bench.json there.
@@ -32,7 +36,8 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
                   rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False)
 
 
-def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: int | None, device: str = "cuda") -> dict:
+def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: int | None, device: str = "cuda",
+            profile: int = 0) -> dict:
     import torch
 
     cuda = device == "cuda"
@@ -84,7 +89,18 @@ def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: in
             first_loss = loss.item()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"mode": mode, "ms": statistics.median(times), "ms_min": min(times), "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan"),
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step_fn(data[-1]).backward()
+            model.zero_grad(set_to_none=True)
+            sync()
+        print(f"--- {mode}: top {profile} kernels of one step ---", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=profile, max_name_column_width=70),
+              file=sys.stderr)
+    return {"mode": mode, "ms": statistics.median(times), "ms_min": min(times), "peak_gb": peak_gb,
             "first_loss": first_loss, "tokens_per_s": batch * seq / (statistics.median(times) / 1e3)}
 
 
@@ -97,11 +113,12 @@ def main():
     p.add_argument("--layers", type=int, default=None, help="override the 28 layers (quick runs)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--device", default="cuda", help="cuda; cpu only to check the plumbing")
+    p.add_argument("--profile", type=int, default=0, metavar="K", help="print the K costliest kernels of one step")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(run_one(a.child, a.batch, a.seq, a.steps, a.warmup, a.layers, a.device)), flush=True)
+        print("RESULT " + json.dumps(run_one(a.child, a.batch, a.seq, a.steps, a.warmup, a.layers, a.device, a.profile)), flush=True)
         return
     import torch
     import transformers
@@ -112,7 +129,8 @@ def main():
         if mode not in MODES:
             sys.exit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         cmd = [sys.executable, "-m", "bench.train", "--child", mode, "--batch", str(a.batch), "--seq", str(a.seq),
-               "--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device] + (["--layers", str(a.layers)] if a.layers else [])
+               "--steps", str(a.steps), "--warmup", str(a.warmup), "--device", a.device, "--profile", str(a.profile)]
+        cmd += ["--layers", str(a.layers)] if a.layers else []
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -121,6 +139,8 @@ def main():
             res = {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-400:]}
         else:
             res = json.loads(line[len("RESULT "):])
+        if a.profile:
+            print(proc.stderr[proc.stderr.find("--- "):], file=sys.stderr, flush=True)
         res["wall_s"] = round(time.time() - t0, 1)
         print(json.dumps(res), file=sys.stderr, flush=True)
         if "error" in res and mode == "liger" and "not available" in res["error"]:
