@@ -1,112 +1,182 @@
 """Fused lm_head + cross-entropy: mean_i CE(hidden_i @ weight^T, target_i) without the [N, V] logits.
 
-hidden [N, H], weight [V, H], targets [N] (int64/int32; `ignore_index` rows count for nothing).
-The N tokens are cut into chunks of C rows, C chosen so a chunk's logits stay under a fixed
-byte budget. Per chunk (like Liger-Kernel's FusedLinearCrossEntropy):
+hidden [N, H], weight [V, H], targets [N] (int64/int32; rows whose target is `ignore_index`
+count for nothing), n_valid = count(targets != ignore_index), kept on the device.
 
-    logits = h_c @ W^T                [C, V] fp32 (Triton GEMM, csrc_free_ops/linear_backward.mm)
-    CE kernel, one program per row:   online max / sum-exp over V in blocks -> lse,
-                                      loss_i = lse - logit[target]  (0 for ignored rows),
-                                      and, when gradients are wanted, in a second sweep
-                                      g = (softmax - onehot(target)) / n_valid  [C, V] in h's dtype
-    dh_c  = g @ W                     [C, H]
-    dW   += g^T @ h_c                 [V, H] fp32 accumulator, summed over chunks in order
+Forward, in row chunks of R tokens (R from PARTIALS_BYTES), two kernels:
 
-so the gradient is finished in the forward and the backward only scales it by the incoming
-gradient of the loss. n_valid = count(targets != ignore_index) stays on the device: the
-kernel reads 1/max(n_valid, 1) through a pointer and loss = sum(loss_i) / n_valid is a
-device division (NaN when every target is ignored, as torch's mean cross-entropy): no host sync.
+    _logits_lse_kernel   GEMM tile l = h[rows] @ W[cols]^T (fp32, never stored); its epilogue
+                         writes the tile's row max and sum exp(l - max) to [R, V/BLOCK_N] fp32
+                         partials, and l[target] from the one tile that holds the target column.
+    _lse_loss_kernel     per row: lse = log-sum-exp over the partials, loss_i = lse - l[target]
+                         (0 for ignored rows).
+
+    loss = sum(loss_i) / n_valid (a device division: NaN when every target is ignored, as
+    torch's mean cross-entropy; no host sync). lse [N] fp32 is the forward's other output.
+
+Backward, given g_loss (the loss's incoming gradient), lse and maybe lse's gradient g_lse, in vocabulary slices of Vs
+columns (Vs from SLICE_BYTES), recomputing the logits instead of storing them:
+
+    _logits_grad_kernel  GEMM tile l as above; epilogue G = (exp(l - lse) - onehot(target))
+                         * g_loss / n_valid (0 for ignored rows), plus exp(l - lse) * g_lse
+                         when lse gets a gradient too  -> G [N, Vs] in h's dtype
+    dW[slice] = G^T @ h  written once: the fp32 sum over all N tokens stays inside one GEMM
+    dh       += G @ W[slice]   (fp32 accumulator [N, H], slices added in order)
+
+Four GEMMs over N x V x H in all (one forward, three backward) and no [N, V] buffer: the
+peak memory is dW plus the G slice and dh's accumulator. Deterministic: no atomics.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .linear_backward import mm
-from .triton_helpers import INTERPRET
+from .linear_backward import gemm_blocks, mm, tile_product
+from .triton_helpers import INTERPRET, grouped_tile
 
-CHUNK_BYTES = 1 << 30
-"""Byte budget of one chunk's logits (fp32) + gradient buffers: 1 GiB (1024 tokens of a 152K
-vocabulary in bf16). Fewer, larger chunks mean fewer read-modify-write passes over the fp32
-dweight accumulator; dhidden's GEMM (a short M, a K of the whole vocabulary) is split along K."""
+PARTIALS_BYTES = 32 << 20
+"""Byte budget of the forward's per-tile row statistics (8 bytes per row per BLOCK_N columns)."""
+
+SLICE_BYTES = 64 << 20
+"""Byte budget of the backward's gradient slice G [N, Vs] (h's dtype)."""
 
 
 @triton.jit
-def _ce_rows_kernel(
-    logits_ptr, grad_ptr, targets_ptr, loss_ptr, inv_count_ptr,
-    stride_l, stride_g, ROWS, V, ignore_index,
-    COMPUTE_GRAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+def _logits_lse_kernel(
+    h_ptr, w_ptr, targets_ptr, pmax_ptr, psum_ptr, target_logit_ptr,
+    R, V, H, stride_h, stride_w, TILES_V,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """BLOCK_R rows per program (1 on a GPU, more under the interpreter), V in BLOCK_V column tiles."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < ROWS
-    cols = tl.arange(0, BLOCK_V)
-    t = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-    valid = (t != ignore_index) & (t >= 0) & (t < V) & row_ok
-    base = logits_ptr + rows[:, None] * stride_l
+    pid_m, pid_n = grouped_tile(tl.program_id(0), R, V, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    logits = tile_product(h_ptr, w_ptr, rm, rn, R, V, 0, H, stride_h, 1, 1, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
+    logits = tl.where(rn[None, :] < V, logits, float("-inf"))
+    row_max = tl.max(logits, axis=1)
+    row_sum = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+    row_ok = rm < R
+    stat = rm.to(tl.int64) * TILES_V + pid_n
+    tl.store(pmax_ptr + stat, row_max, mask=row_ok)
+    tl.store(psum_ptr + stat, row_sum, mask=row_ok)
+    t = tl.load(targets_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
+    here = row_ok & (t >= pid_n * BLOCK_N) & (t < pid_n * BLOCK_N + BLOCK_N) & (t < V)
+    picked = tl.sum(tl.where(rn[None, :] == t[:, None], logits, 0.0), axis=1)
+    tl.store(target_logit_ptr + rm, picked, mask=here)
+
+
+@triton.jit
+def _lse_loss_kernel(
+    pmax_ptr, psum_ptr, target_logit_ptr, targets_ptr, lse_ptr, loss_ptr,
+    R, V, TILES_V, ignore_index, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    tiles = tl.arange(0, BLOCK_T)
+    base = rows.to(tl.int64)[:, None] * TILES_V
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        c = v0 + cols[None, :]
-        x = tl.load(base + c, mask=row_ok[:, None] & (c < V), other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
+    for t0 in range(0, TILES_V, BLOCK_T):
+        mask = row_ok[:, None] & (t0 + tiles[None, :] < TILES_V)
+        pm = tl.load(pmax_ptr + base + t0 + tiles[None, :], mask=mask, other=float("-inf"))
+        ps = tl.load(psum_ptr + base + t0 + tiles[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see only -inf
-        l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+        l = l * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
         m = m_new
     lse = tl.where(row_ok, m + tl.log(tl.where(row_ok, l, 1.0)), 0.0)
-    x_t = tl.load(logits_ptr + rows * stride_l + tl.where(valid, t, 0), mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(loss_ptr + rows, tl.where(valid, lse - x_t, 0.0), mask=row_ok)
-    if COMPUTE_GRAD:
-        scale = tl.where(valid, tl.load(inv_count_ptr), 0.0)[:, None]
-        gbase = grad_ptr + rows[:, None] * stride_g
-        for v0 in range(0, V, BLOCK_V):
-            c = v0 + cols[None, :]
-            mask = row_ok[:, None] & (c < V)
-            x = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse[:, None]) * scale - tl.where(c == t[:, None], scale, 0.0)
-            tl.store(gbase + c, g.to(grad_ptr.dtype.element_ty), mask=mask)
+    t = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    valid = (t != ignore_index) & (t >= 0) & (t < V)
+    picked = tl.load(target_logit_ptr + rows, mask=row_ok & valid, other=0.0)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(loss_ptr + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
 
 
-def chunk_rows(n: int, v: int, itemsize: int) -> int:
-    """Tokens per chunk: the most (a power of two, at least 16) whose logits + gradient fit CHUNK_BYTES."""
-    per_row = v * (4 + itemsize)
-    c = max(16, triton.next_power_of_2(max(1, CHUNK_BYTES // per_row)) // 2)
-    return min(c, max(n, 1))
+@triton.jit
+def _logits_grad_kernel(
+    h_ptr, w_ptr, targets_ptr, lse_ptr, dlse_ptr, scale_ptr, g_ptr,
+    N, VS, V0, V, H, stride_h, stride_w, stride_g, ignore_index,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N, VS, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    logits = tile_product(h_ptr, w_ptr, rm, rn, N, VS, 0, H, stride_h, 1, 1, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
+    row_ok = rm < N
+    t = tl.load(targets_ptr + rm, mask=row_ok, other=ignore_index).to(tl.int64)
+    valid = (t != ignore_index) & (t >= 0) & (t < V) & row_ok
+    lse = tl.load(lse_ptr + rm, mask=row_ok, other=0.0)
+    scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+    coef = scale
+    if HAS_DLSE:
+        coef += tl.load(dlse_ptr + rm, mask=row_ok, other=0.0)
+    g = tl.exp(logits - lse[:, None]) * coef[:, None] - tl.where(V0 + rn[None, :] == t[:, None], scale[:, None], 0.0)
+    mask = row_ok[:, None] & (rn[None, :] < VS)
+    tl.store(g_ptr + rm.to(tl.int64)[:, None] * stride_g + rn[None, :], g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
-def linear_cross_entropy(hidden, weight, targets, ignore_index: int, compute_grad: bool, chunk: int | None = None):
-    """-> (loss fp32 [], dhidden [N, H] or None, dweight [V, H] or None); the gradients are those of the mean loss."""
+def _gemm_launch(rows: int, cols: int, h: int, itemsize: int):
+    bm, bn, bk, warps, stages = gemm_blocks(rows, cols, h, itemsize)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index: int):
+    """-> (loss fp32 [], lse fp32 [N]). hidden/weight with unit last-dim stride, targets contiguous."""
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    targets = targets.contiguous()  # the kernel reads row r at offset r
+    targets = targets.contiguous()  # the kernels read row r at offset r
     count = (targets != ignore_index).sum()
-    inv_count = 1.0 / count.clamp_min(1).to(torch.float32)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
     losses = torch.empty(n, dtype=torch.float32, device=dev)
-    dh = torch.empty((n, h), dtype=hidden.dtype, device=dev) if compute_grad else None
-    dw_acc = torch.zeros((v, h), dtype=torch.float32, device=dev) if compute_grad else None
-    c = chunk or chunk_rows(n, v, hidden.element_size())
-    c = min(c, max(n, 1))
-    logits = torch.empty((c, v), dtype=torch.float32, device=dev)
-    grad = torch.empty((c, v), dtype=hidden.dtype, device=dev) if compute_grad else logits
-    block_v = min(triton.next_power_of_2(v), 1024 if INTERPRET else 4096)
-    block_r = max(1, 4096 // block_v) if INTERPRET else 1
-    wt = weight.t()
-    for c0 in range(0, n, c):
-        rows = min(c, n - c0)
-        h_c = hidden[c0:c0 + rows]
-        lg = logits[:rows]
-        mm(h_c, wt, lg)
-        _ce_rows_kernel[(triton.cdiv(rows, block_r),)](
-            lg, grad, targets[c0:c0 + rows], losses[c0:c0 + rows], inv_count,
-            lg.stride(0), grad.stride(0), rows, v, ignore_index,
-            COMPUTE_GRAD=compute_grad, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+    cfg = _gemm_launch(n, v, h, hidden.element_size())
+    tiles_v = triton.cdiv(v, cfg["BLOCK_N"])
+    r = max(cfg["BLOCK_M"], PARTIALS_BYTES // (8 * tiles_v) // cfg["BLOCK_M"] * cfg["BLOCK_M"])
+    r = min(r, max(n, 1))
+    pmax = torch.empty((r, tiles_v), dtype=torch.float32, device=dev)
+    psum = torch.empty_like(pmax)
+    target_logit = torch.empty(r, dtype=torch.float32, device=dev)
+    block_t = min(triton.next_power_of_2(tiles_v), 64 if INTERPRET else 256)
+    block_r = 16
+    for r0 in range(0, n, r):
+        rows = min(r, n - r0)
+        h_c, t_c = hidden[r0:r0 + rows], targets[r0:r0 + rows]
+        _logits_lse_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]) * tiles_v,)](
+            h_c, weight, t_c, pmax, psum, target_logit, rows, v, h, h_c.stride(0), weight.stride(0), tiles_v, **cfg,
         )
-        if compute_grad:
-            g = grad[:rows]
-            mm(g, weight, dh[c0:c0 + rows])
-            mm(g.t(), h_c, dw_acc, accumulate=True)
-    loss = losses.sum() / count.to(torch.float32)
-    dw = None
-    if compute_grad:
-        dw = dw_acc if weight.dtype == torch.float32 else dw_acc.to(weight.dtype)
-    return loss, dh, dw
+        _lse_loss_kernel[(triton.cdiv(rows, block_r),)](
+            pmax, psum, target_logit, t_c, lse[r0:r0 + rows], losses[r0:r0 + rows], rows, v, tiles_v, ignore_index,
+            BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4,
+        )
+    return losses.sum() / count.to(torch.float32), lse
+
+
+def linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index: int,
+                                  need_dh: bool, need_dw: bool):
+    """-> (dhidden [N, H] or None, dweight [V, H] or None) of grad_loss * loss + sum_i grad_lse_i * lse_i
+    (grad_lse [N] or None)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    targets = targets.contiguous()
+    dlse = lse if grad_lse is None else grad_lse.to(torch.float32).contiguous()
+    scale = grad_loss.to(torch.float32) / (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
+    dh_acc = torch.empty((n, h), dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.empty((v, h), dtype=weight.dtype, device=dev) if need_dw else None
+    fit = max(16, SLICE_BYTES // max(1, n * hidden.element_size()))
+    vs = min(1 << (fit.bit_length() - 1), v)  # a power of two: whole GEMM tiles per slice
+    g = torch.empty((n, vs), dtype=hidden.dtype, device=dev)
+    for v0 in range(0, v, vs):
+        cols = min(vs, v - v0)
+        cfg = _gemm_launch(n, cols, h, hidden.element_size())
+        g_s, w_s = g[:, :cols], weight[v0:v0 + cols]  # w_s: the slice's rows (a 64-bit offset from the host)
+        _logits_grad_kernel[(triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(cols, cfg["BLOCK_N"]),)](
+            hidden, w_s, targets, lse, dlse, scale, g_s, n, cols, v0, v, h, hidden.stride(0), weight.stride(0),
+            g_s.stride(0), ignore_index, HAS_DLSE=grad_lse is not None, **cfg,
+        )
+        if need_dw:
+            mm(g_s.t(), hidden, dw[v0:v0 + cols])
+        if need_dh:
+            mm(g_s, w_s, dh_acc, accumulate=v0 > 0)
+    dh = None
+    if need_dh:
+        dh = dh_acc if hidden.dtype == torch.float32 else dh_acc.to(hidden.dtype)
+    return dh, dw

@@ -20,6 +20,25 @@ from .triton_helpers import INTERPRET, TARGET_PROGRAMS, dot, grouped_tile
 
 
 @triton.jit
+def tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile a[rm, k_lo:k_hi] @ b[k_lo:k_hi, rn]. Rows/cols past M/N read a
+    valid (wrapped) row: their values are garbage, for the caller to mask at the store."""
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N).to(tl.int64)[None, :] * stride_bn
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        a = tl.load(a_ptrs, mask=kk[None, :] < k_hi - k0, other=0.0)
+        b = tl.load(b_ptrs, mask=kk[:, None] < k_hi - k0, other=0.0)
+        acc = dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _mm_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K, K_PER_SPLIT,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
@@ -33,19 +52,8 @@ def _mm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_s.to(tl.int64) * K_PER_SPLIT
-    k_hi = min(k_lo + K_PER_SPLIT, K)
-    rk = k_lo + tl.arange(0, BLOCK_K)
-    # Out-of-range rows/cols read a valid row (wrapped) and are masked at the store.
-    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N).to(tl.int64)[None, :] * stride_bn
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        a = tl.load(a_ptrs, mask=kk[None, :] < k_hi - k0, other=0.0)
-        b = tl.load(b_ptrs, mask=kk[:, None] < k_hi - k0, other=0.0)
-        acc = dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, min(k_lo + K_PER_SPLIT, K),
+                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K)
     c_ptrs = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if ACCUMULATE:
@@ -53,7 +61,7 @@ def _mm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _blocks(m: int, n: int, k: int, itemsize: int):
+def gemm_blocks(m: int, n: int, k: int, itemsize: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Under the interpreter, tiles shrink to
     the problem (each tile element costs numpy time there)."""
     if INTERPRET:
@@ -89,7 +97,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
         if not accumulate:
             out.zero_()
         return out
-    bm, bn, bk, warps, stages = _blocks(m, n, k, a.element_size())
+    bm, bn, bk, warps, stages = gemm_blocks(m, n, k, a.element_size())
     if accumulate:
         stages = min(stages, 2)  # the fp32 output tile read at the end needs the registers
     s = splits if splits is not None else (1 if accumulate else split_k(m, n, k, bm, bn, bk))

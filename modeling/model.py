@@ -119,13 +119,32 @@ class QwenForCausalLM(nn.Module):
         k/v are stored at ``positions``, then attention reads the cache.
         Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``.
         """
+        h = self._final_hidden(input_ids, positions, cache, cache_seqlens, last_only=not all_logits)
+        return ops.linear(h, self._head())
+
+    def loss(self, input_ids: Tensor, cache: KVCache, labels: Optional[Tensor] = None,
+             ignore_index: int = -100) -> Tensor:
+        """Mean next-token cross-entropy of a prefill of input_ids [B, T] (positions 0..T-1):
+        position t predicts labels[:, t + 1] (labels default to input_ids; ignore_index entries
+        count for nothing). The lm_head and the loss run fused (``qwen::linear_cross_entropy``):
+        the [B, T, V] logits are never built. For training, with ``requires_grad_(True)``."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        h = self._final_hidden(input_ids, positions, cache, None, last_only=False)
+        targets = (input_ids if labels is None else labels)[:, 1:]
+        return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),
+                                        ignore_index)
+
+    def _head(self) -> Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def _final_hidden(self, input_ids, positions, cache, cache_seqlens, last_only: bool) -> Tensor:
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, cache.k[i], cache.v[i], cache_seqlens)
-        if not all_logits:
+        if last_only:
             x, residual = x[:, -1], residual[:, -1]
-        h, _ = ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return ops.linear(h, self.embed_tokens if self.lm_head is None else self.lm_head)
+        return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
 
     @classmethod
     def from_pretrained(

@@ -4,18 +4,23 @@
     loss = mean over i with targets[i] != ignore_index of  logsumexp(l_i) - l_i[targets[i]],
     l = hidden @ weight^T                               (fp32 math; loss is fp32, float64 for float64)
 
-The [N, V] logits are never materialized (csrc_free_ops/cross_entropy.py works in token
-chunks and finishes the gradients in the forward). Two ops:
+The [N, V] logits are never materialized (csrc_free_ops/cross_entropy.py: the forward keeps
+only the row log-sum-exp, the backward recomputes the logits in vocabulary slices). Ops:
 
-- `qwen::linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, compute_grad)
-  -> (loss, dhidden, dweight)`: a custom op with autograd; dhidden / dweight are the
-  gradients of the loss (empty when compute_grad is False), and its backward just scales
-  them by the loss's incoming gradient (a device scalar: no host sync).
+- `qwen::linear_cross_entropy_with_lse(hidden, weight, targets, ignore_index) -> (loss, lse [N])`:
+  a custom op with autograd; lse (fp32) is what its backward needs, and may be used (and
+  differentiated) by the caller too.
+- `qwen::linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse,
+  ignore_index, need_dhidden, need_dweight) -> (dhidden, dweight)`: its backward, a custom op
+  with a fake kernel (an empty tensor for a gradient not asked for).
 - `qwen::linear_cross_entropy(hidden, weight, targets, ignore_index=-100) -> loss`: a
-  CompositeImplicitAutograd op calling the first with compute_grad = grad mode on and
-  hidden or weight requiring grad, so evaluation skips the gradient work. Under
-  torch.compile it decomposes into the first op during tracing.
+  CompositeImplicitAutograd op returning the first op's loss; under torch.compile it
+  decomposes into that op during tracing.
+
+No host sync anywhere: n_valid and the loss's incoming gradient stay on the device.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,18 +36,25 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, targets: Tens
     return F.cross_entropy(hidden.to(dt) @ weight.to(dt).t(), targets.long(), ignore_index=ignore_index)
 
 
-def _reference_with_grads(hidden, weight, targets, ignore_index, compute_grad):
-    """Explicit math (the op body runs below autograd, so no autograd.grad here)."""
+def linear_cross_entropy_with_lse_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100):
+    dt = acc_dtype(hidden)
+    logits = hidden.to(dt) @ weight.to(dt).t()
+    return F.cross_entropy(logits, targets.long(), ignore_index=ignore_index), torch.logsumexp(logits, dim=-1)
+
+
+def linear_cross_entropy_backward_reference(grad_loss: Tensor, grad_lse: Optional[Tensor], hidden: Tensor,
+                                            weight: Tensor, targets: Tensor, lse: Tensor, ignore_index: int = -100):
+    """Gradients of grad_loss * loss + sum_i grad_lse_i * lse_i with respect to (hidden, weight):
+    G = softmax * (row_scale + grad_lse) - onehot * row_scale, row_scale = grad_loss / n_valid on
+    valid rows (0 on ignored ones); dhidden = G @ W, dweight = G^T @ hidden."""
     dt = acc_dtype(hidden)
     h, w = hidden.to(dt), weight.to(dt)
-    logits = h @ w.t()
-    loss = F.cross_entropy(logits, targets.long(), ignore_index=ignore_index)
-    if not compute_grad:
-        return loss, hidden.new_empty((0,)), weight.new_empty((0,))
     valid = targets != ignore_index
     onehot = F.one_hot(torch.where(valid, targets, 0).long(), weight.shape[0]).to(dt)
-    g = (torch.softmax(logits, dim=-1) - onehot) * (valid.to(dt) / valid.sum().clamp_min(1).to(dt))[:, None]
-    return loss, (g @ w).to(hidden.dtype), (g.t() @ h).to(weight.dtype)
+    row_scale = (valid.to(dt) * (grad_loss.to(dt) / valid.sum().clamp_min(1).to(dt)))[:, None]
+    coef = row_scale if grad_lse is None else row_scale + grad_lse.to(dt)[:, None]
+    g = torch.exp(h @ w.t() - lse.to(dt)[:, None]) * coef - onehot * row_scale
+    return (g @ w).to(hidden.dtype), (g.t() @ h).to(weight.dtype)
 
 
 def _check(hidden, weight, targets):
@@ -62,49 +74,65 @@ def _check(hidden, weight, targets):
         fail(op, f"targets is on {targets.device} but hidden is on {hidden.device}")
 
 
-@torch.library.custom_op("qwen::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
-                             compute_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("qwen::linear_cross_entropy_with_lse", mutates_args=())
+def linear_cross_entropy_with_lse(hidden: Tensor, weight: Tensor, targets: Tensor,
+                                  ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     _check(hidden, weight, targets)
     if use_triton(hidden):
-        loss, dh, dw = kernels.linear_cross_entropy(hidden, weight, targets, ignore_index, compute_grad)
-        if not compute_grad:
-            dh, dw = hidden.new_empty((0,)), weight.new_empty((0,))
-        return loss, dh, dw
-    return _reference_with_grads(hidden, weight, targets, ignore_index, compute_grad)
+        return kernels.linear_cross_entropy(hidden, weight, targets, ignore_index)
+    return linear_cross_entropy_with_lse_reference(hidden, weight, targets, ignore_index)
 
 
-@linear_cross_entropy_fwd.register_fake
-def _(hidden, weight, targets, ignore_index=-100, compute_grad=True):
+@linear_cross_entropy_with_lse.register_fake
+def _(hidden, weight, targets, ignore_index=-100):
     _check(hidden, weight, targets)
-    loss = hidden.new_empty((), dtype=acc_dtype(hidden))
-    if not compute_grad:
-        return loss, hidden.new_empty((0,)), weight.new_empty((0,))
-    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+    dt = acc_dtype(hidden)
+    return hidden.new_empty((), dtype=dt), hidden.new_empty((hidden.shape[0],), dtype=dt)
 
 
-def _fwd_setup(ctx, inputs, output):
-    ctx.compute_grad = inputs[4]
-    ctx.save_for_backward(output[1], output[2])
+@torch.library.custom_op("qwen::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(grad_loss: Tensor, grad_lse: Optional[Tensor], hidden: Tensor, weight: Tensor,
+                                  targets: Tensor, lse: Tensor, ignore_index: int, need_dhidden: bool,
+                                  need_dweight: bool) -> tuple[Tensor, Tensor]:
+    _check(hidden, weight, targets)
+    if use_triton(hidden):
+        dh, dw = kernels.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index,
+                                                       need_dhidden, need_dweight)
+    else:
+        dh, dw = linear_cross_entropy_backward_reference(grad_loss, grad_lse, hidden, weight, targets, lse,
+                                                         ignore_index)
+    return (dh if need_dhidden else hidden.new_empty((0,))), (dw if need_dweight else weight.new_empty((0,)))
 
 
-def _fwd_bwd(ctx, grad_loss, _dh, _dw):
-    if not ctx.compute_grad:
-        fail("linear_cross_entropy", "gradients were not computed in the forward (compute_grad=False)")
-    dh, dw = ctx.saved_tensors
-    g = grad_loss.to(torch.float32) if dh.dtype != torch.float64 else grad_loss
-    return (dh * g).to(dh.dtype), (dw * g).to(dw.dtype), None, None, None
+@linear_cross_entropy_backward.register_fake
+def _(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
+    _check(hidden, weight, targets)
+    return (hidden.new_empty(hidden.shape if need_dhidden else (0,)),
+            weight.new_empty(weight.shape if need_dweight else (0,)))
 
 
-torch.library.register_autograd("qwen::linear_cross_entropy_fwd", _fwd_bwd, setup_context=_fwd_setup)
+def _setup(ctx, inputs, output):
+    hidden, weight, targets, ignore_index = inputs
+    ctx.ignore_index = ignore_index
+    ctx.save_for_backward(hidden, weight, targets, output[1])
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dh, dw = torch.ops.qwen.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse,
+                                                          ctx.ignore_index, need_dh, need_dw)
+    return (dh if need_dh else None), (dw if need_dw else None), None, None
+
+
+torch.library.register_autograd("qwen::linear_cross_entropy_with_lse", _backward, setup_context=_setup)
 
 _lib = torch.library.Library("qwen", "FRAGMENT")
 _lib.define("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index=-100) -> Tensor")
 
 
 def _linear_cross_entropy_composite(hidden, weight, targets, ignore_index=-100):
-    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return torch.ops.qwen.linear_cross_entropy_fwd(hidden, weight, targets, ignore_index, compute_grad)[0]
+    return torch.ops.qwen.linear_cross_entropy_with_lse(hidden, weight, targets, ignore_index)[0]
 
 
 _lib.impl("linear_cross_entropy", _linear_cross_entropy_composite, "CompositeImplicitAutograd")

@@ -11,6 +11,7 @@ import qwen_ops
 from csrc_free_ops import cross_entropy as ce_kernels
 from qwen_ops import (add_rms_norm_reference, attention_reference, linear_cross_entropy_reference, linear_reference,
                       rms_norm_reference, rope_reference, silu_mul_reference)
+from qwen_ops.cross_entropy import linear_cross_entropy_with_lse_reference
 from qwen_ops.autograd import attention_with_lse_reference, silu_mul_split_reference
 from tests.helpers import DEVICES, assert_close, poison_allocator, randn
 
@@ -97,6 +98,8 @@ def test_gradcheck_linear_cross_entropy():
     _gc(lambda h, w: ops.linear_cross_entropy(h, w, targets), torch.randn(7, 5, **F64), torch.randn(7, 5, **F64))
     other = torch.tensor([0, 4, 4, 2, 6, 3, 1])
     _gc(lambda h, w: ops.linear_cross_entropy(h, w, other, 4), torch.randn(7, 5, **F64), torch.randn(7, 5, **F64))
+    # lse is an output with a gradient of its own
+    _gc(lambda h, w: ops.linear_cross_entropy_with_lse(h, w, targets), torch.randn(7, 5, **F64), torch.randn(7, 5, **F64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,29 +224,28 @@ def test_linear_cross_entropy_kernels(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_linear_cross_entropy_chunks_ignore_and_eval(device, monkeypatch):
-    """Many chunks (small byte budget), int32 targets, a custom ignore_index; all-ignored gives NaN
-    loss (like torch) and zero gradients; under no_grad no gradient work is done."""
-    n, h, v = 37, 16, 20
-    monkeypatch.setattr(ce_kernels, "CHUNK_BYTES", 8 * v * 8)  # 8 tokens per chunk
+def test_linear_cross_entropy_chunks_slices_ignore_and_lse(device, monkeypatch):
+    """Several forward row chunks and backward vocabulary slices (small byte budgets), int32 targets,
+    a custom ignore_index, a gradient reaching lse; all-ignored gives a NaN loss (like torch) and
+    zero gradients; strided targets."""
+    n, h, v = 150, 16, 70
+    monkeypatch.setattr(ce_kernels, "PARTIALS_BYTES", 1)  # one GEMM row tile per chunk (64 rows on the CPU)
+    monkeypatch.setattr(ce_kernels, "SLICE_BYTES", n * 4 * 16)  # 16 vocabulary columns per slice
     hid, w = randn(n, h, dtype=torch.float32, device=device), randn(v, h, dtype=torch.float32, device=device)
     t = torch.randint(0, v, (n,), device=device, dtype=torch.int32)
     t[3:9] = 7
-    _check_against_reference(lambda a, b: ops.linear_cross_entropy(a, b, t, 7),
-                             lambda a, b: linear_cross_entropy_reference(a, b, t, 7), [hid, w], what="chunked lce")
+    _check_against_reference(lambda a, b: ops.linear_cross_entropy_with_lse(a, b, t, 7),
+                             lambda a, b: linear_cross_entropy_with_lse_reference(a, b, t, 7), [hid, w],
+                             what="chunked lce with lse")
     all_ignored = torch.full((n,), -100, device=device)
     hl, wl = _leaf(hid), _leaf(w)
     loss = ops.linear_cross_entropy(hl, wl, all_ignored)
     loss.backward()
     assert torch.isnan(loss) and not hl.grad.any() and not wl.grad.any()
-    with torch.no_grad():
-        loss, dh, dw = ops.linear_cross_entropy_fwd(hid, w, t, -100, False)
-        assert dh.numel() == 0 and dw.numel() == 0
-        assert_close(loss, linear_cross_entropy_reference(hid, w, t), what="eval lce")
-        assert_close(ops.linear_cross_entropy(hid, w, t), loss, what="eval composite lce")
-        wide = torch.stack([t, torch.zeros_like(t)], dim=1)  # targets as a column: stride 2
-        strided, _, _ = ops.linear_cross_entropy_fwd(hid, w, wide[:, 0], -100, False)
-        assert_close(strided, loss, what="lce with strided targets")
+    loss = ops.linear_cross_entropy(hid, w, t)
+    assert_close(loss, linear_cross_entropy_reference(hid, w, t), what="lce")
+    wide = torch.stack([t, torch.zeros_like(t)], dim=1)  # targets as a column: stride 2
+    assert_close(ops.linear_cross_entropy(hid, w, wide[:, 0]), loss, what="lce with strided targets")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +268,9 @@ def _train_samples(device):
         "linear": (r(3, 20), r(12, 20), r(12)),
         "attention": (q, k, v, 0.25, True),
         "attention_with_lse": (q, k, v, 0.25, False),
-        "linear_cross_entropy_fwd": (r(4, 16), r(8, 16), t, -100, True),
+        "linear_cross_entropy_with_lse": (r(4, 16), r(8, 16), t, -100),
+        "linear_cross_entropy_backward": (torch.tensor(0.7, device=device), randn(4, **f32), randn(4, 16, **f32),
+                                          randn(8, 16, **f32), t, randn(4, **f32), -100, True, False),
         "rms_norm_backward": (randn(3, 40, **f32), randn(3, 40, **f32), randn(40, **f32), 1e-6, 0.0, randn(3, 40, **f32)),
         "rope_backward": (randn(2, 3, 4, 16, **f32), randn(2, 3, 2, 16, **f32), q.detach(), k.detach(), pos, 1e4, 16,
                           randn(16, **f32), randn(16, **f32), 1e-6, 0.0),

@@ -57,7 +57,7 @@ def test_patch_matches_transformers_and_undoes(device, kind):
     out, grads = _loss_and_grads(model, ids)
     assert out.logits is None  # the fused loss never builds the logits
     names = " ".join(_graph_node_names(out.loss))
-    for op in ("rms_norm", "rope", "attention_with_lse", "silu_mul_split", "linear_cross_entropy_fwd"):
+    for op in ("rms_norm", "rope", "attention_with_lse", "silu_mul_split", "linear_cross_entropy_with_lse"):
         assert f"qwen_{op}_default" in names, f"{op} not on the autograd graph"
     assert_close(out.loss, ref_out.loss, 1e-5, what="patched loss")
     for name, g in grads.items():
@@ -146,8 +146,8 @@ def test_patched_training_step_compiles_fullgraph(device):
 
 
 def test_own_decoder_trains_like_transformers(tmp_path):
-    """modeling.QwenForCausalLM (torch.ops.qwen only) with requires_grad_(True): loss and gradients
-    equal transformers' for the same weights."""
+    """modeling.QwenForCausalLM (torch.ops.qwen only) with requires_grad_(True): its fused loss and
+    the gradients equal transformers' for the same weights (the logits path's loss too)."""
     from modeling.model import KVCache, QwenForCausalLM
 
     hf = _model("qwen3", "cpu", use_cache=False)
@@ -157,9 +157,11 @@ def test_own_decoder_trains_like_transformers(tmp_path):
     ref_out, ref_grads = _loss_and_grads(hf, ids)
     cache = KVCache(ours.config, 2, 16, dtype=torch.float32)
     logits = ours(ids, torch.arange(16).expand(2, 16), cache, all_logits=True)
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    unfused = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert_close(unfused, ref_out.loss, 1e-5, what="own decoder loss from logits")
+    loss = ours.loss(ids, cache)  # fused lm_head + loss
     loss.backward()
-    assert_close(loss, ref_out.loss, 1e-5, what="own decoder loss")
+    assert_close(loss, ref_out.loss, 1e-5, what="own decoder fused loss")
     pairs = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",
              "layers.1.down_weight": "model.layers.1.mlp.down_proj.weight",
              "layers.0.input_norm": "model.layers.0.input_layernorm.weight",
