@@ -1,6 +1,7 @@
 """Per-op benchmark on the GPU: every torch.ops.qwen op against its PyTorch peer.
 
     python -m bench.ops [--out DIR] [--sweep-splitk]
+    python -m bench.ops [--out DIR] --sweep-attn-bwd
 
 Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
 vocab 151936) and the seed's (hidden 896, 8 q / 2 kv heads, head_dim 128, intermediate
@@ -10,6 +11,13 @@ enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest 
 the op must move over the time, and "%copy" compares it with a device-to-device copy
 measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
 config and prints the table that csrc_free_ops/gemm.py's DECODE_CONFIGS keeps.
+
+--sweep-attn-bwd runs only the attention-backward tile sweep (no ops table): causal bf16 at
+B=4, S=2048 for Qwen3 heads (16/8 x 128) and Qwen2.5-0.5B heads (14/2 x 64). Each candidate
+tile config of the dK/dV and of the dQ kernel is timed alone (triton do_bench, median) with
+its ptxas registers, spills and shared memory, and checked against an fp32 SDPA backward
+(||ours - ref|| / ||ref||); then the default and the fastest combination against SDPA's
+cuDNN and flash backward. Writes attn_bwd_sweep.md and attn_bwd_configs.json.
 """
 import argparse
 import datetime
@@ -19,10 +27,12 @@ import os
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
 import qwen_ops
-from csrc_free_ops import gemm
+from csrc_free_ops import attention, attention_backward, gemm
+from csrc_free_ops.attention_backward import BwdBlocks, Tiles
 
 SHAPES = {
     "qwen3-0.6b": dict(hidden=1024, hq=16, hk=8, d=128, inter=3072, vocab=151936),
@@ -153,16 +163,147 @@ def sweep_splitk(cfgs):
     return best, table
 
 
+ATTN_BWD_SHAPES = {  # name: (batch, seq, q heads, kv heads, head_dim); bf16, causal
+    "qwen3 16/8x128": (4, 2048, 16, 8, 128),
+    "qwen2.5-0.5b 14/2x64": (4, 2048, 14, 2, 64),
+}
+# Tiles(block_m, block_n, num_warps, num_stages) per kernel; dK/dV owns block_n keys and walks
+# block_m queries, dQ the reverse. Pruned ahead of time with ptxas (sm_90, Triton 3.9): all build
+# without register spills at head_dim 64 and 128, in under 227 KB of shared memory (most 4-warp
+# dK/dV tiles with 128 keys and 4-warp 128x64 dQ tiles spill hundreds of bytes). The defaults
+# of csrc_free_ops/attention_backward.py's _bwd_blocks are timed as well.
+ATTN_BWD_DKDV = [
+    Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 3), Tiles(32, 64, 8, 4), Tiles(16, 64, 8, 3), Tiles(32, 128, 8, 2),
+    Tiles(16, 128, 8, 2), Tiles(16, 128, 8, 3), Tiles(64, 128, 8, 1), Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 1),
+    Tiles(32, 64, 4, 3), Tiles(32, 32, 4, 2),
+]
+ATTN_BWD_DQ = [
+    Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 3), Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2), Tiles(128, 32, 8, 3),
+    Tiles(128, 32, 8, 4), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 3), Tiles(64, 32, 4, 3), Tiles(128, 16, 8, 3),
+]
+
+
+def _rel(a, ref):
+    return ((a.float() - ref).norm() / ref.norm()).item()
+
+
+def _row(*cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _sdpa_backward(backend, q, k, v, do, scale):
+    """(ms, (dq, dk, dv), note) of SDPA's backward alone under `backend` (the forward runs once,
+    untimed), or None if the backend cannot run it; kv heads are repeated for a backend without GQA."""
+    for gqa in (True, False):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        qh, kh, vh = (t.transpose(1, 2) for t in leaves)
+        if not gqa:
+            kh, vh = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=1) for t in (kh, vh))
+        dout = do.transpose(1, 2)
+        try:
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        except RuntimeError:
+            continue
+        ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+                                     return_mode="median")
+        return ms, grads, "" if gqa else " (kv heads repeated)"
+    return None
+
+
+def sweep_attn_bwd():
+    """Time every candidate tile config of the two attention-backward kernels; return the table
+    lines (also printed as they come) and the fastest BwdBlocks per shape."""
+    lines, best_blocks = [], {}
+
+    def add(*new):
+        lines.extend(new)
+        print(*new, sep="\n", flush=True)
+
+    for name, (b, s, hq, hk, d) in ATTN_BWD_SHAPES.items():
+        q, k, v, do = rnd(b, s, hq, d), rnd(b, s, hk, d), rnd(b, s, hk, d), rnd(b, s, hq, d)
+        scale = d ** -0.5
+        leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        ref = torch.autograd.grad(out, leaves, do.float().transpose(1, 2))
+        del leaves, out
+        o, lse = attention.attention_with_lse(q, k, v, scale, True)
+        delta = attention_backward.bwd_delta(o, do)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        mm_flops = b * hq * s * s * d  # one causal matmul: 2 * B * Hq * (S^2 / 2) * D
+        default = attention_backward._bwd_blocks(d, 2)
+        add(f"## attention backward tiles: {name}, B={b} S={s} bf16 causal", "",
+            "| kernel | tiles (m, n, warps, stages) | regs | spill B | smem KB | ms | TFLOPS | rel err |",
+            "|---|---|---|---|---|---|---|---|")
+        best = {}
+        for kernel, cands, run, n_mm, grads in (
+                ("dkdv", ATTN_BWD_DKDV, attention_backward.dkdv_backward, 4, (1, 2)),
+                ("dq", ATTN_BWD_DQ, attention_backward.dq_backward, 3, (0,))):
+            for t in dict.fromkeys([getattr(default, kernel)] + cands):
+                label = (kernel, f"{tuple(t)}{' default' if t == getattr(default, kernel) else ''}")
+                outs = (dq,) if kernel == "dq" else (dk, dv)
+                try:
+                    handle = run(do, q, k, v, lse, delta, *outs, scale, True, t)
+                    got = attention_backward.attention_backward(do, q, k, v, o, lse, scale, True,
+                                                                blocks=default._replace(**{kernel: t}))
+                    ms = triton.testing.do_bench(lambda: run(do, q, k, v, lse, delta, *outs, scale, True, t),
+                                                 return_mode="median")
+                except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
+                    add(_row(*label, "", "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", "", ""))
+                    continue
+                err = " / ".join(f"d{'qkv'[i]} {_rel(got[i], ref[i]):.1e}" for i in grads)
+                tflops = n_mm * mm_flops / (ms * 1e9)
+                add(_row(*label, getattr(handle, "n_regs", "?"), getattr(handle, "n_spills", "?"),
+                         f"{handle.metadata.shared / 1024:.0f}", f"{ms:.3f}", f"{tflops:.0f}", err))
+                best[kernel] = min(best.get(kernel, (ms, t)), (ms, t))
+        add("", "| backward (preprocess + dK/dV + dQ) | ms | TFLOPS (5 matmuls) | rel err dq / dk / dv |",
+            "|---|---|---|---|")
+        fastest = BwdBlocks(best["dkdv"][1], best["dq"][1]) if len(best) == 2 else None
+        best_blocks[name] = fastest
+        candidates = [("ours, default " + str(tuple(map(tuple, default))), default)]
+        if fastest is not None and fastest != default:
+            candidates.append(("ours, fastest " + str(tuple(map(tuple, fastest))), fastest))
+        for label, blocks in candidates:
+            def ours():
+                return attention_backward.attention_backward(do, q, k, v, o, lse, scale, True, blocks=blocks)
+            ms = triton.testing.do_bench(ours, return_mode="median")
+            add(_row(label, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
+                     " / ".join(f"{_rel(g, r):.1e}" for g, r in zip(ours(), ref))))
+        for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
+            res = _sdpa_backward(backend, q, k, v, do, scale)
+            if res is None:
+                add(_row(label, "not available", "", ""))
+                continue
+            ms, g, note = res
+            add(_row(label + note, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
+                     " / ".join(f"{_rel(x, r):.1e}" for x, r in zip(g, ref))))
+        add("")
+    return lines, best_blocks
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--sweep-splitk", action="store_true")
+    ap.add_argument("--sweep-attn-bwd", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
+    header = f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}"
+    if args.sweep_attn_bwd:
+        print(header + ": --sweep-attn-bwd\n", flush=True)
+        lines, best = sweep_attn_bwd()
+        with open(os.path.join(args.out, "attn_bwd_sweep.md"), "w") as f:
+            f.write("\n".join([header + ": --sweep-attn-bwd", ""] + lines) + "\n")
+        with open(os.path.join(args.out, "attn_bwd_configs.json"), "w") as f:
+            json.dump({name: blocks and blocks._asdict() for name, blocks in best.items()}, f)
+        print("fastest:", {name: blocks and tuple(map(tuple, blocks)) for name, blocks in best.items()})
+        return
     copy_bw = copy_bandwidth()
-    lines = [f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}",
+    lines = [header,
              f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", ""]
     if args.sweep_splitk:
         best, table = sweep_splitk(SHAPES.values())

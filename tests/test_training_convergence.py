@@ -3,9 +3,11 @@ qwen_ops.patch_transformers, from the same seed: per-step losses agree, the fina
 agree, and the loss goes down.
 
 CPU (Triton interpreter): 2 layers, hidden 64, 8 steps of 2 x 32 tokens.
-GPU (`cuda`): 4 layers, hidden 256, 60 steps of 8 x 256 tokens, in fp32 (tight), bf16
+GPU (`cuda`): 4 layers, hidden 256, 60 steps of 8 x 256 tokens at lr 1e-3, in fp32 (tight), bf16
 (loose: bf16 rounding differs between the fused and the unfused kernels and compounds), and
-patched + torch.compile(fullgraph) against patched eager.
+patched + torch.compile(fullgraph) against patched eager. At lr 3e-3 the fp32 runs agree to
+2e-5 for 20 steps and then drift apart to 1e-2 (training amplifies rounding differences), so
+the tight checks use lr 1e-3, where they agree to about 1e-6 over all 60 steps (H200).
 """
 from pathlib import Path
 
@@ -74,16 +76,23 @@ def run_pair(device, dtype, steps, batch, seq, arch, patch_second=True, compile_
     return losses_a, losses_b, first, second
 
 
-def assert_converged_alike(losses_a, losses_b, first, second, loss_rtol, param_rtol):
+def assert_converged_alike(losses_a, losses_b, first, second, early_rtol, loss_rtol, param_rtol, early_steps=20):
+    """Per-step losses within early_rtol over the first early_steps steps and within loss_rtol over
+    all of them (the two runs round differently, and training amplifies that a little every step),
+    the loss goes down, and every final parameter is within param_rtol (relative Frobenius norm)."""
     assert torch.isfinite(losses_b).all()
     rel = ((losses_b - losses_a).abs() / losses_a.abs())
+    pa = dict(first.named_parameters())
+    param_err = {name: ((p.detach().double() - pa[name].detach().double()).norm()
+                        / pa[name].detach().double().norm()).item() for name, p in second.named_parameters()}
+    worst = max(param_err, key=param_err.get)
+    print(f"loss rel diff: first {early_steps} steps {rel[:early_steps].max():.1e}, all {rel.max():.1e}; "
+          f"final params: worst {worst} {param_err[worst]:.1e}")
+    assert rel[:early_steps].max() <= early_rtol, f"early per-step loss rel diff {rel[:early_steps].max():.2e}\n{losses_a}\n{losses_b}"
     assert rel.max() <= loss_rtol, f"per-step loss rel diff {rel.max():.2e} > {loss_rtol:.0e}\n{losses_a}\n{losses_b}"
     k = max(1, len(losses_a) // 4)
     assert losses_b[-k:].mean() < losses_b[:k].mean() - 0.1, f"loss did not go down: {losses_b}"
-    pa = dict(first.named_parameters())
-    for name, p in second.named_parameters():
-        ref = pa[name].detach().double()
-        err = ((p.detach().double() - ref).norm() / ref.norm()).item()
+    for name, err in param_err.items():
         assert err <= param_rtol, f"final parameter {name}: rel diff {err:.2e} > {param_rtol:.0e}"
 
 
@@ -94,24 +103,27 @@ GPU_ARCH = (4, 256, 4, 2, 64, 768)
 def test_convergence_cpu():
     a, b, m1, m2 = run_pair("cpu", torch.float32, steps=8, batch=2, seq=32, arch=CPU_ARCH, lr=1e-2)
     print("losses", a.tolist(), b.tolist())
-    assert_converged_alike(a, b, m1, m2, loss_rtol=1e-5, param_rtol=1e-4)
+    assert_converged_alike(a, b, m1, m2, early_rtol=1e-5, loss_rtol=1e-5, param_rtol=1e-4)
 
 
 @pytest.mark.cuda
 def test_convergence_cuda_fp32():
-    a, b, m1, m2 = run_pair("cuda", torch.float32, steps=60, batch=8, seq=256, arch=GPU_ARCH)
-    assert_converged_alike(a, b, m1, m2, loss_rtol=1e-3, param_rtol=1e-2)
+    a, b, m1, m2 = run_pair("cuda", torch.float32, steps=60, batch=8, seq=256, arch=GPU_ARCH, lr=1e-3)
+    assert_converged_alike(a, b, m1, m2, early_rtol=1e-4, loss_rtol=1e-4, param_rtol=1e-3)
 
 
 @pytest.mark.cuda
 def test_convergence_cuda_bf16():
-    a, b, m1, m2 = run_pair("cuda", torch.bfloat16, steps=60, batch=8, seq=256, arch=GPU_ARCH)
-    assert_converged_alike(a, b, m1, m2, loss_rtol=5e-2, param_rtol=5e-2)
+    """bf16 rounds differently in the fused and the unfused kernels (the first step already
+    differs by about 1e-2), and AdamW turns that into parameter differences of about 1e-1 after
+    60 steps (H200, 2026-11-29): the bounds catch a wrong gradient, not bf16 noise."""
+    a, b, m1, m2 = run_pair("cuda", torch.bfloat16, steps=60, batch=8, seq=256, arch=GPU_ARCH, lr=1e-3)
+    assert_converged_alike(a, b, m1, m2, early_rtol=3e-2, loss_rtol=3e-2, param_rtol=0.3)
 
 
 @pytest.mark.cuda
 def test_convergence_cuda_compiled():
     """Patched eager vs patched + torch.compile(fullgraph=True) (Inductor), fp32."""
     a, b, m1, m2 = run_pair("cuda", torch.float32, steps=50, batch=8, seq=256, arch=GPU_ARCH,
-                            patch_first=True, compile_second=True)
-    assert_converged_alike(a, b, m1, m2, loss_rtol=1e-3, param_rtol=1e-2)
+                            patch_first=True, compile_second=True, lr=1e-3)
+    assert_converged_alike(a, b, m1, m2, early_rtol=1e-4, loss_rtol=1e-4, param_rtol=1e-3)
