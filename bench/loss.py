@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 
 import qwen_ops
+from bench.ops import rel_error
 
 
 def _torch_loss(h, w, t):
@@ -32,10 +33,6 @@ def _setups():
     except ImportError:
         pass
     return setups
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main():
@@ -72,7 +69,7 @@ def main():
             loss.backward()
             torch.cuda.synchronize()
             extra = (torch.cuda.max_memory_allocated() - before) / 1e9
-            errs = _rel(loss, ref_loss), _rel(h.grad, hf.grad), _rel(w.grad, wf.grad)
+            errs = rel_error(loss, ref_loss), rel_error(h.grad, hf.grad), rel_error(w.grad, wf.grad)
             ms = triton.testing.do_bench(step, warmup=100, rep=500, return_mode="median")
             lines.append(f"| {name} | {ms:.2f} | {flops / ms / 1e9:.0f} | {extra:.2f} | "
                          + " | ".join(f"{e:.1e}" for e in errs) + " |")

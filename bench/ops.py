@@ -183,8 +183,9 @@ ATTN_BWD_DQ = [
 ]
 
 
-def _rel(a, ref):
-    return ((a.float() - ref).norm() / ref.norm()).item()
+def rel_error(a, ref):
+    """||a - ref|| / ||ref|| (Frobenius), in fp32."""
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _row(*cells):
@@ -253,7 +254,7 @@ def sweep_attn_bwd():
                 except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
                     add(_row(*label, "", "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", "", ""))
                     continue
-                err = " / ".join(f"d{'qkv'[i]} {_rel(got[i], ref[i]):.1e}" for i in grads)
+                err = " / ".join(f"d{'qkv'[i]} {rel_error(got[i], ref[i]):.1e}" for i in grads)
                 tflops = n_mm * mm_flops / (ms * 1e9)
                 add(_row(*label, getattr(handle, "n_regs", "?"), getattr(handle, "n_spills", "?"),
                          f"{handle.metadata.shared / 1024:.0f}", f"{ms:.3f}", f"{tflops:.0f}", err))
@@ -270,7 +271,7 @@ def sweep_attn_bwd():
                 return attention_backward.attention_backward(do, q, k, v, o, lse, scale, True, blocks=blocks)
             ms = triton.testing.do_bench(ours, return_mode="median")
             add(_row(label, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
-                     " / ".join(f"{_rel(g, r):.1e}" for g, r in zip(ours(), ref))))
+                     " / ".join(f"{rel_error(g, r):.1e}" for g, r in zip(ours(), ref))))
         for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
             res = _sdpa_backward(backend, q, k, v, do, scale)
             if res is None:
@@ -278,7 +279,7 @@ def sweep_attn_bwd():
                 continue
             ms, g, note = res
             add(_row(label + note, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
-                     " / ".join(f"{_rel(x, r):.1e}" for x, r in zip(g, ref))))
+                     " / ".join(f"{rel_error(x, r):.1e}" for x, r in zip(g, ref))))
         add("")
     return lines, best_blocks
 

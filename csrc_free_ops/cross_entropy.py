@@ -41,6 +41,12 @@ SLICE_BYTES = 64 << 20
 
 
 @triton.jit
+def _counts(t, ignore_index, V):
+    """Whether a target takes part in the loss: not ignore_index and a real vocabulary row."""
+    return (t != ignore_index) & (t >= 0) & (t < V)
+
+
+@triton.jit
 def _logits_lse_kernel(
     h_ptr, w_ptr, targets_ptr, pmax_ptr, psum_ptr, target_logit_ptr,
     R, V, H, stride_h, stride_w, TILES_V,
@@ -84,7 +90,7 @@ def _lse_loss_kernel(
         m = m_new
     lse = tl.where(row_ok, m + tl.log(tl.where(row_ok, l, 1.0)), 0.0)
     t = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
-    valid = (t != ignore_index) & (t >= 0) & (t < V)
+    valid = _counts(t, ignore_index, V)
     picked = tl.load(target_logit_ptr + rows, mask=row_ok & valid, other=0.0)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.store(loss_ptr + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
@@ -102,7 +108,7 @@ def _logits_grad_kernel(
     logits = tile_product(h_ptr, w_ptr, rm, rn, N, VS, 0, H, stride_h, 1, 1, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok = rm < N
     t = tl.load(targets_ptr + rm, mask=row_ok, other=ignore_index).to(tl.int64)
-    valid = (t != ignore_index) & (t >= 0) & (t < V) & row_ok
+    valid = _counts(t, ignore_index, V) & row_ok
     lse = tl.load(lse_ptr + rm, mask=row_ok, other=0.0)
     scale = tl.where(valid, tl.load(scale_ptr), 0.0)
     coef = scale

@@ -2,7 +2,7 @@
 
 `mm(a, b, out)`: out[M, N] (+)= a[M, K] @ b[K, N] for any strides (transposes are just
 strides), fp32 accumulation, stored in out's dtype; with `accumulate`, out (fp32) is read
-and added to, which the fused linear + cross-entropy uses to sum dweight over token chunks.
+and added to, which the fused linear + cross-entropy uses to sum dhidden over vocabulary slices.
 
 Linear backward, y = x @ W^T + b with x [M, K], W [N, K], dy [M, N]:
 
