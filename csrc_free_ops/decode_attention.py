@@ -12,7 +12,9 @@ Pass 2, grid (B*Tq*Hq,): weights the splits by exp2(lse - max lse) and sums them
 
 The split count depends only on (B, Hk, L), never on cache_seqlens (which live on
 the device), so one CUDA graph serves every length; splits past the sequence end
-do no work and contribute weight 0.
+do no work and contribute weight 0. cache_seqlens is clamped to [0, L] on the
+device (checking it would cost a host sync), so no length reads outside the cache;
+a query row that sees no key (length < Tq) outputs zeros.
 """
 import torch
 import triton
@@ -26,14 +28,15 @@ from .triton_helpers import TARGET_PROGRAMS, dot
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    TQ, HQ, HK, GROUP, SPLIT_LEN, NUM_SPLITS, qk_scale,
+    TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // HK).to(tl.int64)
     hk = pid_bh % HK
-    seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
+    # Clamped to [0, CACHE_LEN] before narrowing: a bad length never reads past the cache.
+    seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b).to(tl.int64), 0), CACHE_LEN).to(tl.int32)
     rows = tl.arange(0, BLOCK_M)
     t = rows // GROUP
     h = hk * GROUP + rows % GROUP
@@ -111,7 +114,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
         q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        tq, hq, hk, group, split_len, num_splits, scale * LOG2E,
+        tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
         num_warps=4, num_stages=2,
     )

@@ -71,16 +71,31 @@ def load_plan(config: QwenConfig) -> LoadPlan:
 
 
 def checkpoint_files(path: Union[str, Path]) -> List[Path]:
-    """The safetensors files of a checkpoint directory: one file, or the shards of the index."""
+    """The safetensors files of a checkpoint directory: one file, or the shards of the index.
+
+    Shard names must be plain file names inside the directory (no absolute paths, no ``..``),
+    and every file must be a regular file (a FIFO or a device would block or mislead the reader).
+    """
     path = Path(path)
     if (path / INDEX_FILE).exists():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{INDEX_FILE} is malformed ({type(e).__name__}: {e}); it needs a "
+                                  "'weight_map' of tensor name -> shard file name") from None
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+                raise CheckpointError(f"{INDEX_FILE} names shard {name!r}: shards must be file names "
+                                      "inside the checkpoint directory")
+        files = [path / name for name in names]
     else:
         files = [path / SINGLE_FILE]
     for f in files:
         if not f.exists():
             raise CheckpointError(f"checkpoint file {str(f)!r} not found")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {str(f)!r} is not a regular file")
     return files
 
 

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -57,10 +58,6 @@ def default_random_model_dir() -> Path:
     """``$XDG_CACHE_HOME`` (or ~/.cache) / qwen-triton-ops / random-qwen3-tiny."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "qwen-triton-ops" / "random-qwen3-tiny"
-
-
-def is_complete(path: Union[str, Path]) -> bool:
-    return all((Path(path) / f).is_file() for f in FILES)
 
 
 def build_tokenizer(vocab_size: int = 512):
@@ -126,46 +123,109 @@ def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtyp
     return t.to(dtype)
 
 
+MARKER = ".random-checkpoint"
+"""Written last into every checkpoint this module builds: the file sizes of a complete build."""
+
+
+def is_complete(path: Union[str, Path]) -> bool:
+    """True when ``path`` holds a checkpoint this module built, every file whole (sizes match the marker)."""
+    path = Path(path)
+    try:
+        sizes = json.loads((path / MARKER).read_text())
+        return all((path / f).is_file() and (path / f).stat().st_size == sizes[f] for f in FILES)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _is_ours(path: Path) -> bool:
+    """A directory this module built: it carries the marker and nothing but the files it writes."""
+    names = {p.name for p in path.iterdir()}
+    return MARKER in names and names <= set(FILES) | {MARKER, "README.md"}
+
+
 def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional[float] = None,
                             vocab_size: int = 512, **sizes: Any) -> Path:
     """Write a random Qwen3 checkpoint to ``path`` (created; replaced atomically if it exists).
 
     ``std`` defaults to min(0.2, 2 / sqrt(hidden)), large enough for logits that are not flat.
     ``sizes`` override ``DEFAULT_SIZES`` (hidden_size, num_hidden_layers, ...).
+
+    Only a directory this module built (or an empty one) is replaced: anything else at ``path``
+    raises ``FileExistsError`` and is left untouched. Concurrent builds of one path are
+    serialised by a lock file beside it; each finished build is complete (written to a temporary
+    directory, then renamed into place).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    os.chmod(tmp, 0o755)
-    try:
-        tok = write_tokenizer(tmp, vocab_size)
-        cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **sizes)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        config = QwenConfig.from_dict(cfg)
-        std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
-        g = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for sources in load_plan(config).values():
-            for name, shape in sources:
-                tensors[name] = random_tensor(name, shape, std, g).contiguous()
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "README.md").write_text(
-            "Random Qwen3 weights written by modeling.random_checkpoint (seed "
-            f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _lock(path):
+        _build(path, seed, std, vocab_size, sizes)
     return path
 
 
+def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any]) -> None:
+    """build_random_checkpoint's body; the caller holds the lock."""
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not _is_ours(path))):
+        raise FileExistsError(f"{str(path)!r} exists and is not a random checkpoint built here; "
+                              "refusing to replace it")
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        _write_checkpoint(tmp, seed, std, vocab_size, sizes)
+        if path.exists():  # ours or empty: move it aside into a directory we own, then swap
+            old = Path(tempfile.mkdtemp(prefix=path.name + ".old.", dir=path.parent))
+            os.replace(path, old / "checkpoint")
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any]) -> None:
+    tok = write_tokenizer(tmp, vocab_size)
+    cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **sizes)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    config = QwenConfig.from_dict(cfg)
+    std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for sources in load_plan(config).values():
+        for name, shape in sources:
+            tensors[name] = random_tensor(name, shape, std, g).contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "README.md").write_text(
+        "Random Qwen3 weights written by modeling.random_checkpoint (seed "
+        f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
+    (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
+
+
+@contextmanager
+def _lock(path: Path):
+    """An exclusive lock on ``<path>.lock`` (POSIX advisory lock; a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path.parent / (path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
-    """The random checkpoint at ``path`` (default ``default_random_model_dir()``), built if missing."""
+    """The random checkpoint at ``path`` (default ``default_random_model_dir()``), built if missing
+    or incomplete (checked again under the lock, so concurrent callers build it once)."""
     path = Path(path) if path is not None else default_random_model_dir()
     if not is_complete(path):
-        build_random_checkpoint(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(path):
+            if not is_complete(path):
+                _build(path, 0, None, 512, {})
     return path
 
 

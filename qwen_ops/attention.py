@@ -50,10 +50,15 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: b
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
+    """Lengths are clamped to [0, L] as the kernel does; a query that sees no key gives zeros."""
     tq, cache_len = q.shape[1], k_cache.shape[1]
-    q_pos = cache_seqlens.long()[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
-    keep = torch.arange(cache_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [B, Tq, L]
-    return _softmax_attention(q, k_cache, v_cache, scale, keep[:, None])
+    seqlens = cache_seqlens.long().clamp(0, cache_len)
+    q_pos = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
+    keep = (torch.arange(cache_len, device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tq, L]
+    s = masked_scores(q, k_cache, scale, keep)
+    p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
+    o = p @ heads_first(v_cache, q.shape[2] // k_cache.shape[2], s.dtype)
+    return o.transpose(1, 2).contiguous().to(q.dtype)
 
 
 def _check_heads(op, q, k, v, k_name, v_name):
@@ -108,9 +113,19 @@ def _check_decode(q, k_cache, v_cache, cache_seqlens):
                  f"{MAX_DECODE_ROWS} rows; use attention for prefill")
 
 
+def _check_seqlens(cache_seqlens: Tensor, tq: int, cache_len: int):
+    """Value check, CPU tensors only (free there; a host sync on CUDA, where the kernel clamps instead)."""
+    if cache_seqlens.device.type == "cpu" and cache_seqlens.numel():
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < tq or hi > cache_len:
+            fail("decode_attention", f"cache_seqlens must lie in [Tq={tq}, L={cache_len}] (the new tokens are "
+                                     f"already stored, the cache holds L), got values in [{lo}, {hi}]")
+
+
 @torch.library.custom_op("qwen::decode_attention", mutates_args=())
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
     _check_decode(q, k_cache, v_cache, cache_seqlens)
+    _check_seqlens(cache_seqlens, q.shape[1], k_cache.shape[1])
     if use_triton(q):
         return decode_kernels.decode_attention(q, k_cache, v_cache, cache_seqlens, scale)
     return decode_attention_reference(q, k_cache, v_cache, cache_seqlens, scale)

@@ -88,3 +88,31 @@ def test_unsupported_model_type(tmp_path):
     config = CONFIG | {"model_type": "llama"}
     with pytest.raises(ConfigError, match="unsupported model_type 'llama': supported are qwen3, qwen2"):
         QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, config, {}))
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/model.safetensors"])
+def test_index_shards_must_lie_inside_the_checkpoint(tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tensors = hf_tensors(CONFIG)
+    write_checkpoint(ckpt, CONFIG, tensors)
+    save_file(tensors, str(tmp_path / "outside.safetensors"))  # a readable file the index points at
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in tensors}}))
+    with pytest.raises(CheckpointError, match="shards must be file names inside the checkpoint directory"):
+        QwenForCausalLM.from_pretrained(ckpt)
+
+
+def test_malformed_index_is_named(tmp_path):
+    write_checkpoint(tmp_path, CONFIG, hf_tensors(CONFIG))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is malformed"):
+        QwenForCausalLM.from_pretrained(tmp_path)
+
+
+def test_fifo_weights_file_is_refused_without_blocking(tmp_path):
+    import os
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        QwenForCausalLM.from_pretrained(tmp_path)

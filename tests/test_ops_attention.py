@@ -137,3 +137,31 @@ def test_kv_cache_store_caches_with_different_strides(device):
         assert torch.equal(k_cache[b, pos], k[b, 0]) and torch.equal(v_cache[b, pos], v[b, 0])
         written[b, pos] = True
     assert not k_cache[~written[:, :4]].any() and not v_storage[~written].any(), "wrote outside the two slots"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_kernel_clamps_bad_lengths_inside_the_cache(device):
+    """Lengths past the cache, 0, negative, < Tq or >= 2^31 never read outside the cache: the kernel
+    (no host check on CUDA) clamps to [0, L], as the reference does; rows that see no key give 0.
+    The caches are views of NaN-padded storage, so a read past L would show as NaN."""
+    from csrc_free_ops.decode_attention import decode_attention as kernel
+
+    b, tq, hq, hk, d, cache_len = 5, 2, 4, 2, 16, 70
+    q = randn(b, tq, hq, d, dtype=torch.float32, device=device)
+    storage = torch.full((2, b, 2 * cache_len, hk, d), float("nan"), device=device)
+    storage[:, :, :cache_len] = randn(2, b, cache_len, hk, d, dtype=torch.float32, device=device)
+    k_cache, v_cache = storage[0, :, :cache_len], storage[1, :, :cache_len]
+    seqlens = torch.tensor([cache_len + 50, 0, -3, 1, 2**31 + 5], dtype=torch.int64, device=device)
+    out = kernel(q, k_cache, v_cache, seqlens, 0.25)
+    clamped = torch.tensor([cache_len, 0, 0, 1, cache_len], device=device)
+    ref = decode_attention_reference(q, k_cache, v_cache, clamped, 0.25)
+    assert_close(out, ref, what="clamped lengths")
+    assert not out[1:3].any() and not out[3, 0].any(), "rows that see no key must be zero"
+
+
+def test_decode_attention_rejects_bad_lengths_on_cpu():
+    q = randn(1, 2, 4, 16, dtype=torch.float32, device="cpu")
+    cache = randn(1, 8, 2, 16, dtype=torch.float32, device="cpu")
+    for bad in (9, 1, 0, -1):
+        with pytest.raises(qwen_ops.QwenOpError, match=r"cache_seqlens must lie in \[Tq=2, L=8\]"):
+            torch.ops.qwen.decode_attention(q, cache, cache, torch.tensor([bad], dtype=torch.int32), 0.25)
