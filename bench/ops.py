@@ -10,7 +10,7 @@ CUDA graph of calls (the host launch cost is not what we measure), cycling throu
 enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest bytes
 the op must move over the time, and "%copy" compares it with a device-to-device copy
 measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
-config and prints the table that csrc_free_ops/gemm.py's DECODE_CONFIGS keeps.
+config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
 
 --sweep-attn-bwd runs only the attention-backward tile sweep (no ops table): causal bf16 at
 B=4, S=2048 for Qwen3 heads (16/8 x 128) and Qwen2.5-0.5B heads (14/2 x 64). Each candidate
@@ -31,8 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
 import qwen_ops
-from csrc_free_ops import attention, attention_backward, gemm
-from csrc_free_ops.attention_backward import BwdBlocks, Tiles
+from csrc_free_ops import attention, linear
+from csrc_free_ops.attention import BwdBlocks, Tiles
 
 SHAPES = {
     "qwen3-0.6b": dict(hidden=1024, hq=16, hk=8, d=128, inter=3072, vocab=151936),
@@ -78,7 +78,7 @@ def bench_linear(rows, name, m, n, k, decode_cfg=None):
     if decode_cfg is None:
         ours = bench_us(lambda x, w: torch.ops.qwen.linear(x, w), sets)
     else:
-        ours = bench_us(lambda x, w: gemm.linear(x, w, None, decode_cfg=decode_cfg), sets)
+        ours = bench_us(lambda x, w: linear.linear(x, w, None, decode_cfg=decode_cfg), sets)
     peer = bench_us(lambda x, w: F.linear(x, w), sets)
     rows.append((name, f"M={m} N={n} K={k}", ours, "cuBLAS F.linear", peer, nbytes))
 
@@ -153,8 +153,8 @@ def sweep_splitk(cfgs):
                 for split in (1, 2, 4, 8, 16):
                     if split * block_k > k * 2:
                         continue
-                    c = gemm.DecodeConfig(block_n, block_k, split)
-                    results.append((bench_us(lambda x, w: gemm.linear(x, w, None, decode_cfg=c), sets), c))
+                    c = linear.DecodeConfig(block_n, block_k, split)
+                    results.append((bench_us(lambda x, w: linear.linear(x, w, None, decode_cfg=c), sets), c))
         no_split = min(r for r in results if r[1].split_k == 1)
         winner = min(results)
         peer = bench_us(lambda x, w: F.linear(x, w), sets)
@@ -171,7 +171,7 @@ ATTN_BWD_SHAPES = {  # name: (batch, seq, q heads, kv heads, head_dim); bf16, ca
 # block_m queries, dQ the reverse. Pruned ahead of time with ptxas (sm_90, Triton 3.9): all build
 # without register spills at head_dim 64 and 128, in under 227 KB of shared memory (most 4-warp
 # dK/dV tiles with 128 keys and 4-warp 128x64 dQ tiles spill hundreds of bytes). The defaults
-# of csrc_free_ops/attention_backward.py's _bwd_blocks are timed as well.
+# of csrc_free_ops/attention.py's backward_blocks are timed as well.
 ATTN_BWD_DKDV = [
     Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 3), Tiles(32, 64, 8, 4), Tiles(16, 64, 8, 3), Tiles(32, 128, 8, 2),
     Tiles(16, 128, 8, 2), Tiles(16, 128, 8, 3), Tiles(64, 128, 8, 1), Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 1),
@@ -231,23 +231,23 @@ def sweep_attn_bwd():
         ref = torch.autograd.grad(out, leaves, do.float().transpose(1, 2))
         del leaves, out
         o, lse = attention.attention_with_lse(q, k, v, scale, True)
-        delta = attention_backward.bwd_delta(o, do)
+        delta = attention.bwd_delta(o, do)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         mm_flops = b * hq * s * s * d  # one causal matmul: 2 * B * Hq * (S^2 / 2) * D
-        default = attention_backward._bwd_blocks(d, 2)
+        default = attention.backward_blocks(d, 2)
         add(f"## attention backward tiles: {name}, B={b} S={s} bf16 causal", "",
             "| kernel | tiles (m, n, warps, stages) | regs | spill B | smem KB | ms | TFLOPS | rel err |",
             "|---|---|---|---|---|---|---|---|")
         best = {}
         for kernel, cands, run, n_mm, grads in (
-                ("dkdv", ATTN_BWD_DKDV, attention_backward.dkdv_backward, 4, (1, 2)),
-                ("dq", ATTN_BWD_DQ, attention_backward.dq_backward, 3, (0,))):
+                ("dkdv", ATTN_BWD_DKDV, attention.dkdv_backward, 4, (1, 2)),
+                ("dq", ATTN_BWD_DQ, attention.dq_backward, 3, (0,))):
             for t in dict.fromkeys([getattr(default, kernel)] + cands):
                 label = (kernel, f"{tuple(t)}{' default' if t == getattr(default, kernel) else ''}")
                 outs = (dq,) if kernel == "dq" else (dk, dv)
                 try:
                     handle = run(do, q, k, v, lse, delta, *outs, scale, True, t)
-                    got = attention_backward.attention_backward(do, q, k, v, o, lse, scale, True,
+                    got = attention.attention_backward(do, q, k, v, o, lse, scale, True,
                                                                 blocks=default._replace(**{kernel: t}))
                     ms = triton.testing.do_bench(lambda: run(do, q, k, v, lse, delta, *outs, scale, True, t),
                                                  return_mode="median")
@@ -268,7 +268,7 @@ def sweep_attn_bwd():
             candidates.append(("ours, fastest " + str(tuple(map(tuple, fastest))), fastest))
         for label, blocks in candidates:
             def ours():
-                return attention_backward.attention_backward(do, q, k, v, o, lse, scale, True, blocks=blocks)
+                return attention.attention_backward(do, q, k, v, o, lse, scale, True, blocks=blocks)
             ms = triton.testing.do_bench(ours, return_mode="median")
             add(_row(label, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
                      " / ".join(f"{rel_error(g, r):.1e}" for g, r in zip(ours(), ref))))

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_backward import gemm_blocks, mm, tile_product
-from .triton_helpers import INTERPRET, grouped_tile
+from .common import INTERPRET, gemm_blocks, grouped_tile, mm, tile_product
 
 PARTIALS_BYTES = 32 << 20
 """Byte budget of the forward's per-tile row statistics (8 bytes per row per BLOCK_N columns)."""

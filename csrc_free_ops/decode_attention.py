@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import LOG2E
-from .triton_helpers import TARGET_PROGRAMS, dot
+from .common import LOG2E, TARGET_PROGRAMS, dot
 
 
 @triton.jit

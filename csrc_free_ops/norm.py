@@ -1,15 +1,26 @@
-"""RMSNorm and the fused residual add + RMSNorm.
+"""RMSNorm and the fused residual add + RMSNorm, forward and backward.
 
     y = x * rsqrt(mean(x^2) + eps) * (weight + offset)
 
-One program per row, the row held in registers; math in fp32, stored in the
+Forward: one program per row, the row held in registers; math in fp32, stored in the
 input dtype. `offset=1.0` gives the zero-centred weight of Qwen3.5.
+
+Backward, per row of N, with rstd = rsqrt(mean(x^2) + eps), w' = weight + offset,
+xhat = x * rstd and g = dy * w':
+
+    dx      = rstd * (g - xhat * mean(g * xhat))        (+ d_sum for add_rms_norm: the
+                                                          residual stream's own gradient)
+    dweight = sum over rows of dy * xhat
+
+rstd is recomputed from x (one extra reduction over a row that is read anyway) instead of
+being saved by the forward. dweight is reduced in two passes (`common.sum_partials`),
+deterministic and free of atomics.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import row_warps
+from .common import num_programs, row_block, row_warps, sum_partials
 
 
 @triton.jit
@@ -68,3 +79,61 @@ def _launch(x2, r2, weight, y2, s2, eps, offset):
         n, eps, offset,
         HAS_RESIDUAL=has_res, BLOCK_N=block, num_warps=row_warps(block),
     )
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, dsum_ptr, dx_ptr, dw_part_ptr,
+    stride_dy, stride_x, stride_dsum, stride_dx,
+    ROWS, N, ROWS_PER_PROG, eps, offset,
+    HAS_DSUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program p: rows [p * ROWS_PER_PROG, ...) in tiles of BLOCK_R rows; dweight partial -> row p."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    col_ok = cols < N
+    w = (tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    lo = pid.to(tl.int64) * ROWS_PER_PROG  # int64 row offsets
+    hi = min(lo + ROWS_PER_PROG, ROWS)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + rr
+        m = (r < hi)[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+        if HAS_DSUM:
+            dx += tl.load(dsum_ptr + r[:, None] * stride_dsum + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + r[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw_acc, mask=col_ok)
+
+
+def rms_norm_backward(dy, x, weight, eps: float, offset: float, dsum=None):
+    """dy, x [..., N] (dsum: the gradient reaching add_rms_norm's sum output, or None), weight [N]
+    -> (dx [..., N] in x's dtype, dweight [N] in weight's dtype)."""
+    n = x.shape[-1]
+    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+    rows = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return dx, torch.zeros_like(weight)
+    dx2 = dx.view(-1, n)
+    ds2 = dsum.reshape(-1, n) if dsum is not None else None
+    p = num_programs(rows)
+    per = triton.cdiv(rows, p)
+    p = triton.cdiv(rows, per)
+    partial = torch.empty((p, n), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm_bwd_kernel[(p,)](
+        dy2, x2, weight, ds2 if ds2 is not None else dy2, dx2, partial,
+        dy2.stride(0), x2.stride(0), ds2.stride(0) if ds2 is not None else 0, dx2.stride(0),
+        rows, n, per, eps, offset,
+        HAS_DSUM=ds2 is not None, BLOCK_R=min(row_block(block), triton.next_power_of_2(per)), BLOCK_N=block,
+        num_warps=row_warps(block),
+    )
+    return dx, sum_partials(partial, weight.dtype)

@@ -12,12 +12,27 @@ With a norm weight w, x is first replaced by x * rsqrt(mean(x^2) + eps) * (w + o
 (Qwen3's q_norm/k_norm), saving a kernel and a round trip per projection.
 
 Grid: (rows, 2): program (r, 0) handles every q head of row r, (r, 1) every k head.
+
+Backward: a rotation by angle a is orthogonal, so its backward is the rotation by -a applied
+to the output gradient (the pass-through dims copy straight back):
+
+    g[i]       =  dy[i] cos a_i + dy[i + R/2] sin a_i
+    g[i + R/2] = -dy[i] sin a_i + dy[i + R/2] cos a_i
+
+With the fused q/k norm g is the gradient of the normed head, so the RMSNorm backward over
+the head follows, per head of D: dx = rstd * (g w' - xhat mean(g w' xhat)), and dweight =
+sum over rows and heads of g * xhat: fp32 partials [P, D] per program, then a fixed-order
+sum (deterministic, no atomics). cos/sin are recomputed from the positions exactly as the
+forward computes them. Backward grid: (P,), one launch for q and one for k; program p walks
+a contiguous range of (token, head) rows in tiles.
 """
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from .common import num_programs, row_block, sum_partials
 
 
 @triton.jit
@@ -107,3 +122,108 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         num_warps=4,
     )
     return q_out, k_out
+
+
+@triton.jit
+def _rope_bwd_kernel(
+    dy_ptr, x_ptr, pos_ptr, w_ptr, dx_ptr, dw_part_ptr,
+    stride_dyr, stride_dyh, stride_xr, stride_xh,
+    NHR, H, PER_PROG, log2_theta, eps, offset,
+    D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """Works on head-rows (token, head) hr = token * H + head, BLOCK_R of them per tile; program p
+    takes head-rows [p * PER_PROG, ...) and writes its dweight partial to row p."""
+    HALF: tl.constexpr = ROT // 2
+    PASS: tl.constexpr = D - ROT
+    pid = tl.program_id(0)
+    rr = tl.arange(0, BLOCK_R)
+    i = tl.arange(0, BLOCK_HALF)
+    p = tl.arange(0, BLOCK_PASS)
+    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
+    if HAS_NORM:
+        w1 = (tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        w2 = (tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32) + offset)[None, :]
+        wp = (tl.load(w_ptr + ROT + p, mask=p < PASS, other=0.0).to(tl.float32) + offset)[None, :]
+        dw1 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
+        dw2 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
+        dwp = tl.zeros((BLOCK_PASS,), dtype=tl.float32)
+    lo = pid.to(tl.int64) * PER_PROG  # int64 offsets
+    hi = min(lo + PER_PROG, NHR)
+    for r0 in range(lo, hi, BLOCK_R):
+        hr = r0 + rr
+        ok = hr < hi
+        row = hr // H
+        head = hr % H
+        m_rot = ok[:, None] & (i[None, :] < HALF)
+        m_pass = ok[:, None] & (p[None, :] < PASS)
+        pos = tl.load(pos_ptr + row, mask=ok, other=0).to(tl.float32)
+        angle = pos[:, None] * inv_freq[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        src = dy_ptr + row[:, None] * stride_dyr + head[:, None] * stride_dyh
+        dy1 = tl.load(src + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        dy2 = tl.load(src + HALF + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        gp = tl.load(src + ROT + p[None, :], mask=m_pass, other=0.0).to(tl.float32)
+        g1 = dy1 * cos + dy2 * sin
+        g2 = dy2 * cos - dy1 * sin
+        if HAS_NORM:
+            xs = x_ptr + row[:, None] * stride_xr + head[:, None] * stride_xh
+            x1 = tl.load(xs + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
+            x2 = tl.load(xs + HALF + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
+            xp = tl.load(xs + ROT + p[None, :], mask=m_pass, other=0.0).to(tl.float32)
+            sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
+            rstd = tl.rsqrt(sq / D + eps)[:, None]
+            xh1, xh2, xhp = x1 * rstd, x2 * rstd, xp * rstd
+            dw1 += tl.sum(g1 * xh1, axis=0)
+            dw2 += tl.sum(g2 * xh2, axis=0)
+            dwp += tl.sum(gp * xhp, axis=0)
+            gw1, gw2, gwp = g1 * w1, g2 * w2, gp * wp
+            mean = (tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1) + tl.sum(gwp * xhp, axis=1))[:, None] / D
+            g1 = rstd * (gw1 - xh1 * mean)
+            g2 = rstd * (gw2 - xh2 * mean)
+            gp = rstd * (gwp - xhp * mean)
+        dst = dx_ptr + hr[:, None] * D  # dx is contiguous [tokens, H, D]
+        tl.store(dst + i[None, :], g1.to(dx_ptr.dtype.element_ty), mask=m_rot)
+        tl.store(dst + HALF + i[None, :], g2.to(dx_ptr.dtype.element_ty), mask=m_rot)
+        tl.store(dst + ROT + p[None, :], gp.to(dx_ptr.dtype.element_ty), mask=m_pass)
+    if HAS_NORM:
+        part = dw_part_ptr + pid * D
+        tl.store(part + i, dw1, mask=i < HALF)
+        tl.store(part + HALF + i, dw2, mask=i < HALF)
+        tl.store(part + ROT + p, dwp, mask=p < PASS)
+
+
+def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
+    """dy, x [..., H, D] -> (dx contiguous in x's dtype, dweight [D] or None)."""
+    h, d = x.shape[-2:]
+    x3 = x.reshape(-1, h, d)
+    dy3 = dy.reshape(-1, h, d)
+    nhr = x3.shape[0] * h
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    has_norm = weight is not None
+    if nhr == 0:
+        return dx, (torch.zeros_like(weight) if has_norm else None)
+    p = num_programs(triton.cdiv(nhr, 8))
+    per = triton.cdiv(nhr, p)
+    p = triton.cdiv(nhr, per)
+    partial = torch.empty((p, d) if has_norm else (1, 1), dtype=torch.float32, device=x.device)
+    _rope_bwd_kernel[(p,)](
+        dy3, x3, pos, weight if has_norm else x3, dx, partial,
+        dy3.stride(0), dy3.stride(1), x3.stride(0), x3.stride(1),
+        nhr, h, per, math.log2(theta), eps, offset,
+        D=d, ROT=rotary_dim, HAS_NORM=has_norm,
+        BLOCK_R=min(row_block(triton.next_power_of_2(d)), triton.next_power_of_2(per)),
+        BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), num_warps=4,
+    )
+    return dx, (sum_partials(partial, weight.dtype) if has_norm else None)
+
+
+def rope_backward(dq, dk, q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_weight,
+                  eps: float, offset: float):
+    """Gradients of csrc_free_ops.rope.rope: (dq_in, dk_in, d q_norm_weight or None, d k_norm_weight or None)."""
+    pos = positions.reshape(-1).contiguous()  # an expanded or sliced view has stride != 1
+    dq_in, dqw = _one(dq, q, pos, q_norm_weight, theta, rotary_dim, eps, offset)
+    dk_in, dkw = _one(dk, k, pos, k_norm_weight, theta, rotary_dim, eps, offset)
+    return dq_in, dk_in, dqw, dkw

@@ -1,26 +1,35 @@
 """torch.library layer: `import qwen_ops` registers every torch.ops.qwen.* op.
 
-Each op has a schema (custom_op), a fake kernel, the Triton path and a plain-PyTorch
-reference (`*_reference`, the test oracle and the CPU path); see docs/ops.md. Training
-(backward ops and their autograd registration, the fused linear + cross-entropy loss and
-the transformers patch) is in autograd.py, cross_entropy.py and patch.py; see docs/training.md.
+One module per op family, each holding its ops' plain-PyTorch references (`*_reference`,
+the test oracle and the CPU path), input checks, fake kernels, the `registry.define` calls
+that register them, and their autograd formulas (backward ops are ops too). The Triton
+kernels live in the family's module of `csrc_free_ops`. See docs/ops.md, docs/training.md
+and docs/architecture.md.
 """
-from .activation import silu_mul, silu_mul_reference
-from .attention import attention, attention_reference, decode_attention, decode_attention_reference
+from .activation import (silu_mul, silu_mul_backward, silu_mul_backward_reference, silu_mul_reference, silu_mul_split,
+                         silu_mul_split_backward, silu_mul_split_backward_reference, silu_mul_split_reference)
+from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
+                        attention_with_lse, attention_with_lse_reference)
 from .checks import QwenOpError
-from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
+                            linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
+                            linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
+from .decode_attention import decode_attention, decode_attention_reference
 from .kv_cache import kv_cache_store, kv_cache_store_reference
-from .linear import linear, linear_reference
-from .norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from .patch import patch_transformers
-from .rope import rope, rope_reference
-
-from . import autograd  # noqa: E402,F401,I001  (after the forward ops: registers their backward)
+from .linear import linear, linear_backward, linear_backward_reference, linear_reference
+from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
+                   rms_norm_reference)
+from .registry import kernel_calls
+from .rope import rope, rope_backward, rope_backward_reference, rope_reference
 
 __all__ = [
-    "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_reference",
-    "decode_attention", "decode_attention_reference", "kv_cache_store", "kv_cache_store_reference",
-    "linear", "linear_cross_entropy", "linear_cross_entropy_reference", "linear_reference",
-    "patch_transformers", "rms_norm", "rms_norm_reference", "rope", "rope_reference",
-    "silu_mul", "silu_mul_reference",
+    "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_backward",
+    "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
+    "decode_attention", "decode_attention_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",
+    "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
+    "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",
+    "linear_cross_entropy_with_lse_reference", "linear_reference", "rms_norm", "rms_norm_backward",
+    "rms_norm_backward_reference", "rms_norm_reference", "rope", "rope_backward", "rope_backward_reference",
+    "rope_reference", "silu_mul", "silu_mul_backward", "silu_mul_backward_reference", "silu_mul_reference",
+    "silu_mul_split", "silu_mul_split_backward", "silu_mul_split_backward_reference", "silu_mul_split_reference",
 ]

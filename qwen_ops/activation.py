@@ -1,12 +1,18 @@
-"""qwen::silu_mul: gate_up [..., 2I] -> silu(gate_up[..., :I]) * gate_up[..., I:]  [..., I]."""
+"""SwiGLU: qwen::silu_mul, qwen::silu_mul_split and their backward ops.
+
+    silu_mul(gate_up [..., 2I]) = silu(gate_up[..., :I]) * gate_up[..., I:]   [..., I]
+    silu_mul_split(gate [..., I], up [..., I]) = silu(gate) * up              (transformers'
+                                                                              gate_proj / up_proj)
+Backward, s = sigmoid(g):  dg = dy * u * s * (1 + g * (1 - s)),  du = dy * g * s.
+"""
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import activation as kernels
 
-from .checks import check_float, fail
-from .dispatch import acc_dtype, use_triton
+from .checks import check_float, check_same, fail
+from .registry import acc_dtype, define, last_dim_contiguous
 
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
@@ -14,21 +20,83 @@ def silu_mul_reference(gate_up: Tensor) -> Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
-def _check(gate_up: Tensor):
-    check_float("silu_mul", "gate_up", gate_up)
+def silu_mul_split_reference(gate: Tensor, up: Tensor) -> Tensor:
+    dt = acc_dtype(gate)
+    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
+
+
+def _grads(dy, gate, up):
+    dt = acc_dtype(gate)
+    g, u, dyf = gate.to(dt), up.to(dt), dy.to(dt)
+    s = torch.sigmoid(g)
+    return dyf * u * s * (1 + g * (1 - s)), dyf * g * s
+
+
+def silu_mul_backward_reference(dy: Tensor, gate_up: Tensor) -> Tensor:
+    """d gate_up [..., 2I] of silu_mul(gate_up) for output gradient dy [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(_grads(dy, gate, up), dim=-1).to(gate_up.dtype)
+
+
+def silu_mul_split_backward_reference(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    dg, du = _grads(dy, gate, up)
+    return dg.to(gate.dtype), du.to(gate.dtype)
+
+
+def _check(gate_up: Tensor, dy: Tensor | None = None):
+    op = "silu_mul" if dy is None else "silu_mul_backward"
+    check_float(op, "gate_up", gate_up)
     if gate_up.shape[-1] % 2:
-        fail("silu_mul", f"gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
+        fail(op, f"gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
+    if dy is not None:
+        check_float(op, "dy", dy)
+        check_same(op, "gate_up", gate_up, dy=dy)
+        if dy.shape != (*gate_up.shape[:-1], gate_up.shape[-1] // 2):
+            fail(op, f"dy {tuple(dy.shape)} does not match gate_up {tuple(gate_up.shape)}")
 
 
-@torch.library.custom_op("qwen::silu_mul", mutates_args=())
-def silu_mul(gate_up: Tensor) -> Tensor:
-    _check(gate_up)
-    if use_triton(gate_up):
-        return kernels.silu_mul(gate_up)
-    return silu_mul_reference(gate_up)
+def _check_split(gate, up, dy=None):
+    op = "silu_mul_split" if dy is None else "silu_mul_split_backward"
+    check_float(op, "gate", gate)
+    check_float(op, "up", up)
+    check_same(op, "gate", gate, up=up, dy=dy)
+    if up.shape != gate.shape or (dy is not None and dy.shape != gate.shape):
+        fail(op, f"gate {tuple(gate.shape)}, up {tuple(up.shape)}" + ("" if dy is None else f" and dy {tuple(dy.shape)}")
+             + " must have one shape")
 
 
-@silu_mul.register_fake
-def _(gate_up):
-    _check(gate_up)
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+def _like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+silu_mul = define(silu_mul_reference, kernels.silu_mul, check=_check,
+                  fake=lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))
+
+silu_mul_split = define(silu_mul_split_reference, kernels.silu_mul_split, check=_check_split,
+                        fake=lambda gate, up: _like(gate))
+
+silu_mul_backward = define(silu_mul_backward_reference, kernels.silu_mul_backward,
+                           check=lambda dy, gate_up: _check(gate_up, dy), fake=lambda dy, gate_up: _like(gate_up),
+                           dispatch_arg=1)
+
+silu_mul_split_backward = define(silu_mul_split_backward_reference, kernels.silu_mul_split_backward,
+                                 check=lambda dy, gate, up: _check_split(gate, up, dy),
+                                 fake=lambda dy, gate, up: (_like(gate), _like(gate)), dispatch_arg=1)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _silu_mul_bwd(ctx, dy):
+    (gate_up,) = ctx.saved_tensors
+    return silu_mul_backward(last_dim_contiguous(dy), gate_up)
+
+
+def _silu_mul_split_bwd(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return silu_mul_split_backward(last_dim_contiguous(dy), gate, up)
+
+
+torch.library.register_autograd("qwen::silu_mul", _silu_mul_bwd, setup_context=_setup)
+torch.library.register_autograd("qwen::silu_mul_split", _silu_mul_split_bwd, setup_context=_setup)

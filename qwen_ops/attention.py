@@ -1,23 +1,22 @@
-"""qwen::attention (prefill, flash) and qwen::decode_attention (flash-decoding over a KV cache).
+"""qwen::attention (prefill, flash), qwen::attention_with_lse and qwen::attention_backward.
 
 attention: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] -> o [B, Sq, Hq, D]
     o = softmax(scale * q k^T + mask) v, kv head = q head // (Hq / Hk);
     causal: query i sits at position Sk - Sq + i (Sk > Sq: a cached prefix).
-decode_attention: q [B, Tq, Hq, D], k_cache/v_cache [B, L, Hk, D], cache_seqlens [B]
-    -> o [B, Tq, Hq, D]; query t of sequence b sits at position cache_seqlens[b] - Tq + t
-    and sees cache[b, :position + 1] (the new tokens are already stored).
+attention_with_lse: also returns lse [B, Hq, Sq] (fp32, natural log; float64 for float64 q),
+    which the backward needs; a training forward that keeps it saves the backward a pass.
+attention_backward: (dq, dk, dv) for output gradient do (and lse's gradient dlse);
+    lse None: recomputed.
 """
 import torch
 from torch import Tensor
 
-from csrc_free_ops import attention as attention_kernels
-from csrc_free_ops import decode_attention as decode_kernels
+from typing import Optional
 
-from .checks import check_float, check_head_dim, check_index, check_same, fail
-from .dispatch import acc_dtype, use_triton
+from csrc_free_ops import attention as kernels
 
-MAX_DECODE_ROWS = 128
-"""decode_attention handles Tq * (Hq / Hk) <= 128 query rows per kv head: a few tokens, not a prefill."""
+from .checks import check_float, check_head_dim, check_same, fail
+from .registry import acc_dtype, define, last_dim_contiguous
 
 
 def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -37,31 +36,51 @@ def causal_keep(sq: int, sk: int, device) -> Tensor:
     return torch.arange(sk, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (sk - sq)
 
 
-def _softmax_attention(q, k, v, scale, keep):
-    s = masked_scores(q, k, scale, keep)
-    o = torch.softmax(s, dim=-1) @ heads_first(v, q.shape[2] // k.shape[2], s.dtype)
-    return o.transpose(1, 2).contiguous().to(q.dtype)
-
-
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
+    return attention_with_lse_reference(q, k, v, scale, causal)[0]
+
+
+def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                                 causal: bool = True) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, scale, causal)
+    o = torch.softmax(s, dim=-1) @ heads_first(v, q.shape[2] // k.shape[2], s.dtype)
+    return o.transpose(1, 2).contiguous().to(q.dtype), torch.logsumexp(s, dim=-1)
+
+
+def _scores(q, k, scale, causal):
+    """Masked scale q k^T [B, Hq, Sq, Sk] in the reference dtype."""
     sq, sk = q.shape[1], k.shape[1]
     keep = causal_keep(sq, sk, q.device) if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    return _softmax_attention(q, k, v, scale, keep)
+    return masked_scores(q, k, scale, keep)
 
 
-def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
-    """Lengths are clamped to [0, L] as the kernel does; a query that sees no key gives zeros."""
-    tq, cache_len = q.shape[1], k_cache.shape[1]
-    seqlens = cache_seqlens.long().clamp(0, cache_len)
-    q_pos = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
-    keep = (torch.arange(cache_len, device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tq, L]
-    s = masked_scores(q, k_cache, scale, keep)
-    p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
-    o = p @ heads_first(v_cache, q.shape[2] // k_cache.shape[2], s.dtype)
-    return o.transpose(1, 2).contiguous().to(q.dtype)
+def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Optional[Tensor],
+                                 scale: float, causal: bool = True,
+                                 dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain math (o and lse are recomputed; the arguments only mirror the kernel's)."""
+    s = _scores(q, k, scale, causal)
+    dt, group = s.dtype, q.shape[2] // k.shape[2]
+    qf, kf, vf = heads_first(q, 1, dt), heads_first(k, group, dt), heads_first(v, group, dt)
+    p = torch.softmax(s, dim=-1)
+    dof = do.to(dt).transpose(1, 2)
+    of = p @ vf
+    dp = dof @ vf.transpose(-1, -2)
+    delta = (dof * of).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(dt)[..., None]
+    ds = p * (dp - delta)
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    dv = p.transpose(-1, -2) @ dof
+    b, hk, sk, d = k.shape[0], k.shape[2], k.shape[1], k.shape[3]
+
+    def fold(t):  # [B, Hq, Sk, D] -> [B, Sk, Hk, D]: sum over the query heads of each group
+        return t.reshape(b, hk, group, sk, d).sum(2).transpose(1, 2).contiguous()
+
+    return (dq.transpose(1, 2).contiguous().to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype))
 
 
-def _check_heads(op, q, k, v, k_name, v_name):
+def check_heads(op, q, k, v, k_name, v_name):
     check_float(op, "q", q, ndim=4)
     check_float(op, k_name, k, ndim=4)
     check_float(op, v_name, v, ndim=4)
@@ -77,61 +96,76 @@ def _check_heads(op, q, k, v, k_name, v_name):
         fail(op, f"q heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
 
 
-def _check_attention(q, k, v, causal):
-    _check_heads("attention", q, k, v, "k", "v")
+def _check_attention(q, k, v, scale, causal=True):
+    check_heads("attention", q, k, v, "k", "v")
     if k.shape[1] == 0:
         fail("attention", "k and v must hold at least one position")
     if causal and k.shape[1] < q.shape[1]:
         fail("attention", f"causal attention needs Sk >= Sq, got Sk={k.shape[1]} < Sq={q.shape[1]}")
 
 
-@torch.library.custom_op("qwen::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
-    _check_attention(q, k, v, causal)
-    if use_triton(q):
-        return attention_kernels.attention(q, k, v, scale, causal)
-    return attention_reference(q, k, v, scale, causal)
+def _check_backward(do, q, k, v, o, lse, scale, causal, dlse):
+    op = "attention_backward"
+    _check_attention(q, k, v, scale, causal)
+    for name, t in (("do", do), ("o", o)):
+        check_float(op, name, t, ndim=4)
+        if t.shape != q.shape:
+            fail(op, f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and (tuple(t.shape) != (q.shape[0], q.shape[2], q.shape[1]) or not t.is_contiguous()):
+            fail(op, f"{name} must be contiguous [B, Hq, Sq] = {(q.shape[0], q.shape[2], q.shape[1])}, got {tuple(t.shape)}")
 
 
-@attention.register_fake
-def _(q, k, v, scale, causal=True):
-    _check_attention(q, k, v, causal)
-    return q.new_empty(q.shape)
+def _backward_kernel(do, q, k, v, o, lse, scale, causal, dlse):
+    return kernels.attention_backward(do, q, k, v, o, None if lse is None else lse.float(), scale, causal,
+                                      None if dlse is None else dlse.float())
 
 
-def _check_decode(q, k_cache, v_cache, cache_seqlens):
-    op = "decode_attention"
-    _check_heads(op, q, k_cache, v_cache, "k_cache", "v_cache")
-    check_index(op, "cache_seqlens", cache_seqlens, (q.shape[0],))
-    if cache_seqlens.device != q.device:
-        fail(op, f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    tq, cache_len = q.shape[1], k_cache.shape[1]
-    if tq > cache_len:
-        fail(op, f"{tq} new tokens do not fit a cache of length {cache_len}")
-    if tq * (q.shape[2] // k_cache.shape[2]) > MAX_DECODE_ROWS:
-        fail(op, f"Tq={tq} new tokens x {q.shape[2] // k_cache.shape[2]} q heads per kv head exceeds "
-                 f"{MAX_DECODE_ROWS} rows; use attention for prefill")
+def _like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _check_seqlens(cache_seqlens: Tensor, tq: int, cache_len: int):
-    """Value check, CPU tensors only (free there; a host sync on CUDA, where the kernel clamps instead)."""
-    if cache_seqlens.device.type == "cpu" and cache_seqlens.numel():
-        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if lo < tq or hi > cache_len:
-            fail("decode_attention", f"cache_seqlens must lie in [Tq={tq}, L={cache_len}] (the new tokens are "
-                                     f"already stored, the cache holds L), got values in [{lo}, {hi}]")
+attention = define(attention_reference, kernels.attention, check=_check_attention,
+                   fake=lambda q, k, v, scale, causal: q.new_empty(q.shape))
+
+attention_with_lse = define(
+    attention_with_lse_reference, kernels.attention_with_lse, check=_check_attention,
+    fake=lambda q, k, v, scale, causal: (q.new_empty(q.shape),
+                                         q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc_dtype(q))))
+
+attention_backward = define(attention_backward_reference, _backward_kernel, check=_check_backward,
+                            fake=lambda do, q, k, v, *args: (_like(q), _like(k), _like(v)), dispatch_arg=1)
 
 
-@torch.library.custom_op("qwen::decode_attention", mutates_args=())
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
-    _check_decode(q, k_cache, v_cache, cache_seqlens)
-    _check_seqlens(cache_seqlens, q.shape[1], k_cache.shape[1])
-    if use_triton(q):
-        return decode_kernels.decode_attention(q, k_cache, v_cache, cache_seqlens, scale)
-    return decode_attention_reference(q, k_cache, v_cache, cache_seqlens, scale)
+def _setup(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    ctx.save_for_backward(q, k, v, output)
+    ctx.scale, ctx.causal = scale, causal
 
 
-@decode_attention.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, scale):
-    _check_decode(q, k_cache, v_cache, cache_seqlens)
-    return q.new_empty(q.shape)
+def _backward(ctx, do):
+    q, k, v, o = ctx.saved_tensors
+    dq, dk, dv = attention_backward(last_dim_contiguous(do), q, k, v, o, None, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+def _setup_with_lse(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale, ctx.causal = scale, causal
+    ctx.set_materialize_grads(False)
+
+
+def _backward_with_lse(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        if dlse is None:
+            return None, None, None, None, None
+        do = torch.zeros_like(o)
+    dq, dk, dv = attention_backward(last_dim_contiguous(do), q, k, v, o, lse, ctx.scale, ctx.causal,
+                                    None if dlse is None else dlse.contiguous())
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("qwen::attention", _backward, setup_context=_setup)
+torch.library.register_autograd("qwen::attention_with_lse", _backward_with_lse, setup_context=_setup_with_lse)

@@ -28,7 +28,7 @@ from torch import Tensor
 from csrc_free_ops import cross_entropy as kernels
 
 from .checks import INDEX_DTYPES, check_float, check_same, fail
-from .dispatch import acc_dtype, use_triton
+from .registry import acc_dtype, define
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
@@ -36,14 +36,16 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, targets: Tens
     return F.cross_entropy(hidden.to(dt) @ weight.to(dt).t(), targets.long(), ignore_index=ignore_index)
 
 
-def linear_cross_entropy_with_lse_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100):
+def linear_cross_entropy_with_lse_reference(hidden: Tensor, weight: Tensor, targets: Tensor,
+                                            ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     dt = acc_dtype(hidden)
     logits = hidden.to(dt) @ weight.to(dt).t()
     return F.cross_entropy(logits, targets.long(), ignore_index=ignore_index), torch.logsumexp(logits, dim=-1)
 
 
 def linear_cross_entropy_backward_reference(grad_loss: Tensor, grad_lse: Optional[Tensor], hidden: Tensor,
-                                            weight: Tensor, targets: Tensor, lse: Tensor, ignore_index: int = -100):
+                                            weight: Tensor, targets: Tensor, lse: Tensor, ignore_index: int,
+                                            need_dhidden: bool, need_dweight: bool) -> tuple[Tensor, Tensor]:
     """Gradients of grad_loss * loss + sum_i grad_lse_i * lse_i with respect to (hidden, weight):
     G = softmax * (row_scale + grad_lse) - onehot * row_scale, row_scale = grad_loss / n_valid on
     valid rows (0 on ignored ones); dhidden = G @ W, dweight = G^T @ hidden."""
@@ -54,7 +56,8 @@ def linear_cross_entropy_backward_reference(grad_loss: Tensor, grad_lse: Optiona
     row_scale = (valid.to(dt) * (grad_loss.to(dt) / valid.sum().clamp_min(1).to(dt)))[:, None]
     coef = row_scale if grad_lse is None else row_scale + grad_lse.to(dt)[:, None]
     g = torch.exp(h @ w.t() - lse.to(dt)[:, None]) * coef - onehot * row_scale
-    return (g @ w).to(hidden.dtype), (g.t() @ h).to(weight.dtype)
+    return ((g @ w).to(hidden.dtype) if need_dhidden else hidden.new_empty((0,)),
+            (g.t() @ h).to(weight.dtype) if need_dweight else weight.new_empty((0,)))
 
 
 def _check(hidden, weight, targets):
@@ -74,41 +77,30 @@ def _check(hidden, weight, targets):
         fail(op, f"targets is on {targets.device} but hidden is on {hidden.device}")
 
 
-@torch.library.custom_op("qwen::linear_cross_entropy_with_lse", mutates_args=())
-def linear_cross_entropy_with_lse(hidden: Tensor, weight: Tensor, targets: Tensor,
-                                  ignore_index: int = -100) -> tuple[Tensor, Tensor]:
-    _check(hidden, weight, targets)
-    if use_triton(hidden):
-        return kernels.linear_cross_entropy(hidden, weight, targets, ignore_index)
-    return linear_cross_entropy_with_lse_reference(hidden, weight, targets, ignore_index)
+def _backward_kernel(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
+    dh, dw = kernels.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index,
+                                                   need_dhidden, need_dweight)
+    return (dh if need_dhidden else hidden.new_empty((0,))), (dw if need_dweight else weight.new_empty((0,)))
 
 
-@linear_cross_entropy_with_lse.register_fake
-def _(hidden, weight, targets, ignore_index=-100):
-    _check(hidden, weight, targets)
+def _fake_with_lse(hidden, weight, targets, ignore_index):
     dt = acc_dtype(hidden)
     return hidden.new_empty((), dtype=dt), hidden.new_empty((hidden.shape[0],), dtype=dt)
 
 
-@torch.library.custom_op("qwen::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward(grad_loss: Tensor, grad_lse: Optional[Tensor], hidden: Tensor, weight: Tensor,
-                                  targets: Tensor, lse: Tensor, ignore_index: int, need_dhidden: bool,
-                                  need_dweight: bool) -> tuple[Tensor, Tensor]:
-    _check(hidden, weight, targets)
-    if use_triton(hidden):
-        dh, dw = kernels.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index,
-                                                       need_dhidden, need_dweight)
-    else:
-        dh, dw = linear_cross_entropy_backward_reference(grad_loss, grad_lse, hidden, weight, targets, lse,
-                                                         ignore_index)
-    return (dh if need_dhidden else hidden.new_empty((0,))), (dw if need_dweight else weight.new_empty((0,)))
-
-
-@linear_cross_entropy_backward.register_fake
-def _(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
-    _check(hidden, weight, targets)
+def _fake_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
     return (hidden.new_empty(hidden.shape if need_dhidden else (0,)),
             weight.new_empty(weight.shape if need_dweight else (0,)))
+
+
+linear_cross_entropy_with_lse = define(
+    linear_cross_entropy_with_lse_reference, kernels.linear_cross_entropy,
+    check=lambda hidden, weight, targets, ignore_index: _check(hidden, weight, targets), fake=_fake_with_lse)
+
+linear_cross_entropy_backward = define(
+    linear_cross_entropy_backward_reference, _backward_kernel,
+    check=lambda grad_loss, grad_lse, hidden, weight, targets, *args: _check(hidden, weight, targets),
+    fake=_fake_backward, dispatch_arg=2)
 
 
 def _setup(ctx, inputs, output):
@@ -120,14 +112,14 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_loss, grad_lse):
     hidden, weight, targets, lse = ctx.saved_tensors
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dh, dw = torch.ops.qwen.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse,
-                                                          ctx.ignore_index, need_dh, need_dw)
+    dh, dw = linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ctx.ignore_index,
+                                           need_dh, need_dw)
     return (dh if need_dh else None), (dw if need_dw else None), None, None
 
 
 torch.library.register_autograd("qwen::linear_cross_entropy_with_lse", _backward, setup_context=_setup)
 
-_lib = torch.library.Library("qwen", "FRAGMENT")
+_lib = torch.library.Library("qwen", "FRAGMENT")  # a composite op: no kernel of its own, so not `define`d
 _lib.define("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index=-100) -> Tensor")
 
 

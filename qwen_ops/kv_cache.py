@@ -11,7 +11,7 @@ from torch import Tensor
 from csrc_free_ops import kv_cache as kernels
 
 from .checks import check_float, check_index, check_same, fail
-from .dispatch import use_triton
+from .registry import define
 
 
 def kv_cache_store_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> None:
@@ -44,22 +44,13 @@ def _check(k, v, k_cache, v_cache, positions):
 
 def _check_positions(positions: Tensor, cache_len: int):
     """Value check, CPU tensors only (free there; a device sync on CUDA)."""
-    if positions.device.type == "cpu" and positions.numel():
+    if positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= cache_len:
             fail("kv_cache_store", f"positions must lie in [0, {cache_len}) (cache length), got [{lo}, {hi}]")
 
 
-@torch.library.custom_op("qwen::kv_cache_store", mutates_args=("k_cache", "v_cache"))
-def kv_cache_store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> None:
-    _check(k, v, k_cache, v_cache, positions)
-    _check_positions(positions, k_cache.shape[1])
-    if use_triton(k_cache):
-        kernels.kv_cache_store(k, v, k_cache, v_cache, positions)
-    else:
-        kv_cache_store_reference(k, v, k_cache, v_cache, positions)
-
-
-@kv_cache_store.register_fake
-def _(k, v, k_cache, v_cache, positions):
-    _check(k, v, k_cache, v_cache, positions)
+kv_cache_store = define(kv_cache_store_reference, kernels.kv_cache_store, check=_check, fake=lambda *args: None,
+                        mutates_args=("k_cache", "v_cache"),
+                        check_values=lambda k, v, k_cache, v_cache, positions: _check_positions(positions,
+                                                                                                k_cache.shape[1]))

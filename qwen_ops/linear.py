@@ -1,7 +1,10 @@
-"""qwen::linear: x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N].
+"""qwen::linear: x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], and qwen::linear_backward.
 
 M = prod(x.shape[:-1]) <= 16 (decode) takes the split-K kernel pair, larger M the
-tiled GEMM (csrc_free_ops/gemm.py). fp32 accumulation, output in x's dtype.
+tiled GEMM (csrc_free_ops/linear.py). fp32 accumulation, output in x's dtype.
+
+Backward: dx = dy @ W, dW = dy^T @ x, db = sum over rows of dy; gradients not asked for
+come back as empty tensors.
 """
 from typing import Optional
 
@@ -9,15 +12,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from csrc_free_ops import gemm as kernels
+from csrc_free_ops import linear as kernels
 
 from .checks import check_float, check_same, fail
-from .dispatch import acc_dtype, use_triton
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     dt = acc_dtype(x)
     return F.linear(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)).to(x.dtype)
+
+
+def linear_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool = True, need_dw: bool = True,
+                              need_db: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx = dy @ W, dW = dy^T @ x, db = sum_rows dy) for y = x @ W^T + b."""
+    dt = acc_dtype(x)
+    dy2, x2 = dy.to(dt).reshape(-1, weight.shape[0]), x.to(dt).reshape(-1, weight.shape[1])
+    dx = (dy2 @ weight.to(dt)).reshape(x.shape).to(x.dtype) if need_dx else no_grad_placeholder(x)
+    dw = (dy2.t() @ x2).to(weight.dtype) if need_dw else no_grad_placeholder(weight)
+    db = dy2.sum(0).to(weight.dtype) if need_db else no_grad_placeholder(weight)
+    return dx, dw, db
 
 
 def _check(x, weight, bias):
@@ -35,15 +49,47 @@ def _check(x, weight, bias):
             fail(op, f"bias has {bias.shape[0]} elements but weight has N={weight.shape[0]} rows")
 
 
-@torch.library.custom_op("qwen::linear", mutates_args=())
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    _check(x, weight, bias)
-    if use_triton(x):
-        return kernels.linear(x, weight, bias)
-    return linear_reference(x, weight, bias)
+def _check_backward(dy, x, weight, need_dx, need_dw, need_db):
+    op = "linear_backward"
+    check_float(op, "dy", dy)
+    check_float(op, "x", x)
+    check_float(op, "weight", weight, ndim=2)
+    check_same(op, "x", x, dy=dy, weight=weight)
+    if dy.shape != (*x.shape[:-1], weight.shape[0]) or x.shape[-1] != weight.shape[1]:
+        fail(op, f"dy {tuple(dy.shape)}, x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
 
 
-@linear.register_fake
-def _(x, weight, bias=None):
-    _check(x, weight, bias)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _backward_kernel(dy, x, weight, need_dx, need_dw, need_db):
+    dx, dw, db = kernels.linear_backward(dy, x, weight, need_dx, need_dw, need_db)
+    return (no_grad_placeholder(x) if dx is None else dx, no_grad_placeholder(weight) if dw is None else dw,
+            no_grad_placeholder(weight) if db is None else db)
+
+
+def _fake_backward(dy, x, weight, need_dx, need_dw, need_db):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else no_grad_placeholder(x),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else no_grad_placeholder(weight),
+            weight.new_empty((weight.shape[0],)) if need_db else no_grad_placeholder(weight))
+
+
+linear = define(linear_reference, kernels.linear, check=_check,
+                fake=lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+linear_backward = define(linear_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,
+                         dispatch_arg=1)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_dx, need_dw, need_db = (tuple(ctx.needs_input_grad) + (False,))[:3]  # bias may be left out
+    need_db = bool(need_db and ctx.has_bias)
+    dx, dw, db = linear_backward(last_dim_contiguous(dy), x, weight, need_dx, need_dw, need_db)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
+
+
+torch.library.register_autograd("qwen::linear", _backward, setup_context=_setup)

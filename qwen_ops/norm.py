@@ -1,17 +1,24 @@
-"""qwen::rms_norm and qwen::add_rms_norm.
+"""qwen::rms_norm, qwen::add_rms_norm and their backward qwen::rms_norm_backward.
 
     rms_norm(x, w, eps, offset) = x * rsqrt(mean(x^2, -1) + eps) * (w + offset)
     add_rms_norm(x, r, w, eps, offset) = (rms_norm(x + r, ...), x + r)
 
-x [..., N], w [N]; fp32 math (float64 for float64), output in x's dtype.
+x [..., N], w [N]; fp32 math (float64 for float64), outputs in x's dtype. The sum output
+is rounded to x's dtype, and the norm is taken of that rounded sum (what the next layer reads).
+
+Backward (rstd recomputed from x): with xhat = x * rstd and g = dy * (w + offset),
+dx = rstd * (g - xhat * mean(g * xhat)) (+ the sum output's gradient for add_rms_norm),
+dweight = sum over rows of dy * xhat.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from csrc_free_ops import norm as kernels
 
 from .checks import check_float, check_same, fail
-from .dispatch import acc_dtype, use_triton
+from .registry import acc_dtype, define, last_dim_contiguous
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
@@ -20,12 +27,29 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.
     return y.to(x.dtype)
 
 
-def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0):
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           offset: float = 0.0) -> tuple[Tensor, Tensor]:
     summed = (x.to(acc_dtype(x)) + residual.to(acc_dtype(x))).to(x.dtype)
     return rms_norm_reference(summed, weight, eps, offset), summed
 
 
-def _check(op: str, x: Tensor, weight: Tensor, residual: Tensor | None = None):
+def rms_norm_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+                                dsum: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(dx, dweight) of rms_norm(x, weight, eps, offset) for output gradient dy; dsum (add_rms_norm's
+    second output's gradient) is added to dx."""
+    dt = acc_dtype(x)
+    xf, dyf = x.to(dt), dy.to(dt)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    g = dyf * (weight.to(dt) + offset)
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if dsum is not None:
+        dx = dx + dsum.to(dt)
+    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def _check(op: str, x: Tensor, weight: Tensor, residual: Optional[Tensor] = None):
     check_float(op, "x", x)
     check_float(op, "weight", weight, ndim=1)
     if weight.shape[0] != x.shape[-1]:
@@ -39,30 +63,62 @@ def _check(op: str, x: Tensor, weight: Tensor, residual: Tensor | None = None):
             fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
 
 
-@torch.library.custom_op("qwen::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
-    _check("rms_norm", x, weight)
-    if use_triton(x):
-        return kernels.rms_norm(x, weight, eps, offset)
-    return rms_norm_reference(x, weight, eps, offset)
+def _check_backward(dy, x, weight, eps, offset=0.0, dsum=None):
+    op = "rms_norm_backward"
+    _check(op, x, weight)
+    check_float(op, "dy", dy)
+    check_same(op, "x", x, dy=dy, dsum=dsum)
+    if dy.shape != x.shape or (dsum is not None and dsum.shape != x.shape):
+        fail(op, f"dy {tuple(dy.shape)} / dsum must have x's shape {tuple(x.shape)}")
 
 
-@rms_norm.register_fake
-def _(x, weight, eps, offset=0.0):
-    _check("rms_norm", x, weight)
+def _like(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("qwen::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    _check("add_rms_norm", x, weight, residual)
-    if use_triton(x):
-        return kernels.add_rms_norm(x, residual, weight, eps, offset)
-    return add_rms_norm_reference(x, residual, weight, eps, offset)
+rms_norm = define(
+    rms_norm_reference, kernels.rms_norm,
+    check=lambda x, weight, eps, offset: _check("rms_norm", x, weight),
+    fake=lambda x, weight, eps, offset: _like(x))
+
+add_rms_norm = define(
+    add_rms_norm_reference, kernels.add_rms_norm,
+    check=lambda x, residual, weight, eps, offset: _check("add_rms_norm", x, weight, residual),
+    fake=lambda x, residual, weight, eps, offset: (_like(x), _like(x)))
+
+rms_norm_backward = define(
+    rms_norm_backward_reference, kernels.rms_norm_backward, check=_check_backward,
+    fake=lambda dy, x, weight, eps, offset, dsum: (_like(x), torch.empty_like(weight)),
+    dispatch_arg=1)
 
 
-@add_rms_norm.register_fake
-def _(x, residual, weight, eps, offset=0.0):
-    _check("add_rms_norm", x, weight, residual)
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(x.shape, dtype=x.dtype, device=x.device))
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.offset = eps, offset
+
+
+def _rms_norm_bwd(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = rms_norm_backward(last_dim_contiguous(dy), x, weight, ctx.eps, ctx.offset)
+    return dx, dw, None, None
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, eps, offset = inputs
+    ctx.save_for_backward(output[1], weight)  # the (rounded) sum is what was normalised
+    ctx.eps, ctx.offset = eps, offset
+    ctx.set_materialize_grads(False)
+
+
+def _add_rms_norm_bwd(ctx, dy, dsum):
+    summed, weight = ctx.saved_tensors
+    if dy is None:
+        return dsum, dsum, None, None, None
+    dx, dw = rms_norm_backward(last_dim_contiguous(dy), summed, weight, ctx.eps, ctx.offset,
+                               last_dim_contiguous(dsum))
+    return dx, dx, dw, None, None
+
+
+torch.library.register_autograd("qwen::rms_norm", _rms_norm_bwd, setup_context=_rms_norm_setup)
+torch.library.register_autograd("qwen::add_rms_norm", _add_rms_norm_bwd, setup_context=_add_rms_norm_setup)

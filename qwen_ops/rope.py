@@ -6,6 +6,9 @@ q [..., Hq, D], k [..., Hk, D], positions [...] (= q.shape[:-2]) -> (q_out, k_ou
     x_out = [x1 cos a - x2 sin a,  x2 cos a + x1 sin a,  x[R:]],   x1 = x[:R/2], x2 = x[R/2:R]
 
 With q_norm_weight/k_norm_weight, each head is first RMS-normed over D (Qwen3's q_norm/k_norm).
+
+qwen::rope_backward: a rotation is orthogonal, so the backward rotates the output gradients by
+-a, then (with the fused norm) runs the RMSNorm backward over each head.
 """
 from typing import Optional
 
@@ -15,8 +18,8 @@ from torch import Tensor
 from csrc_free_ops import rope as kernels
 
 from .checks import check_float, check_index, check_same, fail
-from .dispatch import acc_dtype, use_triton
-from .norm import rms_norm_reference
+from .norm import rms_norm_backward_reference, rms_norm_reference
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder
 
 
 def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
@@ -28,7 +31,7 @@ def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.
 
 def rope_reference(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary_dim: int,
                    q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
-                   norm_eps: float = 1e-6, norm_offset: float = 0.0):
+                   norm_eps: float = 1e-6, norm_offset: float = 0.0) -> tuple[Tensor, Tensor]:
     dt = acc_dtype(q)
     half = rotary_dim // 2
     cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
@@ -63,18 +66,76 @@ def _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight):
             fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
 
 
-@torch.library.custom_op("qwen::rope", mutates_args=())
-def rope(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary_dim: int,
-         q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
-         norm_eps: float = 1e-6, norm_offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight)
-    if use_triton(q):
-        return kernels.rope(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset)
-    return rope_reference(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset)
+def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positions: Tensor, theta: float,
+                            rotary_dim: int, q_norm_weight: Optional[Tensor] = None,
+                            k_norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6,
+                            norm_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq_in, dk_in, d q_norm_weight, d k_norm_weight) of rope(q, k, ...) for output gradients dq, dk.
+    Without norm weights the last two are empty tensors."""
+    dt = acc_dtype(q)
+    half = rotary_dim // 2
+    cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
+
+    def unrotate(dy, x, w):
+        dyf = dy.to(dt)
+        d1, d2, rest = dyf[..., :half], dyf[..., half:rotary_dim], dyf[..., rotary_dim:]
+        g = torch.cat([d1 * cos + d2 * sin, d2 * cos - d1 * sin, rest], dim=-1)
+        if w is None:
+            return g.to(x.dtype), no_grad_placeholder(x)
+        return rms_norm_backward_reference(g, x, w, norm_eps, norm_offset)
+
+    dq_in, dqw = unrotate(dq, q, q_norm_weight)
+    dk_in, dkw = unrotate(dk, k, k_norm_weight)
+    return dq_in, dk_in, dqw, dkw
 
 
-@rope.register_fake
-def _(q, k, positions, theta, rotary_dim, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, norm_offset=0.0):
+def _check_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset):
     _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    if dq.shape != q.shape or dk.shape != k.shape:
+        fail("rope_backward", f"dq {tuple(dq.shape)} / dk {tuple(dk.shape)} must match q {tuple(q.shape)} / k {tuple(k.shape)}")
+
+
+def _backward_kernel(dq, dk, q, k, *args):
+    dq_in, dk_in, dqw, dkw = kernels.rope_backward(dq, dk, q, k, *args)
+    return dq_in, dk_in, no_grad_placeholder(q) if dqw is None else dqw, no_grad_placeholder(k) if dkw is None else dkw
+
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _fake_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset):
+    def w_grad(w, ref):
+        return no_grad_placeholder(ref) if w is None else torch.empty_like(w)
+    return _like(q), _like(k), w_grad(q_norm_weight, q), w_grad(k_norm_weight, k)
+
+
+rope = define(rope_reference, kernels.rope,
+              check=lambda q, k, positions, theta, rotary_dim, qw, kw, eps, offset:
+              _check(q, k, positions, rotary_dim, qw, kw),
+              fake=lambda q, k, *args: (_like(q), _like(k)))
+
+rope_backward = define(rope_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,
+                       dispatch_arg=2)
+
+
+def _setup(ctx, inputs, output):
+    q, k, positions, theta, rotary_dim, qw, kw, eps, offset = inputs
+    # Without the fused norm the backward is a pure rotation: q and k need not be kept.
+    has_norm = qw is not None
+    ctx.save_for_backward(q if has_norm else None, k if has_norm else None, positions, qw, kw)
+    ctx.args = (theta, rotary_dim, eps, offset)
+
+
+def _backward(ctx, dq, dk):
+    q, k, positions, qw, kw = ctx.saved_tensors
+    theta, rotary_dim, eps, offset = ctx.args
+    dq, dk = last_dim_contiguous(dq), last_dim_contiguous(dk)
+    if qw is None:  # only their shapes and dtypes are read
+        q, k = dq, dk
+    dq_in, dk_in, dqw, dkw = rope_backward(dq, dk, q, k, positions, theta, rotary_dim, qw, kw, eps, offset)
+    has_norm = qw is not None
+    return (dq_in, dk_in, None, None, None, dqw if has_norm else None, dkw if has_norm else None, None, None)
+
+
+torch.library.register_autograd("qwen::rope", _backward, setup_context=_setup)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import qwen_ops  # noqa: F401
-from csrc_free_ops import gemm
+from csrc_free_ops import linear as linear_kernels
 from qwen_ops import linear_reference
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
@@ -43,5 +43,5 @@ def test_splitk_every_split_factor(device, split_k):
     x = randn(2, 160, dtype=torch.float32, device=device)
     w = randn(48, 160, dtype=torch.float32, device=device)
     b = randn(48, dtype=torch.float32, device=device)
-    cfg = gemm.DecodeConfig(block_n=16, block_k=32, split_k=split_k)
-    assert_close(gemm.linear(x, w, b, decode_cfg=cfg), linear_reference(x, w, b), what=f"split_k={split_k}")
+    cfg = linear_kernels.DecodeConfig(block_n=16, block_k=32, split_k=split_k)
+    assert_close(linear_kernels.linear(x, w, b, decode_cfg=cfg), linear_reference(x, w, b), what=f"split_k={split_k}")

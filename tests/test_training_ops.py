@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import qwen_ops
-from csrc_free_ops import attention_backward as attn_bwd_kernels
+from csrc_free_ops import attention as attn_kernels
 from csrc_free_ops import cross_entropy as ce_kernels
 from qwen_ops import (add_rms_norm_reference, attention_reference, linear_cross_entropy_reference, linear_reference,
                       rms_norm_reference, rope_reference, silu_mul_reference)
 from qwen_ops.cross_entropy import linear_cross_entropy_with_lse_reference
-from qwen_ops.autograd import attention_backward_reference, attention_with_lse_reference, silu_mul_split_reference
+from qwen_ops import attention_backward_reference, attention_with_lse_reference, silu_mul_split_reference
 from tests.helpers import DEVICES, assert_close, poison_allocator, randn
 
 ops = torch.ops.qwen
@@ -211,7 +211,7 @@ def test_attention_backward_block_split(device, causal, sq, sk):
     """The kernels' masked / unmasked steps: small explicit tiles, so that every program walks several
     blocks, some crossing the diagonal or a sequence end and some not (Sq, Sk multiples of the tiles
     or not, Sk > Sq), with a gradient reaching lse."""
-    Tiles = attn_bwd_kernels.Tiles
+    Tiles = attn_kernels.Tiles
     for dtype in _dtypes(device):
         q = randn(1, sq, 4, 16, dtype=dtype, device=device)
         k, v = randn(1, sk, 2, 16, dtype=dtype, device=device), randn(1, sk, 2, 16, dtype=dtype, device=device)
@@ -219,8 +219,8 @@ def test_attention_backward_block_split(device, causal, sq, sk):
         o, lse = attention_with_lse_reference(q, k, v, 0.25, causal)
         ref = attention_backward_reference(do, q, k, v, o, lse, 0.25, causal, dlse)
         for dkdv, dq in (((16, 32), (16, 16)), ((32, 16), (16, 32))):
-            blocks = attn_bwd_kernels.BwdBlocks(Tiles(*dkdv, 4, 1), Tiles(*dq, 4, 1))
-            got = attn_bwd_kernels.attention_backward(do, q, k, v, o, lse.float(), 0.25, causal, dlse, blocks=blocks)
+            blocks = attn_kernels.BwdBlocks(Tiles(*dkdv, 4, 1), Tiles(*dq, 4, 1))
+            got = attn_kernels.attention_backward(do, q, k, v, o, lse.float(), 0.25, causal, dlse, blocks=blocks)
             for name, a, b in zip(("dq", "dk", "dv"), got, ref):
                 assert_close(a, b, what=f"{name} Sq={sq} Sk={sk} causal={causal} {dtype} {blocks}")
 
@@ -393,7 +393,7 @@ def test_backward_bad_input_raises():
 def test_strided_matmul_split_k_and_accumulate(device):
     """The generic GEMM behind linear / fused-CE backward: transposed operands, K split into
     slices reduced in a fixed order, and accumulation into an fp32 output."""
-    from csrc_free_ops.linear_backward import mm
+    from csrc_free_ops.common import mm
 
     m, k, n = (20, 300, 24) if device == "cpu" else (512, 151936, 1024)
     a = randn(k, m, dtype=torch.float32, device=device).t()  # transposed view

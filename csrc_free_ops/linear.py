@@ -1,10 +1,11 @@
-"""GEMM y = x @ weight.T (+ bias): a tiled kernel for prefill and a split-K path for decode.
+"""Linear: y = x @ weight.T (+ bias), forward (a split-K path for decode, the shared tiled GEMM
+for prefill) and backward.
 
 x [M, K], weight [N, K] (the nn.Linear layout), bias [N] -> y [M, N] in x's dtype,
 fp32 accumulation, bias added in fp32.
 
-Prefill (M > DECODE_MAX_M): one program per BLOCK_M x BLOCK_N tile of y, tiles
-visited in GROUP_M-row groups so neighbouring programs share weight tiles in L2.
+Prefill (M > DECODE_MAX_M): `common.mm` with one program per BLOCK_M x BLOCK_N tile of y,
+tiles visited in GROUP_M-row groups so neighbouring programs share weight tiles in L2.
 
 Decode (M <= DECODE_MAX_M): reading the weight once is the whole cost, and with
 N = 1024 a tile per program leaves most of the GPU idle. The K axis is cut into
@@ -13,6 +14,13 @@ SPLIT_K slices; program (n, s) writes the fp32 partial product of slice s to a
 adds the bias (deterministic: no atomics). SPLIT_K = 1 writes y directly.
 The per-shape configs come from `bench/ops.py --sweep-splitk` on an H200 and are
 kept in DECODE_CONFIGS; nothing is tuned at call time (safe in CUDA graph capture).
+
+Backward, with dy [M, N]:
+
+    dx = dy @ W           [M, N] @ [N, K]
+    dW = dy^T @ x         [N, M] @ [M, K]   (the M tokens are the reduction axis: fp32
+                                             accumulation, split along M when N x K has few tiles)
+    db = sum over rows of dy                (two-pass deterministic column sum)
 """
 from typing import NamedTuple
 
@@ -20,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import TARGET_PROGRAMS, dot, grouped_tile
+from .common import TARGET_PROGRAMS, column_sum, dot, mm
 
 DECODE_MAX_M = 16
 
@@ -59,36 +67,6 @@ def decode_config(n: int, k: int) -> DecodeConfig:
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     return DecodeConfig(block_n, block_k, min(k_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, tiles))))
-
-
-@triton.jit
-def _matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    # Out-of-range rows/cols read a valid row (wrapped) and are masked at the store.
-    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=rk[None, :] < K - k0, other=0.0)
-            b = tl.load(w_ptrs, mask=rk[:, None] < K - k0, other=0.0)
-        acc = dot(a, b, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -140,31 +118,17 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _prefill_blocks(m: int, n: int, itemsize: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for the tiled kernel: the
-    largest tile that still gives about a wave of programs (256-token prefills of N=1024
-    would leave most SMs idle with 128x128 tiles). fp32 tiles are twice the bytes: half as
-    deep and fewer stages, to fit shared memory."""
+def prefill_blocks(m: int, n: int, itemsize: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward GEMM: the largest tile
+    that still gives about a wave of programs (256-token prefills of N=1024 would leave most SMs
+    idle with 128x128 tiles). fp32 tiles are twice the bytes: half as deep and fewer stages, to
+    fit shared memory."""
     if itemsize == 4:
-        return (64 if m <= 64 else 128), 128, 32, 8, 8, 2
+        return (64 if m <= 64 else 128), 128, 32, 8, 2
     for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
         if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= TARGET_PROGRAMS // 2:
             break
-    return bm, bn, 64, 8, warps, stages
-
-
-def matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor) -> None:
-    """Tiled GEMM into y2: x2 [M, K] @ weight[N, K].T (+ bias)."""
-    m, k = x2.shape
-    n = weight.shape[0]
-    bm, bn, bk, group_m, warps, stages = _prefill_blocks(m, n, x2.element_size())
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _matmul_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y2, m, n, k,
-        x2.stride(0), weight.stride(0), y2.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages,
-    )
+    return bm, bn, 64, warps, stages
 
 
 def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, cfg: DecodeConfig) -> None:
@@ -203,5 +167,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, decode_cfg: DecodeConfig
     if m <= DECODE_MAX_M:
         splitk_matmul(x2, weight, bias, y2, decode_cfg or decode_config(n, k))
     else:
-        matmul(x2, weight, bias, y2)
+        mm(x2, weight.t(), y2, splits=1, bias=bias, blocks=prefill_blocks(m, n, x2.element_size()))
     return y
+
+
+def linear_backward(dy, x, weight, need_dx: bool, need_dw: bool, need_db: bool):
+    """dy [..., N], x [..., K], weight [N, K] -> (dx [..., K] or None, dW [N, K] or None, db [N] or None)."""
+    n, k = weight.shape
+    dy2 = dy.reshape(-1, n)
+    x2 = x.reshape(-1, k)
+    dx = dw = db = None
+    if need_dx:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        mm(dy2, weight, dx.view(-1, k))
+    if need_dw:
+        dw = torch.empty((n, k), dtype=weight.dtype, device=weight.device)
+        mm(dy2.t(), x2, dw)
+    if need_db:
+        db = column_sum(dy2, weight.dtype)
+    return dx, dw, db

@@ -1,0 +1,243 @@
+"""Building blocks every kernel family shares: one GEMM main loop and launcher, deterministic
+reductions, tile pickers, and the interpreter workarounds. Kernel families import from here,
+never from each other.
+
+- `dot`, `tile_product`, `mm`: fp32-accumulating tile products; `mm(a, b, out)` is the one
+  strided GEMM (out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out)), split along K into fp32
+  partials summed in a fixed order when the output has too few tiles to fill the GPU.
+- `sum_partials`, `column_sum`: two-pass column sums, deterministic and free of atomics: each
+  of P programs writes the fp32 partial sum of a fixed, contiguous range of rows to row p of
+  a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the
+  shape, so results are bitwise reproducible run to run.
+- `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
+
+TARGET_PROGRAMS = 264
+"""Programs that make about two waves on an H200 (132 SMs): the grid size the launchers aim for."""
+
+LOG2E = 1.0 / math.log(2.0)
+"""Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
+
+_DOT_IN_FP32 = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """acc + a @ b with fp32 accumulation.
+
+    fp32 operands use exact fp32 products (`ieee`), not tf32, so fp32 models keep
+    fp32 accuracy. The Triton interpreter (3.9) returns garbage for a bf16
+    `tl.dot`, so under the interpreter the operands are widened to fp32 first.
+    """
+    if _DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, visiting output tiles in GROUP_M-row groups so that
+    neighbouring programs share operand tiles in L2."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+def row_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel over `block` elements."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def row_block(block_n: int) -> int:
+    """Rows per tile of a row-reduction kernel: about 4K elements (16K under the interpreter, where
+    wide tiles are cheap and each operation has a fixed cost)."""
+    return max(1, (16384 if INTERPRET else 4096) // block_n)
+
+
+MAX_PROGRAMS = 4 if INTERPRET else 512
+"""Programs of a row-reduction kernel (partial-sum rows); the interpreter runs them one by one."""
+
+
+def num_programs(rows: int) -> int:
+    return max(1, min(rows, MAX_PROGRAMS))
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[n] = sum_p part[p, n], in a fixed order (fp32), stored in out's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        m = ((p0 + rows)[:, None] < P) & (cols[None, :] < N)
+        acc += tl.load(part_ptr + (p0 + rows)[:, None].to(tl.int64) * stride_p + cols[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """partial [P, N] fp32 -> [N] in `dtype` (into `out`, contiguous, if given): the second,
+    fixed-order pass of a column sum."""
+    p, n = partial.shape
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=partial.device)
+    if n == 0:
+        return out
+    block_n = min(1024 if INTERPRET else 256, triton.next_power_of_2(n))
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partial, out, p, n, partial.stride(0),
+                                                       BLOCK_P=16, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+@triton.jit
+def _column_sum_kernel(x_ptr, part_ptr, ROWS, N, ROWS_PER_PROG, stride_x, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """part[p, n] = sum of x[r, n] over program p's rows (fp32); grid (P, cdiv(N, BLOCK_N))."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, BLOCK_R)
+    lo = pid * ROWS_PER_PROG
+    hi = min(lo + ROWS_PER_PROG, ROWS)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + rr
+        m = (r[:, None] < hi) & (cols[None, :] < N)
+        acc += tl.load(x_ptr + r[:, None].to(tl.int64) * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(part_ptr + pid * N + cols, tl.sum(acc, axis=0), mask=cols < N)
+
+
+def column_sum(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x2 [R, N] (last dim contiguous) -> sum over rows [N] in `dtype`, deterministic (two passes)."""
+    rows, n = x2.shape
+    if rows == 0:
+        return torch.zeros(n, dtype=dtype, device=x2.device)
+    p = num_programs(triton.cdiv(rows, 16))
+    per = triton.cdiv(rows, p)
+    p = triton.cdiv(rows, per)
+    partial = torch.empty((p, n), dtype=torch.float32, device=x2.device)
+    block_n = min(128, triton.next_power_of_2(n))
+    _column_sum_kernel[(p, triton.cdiv(n, block_n))](x2, partial, rows, n, per, x2.stride(0),
+                                                      BLOCK_R=16, BLOCK_N=block_n, num_warps=4)
+    return sum_partials(partial, dtype)
+
+
+@triton.jit
+def tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr = False):
+    """fp32 [BLOCK_M, BLOCK_N] tile a[rm, k_lo:k_hi] @ b[k_lo:k_hi, rn]: the one GEMM main loop.
+    Rows/cols past M/N read a valid (wrapped) row: their values are garbage, for the caller to
+    mask at the store. EVEN_K (k_hi - k_lo a multiple of BLOCK_K) drops the K masks."""
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rm % M).to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rk[:, None] * stride_bk + (rn % N).to(tl.int64)[None, :] * stride_bn
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=kk[None, :] < k_hi - k0, other=0.0)
+            b = tl.load(b_ptrs, mask=kk[:, None] < k_hi - k0, other=0.0)
+        acc = dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _mm_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, K_PER_SPLIT,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Tile (pid_m, pid_n) of c, over the K slice [pid_s * K_PER_SPLIT, ...) of program axis 1
+    (one slice: the whole K). With several slices c is a [SPLIT, M, N] fp32 partial buffer.
+    The bias (fp32 add) is only given with one slice."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_s = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = pid_s.to(tl.int64) * K_PER_SPLIT
+    acc = tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, min(k_lo + K_PER_SPLIT, K),
+                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def gemm_blocks(m: int, n: int, k: int, itemsize: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Under the interpreter, tiles shrink to
+    the problem (each tile element costs numpy time there)."""
+    if INTERPRET:
+        clamp = lambda v, hi: min(hi, max(16, triton.next_power_of_2(v)))  # noqa: E731
+        return clamp(m, 64), clamp(n, 64), clamp(k, 32), 4, 1
+    if itemsize == 4:
+        return 64, 128, 32, 8, 2
+    return 128, 128, 64, 8, 3
+
+
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
+    """K slices for a GEMM whose output has too few tiles to fill the GPU but a long K (dW over
+    all tokens, dhidden against a 150K vocabulary): about two waves of programs, each slice at
+    least 16 K-steps long. A function of the shape only (deterministic)."""
+    if INTERPRET:
+        return 1
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if tiles >= TARGET_PROGRAMS // 2:
+        return 1
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None,
+       bias: torch.Tensor | None = None, blocks: tuple | None = None) -> torch.Tensor:
+    """out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out if accumulate, out fp32). Any strides; a and
+    b one dtype. `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides `gemm_blocks`.
+
+    A short, deep GEMM is split along K (`split_k`, or `splits`): each slice writes an fp32 partial
+    [S, M, N] and `sum_partials` adds them in a fixed order (no atomics)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        if not accumulate:
+            out.zero_()
+        if bias is not None:
+            out += bias
+        return out
+    bm, bn, bk, warps, stages = blocks or gemm_blocks(m, n, k, a.element_size())
+    if accumulate:
+        stages = min(stages, 2)  # the fp32 output tile read at the end needs the registers
+    s = splits if splits is not None else (1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk))
+    per = triton.cdiv(triton.cdiv(k, s), bk) * bk
+    s = triton.cdiv(k, per)
+    if s > 1 and (accumulate or bias is not None or not out.is_contiguous()):
+        raise ValueError("split-K needs a contiguous output, no accumulate and no bias")
+    target = out if s == 1 else torch.empty((s, m, n), dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), s)
+    _mm_kernel[grid](
+        a, b, bias if bias is not None else b, target, m, n, k, per, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        target.stride(-2), target.stride(-1), target.stride(0) if s > 1 else 0,
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=k % bk == 0 and s == 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+    )
+    if s > 1:
+        sum_partials(target.view(s, m * n), out.dtype, out=out.view(m * n))
+    return out
