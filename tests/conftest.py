@@ -13,8 +13,28 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _cpu_op_tests_run_the_kernels(request):
+    """An op test's CPU case under the interpreter must launch a Triton kernel: without this, a
+    dispatch bug routing CPU tensors to the references would turn CI into a test of the
+    references against themselves."""
+    callspec = getattr(request.node, "callspec", None)
+    checked = (os.environ.get("TRITON_INTERPRET") == "1" and request.module.__name__.split(".")[-1].startswith(("test_ops_", "test_training_ops"))
+               and callspec is not None and callspec.params.get("device") == "cpu"
+               and request.node.get_closest_marker("launcher") is None)
+    if not checked:
+        yield
+        return
+    from qwen_ops import kernel_calls
+
+    before = sum(kernel_calls.values())
+    yield
+    assert sum(kernel_calls.values()) > before, "the test ran no Triton kernel (did the op take its reference?)"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (realistic shapes); skipped without one")
+    config.addinivalue_line("markers", "launcher: calls a csrc_free_ops launcher directly (not through an op)")
 
 
 def pytest_collection_modifyitems(config, items):

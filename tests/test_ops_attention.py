@@ -106,12 +106,16 @@ def test_kv_cache_store_drops_out_of_range_positions_on_cuda():
     assert torch.equal(k_cache[0, 3], k[0, 0]) and k_cache.abs().sum() == k[0, 0].abs().sum()
 
 
-def test_attention_scale_is_applied():
-    """A changed scale changes the output (guards against a kernel ignoring the argument)."""
-    q, k, v = _qkv(1, 4, 4, 2, 1, 16, torch.float32, "cpu")
-    a = torch.ops.qwen.attention(q, k, v, 0.1)
-    b = torch.ops.qwen.attention(q, k, v, 1.0 / math.sqrt(2.0))
-    assert not torch.allclose(a, b)
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_scale_is_applied(device):
+    """Each scale matches the reference at that scale, and the two differ (a kernel ignoring the
+    argument would match at most one)."""
+    q, k, v = _qkv(1, 4, 4, 2, 1, 16, torch.float32, device)
+    outs = []
+    for scale in (0.1, 1.0 / math.sqrt(2.0)):
+        outs.append(torch.ops.qwen.attention(q, k, v, scale))
+        assert_close(outs[-1], attention_reference(q, k, v, scale), what=f"scale {scale}")
+    assert not torch.allclose(*outs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -139,6 +143,7 @@ def test_kv_cache_store_caches_with_different_strides(device):
     assert not k_cache[~written[:, :4]].any() and not v_storage[~written].any(), "wrote outside the two slots"
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_kernel_clamps_bad_lengths_inside_the_cache(device):
     """Lengths past the cache, 0, negative, < Tq or >= 2^31 never read outside the cache: the kernel
@@ -165,3 +170,23 @@ def test_decode_attention_rejects_bad_lengths_on_cpu():
     for bad in (9, 1, 0, -1):
         with pytest.raises(qwen_ops.QwenOpError, match=r"cache_seqlens must lie in \[Tq=2, L=8\]"):
             torch.ops.qwen.decode_attention(q, cache, cache, torch.tensor([bad], dtype=torch.int32), 0.25)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tq", [1, 2])
+def test_decode_attention_split_boundaries(device, tq):
+    """Fixed lengths on every boundary the kernel has: 1, Tq, one key block (64), one split and
+    one more, the last split's edge, the cache length, and a length whose last split holds only
+    masked keys for the first query (Tq=2, L=70, length 65)."""
+    from csrc_free_ops.decode_attention import split_plan
+
+    b, hq, hk, d, cache_len = 1, 4, 2, 16, 70
+    _, split_len = split_plan(b, hk, cache_len, 64)
+    k_cache, v_cache = (randn(b, cache_len, hk, d, dtype=torch.float32, device=device) for _ in range(2))
+    q = randn(b, tq, hq, d, dtype=torch.float32, device=device)
+    for n in sorted({1, tq, 2, split_len, split_len + 1, 2 * split_len, 2 * split_len + 1, 64, 65, 66,
+                     cache_len - 1, cache_len} - {0}):
+        if tq <= n <= cache_len:
+            lens = torch.tensor([n], dtype=torch.int32, device=device)
+            assert_close(torch.ops.qwen.decode_attention(q, k_cache, v_cache, lens, 0.25),
+                         decode_attention_reference(q, k_cache, v_cache, lens, 0.25), what=f"length {n}")

@@ -36,6 +36,7 @@ def test_linear_leading_dims(device):
     assert_close(out, linear_reference(x, w), what="linear [2, 3, K]")
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split_k", [1, 2, 3, 5])
 def test_splitk_every_split_factor(device, split_k):

@@ -58,3 +58,17 @@ def test_rope_expanded_and_sliced_positions(device):
         ref = rope_reference(q, k, positions, 1e4, 16)
         assert_close(out[0], ref[0], what=f"rope q, positions strides {positions.stride()}")
         assert_close(out[1], ref[1], what=f"rope k, positions strides {positions.stride()}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_qk_norm_of_an_all_zero_head_is_zero(device):
+    """eps keeps the fused per-head norm finite on an all-zero head."""
+    q, k = _fused_qkv(1, 2, 4, 2, 32, torch.float32, device)
+    q[0, 1, 2] = 0
+    k[0, 0, 1] = 0
+    w = randn(32, dtype=torch.float32, device=device)
+    positions = torch.tensor([[3, 9]], device=device)
+    q_out, k_out = torch.ops.qwen.rope(q, k, positions, 1e4, 32, w, w, norm_eps=1e-6)
+    assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
+    assert not q_out[0, 1, 2].any() and not k_out[0, 0, 1].any()
+    assert_close(q_out, rope_reference(q, k, positions, 1e4, 32, w, w, 1e-6)[0], what="q with a zero head")

@@ -204,6 +204,7 @@ def test_attention_backward_kernels(device, causal):
                                      what=what + " with lse")
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("sq,sk", [(64, 64), (37, 53), (48, 80)])
@@ -389,6 +390,7 @@ def test_backward_bad_input_raises():
         ops.silu_mul_split(torch.randn(3, 8), torch.randn(3, 7))
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_matmul_split_k_and_accumulate(device):
     """The generic GEMM behind linear / fused-CE backward: transposed operands, K split into
