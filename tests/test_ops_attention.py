@@ -190,3 +190,23 @@ def test_decode_attention_split_boundaries(device, tq):
             lens = torch.tensor([n], dtype=torch.int32, device=device)
             assert_close(torch.ops.qwen.decode_attention(q, k_cache, v_cache, lens, 0.25),
                          decode_attention_reference(q, k_cache, v_cache, lens, 0.25), what=f"length {n}")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_cache_store_kernel_drops_positions_outside_the_cache(device):
+    """The kernel (no host check on CUDA) never writes outside [0, L): the caches are views of a
+    longer storage, and positions -1, L and L + 3 must leave every slot of it untouched."""
+    from csrc_free_ops.kv_cache import kv_cache_store as kernel
+
+    b, t, hk, d, cache_len = 2, 3, 2, 16, 6
+    k, v = (randn(b, t, hk, d, dtype=torch.float32, device=device) for _ in range(2))
+    storage = torch.zeros(2, b, cache_len + 4, hk, d, device=device)
+    k_cache, v_cache = storage[0, :, 1:cache_len + 1], storage[1, :, 1:cache_len + 1]
+    positions = torch.tensor([[-1, 2, cache_len], [cache_len + 3, 0, cache_len - 1]], device=device)
+    kernel(k, v, k_cache, v_cache, positions)
+    written = torch.zeros(b, cache_len + 4, dtype=torch.bool, device=device)
+    for (bi, ti, pos) in ((0, 1, 2), (1, 1, 0), (1, 2, cache_len - 1)):
+        assert torch.equal(k_cache[bi, pos], k[bi, ti]) and torch.equal(v_cache[bi, pos], v[bi, ti])
+        written[bi, pos + 1] = True
+    assert not storage[:, ~written].any(), "a position outside the cache was written"

@@ -1,0 +1,114 @@
+"""Deliberate breakages: does the CPU test suite notice each one?
+
+    python -m tests.mutations [--only NAME ...] [--list]
+
+Each mutation replaces one exact snippet of a source file in a scratch copy of the
+repository and runs the test files that should catch it (under the Triton interpreter,
+as CI does). A mutation "survives" when those tests still pass: a hole in the tests.
+Not run in CI (it takes several minutes); docs/reliability.md keeps its last table.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Mutation(NamedTuple):
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple
+
+
+MUTATIONS = [
+    Mutation("every op takes its reference", "qwen_ops/registry.py",
+             "if use_triton(args[dispatch_arg]):", "if False:", ("tests/test_ops_norm.py",)),
+    Mutation("decode_attention without the NaN guard of fully masked rows", "csrc_free_ops/decode_attention.py",
+             'm_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new", ("tests/test_ops_attention.py",)),
+    Mutation("decode_attention without its length clamp", "csrc_free_ops/decode_attention.py",
+             "seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b).to(tl.int64), 0), CACHE_LEN).to(tl.int32)",
+             "seqlen = tl.load(seqlens_ptr + b).to(tl.int32)", ("tests/test_ops_attention.py",)),
+    Mutation("add_rms_norm normalises the unrounded sum", "csrc_free_ops/norm.py",
+             "        x = x_rounded.to(tl.float32)\n", "", ("tests/test_ops_norm.py",)),
+    Mutation("add_rms_norm stores the unrounded sum in fp32 then truncates", "csrc_free_ops/norm.py",
+             "x_rounded = x.to(sum_ptr.dtype.element_ty)", "x_rounded = x.to(sum_ptr.dtype.element_ty, fp_downcast_rounding='rtz')",
+             ("tests/test_ops_norm.py",)),
+    Mutation("rms_norm without eps", "csrc_free_ops/norm.py",
+             "rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)", "rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N)",
+             ("tests/test_ops_norm.py",)),
+    Mutation("rope's fused q/k norm without eps", "csrc_free_ops/rope.py",
+             "/ D + eps)", "/ D)", ("tests/test_ops_rope.py",)),
+    Mutation("kv_cache_store bound check loosened", "csrc_free_ops/kv_cache.py",
+             "(pos >= 0) & (pos < L)", "(pos >= 0) & (pos <= L)", ("tests/test_ops_attention.py",)),
+    Mutation("linear drops the bias", "csrc_free_ops/common.py",
+             "    if HAS_BIAS:\n        acc += tl.load(bias_ptr", "    if False:\n        acc += tl.load(bias_ptr",
+             ("tests/test_ops_linear.py",)),
+    Mutation("split-K reduce skips the last slice", "csrc_free_ops/linear.py",
+             "for s in range(SPLIT_K):", "for s in range(SPLIT_K - 1):", ("tests/test_ops_linear.py",)),
+    Mutation("silu_mul uses sigmoid instead of silu", "csrc_free_ops/activation.py",
+             "(g * tl.sigmoid(g) * u)", "(tl.sigmoid(g) * u)", ("tests/test_ops_activation.py",)),
+    Mutation("attention's causal mask off by one", "csrc_free_ops/attention.py",
+             "(cols[None, :] <= offs_m[:, None] + delta)", "(cols[None, :] < offs_m[:, None] + delta)",
+             ("tests/test_ops_attention.py",)),
+    Mutation("random checkpoint replaces any directory", "modeling/random_checkpoint.py",
+             "return MARKER in names and names <= set(FILES) | {MARKER, \"README.md\"}", "return True",
+             ("tests/test_random_checkpoint.py",)),
+    Mutation("shard names may leave the checkpoint", "modeling/loader.py",
+             "if not isinstance(name, str) or Path(name).name != name or name in (\"\", \".\", \"..\"):",
+             "if not isinstance(name, str):", ("tests/test_loading_errors.py",)),
+    Mutation("cross-entropy counts ignored targets", "csrc_free_ops/cross_entropy.py",
+             "return (t != ignore_index) & (t >= 0) & (t < V)", "return (t >= 0) & (t < V)",
+             ("tests/test_training_ops.py",)),
+]
+
+
+def run(mutation: Mutation, scratch: Path) -> str:
+    """'caught', 'SURVIVED', or 'stale' (the snippet is no longer in the file)."""
+    target = scratch / mutation.path
+    original = target.read_text()
+    if original.count(mutation.old) != 1:
+        return "stale"
+    target.write_text(original.replace(mutation.old, mutation.new))
+    try:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
+                              cwd=scratch, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return "SURVIVED" if proc.returncode == 0 else "caught"
+    finally:
+        target.write_text(original)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="run only mutations whose name contains one of these words")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    a = p.parse_args()
+    chosen = [m for m in MUTATIONS if not a.only or any(w in m.name for w in a.only)]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name}  ({m.path})")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="qwen-mutations-") as tmp:
+        scratch = Path(tmp) / "repo"
+        shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build"))
+        rows = []
+        for m in chosen:
+            t0 = time.time()
+            rows.append((m.name, run(m, scratch), time.time() - t0))
+            print(f"{rows[-1][1]:9s} {rows[-1][2]:6.1f} s  {m.name}", flush=True)
+    caught = sum(r[1] == "caught" for r in rows)
+    print(f"\n| mutation | result |\n|---|---|\n" + "\n".join(f"| {n} | {r} |" for n, r, _ in rows))
+    print(f"\n{caught} of {len(rows)} caught")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
