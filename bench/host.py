@@ -1,0 +1,93 @@
+"""Host time of one op call, side by side with the native PyTorch op of the same kind.
+
+    python -m bench.host [--calls 2000] [--out DIR]
+
+Decode-sized inputs (Qwen3-0.6B shapes, bf16, batch 1), so the GPU finishes each kernel long
+before the host issues the next: the wall time of a loop of calls, divided by the calls, is
+the host cost per call (dispatcher, checks, launcher, Triton launch). Each row also times the
+csrc_free_ops launcher alone (no dispatcher, no checks). The peer: F.rms_norm, F.linear,
+F.scaled_dot_product_attention; ops without a native peer are compared with F.rms_norm.
+Prints a table; with --out writes host.json there.
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import qwen_ops  # noqa: F401
+from csrc_free_ops import activation, decode_attention, kv_cache, linear, norm, rope
+
+ops = torch.ops.qwen
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def cases():
+    dev, bf = "cuda", torch.bfloat16
+    hidden, hq, hk, d, inter, cache_len = 1024, 16, 8, 128, 3072, 1024
+    x = torch.randn(1, hidden, device=dev, dtype=bf)
+    r = torch.randn(1, hidden, device=dev, dtype=bf)
+    w = torch.randn(hidden, device=dev, dtype=bf)
+    w_qkv = torch.randn((hq + 2 * hk) * d, hidden, device=dev, dtype=bf)
+    gate_up = torch.randn(1, 2 * inter, device=dev, dtype=bf)
+    q = torch.randn(1, 1, hq, d, device=dev, dtype=bf)
+    k = torch.randn(1, 1, hk, d, device=dev, dtype=bf)
+    qn, kn = torch.randn(d, device=dev, dtype=bf), torch.randn(d, device=dev, dtype=bf)
+    pos = torch.tensor([[cache_len - 1]], device=dev)
+    k_cache = torch.randn(1, cache_len, hk, d, device=dev, dtype=bf)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor([cache_len], dtype=torch.int32, device=dev)
+    qs, ks, vs = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    rms_peer = ("F.rms_norm", lambda: F.rms_norm(x, (hidden,), w, 1e-6))
+    return [
+        ("rms_norm", lambda: ops.rms_norm(x, w, 1e-6), lambda: norm.rms_norm(x, w, 1e-6, 0.0), rms_peer),
+        ("add_rms_norm", lambda: ops.add_rms_norm(x, r, w, 1e-6), lambda: norm.add_rms_norm(x, r, w, 1e-6, 0.0),
+         rms_peer),
+        ("linear M=1 4096x1024", lambda: ops.linear(x, w_qkv), lambda: linear.linear(x, w_qkv, None),
+         ("F.linear", lambda: F.linear(x, w_qkv))),
+        ("silu_mul", lambda: ops.silu_mul(gate_up), lambda: activation.silu_mul(gate_up), rms_peer),
+        ("rope + qk norm", lambda: ops.rope(q, k, pos, 1e6, d, qn, kn),
+         lambda: rope.rope(q, k, pos, 1e6, d, qn, kn, 1e-6, 0.0), rms_peer),
+        ("kv_cache_store", lambda: ops.kv_cache_store(k, k, k_cache, v_cache, pos),
+         lambda: kv_cache.kv_cache_store(k, k, k_cache, v_cache, pos), rms_peer),
+        ("decode_attention L=1024", lambda: ops.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
+         lambda: decode_attention.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
+         ("F.sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))),
+    ]
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    rows = []
+    for name, op_call, launcher_call, (peer_name, peer_call) in cases():
+        ours, launch, peer = (per_call_us(f, a.calls) for f in (op_call, launcher_call, peer_call))
+        rows.append(dict(op=name, ours_us=ours, launcher_us=launch, peer=peer_name, peer_us=peer, ratio=ours / peer))
+    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}")
+    for r in rows:
+        print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['launcher_us']:9.1f} {r['peer']:>12s} {r['peer_us']:8.1f} "
+              f"{r['ratio']:9.2f}")
+    if a.out:
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+        with open(f"{a.out}/host.json", "w") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
