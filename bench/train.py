@@ -2,7 +2,7 @@
 one forward + backward of the causal-LM loss on batch x seq tokens, in several setups:
 
     eager          transformers as is (sdpa attention)
-    patch          + qwen_ops.patch_transformers (our RMSNorm, q/k-norm+RoPE, attention, SwiGLU, fused LM-head loss)
+    patch          + modeling.patch_transformers (our RMSNorm, q/k-norm+RoPE, attention, SwiGLU, fused LM-head loss)
     liger          + Liger-Kernel's apply_liger_kernel_to_qwen3 (if liger_kernel imports)
     compile        transformers under torch.compile(fullgraph=True)
     patch+compile  our patch under torch.compile(fullgraph=True)
@@ -63,9 +63,9 @@ def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: in
     model = model.to(torch.bfloat16)
     model.train()
     if "patch" in mode:
-        import qwen_ops
+        from modeling import patch_transformers
 
-        qwen_ops.patch_transformers(model)
+        patch_transformers(model)
 
     def loss_fn(ids):
         return model(input_ids=ids, labels=ids).loss

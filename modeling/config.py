@@ -4,12 +4,16 @@ Supported ``model_type`` values:
 
 - ``qwen3``: RMSNorm on q and k per head (``q_norm``/``k_norm``), no qkv bias.
 - ``qwen2``: bias on q, k and v, no q/k norm (Qwen2 and Qwen2.5 checkpoints).
+
+``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; every layer is
+``full_attention`` when it is absent); the kinds this package implements are the keys of
+``modeling.layers.LAYER_TYPES``. ``rope_settings`` is shared with ``modeling.transformers_patch``.
 """
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 
@@ -33,6 +37,7 @@ class QwenConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    layer_types: Tuple[str, ...]  # one per layer, e.g. "full_attention"
 
     @property
     def qkv_bias(self) -> bool:
@@ -56,14 +61,15 @@ class QwenConfig:
             raise ConfigError(
                 f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        rope_theta, rotary_factor = rope_settings(d)
         _reject_unsupported_features(d)
+        layer_types = _layer_types(d)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        rope = _rope_parameters(d)
-        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * rotary_factor)
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -74,10 +80,11 @@ class QwenConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rotary_dim=rotary_dim,
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_theta=float(10000.0 if rope_theta is None else rope_theta),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
+            layer_types=layer_types,
         )
 
     @classmethod
@@ -89,15 +96,32 @@ class QwenConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def _rope_parameters(d: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The RoPE dict: ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older), or {}."""
-    return d.get("rope_parameters") or d.get("rope_scaling") or {}
+def rope_settings(d: Mapping[str, Any]) -> Tuple[Optional[float], float]:
+    """(rope_theta, partial_rotary_factor) of a config dict, read at the top level or inside
+    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older); rope_theta is None when
+    the config names none. A ``rope_type`` other than ``default`` (YaRN etc.) is a ConfigError."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is implemented")
+    theta = rope.get("rope_theta", d.get("rope_theta"))
+    return theta, float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+
+
+def _layer_types(d: Mapping[str, Any]) -> Tuple[str, ...]:
+    from .layers import LAYER_TYPES  # the layer kinds this package implements (imported here: layers imports us)
+
+    n = d["num_hidden_layers"]
+    types = tuple(d.get("layer_types") or ("full_attention",) * n)
+    if len(types) != n:
+        raise ConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise ConfigError(f"unsupported layer type {t!r} in layer_types: implemented are {', '.join(LAYER_TYPES)}")
+    return types
 
 
 def _reject_unsupported_features(d: Mapping[str, Any]) -> None:
-    rope_type = _rope_parameters(d).get("rope_type", _rope_parameters(d).get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is implemented")
     if d.get("use_sliding_window"):
         raise ConfigError("unsupported use_sliding_window=true: only full attention is implemented")
     if d.get("hidden_act", "silu") != "silu":

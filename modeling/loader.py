@@ -4,7 +4,9 @@ The checkpoint is ``model.safetensors`` or shards listed in ``model.safetensors.
 Tensors are read one at a time with ``safe_open`` and copied straight into their target
 tensor on the target device and dtype, so the host never holds a second full copy.
 
-Fusion (rows concatenated along dim 0, in this order):
+The plan (``load_plan``) names, for each model tensor, the checkpoint tensors concatenated along
+dim 0 to make it. Each layer's part comes from its class in ``modeling.layers.LAYER_TYPES``
+(``load_plan(config, "model.layers.{i}.")``); for an attention layer:
 
 - ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
 - ``layers.{i}.qkv_bias``   [(Hq + 2*Hk) * D]         <- q_proj, k_proj, v_proj biases (qwen2)
@@ -14,16 +16,13 @@ Fusion (rows concatenated along dim 0, in this order):
 import json
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Union
 
 import torch
 from safetensors import safe_open
 
 from .config import QwenConfig
-
-Shape = Tuple[int, ...]
-# target name in the model's state_dict -> the checkpoint tensors concatenated along dim 0
-LoadPlan = Dict[str, List[Tuple[str, Shape]]]
+from .layers import LAYER_TYPES, LoadPlan, Shape
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,37 +35,13 @@ class CheckpointError(ValueError):
 def load_plan(config: QwenConfig) -> LoadPlan:
     """For each model tensor, the Hugging Face tensors (name, expected shape) it is made of."""
     c = config
-    hidden, d = c.hidden_size, c.head_dim
-    q_rows, kv_rows = c.num_attention_heads * d, c.num_key_value_heads * d
-    plan: LoadPlan = {"embed_tokens": [("model.embed_tokens.weight", (c.vocab_size, hidden))]}
-    for i in range(c.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        attn = hf + "self_attn."
-        plan[ours + "input_norm"] = [(hf + "input_layernorm.weight", (hidden,))]
-        plan[ours + "qkv_weight"] = [
-            (attn + "q_proj.weight", (q_rows, hidden)),
-            (attn + "k_proj.weight", (kv_rows, hidden)),
-            (attn + "v_proj.weight", (kv_rows, hidden)),
-        ]
-        if c.qkv_bias:
-            plan[ours + "qkv_bias"] = [
-                (attn + "q_proj.bias", (q_rows,)),
-                (attn + "k_proj.bias", (kv_rows,)),
-                (attn + "v_proj.bias", (kv_rows,)),
-            ]
-        if c.qk_norm:
-            plan[ours + "q_norm"] = [(attn + "q_norm.weight", (d,))]
-            plan[ours + "k_norm"] = [(attn + "k_norm.weight", (d,))]
-        plan[ours + "o_weight"] = [(attn + "o_proj.weight", (hidden, q_rows))]
-        plan[ours + "post_norm"] = [(hf + "post_attention_layernorm.weight", (hidden,))]
-        plan[ours + "gate_up_weight"] = [
-            (hf + "mlp.gate_proj.weight", (c.intermediate_size, hidden)),
-            (hf + "mlp.up_proj.weight", (c.intermediate_size, hidden)),
-        ]
-        plan[ours + "down_weight"] = [(hf + "mlp.down_proj.weight", (hidden, c.intermediate_size))]
-    plan["norm"] = [("model.norm.weight", (hidden,))]
+    plan: LoadPlan = {"embed_tokens": [("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))]}
+    for i, kind in enumerate(c.layer_types):
+        for name, sources in LAYER_TYPES[kind].load_plan(c, f"model.layers.{i}.").items():
+            plan[f"layers.{i}.{name}"] = sources
+    plan["norm"] = [("model.norm.weight", (c.hidden_size,))]
     if not c.tie_word_embeddings:
-        plan["lm_head"] = [("lm_head.weight", (c.vocab_size, hidden))]
+        plan["lm_head"] = [("lm_head.weight", (c.vocab_size, c.hidden_size))]
     return plan
 
 

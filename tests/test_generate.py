@@ -297,22 +297,51 @@ def test_prefill_graph_buckets(qwen3_0_6b):
     and its first token's logits match the exact-length prefill to bf16 rounding."""
     gen = Generator(qwen3_0_6b, max_batch_size=2, max_seq_len=200, prefill_graph=True)
     prompt = prompts_of([45], qwen3_0_6b.config.vocab_size, seed=7)[0]
-    with torch.no_grad():
-        graph = gen._prefill_graph_for(64, "greedy")  # capture first: capturing resets the inputs
-        gen._pf_ids[0, :45] = torch.tensor(prompt)
-        gen._pf_last.fill_(44)
-        graph.replay()
-        captured = (gen._pf_token.clone(), gen._staging.k[:, 0, :45].clone())
-        gen._prefill_bucket_body(64, "greedy")
-        assert torch.equal(gen._pf_token, captured[0]) and torch.equal(gen._staging.k[:, 0, :45], captured[1])
-        from modeling.generator import CacheView
-        from modeling import KVCache
+    state = gen.state
 
-        cache = KVCache(qwen3_0_6b.config, 1, 64, torch.bfloat16, "cuda")
+    def staged_keys():
+        return torch.stack([layer.k[0, :45] for layer in state.staging.layers])
+
+    with torch.no_grad():
+        replay = gen._prefill(64, "greedy")  # capture first: capturing resets the inputs
+        state.stage(prompt)
+        replay()
+        captured = (state.pf_token.clone(), staged_keys().clone())
+        state.prefill_bucket(64, "greedy")
+        assert torch.equal(state.pf_token, captured[0]) and torch.equal(staged_keys(), captured[1])
+        cache = qwen3_0_6b.new_cache(1, 64, torch.bfloat16, "cuda")
         exact = qwen3_0_6b(torch.tensor([prompt], device="cuda"), torch.arange(45, device="cuda")[None], cache)
-        padded = qwen3_0_6b(gen._pf_ids[:, :64], gen._pf_pos[:, :64], CacheView(cache.k, cache.v), all_logits=True)
+        padded = qwen3_0_6b(state.pf_ids[:, :64], state.pf_pos[:, :64], cache, all_logits=True)
         rel = (padded[0, 44].float() - exact[0].float()).norm() / exact.float().norm()
         assert rel < 2e-2
     r = gen.generate([prompt, prompt[:20]], 16)
     assert r.cuda_graph and all(len(t) == 16 for t in r.tokens)
-    assert {k[:2] for k in gen._graphs} == {("decode", 2), ("prefill", 64), ("prefill", 32)}
+    assert {k[:2] for k in gen.graphs.keys()} == {("decode", 2), ("prefill", 64), ("prefill", 32)}
+
+
+def test_capture_is_a_no_op_without_cuda_graphs(model64):
+    """On the CPU (or with use_cuda_graph=False) capture() captures nothing; generation is unchanged."""
+    prompts = prompts_of([5, 9, 3], TINY["vocab_size"], seed=8)
+    expected = Generator(model64, max_batch_size=4, max_seq_len=32).generate(prompts, 10).tokens
+    gen = Generator(model64, max_batch_size=4, max_seq_len=32, prefill_graph=True, prefill_buckets=(8, 16))
+    gen.capture(batch_sizes=[1, 3, 4], modes=["greedy", "top"], prefill_lengths=[5, 9])
+    assert not gen.use_cuda_graph and not list(gen.graphs.keys())
+    r = gen.generate(prompts, 10)
+    assert r.tokens == expected and not r.cuda_graph
+
+
+@pytest.mark.cuda
+def test_capture_ahead_of_time_then_generate():
+    """capture() ahead of time builds the graphs generate() then replays (none captured later);
+    the tokens equal those of a generator that captures on first use, and of eager decoding."""
+    model = tiny_model(torch.float32, "cuda")
+    prompts = prompts_of([3, 17, 9], model.config.vocab_size, seed=9)
+    kw = dict(max_batch_size=4, max_seq_len=64, prefill_graph=True)
+    ahead = Generator(model, **kw)
+    ahead.capture(batch_sizes=[3], modes=["greedy"], prefill_lengths=[3, 17, 9])
+    keys = set(ahead.graphs.keys())
+    assert keys == {("decode", 4, "greedy"), ("prefill", 16, "greedy"), ("prefill", 32, "greedy")}
+    r = ahead.generate(prompts, 30)
+    assert r.cuda_graph and set(ahead.graphs.keys()) == keys
+    assert r.tokens == Generator(model, **kw).generate(prompts, 30).tokens
+    assert r.tokens == Generator(model, use_cuda_graph=False, **kw).generate(prompts, 30).tokens

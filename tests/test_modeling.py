@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from modeling import KVCache, QwenForCausalLM
+from modeling import QwenForCausalLM
 from tests.helpers import hf_greedy
 
 HF_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -76,7 +76,7 @@ def prefill(model, ids, cache, all_logits=False):
 def greedy(model, ids, new_tokens, dtype=torch.float32):
     """Prefill then ``new_tokens - 1`` single-token decode steps; returns [B, new_tokens]."""
     B, T = ids.shape
-    cache = KVCache(model.config, B, T + new_tokens, dtype, ids.device)
+    cache = model.new_cache(B, T + new_tokens, dtype, ids.device)
     token = prefill(model, ids, cache).argmax(-1)
     out = [token]
     for pos in range(T, T + new_tokens - 1):
@@ -95,7 +95,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, spec):
     ids = prompt(2, 12, hf.config.vocab_size)
     ref = hf(ids).logits
 
-    cache = KVCache(model.config, 2, 12, torch.float32)
+    cache = model.new_cache(2, 12, torch.float32)
     logits = prefill(model, ids, cache, all_logits=True)
     assert logits.shape == ref.shape
     assert rel_err(logits, ref) < 1e-5
@@ -113,7 +113,7 @@ def test_decode_steps_of_several_tokens(tmp_path):
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
     ids = prompt(2, 11, hf.config.vocab_size)
     ref = hf(ids).logits[:, 8:]
-    cache = KVCache(model.config, 2, 16, torch.float32)
+    cache = model.new_cache(2, 16, torch.float32)
     prefill(model, ids[:, :8], cache)
     positions = torch.arange(8, 11).expand(2, 3)
     seqlens = torch.full((2,), 11, dtype=torch.int32)
@@ -128,7 +128,7 @@ def test_sharded_checkpoint(tmp_path):
     assert len(shards) > 2
     model = QwenForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = prompt(1, 10, hf.config.vocab_size)
-    logits = prefill(model, ids, KVCache(model.config, 1, 10, torch.float32), all_logits=True)
+    logits = prefill(model, ids, model.new_cache(1, 10, torch.float32), all_logits=True)
     assert rel_err(logits, hf(ids).logits) < 1e-5
 
 
@@ -140,7 +140,7 @@ def test_half_precision_load(tmp_path, dtype):
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     ids = prompt(1, 10, hf.config.vocab_size)
-    logits = prefill(model, ids, KVCache(model.config, 1, 10, dtype), all_logits=True)
+    logits = prefill(model, ids, model.new_cache(1, 10, dtype), all_logits=True)
     assert logits.dtype == dtype
     assert rel_err(logits, hf(ids).logits) < 2e-2
 
@@ -190,7 +190,7 @@ def test_full_size_logits_match_transformers_cuda(tmp_path, model_type, sizes, d
     hf_bf16 = hf(ids).logits
     ref = hf.float()(ids).logits
 
-    cache = KVCache(model.config, 1, 301, dtype, "cuda")
+    cache = model.new_cache(1, 301, dtype, "cuda")
     logits = prefill(model, ids[:, :300], cache, all_logits=True)
     positions = torch.full((1, 1), 300, dtype=torch.int32, device="cuda")
     step = model(ids[:, 300:], positions, cache, torch.full((1,), 301, dtype=torch.int32, device="cuda"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from modeling import KVCache, QwenConfig, QwenForCausalLM
+from modeling import QwenConfig, QwenForCausalLM
 
 B, T, MAX_LEN = 2, 8, 16
 
@@ -24,10 +24,9 @@ def random_model(model_type="qwen3"):
     return model
 
 
-def prefill_then_decode(fn, config, ids):
+def prefill_then_decode(fn, cache, ids):
     """fn (the model, eager or compiled) on a prefill of ids[:, :T], then a decode step of
     ids[:, T]; returns (prefill logits, decode logits, cache)."""
-    cache = KVCache(config, B, MAX_LEN, torch.float32)
     prefill = fn(ids[:, :T], torch.arange(T).expand(B, T), cache)
     decode = fn(ids[:, T:], torch.full((B, 1), T), cache, torch.full((B,), T + 1, dtype=torch.int32))
     return prefill, decode, cache
@@ -40,11 +39,12 @@ def test_compile_fullgraph_prefill_and_decode(model_type):
     ids = torch.randint(0, model.config.vocab_size, (B, T + 1))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    *logits, cache = prefill_then_decode(model, model.config, ids)
-    *c_logits, c_cache = prefill_then_decode(compiled, model.config, ids)
+    *logits, cache = prefill_then_decode(model, model.new_cache(B, MAX_LEN, torch.float32), ids)
+    *c_logits, c_cache = prefill_then_decode(compiled, model.new_cache(B, MAX_LEN, torch.float32), ids)
     torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(c_cache.k, cache.k, rtol=1e-5, atol=1e-5)  # the cache was written
-    torch.testing.assert_close(c_cache.v, cache.v, rtol=1e-5, atol=1e-5)
+    for c_layer, layer in zip(c_cache.layers, cache.layers, strict=True):  # the cache was written
+        torch.testing.assert_close(c_layer.k, layer.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_layer.v, layer.v, rtol=1e-5, atol=1e-5)
 
 
 def captured_ops(fn, *args) -> str:
@@ -73,10 +73,10 @@ def test_decoder_layer_op_sequence():
     (add_rms_norm fused with the residual, decode_attention on the cache)."""
     expecttest = pytest.importorskip("expecttest")  # a test extra; the GPU machine lacks it
     model = random_model("qwen3")
-    cache = KVCache(model.config, B, MAX_LEN, torch.float32)
+    cache = model.new_cache(B, MAX_LEN, torch.float32)
     x = torch.randn(B, T, model.config.hidden_size)
     first, second = model.layers
-    prefill_ops = captured_ops(first, x, None, torch.arange(T).expand(B, T), cache.k[0], cache.v[0], None)
+    prefill_ops = captured_ops(first, x, None, torch.arange(T).expand(B, T), cache.layers[0], None)
     expecttest.assert_expected_inline(prefill_ops, """\
 qwen.rms_norm.default
 qwen.linear.default
@@ -98,7 +98,7 @@ qwen.linear.default
 """)
     x1 = torch.randn(B, 1, model.config.hidden_size)
     positions, seqlens = torch.full((B, 1), T), torch.full((B,), T + 1, dtype=torch.int32)
-    decode_ops = captured_ops(second, x1, torch.randn_like(x1), positions, cache.k[1], cache.v[1], seqlens)
+    decode_ops = captured_ops(second, x1, torch.randn_like(x1), positions, cache.layers[1], seqlens)
     expecttest.assert_expected_inline(decode_ops, """\
 qwen.add_rms_norm.default
 qwen.linear.default

@@ -15,12 +15,14 @@ def test_qwen3_from_transformers_config():
     assert (c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (1e6, 1e-6, True)
     assert c.qk_norm and not c.qkv_bias
     assert c.qkv_size == (4 + 2 * 2) * 32
+    assert c.layer_types == ("full_attention", "full_attention")  # transformers writes layer_types
 
 
 def test_qwen2_defaults():
     c = QwenConfig.from_dict(dict(BASE, model_type="qwen2", rms_norm_eps=1e-5))
     assert (c.num_key_value_heads, c.head_dim, c.rope_theta, c.rms_norm_eps) == (4, 16, 10000.0, 1e-5)
     assert c.qkv_bias and not c.qk_norm and not c.tie_word_embeddings
+    assert c.layer_types == ("full_attention", "full_attention")  # no layer_types: every layer attends
 
 
 @pytest.mark.parametrize(
@@ -52,6 +54,8 @@ def test_transformers_qwen2_config_round_trip():
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
         ({"model_type": "qwen3", "attention_bias": True}, "unsupported attention_bias"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "unsupported layer type 'sliding_attention'"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, num_hidden_layers is 2"),
     ],
 )
 def test_unsupported_configs(change, message):

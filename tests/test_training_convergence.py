@@ -1,5 +1,5 @@
 """Convergence: a mini Qwen3 trained with AdamW on Shakespeare characters, with and without
-qwen_ops.patch_transformers, from the same seed: per-step losses agree, the final parameters
+patch_transformers, from the same seed: per-step losses agree, the final parameters
 agree, and the loss goes down.
 
 CPU (Triton interpreter): 2 layers, hidden 64, 8 steps of 2 x 32 tokens.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import qwen_ops
+from modeling import patch_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,11 +67,11 @@ def run_pair(device, dtype, steps, batch, seq, arch, patch_second=True, compile_
     batches = make_batches(ids, steps, batch, seq)
     first = make_model(vocab, *arch, device=device, dtype=dtype)
     if patch_first:
-        qwen_ops.patch_transformers(first)
+        patch_transformers(first)
     losses_a = train(first, batches, device, lr, compile_=compile_first)
     second = make_model(vocab, *arch, device=device, dtype=dtype)
     if patch_second:
-        qwen_ops.patch_transformers(second)
+        patch_transformers(second)
     losses_b = train(second, batches, device, lr, compile_=compile_second)
     return losses_a, losses_b, first, second
 

@@ -1,11 +1,11 @@
-"""qwen_ops.patch_transformers on transformers Qwen3 / Qwen2 models: same loss, logits and gradients
+"""modeling.patch_transformers on transformers Qwen3 / Qwen2 models: same loss, logits and gradients
 as the unpatched model, our ops actually on the autograd graph, undo restores the model, compiled
 training step, and the fallbacks (padding mask) and refusals (unsupported configs).
 Also: our own modeling decoder trains, with gradients equal to transformers'."""
 import pytest
 import torch
 
-import qwen_ops
+from modeling import patch_transformers
 from tests.helpers import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def test_patch_matches_transformers_and_undoes(device, kind):
     ref_out, ref_grads = _loss_and_grads(model, ids)
     ref_logits = model(ids).logits
 
-    handle = qwen_ops.patch_transformers(model)
+    handle = patch_transformers(model)
     n_layers = TINY["num_hidden_layers"]
     norms = n_layers * (4 if kind == "qwen3" else 2) + 1
     assert handle.counts == {"rms_norm": norms, "mlp": n_layers, "attention": n_layers, "loss": 1}
@@ -74,7 +74,7 @@ def test_patch_matches_transformers_and_undoes(device, kind):
 
 def test_patch_context_manager_and_base_model():
     model = _model("qwen3", "cpu")
-    with qwen_ops.patch_transformers(model.model) as handle:  # the bare Qwen3Model: no loss patch
+    with patch_transformers(model.model) as handle:  # the bare Qwen3Model: no loss patch
         assert "loss" not in handle.counts and handle.counts["attention"] == 2
         assert "forward" in model.model.layers[0].self_attn.__dict__
     assert "forward" not in model.model.layers[0].self_attn.__dict__
@@ -93,7 +93,7 @@ def test_patch_padding_mask_falls_back_to_transformers_attention():
     ref_loss = model(ids, attention_mask=mask, labels=labels).loss
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    with qwen_ops.patch_transformers(model):
+    with patch_transformers(model):
         logits = model(ids, attention_mask=mask).logits
         model.zero_grad(set_to_none=True)
         loss = model(ids, attention_mask=mask, labels=labels).loss
@@ -111,19 +111,19 @@ def test_patch_num_items_in_batch_and_generation():
     ref = model(ids, labels=ids, num_items_in_batch=torch.tensor(40)).loss
     prompt = ids[:1, :4]
     ref_gen = model.generate(prompt, max_new_tokens=4, do_sample=False)
-    with qwen_ops.patch_transformers(model):
+    with patch_transformers(model):
         assert_close(model(ids, labels=ids, num_items_in_batch=torch.tensor(40)).loss, ref, 1e-5, what="sum / items")
         assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False), ref_gen)  # KV cache path
 
 
 def test_patch_rejects_unsupported_configs():
     with pytest.raises(ValueError, match="rope_type 'linear'"):
-        qwen_ops.patch_transformers(_model("qwen3", "cpu", rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                                            "rope_theta": 1e4}))
+        patch_transformers(_model("qwen3", "cpu", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
-        qwen_ops.patch_transformers(_model("qwen3", "cpu", hidden_act="gelu"))
+        patch_transformers(_model("qwen3", "cpu", hidden_act="gelu"))
     with pytest.raises(ValueError, match="model_type 'llama'"):
-        qwen_ops.patch_transformers(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        patch_transformers(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=10, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)))
 
 
@@ -131,7 +131,7 @@ def test_patch_rejects_unsupported_configs():
 def test_patched_training_step_compiles_fullgraph(device):
     model = _model("qwen3", device, use_cache=False)
     ids = torch.randint(0, TINY["vocab_size"], (2, 16), device=device)
-    handle = qwen_ops.patch_transformers(model)
+    handle = patch_transformers(model)
     _, eager_grads = _loss_and_grads(model, ids)
 
     def loss_fn(x):
@@ -148,14 +148,14 @@ def test_patched_training_step_compiles_fullgraph(device):
 def test_own_decoder_trains_like_transformers(tmp_path):
     """modeling.QwenForCausalLM (torch.ops.qwen only) with requires_grad_(True): its fused loss and
     the gradients equal transformers' for the same weights (the logits path's loss too)."""
-    from modeling.model import KVCache, QwenForCausalLM
+    from modeling.model import QwenForCausalLM
 
     hf = _model("qwen3", "cpu", use_cache=False)
     hf.save_pretrained(tmp_path)
     ours = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).requires_grad_(True)
     ids = torch.randint(0, TINY["vocab_size"], (2, 16))
     ref_out, ref_grads = _loss_and_grads(hf, ids)
-    cache = KVCache(ours.config, 2, 16, dtype=torch.float32)
+    cache = ours.new_cache(2, 16, dtype=torch.float32)
     logits = ours(ids, torch.arange(16).expand(2, 16), cache, all_logits=True)
     unfused = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     assert_close(unfused, ref_out.loss, 1e-5, what="own decoder loss from logits")

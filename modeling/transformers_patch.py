@@ -1,8 +1,9 @@
 """Swap torch.ops.qwen kernels into a transformers Qwen2 / Qwen3 model instance (for training).
 
-    handle = qwen_ops.patch_transformers(model)   # model: Qwen3ForCausalLM, Qwen2ForCausalLM, or their .model
+    from modeling import patch_transformers
+    handle = patch_transformers(model)   # model: Qwen3ForCausalLM, Qwen2ForCausalLM, or their .model
     ... train ...
-    handle.undo()                                  # or: with qwen_ops.patch_transformers(model): ...
+    handle.undo()                        # or: with patch_transformers(model): ...
 
 Like Liger-Kernel's `apply_liger_kernel_to_qwen3(model=...)`, but only module *instances* are
 patched (their `forward` is replaced through the instance attribute), never the classes, so other
@@ -24,7 +25,8 @@ implementation without padding, as in training on packed sequences). With a mask
 `attn_implementation="eager"`) or a sliding window, the layer keeps our RoPE but calls the
 model's own attention function. A KV cache (generation) is updated as transformers does.
 Only the default RoPE (`rope_type` "default") and `hidden_act` "silu" are supported; other
-configurations raise ValueError.
+configurations raise ValueError. The model types and the RoPE settings are read as
+`modeling.config` reads a config.json.
 """
 import sys
 import types
@@ -32,9 +34,11 @@ import types
 import torch
 import torch.nn.functional as F
 
-ops = torch.ops.qwen
+import qwen_ops  # noqa: F401  (registers torch.ops.qwen)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+from .config import SUPPORTED_MODEL_TYPES, ConfigError, rope_settings
+
+ops = torch.ops.qwen
 
 
 class TransformersPatch:
@@ -75,15 +79,13 @@ class TransformersPatch:
 
 
 def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"patch_transformers: rope_type {rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    try:
+        theta, rotary_factor = rope_settings(config.to_dict())
+    except ConfigError as e:
+        raise ConfigError(f"patch_transformers: {e}") from None
     if theta is None:
         raise ValueError("patch_transformers: the config names no rope_theta")
-    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+    if rotary_factor != 1.0:
         raise ValueError("patch_transformers: partial_rotary_factor != 1 is not supported")
     return float(theta)
 
