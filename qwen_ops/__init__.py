@@ -10,11 +10,16 @@ from .activation import (silu_mul, silu_mul_backward, silu_mul_backward_referenc
                          silu_mul_split_backward, silu_mul_split_backward_reference, silu_mul_split_reference)
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
+from .causal_conv1d import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update,
+                            causal_conv1d_update_reference)
 from .checks import QwenOpError
 from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
 from .decode_attention import decode_attention, decode_attention_reference
+from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gated_rms_norm,
+                               gated_rms_norm_reference, recurrent_gated_delta_rule,
+                               recurrent_gated_delta_rule_reference)
 from .kv_cache import kv_cache_store, kv_cache_store_reference
 from .linear import linear, linear_backward, linear_backward_reference, linear_reference
 from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
@@ -25,6 +30,9 @@ from .rope import rope, rope_backward, rope_backward_reference, rope_reference
 __all__ = [
     "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_backward",
     "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
+    "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update", "causal_conv1d_update_reference",
+    "chunk_gated_delta_rule", "chunk_gated_delta_rule_reference", "gated_rms_norm", "gated_rms_norm_reference",
+    "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_reference",
     "decode_attention", "decode_attention_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",

@@ -1,0 +1,458 @@
+"""qwen::chunk_gated_delta_rule, qwen::recurrent_gated_delta_rule and qwen::gated_rms_norm
+(Qwen3.5 Gated DeltaNet): the chunked kernel against a float64 token-by-token recurrence, chunk
+boundaries (T = 63, 64, 65, 130), grouped value heads, initial states, prefill-then-decode
+continuation, transformers as the oracle for the references, opcheck, CUDA graph capture of the
+decode step and error messages."""
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qwen_ops  # noqa: F401
+import qwen_ops.gated_delta_rule  # noqa: F401  (registers the ops until qwen_ops/__init__ imports it)
+from qwen_ops import QwenOpError
+from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_reference, gated_delta_gates, gated_delta_recurrence,
+                                       gated_rms_norm_reference, recurrent_gated_delta_rule_reference)
+from qwen_ops.registry import kernel_calls
+from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+
+# ||out - fp64|| / ||fp64|| for the chunked kernel. bf16 and fp16 products and intermediates
+# (W, U, V', per-chunk states) follow flash-linear-attention; on CPU the interpreter truncates
+# to bf16 instead of rounding, which about triples the bf16 error.
+CHUNK_TOL = {"cpu": {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-5},
+             "cuda": {torch.bfloat16: 1.2e-2, torch.float16: 4e-3, torch.float32: 2e-5}}
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float tensor torch.empty allocates during the test starts as NaN, so an output or
+    scratch element a kernel forgets to write (or reads before writing) shows up, on CPU too."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _gdn_inputs(b, t, hk, hv, dk, dv, dtype, device, normalized_keys=True):
+    """q, k, v, and the raw gate projections a, b with A_log, dt_bias (Qwen3.5-like ranges)."""
+    q = randn(b, t, hk, dk, dtype=dtype, device=device)
+    k = randn(b, t, hk, dk, dtype=dtype, device=device, scale=1.0 if normalized_keys else dk ** -0.5)
+    v = randn(b, t, hv, dv, dtype=dtype, device=device)
+    a = randn(b, t, hv, dtype=dtype, device=device)
+    braw = randn(b, t, hv, dtype=dtype, device=device)
+    a_log = torch.empty(hv, device=device).uniform_(0.02, 0.5).log()
+    dt_bias = randn(hv, dtype=torch.float32, device=device, scale=0.5)
+    return q, k, v, a, braw, a_log, dt_bias
+
+
+def recurrence_fp64(q, k, v, g, beta, scale, state=None, use_qk_l2norm=True):
+    """Token-by-token gated delta rule in float64, written independently of qwen_ops
+    -> (o [B, T, Hv, Dv], final state [B, Hv, Dk, Dv]), both float64."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    bsz, t, hk, dk = k.shape
+    hv, dv = v.shape[2:]
+    q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    s = torch.zeros(bsz, hv, dk, dv, dtype=torch.float64, device=q.device) if state is None else state.double()
+    out = []
+    for i in range(t):
+        s = s * torch.exp(g[:, i])[..., None, None]
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, i], s)
+        s = s + torch.einsum("bhk,bhv->bhkv", k[:, i], beta[:, i, :, None] * (v[:, i] - pred))
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, s))
+    o = torch.stack(out, 1) if out else torch.zeros(bsz, 0, hv, dv, dtype=torch.float64, device=q.device)
+    return o, s
+
+
+# (B, T, Hk, Hv, Dk, Dv): T across chunk boundaries, grouped value heads, Dk != Dv.
+CHUNK_SHAPES = {
+    "cpu": [(1, 0, 1, 1, 16, 16), (1, 1, 1, 1, 16, 16), (2, 63, 1, 2, 16, 32), (1, 64, 2, 2, 32, 16),
+            (1, 65, 1, 1, 32, 32), (1, 130, 1, 2, 16, 16)],
+    "cuda": [(1, 2048, 16, 16, 128, 128), (2, 2048, 16, 16, 128, 128), (1, 1000, 16, 32, 128, 128),
+             (3, 65, 2, 4, 64, 128)],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_fp64_recurrence(device, dtype, with_state, nan_empty):
+    torch.manual_seed(0)
+    tol = CHUNK_TOL[device][dtype]
+    for shape in CHUNK_SHAPES[device]:
+        b, t, hk, hv, dk, dv = shape
+        q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, dtype, device)
+        g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+        h0 = randn(b, hv, dk, dv, dtype=torch.float32, device=device) if with_state else None
+        scale = dk ** -0.5
+        poison_allocator(device)
+        calls = kernel_calls["chunk_gated_delta_rule"]
+        o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True)
+        assert kernel_calls["chunk_gated_delta_rule"] == calls + 1, "the Triton kernel did not run"
+        assert o.dtype == dtype and final.dtype == torch.float32
+        ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, scale, h0)
+        assert_close(o, ref_o, tol, what=f"chunk o {shape}")
+        assert_close(final, ref_s, tol, what=f"chunk final state {shape}")
+        if device == "cpu":
+            op_ref_o, op_ref_s = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, h0, True)
+            assert_close(o, op_ref_o.to(torch.float64), tol, what=f"chunk o vs op reference {shape}")
+            assert_close(final, op_ref_s, tol, what=f"chunk state vs op reference {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_without_l2norm_and_other_scale(device):
+    torch.manual_seed(1)
+    shape = (2, 70, 1, 2, 32, 16) if device == "cpu" else (1, 700, 16, 16, 128, 128)
+    b, t, hk, hv, dk, dv = shape
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, device, normalized_keys=False)
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.3)
+    ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, 0.3, use_qk_l2norm=False)
+    assert_close(o, ref_o, 1e-4, what="chunk o, no l2norm")
+    assert_close(final, ref_s, 1e-4, what="chunk state, no l2norm")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_strided_inputs(device):
+    """q, k, v as slices of one fused [B, T, 2 Hk Dk + Hv Dv] activation (the conv output)."""
+    torch.manual_seed(2)
+    b, t, hk, hv, dk, dv = 1, 70, 1, 2, 16, 32
+    qkv = randn(b, t, 2 * hk * dk + hv * dv, dtype=torch.float32, device=device)
+    q = qkv[..., :hk * dk].view(b, t, hk, dk)
+    k = qkv[..., hk * dk:2 * hk * dk].view(b, t, hk, dk)
+    v = qkv[..., 2 * hk * dk:].view(b, t, hv, dv)
+    gb = randn(b, t, 2 * hv, dtype=torch.float32, device=device)
+    g, beta = F.logsigmoid(gb[..., :hv] + 2), gb[..., hv:].sigmoid()
+    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, dk ** -0.5, None, True)
+    ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, dk ** -0.5)
+    assert_close(o, ref_o, 2e-5, what="strided chunk o")
+    assert_close(final, ref_s, 2e-5, what="strided chunk state")
+
+
+def test_chunk_reference_is_the_recurrence_in_float64():
+    """The op's reference (chunked) equals the token recurrence; float64 runs the reference."""
+    torch.manual_seed(3)
+    shape = (2, 130, 1, 2, 16, 16)
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float64, "cpu")
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    h0 = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    calls = kernel_calls["chunk_gated_delta_rule"]
+    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, h0, True)
+    assert kernel_calls["chunk_gated_delta_rule"] == calls
+    ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, 0.25, h0)
+    assert_close(o, ref_o, 1e-10, what="reference o")
+    assert_close(final, ref_s, 1e-10, what="reference state")
+    rec_o, rec_s = gated_delta_recurrence(q, k, v, g, beta, 0.25, h0, True)
+    assert_close(rec_o, ref_o, 1e-12, what="gated_delta_recurrence o")
+    assert_close(rec_s, ref_s, 1e-12, what="gated_delta_recurrence state")
+
+
+RECURRENT_SHAPES = {"cpu": [(2, 1, 1, 2, 16, 32), (1, 3, 2, 2, 32, 16)],
+                    "cuda": [(1, 1, 16, 16, 128, 128), (4, 1, 16, 32, 128, 128), (2, 3, 16, 16, 128, 128)]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_recurrent_matches_reference(device, dtype, use_qk_l2norm, nan_empty):
+    torch.manual_seed(4)
+    for shape in RECURRENT_SHAPES[device]:
+        b, t, hk, hv, dk, dv = shape
+        q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, dtype, device, normalized_keys=use_qk_l2norm)
+        state = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
+        state_ref = state.clone()
+        calls = kernel_calls["recurrent_gated_delta_rule"]
+        o = torch.ops.qwen.recurrent_gated_delta_rule(q, k, v, a, braw, a_log, dt_bias, state, dk ** -0.5,
+                                                      use_qk_l2norm)
+        assert kernel_calls["recurrent_gated_delta_rule"] == calls + 1, "the Triton kernel did not run"
+        ref = recurrent_gated_delta_rule_reference(q, k, v, a, braw, a_log, dt_bias, state_ref, dk ** -0.5,
+                                                   use_qk_l2norm)
+        assert o.dtype == dtype
+        # The gates and the recurrence are fp32 in both; bf16 beta and o roundings differ on CPU
+        # (the interpreter truncates), so bf16 gets its usual tolerance there.
+        assert_close(o, ref, what=f"recurrent o {shape}")
+        assert_close(state, state_ref, 2e-3 if dtype == torch.bfloat16 else 2e-5, what=f"recurrent state {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", [64, 65])
+def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, prefix):
+    """Prefill the first `prefix` tokens with the chunked op, decode the rest with the recurrent
+    op (one token, then two, then one at a time): the outputs and the final state match the
+    chunked op over the whole sequence."""
+    torch.manual_seed(5)
+    shape = (1, 69, 1, 2, 16, 32) if device == "cpu" else (2, 69, 16, 16, 128, 128)
+    b, t, hk, hv, dk, dv = shape
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, dtype, device)
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    scale = dk ** -0.5
+    h0 = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
+    o_all, s_all = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True)
+    o_pre, state = torch.ops.qwen.chunk_gated_delta_rule(q[:, :prefix], k[:, :prefix], v[:, :prefix],
+                                                         g[:, :prefix], beta[:, :prefix], scale, h0, True)
+    outs, i = [o_pre], prefix
+    while i < t:
+        n = 2 if i == prefix + 1 else 1
+        sl = slice(i, i + n)
+        outs.append(torch.ops.qwen.recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], a[:, sl], braw[:, sl],
+                                                              a_log, dt_bias, state, scale))
+        i += n
+    tol = CHUNK_TOL[device][dtype]
+    ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, scale, h0)
+    assert_close(torch.cat(outs, 1), ref_o, tol, what="prefix + recurrent steps vs fp64")
+    assert_close(torch.cat(outs, 1), o_all.double(), tol, what="prefix + recurrent steps vs chunk on whole")
+    assert_close(state, ref_s, tol, what="state after the steps vs fp64")
+    assert_close(state, s_all, tol, what="state after the steps vs chunk on whole")
+
+
+NORM_SHAPES = {"cpu": [(3, 2, 16), (5, 32), (1, 1, 2, 128)], "cuda": [(2048, 16, 128), (1, 16, 128), (7, 3, 64)]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp32_weight", [False, True])
+def test_gated_rms_norm_matches_reference(device, dtype, fp32_weight, nan_empty):
+    for shape in NORM_SHAPES[device]:
+        x = randn(*shape, dtype=dtype, device=device, scale=3.0)
+        z = randn(*shape, dtype=dtype, device=device, scale=2.0)
+        w = randn(shape[-1], dtype=torch.float32 if fp32_weight else dtype, device=device)
+        poison_allocator(device)
+        calls = kernel_calls["gated_rms_norm"]
+        y = torch.ops.qwen.gated_rms_norm(x, z, w, 1e-6)
+        assert kernel_calls["gated_rms_norm"] == calls + 1, "the Triton kernel did not run"
+        assert_close(y, gated_rms_norm_reference(x, z, w, 1e-6), what=f"gated_rms_norm {shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_rms_norm_strided_gate(device):
+    """z as a head-reshaped slice of a wider projection; x [tokens * heads, D]."""
+    zz = randn(6, 3 * 48, dtype=torch.float32, device=device)
+    z = zz[:, 16:].reshape(6, 4, 32)
+    x = randn(6, 4, 32, dtype=torch.float32, device=device)
+    w = randn(32, dtype=torch.float32, device=device)
+    assert_close(torch.ops.qwen.gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_reference(x, z, w, 1e-6),
+                 what="strided gate")
+
+
+# ----------------------------------------------------------------------------- transformers as the oracle
+
+
+def _hf():
+    return pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_references_match_transformers(use_qk_l2norm, with_state):
+    """transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule (which scale q
+    by Dk^-0.5) against our references, fp32, grouped value heads, T across chunk boundaries."""
+    m = _hf()
+    hf_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)
+    hf_recurrent = inspect.unwrap(m.torch_recurrent_gated_delta_rule)
+    torch.manual_seed(6)
+    for shape in [(2, 1, 1, 2, 16, 8), (1, 70, 2, 4, 16, 32), (1, 128, 1, 1, 8, 8)]:
+        b, t, hk, hv, dk, dv = shape
+        q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, "cpu", normalized_keys=use_qk_l2norm)
+        g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+        h0 = torch.randn(b, hv, dk, dv) if with_state else None
+        scale = dk ** -0.5
+        ours = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, h0, use_qk_l2norm)
+        hf = hf_chunk(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm)
+        assert_close(ours[0], hf[0], 1e-5, what=f"chunk reference o vs transformers {shape}")
+        assert_close(ours[1], hf[1], 1e-5, what=f"chunk reference state vs transformers {shape}")
+        state = h0.clone() if with_state else torch.zeros(b, hv, dk, dv)
+        o = recurrent_gated_delta_rule_reference(q, k, v, a, braw, a_log, dt_bias, state, scale, use_qk_l2norm)
+        hf = hf_recurrent(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm)
+        assert_close(o, hf[0], 1e-5, what=f"recurrent reference o vs transformers {shape}")
+        assert_close(state, hf[1], 1e-5, what=f"recurrent reference state vs transformers {shape}")
+
+
+def test_kernel_matches_transformers_chunk():
+    """One direct comparison of the Triton kernel (CPU interpreter) with transformers."""
+    m = _hf()
+    hf_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)
+    torch.manual_seed(7)
+    shape = (1, 66, 1, 2, 16, 16)
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, "cpu")
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    h0 = torch.randn(1, 2, 16, 16)
+    o, s = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 16 ** -0.5, h0, True)
+    hf = hf_chunk(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_close(o, hf[0], 1e-5, what="kernel o vs transformers")
+    assert_close(s, hf[1], 1e-5, what="kernel state vs transformers")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gates_and_gated_norm_match_transformers(dtype):
+    """g, beta as Qwen3_5GatedDeltaNet.forward computes them; gated_rms_norm as Qwen3_5RMSNormGated
+    with a weight in the model's dtype (a loaded checkpoint) and in fp32."""
+    m = _hf()
+    torch.manual_seed(8)
+    a, braw = randn(2, 3, 4, dtype=dtype, device="cpu"), randn(2, 3, 4, dtype=dtype, device="cpu")
+    a_log, dt_bias = torch.rand(4).log().to(dtype), randn(4, dtype=dtype, device="cpu")
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    assert torch.equal(g, -a_log.float().exp() * F.softplus(a.float() + dt_bias))
+    assert torch.equal(beta, braw.sigmoid())
+    x, z = randn(6, 32, dtype=dtype, device="cpu", scale=3.0), randn(6, 32, dtype=dtype, device="cpu")
+    for wdtype in (dtype, torch.float32):
+        norm = m.Qwen3_5RMSNormGated(32, eps=1e-6).to(wdtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(32))
+        want = norm(x, z)
+        got = gated_rms_norm_reference(x, z, norm.weight.detach(), 1e-6)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"gated norm, weight {wdtype}"
+
+
+def test_qwen3_5_config_heads():
+    """The default Qwen3_5TextConfig has more value heads than key heads (grouped); the ops take that."""
+    cfg = pytest.importorskip("transformers.models.qwen3_5.configuration_qwen3_5").Qwen3_5TextConfig()
+    assert cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0
+    assert cfg.linear_key_head_dim in (16, 32, 64, 128, 256) and cfg.linear_value_head_dim in (16, 32, 64, 128, 256)
+
+
+# ------------------------------------------------------------------------------------ contract
+
+
+def _samples(device):
+    torch.manual_seed(9)
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(2, 5, 1, 2, 16, 16, torch.float32, device)
+    g, beta = gated_delta_gates(a, braw, a_log, dt_bias)
+    state = randn(2, 2, 16, 16, dtype=torch.float32, device=device)
+    x = randn(2, 5, 2, 16, dtype=torch.float32, device=device)
+    return {
+        "chunk_gated_delta_rule": [(q, k, v, g, beta, 0.25, state, True), (q, k, v, g, beta, 0.25)],
+        "recurrent_gated_delta_rule": [(q[:, :1], k[:, :1], v[:, :1], a[:, :1], braw[:, :1], a_log, dt_bias,
+                                        state, 0.25)],
+        "gated_rms_norm": [(x, randn(2, 5, 2, 16, dtype=torch.float32, device=device),
+                            randn(16, dtype=torch.float32, device=device), 1e-6)],
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_rms_norm"])
+def test_opcheck(device, name):
+    for args in _samples(device)[name]:
+        torch.library.opcheck(getattr(torch.ops.qwen, name).default, args)
+
+
+def test_compile_fullgraph_prefill_then_decode():
+    s = _samples("cpu")
+    q, k, v, g, beta = s["chunk_gated_delta_rule"][1][:5]
+    _, _, _, a, braw, a_log, dt_bias, state, _ = s["recurrent_gated_delta_rule"][0]
+    z, w = s["gated_rms_norm"][0][1:3]
+
+    def f(q, k, v, g, beta, a, braw):
+        o, st = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, None, True)
+        o1 = torch.ops.qwen.recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], a, braw, a_log, dt_bias,
+                                                       st, 0.25)
+        return torch.ops.qwen.gated_rms_norm(o + o1, z, w, 1e-6), st
+
+    want = f(q, k, v, g, beta, a, braw)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, a, braw)
+    assert_close(got[0], want[0], what="compiled output")
+    assert_close(got[1], want[1], what="compiled state")
+
+
+def _bad_chunk(**over):
+    args = dict(q=torch.randn(1, 4, 2, 16), k=torch.randn(1, 4, 2, 16), v=torch.randn(1, 4, 4, 16),
+                g=torch.randn(1, 4, 4), beta=torch.rand(1, 4, 4), scale=0.25, initial_state=None)
+    args.update(over)
+    return tuple(args.values())
+
+
+def _bad_recurrent(**over):
+    args = dict(q=torch.randn(1, 1, 2, 16), k=torch.randn(1, 1, 2, 16), v=torch.randn(1, 1, 2, 16),
+                a=torch.randn(1, 1, 2), b=torch.randn(1, 1, 2), A_log=torch.randn(2), dt_bias=torch.randn(2),
+                state=torch.zeros(1, 2, 16, 16), scale=0.25)
+    args.update(over)
+    return tuple(args.values())
+
+
+ERRORS = [
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(v=torch.randn(1, 4, 3, 16)), "multiple of k's 2"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(k=torch.randn(1, 4, 2, 12), q=torch.randn(1, 4, 2, 12)),
+     "k head dim 12 is not supported"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(k=torch.randn(1, 5, 2, 16)), "same shape"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(g=torch.randn(1, 4, 2)), "g must have shape"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(v=torch.randn(1, 4, 4, 16, dtype=torch.bfloat16)), "v has dtype"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(initial_state=torch.randn(1, 4, 16, 16, dtype=torch.bfloat16)),
+     "initial_state must be torch.float32"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(initial_state=torch.randn(1, 2, 16, 16)),
+     "initial_state must have shape"),
+    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(A_log=torch.randn(3)), "A_log must have shape"),
+    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(state=torch.zeros(1, 2, 16, 8)), "state must have shape"),
+    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(state=torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16)),
+     "state must be torch.float32"),
+    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(b=torch.randn(1, 2, 2)), "b must have shape"),
+    ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 7), torch.randn(8), 1e-6), "z has shape"),
+    ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 8), torch.randn(7), 1e-6), "weight has 7"),
+]
+
+
+@pytest.mark.parametrize("name,make,match", ERRORS)
+def test_errors_name_the_argument(name, make, match):
+    with pytest.raises(QwenOpError, match=f"qwen.{name}: .*{match}"):
+        getattr(torch.ops.qwen, name)(*make())
+
+
+# ------------------------------------------------------------------------------------------ CUDA graph
+
+
+@pytest.mark.cuda
+def test_recurrent_step_replays_in_cuda_graph():
+    """The decode step (conv update + recurrent rule + gated norm) captured once, replayed with new
+    inputs and states, equals eager."""
+    torch.manual_seed(10)
+    dev, bf = "cuda", torch.bfloat16
+    b, hk, hv, d, c = 2, 16, 16, 128, 3 * 16 * 128
+    st = {"x": torch.empty(b, 1, c, device=dev, dtype=bf), "a": torch.empty(b, 1, hv, device=dev, dtype=bf),
+          "b": torch.empty(b, 1, hv, device=dev, dtype=bf), "z": torch.empty(b, 1, hv, d, device=dev, dtype=bf),
+          "conv": torch.empty(b, c, 3, device=dev, dtype=bf), "state": torch.empty(b, hv, d, d, device=dev)}
+    conv_w = torch.randn(c, 4, device=dev, dtype=bf) * 0.5
+    a_log, dt_bias = torch.rand(hv, device=dev).log(), torch.randn(hv, device=dev)
+    norm_w = torch.randn(d, device=dev, dtype=bf)
+
+    def step():
+        mixed = torch.ops.qwen.causal_conv1d_update(st["x"], st["conv"], conv_w)
+        q = mixed[..., :hk * d].view(b, 1, hk, d)
+        k = mixed[..., hk * d:2 * hk * d].view(b, 1, hk, d)
+        v = mixed[..., 2 * hk * d:].view(b, 1, hv, d)
+        o = torch.ops.qwen.recurrent_gated_delta_rule(q, k, v, st["a"], st["b"], a_log, dt_bias, st["state"],
+                                                      d ** -0.5)
+        return torch.ops.qwen.gated_rms_norm(o, st["z"], norm_w, 1e-6)
+
+    def fill(seed):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        for name, t in st.items():
+            t.copy_(torch.randn(t.shape, generator=gen, device=dev))
+
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (1, 2, 3):
+        fill(seed)
+        saved = {n: t.clone() for n, t in st.items()}
+        graph.replay()
+        replayed, states = out.clone(), (st["conv"].clone(), st["state"].clone())
+        for n, t in saved.items():
+            st[n].copy_(t)
+        eager = step()
+        assert torch.equal(replayed, eager)
+        assert torch.equal(states[0], st["conv"]) and torch.equal(states[1], st["state"])
