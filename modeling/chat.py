@@ -1,0 +1,351 @@
+"""The checkpoint's own chat template, rendered as transformers renders it, and its generation defaults.
+
+``ChatTemplate.from_pretrained(path)`` loads the template a checkpoint ships:
+``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
+named templates: ``default``, and ``tool_use`` when tools are given), else ``chat_template.json``,
+else ChatML (``CHATML_TEMPLATE``, the same text as ``modeling.tokenizer.format_chat``).
+
+``template.render(messages, add_generation_prompt=True, **kwargs)`` renders it the way
+transformers' ``apply_chat_template(..., tokenize=False)`` does: a jinja2
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
+extension and a ``{% generation %}`` block (rendered as its body), the globals
+``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (no underscore names), the
+``tojson`` filter as transformers defines it (``json.dumps``, no HTML escaping, ``ensure_ascii``
+false); the variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
+tokenizer's special tokens (``bos_token``, ``eos_token``, ... those that are set) and any extra
+keyword (``enable_thinking=False``). Messages are passed as plain dicts without their ``None``
+values, and a message's reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) is
+visible under ``reasoning_content`` and ``thinking``, as in transformers 5.
+
+``generation_defaults(path)`` reads ``generation_config.json`` into ``GenerationDefaults``
+(temperature, top-k, top-p, max_new_tokens) for the command line to use unless flags override.
+"""
+
+import json
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Qwen's ChatML, used when the checkpoint ships no template."""
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not parse, or that failed while rendering (``raise_exception``
+    in the template, a sandbox violation, an error in its logic)."""
+
+
+class ChatTemplate:
+    """A jinja chat template with the special tokens it may refer to.
+
+    ``source`` is the template text; ``origin`` says where it came from (a file name, or
+    ``"ChatML (default)"``); ``special_tokens`` maps ``bos_token``, ``eos_token``, ... to their text.
+    ``named`` holds the other templates of a checkpoint that ships several (``tool_use``, ...).
+    """
+
+    def __init__(self, source: str, special_tokens: Optional[Mapping[str, str]] = None,
+                 origin: str = "<string>", named: Optional[Mapping[str, str]] = None):
+        self.source = source
+        self.origin = origin
+        self.special_tokens: Dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.named: Dict[str, str] = dict(named or {})
+        self._compiled: Dict[str, Any] = {}
+        self._compile(source)  # a syntax error surfaces at load, not at the first render
+
+    @property
+    def is_default(self) -> bool:
+        """True when the checkpoint shipped no template and ChatML is used."""
+        return self.origin == "ChatML (default)"
+
+    @classmethod
+    def chatml(cls, special_tokens: Optional[Mapping[str, str]] = None) -> "ChatTemplate":
+        return cls(CHATML_TEMPLATE, special_tokens, origin="ChatML (default)")
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path]) -> "ChatTemplate":
+        """The template of the checkpoint directory ``path`` (see the module docstring for the order)."""
+        path = Path(path)
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        special = _special_tokens(tokenizer_config)
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            return cls(_read_text(jinja_file), special, origin=jinja_file.name)
+        template = tokenizer_config.get("chat_template")
+        origin = "tokenizer_config.json"
+        if template is None:
+            template = _read_json(path / "chat_template.json").get("chat_template")
+            origin = "chat_template.json"
+        if template is None:
+            return cls.chatml(special)
+        if isinstance(template, str):
+            return cls(template, special, origin=origin)
+        if isinstance(template, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys()
+                                              for t in template):
+            named = {t["name"]: t["template"] for t in template}
+            if "default" not in named:
+                raise ChatTemplateError(f"{origin}: several chat templates ({', '.join(sorted(named))}) "
+                                        "and none named 'default'")
+            return cls(named["default"], special, origin=origin, named=named)
+        raise ChatTemplateError(f"{origin}: chat_template must be a string or a list of "
+                                f"{{name, template}}, got {type(template).__name__}")
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: Optional[List[Dict[str, Any]]] = None, documents: Optional[List[Dict[str, Any]]] = None,
+               **kwargs: Any) -> str:
+        """The prompt text of ``messages`` (dicts with ``role`` and ``content``, and whatever else the
+        template reads: ``reasoning_content``, ``tool_calls`` ...). ``kwargs`` are template variables
+        (``enable_thinking=False``) and override the special tokens of the same name."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        chat = []
+        for m in messages:
+            if not isinstance(m, Mapping):
+                raise ChatTemplateError(f"a chat message must be a dict, got {type(m).__name__}")
+            chat.append(_alias_reasoning({k: _plain(v) for k, v in m.items() if v is not None}))
+        source = self.source
+        if tools is not None and "tool_use" in self.named:
+            source = self.named["tool_use"]
+        variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
+        try:
+            return self._compile(source).render(
+                messages=chat, tools=_plain(tools), documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt, **variables)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # TemplateError from raise_exception, SecurityError, TypeError in the template...
+            raise ChatTemplateError(f"chat template ({self.origin}): {_one_line(e)}") from e
+
+    def _compile(self, source: str):
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            import jinja2
+
+            try:
+                compiled = _environment().from_string(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ChatTemplateError(f"chat template ({self.origin}) line {e.lineno}: {e.message}") from None
+            self._compiled[source] = compiled
+        return compiled
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} chars)"
+
+
+_ENV = None
+
+
+def _environment():
+    """The jinja2 environment of transformers' chat templates (built once)."""
+    global _ENV
+    if _ENV is not None:
+        return _ENV
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` marks the assistant's text for training
+        masks in transformers; rendering keeps the body as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' filter: plain json.dumps (jinja's own escapes HTML characters)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        """``dict(...)`` in a template, without attribute access to the type itself."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """``namespace(...)`` that refuses underscore-prefixed attribute names."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    _ENV = env
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """Template data rebuilt from plain JSON types (what the sandbox sees); anything else becomes
+    a placeholder ``<TypeName>``, as transformers does."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item) and getattr(value, "shape", None) == ():
+        return _plain(item())
+    return f"<{type(value).__name__}>"
+
+
+def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill ``reasoning_content`` (and ``thinking``) from whichever reasoning field the message has."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read {path.name}: {e}") from None
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    """The JSON object in ``path``; {} if the file is absent; ``ChatTemplateError`` if unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ChatTemplateError(f"cannot read {path.name}: {_one_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ChatTemplateError(f"{path.name} is not a JSON object")
+    return data
+
+
+def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
+    """``bos_token``, ``eos_token``, ... of tokenizer_config.json (a string or an AddedToken dict
+    with ``content``); unset ones are left out, so a template sees them undefined."""
+    out = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        token = tokenizer_config.get(name)
+        if isinstance(token, Mapping):
+            token = token.get("content")
+        if isinstance(token, str):
+            out[name] = token
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# generation_config.json
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults of a checkpoint, in ``SamplingParams``' terms: temperature 0 is greedy,
+    top-k 0 and top-p 1 are off. ``max_new_tokens`` is None when the checkpoint sets none."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def merged(self, temperature: Optional[float] = None, top_k: Optional[int] = None,
+               top_p: Optional[float] = None, max_new_tokens: Optional[int] = None) -> "GenerationDefaults":
+        """These defaults with every argument that is not None (a command line flag given) in its place."""
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+
+# transformers' GenerationConfig defaults for a field that generation_config.json leaves out
+_HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0)
+
+
+def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
+    """Sampling defaults from ``path/generation_config.json`` (greedy when the file is absent).
+
+    As in transformers: ``do_sample`` false or absent means greedy decoding (temperature, top-k and
+    top-p are then ignored); with ``do_sample`` true, a field the file leaves out takes
+    GenerationConfig's default (temperature 1.0, top-k 50, top-p 1.0). ``max_new_tokens`` is taken
+    when present. Raises ``ValueError`` naming the field for a value that is out of range.
+    """
+    path = Path(path)
+    config = _read_json(path / "generation_config.json") if path.is_dir() else _read_json(path)
+    max_new = config.get("max_new_tokens")
+    if max_new is not None and (not _is_int(max_new) or max_new < 1):
+        raise ValueError(f"generation_config.json: max_new_tokens must be an integer >= 1, got {max_new!r}")
+    if not config.get("do_sample", False):
+        return GenerationDefaults(max_new_tokens=max_new)
+    values = {k: config.get(k) if config.get(k) is not None else d for k, d in _HF_DEFAULTS.items()}
+    t, k, p = values["temperature"], values["top_k"], values["top_p"]
+    if not _is_number(t) or not 0 <= t < float("inf"):
+        raise ValueError(f"generation_config.json: temperature must be a finite number >= 0, got {t!r}")
+    if not _is_int(k) or k < 0:
+        raise ValueError(f"generation_config.json: top_k must be an integer >= 0, got {k!r}")
+    if not _is_number(p) or not 0 < p <= 1:
+        raise ValueError(f"generation_config.json: top_p must be in (0, 1], got {p!r}")
+    return GenerationDefaults(float(t), int(k), float(p), max_new)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
