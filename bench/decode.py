@@ -1,0 +1,287 @@
+"""Decode speed side by side, one process on the GPU: ours, plain PyTorch peers and the floor.
+
+    python -m bench.decode [--out DIR] [--all]        # on the GPU: measure, write decode JSON
+    python -m bench.decode --render FILE.json         # anywhere: docs/performance.md section + plot
+
+Rows (random weights, bf16, greedy, ms per decode step; one step decodes the whole batch):
+
+- ours, CUDA graph: the Generator's default path (`modeling.generator.Generator`), batch 1 at
+  context 256 and 2048, batch 8 and 32 at context 256; wall time of the decode loop over
+  `--steps` steps (token readback included);
+- ours, eager: the same step without the graph (one Python launch per op);
+- torch eager / torch.compile: a plain PyTorch model of the same architecture (bf16 `F.linear`,
+  `F.rms_norm`, rotate-half RoPE, SDPA over a static KV cache of exactly context + steps
+  positions so masked attention over unused slots costs little), gpt-fast style, compiled with
+  mode="reduce-overhead" (`--max-autotune` for max-autotune, which compiles for minutes);
+- transformers, static cache (when importable): `generate(cache_implementation="static")`,
+  the per-token time from two runs of different lengths;
+- the floor: the model's weight bytes / the device-to-device copy bandwidth measured here.
+
+Shapes: Qwen3-0.6B (all rows); with `--all` also the seed's shape (hidden 896, 8/2 heads of
+128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
+intermediate 6144, tied), ours with the graph, torch.compile and the floor at batch 1, context 256.
+Kernels per decoded token come from the profiler (one eager step of ours).
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
+    "seed": dict(model_type="qwen3", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                 num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
+}
+MARK_BEGIN, MARK_END = "<!-- bench.decode:begin -->", "<!-- bench.decode:end -->"
+
+
+class TorchDecoder(torch.nn.Module):
+    """The same decoder in plain PyTorch (bf16 native ops), reading our model's weights, with a
+    static KV cache [layers, B, L, Hk, D]; `forward` is one greedy decode step."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        super().__init__()
+        c = self.c = model.config
+        self.m = model
+        assert c.rotary_dim == c.head_dim and c.qk_norm, "the peer covers the qwen3 shapes benchmarked here"
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=model.dtype, device=model.device))
+        self.register_buffer("v", torch.zeros(shape, dtype=model.dtype, device=model.device))
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, device=model.device) / c.rotary_dim)
+        self.register_buffer("inv_freq", inv_freq.float())
+
+    def rope(self, x, pos):
+        angle = pos[:, None, None].float() * self.inv_freq  # [B, 1, 1, R/2]
+        cos, sin = angle.cos(), angle.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(self, tokens, pos):
+        """tokens [B] int64, pos [] int64 (one position for the batch) -> next tokens [B]."""
+        c, m = self.c, self.m
+        B, Hq, Hk, D, eps = tokens.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        x = F.embedding(tokens, m.embed_tokens)
+        positions = pos.expand(B)
+        mask = (torch.arange(self.k.shape[3], device=x.device) <= pos)[None, :]  # [1, L]
+        for i, layer in enumerate(m.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
+            q, k, v = F.linear(h, layer.qkv_weight).split([Hq * D, Hk * D, Hk * D], dim=-1)
+            q = F.rms_norm(q.view(B, Hq, 1, D), (D,), layer.q_norm, eps)
+            k = F.rms_norm(k.view(B, Hk, 1, D), (D,), layer.k_norm, eps)
+            q, k = self.rope(q, positions), self.rope(k, positions)
+            self.k[i].index_copy_(2, pos.view(1), k)
+            self.v[i].index_copy_(2, pos.view(1), v.view(B, Hk, 1, D))
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(o.reshape(B, Hq * D), layer.o_weight)
+            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, eps)
+            gate, up = F.linear(h, layer.gate_up_weight).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight)
+        logits = F.linear(F.rms_norm(x, (c.hidden_size,), m.norm, eps), m.embed_tokens)
+        return logits.argmax(dim=-1)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write), 1 GiB buffers."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    from triton.testing import do_bench
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ours_ms(model, batch: int, context: int, steps: int, graph: bool, reps: int = 3) -> float:
+    from modeling.generator import Generator
+
+    gen = Generator(model, max_batch_size=batch, max_seq_len=context + steps + 2, use_cuda_graph=graph)
+    g = torch.Generator().manual_seed(context)
+    prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
+
+    def run():
+        r = gen.generate(prompts, steps + 1)
+        assert r.decode_steps == steps and r.cuda_graph == graph, (r.decode_steps, r.cuda_graph)
+        return r.decode_ms_per_step
+
+    run()  # warm-up: compile, capture
+    return statistics.median(run() for _ in range(reps))
+
+
+def torch_ms(model, batch: int, context: int, steps: int, mode) -> float:
+    """The plain model's decode step; mode None: eager, else torch.compile(mode=mode)."""
+    dec = TorchDecoder(model, batch, context + steps + 2)
+    step = dec if mode is None else torch.compile(dec, mode=mode, fullgraph=True)
+    tokens = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    pos = torch.tensor(context, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            step(tokens, pos)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            tokens = step(tokens, pos + i).clone()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def transformers_ms(config_dict: dict, context: int, steps: int):
+    try:
+        import transformers
+    except ImportError:
+        return None
+    cfg = transformers.Qwen3Config(**{k: v for k, v in config_dict.items() if k != "model_type"})
+    hf = transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        run(4)
+        short, long = run(8), run(8 + steps)
+    del hf
+    return (long - short) / steps * 1e3
+
+
+def kernels_per_token(model) -> int:
+    """CUDA kernels launched by one eager decode step of ours (batch 1), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from modeling.generator import Generator
+
+    gen = Generator(model, max_batch_size=1, max_seq_len=64, use_cuda_graph=False)
+    gen.generate([[1, 2, 3]], 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        gen.generate([[1, 2, 3]], 2)  # prefill + one decode step
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_prefill:
+        gen.generate([[1, 2, 3]], 1)  # prefill only
+    def count(p):
+        return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not any(w in e.name.lower() for w in ("memcpy", "memset")))
+
+    return count(prof) - count(prof_prefill)
+
+
+def measure(args) -> dict:
+    from modeling import QwenConfig
+    from modeling.random_checkpoint import random_model
+
+    import triton
+
+    bandwidth = copy_bandwidth()
+    out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat(), copy_bandwidth_tb_s=bandwidth / 1e12, steps=args.steps, rows=[])
+
+    def row(shape, what, batch, context, ms):
+        out["rows"].append(dict(shape=shape, what=what, batch=batch, context=context, ms_per_step=ms))
+        print(f"{shape:11s} {what:34s} b{batch:<3d} ctx {context:<5d} {ms:8.3f} ms/step", flush=True)
+
+    compile_mode = "max-autotune" if args.max_autotune else "reduce-overhead"
+    for name in (SHAPES if args.all else ["qwen3-0.6b"]):
+        config = QwenConfig.from_dict(SHAPES[name])
+        model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
+        floor = weight_bytes(model) / bandwidth * 1e3
+        row(name, "floor (weights / copy bandwidth)", 1, 0, floor)
+        row(name, "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+        if name == "qwen3-0.6b":
+            out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+            out["kernels_per_token"] = kernels_per_token(model)
+            print(f"kernels per decoded token: {out['kernels_per_token']}", flush=True)
+            row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
+            for batch in (8, 32):
+                row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
+            row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
+            row(name, "torch eager", 1, 256, torch_ms(model, 1, 256, 32, None))
+        row(name, f"torch.compile {compile_mode}", 1, 256, torch_ms(model, 1, 256, args.steps, compile_mode))
+        if name == "qwen3-0.6b" and not args.no_transformers:
+            ms = transformers_ms(SHAPES[name], 256, 32)
+            if ms is not None:
+                row(name, "transformers, static cache", 1, 256, ms)
+        del model
+        torch.cuda.empty_cache()
+    return out
+
+
+def render(path: str, doc: str = "docs/performance.md", plot: str = "docs/decode.png") -> None:
+    """Rewrite the decode section of docs/performance.md (between the markers) from a JSON result,
+    and draw the plot (matplotlib, optional)."""
+    with open(path) as f:
+        res = json.load(f)
+    lines = [MARK_BEGIN, "",
+             f"`python -m bench.decode` on {res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}; "
+             f"random weights, bf16, greedy, {res['steps']} steps; copy bandwidth {res['copy_bandwidth_tb_s']:.2f} TB/s. "
+             f"Kernels per decoded token (ours, batch 1): {res.get('kernels_per_token', 'n/a')}. "
+             f"Result file: `{path}`.", "",
+             "| shape | what | batch | context | ms / step | x floor |", "|---|---|---|---|---|---|"]
+    floors = {r["shape"]: r["ms_per_step"] for r in res["rows"] if r["what"].startswith("floor")}
+    for r in res["rows"]:
+        lines.append(f"| {r['shape']} | {r['what']} | {r['batch']} | {r['context'] or '-'} | "
+                     f"{r['ms_per_step']:.3f} | {r['ms_per_step'] / floors[r['shape']]:.2f} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        b1 = [r for r in res["rows"] if r["shape"] == "qwen3-0.6b" and r["batch"] == 1 and r["context"] in (0, 256)]
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.barh([r["what"] for r in b1], [r["ms_per_step"] for r in b1], color="tab:blue")
+        ax.set_xlabel("ms per decoded token (Qwen3-0.6B shape, batch 1, context 256)")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+        lines += ["", f"![decode, batch 1]({os.path.basename(plot)})"]
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    lines += ["", MARK_END]
+    text = open(doc).read()
+    section = "\n".join(lines)
+    if MARK_BEGIN in text:
+        start, end = text.index(MARK_BEGIN), text.index(MARK_END) + len(MARK_END)
+        text = text[:start] + section + text[end:]
+    else:
+        text = text.rstrip() + "\n\n## Decode, side by side\n\n" + section + "\n"
+    with open(doc, "w") as f:
+        f.write(text)
+    print(f"rewrote the decode section of {doc}")
+
+
+def main():
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--all", action="store_true", help="also the seed and Qwen3-1.7B shapes")
+    p.add_argument("--max-autotune", action="store_true", help="compile the torch peer with max-autotune")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--render", metavar="JSON", help="only rewrite docs/performance.md from a result file")
+    a = p.parse_args()
+    if a.render:
+        return render(a.render)
+    assert torch.cuda.is_available(), "bench.decode measures on a CUDA GPU (--render works anywhere)"
+    res = measure(a)
+    os.makedirs(a.out, exist_ok=True)
+    slug = res["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    path = os.path.join(a.out, f"{res['date']}-{slug}-decode.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
