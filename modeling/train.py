@@ -1,0 +1,887 @@
+"""Train the shipped default model: a small Qwen3 on Tiny Shakespeare, on the torch.ops.qwen kernels.
+
+    python -m modeling.train --out DIR --device cuda --max-minutes 5   # the shipped recipe (H200)
+    python -m modeling.train --out DIR --device cpu --preset tiny      # a smoke run in seconds
+    python -m modeling.train --out DIR --resume                        # continue DIR's last run
+    python -m modeling.train --plot DIR                                # DIR/loss_curve.png
+
+Data: ``modeling/data/tinyshakespeare.txt`` split by characters; the last ``--val-fraction``
+(10%) is the validation split, used for nothing but validation (not for the tokenizer either).
+
+Tokenizer: a byte-level BPE trained with the ``tokenizers`` library on the training split, with
+the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2; the same
+pipeline as ``modeling.random_checkpoint.build_tokenizer``).
+
+Model: a Qwen3 (q/k norm, GQA, tied embeddings) built as ``QwenForCausalLM(config)`` and
+initialised as transformers initialises Qwen3 (matrices ~ N(0, 0.02^2), norm weights 1); trained
+with ``model.loss(input_ids, cache)`` (the fused lm_head + cross-entropy) on random crops of the
+training tokens. On CUDA the weights and the compute are bf16 and AdamW keeps fp32 master
+weights and moments; on CPU everything is fp32. ``--dropout`` applies ``F.dropout`` to the
+embedding and to each layer's MLP output before it joins the residual stream (forward hooks on
+the layers: the decoder itself has no dropout).
+
+Schedule: linear warm-up, then cosine decay to ``--min-lr`` over ``--steps`` (default: the steps
+of ``--epochs`` passes over the training tokens); with ``--max-minutes`` the decay also follows
+the elapsed fraction of the time budget (whichever is further along), so a run cut short by the
+clock still ends annealed. Gradients are clipped to ``--grad-clip``.
+
+Validation: every ``--eval-every`` steps and at the end, the loss over the whole validation
+split (windows of ``--seq-len`` tokens overlapping by one, so every token but the first is
+predicted exactly once) and its bits per character:
+``nats per token * tokens in the split / characters in the split / ln 2``.
+
+Output directory (the model is the checkpoint with the best validation loss):
+
+- ``config.json``, ``model.safetensors`` (Hugging Face tensor names, un-fused, bf16),
+  ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``: a checkpoint that
+  ``QwenForCausalLM.from_pretrained``, ``python -m modeling.generate --model DIR`` and
+  ``transformers.Qwen3ForCausalLM.from_pretrained`` load as it is;
+- ``training_log.json``: the settings, the loss curves, throughput, wall time, the best
+  validation loss and bits/char; ``loss_curve.png``, drawn from it at the end of a run or by
+  ``--plot DIR`` (needs matplotlib; without it the run says so and skips the picture);
+- ``resume_state.pt`` (or ``--state PATH``): the last step's fp32 weights, optimizer state,
+  step and RNG states, for ``--resume``. Not part of the model.
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+DATA_FILE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json")
+LOG_FILE = "training_log.json"
+PLOT_FILE = "loss_curve.png"
+STATE_FILE = "resume_state.pt"
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95}
+STATE_VERSION = 1
+
+# Defaults: the shipped model (about 7.2M parameters, 14.4 MB in bf16). "tiny": a CPU smoke run.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "default": dict(vocab_size=2048, hidden_size=384, layers=5, heads=6, kv_heads=2, head_dim=64,
+                    intermediate_size=768, seq_len=512, batch_size=16, epochs=50.0, eval_every=50,
+                    log_every=10, warmup_steps=100),
+    "tiny": dict(vocab_size=320, hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16,
+                 intermediate_size=64, seq_len=32, batch_size=4, steps=20, eval_every=10,
+                 log_every=1, warmup_steps=2, eval_batch_size=512, max_chars=200_000),
+}
+# On --resume every setting comes from the resume state, except these when given again ...
+RESUME_OVERRIDES = ("steps", "epochs", "max_minutes", "eval_every", "log_every", "state_every", "patience",
+                    "device", "dtype")
+# ... and these, which belong to one invocation (never taken from the state).
+PER_INVOCATION = ("stop_at", "progress", "plot_after")
+
+
+class UsageError(Exception):
+    """Bad input: printed as ``error: <message>``, exit status 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# data and tokenizer
+
+
+def split_text(text: str, val_fraction: float) -> Tuple[str, str]:
+    """(train, validation): the validation split is the last ``round(len * val_fraction)`` characters."""
+    n_val = round(len(text) * val_fraction)
+    if not 0 < n_val < len(text):
+        raise UsageError(f"--val-fraction {val_fraction} leaves an empty split of a {len(text)}-character text")
+    return text[:-n_val], text[-n_val:]
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE trained on ``text`` (one document), with ``random_checkpoint.SPECIAL_TOKENS``
+    as ids 0, 1, 2 and all 256 byte symbols, so any UTF-8 text encodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from .random_checkpoint import SPECIAL_TOKENS
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise UsageError(f"--vocab-size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} specials")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    return tok
+
+
+def write_tokenizer_files(path: Path, tok, max_length: int) -> None:
+    """tokenizer.json, tokenizer_config.json (EOS ``<|im_end|>``, pad ``<|endoftext|>``, ChatML
+    template) and generation_config.json (EOS ids, sampling defaults ``GENERATION_DEFAULTS``)."""
+    from .chat import CHATML_TEMPLATE
+
+    tok.save(str(path / "tokenizer.json"))
+    _write_json(path / "tokenizer_config.json", {
+        "model_max_length": max_length,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML_TEMPLATE,
+    })
+    _write_json(path / "generation_config.json", {
+        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+        **GENERATION_DEFAULTS,
+    })
+
+
+def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:
+    """Bits per character of a split: nats per token * tokens in the split / characters / ln 2."""
+    return nats_per_token * n_tokens / n_chars / math.log(2)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+def model_config_dict(a: argparse.Namespace, vocab_size: int) -> Dict[str, Any]:
+    """config.json: ``random_checkpoint.config_dict`` with this run's sizes."""
+    from .random_checkpoint import config_dict
+
+    cfg = config_dict(vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      head_dim=a.head_dim, max_position_embeddings=a.seq_len)
+    cfg.update(rope_theta=float(a.rope_theta), initializer_range=a.init_std,
+               torch_dtype="bfloat16" if a.save_dtype == "bf16" else "float32")
+    return cfg
+
+
+def build_model(config, seed: int, std: float):
+    """``QwenForCausalLM(config)`` in fp32 on the CPU, initialised like transformers' Qwen3:
+    every matrix (embedding included) ~ N(0, std^2) from a generator seeded with ``seed``, every
+    norm weight 1."""
+    import torch
+
+    from .model import QwenForCausalLM
+
+    with torch.device("cpu"):
+        model = QwenForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if "norm" not in name.rsplit(".", 1)[-1]:
+                    raise ValueError(f"unexpected 1-d parameter {name!r}: only norm weights are expected in a qwen3")
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return model
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def hf_tensors(named: Dict[str, Any], config, dtype) -> Dict[str, Any]:
+    """Our fused tensors (``name -> tensor`` as in the model's state_dict) split back into the
+    Hugging Face tensors of ``loader.load_plan``, in ``dtype`` on the CPU, contiguous."""
+    from .loader import load_plan
+
+    out = {}
+    for target, sources in load_plan(config).items():
+        t, row = named[target], 0
+        for name, shape in sources:
+            out[name] = t[row:row + shape[0]].detach().to(device="cpu", dtype=dtype).contiguous()
+            row += shape[0]
+        if row != t.shape[0]:
+            raise ValueError(f"{target}: {t.shape[0]} rows, the load plan accounts for {row}")
+    return out
+
+
+def attach_dropout(model, p: float) -> list:
+    """``F.dropout(p)`` (training mode only) on the embedding (the first layer's input) and on each
+    layer's output, the MLP's, which the next layer (or the final norm) adds to the residual
+    stream. Returns the hook handles."""
+    import torch.nn.functional as F
+
+    def drop_embedding(module, args):
+        if not module.training:
+            return None
+        if not args:
+            raise RuntimeError("--dropout: the decoder layer is no longer called with positional arguments")
+        return (F.dropout(args[0], p, True),) + tuple(args[1:])
+
+    def drop_mlp_output(module, args, out):
+        if not module.training:
+            return None
+        if not (isinstance(out, tuple) and len(out) == 2 and out[0].shape == out[1].shape):
+            raise RuntimeError("--dropout: a decoder layer no longer returns (mlp output, residual)")
+        return F.dropout(out[0], p, True), out[1]
+
+    handles = [model.layers[0].register_forward_pre_hook(drop_embedding)]
+    handles += [layer.register_forward_hook(drop_mlp_output) for layer in model.layers]
+    return handles
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def eval_windows(n_tokens: int, seq_len: int) -> List[Tuple[int, int]]:
+    """Windows (start, first counted position) of length min(seq_len, n_tokens) that predict every
+    token of a split but the first exactly once: window starts step by seq_len - 1 (each window's
+    first token is the previous one's last); the last window is moved back to end at the split's
+    end and counts only the tokens after the previous window's. Position j of a window predicts
+    token start + j for j >= the first counted position (>= 1)."""
+    t = min(seq_len, n_tokens)
+    if t < 2:
+        raise ValueError(f"a split of {n_tokens} tokens has nothing to predict")
+    out = []
+    for s in range(0, n_tokens - 1, t - 1):
+        start = min(s, n_tokens - t)
+        out.append((start, s - start + 1))
+    return out
+
+
+def eval_batches(ids, seq_len: int, batch_size: int):
+    """[(input_ids [b, T], labels [b, T] with -100 where not counted, tokens counted)] covering
+    ``eval_windows``; on ids' device."""
+    import torch
+
+    windows = eval_windows(ids.numel(), seq_len)
+    t = min(seq_len, ids.numel())
+    ar = torch.arange(t, device=ids.device)
+    batches = []
+    for i in range(0, len(windows), batch_size):
+        chunk = windows[i:i + batch_size]
+        x = ids[torch.tensor([s for s, _ in chunk], device=ids.device)[:, None] + ar]
+        first = torch.tensor([f for _, f in chunk], device=ids.device)[:, None]
+        labels = torch.where(ar[None] >= first, x, torch.full_like(x, -100))
+        batches.append((x, labels, sum(t - f for _, f in chunk)))
+    return batches
+
+
+class Evaluator:
+    """The mean next-token loss over a whole split (``eval_batches``) and its bits per character."""
+
+    def __init__(self, ids, n_chars: int, seq_len: int, batch_size: int):
+        self.n_tokens, self.n_chars = ids.numel(), n_chars
+        self.batches = eval_batches(ids, seq_len, batch_size)
+        self.n_predicted = sum(n for _, _, n in self.batches)
+        self.caches: Dict[Tuple[int, int], Any] = {}
+
+    def __call__(self, model) -> Tuple[float, float]:
+        """(nats per token, bits per character); the model is put in eval mode and restored."""
+        import torch
+
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.batches[0][0].device)
+        with torch.no_grad():
+            for x, labels, n in self.batches:
+                key = tuple(x.shape)
+                if key not in self.caches:
+                    self.caches[key] = model.new_cache(x.shape[0], x.shape[1])
+                total += model.loss(x, self.caches[key], labels=labels).double() * n
+        model.train(was_training)
+        nats = total.item() / self.n_predicted
+        return nats, bits_per_char(nats, self.n_tokens, self.n_chars)
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+def lr_at(a: argparse.Namespace, step: int, max_steps: int, elapsed_s: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine from ``lr`` to ``min_lr``; progress is the
+    step fraction, or the elapsed fraction of ``max_minutes`` when that is further along."""
+    if step < a.warmup_steps:
+        return a.lr * (step + 1) / a.warmup_steps
+    progress = (step - a.warmup_steps) / max(1, max_steps - a.warmup_steps)
+    if a.max_minutes:
+        progress = max(progress, elapsed_s / (60.0 * a.max_minutes))
+    progress = min(1.0, progress)
+    return a.min_lr + (a.lr - a.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice):
+        import torch
+
+        from .config import QwenConfig
+
+        self.a, self.out, self.state_path, self.notice = a, out, state_path, notice
+        self.device = torch.device(a.device)
+        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        torch.manual_seed(a.seed)
+
+        text = Path(a.data).read_text(encoding="utf-8")[:a.max_chars]
+        train_text, val_text = split_text(text, a.val_fraction)
+        if a.resume:
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        else:
+            tok = train_tokenizer(train_text, a.vocab_size)
+            write_tokenizer_files(out, tok, a.seq_len)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        cfg = model_config_dict(a, vocab)
+        if not a.resume:
+            _write_json(out / "config.json", cfg)
+        self.config = QwenConfig.from_dict(cfg)
+
+        def encode(s):
+            return torch.tensor(tok.encode(s, add_special_tokens=False).ids, dtype=torch.long, device=self.device)
+
+        self.train_ids, val_ids = encode(train_text), encode(val_text)
+        if self.train_ids.numel() <= a.seq_len:
+            raise UsageError(f"the training split has {self.train_ids.numel()} tokens, fewer than --seq-len + 1")
+        self.val = Evaluator(val_ids, len(val_text), a.seq_len, a.eval_batch_size)
+        # the training loss in eval mode (no dropout) on the first tokens of the training split
+        n = min(val_ids.numel() if a.train_eval_tokens is None else a.train_eval_tokens, self.train_ids.numel())
+        self.train_eval = Evaluator(self.train_ids[:n], len(tok.decode(self.train_ids[:n].tolist())),
+                                    a.seq_len, a.eval_batch_size) if n >= 2 else None
+        self.tokens_per_step = a.batch_size * a.seq_len
+        self.max_steps = a.steps or math.ceil(a.epochs * self.train_ids.numel() / self.tokens_per_step)
+
+        cpu_model = build_model(self.config, a.seed, a.init_std)
+        self.n_params = count_parameters(cpu_model)
+        self.names = [name for name, _ in cpu_model.named_parameters()]
+        fp32_params = [p.detach().clone() for p in cpu_model.parameters()]  # the init, before any bf16 rounding
+        self.model = cpu_model.to(device=self.device, dtype=self.dtype).requires_grad_(True).train()
+        self.params = list(self.model.parameters())
+        if self.dtype == torch.float32:
+            self.master = self.params
+        else:  # fp32 master weights and gradients; the model keeps a bf16 copy
+            self.master = [p.detach().to(self.device, torch.float32).clone().requires_grad_(True)
+                           for p in fp32_params]
+            for m in self.master:
+                m.grad = torch.zeros_like(m)
+        if a.dropout > 0:
+            attach_dropout(self.model, a.dropout)
+        decay = [m for m in self.master if m.ndim >= 2]
+        no_decay = [m for m in self.master if m.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, fused=self.device.type == "cuda")
+        self.cache = self.model.new_cache(a.batch_size, a.seq_len, dtype=self.dtype, device=self.device)
+        self.data_gen = torch.Generator(device=self.device).manual_seed(a.seed + 1)
+        self.offsets = torch.arange(a.seq_len, device=self.device)
+
+        self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
+        self.best_val, self.best_step, self.evals_since_best = math.inf, -1, 0
+        self.best_weights: Optional[List] = None
+        self.log: Dict[str, Any] = {
+            "settings": _training_args(a),
+            "model": {"parameters": self.n_params, "vocab_size": vocab, "config": cfg},
+            "data": {"file": Path(a.data).name, "chars_used": len(text), "train_chars": len(train_text), "val_chars": len(val_text),
+                     "train_tokens": self.train_ids.numel(), "val_tokens": val_ids.numel(),
+                     "train_eval_tokens": n},
+            "device": _device_name(self.device), "versions": _versions(),
+            "train": [], "val": [], "runs": [],
+        }
+        if a.resume:
+            self._load_state()
+
+    # ----- one step
+
+    def batch(self):
+        import torch
+        starts = torch.randint(0, self.train_ids.numel() - self.a.seq_len + 1, (self.a.batch_size, 1),
+                               generator=self.data_gen, device=self.device)
+        return self.train_ids[starts + self.offsets]
+
+    def train_step(self, lr: float):
+        import torch
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        loss = self.model.loss(self.batch(), self.cache)
+        loss.backward()
+        with torch.no_grad():
+            if self.master is not self.params:
+                torch._foreach_copy_([m.grad for m in self.master], [p.grad for p in self.params])
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.master, self.a.grad_clip, foreach=True)
+            self.opt.step()
+            if self.master is not self.params:
+                torch._foreach_copy_(self.params, self.master)
+        for p in self.params:
+            p.grad = None
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        return loss.detach(), grad_norm.detach()
+
+    # ----- evaluation, best checkpoint
+
+    def evaluate(self, elapsed_s: float) -> Tuple[float, float]:
+        val_loss, val_bpc = self.val(self.model)
+        train_loss = self.train_eval(self.model)[0] if self.train_eval is not None else None
+        self.log["val"].append({"step": self.step, "tokens": self.tokens_seen, "time_s": round(elapsed_s, 2),
+                                "val_loss": val_loss, "val_bits_per_char": val_bpc, "train_loss_eval": train_loss})
+        if val_loss < self.best_val:
+            self.best_val, self.best_step, self.evals_since_best = val_loss, self.step, 0
+            self.best_weights = [m.detach().to(self.save_dtype, copy=True) for m in self.master]
+        else:
+            self.evals_since_best += 1
+        return val_loss, val_bpc
+
+    @property
+    def save_dtype(self):
+        import torch
+        return torch.bfloat16 if self.a.save_dtype == "bf16" else torch.float32
+
+    # ----- files
+
+    def write_model(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.best_weights is None:
+            return
+        tensors = hf_tensors(dict(zip(self.names, self.best_weights)), self.config, self.save_dtype)
+        tmp = self.out / ".model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, self.out / "model.safetensors")
+
+    def write_log(self, elapsed_s: float, stopped: str) -> None:
+        best = next((v for v in self.log["val"] if v["step"] == self.best_step), None)
+        self.log["runs"][-1].update(end_step=self.step, wall_time_s=round(elapsed_s - self.elapsed_before, 2))
+        self.log.update(
+            steps=self.step, max_steps=self.max_steps, tokens_seen=self.tokens_seen,
+            epochs_seen=self.tokens_seen / self.train_ids.numel(), wall_time_s=round(elapsed_s, 2),
+            tokens_per_s=round(self.tokens_seen / elapsed_s, 1) if elapsed_s > 0 else None, stopped=stopped,
+            best={"step": self.best_step, "val_loss": self.best_val if best else None,
+                  "val_bits_per_char": best["val_bits_per_char"] if best else None},
+        )
+        _write_json(self.out / LOG_FILE, self.log)
+
+    def save_state(self, elapsed_s: float) -> None:
+        import torch
+        state = {
+            "version": STATE_VERSION, "args": _training_args(self.a), "step": self.step,
+            "tokens_seen": self.tokens_seen, "elapsed_s": elapsed_s,
+            "weights": {n: m.detach().float().cpu() for n, m in zip(self.names, self.master)},
+            "optimizer": self.opt.state_dict(),
+            "best": {"val_loss": self.best_val, "step": self.best_step, "evals_since_best": self.evals_since_best},
+            "rng": {"cpu": torch.get_rng_state(), "data": self.data_gen.get_state(),
+                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+            "log": self.log,
+        }
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name("." + self.state_path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+    def _load_state(self) -> None:
+        import torch
+        state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+        if state.get("version") != STATE_VERSION:
+            raise UsageError(f"{self.state_path}: resume state version {state.get('version')}, expected {STATE_VERSION}")
+        with torch.no_grad():
+            for n, m, p in zip(self.names, self.master, self.params):
+                m.copy_(state["weights"][n])
+                if p is not m:
+                    p.copy_(m)
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+        b = state["best"]
+        self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
+        torch.set_rng_state(state["rng"]["cpu"])
+        self.data_gen.set_state(state["rng"]["data"])
+        if state["rng"]["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        log = state["log"]
+        log["settings"] = self.log["settings"]  # overrides given on this command line
+        self.log = log
+
+    # ----- the loop
+
+    def run(self) -> Dict[str, Any]:
+        import torch
+
+        a = self.a
+        start = time.perf_counter()
+
+        def elapsed() -> float:
+            return self.elapsed_before + time.perf_counter() - start
+
+        first_step = self.step
+        self.log["runs"].append({"start_step": first_step, "device": self.log["device"]})
+        self.notice(f"model: {self.n_params / 1e6:.2f}M parameters ({self.config.num_hidden_layers} layers, hidden "
+                    f"{self.config.hidden_size}, vocab {self.config.vocab_size}); train {self.train_ids.numel()} tokens, "
+                    f"val {self.val.n_tokens} tokens / {self.val.n_chars} chars; {self.max_steps} steps of "
+                    f"{self.tokens_per_step} tokens" + (f", at most {a.max_minutes:g} min" if a.max_minutes else "")
+                    + f"; {self.device.type} {a.dtype}")
+        if self.step == 0:
+            val_loss, val_bpc = self.evaluate(0.0)
+            self.notice(f"step 0: val loss {val_loss:.4f}, {val_bpc:.3f} bits/char")
+        bar = _progress_bar(self.max_steps, self.step, a.progress)
+        stop_at = min(self.max_steps, a.stop_at) if a.stop_at else self.max_steps
+        loss_sum = torch.zeros((), device=self.device)
+        window_steps, window_start, last_eval_step, last_state_step = 0, time.perf_counter(), self.step, self.step
+        stopped = "steps"
+        try:
+            while self.step < stop_at:
+                if a.max_minutes and elapsed() >= 60.0 * a.max_minutes:
+                    stopped = "time"
+                    break
+                lr = lr_at(a, self.step, self.max_steps, elapsed())
+                loss, grad_norm = self.train_step(lr)
+                loss_sum += loss
+                window_steps += 1
+                if self.step % a.log_every == 0 or self.step == stop_at:
+                    mean_loss = loss_sum.item() / window_steps  # the one host sync per log interval
+                    now = time.perf_counter()
+                    tok_s = window_steps * self.tokens_per_step / max(now - window_start, 1e-9)
+                    self.log["train"].append({"step": self.step, "tokens": self.tokens_seen,
+                                              "time_s": round(elapsed(), 2), "loss": mean_loss, "lr": lr,
+                                              "grad_norm": grad_norm.item(), "tokens_per_s": round(tok_s, 1)})
+                    loss_sum.zero_()
+                    window_steps, window_start = 0, now
+                    done = self.step - first_step
+                    eta = (self.max_steps - self.step) * (elapsed() - self.elapsed_before) / max(done, 1)
+                    if a.max_minutes:
+                        eta = min(eta, 60.0 * a.max_minutes - elapsed())
+                    bar.set_postfix_str(f"loss {mean_loss:.3f}, {_rate(tok_s)} tok/s, lr {lr:.1e}, "
+                                        f"best val {self.best_val:.3f}, eta {_minutes(max(eta, 0.0))}", refresh=False)
+                    bar.update(self.step - bar.n)
+                if self.step % a.eval_every == 0:
+                    self._eval_and_report(elapsed(), bar)
+                    last_eval_step = self.step
+                    if window_steps == 0:  # keep evaluation out of the next tokens/s window
+                        window_start = time.perf_counter()
+                    if a.patience and self.evals_since_best >= a.patience:
+                        stopped = "patience"
+                        break
+                if a.state_every and self.step - last_state_step >= a.state_every:
+                    self._flush(elapsed(), "running")
+                    last_state_step = self.step
+            else:
+                stopped = "steps" if self.step >= self.max_steps else "stop_at"
+            if self.step != last_eval_step:
+                self._eval_and_report(elapsed(), bar)
+        except KeyboardInterrupt:
+            bar.close()
+            self.notice(f"interrupted at step {self.step}: writing the best checkpoint and the resume state")
+            self._flush(elapsed(), "interrupted")
+            raise
+        bar.update(self.step - bar.n)
+        bar.close()
+        self._flush(elapsed(), stopped)
+        best = self.log["best"]
+        self.notice(f"done ({stopped}): {self.step} steps, {elapsed():.0f} s, {self.tokens_seen / 1e6:.1f}M tokens "
+                    f"({self.log['epochs_seen']:.1f} epochs); best val loss {best['val_loss']:.4f} = "
+                    f"{best['val_bits_per_char']:.3f} bits/char at step {best['step']}; wrote {self.out}")
+        return self.log
+
+    def _eval_and_report(self, elapsed_s: float, bar) -> None:
+        val_loss, val_bpc = self.evaluate(elapsed_s)
+        train_loss = self.log["val"][-1]["train_loss_eval"]
+        bar.write(f"step {self.step}: val loss {val_loss:.4f}, {val_bpc:.3f} bits/char"
+                  + (f", train loss (eval mode) {train_loss:.4f}" if train_loss is not None else "")
+                  + (" (best)" if self.best_step == self.step else ""), file=sys.stderr)
+
+    def _flush(self, elapsed_s: float, stopped: str) -> None:
+        self.write_model()
+        self.write_log(elapsed_s, stopped)
+        if self.a.state != "none":
+            self.save_state(elapsed_s)
+
+
+# --------------------------------------------------------------------------------------------
+# plot
+
+
+def plot(path: Path) -> Path:
+    """``path/loss_curve.png`` from ``path/training_log.json``: the training loss (with dropout,
+    mean per log interval), the training loss in eval mode and the validation loss, in nats per
+    token, and the validation bits per character, against steps."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log_file = path / LOG_FILE
+    try:
+        log = json.loads(log_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {log_file}: {e}") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    tr, va = log.get("train", []), log.get("val", [])
+    dropout = log.get("settings", {}).get("dropout", 0)
+    if tr:
+        ax1.plot([p["step"] for p in tr], [p["loss"] for p in tr], lw=0.8, alpha=0.6,
+                 label=f"train batches (dropout {dropout:g})" if dropout else "train batches")
+    if va:
+        steps = [p["step"] for p in va]
+        if all(p.get("train_loss_eval") is not None for p in va):
+            ax1.plot(steps, [p["train_loss_eval"] for p in va], label="train (eval mode)")
+        ax1.plot(steps, [p["val_loss"] for p in va], label="validation")
+        ax2.plot(steps, [p["val_bits_per_char"] for p in va], color="C2", label="validation")
+    best = log.get("best") or {}
+    if best.get("val_bits_per_char") is not None:
+        ax2.scatter([best["step"]], [best["val_bits_per_char"]], color="C3", zorder=3,
+                    label=f"best: {best['val_bits_per_char']:.3f} at step {best['step']}")
+        lo = min(p["val_bits_per_char"] for p in va)
+        ax2.set_ylim(lo - 0.1, min(max(p["val_bits_per_char"] for p in va), lo + 1.5))
+    ax1.set(xlabel="step", ylabel="loss (nats / token)", title="loss")
+    ax2.set(xlabel="step", ylabel="bits / character", title="validation bits per character")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    m = log.get("model", {})
+    fig.suptitle(f"{m.get('parameters', 0) / 1e6:.2f}M-parameter Qwen3 on Tiny Shakespeare, vocab "
+                 f"{m.get('vocab_size', '?')}: {log.get('steps', '?')} steps, {log.get('wall_time_s', 0):.0f} s "
+                 f"on {log.get('device', '?')}")
+    fig.tight_layout()
+    out = path / PLOT_FILE
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m modeling.train", allow_abbrev=False,
+        description="Train the default model (a small Qwen3 on Tiny Shakespeare) on the torch.ops.qwen kernels.",
+    )
+    p.add_argument("--out", help="output directory: the best checkpoint (Hugging Face layout), "
+                                 "training_log.json, loss_curve.png, resume_state.pt")
+    p.add_argument("--plot", metavar="DIR", help="only write DIR/loss_curve.png from DIR/training_log.json")
+    p.add_argument("--resume", action="store_true", help="continue from the resume state of --out (or --state)")
+    p.add_argument("--state", help=f"resume state file (default OUT/{STATE_FILE}); 'none': do not write one")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default sizes: 'default' the shipped model, 'tiny' a CPU smoke run")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="weights and compute (default bf16 on CUDA with fp32 master weights, fp32 on CPU)")
+    p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16", help="model.safetensors dtype")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data", default=str(DATA_FILE), help="a UTF-8 text file (default: Tiny Shakespeare)")
+    g.add_argument("--max-chars", type=int, help="use only the first N characters of --data (smoke runs)")
+    g.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of characters: validation")
+    g.add_argument("--vocab-size", type=int, help="BPE vocabulary, special tokens and 256 bytes included")
+    g = p.add_argument_group("model")
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--layers", type=int)
+    g.add_argument("--heads", type=int, help="query heads")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
+    g.add_argument("--head-dim", type=int, help="16, 32, 64, 128 or 256")
+    g.add_argument("--intermediate-size", type=int)
+    g.add_argument("--rope-theta", type=float, default=10000.0)
+    g.add_argument("--init-std", type=float, default=0.02)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--seq-len", type=int, help="tokens per training sequence (also max_position_embeddings)")
+    g.add_argument("--batch-size", type=int, help="sequences per step")
+    g.add_argument("--epochs", type=float, help="training length in passes over the training tokens")
+    g.add_argument("--steps", type=int, help="training length in steps (overrides --epochs)")
+    g.add_argument("--max-minutes", type=float, help="wall-time budget of the training loop (the cosine follows it)")
+    g.add_argument("--stop-at", type=int, help="stop this invocation at this step, schedule unchanged "
+                                               "(continue with --resume)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="on matrices and the embedding, not on norms")
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.99)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--dropout", type=float, default=0.2, help="on the embedding and each MLP output (0: off)")
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-every", type=int, help="steps between validations")
+    g.add_argument("--eval-batch-size", type=int, default=32, help="windows per validation batch")
+    g.add_argument("--train-eval-tokens", type=int, help="also evaluate the first N training tokens without "
+                                                          "dropout (default: as many as the validation split; 0: off)")
+    g.add_argument("--patience", type=int, default=0, help="stop after this many validations without a new best (0: never)")
+    g.add_argument("--log-every", type=int, help="steps between training-loss points (one host sync each)")
+    g.add_argument("--state-every", type=int, default=1000, help="steps between resume-state saves (0: only at the end)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-plot", dest="plot_after", action="store_false", help="do not write loss_curve.png at the end")
+    pre, _ = p.parse_known_args(argv)
+    p.set_defaults(**PRESETS[pre.preset])
+    a = p.parse_args(argv)
+    a.given = {k for k in vars(a) if _was_given(argv, k)}
+    return a
+
+
+def _was_given(argv: Optional[Sequence[str]], dest: str) -> bool:
+    flags = {"progress": "--no-progress", "plot_after": "--no-plot"}
+    flag = flags.get(dest, "--" + dest.replace("_", "-"))
+    return any(x == flag or x.startswith(flag + "=") for x in (sys.argv[1:] if argv is None else argv))
+
+
+def check_args(a: argparse.Namespace) -> None:
+    problems = []
+    if a.plot is None and a.out is None:
+        problems.append("give --out DIR (or --plot DIR)")
+    if a.device is not None and a.device.split(":")[0] not in ("cuda", "cpu"):
+        problems.append(f"--device must be cuda or cpu, got {a.device!r}")
+    for name in ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size",
+                 "seq_len", "batch_size", "eval_every", "log_every", "eval_batch_size"):
+        if getattr(a, name) is None or getattr(a, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if a.steps is None and (a.epochs is None or a.epochs <= 0):
+        problems.append("give --steps N or --epochs E > 0")
+    if a.steps is not None and a.steps < 1:
+        problems.append("--steps must be >= 1")
+    if a.max_minutes is not None and a.max_minutes <= 0:
+        problems.append("--max-minutes must be > 0")
+    if not 0 <= a.dropout < 1:
+        problems.append("--dropout must be in [0, 1)")
+    if not 0 < a.val_fraction < 1:
+        problems.append("--val-fraction must be in (0, 1)")
+    if a.seq_len is not None and a.seq_len < 2:
+        problems.append("--seq-len must be >= 2")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def _training_args(a: argparse.Namespace) -> Dict[str, Any]:
+    return {k: v for k, v in vars(a).items() if k not in ("given", "out", "resume", "state", "plot")}
+
+
+def prepare(a: argparse.Namespace) -> Tuple[Path, Path]:
+    """Check --out and --state, merge a resume state's settings into ``a``; (out, state path)."""
+    import torch
+
+    out = Path(a.out)
+    state_path = Path(a.state) if a.state not in (None, "none") else out / STATE_FILE
+    if a.resume:
+        if a.state == "none":
+            raise UsageError("--resume needs a resume state: drop --state none")
+        if not state_path.is_file():
+            raise UsageError(f"--resume: no resume state at {state_path}")
+        saved = torch.load(state_path, map_location="cpu", weights_only=True).get("args", {})
+        for k, v in saved.items():
+            if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
+                setattr(a, k, v)
+        missing = [f for f in ("tokenizer.json", "config.json") if not (out / f).is_file()]
+        if missing:
+            raise UsageError(f"--resume: {out} has no {', '.join(missing)}")
+    else:
+        ours = [f for f in (*MODEL_FILES, LOG_FILE, STATE_FILE) if (out / f).exists()]
+        if ours or (a.state not in (None, "none") and state_path.exists()):
+            raise UsageError(f"{out} already holds a training run ({', '.join(ours) or state_path.name}): "
+                             "continue it with --resume, or choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out, state_path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    def notice(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        a = parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    try:
+        check_args(a)
+        if a.plot is not None:
+            notice(f"wrote {plot(Path(a.plot))}")
+            return 0
+        import torch
+
+        a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        out, state_path = prepare(a)  # on --resume: the saved device unless --device is given
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UsageError(f"--device {a.device}: no CUDA device is available")
+        a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+        trainer = Trainer(a, out, state_path, notice)
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `kill`: save, then stop
+        try:
+            trainer.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if a.plot_after:
+            try:
+                notice(f"wrote {plot(out)}")
+            except UsageError as e:
+                notice(f"note: no {PLOT_FILE}: {e}; run `python -m modeling.train --plot {out}` where it is")
+        return 0
+    except UsageError as e:
+        notice(f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        notice("interrupted")
+        return 130
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on stderr (steps, elapsed, and a postfix with loss, tokens/s and ETA), or, without
+    tqdm, ``_PlainProgress``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainProgress(total, initial, enabled)
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, mininterval=1.0,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]", file=sys.stderr)
+
+
+class _PlainProgress:
+    """What the loop uses of tqdm, printing one line every 30 s."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.total, self.n, self.enabled, self.postfix, self.last = total, initial, enabled, "", time.perf_counter()
+
+    def set_postfix_str(self, s: str, refresh: bool = True) -> None:
+        self.postfix = s
+
+    def update(self, k: int) -> None:
+        self.n += k
+        if self.enabled and time.perf_counter() - self.last >= 30.0:
+            self.last = time.perf_counter()
+            print(f"step {self.n}/{self.total}: {self.postfix}", file=sys.stderr, flush=True)
+
+    def write(self, msg: str, file=None) -> None:
+        print(msg, file=file or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _device_name(device) -> str:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def _versions() -> Dict[str, str]:
+    import torch
+    v = {"torch": str(torch.__version__)}
+    try:
+        import triton
+        v["triton"] = str(triton.__version__)
+    except ImportError:
+        pass
+    return v
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The shipped default model (modeling/default_model/): transformers and our decoder agree, and its
+validation bits per character, recomputed on held-out text, is the one docs/training.md reports."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling import QwenForCausalLM, QwenTokenizer
+from modeling.train import Evaluator, split_text
+from tests.helpers import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "modeling" / "default_model"
+DATA = ROOT / "modeling" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return QwenForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+
+
+def test_files_fit_and_load_in_transformers(model):
+    transformers = pytest.importorskip("transformers")
+    assert all(f.stat().st_size < 16 << 20 for f in MODEL.iterdir())
+    assert sum(f.stat().st_size for f in MODEL.iterdir()) < 20 << 20
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    tok = QwenTokenizer.from_pretrained(MODEL)
+    ids = torch.tensor([tok.encode("ROMEO:\nWhat light")])
+    with torch.no_grad():
+        expected = hf_greedy(hf, ids, 8)
+        cache = model.new_cache(1, ids.shape[1] + 8)
+        positions = torch.arange(ids.shape[1])[None]
+        logits = model(ids, positions, cache)
+        ours = [int(logits.argmax(-1))]
+        for t in range(7):
+            pos = ids.shape[1] + t
+            logits = model(torch.tensor([[ours[-1]]]), torch.tensor([[pos]]), cache,
+                           torch.tensor([pos + 1], dtype=torch.int32))
+            ours.append(int(logits.argmax(-1)))
+    assert ours == expected[0].tolist()
+
+
+def test_validation_bits_per_char_matches_the_docs():
+    """The whole validation split is too long for a CPU test: docs/training.md also reports the
+    bits/char of its first 12,000 characters (256-token windows), which this recomputes. In
+    float64, which runs the PyTorch references (the interpreter would take minutes here)."""
+    model = QwenForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
+    doc = (ROOT / "docs" / "training.md").read_text()
+    reported = float(re.search(r"\*\*(\d\.\d+) bits/char\*\*", doc).group(1))
+    reported_slice = float(re.search(r"first 12,000 characters.*?(\d\.\d+) bits/char", doc, re.S).group(1))
+    log = json.loads((MODEL / "training_log.json").read_text())
+    assert abs(log["best"]["val_bits_per_char"] - reported) < 1e-3
+    _, val = split_text(DATA.read_text(encoding="utf-8"), 0.1)
+    text = val[:12000]
+    ids = torch.tensor(QwenTokenizer.from_pretrained(MODEL).encode(text))
+    _, bits = Evaluator(ids, len(text), seq_len=256, batch_size=8)(model)
+    assert abs(bits - reported_slice) < 5e-3, bits
