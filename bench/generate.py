@@ -1,6 +1,6 @@
 """End-to-end generation benchmark on the GPU: a random Qwen3-0.6B-shaped model in bf16.
 
-    python -m bench.generate [--out DIR] [--new-tokens 128] [--reps 5]
+    python -m bench.generate [--out DIR] [--new-tokens 128] [--reps 5] [--models qwen3 qwen3_5]
 
 - prefill: prompts of 16 / 128 / 512 tokens, eager (one Python launch per op) vs captured in a
   CUDA graph (``Generator(prefill_graph=True)``; these lengths are buckets, so no padding).
@@ -8,6 +8,12 @@
 - decode: ms per step over ``--new-tokens`` tokens (greedy; no stop token), eager vs the
   CUDA-graph step, at batch 1 and 8, plus batch 1 with top-k/top-p sampling in the graph.
   Wall time of the decode loop (readback of tokens included) over the steps run.
+- ``--models qwen3_5`` (optional, not in the default run): a random Qwen3.5-0.8B-shaped model
+  (18 Gated DeltaNet + 6 gated attention layers), greedy decode ms per token at context 256,
+  batch 1, eager vs the CUDA graph, and transformers' eager ``generate`` beside it when
+  importable (its torch fallbacks for the Gated DeltaNet unless flash-linear-attention and
+  causal-conv1d are installed; per token = the time difference of two lengths / their token
+  difference, so its prefill cancels out).
 
 Medians over ``--reps`` runs after a warm-up run (compilation and capture excluded). Prints a
 markdown table and writes it to ``DIR/<date>-<gpu>-generate.md`` (default $OUT, else bench/results).
@@ -21,7 +27,7 @@ import torch
 
 from modeling import QwenConfig
 from modeling.generator import Generator
-from modeling.random_checkpoint import QWEN3_0_6B, random_model
+from modeling.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
 from modeling.sampling import SamplingParams
 
 
@@ -41,9 +47,16 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--models", nargs="+", choices=["qwen3", "qwen3_5"], default=["qwen3"],
+                    help="qwen3: the Qwen3-0.6B rows (default); qwen3_5: the Qwen3.5-0.8B decode row")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench.generate needs a CUDA GPU"
+    rows = qwen3_rows(args) if "qwen3" in args.models else []
+    hybrid_rows = qwen3_5_rows(args) if "qwen3_5" in args.models else []
+    write(args, rows, hybrid_rows)
 
+
+def qwen3_rows(args):
     config = QwenConfig.from_dict(QWEN3_0_6B)
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
     vocab, new = config.vocab_size, args.new_tokens
@@ -78,28 +91,96 @@ def main():
             times[graph] = median_of(max(1, args.reps // 2) if not graph else args.reps, run)
         rows.append((f"decode {name}, {new} tokens", f"batch {batch}", times[False], times[True], "ms/step"))
         print(rows[-1], flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
 
+
+def qwen3_5_rows(args, context=256):
+    """Greedy decode ms/token of the Qwen3.5-0.8B shape at context ``context``, batch 1: ours eager
+    and with the CUDA graph, and transformers eager (None when it cannot be imported)."""
+    config = QwenConfig.from_dict(QWEN3_5_0_8B)
+    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
+    new, ids = args.new_tokens, prompt(context, config.vocab_size, 7)
+    times = {}
+    for graph in (False, True):
+        gen = Generator(model, max_batch_size=1, max_seq_len=context + new + 8, use_cuda_graph=graph)
+
+        def run():
+            r = gen.generate([ids], new)
+            assert r.decode_steps == new - 1 and r.cuda_graph == graph
+            return r.decode_ms_per_step
+
+        times[graph] = median_of(max(1, args.reps // 2) if not graph else args.reps, run)
+    row = (f"Qwen3.5-0.8B decode greedy, context {context}, {new} tokens", "batch 1", times[False], times[True],
+           transformers_decode_ms(context, new, args.reps), "ms/token")
+    print(row, flush=True)
+    return [row]
+
+
+def transformers_decode_ms(context, new, reps):
+    """transformers' Qwen3_5ForCausalLM (same shape, its own random init, bf16, eager attention):
+    ms per generated token of greedy ``generate``, from two lengths so the prefill cancels out."""
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except ImportError:
+        return None
+    import time
+
+    hf_config = Qwen3_5TextConfig(**{k: v for k, v in QWEN3_5_0_8B.items() if k != "model_type"})
+    with torch.device("cuda"):
+        hf = Qwen3_5ForCausalLM._from_config(hf_config, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ids = torch.tensor([prompt(context, hf_config.vocab_size, 7)], device="cuda")
+    short, long = max(2, new // 4), new
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        assert out.shape[1] == context + n
+        return time.perf_counter() - t0
+
+    return median_of(max(1, reps // 2), lambda: (timed(long) - timed(short)) / (long - short) * 1e3)
+
+
+def write(args, rows, hybrid_rows):
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     import triton
 
-    lines = [
-        f"# bench/generate.py on {gpu}, {date}, torch {torch.__version__}, triton {triton.__version__}",
-        "",
-        "Random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128, intermediate 3072, "
-        "vocab 151936), bf16. Wall-clock medians; prefill = prompt to first token on the host; "
-        "decode = decode loop time / steps (one step decodes the whole batch).",
-        "",
-        "| what | batch | eager | CUDA graph | unit | speed-up |",
-        "|---|---|---|---|---|---|",
-    ]
-    for what, batch, eager, graph, unit in rows:
-        lines.append(f"| {what} | {batch} | {eager:.3f} | {graph:.3f} | {unit} | {eager / graph:.1f}x |")
+    lines = [f"# bench/generate.py on {gpu}, {date}, torch {torch.__version__}, triton {triton.__version__}"]
+    if rows:
+        lines += [
+            "",
+            "Random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128, intermediate 3072, "
+            "vocab 151936), bf16. Wall-clock medians; prefill = prompt to first token on the host; "
+            "decode = decode loop time / steps (one step decodes the whole batch).",
+            "",
+            "| what | batch | eager | CUDA graph | unit | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for what, batch, eager, graph, unit in rows:
+            lines.append(f"| {what} | {batch} | {eager:.3f} | {graph:.3f} | {unit} | {eager / graph:.1f}x |")
+    if hybrid_rows:
+        lines += [
+            "",
+            "Random Qwen3.5-0.8B-shaped model (24 layers: 18 Gated DeltaNet with 16/16 heads of 128, 6 gated "
+            "attention with 8/2 heads of 256; hidden 1024, intermediate 3584, vocab 248320), bf16. Decode ms per "
+            "token (one step, batch 1), wall-clock medians; transformers: eager `generate`, its own random weights.",
+            "",
+            "| what | batch | eager | CUDA graph | transformers eager | unit | graph vs transformers |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for what, batch, eager, graph, hf, unit in hybrid_rows:
+            hf_cell, ratio = ("n/a", "n/a") if hf is None else (f"{hf:.3f}", f"{hf / graph:.1f}x")
+            lines.append(f"| {what} | {batch} | {eager:.3f} | {graph:.3f} | {hf_cell} | {unit} | {ratio} |")
     table = "\n".join(lines)
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
     slug = gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = os.path.join(args.out, f"{date}-{slug}-generate.md")
+    path = os.path.join(args.out, f"{date}-{slug}-generate{'' if rows else '-qwen3_5'}.md")
     with open(path, "w") as f:
         f.write(table + "\n")
     print(f"\nwrote {path}")

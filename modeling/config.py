@@ -4,18 +4,50 @@ Supported ``model_type`` values:
 
 - ``qwen3``: RMSNorm on q and k per head (``q_norm``/``k_norm``), no qkv bias.
 - ``qwen2``: bias on q, k and v, no q/k norm (Qwen2 and Qwen2.5 checkpoints).
+- ``qwen3_5_text``: Qwen3.5 (dense), the hybrid of Gated DeltaNet (``linear_attention``) and gated
+  attention (``full_attention``) layers; text-only checkpoints (``Qwen3_5ForCausalLM``, weights
+  under ``model.``).
+- ``qwen3_5``: the hub's multimodal wrapper (``Qwen3_5ForConditionalGeneration``): the text model's
+  fields under ``text_config``, its weights under ``model.language_model.``; the vision tower
+  (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
 
-``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; every layer is
-``full_attention`` when it is absent); the kinds this package implements are the keys of
-``modeling.layers.LAYER_TYPES``. ``rope_settings`` is shared with ``modeling.transformers_patch``.
+Qwen3.5 specifics: every RMSNorm is zero-centred (``x * rsqrt(mean(x^2) + eps) * (1 + weight)``,
+``norm_offset`` 1.0) except the Gated DeltaNet's output norm; q_proj holds per head
+``[query | gate]`` and the attention output is multiplied by sigmoid(gate); RoPE covers the first
+``partial_rotary_factor`` (default 0.25) of each head. Its M-RoPE sections (``mrope_section``)
+reduce to plain 1-D RoPE for text, where the temporal, height and width positions are equal.
+
+``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; without it every
+layer is ``full_attention`` for qwen3 / qwen2, and for Qwen3.5 layer i is ``full_attention`` when
+(i + 1) % ``full_attention_interval`` (default 4) == 0, else ``linear_attention``); the kinds this
+package implements are the keys of ``modeling.layers.LAYER_TYPES``. ``rope_settings`` is shared
+with ``modeling.transformers_patch``.
+
+Everything a kernel would refuse at the first forward is refused here instead, as a
+``ConfigError`` naming the field: non-positive sizes, a head_dim the attention kernels do not take
+(16, 32, 64, 128, 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims or conv kernel
+sizes the kernels do not take.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
+"""The dense families (also what ``modeling.transformers_patch`` patches)."""
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+"""Qwen3.5: text-only checkpoints and the hub's multimodal wrapper."""
+MODEL_TYPES = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
+"""Every ``model_type`` ``QwenConfig.from_dict`` reads."""
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+"""Head dims the attention and gated delta rule kernels take (qwen_ops.checks.HEAD_DIMS)."""
+MAX_CONV_KERNEL = 16
+"""Largest kernel the causal_conv1d kernels take (qwen_ops.causal_conv1d.MAX_KERNEL_SIZE)."""
+QWEN3_5_SKIPPED_WEIGHTS = ("mtp.", "model.visual.")
+"""Checkpoint tensors a Qwen3.5 text model does not use: the MTP head and the vision tower."""
 
 
 class ConfigError(ValueError):
@@ -38,6 +70,16 @@ class QwenConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     layer_types: Tuple[str, ...]  # one per layer, e.g. "full_attention"
+    # Qwen3.5 (the defaults are qwen3 / qwen2's)
+    norm_offset: float = 0.0  # RMSNorm weight offset: 1.0 = zero-centred (1 + weight)
+    attn_output_gate: bool = False  # q_proj gives per head [query | gate]; output * sigmoid(gate)
+    linear_num_key_heads: int = 0  # Gated DeltaNet (linear_attention) layers
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    weights_prefix: str = "model."  # checkpoint names of the text model: "model." or "model.language_model."
+    skipped_weight_prefixes: Tuple[str, ...] = ()  # checkpoint tensors ignored (vision tower, MTP)
 
     @property
     def qkv_bias(self) -> bool:
@@ -46,45 +88,78 @@ class QwenConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 RMS-normalizes each q and k head over head_dim before RoPE."""
-        return self.model_type == "qwen3"
+        """Qwen3 and Qwen3.5 RMS-normalize each q and k head over head_dim before RoPE."""
+        return self.model_type == "qwen3" or self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q_proj: Hq * head_dim, twice that with the output gate."""
+        return self.num_attention_heads * self.head_dim * (2 if self.attn_output_gate else 1)
 
     @property
     def qkv_size(self) -> int:
-        """Rows of the fused QKV weight: (Hq + 2 * Hk) * head_dim."""
-        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        """Rows of the fused QKV weight: (Hq + 2 * Hk) * head_dim (Hq twice with the output gate)."""
+        return self.q_size + 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet's conv1d: q, k and v (2 * key_dim + value_dim)."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QwenConfig":
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"unsupported model_type {model_type!r}: supported are {', '.join(MODEL_TYPES)}")
+        hybrid = model_type in HYBRID_MODEL_TYPES
+        extra: Dict[str, Any] = {}
+        if hybrid:
+            d = _qwen3_5_text(d)
+            extra = _qwen3_5_fields(d, model_type)
         rope_theta, rotary_factor = rope_settings(d)
-        _reject_unsupported_features(d)
-        layer_types = _layer_types(d)
-        heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
+        _reject_unsupported_features(d, model_type)
+        sizes = {name: _positive_int(d, name) for name in
+                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+        layer_types = _layer_types(d, model_type)
+        heads = sizes["num_attention_heads"]
+        kv_heads = _positive_int(d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else heads
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        head_dim = _positive_int(d, "head_dim") if d.get("head_dim") is not None else sizes["hidden_size"] // heads
+        if head_dim not in HEAD_DIMS and "full_attention" in layer_types:
+            raise ConfigError(f"unsupported head_dim {head_dim} (head_dim, or hidden_size / num_attention_heads): "
+                              f"the attention kernels take {', '.join(map(str, HEAD_DIMS))}")
         rotary_dim = int(head_dim * rotary_factor)
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+            raise ConfigError(f"partial_rotary_factor {rotary_factor} gives a rotary dim of {rotary_dim} for head_dim "
+                              f"{head_dim}: it must be even and in (0, head_dim]")
+        theta = float(10000.0 if rope_theta is None else rope_theta)
+        if not 0.0 < theta < math.inf:
+            raise ConfigError(f"rope_theta must be positive and finite, got {rope_theta!r}")
+        eps = float(d.get("rms_norm_eps", 1e-6))
+        if not 0.0 <= eps < math.inf:
+            raise ConfigError(f"rms_norm_eps must be a finite number >= 0, got {d.get('rms_norm_eps')!r}")
+        max_pos = _positive_int(d, "max_position_embeddings") if "max_position_embeddings" in d else 32768
         return cls(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
+            **sizes,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rotary_dim=rotary_dim,
-            rope_theta=float(10000.0 if rope_theta is None else rope_theta),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rms_norm_eps=eps,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            max_position_embeddings=max_pos,
             layer_types=layer_types,
+            **extra,
         )
 
     @classmethod
@@ -108,23 +183,90 @@ def rope_settings(d: Mapping[str, Any]) -> Tuple[Optional[float], float]:
     return theta, float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
 
 
-def _layer_types(d: Mapping[str, Any]) -> Tuple[str, ...]:
+def _positive_int(d: Mapping[str, Any], name: str) -> int:
+    if d.get(name) is None:
+        raise ConfigError(f"config.json has no {name!r} (a positive integer)")
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+def _qwen3_5_text(d: Mapping[str, Any]) -> Dict[str, Any]:
+    """The text model's fields: ``text_config`` of the multimodal wrapper (with the wrapper's
+    ``tie_word_embeddings`` when it sets one: Qwen3_5ForConditionalGeneration ties by it), or the
+    text config itself. Qwen3.5's default partial_rotary_factor is 0.25."""
+    if d["model_type"] == "qwen3_5":
+        text = d.get("text_config")
+        if not isinstance(text, Mapping):
+            raise ConfigError("model_type 'qwen3_5' (the multimodal wrapper) needs a 'text_config' object")
+        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+            raise ConfigError(f"unsupported text_config model_type {text.get('model_type')!r} in a qwen3_5 "
+                              "config: expected 'qwen3_5_text'")
+        out = dict(text)
+        if "tie_word_embeddings" in d:
+            out["tie_word_embeddings"] = d["tie_word_embeddings"]
+    else:
+        out = dict(d)
+    out["model_type"] = d["model_type"]
+    out.setdefault("partial_rotary_factor", 0.25)
+    return out
+
+
+def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
+    if d.get("attn_output_gate", True) is not True:
+        raise ConfigError("unsupported attn_output_gate=false: Qwen3.5 attention always has the output gate")
+    if d.get("attention_bias"):
+        raise ConfigError("unsupported attention_bias=true for qwen3_5: only bias-free projections are implemented")
+    fields = {name: _positive_int(d | {name: d.get(name, default)}, name) for name, default in (
+        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
+        ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4))}
+    if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
+        raise ConfigError(f"linear_num_value_heads={fields['linear_num_value_heads']} is not a multiple of "
+                          f"linear_num_key_heads={fields['linear_num_key_heads']}")
+    for name in ("linear_key_head_dim", "linear_value_head_dim"):
+        if fields[name] not in HEAD_DIMS:
+            raise ConfigError(f"unsupported {name} {fields[name]}: the gated delta rule kernels take "
+                              f"{', '.join(map(str, HEAD_DIMS))}")
+    if not 2 <= fields["linear_conv_kernel_dim"] <= MAX_CONV_KERNEL:
+        raise ConfigError(f"unsupported linear_conv_kernel_dim {fields['linear_conv_kernel_dim']}: the conv "
+                          f"kernels take 2 to {MAX_CONV_KERNEL}")
+    wrapper = model_type == "qwen3_5"
+    return dict(fields, norm_offset=1.0, attn_output_gate=True,
+                weights_prefix="model.language_model." if wrapper else "model.",
+                skipped_weight_prefixes=QWEN3_5_SKIPPED_WEIGHTS)
+
+
+FAMILY_LAYER_TYPES = {"dense": ("full_attention",), "hybrid": ("linear_attention", "full_attention")}
+
+
+def _layer_types(d: Mapping[str, Any], model_type: str) -> Tuple[str, ...]:
     from .layers import LAYER_TYPES  # the layer kinds this package implements (imported here: layers imports us)
 
     n = d["num_hidden_layers"]
-    types = tuple(d.get("layer_types") or ("full_attention",) * n)
+    hybrid = model_type in HYBRID_MODEL_TYPES
+    if d.get("layer_types"):
+        types = tuple(d["layer_types"])
+    elif hybrid:
+        interval = _positive_int(d | {"full_attention_interval": d.get("full_attention_interval", 4)},
+                                 "full_attention_interval")
+        types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n))
+    else:
+        types = ("full_attention",) * n
     if len(types) != n:
         raise ConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
+    allowed = [t for t in FAMILY_LAYER_TYPES["hybrid" if hybrid else "dense"] if t in LAYER_TYPES]
     for t in types:
-        if t not in LAYER_TYPES:
-            raise ConfigError(f"unsupported layer type {t!r} in layer_types: implemented are {', '.join(LAYER_TYPES)}")
+        if t not in allowed:
+            raise ConfigError(f"unsupported layer type {t!r} in layer_types: implemented for {model_type} are "
+                              f"{', '.join(allowed)}")
     return types
 
 
-def _reject_unsupported_features(d: Mapping[str, Any]) -> None:
+def _reject_unsupported_features(d: Mapping[str, Any], model_type: str) -> None:
     if d.get("use_sliding_window"):
         raise ConfigError("unsupported use_sliding_window=true: only full attention is implemented")
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' is implemented")
-    if d["model_type"] == "qwen3" and d.get("attention_bias"):
+    if model_type == "qwen3" and d.get("attention_bias"):
         raise ConfigError("unsupported attention_bias=true for qwen3: Qwen3 checkpoints have no attention bias")

@@ -39,6 +39,9 @@ class DecodeState:
     With ``prefill_len`` > 0, for prefill in padded length buckets: the prompt ``pf_ids``
     [1, prefill_len] int64 (right-padded), its positions ``pf_pos``, the index of its last real
     token ``pf_last`` [1], the token sampled after it ``pf_token`` [1] and a batch-1 ``staging`` cache.
+    Only where the cache allows it (``cache.supports_padded_prefill``: not with recurrent layers,
+    whose state would absorb the padding); otherwise ``prefill_len`` is 0 and every prompt is
+    prefilled at its exact length.
     """
 
     def __init__(self, model: QwenForCausalLM, max_batch_size: int, max_seq_len: int, prefill_len: int = 0):
@@ -47,6 +50,8 @@ class DecodeState:
         i64 = dict(dtype=torch.int64, device=dev)
         with torch.no_grad():
             self.cache = model.new_cache(B, L)
+            if not self.cache.supports_padded_prefill:
+                prefill_len = 0
             self.tokens = torch.zeros(B, 1, **i64)
             self.pos_len = torch.zeros(2, B, dtype=torch.int32, device=dev)
             self.finished = torch.zeros(B, dtype=torch.bool, device=dev)

@@ -18,7 +18,9 @@ Prefill runs each prompt separately into its batch row of the cache (eagerly, ex
 through a graph captured per (bucket, mode) that writes a batch-1 staging cache; the prompt's state
 is then copied into its row. The padded GEMM shapes can round differently from the exact-length
 prefill, so tokens may differ from the eager prefill in the last bits of bf16 (never in the decode
-graph, which is bit-identical to its eager run). See docs/generate.md.
+graph, which is bit-identical to its eager run). Padded prefill needs every layer's cache to allow
+it (``Cache.supports_padded_prefill``): a model with recurrent layers (Qwen3.5's Gated DeltaNet)
+falls back to the exact-length prefill and ``gen.prefill_graph`` reads False. See docs/generate.md.
 """
 
 import time
@@ -102,6 +104,8 @@ class Generator:
         self.batch_buckets = _buckets(max_batch_size)
         prefill_len = self.prefill_buckets[-1] if self.prefill_graph and self.prefill_buckets else 0
         self.state = DecodeState(model, max_batch_size, self.max_seq_len, prefill_len)
+        if not self.state.cache.supports_padded_prefill:  # recurrent layers: exact-length prefill only
+            self.prefill_graph = False
         self.graphs = GraphCache(self.device, self.use_cuda_graph, self.state.reset)
         self.readback = Readback(self.state.history, readback_every)
         self.readback_every = self.readback.every

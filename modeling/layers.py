@@ -16,6 +16,13 @@ A layer's cache is an object whose tensors have the batch row as dim 0, with ``r
 (a view of some rows, no copy) and ``prompt_state(row, length)`` (the tensors that hold a prompt
 of ``length`` tokens in that row, which ``modeling.model.Cache.copy_prompt_`` copies).
 
+A cache also says whether a prompt may be prefilled right-padded (``supports_padded_prefill``):
+true for attention, whose causal mask keeps padding after a prompt from touching it; false for a
+recurrent state, which would absorb the padding tokens.
+
+Kinds: ``full_attention`` (``AttentionLayer``: qwen3, qwen2, and Qwen3.5's gated attention) and
+``linear_attention`` (``GatedDeltaNetLayer``: Qwen3.5's Gated DeltaNet).
+
 Shapes: B batch, T new tokens, hidden = config.hidden_size, Hq/Hk query/key-value heads,
 D head_dim, I intermediate_size, L the cache length.
 """
@@ -39,6 +46,8 @@ LoadPlan = Dict[str, List[Tuple[str, Shape]]]
 class KVCache:
     """An attention layer's cache: keys and values ``k``, ``v`` [B, L, Hk, D]."""
 
+    supports_padded_prefill = True  # causal attention: right-padding never reaches the prompt
+
     def __init__(self, k: Tensor, v: Tensor):
         self.k, self.v = k, v
 
@@ -55,7 +64,8 @@ class DecoderLayer(nn.Module):
     forward, in op order (B*T rows, residual kept in the model dtype):
     ``h = rms_norm(x)`` in the first layer, ``h, residual = add_rms_norm(x, residual)`` after;
     ``o = mix(h)``; ``h, residual = add_rms_norm(o, residual)``;
-    ``x = linear(silu_mul(linear(h, gate_up_weight)), down_weight)``.
+    ``x = linear(silu_mul(linear(h, gate_up_weight)), down_weight)``. The norms use
+    ``config.norm_offset`` (1.0 on Qwen3.5: zero-centred weights).
     """
 
     def __init__(self, config: QwenConfig):
@@ -86,25 +96,30 @@ class DecoderLayer(nn.Module):
         """x: [B, T, hidden], the previous layer's output not yet added to ``residual`` (None in
         the first layer, where x is the embedding); ``cache``: this layer's cache (``new_cache``).
         Returns (mlp output, residual), both [B, T, hidden]."""
-        eps = self.config.rms_norm_eps
+        eps, offset = self.config.rms_norm_eps, self.config.norm_offset
         if residual is None:
-            h, residual = ops.rms_norm(x, self.input_norm, eps), x
+            h, residual = ops.rms_norm(x, self.input_norm, eps, offset), x
         else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps)
+            h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps, offset)
         o = self.mix(h, positions, cache, cache_seqlens)
-        h, residual = ops.add_rms_norm(o, residual, self.post_norm, eps)
+        h, residual = ops.add_rms_norm(o, residual, self.post_norm, eps, offset)
         gate_up = ops.linear(h, self.gate_up_weight)  # [B, T, 2I]
         return ops.linear(ops.silu_mul(gate_up), self.down_weight), residual
 
 
 class AttentionLayer(DecoderLayer):
-    """Full (causal, GQA) attention with RoPE, fused QKV; q/k RMSNorm per head on qwen3, a qkv
-    bias on qwen2. Cache: ``KVCache``.
+    """Full (causal, GQA) attention with RoPE, fused QKV; q/k RMSNorm per head on qwen3 and
+    Qwen3.5, a qkv bias on qwen2. Cache: ``KVCache``.
 
     mix: ``qkv = linear(h, qkv_weight, qkv_bias)``, q, k, v = views of qkv; ``q, k = rope(q, k,
     positions, ..., q_norm, k_norm)``; ``kv_cache_store(k, v, cache.k, cache.v, positions)``;
     ``attention(q, k, v)`` in prefill (``cache_seqlens`` None) or ``decode_attention(q, cache.k,
     cache.v, cache_seqlens)``; ``linear(o, o_weight)``.
+
+    Qwen3.5's gated attention (``config.attn_output_gate``): q_proj's rows hold per head
+    ``[query (D) | gate (D)]``, so q and the gate are strided views of qkv [B, T, Hq, 2D]; the q/k
+    norms are zero-centred (``norm_offset`` 1.0), RoPE covers the first ``rotary_dim`` dims, and
+    ``o = sigmoid_mul(o, gate)`` before o_proj.
     """
 
     def init_mixer(self, c: QwenConfig) -> None:
@@ -118,7 +133,7 @@ class AttentionLayer(DecoderLayer):
     def mixer_plan(config: QwenConfig, hf: str) -> LoadPlan:
         c, attn = config, hf + "self_attn."
         hidden, d = c.hidden_size, c.head_dim
-        q_rows, kv_rows = c.num_attention_heads * d, c.num_key_value_heads * d
+        q_rows, kv_rows = c.q_size, c.num_key_value_heads * d
         plan: LoadPlan = {"qkv_weight": [(attn + "q_proj.weight", (q_rows, hidden)),
                                          (attn + "k_proj.weight", (kv_rows, hidden)),
                                          (attn + "v_proj.weight", (kv_rows, hidden))]}
@@ -128,7 +143,7 @@ class AttentionLayer(DecoderLayer):
         if c.qk_norm:
             plan["q_norm"] = [(attn + "q_norm.weight", (d,))]
             plan["k_norm"] = [(attn + "k_norm.weight", (d,))]
-        plan["o_weight"] = [(attn + "o_proj.weight", (hidden, q_rows))]
+        plan["o_weight"] = [(attn + "o_proj.weight", (hidden, c.num_attention_heads * d))]
         return plan
 
     def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
@@ -140,19 +155,127 @@ class AttentionLayer(DecoderLayer):
         c = self.config
         B, T, _ = h.shape
         Hq, Hk, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)  # [B, T, (Hq + 2Hk) * D]
-        q = qkv[..., : Hq * D].view(B, T, Hq, D)
-        k = qkv[..., Hq * D : (Hq + Hk) * D].view(B, T, Hk, D)
-        v = qkv[..., (Hq + Hk) * D :].view(B, T, Hk, D)
-        q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps)
+        Q = c.q_size  # Hq * D, or Hq * 2D with the output gate
+        qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)  # [B, T, Q + 2Hk * D]
+        gate = None
+        if c.attn_output_gate:
+            qg = qkv[..., :Q].view(B, T, Hq, 2 * D)  # per head [query | gate]
+            q, gate = qg[..., :D], qg[..., D:]
+        else:
+            q = qkv[..., :Q].view(B, T, Hq, D)
+        k = qkv[..., Q : Q + Hk * D].view(B, T, Hk, D)
+        v = qkv[..., Q + Hk * D :].view(B, T, Hk, D)
+        q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps,
+                        c.norm_offset)
         ops.kv_cache_store(k, v, cache.k, cache.v, positions)
         scale = D**-0.5
         if cache_seqlens is None:
             o = ops.attention(q, k, v, scale, True)
         else:
             o = ops.decode_attention(q, cache.k, cache.v, cache_seqlens, scale)
+        if gate is not None:
+            o = ops.sigmoid_mul(o, gate)  # [B, T, Hq, D]
         return ops.linear(o.view(B, T, Hq * D), self.o_weight)
 
 
-LAYER_TYPES = {"full_attention": AttentionLayer}
+class GatedDeltaNetCache:
+    """A Gated DeltaNet layer's state: ``conv`` [B, C, K-1] (the last K-1 inputs of the conv1d, in
+    the cache dtype) and ``state`` [B, Hv, Dk, Dv] (the delta rule's recurrent state, fp32; float64
+    for a float64 cache). Both are per sequence, independent of its length."""
+
+    supports_padded_prefill = False  # the recurrent state would absorb padding tokens
+
+    def __init__(self, conv: Tensor, state: Tensor):
+        self.conv, self.state = conv, state
+
+    def rows(self, start: int, stop: int) -> "GatedDeltaNetCache":
+        return GatedDeltaNetCache(self.conv[start:stop], self.state[start:stop])
+
+    def prompt_state(self, row: int, length: int) -> List[Tensor]:
+        """The whole state of the row: it holds the prompt only if the prompt ran exactly ``length``
+        tokens (no padding; see ``supports_padded_prefill``)."""
+        return [self.conv[row], self.state[row]]
+
+
+class GatedDeltaNetLayer(DecoderLayer):
+    """Qwen3.5's Gated DeltaNet (``linear_attention``; transformers' Qwen3_5GatedDeltaNet).
+    Cache: ``GatedDeltaNetCache``.
+
+    Sizes: Hk key heads of Dk, Hv value heads of Dv (value head h reads key head h // (Hv / Hk)),
+    Kd = Hk * Dk, Vd = Hv * Dv, C = 2 * Kd + Vd conv channels, K the conv kernel size.
+
+    mix: ``proj = linear(h, in_proj_weight)`` (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a fused:
+    [B, T, C + Vd + 2Hv]); x, z, b, a = views of proj; the depthwise causal conv + SiLU over x
+    (prefill: ``causal_conv1d``, its final state copied into ``cache.conv``; decode:
+    ``causal_conv1d_update`` on ``cache.conv`` in place); q, k, v = views of its output;
+    prefill: ``g, beta = gated_delta_gates(a, b, A_log, dt_bias)``, ``o, S = chunk_gated_delta_rule(q,
+    k, v, g, beta, Dk^-0.5, use_qk_l2norm=True)``, S copied into ``cache.state``; decode:
+    ``o = recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cache.state, Dk^-0.5)`` (gates
+    inside, state in place); ``o = gated_rms_norm(o, z, norm_weight)``; ``linear(o, out_weight)``.
+    Prefill starts each sequence from a zero state, like attention's prefill; positions are unused.
+    """
+
+    def init_mixer(self, c: QwenConfig) -> None:
+        C, Vd, Hv = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(C + Vd + 2 * Hv, c.hidden_size))
+        self.conv_weight = nn.Parameter(torch.empty(C, 1, c.linear_conv_kernel_dim))  # nn.Conv1d's layout
+        self.dt_bias = nn.Parameter(torch.empty(Hv))
+        self.A_log = nn.Parameter(torch.empty(Hv))
+        self.norm_weight = nn.Parameter(torch.empty(c.linear_value_head_dim))
+        self.out_weight = nn.Parameter(torch.empty(c.hidden_size, Vd))
+
+    @staticmethod
+    def mixer_plan(config: QwenConfig, hf: str) -> LoadPlan:
+        c, la = config, hf + "linear_attn."
+        hidden, C, Vd, Hv = c.hidden_size, c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
+        return {
+            "in_proj_weight": [(la + "in_proj_qkv.weight", (C, hidden)), (la + "in_proj_z.weight", (Vd, hidden)),
+                               (la + "in_proj_b.weight", (Hv, hidden)), (la + "in_proj_a.weight", (Hv, hidden))],
+            "conv_weight": [(la + "conv1d.weight", (C, 1, c.linear_conv_kernel_dim))],
+            "dt_bias": [(la + "dt_bias", (Hv,))],
+            "A_log": [(la + "A_log", (Hv,))],
+            "norm_weight": [(la + "norm.weight", (c.linear_value_head_dim,))],
+            "out_weight": [(la + "out_proj.weight", (hidden, Vd))],
+        }
+
+    def new_cache(self, batch_size: int, max_len: int, dtype: torch.dtype, device) -> GatedDeltaNetCache:
+        c = self.config
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = torch.zeros(batch_size, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        state = torch.zeros(batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                            dtype=state_dtype, device=device)
+        return GatedDeltaNetCache(conv, state)
+
+    def mix(self, h: Tensor, positions: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor]) -> Tensor:
+        c = self.config
+        B, T, _ = h.shape
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        Dk, Dv, Kd, Vd, C = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim, c.linear_value_dim,
+                             c.linear_conv_dim)
+        proj = ops.linear(h, self.in_proj_weight)  # [B, T, C + Vd + 2Hv]
+        x = proj[..., :C]
+        z = proj[..., C : C + Vd].view(B, T, Hv, Dv)
+        b = proj[..., C + Vd : C + Vd + Hv]
+        a = proj[..., C + Vd + Hv :]
+        weight = self.conv_weight[:, 0]  # [C, K]
+        if cache_seqlens is None:
+            y, conv_state = ops.causal_conv1d(x, weight)
+            cache.conv.copy_(conv_state)
+        else:
+            y = ops.causal_conv1d_update(x, cache.conv, weight)
+        q = y[..., :Kd].view(B, T, Hk, Dk)
+        k = y[..., Kd : 2 * Kd].view(B, T, Hk, Dk)
+        v = y[..., 2 * Kd :].view(B, T, Hv, Dv)
+        scale = Dk**-0.5
+        if cache_seqlens is None:
+            g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
+            o, state = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, None, True)
+            cache.state.copy_(state)
+        else:
+            o = ops.recurrent_gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, scale, True)
+        o = ops.gated_rms_norm(o, z, self.norm_weight, c.rms_norm_eps)  # [B, T, Hv, Dv]
+        return ops.linear(o.view(B, T, Vd), self.out_weight)
+
+
+LAYER_TYPES = {"full_attention": AttentionLayer, "linear_attention": GatedDeltaNetLayer}
 """``config.layer_types`` name -> layer class."""

@@ -11,6 +11,15 @@ dim 0 to make it. Each layer's part comes from its class in ``modeling.layers.LA
 - ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
 - ``layers.{i}.qkv_bias``   [(Hq + 2*Hk) * D]         <- q_proj, k_proj, v_proj biases (qwen2)
 - ``layers.{i}.gate_up_weight`` [2 * I, hidden]       <- gate_proj, up_proj weights
+
+and for a Gated DeltaNet layer (Qwen3.5), ``layers.{i}.in_proj_weight`` <- in_proj_qkv, in_proj_z,
+in_proj_b, in_proj_a. The text model's names start with ``config.weights_prefix`` (``model.``, or
+``model.language_model.`` in the multimodal wrapper); tensors under
+``config.skipped_weight_prefixes`` (Qwen3.5's vision tower and MTP head) are ignored.
+
+Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down like F32) and,
+once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
+dtype) is a ``CheckpointError`` naming the tensor.
 """
 
 import json
@@ -29,17 +38,22 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """The checkpoint does not match the config: a missing, unexpected or misshapen tensor."""
+    """The checkpoint does not match the config: a missing, unexpected or misshapen tensor, a
+    tensor that is not floating point, or one with NaN / inf values."""
+
+
+FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+"""safetensors dtypes a weight may have (F64 is converted down to the target dtype like F32)."""
 
 
 def load_plan(config: QwenConfig) -> LoadPlan:
     """For each model tensor, the Hugging Face tensors (name, expected shape) it is made of."""
-    c = config
-    plan: LoadPlan = {"embed_tokens": [("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))]}
+    c, m = config, config.weights_prefix
+    plan: LoadPlan = {"embed_tokens": [(m + "embed_tokens.weight", (c.vocab_size, c.hidden_size))]}
     for i, kind in enumerate(c.layer_types):
-        for name, sources in LAYER_TYPES[kind].load_plan(c, f"model.layers.{i}.").items():
+        for name, sources in LAYER_TYPES[kind].load_plan(c, f"{m}layers.{i}.").items():
             plan[f"layers.{i}.{name}"] = sources
-    plan["norm"] = [("model.norm.weight", (c.hidden_size,))]
+    plan["norm"] = [(m + "norm.weight", (c.hidden_size,))]
     if not c.tie_word_embeddings:
         plan["lm_head"] = [("lm_head.weight", (c.vocab_size, c.hidden_size))]
     return plan
@@ -82,12 +96,15 @@ def load_state_dict(
 ) -> Dict[str, torch.Tensor]:
     """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``.
 
-    Every tensor is checked (names and shapes) before any is loaded. A tied-embedding model
-    needs no ``lm_head.weight``; one present anyway is ignored.
+    Every tensor is checked (names, shapes, floating dtypes) before any is loaded, and every
+    loaded tensor for NaN / inf (one ``isfinite`` reduction per tensor, read back once at the end).
+    A tied-embedding model needs no ``lm_head.weight``; one present anyway is ignored, as are
+    tensors under ``config.skipped_weight_prefixes``.
     """
     plan = load_plan(config)
     expected = {name: shape for sources in plan.values() for name, shape in sources}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    skipped = tuple(config.skipped_weight_prefixes)
     device = torch.device(device)
     with ExitStack() as stack:
         handles = {}
@@ -96,18 +113,34 @@ def load_state_dict(
             for name in handle.keys():
                 if name in handles:
                     raise CheckpointError(f"tensor {name!r} appears in more than one shard")
-                handles[name] = handle
+                if not (skipped and name.startswith(skipped)):
+                    handles[name] = handle
         _check(handles, expected, ignored)
         state = {}
+        finite = []  # (name, 0-dim bool tensor on the device): read back once, not once per tensor
         for target, sources in plan.items():
             rows = sum(shape[0] for _, shape in sources)
             out = torch.empty((rows, *sources[0][1][1:]), dtype=dtype, device=device)
             row = 0
             for name, shape in sources:
-                out[row : row + shape[0]].copy_(handles[name].get_tensor(name))
+                part = out[row : row + shape[0]]
+                part.copy_(handles[name].get_tensor(name))
+                finite.append((name, torch.isfinite(part).all()))
                 row += shape[0]
             state[target] = out
+        if finite:
+            ok = torch.stack([f for _, f in finite]).cpu()
+            if not ok.all():
+                name = finite[int((~ok).nonzero()[0])][0]
+                raise CheckpointError(_non_finite(name, handles[name].get_tensor(name), dtype))
     return state
+
+
+def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
+    if torch.isfinite(source).all():
+        return (f"tensor {name!r} overflows {str(dtype).replace('torch.', '')} (max |value| "
+                f"{source.abs().max().item():.4g}): load it in a wider dtype")
+    return f"tensor {name!r} has non-finite values (NaN or inf)"
 
 
 def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
@@ -118,6 +151,10 @@ def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
     if unexpected:
         raise CheckpointError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected)}")
     for name, shape in expected.items():
-        found = tuple(handles[name].get_slice(name).get_shape())
+        tensor = handles[name].get_slice(name)
+        found = tuple(tensor.get_shape())
         if found != shape:
             raise CheckpointError(f"tensor {name!r} has shape {list(found)}, the config expects {list(shape)}")
+        if tensor.get_dtype() not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {tensor.get_dtype()}: weights must be floating point "
+                                  f"({', '.join(FLOAT_DTYPES)})")

@@ -1,6 +1,7 @@
-"""The Qwen decoder (qwen3, qwen2) built only from ``torch.ops.qwen.*`` and an embedding lookup:
-an embedding, the layers of ``config.layer_types`` (``modeling.layers``), a final norm and the
-lm_head; ``Cache`` holds every layer's cache.
+"""The Qwen decoder (qwen3, qwen2, and the Qwen3.5 hybrid of Gated DeltaNet and gated attention
+layers) built only from ``torch.ops.qwen.*`` and an embedding lookup: an embedding, the layers of
+``config.layer_types`` (``modeling.layers``), a final norm and the lm_head; ``Cache`` holds every
+layer's cache.
 
 Shapes: B batch, T new tokens, hidden = config.hidden_size, V vocab_size.
 """
@@ -21,8 +22,9 @@ ops = torch.ops.qwen
 
 class Cache:
     """The state of a batch of sequences for every layer: ``layers[i]`` is layer i's cache (a
-    ``KVCache`` for an attention layer). Build it with ``QwenForCausalLM.new_cache``; the caller
-    owns it and reuses it (its tensors never move, as CUDA graph replay needs)."""
+    ``KVCache`` for an attention layer, a ``GatedDeltaNetCache`` for a Gated DeltaNet layer). Build
+    it with ``QwenForCausalLM.new_cache``; the caller owns it and reuses it (its tensors never
+    move, as CUDA graph replay needs)."""
 
     def __init__(self, layers: Sequence):
         self.layers = tuple(layers)
@@ -31,6 +33,13 @@ class Cache:
         """Batch rows [start, stop) of every layer's cache: views, no copy."""
         return Cache(c.rows(start, stop) for c in self.layers)
 
+    @property
+    def supports_padded_prefill(self) -> bool:
+        """Whether a prompt may be prefilled right-padded to a longer length (then its first
+        ``length`` positions copied with ``copy_prompt_``): true when every layer's cache says so
+        (attention: yes; a recurrent state: no, it would absorb the padding)."""
+        return all(c.supports_padded_prefill for c in self.layers)
+
     def copy_prompt_(self, row: int, src: "Cache", src_row: int, length: int) -> None:
         """Copy the state of a ``length``-token prompt from ``src``'s row ``src_row`` into ``row``."""
         dst = [t for c in self.layers for t in c.prompt_state(row, length)]
@@ -38,7 +47,7 @@ class Cache:
 
 
 class QwenForCausalLM(nn.Module):
-    """Qwen3 / Qwen2 causal LM. Parameters are created uninitialized; use ``from_pretrained``."""
+    """Qwen3 / Qwen2 / Qwen3.5 causal LM. Parameters are created uninitialized; use ``from_pretrained``."""
 
     def __init__(self, config: QwenConfig):
         super().__init__()
@@ -77,7 +86,8 @@ class QwenForCausalLM(nn.Module):
         Prefill (``cache_seqlens`` None): the T tokens start each sequence (positions 0..T-1);
         attention runs causally over them and their k/v are stored into ``cache``.
         Decode (``cache_seqlens`` [B] int32, the valid cache length including these T tokens):
-        k/v are stored at ``positions``, then attention reads the cache.
+        k/v are stored at ``positions``, then attention reads the cache; recurrent layers continue
+        their state in place.
         ``cache``: from ``new_cache`` (or some of its rows, ``cache.rows``).
         Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``.
         """
@@ -106,7 +116,7 @@ class QwenForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, layer_cache, cache_seqlens)
         if last_only:
             x, residual = x[:, -1], residual[:, -1]
-        return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)[0]
+        return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.config.norm_offset)[0]
 
     @classmethod
     def from_pretrained(

@@ -1,4 +1,5 @@
-"""A small random Qwen3 checkpoint built with this package's own code (no transformers, no download).
+"""A small random Qwen3 (or Qwen3.5) checkpoint built with this package's own code (no transformers,
+no download).
 
 ``build_random_checkpoint(path)`` writes a directory that ``QwenForCausalLM.from_pretrained`` and
 ``QwenTokenizer.from_pretrained`` load like a real one:
@@ -6,14 +7,17 @@
 - ``tokenizer.json``: a byte-level BPE trained with the ``tokenizers`` library on a few built-in
   sentences, with the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
   (ids 0, 1, 2), so any text (any UTF-8) encodes and decodes;
-- ``config.json`` (``model_type: qwen3``, vocab = the tokenizer's), ``tokenizer_config.json``,
+- ``config.json`` (``model_type: qwen3``, or ``qwen3_5_text`` with ``model_type="qwen3_5_text"``
+  among the sizes; vocab = the tokenizer's), ``tokenizer_config.json``,
   ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``);
 - ``model.safetensors``: Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``
-  ...) from ``modeling.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2).
+  ...) from ``modeling.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2)
+  (Qwen3.5's zero-centred norms, which scale by 1 + weight: N(0, std^2)).
 
 ``default_random_model_dir()`` is where ``python -m modeling.generate`` keeps it when run
 without ``--model``. ``random_model(config, ...)`` builds a random ``QwenForCausalLM`` in memory
-(no files; used by the GPU tests and the benchmark for full-size shapes).
+(no files; used by the GPU tests and the benchmark for full-size shapes): ``QWEN3_0_6B`` and
+``QWEN3_5_0_8B`` are the config.json fields of those shapes.
 """
 
 import json
@@ -51,6 +55,23 @@ QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, inter
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                   tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=40960)
 """config.json fields of the Qwen3-0.6B shape, for random models in GPU tests and benchmarks."""
+QWEN3_5_SIZES = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, full_attention_interval=4, max_position_embeddings=4096,
+)
+"""The default Qwen3.5 shape of ``build_random_checkpoint(model_type="qwen3_5_text")``: tiny, but
+every feature (three Gated DeltaNet layers with 2 key / 4 value heads, then gated attention with
+GQA, partial RoPE, zero-centred norms, tied embedding)."""
+QWEN3_5_0_8B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                    num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                    tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
+"""config.json fields of the Qwen3.5-0.8B text model (18 Gated DeltaNet layers with 16 key / 16
+value heads of 128, 6 gated attention layers with 8/2 heads of 256), for random models in GPU
+tests and benchmarks."""
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -95,7 +116,9 @@ def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: i
 
 
 def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
-    """A Hugging Face style Qwen3 config.json dict."""
+    """A Hugging Face style Qwen3 config.json dict (Qwen3.5 with ``model_type="qwen3_5_text"``)."""
+    if sizes.get("model_type") == "qwen3_5_text":
+        return _qwen3_5_config_dict(vocab_size, **sizes)
     d = dict(DEFAULT_SIZES, **sizes)
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -114,13 +137,42 @@ def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
     }
 
 
+def _qwen3_5_config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
+    d = dict(QWEN3_5_SIZES, **sizes)
+    n, interval = d["num_hidden_layers"], d.pop("full_attention_interval")
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": vocab_size,
+        **d,
+        "layer_types": d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                                for i in range(n)],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+
+
 def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
-                  device: Union[str, torch.device] = "cpu") -> torch.Tensor:
-    """N(0, std^2); a norm weight (1-d, name containing 'norm') gets 1 + N(0, std^2)."""
+                  device: Union[str, torch.device] = "cpu", norm_center: float = 1.0) -> torch.Tensor:
+    """N(0, std^2); a norm weight (1-d, name containing 'norm') gets norm_center + N(0, std^2)."""
     t = torch.randn(shape, generator=generator, dtype=torch.float32, device=device) * std
     if "norm" in name and len(shape) == 1:
-        t += 1.0
+        t += norm_center
     return t.to(dtype)
+
+
+def norm_center(config: QwenConfig, name: str) -> float:
+    """The value a random norm weight centres on: 1, or 0 for a zero-centred norm (Qwen3.5's
+    ``1 + weight`` norms; its Gated DeltaNet output norm has a plain weight)."""
+    plain = "linear_attn.norm" in name or name.endswith("norm_weight")
+    return 1.0 - config.norm_offset if not plain else 1.0
 
 
 MARKER = ".random-checkpoint"
@@ -148,7 +200,9 @@ def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional
     """Write a random Qwen3 checkpoint to ``path`` (created; replaced atomically if it exists).
 
     ``std`` defaults to min(0.2, 2 / sqrt(hidden)), large enough for logits that are not flat.
-    ``sizes`` override ``DEFAULT_SIZES`` (hidden_size, num_hidden_layers, ...).
+    ``sizes`` override ``DEFAULT_SIZES`` (hidden_size, num_hidden_layers, ...). With
+    ``model_type="qwen3_5_text"`` the checkpoint is a Qwen3.5 text model (``QWEN3_5_SIZES``
+    overridden by the other sizes, e.g. ``linear_num_value_heads`` or ``full_attention_interval``).
 
     Only a directory this module built (or an empty one) is replaced: anything else at ``path``
     raises ``FileExistsError`` and is left untouched. Concurrent builds of one path are
@@ -193,10 +247,11 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
     tensors = {}
     for sources in load_plan(config).values():
         for name, shape in sources:
-            tensors[name] = random_tensor(name, shape, std, g).contiguous()
+            tensors[name] = random_tensor(name, shape, std, g, norm_center=norm_center(config, name)).contiguous()
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
     (tmp / "README.md").write_text(
-        "Random Qwen3 weights written by modeling.random_checkpoint (seed "
+        f"Random {family} weights written by modeling.random_checkpoint (seed "
         f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
     (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
 
@@ -237,5 +292,6 @@ def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device
         model = QwenForCausalLM(config)
     g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        p.copy_(random_tensor(name, tuple(p.shape), std, g, dtype=p.dtype, device=device))
+        p.copy_(random_tensor(name, tuple(p.shape), std, g, dtype=p.dtype, device=device,
+                              norm_center=norm_center(config, name)))
     return model.to(dtype).requires_grad_(False)

@@ -8,6 +8,7 @@ and docs/architecture.md.
 """
 from .activation import (silu_mul, silu_mul_backward, silu_mul_backward_reference, silu_mul_reference, silu_mul_split,
                          silu_mul_split_backward, silu_mul_split_backward_reference, silu_mul_split_reference)
+from .activation import gated_delta_gates, gated_delta_gates_reference, sigmoid_mul, sigmoid_mul_reference
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
 from .causal_conv1d import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update,
@@ -40,4 +41,5 @@ __all__ = [
     "rms_norm_backward_reference", "rms_norm_reference", "rope", "rope_backward", "rope_backward_reference",
     "rope_reference", "silu_mul", "silu_mul_backward", "silu_mul_backward_reference", "silu_mul_reference",
     "silu_mul_split", "silu_mul_split_backward", "silu_mul_split_backward_reference", "silu_mul_split_reference",
+    "sigmoid_mul", "sigmoid_mul_reference", "gated_delta_gates", "gated_delta_gates_reference",
 ]

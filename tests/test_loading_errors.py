@@ -86,7 +86,7 @@ def test_missing_shard(tmp_path):
 
 def test_unsupported_model_type(tmp_path):
     config = CONFIG | {"model_type": "llama"}
-    with pytest.raises(ConfigError, match="unsupported model_type 'llama': supported are qwen3, qwen2"):
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama': supported are qwen3, qwen2, qwen3_5_text"):
         QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, config, {}))
 
 
@@ -116,3 +116,82 @@ def test_fifo_weights_file_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="is not a regular file"):
         QwenForCausalLM.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------- dtypes and values
+
+
+@pytest.mark.parametrize("dtype, code", [(torch.int8, "I8"), (torch.bool, "BOOL"), (torch.int64, "I64")])
+def test_non_float_tensor_is_refused_before_loading(tmp_path, dtype, code):
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors = hf_tensors(CONFIG)
+    tensors[name] = tensors[name].to(dtype)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype {code}: weights must be floating point"):
+        QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, CONFIG, tensors))
+
+
+def test_float64_and_half_tensors_are_converted(tmp_path):
+    """F64 is converted down to the target dtype like F32 (no warning); checkpoints may mix dtypes."""
+    tensors = hf_tensors(CONFIG)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].double()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].bfloat16()
+    model = QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, CONFIG, tensors), dtype=torch.float32)
+    assert torch.equal(model.embed_tokens, tensors["model.embed_tokens.weight"].float())
+    assert torch.equal(model.norm, tensors["model.norm.weight"].float())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weight_is_named(tmp_path, bad):
+    name = "model.layers.0.self_attn.k_proj.bias"
+    tensors = hf_tensors(CONFIG)
+    tensors[name][3] = bad
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has non-finite values \(NaN or inf\)"):
+        QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, CONFIG, tensors), dtype=torch.float32)
+
+
+def test_weight_that_overflows_the_target_dtype_is_named(tmp_path):
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors = hf_tensors(CONFIG)
+    tensors[name][0, 0] = 1e6  # fine in fp32, inf in fp16
+    path = write_checkpoint(tmp_path, CONFIG, tensors)
+    assert QwenForCausalLM.from_pretrained(path, dtype=torch.float32).layers[1].o_weight[0, 0] == 1e6
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' overflows float16 \(max \|value\| 1e\+06\)"):
+        QwenForCausalLM.from_pretrained(path, dtype=torch.float16)
+
+
+# ------------------------------------------------------------------------------------- Qwen3.5
+
+QWEN3_5 = dict(CONFIG, model_type="qwen3_5_text", num_hidden_layers=2, full_attention_interval=2,
+               linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def test_qwen3_5_plan_and_skipped_tensors(tmp_path):
+    tensors = hf_tensors(QWEN3_5)
+    assert tensors["model.layers.0.linear_attn.conv1d.weight"].shape == (64, 1, 4)  # C = 2*16 + 2*16
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (2 * 4 * 16, 32)  # query and gate
+    extra = {"mtp.fc.weight": torch.randn(4, 4), "model.visual.blocks.0.attn.qkv.weight": torch.randn(4, 4)}
+    model = QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, QWEN3_5, tensors | extra),
+                                            dtype=torch.float32)
+    la = "model.layers.0.linear_attn."
+    fused = torch.cat([tensors[la + f"in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")])
+    assert torch.equal(model.layers[0].in_proj_weight, fused)
+    assert torch.equal(model.layers[0].A_log, tensors[la + "A_log"])
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.linear_attn.in_proj_b.weight", "model.layers.0.linear_attn.dt_bias",
+                                  "model.layers.1.self_attn.q_norm.weight"])
+def test_qwen3_5_missing_tensor(tmp_path, name):
+    tensors = hf_tensors(QWEN3_5)
+    del tensors[name]
+    with pytest.raises(CheckpointError, match=f"missing tensor.*{name}"):
+        QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, QWEN3_5, tensors))
+
+
+def test_qwen3_5_wrapper_names(tmp_path):
+    """The wrapper's text weights live under model.language_model.; text-only names are unexpected."""
+    wrapper = {"model_type": "qwen3_5", "text_config": QWEN3_5 | {"model_type": "qwen3_5_text"}}
+    tensors = hf_tensors(wrapper)
+    assert "model.language_model.layers.0.linear_attn.A_log" in tensors
+    QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, wrapper, tensors), dtype=torch.float32)
+    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.language_model\.embed_tokens\.weight"):
+        QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, wrapper, hf_tensors(QWEN3_5)))

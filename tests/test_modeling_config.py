@@ -47,7 +47,8 @@ def test_transformers_qwen2_config_round_trip():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "qwen3_5"}, "unsupported model_type 'qwen3_5': supported are qwen3, qwen2"),
+        ({"model_type": "qwen3_5_moe"}, "unsupported model_type 'qwen3_5_moe': supported are qwen3, qwen2, "
+                                          "qwen3_5_text, qwen3_5"),
         ({"model_type": None}, "unsupported model_type None"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
         ({"use_sliding_window": True}, "unsupported use_sliding_window"),
@@ -56,8 +57,91 @@ def test_transformers_qwen2_config_round_trip():
         ({"model_type": "qwen3", "attention_bias": True}, "unsupported attention_bias"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "unsupported layer type 'sliding_attention'"),
         ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, num_hidden_layers is 2"),
+        ({"layer_types": ["full_attention", "linear_attention"]},
+         "unsupported layer type 'linear_attention' in layer_types: implemented for qwen2 are full_attention"),
+        # what a kernel would refuse only at the first forward
+        ({"head_dim": 8}, r"unsupported head_dim 8 .*take 16, 32, 64, 128, 256"),
+        ({"head_dim": 48}, "unsupported head_dim 48"),
+        ({"hidden_size": 80}, r"unsupported head_dim 20 \(head_dim, or hidden_size / num_attention_heads\)"),
+        ({"partial_rotary_factor": 0.0}, "partial_rotary_factor 0.0 gives a rotary dim of 0 for head_dim 16"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5625}}, "rotary dim of 9"),
+        ({"partial_rotary_factor": 2.0}, "rotary dim of 32 for head_dim 16: it must be even and in"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"vocab_size": -1}, "vocab_size must be a positive integer, got -1"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({"intermediate_size": "96"}, "intermediate_size must be a positive integer, got '96'"),
+        ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got True"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer, got 0"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"rope_theta": 0}, "rope_theta must be positive and finite, got 0"),
+        ({"rope_theta": float("inf")}, "rope_theta must be positive and finite"),
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number >= 0"),
+        ({"vocab_size": None}, "config.json has no 'vocab_size' \\(a positive integer\\)"),
     ],
 )
 def test_unsupported_configs(change, message):
     with pytest.raises(ConfigError, match=message):
         QwenConfig.from_dict(dict(BASE, model_type="qwen2") | change)
+
+
+# ------------------------------------------------------------------------------------------ Qwen3.5
+
+QWEN3_5 = dict(BASE, model_type="qwen3_5_text", num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32, num_hidden_layers=4)
+
+
+def test_qwen3_5_text_defaults():
+    c = QwenConfig.from_dict(QWEN3_5)
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)  # full_attention_interval 4
+    assert (c.rotary_dim, c.norm_offset, c.attn_output_gate, c.qk_norm, c.qkv_bias) == (8, 1.0, True, True, False)
+    assert (c.linear_conv_kernel_dim, c.weights_prefix) == (4, "model.")
+    c = QwenConfig.from_dict(QWEN3_5 | {"full_attention_interval": 2, "partial_rotary_factor": 0.5})
+    assert c.layer_types == ("linear_attention", "full_attention") * 2 and c.rotary_dim == 16
+    dense = QwenConfig.from_dict(dict(BASE, model_type="qwen3"))
+    assert (dense.norm_offset, dense.attn_output_gate, dense.linear_conv_kernel_dim) == (0.0, False, 0)
+
+
+def test_qwen3_5_wrapper():
+    c = QwenConfig.from_dict({"model_type": "qwen3_5", "text_config": QWEN3_5 | {"tie_word_embeddings": False},
+                              "tie_word_embeddings": True, "vision_config": {"depth": 1}})
+    assert (c.model_type, c.tie_word_embeddings, c.weights_prefix) == ("qwen3_5", True, "model.language_model.")
+    assert c.skipped_weight_prefixes == ("mtp.", "model.visual.")
+    text_flag = QwenConfig.from_dict({"model_type": "qwen3_5", "text_config": QWEN3_5 | {"tie_word_embeddings": True}})
+    assert text_flag.tie_word_embeddings  # the wrapper sets none: the text config's
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"linear_key_head_dim": 24}, "unsupported linear_key_head_dim 24: the gated delta rule kernels take"),
+        ({"linear_value_head_dim": 512}, "unsupported linear_value_head_dim 512"),
+        ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+        ({"linear_num_key_heads": 0}, "linear_num_key_heads must be a positive integer, got 0"),
+        ({"linear_conv_kernel_dim": 1}, "unsupported linear_conv_kernel_dim 1: the conv kernels take 2 to 16"),
+        ({"full_attention_interval": 0}, "full_attention_interval must be a positive integer, got 0"),
+        ({"attn_output_gate": False}, "unsupported attn_output_gate=false"),
+        ({"attention_bias": True}, "unsupported attention_bias=true for qwen3_5"),
+        ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "unsupported layer type 'sliding_attention'"),
+        ({"head_dim": 40}, "unsupported head_dim 40"),
+        ({"partial_rotary_factor": 0.01}, "partial_rotary_factor 0.01 gives a rotary dim of 0"),
+    ],
+)
+def test_unsupported_qwen3_5_configs(change, message):
+    with pytest.raises(ConfigError, match=message):
+        QwenConfig.from_dict(QWEN3_5 | change)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"model_type": "qwen3_5"}, "model_type 'qwen3_5' \\(the multimodal wrapper\\) needs a 'text_config' object"),
+        ({"model_type": "qwen3_5", "text_config": QWEN3_5 | {"model_type": "qwen3_5_moe_text"}},
+         "unsupported text_config model_type 'qwen3_5_moe_text'"),
+        ({"model_type": "qwen3_5", "text_config": QWEN3_5 | {"linear_key_head_dim": 8}},
+         "unsupported linear_key_head_dim 8"),
+    ],
+)
+def test_unsupported_qwen3_5_wrappers(config, message):
+    with pytest.raises(ConfigError, match=message):
+        QwenConfig.from_dict(config)
