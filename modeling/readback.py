@@ -12,14 +12,26 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+TokenCallback = Callable[[int, int], object]  # (prompt index, token id) -> None, or STOP to end the row
 FinishCallback = Callable[[int, List[int], str], None]  # (prompt index, new token ids, reason)
+
+
+class _Stop:
+    def __repr__(self) -> str:
+        return "modeling.readback.STOP"
+
+
+STOP = _Stop()
+"""Returned by an ``on_token`` callback: end this row now, reason ``stop`` (the token just taken
+is kept). The host-side stop rule for what the device cannot see, e.g. stop strings."""
 
 
 class TokenSink:
     """The tokens of one batch as the host reads them: a stop token ends its row (and is not
     kept), ``max_new`` kept tokens end it with reason ``length``. ``on_token`` gets each kept
-    token (prompt index = ``offset`` + row), ``on_finish`` each row once, when it ends."""
+    token (prompt index = ``offset`` + row) and may return ``STOP`` to end the row there (reason
+    ``stop``, the token kept); ``on_finish`` gets each row once, when it ends. A row ended by
+    ``STOP`` still runs on the device until the batch is done; its later tokens are ignored."""
 
     def __init__(self, n: int, offset: int, max_new: int, stop_ids: Sequence[int],
                  on_token: Optional[TokenCallback] = None, on_finish: Optional[FinishCallback] = None):
@@ -39,9 +51,9 @@ class TokenSink:
             self.reasons[row] = "stop"
         else:
             self.tokens[row].append(token)
-            if self.on_token is not None:
-                self.on_token(self.offset + row, token)
-            if len(self.tokens[row]) == self.max_new:
+            if self.on_token is not None and self.on_token(self.offset + row, token) is STOP:
+                self.reasons[row] = "stop"
+            elif len(self.tokens[row]) == self.max_new:
                 self.reasons[row] = "length"
         if self.reasons[row] is not None and self.on_finish is not None:
             self.on_finish(self.offset + row, self.tokens[row], self.reasons[row])

@@ -22,8 +22,9 @@ Philox offset on every replay, so a replayed graph draws fresh numbers, and rese
 (``manual_seed``) before a run makes the run reproducible.
 """
 
+import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,36 +32,108 @@ from torch import Tensor
 MODES = ("greedy", "sample", "top")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest temperature the device's fp32 sampling values can hold."""
+INT64_LIMIT = 2**63
+"""top_k and seeds live in int64 device tensors and generators: values must stay below this."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 means no top-k; top_p 1.0 means no top-p;
-    seed None draws from the generator's current state (not reproducible)."""
+    """How to pick tokens, and (for the text API, ``modeling.llm.LLM``) when to stop.
+
+    Token level (``Generator`` reads these): temperature 0 means greedy; top_k 0 means no top-k
+    (any k >= the vocabulary is the same); top_p 1.0 means no top-p; seed None draws from the
+    generator's current state (not reproducible).
+
+    Text level (``LLM`` reads these; ``Generator`` ignores them): ``max_tokens`` new tokens at
+    most (None: the checkpoint's ``max_new_tokens``, else ``modeling.llm.DEFAULT_MAX_TOKENS``);
+    ``stop``: strings that end a completion (a str or a sequence of them; the text returned stops
+    before the first match); ``stop_token_ids``: token ids that end it besides the tokenizer's EOS
+    ids; ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of
+    the text. Lists are stored as tuples (the params are hashable).
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    stop: Tuple[str, ...] = ()
+    stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            problems.append(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+            stop = ()
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                problems.append(f"stop strings must be non-empty strings, got {s!r}")
+            elif not _is_unicode(s):
+                problems.append(f"stop string {s!r} is not valid Unicode (a lone surrogate)")
+        try:
+            stop_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            problems.append(f"stop_token_ids must be a sequence of integers, got {self.stop_token_ids!r}")
+            stop_ids = ()
+        for t in stop_ids:
+            if not (_is_int(t) and 0 <= t < INT64_LIMIT):
+                problems.append(f"stop_token_ids must be integers >= 0, got {t!r}")
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if problems:
             raise ValueError("; ".join(problems))
+        # plain Python values (numpy / torch scalars in, ints and floats out) and tuples
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        if self.max_tokens is not None:
+            object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
 
     @property
     def mode(self) -> str:
         return sampling_mode(self.temperature, self.top_k, self.top_p)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional[int] = None) -> list:
     """Messages naming each invalid value (empty when all are valid)."""
     errors = []
-    if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
-        errors.append(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
-        errors.append(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if not (_is_real(temperature) and 0 <= temperature <= FLOAT32_MAX):
+        errors.append(f"temperature must be a finite number >= 0 (at most 3.4e38, float32's largest), "
+                      f"got {temperature!r}")
+    if not (_is_int(top_k) and 0 <= top_k < INT64_LIMIT):
+        errors.append(f"top_k must be an integer in [0, 2**63) (0 disables it), got {top_k!r}")
+    if not (_is_real(top_p) and 0 < top_p <= 1):
         errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+    if seed is not None and not (_is_int(seed) and 0 <= seed < INT64_LIMIT):
         errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
     return errors
 

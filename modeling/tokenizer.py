@@ -1,5 +1,11 @@
 """Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML chat formatting,
-and an incremental detokenizer for streaming."""
+and an incremental detokenizer for streaming.
+
+Why ``IncrementalDetokenizer`` and not ``tokenizers.decoders.DecodeStream``: DecodeStream first
+appeared in tokenizers 0.21 (this package supports >= 0.19), its API has changed across releases
+since, and it has no ``flush``: the tail of a completion that ends inside a multi-byte character is
+never returned. Where it exists, the two give the same text piece by piece (the tests check).
+"""
 
 import json
 from pathlib import Path
@@ -34,11 +40,14 @@ class QwenTokenizer:
     @classmethod
     def from_pretrained(cls, path: Union[str, Path]) -> "QwenTokenizer":
         path = Path(path)
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the Rust side raises plain Exception: a ValueError with its text
+            raise ValueError(f"tokenizer.json: {' '.join(str(e).split()) or type(e).__name__}") from None
         tokenizer_config = _read_json(path / "tokenizer_config.json")
-        eos = _eos_ids(_read_json(path / "generation_config.json"))
+        eos = _eos_ids(_read_json(path / "generation_config.json"), "generation_config.json")
         eos += _token_ids(tokenizer, tokenizer_config, "eos_token")
-        eos += _eos_ids(_read_json(path / "config.json"))
+        eos += _eos_ids(_read_json(path / "config.json"), "config.json")
         pad = _token_ids(tokenizer, tokenizer_config, "pad_token")
         return cls(tokenizer, list(dict.fromkeys(eos)), pad[0] if pad else None)
 
@@ -56,7 +65,13 @@ class QwenTokenizer:
         return self.tokenizer.token_to_id(token)
 
     def encode(self, text: str) -> List[int]:
-        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched."""
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched.
+        ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        problem = unicode_error(text)
+        if problem:
+            raise ValueError(f"the text {problem}")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -104,23 +119,55 @@ class IncrementalDetokenizer:
         return text[len(prefix_text) :]
 
 
+def unicode_error(text: str) -> Optional[str]:
+    """None for text that encodes as UTF-8; else what is wrong with it, e.g. "is not valid UTF-8
+    (byte 0xe9 at character 3)" for a byte that Python kept as a surrogate escape (a command line
+    argument or file name in another encoding), or "holds a lone surrogate U+D800 at character 0"."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            return f"is not valid UTF-8 (byte 0x{code - 0xDC00:02x} at character {e.start})"
+        return f"holds a lone surrogate U+{code:04X} at character {e.start}"
+
+
 def _read_json(path: Path) -> Dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The JSON object in ``path``, {} if there is no such file; ``ValueError`` naming the file otherwise."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"cannot read {path.name}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} is not a JSON object (it holds a {type(data).__name__})")
+    return data
 
 
 def _token_ids(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any], field: str) -> List[int]:
     """[id] of the token named by ``tokenizer_config[field]`` (a string or {"content": ...}), or []."""
     token = tokenizer_config.get(field)
     if isinstance(token, dict):
-        token = token["content"]
+        token = token.get("content")
     if token is None:
         return []
+    if not isinstance(token, str):
+        raise ValueError(f"tokenizer_config.json {field} must be a string or {{\"content\": ...}}, got {token!r}")
     if tokenizer.token_to_id(token) is None:
         raise ValueError(f"tokenizer_config.json {field} {token!r} is not in tokenizer.json")
     return [tokenizer.token_to_id(token)]
 
 
-def _eos_ids(config: Mapping[str, Any]) -> List[int]:
-    """``eos_token_id`` of a config dict (an int, a list, or absent) as a list."""
+def _eos_ids(config: Mapping[str, Any], name: str = "config") -> List[int]:
+    """``eos_token_id`` of a config dict (an int, a list of ints, or absent/null) as a list;
+    ``ValueError`` naming the file (``name``) for anything else."""
     ids = config.get("eos_token_id")
-    return [ids] if isinstance(ids, int) else list(ids or [])
+    if ids is None:
+        return []
+    values = ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in values):
+        raise ValueError(f"{name}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
+                         f"got {ids!r}")
+    return list(values)

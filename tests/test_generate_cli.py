@@ -1,29 +1,88 @@
 """``python -m modeling.generate`` and ``modeling.random_checkpoint``: happy paths on a tiny random
-checkpoint, streaming of multi-byte text, the batch file, and every bad-input path (a one-line
-``error:`` on stderr, exit status 2, no traceback)."""
+checkpoint with a real (Qwen3) chat template, streaming of multi-byte text, the batch file, chat,
+interactive chat, stop strings, JSON output, generation_config.json defaults, Hub ids, and every
+bad-input path (a one-line ``error:`` on stderr, exit status 2, no traceback); in subprocesses the
+hostile environments: stdout closed, a reader that goes away, an ASCII-only stdout, Ctrl-C early.
 
+``build_steered_checkpoint`` makes the tiny model's output predictable: it alternates between two
+chosen tokens (see its doc), so tests can ask for newlines, non-ASCII text or EOS at will.
+"""
+
+import io
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from modeling import QwenForCausalLM, QwenTokenizer
-from modeling.generate import main
+from modeling.chat import ChatTemplate
+from modeling.generate import escape_line, main, split_prompts
 from modeling.generator import Generator
 from modeling.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "tests" / "data" / "qwen3_chat_template.jinja"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
 
 
+def build_chat_checkpoint(path: Path, seed: int = 1) -> Path:
+    """The tiny random Qwen3 with the Qwen3 chat template as chat_template.jinja."""
+    build_random_checkpoint(path, seed=seed, **TINY)
+    shutil.copyfile(TEMPLATE, path / "chat_template.jinja")
+    return path
+
+
+def build_steered_checkpoint(path: Path, first="\n", second="世", amplitude: float = 100.0) -> Path:
+    """A tiny checkpoint whose greedy output alternates ``first``, ``second``, ``first``, ... (tokens
+    given as text of one token, or as ids), on every path (reference, interpreter, GPU).
+
+    How: the lm_head is untied and zero except ``lm_head[first] = +e0``, ``lm_head[second] = -e0``,
+    so only those two tokens have a non-zero logit, +/- the final hidden state's dim 0. Every input
+    embedding gets +``amplitude`` in dim 0, except ``first``'s, -``amplitude``: that dominates the
+    residual stream, so after ``first`` comes ``second`` and after any other token ``first``."""
+    from safetensors.torch import load_file, save_file
+
+    build_chat_checkpoint(path)
+    tok = QwenTokenizer.from_pretrained(path)
+
+    def token_id(t):
+        if isinstance(t, int):
+            return t
+        ids = tok.encode(t)
+        assert len(ids) == 1, f"{t!r} is {len(ids)} tokens"
+        return ids[0]
+
+    a, b = token_id(first), token_id(second)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False)))
+    tensors = load_file(str(path / "model.safetensors"))
+    emb = tensors["model.embed_tokens.weight"].clone()
+    head = torch.zeros_like(emb)
+    emb[:, 0] = amplitude
+    emb[a, 0] = -amplitude
+    head[a, 0], head[b, 0] = 1.0, -1.0
+    tensors["model.embed_tokens.weight"], tensors["lm_head.weight"] = emb, head
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return build_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "random-qwen3", seed=1, **TINY)
+    return build_chat_checkpoint(tmp_path_factory.mktemp("ckpt") / "random-qwen3")
+
+
+@pytest.fixture(scope="module")
+def steered(tmp_path_factory):
+    """Greedy output: '\\n世\\n世...' (after a prompt that does not end in a newline)."""
+    return build_steered_checkpoint(tmp_path_factory.mktemp("steered") / "ckpt")
 
 
 def run_main(capsys, *argv):
@@ -31,6 +90,16 @@ def run_main(capsys, *argv):
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     return code, out, err
+
+
+def json_lines(out: str):
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def expected_path(device="cpu", dtype=torch.float32) -> str:
+    from modeling.llm import backend_name
+
+    return backend_name(torch.device(device), dtype)
 
 
 def test_random_checkpoint_loads(ckpt):
@@ -41,14 +110,16 @@ def test_random_checkpoint_loads(ckpt):
     assert tok.eos_token_ids == (2, 0)
     text = "héllo 世界 🙂 and some unseen wørds"
     assert tok.decode(tok.encode(text)) == text
-    assert is_complete(ckpt)
-    stamp = (ckpt / "model.safetensors").stat().st_mtime_ns
-    assert ensure_random_checkpoint(ckpt) == ckpt
-    assert (ckpt / "model.safetensors").stat().st_mtime_ns == stamp  # built once, then reused
+    fresh = build_random_checkpoint(ckpt.parent / "fresh", seed=1, **TINY)
+    assert is_complete(fresh)
+    stamp = (fresh / "model.safetensors").stat().st_mtime_ns
+    assert ensure_random_checkpoint(fresh) == fresh
+    assert (fresh / "model.safetensors").stat().st_mtime_ns == stamp  # built once, then reused
 
 
 def test_streamed_text_equals_decoded_tokens(ckpt, capsys):
-    """Greedy on the CPU: stdout is exactly the detokenized completion (streamed piece by piece)."""
+    """Greedy on the CPU: stdout is exactly the detokenized completion (streamed piece by piece);
+    the stats line separates warm-up from prefill and names the path that ran."""
     prompt = "Once upon a time, 世界 🙂"
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 12,
                               "--device", "cpu", "--dtype", "fp32")
@@ -58,21 +129,164 @@ def test_streamed_text_equals_decoded_tokens(ckpt, capsys):
     r = Generator(model, max_seq_len=64).generate([tok.encode(prompt)], 12, stop_token_ids=tok.eos_token_ids)
     assert out == tok.decode(r.tokens[0], skip_special_tokens=True) + "\n"
     stats = err.strip().splitlines()[-1]
-    assert stats.startswith(f"prompt tokens {len(tok.encode(prompt))} | prefill ")
-    assert "ms/token" in stats and "tokens/s" in stats and "cuda graph: no" in stats
+    assert stats.startswith(f"prompt tokens {len(tok.encode(prompt))} | warm-up ")
+    assert " | prefill " in stats and "ms/token" in stats and "tokens/s" in stats and "cuda graph: no" in stats
+    path = expected_path()
+    assert stats.endswith(f"| {path}, float32")
+    notice = err.splitlines()[0]
+    assert "running eagerly on the CPU" in notice and path.split(" (")[0] in notice
+    if os.environ.get("TRITON_INTERPRET") == "1":  # conftest sets it without a GPU: the interpreter ran
+        assert "Triton interpreter (CPU)" in stats and "reference" not in notice
 
 
 def test_batch_file_and_chat(ckpt, capsys, tmp_path):
     batch = tmp_path / "prompts.txt"
     batch.write_text("The quick brown fox\n\nHello world\nWhat is the capital of France?\n")
-    code, out, err = run_main(capsys, "--model", ckpt, "--batch-file", batch, "--max-new-tokens", 5, "--chat",
-                              "--temperature", 0.8, "--top-k", 20, "--top-p", 0.9, "--seed", 3, "--device", "cpu")
+    args = ("--model", ckpt, "--batch-file", batch, "--max-new-tokens", 5, "--chat", "--temperature", 0.8,
+            "--top-k", 20, "--top-p", 0.9, "--seed", 3, "--device", "cpu", "--max-batch-size", 2)
+    code, out, err = run_main(capsys, *args)
     assert code == 0, err
-    lines = [line for line in out.splitlines() if line.startswith("[")]
+    lines = out.splitlines()
     assert sorted(line[:4] for line in lines) == ["[0] ", "[1] ", "[2] "]
-    code2, out2, _ = run_main(capsys, "--model", ckpt, "--batch-file", batch, "--max-new-tokens", 5, "--chat",
-                              "--temperature", 0.8, "--top-k", 20, "--top-p", 0.9, "--seed", 3, "--device", "cpu")
+    code2, out2, _ = run_main(capsys, *args)
     assert code2 == 0 and out2 == out  # same seed, same text
+    # the command line runs one batch at a time; it samples as one Generator call over all prompts
+    from modeling.sampling import SamplingParams
+
+    tok = QwenTokenizer.from_pretrained(ckpt)
+    template = ChatTemplate.from_pretrained(ckpt)
+    prompts = [tok.encode(template.render([{"role": "user", "content": p}]))
+               for p in ("The quick brown fox", "Hello world", "What is the capital of France?")]
+    model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    gen = Generator(model, max_batch_size=2, max_seq_len=max(map(len, prompts)) + 5)
+    r = gen.generate(prompts, 5, SamplingParams(0.8, 20, 0.9, 3), tok.eos_token_ids)
+    assert sorted(lines) == [f"[{i}] {escape_line(tok.decode(t, skip_special_tokens=True))}"
+                             for i, t in enumerate(r.tokens)]
+
+
+def test_batch_file_splits_on_newline_only(steered, capsys, tmp_path):
+    """U+2028 and form feeds stay inside their prompt; CRLF line ends are dropped; completions that
+    contain newlines still print one line each, escaped, and --json gives the exact text."""
+    prompts = ["a\u2028b c", "x\fy \\z", "plain"]
+    batch = tmp_path / "p.txt"
+    batch.write_bytes(("\r\n".join(prompts) + "\r\n\n  \n").encode())
+    assert split_prompts(batch.read_bytes().decode()) == prompts
+    base = ("--model", steered, "--batch-file", batch, "--max-new-tokens", 6, "--device", "cpu")
+    code, out, err = run_main(capsys, *base)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 3 and sorted(line[:4] for line in lines) == ["[0] ", "[1] ", "[2] "]
+    code, out_json, err = run_main(capsys, *base, "--json")
+    assert code == 0, err
+    results = sorted(json_lines(out_json), key=lambda r: r["index"])
+    tok = QwenTokenizer.from_pretrained(steered)
+    assert [r["prompt_tokens"] for r in results] == [len(tok.encode(p)) for p in prompts]
+    for r in results:
+        assert r["text"] == "\n世\n世\n世" and r["finish_reason"] == "length" and len(r["token_ids"]) == 6
+        assert set(r["timings"]) >= {"warmup_ms", "prefill_ms", "decode_ms", "decode_steps"}
+        assert f"[{r['index']}] {escape_line(r['text'])}" in lines
+    assert escape_line("a\\n\nb\r") == "a\\\\n\\nb\\r"
+
+
+def test_batch_file_from_stdin(steered, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("first\nsecond 世\n".encode())))
+    code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--max-new-tokens", 2,
+                              "--device", "cpu", "--json")
+    assert code == 0, err
+    assert sorted(r["index"] for r in json_lines(out)) == [0, 1]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\xfe bad\n")))
+    code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--device", "cpu")
+    assert code == 2 and err.startswith("error: --batch-file - (standard input) is not valid UTF-8 (byte 0xff")
+    assert out == ""
+
+
+def test_stop_strings(steered, capsys):
+    """--stop ends the completion before the first match (and is left out); EOS still stops."""
+    base = ("--model", steered, "--prompt", "Hello", "--max-new-tokens", 8, "--device", "cpu")
+    code, out, err = run_main(capsys, *base)
+    assert code == 0 and out == "\n世\n世\n世\n世\n", err
+    code, out, err = run_main(capsys, *base, "--stop", "世\n", "--stop", "never")
+    assert code == 0 and out == "\n\n", err  # the streamed text stops before the stop string
+    code, out, err = run_main(capsys, *base, "--stop", "世\n", "--json")
+    (r,) = json_lines(out)
+    assert r["text"] == "\n" and r["finish_reason"] == "stop" and r["stop_reason"] == "世\n"
+    assert len(r["token_ids"]) == 3  # '\n', '世', and the '\n' that completed the stop string
+    stats = err.strip().splitlines()[-1]
+    assert "3 new tokens" in stats
+
+
+def test_chat_system_and_thinking_use_the_checkpoint_template(steered, capsys):
+    tok = QwenTokenizer.from_pretrained(steered)
+    template = ChatTemplate.from_pretrained(steered)
+    assert template.origin == "chat_template.jinja"
+    user = {"role": "user", "content": "Name three primes."}
+    system = {"role": "system", "content": "Be brief."}
+    cases = [((), [user], {}),
+             (("--system", "Be brief."), [system, user], {}),
+             (("--no-thinking",), [user], {"enable_thinking": False})]
+    for flags, messages, kwargs in cases:
+        code, out, err = run_main(capsys, "--model", steered, "--chat", "--prompt", user["content"], *flags,
+                                  "--max-new-tokens", 1, "--device", "cpu", "--json")
+        assert code == 0, err
+        (r,) = json_lines(out)
+        assert r["prompt_tokens"] == len(tok.encode(template.render(messages, **kwargs))), flags
+    assert "<think>\n\n</think>" in template.render([user], enable_thinking=False)
+
+
+def test_interactive_chat_over_stdin(steered):
+    """Two turns (the second sees the first), /reset, a third turn, then end of input."""
+    p = _cli("--model", steered, "--interactive", "--max-new-tokens", 3, "--json", "--system", "S",
+             input="Hello\n\nAgain\n/reset\nAgain\n")
+    assert p.returncode == 0, p.stderr
+    turns = json_lines(p.stdout)
+    # the rendered prompt ends in a newline token: the replies start with the other token
+    assert len(turns) == 3 and all(t["text"] == "世\n世" and t["finish_reason"] == "length" for t in turns)
+    tok = QwenTokenizer.from_pretrained(steered)
+    t = ChatTemplate.from_pretrained(steered)
+    system = {"role": "system", "content": "S"}
+    first = [system, {"role": "user", "content": "Hello"}]
+    second = first + [{"role": "assistant", "content": "世\n世"}, {"role": "user", "content": "Again"}]
+    third = [system, {"role": "user", "content": "Again"}]
+    assert [x["prompt_tokens"] for x in turns] == [len(tok.encode(t.render(m))) for m in (first, second, third)]
+    assert "conversation reset" in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("prompt tokens ")
+    p = _cli("--model", steered, "-i", "--max-new-tokens", 2, input="Hi\n")  # streamed text, one line a reply
+    assert p.returncode == 0 and p.stdout == "世\n\n", p.stderr
+
+
+def test_generation_config_defaults_unless_flags_override(steered, capsys, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(steered, d)
+    gen_config = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(dict(gen_config, do_sample=True, temperature=0.7,
+                                                              top_k=2, max_new_tokens=3)))
+    code, out, err = run_main(capsys, "--model", d, "--prompt", "Hello", "--device", "cpu", "--json")
+    assert code == 0, err
+    assert "generation_config.json: temperature 0.7, top-k 2, top-p 1, max-new-tokens 3" in err
+    assert len(json_lines(out)[0]["token_ids"]) == 3
+    code, out, err = run_main(capsys, "--model", d, "--prompt", "Hello", "--device", "cpu", "--json",
+                              "--max-new-tokens", 2, "--temperature", 0)
+    assert code == 0 and len(json_lines(out)[0]["token_ids"]) == 2
+    assert "generation_config.json: top-k 2, top-p 1 (flags override)" in err
+
+
+def test_hub_id(ckpt, capsys, tmp_path, monkeypatch):
+    from tests.test_hub import add_snapshot
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_snapshot(cache, "org/tiny", ckpt, "a" * 40, refs=("main", "v1"))
+    base = ("--prompt", "Hi", "--max-new-tokens", 2, "--device", "cpu", "--json")
+    code, out, err = run_main(capsys, "--model", "org/tiny", *base)
+    assert code == 0, err
+    code, out2, err = run_main(capsys, "--model", "org/tiny", "--revision", "v1", "--offline", *base)
+    assert code == 0 and json_lines(out2)[0]["token_ids"] == json_lines(out)[0]["token_ids"], err
+    for args, message in [(("--model", "org/absent"), "error: --model org/absent: not in the local Hub cache"),
+                          (("--model", "org/tiny", "--revision", "v9"), "error: --model org/tiny@v9: not in the"),
+                          (("--model", ckpt, "--revision", "v1"), "applies to Hub ids only")]:
+        code, out, err = run_main(capsys, *args, *base)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == "", err
 
 
 def test_prompt_longer_than_cache_lowers_or_fails(ckpt, capsys):
@@ -85,13 +299,30 @@ def test_prompt_longer_than_cache_lowers_or_fails(ckpt, capsys):
 
 
 @pytest.fixture
-def bad_model_type(tmp_path, ckpt):
-    d = tmp_path / "llama"
-    d.mkdir()
+def bad_checkpoints(tmp_path, ckpt):
+    """Copies of the checkpoint with one file made wrong."""
+    def variant(name, **files):
+        d = tmp_path / name
+        shutil.copytree(ckpt, d)
+        for f, text in files.items():
+            (d / f.replace("__", ".")).write_text(text)
+        return d
+
     config = json.loads((ckpt / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
-    (d / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text())
-    return d
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    return dict(
+        llama=variant("llama", config__json=json.dumps(dict(config, model_type="llama"))),
+        list_config=variant("list", config__json=json.dumps([config])),
+        no_vocab=variant("novocab", config__json=json.dumps({k: v for k, v in config.items() if k != "vocab_size"})),
+        str_heads=variant("strheads", config__json=json.dumps(dict(config, num_attention_heads="4"))),
+        eos_str=variant("eosstr", generation_config__json=json.dumps(dict(gen, eos_token_id="2"))),
+        eos_float=variant("eosfloat", config__json=json.dumps(dict(config, eos_token_id=2.5))),
+        eos_list=variant("eoslist", generation_config__json=json.dumps(dict(gen, eos_token_id=[2, None]))),
+        gen_list=variant("genlist", generation_config__json="[1, 2]"),
+        gen_temp=variant("gentemp", generation_config__json=json.dumps(dict(gen, do_sample=True, temperature=-1))),
+        bad_template=variant("badtemplate", chat_template__jinja="{% for m in messages %}"),
+        bad_tokenizer=variant("badtok", tokenizer__json="{not json"),
+    )
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,35 +331,65 @@ def bad_model_type(tmp_path, ckpt):
     (["--model", "{empty}", "--prompt", "hi"], "has no config.json"),
     (["--model", "{llama}", "--prompt", "hi"], "unsupported model_type 'llama'"),
     (["--model", "{garbled}", "--prompt", "hi"], "unreadable config.json"),
+    (["--model", "{list_config}", "--prompt", "hi"], "config.json is not a JSON object (it holds a list)"),
+    (["--model", "{no_vocab}", "--prompt", "hi"], "vocab_size"),
+    (["--model", "{str_heads}", "--prompt", "hi"], "num_attention_heads"),
+    (["--model", "{eos_str}", "--prompt", "hi"], "generation_config.json: eos_token_id must be a token id"),
+    (["--model", "{eos_float}", "--prompt", "hi"], "config.json: eos_token_id must be a token id"),
+    (["--model", "{eos_list}", "--prompt", "hi"], "eos_token_id must be a token id"),
+    (["--model", "{gen_list}", "--prompt", "hi"], "generation_config.json is not a JSON object"),
+    (["--model", "{gen_temp}", "--prompt", "hi"], "generation_config.json: temperature must be"),
+    (["--model", "{bad_template}", "--prompt", "hi", "--chat"], "chat template (chat_template.jinja) line"),
+    (["--model", "{bad_tokenizer}", "--prompt", "hi"], "tokenizer.json"),
     (["--model", "{ckpt}", "--prompt", ""], "the prompt is empty"),
     (["--model", "{ckpt}", "--prompt", "   "], "the prompt is empty"),
+    (["--model", "{ckpt}", "--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (byte 0xe9 at character 3)"),
+    (["--model", "{ckpt}", "--prompt", "hi\ud800"], "--prompt holds a lone surrogate U+D800"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--chat", "--system", "\udcff"], "--system is not valid UTF-8"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--stop", ""], "--stop needs a non-empty string"),
     (["--model", "{ckpt}"], "give a prompt"),
     (["--model", "{ckpt}", "--prompt", "hi", "--batch-file", "{file}"], "not both"),
+    (["--model", "{ckpt}", "--interactive", "--batch-file", "{file}"], "takes no --batch-file"),
     (["--model", "{ckpt}", "--batch-file", "{missing}"], "cannot read --batch-file"),
+    (["--model", "{ckpt}", "--batch-file", "{tmp}"], "cannot read --batch-file"),
     (["--model", "{ckpt}", "--batch-file", "{blank}"], "holds no prompt"),
+    (["--model", "{ckpt}", "--batch-file", "{latin1}"], "is not valid UTF-8 (byte 0xe9 at offset 3)"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--system", "S"], "--system applies to chat prompts"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--no-thinking"], "--no-thinking applies to chat prompts"),
+    (["--prompt", "hi", "--revision", "main"], "--revision needs --model"),
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "-0.5"], "temperature must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "nan"], "temperature must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "1e300"], "temperature must be a finite number"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"], "top_p must lie in (0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "1.5"], "top_p must lie in (0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-1"], "top_k must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "99999999999999999999"], "top_k must be an integer in [0, 2**63)"),
     (["--model", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--model", "{ckpt}", "--prompt", "hi", "--seed", "-1"], "seed must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--seed", str(2**64)], "seed must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--device", "tpu"], "--device must be cuda or cpu"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--max-seq-len", str(2**31)], "at most 2147483647"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--device", "tpu"], "--device must be cuda, cuda:N or cpu"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--device", "cuda:abc"], "--device must be cuda, cuda:N or cpu, got 'cuda:abc'"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--device", "cpu:1"], "--device cpu:1: the CPU has no index"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--device", "cuda:99"], "--device cuda:99: "),
 ])
-def test_bad_input_exits_2_with_message(args, message, capsys, tmp_path, ckpt, bad_model_type):
+def test_bad_input_exits_2_with_message(args, message, capsys, tmp_path, ckpt, bad_checkpoints):
     (tmp_path / "file.txt").write_text("x")
     (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "config.json").write_text("{not json")
     (tmp_path / "garbled" / "tokenizer.json").write_text("{}")
     paths = dict(missing=tmp_path / "nope", file=tmp_path / "file.txt", empty=tmp_path / "empty", ckpt=ckpt,
-                 llama=bad_model_type, blank=tmp_path / "blank.txt", garbled=tmp_path / "garbled")
-    code, out, err = run_main(capsys, *[a.format(**paths) for a in args])
+                 blank=tmp_path / "blank.txt", garbled=tmp_path / "garbled", latin1=tmp_path / "latin1.txt",
+                 tmp=tmp_path, **bad_checkpoints)
+    code, out, err = run_main(capsys, *[a.format(**paths) for a in args], "--device" if "--device" not in args
+                              else "--max-batch-size", "cpu" if "--device" not in args else "1")
     assert code == 2
     assert err.startswith("error: ") and message in err, err
-    assert len(err.strip().splitlines()) == 1 and out == ""
+    assert len([line for line in err.splitlines() if not line.startswith("note:")]) == 1 and out == "", err
 
 
 def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):
@@ -138,18 +399,85 @@ def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):
         (broken / f).write_text((ckpt / f).read_text())
     code, _, err = run_main(capsys, "--model", broken, "--prompt", "hi", "--device", "cpu")
     assert code == 2 and "error:" in err and "model.safetensors" in err
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    code, _, err = run_main(capsys, "--model", broken, "--prompt", "hi", "--device", "cpu")
+    assert code == 2 and "error:" in err and "weights" in err
     code, _, err = run_main(capsys, "--prompt", "hi", "--dtype", "int8")
     assert code == 2 and "invalid choice" in err
     code, _, err = run_main(capsys, "--prompt", "hi", "--top-k", "1.5")
     assert code == 2 and "invalid int value" in err
 
 
-def _cli(*args, env_extra=None):
+def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
+    """--max-seq-len 10**9 would be 64 GB of fp32 cache for this tiny model: refused before anything
+    is allocated, with what fits."""
+    import modeling.llm
+
+    monkeypatch.setattr(modeling.llm, "available_memory", lambda device: 2 * 10**9)
+    t0 = time.perf_counter()
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", 10**9, "--device", "cpu")
+    assert code == 2 and out == "", err
+    error = err.strip().splitlines()[-1]
+    assert error.startswith("error: --max-seq-len 1000000000 does not fit: needs ") and "2.0 GB free" in error
+    fits = int(error.split("at most ")[1].split(" positions")[0].replace(",", ""))
+    per_position = 2 * 2 * 2 * 16 * 4 + 8  # k and v, 2 layers, 2 kv heads x 16, fp32; + the token history
+    assert 0.9 * 2e9 / per_position < fits < 2e9 / per_position
+    assert time.perf_counter() - t0 < 30
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", fits // 100,
+                              "--max-new-tokens", 1, "--device", "cpu")
+    assert code == 0, err
+
+
+def test_long_prompt_on_the_reference_path_says_what_fits(ckpt, capsys, monkeypatch):
+    """The reference attention builds the full fp32 score matrix: a prompt too long for it is refused
+    with the length that fits (here with 50 MB "free")."""
+    import modeling.llm
+
+    monkeypatch.setattr(modeling.llm, "available_memory", lambda device: 50 * 10**6)
+    monkeypatch.setattr(modeling.llm, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 120  # ~1200 tokens: 4 x 4 heads x T^2 x 4 B
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 1, "--device", "cpu")
+    assert code == 2 and out == "", err
+    assert "does not fit" in err and "prompts of at most ~" in err and "reference path" in err
+
+
+def test_ascii_stdout(steered, capsys, monkeypatch):
+    """An ASCII-only stdout gets '?' for what it cannot encode; --json escapes instead (exact)."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    code = main(["--model", str(steered), "--prompt", "Hello", "--max-new-tokens", "4", "--device", "cpu"])
+    sys.stdout.flush()
+    assert code == 0 and raw.getvalue() == b"\n?\n?\n"
+    raw.seek(0), raw.truncate()
+    code = main(["--model", str(steered), "--prompt", "Hello", "--max-new-tokens", "2", "--device", "cpu", "--json"])
+    sys.stdout.flush()
+    assert code == 0 and json.loads(raw.getvalue())["text"] == "\n世" and b"\\u4e16" in raw.getvalue()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_help_names_the_program(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/qwen-generate", "--help"])
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: qwen-generate ")
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "modeling" / "generate.py")])
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m modeling.generate ")
+
+
+# ----------------------------------------------------------------------------------------------
+# subprocesses: the real streams and signals
+
+
+def _env(env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # CPU: the reference ops
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "modeling.generate", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return env
+
+
+def _cli(*args, env_extra=None, input=None):
+    return subprocess.run([sys.executable, "-m", "modeling.generate", *map(str, args)], cwd=ROOT,
+                          env=_env(env_extra), capture_output=True, text=True, timeout=300, input=input)
 
 
 def test_command_line_without_model_builds_random_checkpoint(tmp_path):
@@ -158,8 +486,65 @@ def test_command_line_without_model_builds_random_checkpoint(tmp_path):
     p = _cli("--prompt", "The meaning of life is", "--max-new-tokens", 8, env_extra=env)
     assert p.returncode == 0, p.stderr
     assert "built a random tiny Qwen3 checkpoint" in p.stderr and "no CUDA device" in p.stderr
+    assert "PyTorch reference ops" in p.stderr and "Failed to initialize NumPy" not in p.stderr
     assert is_complete(tmp_path / "cache" / "qwen-triton-ops" / "random-qwen3-tiny")
-    assert "cuda graph: no" in p.stderr.strip().splitlines()[-1]
+    stats = p.stderr.strip().splitlines()[-1]
+    assert "cuda graph: no" in stats and stats.endswith("PyTorch reference ops (CPU), float32")
     p = _cli("--prompt", "Hi", "--max-new-tokens", 2, "--top-p", "2", env_extra=env)
     assert p.returncode == 2 and p.stderr.startswith("error: top_p must lie in (0, 1]")
     assert "Traceback" not in p.stderr
+
+
+def test_closed_stdout(steered):
+    p = subprocess.run([sys.executable, "-m", "modeling.generate", "--model", str(steered), "--prompt", "Hello"],
+                       cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    assert p.returncode == 2 and p.stderr == "error: standard output is closed: there is nowhere to write the " \
+                                             "completions\n"
+
+
+def test_reader_goes_away(steered):
+    """`| head -c 10`: the completion stops at the broken pipe, exit status 141, nothing on stderr
+    but the notes (no traceback, no 'Exception ignored')."""
+    cmd = [sys.executable, "-m", "modeling.generate", "--model", str(steered), "--prompt", "Hello",
+           "--max-new-tokens", "3000", "--device", "cpu"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert first == "\n世\n世\n世".encode()[:10]
+    assert all(line.startswith("note:") for line in err.splitlines()), err
+    shell = subprocess.run(f"{sys.executable} -m modeling.generate --model '{steered}' --prompt Hello "
+                           "--max-new-tokens 3000 --device cpu | head -c 10; echo \" ${PIPESTATUS[0]}\"",
+                           shell=True, executable="/bin/bash", cwd=ROOT, env=_env(), capture_output=True,
+                           timeout=300)
+    assert shell.stdout.endswith(b" 141\n") and b"Traceback" not in shell.stderr
+
+
+def test_ascii_encoding_environment(steered):
+    p = _cli("--model", steered, "--prompt", "Hello", "--max-new-tokens", 4, env_extra={"PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and p.stdout == "\n?\n?\n", p.stderr
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see torch being loaded")
+def test_ctrl_c_while_torch_loads(steered):
+    """SIGINT as soon as torch's libraries are being mapped (inside `import torch`): one line
+    'interrupted', status 130, no traceback."""
+    cmd = [sys.executable, "-m", "modeling.generate", "--model", str(steered), "--prompt", "Hello"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    maps = Path(f"/proc/{p.pid}/maps")
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            if "libtorch" in maps.read_text() or "torch/_C" in maps.read_text():
+                break
+        except OSError:
+            pass
+        time.sleep(0.002)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err

@@ -86,3 +86,53 @@ def test_incremental_detokenizer_flush_emits_incomplete_tail(checkpoint):
     streamed = "".join(detok.push(i) for i in ids[:-1])
     assert streamed == "ok "
     assert detok.flush().endswith("\ufffd")
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("generation_config.json", {"eos_token_id": "2"}, "generation_config.json: eos_token_id must be a token id"),
+    ("generation_config.json", {"eos_token_id": [2, 2.0]}, "generation_config.json: eos_token_id must be"),
+    ("generation_config.json", {"eos_token_id": True}, "generation_config.json: eos_token_id must be"),
+    ("config.json", {"model_type": "qwen3", "eos_token_id": {"id": 2}}, "config.json: eos_token_id must be"),
+    ("config.json", {"model_type": "qwen3", "eos_token_id": -1}, "config.json: eos_token_id must be"),
+    ("generation_config.json", [1, 2], r"generation_config.json is not a JSON object \(it holds a list\)"),
+    ("tokenizer_config.json", "{not json", "cannot read tokenizer_config.json"),
+    ("tokenizer_config.json", {"eos_token": 5}, "eos_token must be a string"),
+])
+def test_bad_config_files_name_the_problem(checkpoint, file, content, message):
+    (checkpoint / file).write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        QwenTokenizer.from_pretrained(checkpoint)
+
+
+def test_null_eos_and_broken_tokenizer_json(checkpoint):
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert QwenTokenizer.from_pretrained(checkpoint).eos_token_ids == (2,)
+    (checkpoint / "tokenizer.json").write_text("{")
+    with pytest.raises(ValueError, match="^tokenizer.json: "):
+        QwenTokenizer.from_pretrained(checkpoint)
+
+
+def test_encode_rejects_text_that_is_not_unicode(checkpoint):
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match=r"is not valid UTF-8 \(byte 0xe9 at character 3\)"):
+        tok.encode("caf\udce9")  # how Python keeps an undecodable command-line byte
+    with pytest.raises(ValueError, match=r"lone surrogate U\+D800"):
+        tok.encode("\ud800")
+    with pytest.raises(ValueError, match="must be a str"):
+        tok.encode(b"bytes")
+
+
+def test_incremental_detokenizer_matches_decode_stream(checkpoint):
+    """Where tokenizers has DecodeStream (>= 0.21), it yields the same pieces as ours (ours is kept:
+    it also runs on tokenizers 0.19/0.20 and has flush())."""
+    decoders_module = pytest.importorskip("tokenizers.decoders")
+    if not hasattr(decoders_module, "DecodeStream"):
+        pytest.skip("this tokenizers has no DecodeStream")
+    tok = QwenTokenizer.from_pretrained(checkpoint)
+    for text in CORPUS + [MULTIBYTE, "<|im_start|>user\nHi 🙂<|im_end|>"]:
+        ids = tok.encode(text)
+        for skip in (False, True):
+            ours = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            theirs = decoders_module.DecodeStream(skip_special_tokens=skip)
+            for i in ids:
+                assert ours.push(i) == (theirs.step(tok.tokenizer, i) or ""), (text, skip)
