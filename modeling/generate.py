@@ -3,7 +3,7 @@
 Streams the completion of one prompt to stdout; with ``--batch-file`` prints each completion on
 one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` one JSON object per
 completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
-Without ``--model`` it uses ``modeling.llm.default_model_dir()`` (today a small random Qwen3).
+Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.llm.default_model_dir``).
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
 other failure (one line too); 130 interrupted (Ctrl-C, from the first instant: this module imports
@@ -71,12 +71,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     m = p.add_argument_group("model")
     m.add_argument("--model", help="a checkpoint directory (config.json, *.safetensors, tokenizer.json) or a "
                                    "Hugging Face Hub id ORG/NAME (downloaded once into the Hub cache); default: "
-                                   "a small random Qwen3 built on first use")
+                                   "the shipped model, a small Qwen3 trained on Tiny Shakespeare")
     m.add_argument("--revision", help="branch, tag or commit of a Hub id (default main)")
     m.add_argument("--offline", action="store_true",
                    help="use only the local Hub cache (as HF_HUB_OFFLINE=1 does)")
-    m.add_argument("--random-model-dir", help="where the random checkpoint lives without --model "
-                                              "(default ~/.cache/qwen-triton-ops/random-qwen3-tiny)")
     i = p.add_argument_group("input")
     i.add_argument("--prompt", help="the prompt text (with --interactive: the first user turn)")
     i.add_argument("--batch-file", metavar="FILE", help="one prompt per line ('\\n'; blank lines skipped), '-' for "
@@ -280,8 +278,7 @@ def load_checkpoint(a: argparse.Namespace):
 
     name = a.model
     try:
-        return Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True,
-                               random_model_dir=a.random_model_dir, notice=say)
+        return Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True, notice=say)
     except ModelNotFound as e:
         raise UsageError(f"--model {e}") from None
     except ValueError as e:  # ConfigError, the tokenizer's files, generation_config.json

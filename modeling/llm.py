@@ -31,7 +31,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -80,24 +79,20 @@ class ContextLengthError(ValueError):
 # where a model comes from, and the files beside its weights
 
 
-def default_model_dir(random_model_dir: Union[str, Path, None] = None,
-                      notice: Optional[Callable[[str], None]] = None) -> Path:
-    """The checkpoint used when no model is named (the command line without ``--model``,
-    ``LLM()``): a random tiny Qwen3 built once into ``random_model_dir`` (default
-    ``~/.cache/qwen-triton-ops/random-qwen3-tiny``). Its text is gibberish; a trained default model
-    will replace it here. ``notice`` gets a one-line note saying so."""
-    from .random_checkpoint import default_random_model_dir, ensure_random_checkpoint, is_complete
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+"""The model shipped with the package: a 7.2M-parameter Qwen3 this project trained on Tiny
+Shakespeare with its own kernels (``python -m modeling.train``; docs/training.md)."""
 
-    path = Path(random_model_dir) if random_model_dir is not None else default_random_model_dir()
-    built = not is_complete(path)
-    try:
-        ensure_random_checkpoint(path)
-    except (OSError, FileExistsError) as e:
-        raise ValueError(f"cannot write the random checkpoint to {str(path)!r}: {e}") from None
+
+def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
+    """The checkpoint used when no model is named (the command line without ``--model``, ``LLM()``):
+    ``DEFAULT_MODEL``. ``notice`` gets a one-line note saying so."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        raise ValueError(f"the shipped default model is missing from {DEFAULT_MODEL}: reinstall the package, "
+                         "or name a model")
     if notice is not None:
-        notice(f"note: no model given: {'built' if built else 'using'} a random tiny Qwen3 checkpoint at {path} "
-               "(its text is gibberish)")
-    return path
+        notice("note: no model given: using the shipped default model, a small Qwen3 trained on Tiny Shakespeare")
+    return DEFAULT_MODEL
 
 
 def load_config(path: Union[str, Path]) -> QwenConfig:
@@ -138,14 +133,14 @@ class Checkpoint:
 
     @classmethod
     def load(cls, model: Union[str, Path, None] = None, revision: Optional[str] = None,
-             offline: Optional[bool] = None, progress: bool = True, random_model_dir: Union[str, Path, None] = None,
+             offline: Optional[bool] = None, progress: bool = True,
              notice: Optional[Callable[[str], None]] = None) -> "Checkpoint":
         """``model``: a checkpoint directory or a Hub id ``ORG/NAME`` (``modeling.hub.resolve_model``:
         ``revision``, ``offline``, download ``progress`` on stderr); None: ``default_model_dir``."""
         if model is None:
             if revision is not None:
                 raise ValueError("a revision needs a model name (a Hub id ORG/NAME)")
-            path = default_model_dir(random_model_dir, notice)
+            path = default_model_dir(notice)
         else:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
         config = load_config(path)
@@ -461,8 +456,7 @@ class LLM:
         if isinstance(model, Checkpoint):
             self.checkpoint = model
         else:
-            notice = (lambda msg: warnings.warn(msg, stacklevel=3)) if model is None else None
-            self.checkpoint = Checkpoint.load(model, revision, offline, progress, notice=notice)
+            self.checkpoint = Checkpoint.load(model, revision, offline, progress)
         if max_seq_len is not None and not (isinstance(max_seq_len, int) and 2 <= max_seq_len <= MAX_SEQ_LEN):
             raise ValueError(f"max_seq_len must be an integer in [2, {MAX_SEQ_LEN}], got {max_seq_len!r}")
         if not (isinstance(max_batch_size, int) and max_batch_size >= 1):

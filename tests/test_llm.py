@@ -5,7 +5,6 @@ EOS, the cache sizing and the memory check; and ``import modeling`` staying ligh
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -230,14 +229,10 @@ def test_hub_id_and_default_model(steered, tmp_path, monkeypatch):
     with pytest.raises(ModelNotFound, match="org/absent: not in the local Hub cache"):
         LLM("org/absent", **F64)
     notes = []
-    path = default_model_dir(tmp_path / "random", notes.append)
-    assert notes and "built a random tiny Qwen3" in notes[0] and (path / "config.json").is_file()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        llm = LLM(**F64)  # no model: the default one, with a warning that says so
-    assert any("random tiny Qwen3" in str(w.message) for w in caught)
-    assert llm.path == tmp_path / "xdg" / "qwen-triton-ops" / "random-qwen3-tiny"
+    path = default_model_dir(notes.append)
+    assert notes and "shipped default model" in notes[0] and (path / "model.safetensors").is_file()
+    llm = LLM(**F64)  # no model: the shipped one
+    assert llm.path == path == ROOT / "modeling" / "default_model"
     assert isinstance(Checkpoint.load(path), Checkpoint)
 
 
