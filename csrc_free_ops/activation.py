@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET
+from .common import INTERPRET, flat_rows
 
 BLOCK = 1024
 ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program, a GPU does not
@@ -44,17 +44,16 @@ def _launch(g2, u2, y2):
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] -> [..., I] (contiguous, gate_up's dtype)."""
     inter = gate_up.shape[-1] // 2
-    gu = gate_up.reshape(-1, 2 * inter)
+    gu = flat_rows(gate_up)
     y = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
-    _launch(gu[:, :inter], gu[:, inter:], y.view(-1, inter))
+    _launch(gu[:, :inter], gu[:, inter:], flat_rows(y))
     return y
 
 
 def silu_mul_split(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [..., I] -> silu(gate) * up [..., I] (contiguous, gate's dtype)."""
-    inter = gate.shape[-1]
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _launch(gate.reshape(-1, inter), up.reshape(-1, inter), y.view(-1, inter))
+    _launch(flat_rows(gate), flat_rows(up), flat_rows(y))
     return y
 
 
@@ -87,20 +86,18 @@ def _launch_bwd(dy2, g2, u2, dg2, du2):
 def silu_mul_backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     """dy [..., I], gate_up [..., 2I] -> d gate_up [..., 2I] (contiguous, gate_up's dtype)."""
     inter = gate_up.shape[-1] // 2
-    gu = gate_up.reshape(-1, 2 * inter)
+    gu = flat_rows(gate_up)
     dgu = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-    d2 = dgu.view(-1, 2 * inter)
-    _launch_bwd(dy.reshape(-1, inter), gu[:, :inter], gu[:, inter:], d2[:, :inter], d2[:, inter:])
+    d2 = flat_rows(dgu)
+    _launch_bwd(flat_rows(dy), gu[:, :inter], gu[:, inter:], d2[:, :inter], d2[:, inter:])
     return dgu
 
 
 def silu_mul_split_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     """dy, gate, up [..., I] -> (d gate, d up), contiguous, gate's dtype."""
-    inter = gate.shape[-1]
     dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _launch_bwd(dy.reshape(-1, inter), gate.reshape(-1, inter), up.reshape(-1, inter),
-                dg.view(-1, inter), du.view(-1, inter))
+    _launch_bwd(flat_rows(dy), flat_rows(gate), flat_rows(up), flat_rows(dg), flat_rows(du))
     return dg, du
 
 

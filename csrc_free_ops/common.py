@@ -27,6 +27,21 @@ TARGET_PROGRAMS = 264
 LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
 
+SOFTMAX_HEADROOM = 20.0
+"""Online softmax (attention, decode_attention): the running max is kept SOFTMAX_HEADROOM above the
+row's largest score (log2 units), so every probability is at most 2^-20 and the unnormalised
+accumulator sum_j p_j v_j stays within max|v| for up to 2^20 keys: values near the bf16/fp32
+maximum cannot overflow it where the normalised output is finite. The shift cancels in the
+division by sum_j p_j and in the log-sum-exp. fp16 gets none (see `softmax_headroom`)."""
+
+
+def softmax_headroom(dtype: torch.dtype) -> float:
+    """SOFTMAX_HEADROOM, or 0 for fp16 operands: p is rounded to the value dtype for the P @ V
+    product, and p <= 2^-20 would be subnormal in fp16 (fp16 values, <= 65504, cannot overflow
+    the fp32 accumulator anyway). bf16 and fp32 have fp32's exponent range: the shift is exact."""
+    return 0.0 if dtype == torch.float16 else SOFTMAX_HEADROOM
+
+
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
@@ -69,6 +84,13 @@ def row_block(block_n: int) -> int:
 
 MAX_PROGRAMS = 4 if INTERPRET else 512
 """Programs of a row-reduction kernel (partial-sum rows); the interpreter runs them one by one."""
+
+
+def flat_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """t [..., *last `keep` dims] -> [R, *last dims] (a view where the strides allow). Unlike
+    reshape(-1, ...), it works when the kept dims hold no elements (N = 0 or no heads), where
+    the -1 would be ambiguous."""
+    return t.reshape(t.shape[:t.dim() - keep].numel(), *t.shape[t.dim() - keep:])
 
 
 def num_programs(rows: int) -> int:
@@ -120,7 +142,7 @@ def _column_sum_kernel(x_ptr, part_ptr, ROWS, N, ROWS_PER_PROG, stride_x, BLOCK_
 def column_sum(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x2 [R, N] (last dim contiguous) -> sum over rows [N] in `dtype`, deterministic (two passes)."""
     rows, n = x2.shape
-    if rows == 0:
+    if rows == 0 or n == 0:
         return torch.zeros(n, dtype=dtype, device=x2.device)
     p = num_programs(triton.cdiv(rows, 16))
     per = triton.cdiv(rows, p)

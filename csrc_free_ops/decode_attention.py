@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, TARGET_PROGRAMS, dot
+from .common import LOG2E, TARGET_PROGRAMS, dot, softmax_headroom
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -58,7 +58,7 @@ def _decode_split_kernel(
                      mask=cols[None, :] < hi, other=0.0)
         s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
         s = tl.where((cols[None, :] < hi) & (cols[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) + HEADROOM)  # p <= 2^-HEADROOM: see common.SOFTMAX_HEADROOM
         # A row whose keys are all masked so far keeps m = -inf: shift by 0 instead of NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -86,7 +86,8 @@ def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr,
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
                     mask=s[:, None] < NUM_SPLITS, other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, no overflow
+    out = tl.sum(parts * w[:, None], axis=0)
     tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -102,7 +103,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     cache_len, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
     o = torch.empty((bsz, tq, hq, d), dtype=q.dtype, device=q.device)
-    if bsz * tq == 0:
+    if bsz * tq * hq == 0:  # no query rows (hq = 0 would make the group size 0)
         return o
     block_n = 64 if d <= 128 else 32
     num_splits, split_len = split_plan(bsz, hk, cache_len, block_n)
@@ -115,7 +116,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
-        num_warps=4, num_stages=2,
+        HEADROOM=softmax_headroom(v_cache.dtype), num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bsz * tq * hq,)](
         part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,

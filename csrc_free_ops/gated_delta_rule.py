@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TARGET_PROGRAMS, dot, row_warps
+from .common import INTERPRET, TARGET_PROGRAMS, dot, flat_rows, row_warps
 
 CHUNK = 64
 
@@ -372,7 +372,7 @@ def gated_rms_norm(x, z, weight, eps: float):
     """x, z [..., N], weight [N] -> rms_norm(x) * weight * silu(z) [..., N] in x.dtype (contiguous)."""
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, z2, y2 = x.reshape(-1, n), z.reshape(-1, n), y.view(-1, n)
+    x2, z2, y2 = flat_rows(x), flat_rows(z), flat_rows(y)
     rows = x2.shape[0]
     if rows == 0 or n == 0:
         return y

@@ -15,14 +15,14 @@ def _kv_cache_store_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_vcb, stride_vct, stride_pb, stride_pt,
     T, L, HK,
-    D: tl.constexpr, BLOCK_H: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
     t = (pid % T).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)  # BLOCK_D = D for the head dims attention takes
     heads_to_write = tl.where((pos >= 0) & (pos < L), HK, 0)
     mask = (heads[:, None] < heads_to_write) & (d[None, :] < D)
     head_off = heads[:, None] * D + d[None, :]
@@ -35,7 +35,7 @@ def _kv_cache_store_kernel(
 def kv_cache_store(k, v, k_cache, v_cache, positions) -> None:
     """Writes into the caches in place; k, v, k_cache, v_cache may each have their own strides."""
     bsz, t, hk, d = k.shape
-    if bsz * t == 0:
+    if bsz * t * hk * d == 0:
         return
     _kv_cache_store_kernel[(bsz * t,)](
         k, v, k_cache, v_cache, positions,
@@ -43,5 +43,5 @@ def kv_cache_store(k, v, k_cache, v_cache, positions) -> None:
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         positions.stride(0), positions.stride(1),
         t, k_cache.shape[1], hk,
-        D=d, BLOCK_H=triton.next_power_of_2(hk), num_warps=4,
+        D=d, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
     )

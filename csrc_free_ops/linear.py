@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TARGET_PROGRAMS, column_sum, dot, mm
+from .common import TARGET_PROGRAMS, column_sum, dot, flat_rows, mm
 
 DECODE_MAX_M = 16
 
@@ -174,12 +174,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, decode_cfg: DecodeConfig
 def linear_backward(dy, x, weight, need_dx: bool, need_dw: bool, need_db: bool):
     """dy [..., N], x [..., K], weight [N, K] -> (dx [..., K] or None, dW [N, K] or None, db [N] or None)."""
     n, k = weight.shape
-    dy2 = dy.reshape(-1, n)
-    x2 = x.reshape(-1, k)
+    dy2 = flat_rows(dy)  # N or K may be 0
+    x2 = flat_rows(x)
     dx = dw = db = None
     if need_dx:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        mm(dy2, weight, dx.view(-1, k))
+        mm(dy2, weight, flat_rows(dx))
     if need_dw:
         dw = torch.empty((n, k), dtype=weight.dtype, device=weight.device)
         mm(dy2.t(), x2, dw)

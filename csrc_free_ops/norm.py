@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import num_programs, row_block, row_warps, sum_partials
+from .common import flat_rows, num_programs, row_block, row_warps, sum_partials
 
 
 @triton.jit
@@ -45,31 +45,24 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """x [..., N], weight [N] -> y [..., N] (contiguous, x.dtype)."""
-    x2 = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(-1, x.shape[-1])
-    _launch(x2, None, weight, y2, None, eps, offset)
+    _launch(flat_rows(x), None, weight, flat_rows(y), None, eps, offset)
     return y
 
 
 def add_rms_norm(x, residual, weight, eps: float, offset: float):
     """x, residual [..., N], weight [N] -> (rms_norm(x + residual), x + residual)."""
-    x2, r2 = _rows(x), _rows(residual)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x2, r2, weight, y.view(-1, x.shape[-1]), s.view(-1, x.shape[-1]), eps, offset)
+    _launch(flat_rows(x), flat_rows(residual), weight, flat_rows(y), flat_rows(s), eps, offset)
     return y, s
 
 
 def _launch(x2, r2, weight, y2, s2, eps, offset):
     rows, n = x2.shape
-    if rows == 0:
+    if rows == 0 or n == 0:
         return
     block = triton.next_power_of_2(n)
     has_res = r2 is not None
@@ -117,13 +110,13 @@ def rms_norm_backward(dy, x, weight, eps: float, offset: float, dsum=None):
     """dy, x [..., N] (dsum: the gradient reaching add_rms_norm's sum output, or None), weight [N]
     -> (dx [..., N] in x's dtype, dweight [N] in weight's dtype)."""
     n = x.shape[-1]
-    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+    x2, dy2 = flat_rows(x), flat_rows(dy)
     rows = x2.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows == 0:
+    if rows == 0 or n == 0:
         return dx, torch.zeros_like(weight)
     dx2 = dx.view(-1, n)
-    ds2 = dsum.reshape(-1, n) if dsum is not None else None
+    ds2 = flat_rows(dsum) if dsum is not None else None
     p = num_programs(rows)
     per = triton.cdiv(rows, p)
     p = triton.cdiv(rows, per)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import num_programs, row_block, sum_partials
+from .common import flat_rows, num_programs, row_block, sum_partials
 
 
 @triton.jit
@@ -94,8 +94,8 @@ def _rope_kernel(
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., H, D] -> [R, H, D] without a copy when the leading dims flatten to one stride."""
-    return t.reshape(-1, t.shape[-2], t.shape[-1])
+    """[..., H, D] -> [R, H, D] without a copy when the leading dims flatten to one stride (H may be 0)."""
+    return flat_rows(t, keep=2)
 
 
 def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_weight, eps: float, offset: float):
@@ -116,7 +116,7 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), hq, hk,
         math.log2(theta), eps, offset,
         D=d, ROT=rotary_dim, HAS_NORM=has_norm,
-        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HK=triton.next_power_of_2(max(hk, 1)),  # 0 heads: masked
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)),
         num_warps=4,
@@ -197,8 +197,8 @@ def _rope_bwd_kernel(
 def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
     """dy, x [..., H, D] -> (dx contiguous in x's dtype, dweight [D] or None)."""
     h, d = x.shape[-2:]
-    x3 = x.reshape(-1, h, d)
-    dy3 = dy.reshape(-1, h, d)
+    x3 = _as_rows(x)
+    dy3 = _as_rows(dy)
     nhr = x3.shape[0] * h
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     has_norm = weight is not None

@@ -132,5 +132,6 @@ _lib.impl("linear_cross_entropy", _linear_cross_entropy_composite, "CompositeImp
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
     """Mean cross-entropy of hidden @ weight^T against targets; hidden may have leading batch dims."""
-    return torch.ops.qwen.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+    rows = hidden.shape[:-1].numel()  # not -1: H may be 0
+    return torch.ops.qwen.linear_cross_entropy(hidden.reshape(rows, hidden.shape[-1]), weight, targets.reshape(-1),
                                                ignore_index)

@@ -27,7 +27,8 @@ def linear_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bo
                               need_db: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(dx = dy @ W, dW = dy^T @ x, db = sum_rows dy) for y = x @ W^T + b."""
     dt = acc_dtype(x)
-    dy2, x2 = dy.to(dt).reshape(-1, weight.shape[0]), x.to(dt).reshape(-1, weight.shape[1])
+    rows = x.shape[:-1].numel()  # not -1: N or K may be 0
+    dy2, x2 = dy.to(dt).reshape(rows, weight.shape[0]), x.to(dt).reshape(rows, weight.shape[1])
     dx = (dy2 @ weight.to(dt)).reshape(x.shape).to(x.dtype) if need_dx else no_grad_placeholder(x)
     dw = (dy2.t() @ x2).to(weight.dtype) if need_dw else no_grad_placeholder(weight)
     db = dy2.sum(0).to(weight.dtype) if need_db else no_grad_placeholder(weight)

@@ -45,7 +45,7 @@ def rms_norm_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, eps: floa
     dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     if dsum is not None:
         dx = dx + dsum.to(dt)
-    dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    dw = (dyf * xhat).reshape(x.shape[:-1].numel(), x.shape[-1]).sum(0)  # N may be 0
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 

@@ -46,7 +46,7 @@ def rope_reference(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary
     return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
 
 
-def _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight):
+def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
     op = "rope"
     check_float(op, "q", q, min_ndim=2)
     check_float(op, "k", k, min_ndim=2)
@@ -59,6 +59,8 @@ def _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight):
     d = q.shape[-1]
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
         fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
+    if not 0.0 < theta < float("inf"):  # theta^(-2i/R): 0, negative, inf or NaN give NaN angles
+        fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         fail(op, "give both q_norm_weight and k_norm_weight, or neither")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
@@ -90,7 +92,7 @@ def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positi
 
 
 def _check_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset):
-    _check(q, k, positions, rotary_dim, q_norm_weight, k_norm_weight)
+    _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight)
     if dq.shape != q.shape or dk.shape != k.shape:
         fail("rope_backward", f"dq {tuple(dq.shape)} / dk {tuple(dk.shape)} must match q {tuple(q.shape)} / k {tuple(k.shape)}")
 
@@ -112,7 +114,7 @@ def _fake_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_
 
 rope = define(rope_reference, kernels.rope,
               check=lambda q, k, positions, theta, rotary_dim, qw, kw, eps, offset:
-              _check(q, k, positions, rotary_dim, qw, kw),
+              _check(q, k, positions, theta, rotary_dim, qw, kw),
               fake=lambda q, k, *args: (_like(q), _like(k)))
 
 rope_backward = define(rope_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,

@@ -44,3 +44,21 @@ def poison_allocator(device: str):
 
 def randn(*shape, dtype, device, scale: float = 1.0):
     return (torch.randn(*shape, dtype=torch.float32, device=device) * scale).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def prompt(batch: int, length: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    """Random token ids [batch, length] from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def prefill(model, ids: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+    """A prefill of ids [B, T] at positions 0..T-1 into cache; the model's logits."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return model(ids, positions, cache, all_logits=all_logits)
+

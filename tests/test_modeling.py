@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling import QwenForCausalLM
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, prefill, prompt, rel_err
 
 HF_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # (model_type, tie_word_embeddings, heads, kv heads, head_dim); head_dim None: hidden / heads
@@ -57,20 +57,6 @@ def random_hf_model(
 def save_checkpoint(hf_model, path, **kwargs):
     hf_model.save_pretrained(path, **kwargs)
     return path
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def prompt(batch, length, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g)
-
-
-def prefill(model, ids, cache, all_logits=False):
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return model(ids, positions, cache, all_logits=all_logits)
 
 
 def greedy(model, ids, new_tokens, dtype=torch.float32):

@@ -69,6 +69,7 @@ def test_add_rms_norm_stores_the_rounded_sum_exactly(device):
     exact = x.float() + r.float()
     assert not torch.equal(exact, exact.half().float()), "the case must need rounding"
     assert torch.equal(summed, exact.half())
+    assert torch.equal(normed, torch.ops.qwen.rms_norm(summed, w, 1e-6)), "the norm must be of the rounded sum"
     assert_close(normed, rms_norm_reference(summed, w, 1e-6), what="norm of the rounded sum")
 
 

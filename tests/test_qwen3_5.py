@@ -18,7 +18,7 @@ from modeling import QwenConfig, QwenForCausalLM
 from modeling.generator import Generator
 from modeling.layers import GatedDeltaNetCache, KVCache
 from modeling.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, prefill, prompt, rel_err
 
 # Two Gated DeltaNet layers (2 key heads of 16, 4 value heads of 32) and two gated attention layers
 # (4/2 heads of 32, rotary dim 8), interleaved: L F L F.
@@ -57,20 +57,6 @@ def random_hf_model(dtype=torch.float32, device="cpu", std=0.2, seed=0, **sizes)
         # dtype here, not .to(dtype), which would also round the fp32 RoPE inv_freq buffer
         model = Qwen3_5ForCausalLM._from_config(config, attn_implementation="eager", dtype=dtype).eval()
     return randomize_(model, std)
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def prompt(batch, length, vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g)
-
-
-def prefill(model, ids, cache, all_logits=False):
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return model(ids, positions, cache, all_logits=all_logits)
 
 
 def decode(model, token, pos, cache):

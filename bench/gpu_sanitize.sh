@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The op tests and one short generate under NVIDIA compute-sanitizer; logs under $OUT, a summary
+# table of each run's "ERROR SUMMARY: N errors" printed last.
+#
+#   bash bench/gpu_sanitize.sh TOOL [SUBSETS] [-k EXPR]
+#
+#   TOOL     memcheck | racecheck | initcheck | synccheck
+#   SUBSETS  comma-separated, run in order (default: all):
+#              norm rope linear activation attention conv gdr contract training edge   (the `cuda` tests
+#                of tests/test_ops_*.py, tests/test_training_ops.py, tests/test_edge_cases.py)
+#              graph           the tests that capture CUDA graphs
+#              generate        `python -m modeling.generate` on a tiny random checkpoint, eager decode
+#              generate-graph  the same with the CUDA-graph decode
+#            groups: ops (the ten op subsets), all (ops, graph, generate, generate-graph)
+#   -k EXPR  a pytest -k expression for the test subsets (racecheck's default: "not fp16 and not fp32")
+#
+# One call keeps within BUDGET seconds (default 540, under a 10-minute device call): each run gets
+# the time left (GNU timeout on its whole process group); a run cut short shows TIMEOUT, and the
+# subsets not reached show "not run": pass them to the next call.
+#
+# Allocation: memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is
+# its own cudaMalloc (memcheck sees a tensor's true bounds; initcheck does not flag reads of memory
+# the caching allocator recycles). CUDA-graph capture needs the caching allocator's private pools,
+# so `graph` and `generate-graph` always run with caching (memcheck there catches accesses outside
+# the allocator's segments only). racecheck and synccheck do not depend on it and run with caching.
+set -u -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-540}
+PRINT_LIMIT=${PRINT_LIMIT:-20}
+START=$SECONDS
+
+TOOL=${1:-}
+case "$TOOL" in memcheck|racecheck|initcheck|synccheck) ;; *)
+  sed -n '2,/^set -u/p' "$0" | sed '$d' >&2; exit 2;; esac
+shift
+SUBSETS=all
+if [ $# -gt 0 ] && [ "$1" != "-k" ]; then SUBSETS=$1; shift; fi
+KEXPR=""
+if [ "${1:-}" = "-k" ]; then KEXPR=${2:-}; shift 2 || true; fi
+[ -z "$KEXPR" ] && [ "$TOOL" = racecheck ] && KEXPR="not fp16 and not fp32"
+
+OPS="norm rope linear activation attention conv gdr contract training edge"
+expanded=""
+for s in ${SUBSETS//,/ }; do
+  case "$s" in ops) expanded+=" $OPS";; all) expanded+=" $OPS graph generate generate-graph";; *) expanded+=" $s";; esac
+done
+
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null \
+      || ls /usr/local/cuda-*/bin/compute-sanitizer 2>/dev/null | tail -1)
+if [ -z "$SAN" ]; then echo "compute-sanitizer not found (PATH, /usr/local/cuda*/bin)" >&2; exit 2; fi
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+"$SAN" --version | tail -1
+echo "tool $TOOL; subsets:$expanded${KEXPR:+; -k \"$KEXPR\"}; budget ${BUDGET}s"
+
+# subset -> "test files|-k expression of its own|1 if it captures CUDA graphs"
+spec() {
+  case "$1" in
+    norm)       echo "tests/test_ops_norm.py||0";;
+    rope)       echo "tests/test_ops_rope.py||0";;
+    linear)     echo "tests/test_ops_linear.py||0";;
+    activation) echo "tests/test_ops_activation.py||0";;
+    attention)  echo "tests/test_ops_attention.py||0";;
+    conv)       echo "tests/test_ops_causal_conv1d.py||0";;
+    gdr)        echo "tests/test_ops_gated_delta_rule.py|not replays_in_cuda_graph|0";;
+    contract)   echo "tests/test_ops_contract.py||0";;
+    training)   echo "tests/test_training_ops.py||0";;
+    edge)       echo "tests/test_edge_cases.py||0";;
+    graph)      echo "tests/test_ops_cuda_graph.py tests/test_ops_gated_delta_rule.py|replay|1";;
+    generate)   echo "||0";;
+    generate-graph) echo "||1";;
+    *) return 1;;
+  esac
+}
+
+CKPT=${TMPDIR:-/tmp}/qwen-sanitize-checkpoint
+ROWS=()
+for s in $expanded; do
+  if ! sp=$(spec "$s"); then ROWS+=("| $s | - | unknown subset | - |"); continue; fi
+  IFS='|' read -r files own_k graph <<< "$sp"
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 60 ]; then ROWS+=("| $s | - | not run (budget) | - |"); continue; fi
+  k=$own_k
+  if [ -n "$KEXPR" ] && [ -n "$files" ]; then k="${k:+($k) and }($KEXPR)"; fi
+  env_cache=()
+  caching="cached"
+  if [ "$graph" = 0 ] && { [ "$TOOL" = memcheck ] || [ "$TOOL" = initcheck ]; }; then
+    env_cache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); caching="uncached"
+  fi
+  log="$OUT/sanitize-$TOOL-$s.log"; prog="$OUT/sanitize-$TOOL-$s.out"
+  if [ -n "$files" ]; then
+    # shellcheck disable=SC2206
+    cmd=(python3 -m pytest -q -m cuda -p no:cacheprovider ${files} ${k:+-k "$k"})
+  else
+    if [ ! -f "$CKPT/.random-checkpoint" ]; then
+      python3 -c "from modeling.random_checkpoint import build_random_checkpoint as b; b('$CKPT')" || true
+    fi
+    cmd=(python3 -m modeling.generate --model "$CKPT" --device cuda --prompt "The meaning of life is"
+         --max-new-tokens 16 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 0)
+    [ "$graph" = 0 ] && cmd+=(--no-cuda-graph)
+  fi
+  echo "== $s ($caching, ${left}s left): ${cmd[*]}"
+  t0=$SECONDS
+  env ${env_cache[@]+"${env_cache[@]}"} timeout --signal=TERM --kill-after=20 "$((left - 10))" \
+    "$SAN" --tool "$TOOL" --target-processes all --print-limit "$PRINT_LIMIT" --log-file "$log" "${cmd[@]}" \
+    > "$prog" 2>&1
+  rc=$?
+  took=$((SECONDS - t0))
+  tail -3 "$prog" | sed 's/^/   /'
+  errors=$(grep -h "ERROR SUMMARY" "$log" 2>/dev/null | sed -E 's/.*ERROR SUMMARY: ([0-9]+).*/\1/' \
+           | awk '{s += $1} END {if (NR) print s; else print "no summary"}')
+  result=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s" "$prog" | tail -1 \
+           | sed -E 's/=+//g; s/^ +| +$//g')
+  [ -z "$result" ] && result="exit $rc"
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && result="TIMEOUT after ${took}s; $result"
+  ROWS+=("| $s | $errors | $result | ${took}s, $caching |")
+done
+
+{
+  echo
+  echo "compute-sanitizer --tool $TOOL${KEXPR:+ (-k \"$KEXPR\")}: ERROR SUMMARY per run"
+  echo
+  echo "| subset | errors | result | time, allocator |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+} | tee "$OUT/sanitize-$TOOL-summary.md"

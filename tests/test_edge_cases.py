@@ -1,0 +1,433 @@
+"""Degenerate inputs and numerical guard rails, on the kernel path.
+
+1. Every op of `qwen_ops` (forward and backward) with each zero-size dimension (no rows, a last
+   dim of 0, no heads, no tokens, an empty batch) runs the Triton launcher and gives what the
+   reference gives (empty outputs of the right shape, states passed through, zero gradients), or
+   both refuse it with a `QwenOpError` naming the op: never `cannot reshape tensor of 0 elements`,
+   a Triton compile error or a division by zero. The fake kernel (torch.compile's view of the op)
+   agrees on every output's shape and dtype, and raises the same error.
+2. Inputs near the top of the bf16 range keep attention, decode_attention and the fused
+   lm_head + cross-entropy loss finite wherever the fp32 reference is finite (rms_norm's case is
+   tests/test_ops_norm.py::test_large_activations_stay_finite).
+
+CPU cases run under the Triton interpreter (tests/conftest.py); `cuda` cases on a GPU.
+"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+import qwen_ops
+from tests.helpers import DEVICES, REL_TOL, assert_close
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _r(*shape, dt=F32, dev="cpu", scale=1.0):
+    return (torch.randn(*shape, device=dev) * scale).to(dt)
+
+
+def _pos(*shape, dev="cpu"):
+    return torch.zeros(*shape, dtype=torch.long, device=dev)
+
+
+def _gdr(b, t, hk, hv, dt, dev, state=False, d=16):
+    """Arguments of chunk_gated_delta_rule."""
+    q, k, v = _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hv, d, dt=dt, dev=dev)
+    g = -torch.rand(b, t, hv, device=dev)
+    beta = torch.rand(b, t, hv, device=dev).to(dt)
+    return (q, k, v, g, beta, 0.25, _r(b, hv, d, d, dev=dev) if state else None, True)
+
+
+def _rec(b, t, hk, hv, dt, dev, d=16):
+    """Arguments of recurrent_gated_delta_rule (the state is fp32)."""
+    q, k, v = _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hv, d, dt=dt, dev=dev)
+    return (q, k, v, _r(b, t, hv, dt=dt, dev=dev), _r(b, t, hv, dt=dt, dev=dev), _r(hv, dev=dev), _r(hv, dev=dev),
+            _r(b, hv, d, d, dev=dev), 0.25, True)
+
+
+def _lce_bwd(n, h, v, dt, dev):
+    hidden, w = _r(n, h, dt=dt, dev=dev), _r(v, h, dt=dt, dev=dev)
+    targets = torch.randint(0, v, (n,), device=dev)
+    lse = torch.logsumexp(hidden.float() @ w.float().t(), -1) if n else torch.zeros(0, device=dev)
+    return (torch.tensor(1.0, device=dev), None, hidden, w, targets, lse, -100, True, True)
+
+
+# (op, case id, args(dtype, device)); the kernel counter an op bumps is its own name except for
+# the composite linear_cross_entropy. Every op of qwen_ops appears (test_every_op_has_edge_cases).
+CASES = [
+    ("rms_norm", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(0, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("rms_norm", "N=0 1-d", lambda dt, dev: (_r(0, dt=dt, dev=dev), _r(0, dt=dt, dev=dev), 1e-6, 1.0)),
+    ("rms_norm", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("rms_norm", "rows=0 3-d", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("add_rms_norm", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev), _r(0, dt=dt, dev=dev),
+                                             1e-6, 0.0)),
+    ("add_rms_norm", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                                _r(8, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("rms_norm_backward", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev),
+                                                  _r(0, dt=dt, dev=dev), 1e-6, 0.0, _r(3, 0, dt=dt, dev=dev))),
+    ("rms_norm_backward", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                                     _r(8, dt=dt, dev=dev), 1e-6, 0.0, None)),
+    ("silu_mul", "I=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev),)),
+    ("silu_mul", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev),)),
+    ("silu_mul_split", "I=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev))),
+    ("silu_mul_split", "rows=0", lambda dt, dev: (_r(0, 4, dt=dt, dev=dev), _r(0, 4, dt=dt, dev=dev))),
+    ("silu_mul_backward", "I=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev))),
+    ("silu_mul_backward", "rows=0", lambda dt, dev: (_r(0, 4, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev))),
+    ("silu_mul_split_backward", "I=0", lambda dt, dev: tuple(_r(3, 0, dt=dt, dev=dev) for _ in range(3))),
+    ("silu_mul_split_backward", "rows=0", lambda dt, dev: tuple(_r(0, 4, dt=dt, dev=dev) for _ in range(3))),
+    ("sigmoid_mul", "N=0", lambda dt, dev: (_r(3, 2, 0, dt=dt, dev=dev), _r(3, 2, 0, dt=dt, dev=dev))),
+    ("sigmoid_mul", "rows=0", lambda dt, dev: (_r(0, 2, 8, dt=dt, dev=dev), _r(0, 2, 8, dt=dt, dev=dev))),
+    ("gated_delta_gates", "H=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev), _r(0, dev=dev),
+                                                  _r(0, dev=dev))),
+    ("gated_delta_gates", "rows=0", lambda dt, dev: (_r(0, 4, dt=dt, dev=dev), _r(0, 4, dt=dt, dev=dev),
+                                                     _r(4, dev=dev), _r(4, dev=dev))),
+    ("rope", "Hq=0", lambda dt, dev: (_r(2, 3, 0, 16, dt=dt, dev=dev), _r(2, 3, 2, 16, dt=dt, dev=dev),
+                                      _pos(2, 3, dev=dev), 1e4, 16, None, None, 1e-6, 0.0)),
+    ("rope", "Hk=0 norm", lambda dt, dev: (_r(2, 3, 4, 16, dt=dt, dev=dev), _r(2, 3, 0, 16, dt=dt, dev=dev),
+                                           torch.arange(6, device=dev).view(2, 3), 1e4, 8, _r(16, dt=dt, dev=dev),
+                                           _r(16, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("rope", "Hq=Hk=0", lambda dt, dev: (_r(2, 3, 0, 16, dt=dt, dev=dev), _r(2, 3, 0, 16, dt=dt, dev=dev),
+                                         _pos(2, 3, dev=dev), 1e4, 16, None, None, 1e-6, 0.0)),
+    ("rope", "T=0", lambda dt, dev: (_r(2, 0, 4, 16, dt=dt, dev=dev), _r(2, 0, 2, 16, dt=dt, dev=dev),
+                                     _pos(2, 0, dev=dev), 1e4, 16, _r(16, dt=dt, dev=dev), _r(16, dt=dt, dev=dev),
+                                     1e-6, 0.0)),
+    ("rope", "B=0 1-d positions", lambda dt, dev: (_r(0, 4, 16, dt=dt, dev=dev), _r(0, 2, 16, dt=dt, dev=dev),
+                                                   _pos(0, dev=dev), 1e4, 16, None, None, 1e-6, 0.0)),
+    ("rope_backward", "Hq=0", lambda dt, dev: (_r(2, 3, 0, 16, dt=dt, dev=dev), _r(2, 3, 2, 16, dt=dt, dev=dev),
+                                               _r(2, 3, 0, 16, dt=dt, dev=dev), _r(2, 3, 2, 16, dt=dt, dev=dev),
+                                               torch.arange(6, device=dev).view(2, 3), 1e4, 16, None, None, 1e-6, 0.0)),
+    ("rope_backward", "Hk=0 norm", lambda dt, dev: (_r(2, 3, 4, 16, dt=dt, dev=dev), _r(2, 3, 0, 16, dt=dt, dev=dev),
+                                                    _r(2, 3, 4, 16, dt=dt, dev=dev), _r(2, 3, 0, 16, dt=dt, dev=dev),
+                                                    _pos(2, 3, dev=dev), 1e4, 16, _r(16, dt=dt, dev=dev),
+                                                    _r(16, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("rope_backward", "T=0 norm", lambda dt, dev: (_r(2, 0, 4, 16, dt=dt, dev=dev), _r(2, 0, 2, 16, dt=dt, dev=dev),
+                                                   _r(2, 0, 4, 16, dt=dt, dev=dev), _r(2, 0, 2, 16, dt=dt, dev=dev),
+                                                   _pos(2, 0, dev=dev), 1e4, 16, _r(16, dt=dt, dev=dev),
+                                                   _r(16, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("linear", "M=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(4, 8, dt=dt, dev=dev), None)),
+    ("linear", "M=0 bias 3-d", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(4, 8, dt=dt, dev=dev),
+                                                _r(4, dt=dt, dev=dev))),
+    ("linear", "N=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev), _r(0, dt=dt, dev=dev))),
+    ("linear_backward", "M=0", lambda dt, dev: (_r(0, 4, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                                _r(4, 8, dt=dt, dev=dev), True, True, True)),
+    ("linear_backward", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 8, dt=dt, dev=dev),
+                                                _r(0, 8, dt=dt, dev=dev), True, True, True)),
+    ("linear_backward", "K=0", lambda dt, dev: (_r(3, 4, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev),
+                                                _r(4, 0, dt=dt, dev=dev), True, True, True)),
+    ("attention", "B=0", lambda dt, dev: (_r(0, 4, 2, 16, dt=dt, dev=dev), _r(0, 4, 2, 16, dt=dt, dev=dev),
+                                          _r(0, 4, 2, 16, dt=dt, dev=dev), 0.25, True)),
+    ("attention", "Sq=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
+                                           _r(1, 4, 2, 16, dt=dt, dev=dev), 0.25, True)),
+    ("attention", "Hq=0", lambda dt, dev: (_r(1, 4, 0, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
+                                           _r(1, 4, 2, 16, dt=dt, dev=dev), 0.25, False)),
+    ("attention_with_lse", "B=0", lambda dt, dev: (_r(0, 4, 2, 16, dt=dt, dev=dev), _r(0, 4, 2, 16, dt=dt, dev=dev),
+                                                   _r(0, 4, 2, 16, dt=dt, dev=dev), 0.25, True)),
+    ("attention_with_lse", "Sq=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
+                                                    _r(1, 4, 2, 16, dt=dt, dev=dev), 0.25, False)),
+    ("attention_backward", "B=0", lambda dt, dev: (*(_r(0, 4, 2, 16, dt=dt, dev=dev) for _ in range(5)), None, 0.25,
+                                                   True, None)),
+    ("attention_backward", "Sq=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                                    _r(1, 4, 2, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
+                                                    _r(1, 0, 2, 16, dt=dt, dev=dev), None, 0.25, True, None)),
+    ("attention_backward", "Hq=0", lambda dt, dev: (_r(1, 4, 0, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev),
+                                                    _r(1, 4, 2, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
+                                                    _r(1, 4, 0, 16, dt=dt, dev=dev), None, 0.25, True, None)),
+    ("decode_attention", "B=0", lambda dt, dev: (_r(0, 1, 2, 16, dt=dt, dev=dev), _r(0, 8, 2, 16, dt=dt, dev=dev),
+                                                 _r(0, 8, 2, 16, dt=dt, dev=dev),
+                                                 torch.zeros(0, dtype=torch.int32, device=dev), 0.25)),
+    ("decode_attention", "Tq=0", lambda dt, dev: (_r(2, 0, 2, 16, dt=dt, dev=dev), _r(2, 8, 2, 16, dt=dt, dev=dev),
+                                                  _r(2, 8, 2, 16, dt=dt, dev=dev),
+                                                  torch.tensor([3, 8], dtype=torch.int32, device=dev), 0.25)),
+    ("decode_attention", "Tq=0 L=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                                      _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                                      torch.zeros(1, dtype=torch.int32, device=dev), 0.25)),
+    ("decode_attention", "Hq=0", lambda dt, dev: (_r(1, 1, 0, 16, dt=dt, dev=dev), _r(1, 8, 2, 16, dt=dt, dev=dev),
+                                                  _r(1, 8, 2, 16, dt=dt, dev=dev),
+                                                  torch.tensor([5], dtype=torch.int32, device=dev), 0.25)),
+    ("kv_cache_store", "T=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                               _r(1, 8, 2, 16, dt=dt, dev=dev), _r(1, 8, 2, 16, dt=dt, dev=dev),
+                                               _pos(1, 0, dev=dev))),
+    ("kv_cache_store", "B=0", lambda dt, dev: (_r(0, 2, 2, 16, dt=dt, dev=dev), _r(0, 2, 2, 16, dt=dt, dev=dev),
+                                               _r(0, 8, 2, 16, dt=dt, dev=dev), _r(0, 8, 2, 16, dt=dt, dev=dev),
+                                               _pos(0, 2, dev=dev))),
+    ("kv_cache_store", "Hk=0", lambda dt, dev: (_r(1, 2, 0, 16, dt=dt, dev=dev), _r(1, 2, 0, 16, dt=dt, dev=dev),
+                                                _r(1, 8, 0, 16, dt=dt, dev=dev), _r(1, 8, 0, 16, dt=dt, dev=dev),
+                                                torch.tensor([[1, 5]], device=dev))),
+    ("kv_cache_store", "D=0", lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev),
+                                               _r(1, 8, 2, 0, dt=dt, dev=dev), _r(1, 8, 2, 0, dt=dt, dev=dev),
+                                               torch.tensor([[1, 5]], device=dev))),
+    ("kv_cache_store", "T=0 L=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                                   _r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                                                   _pos(1, 0, dev=dev))),
+    ("linear_cross_entropy", "N=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(5, 8, dt=dt, dev=dev),
+                                                     _pos(0, dev=dev))),
+    ("linear_cross_entropy", "H=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(5, 0, dt=dt, dev=dev),
+                                                     torch.tensor([1, 4, -100], device=dev))),
+    ("linear_cross_entropy", "all ignored", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(5, 8, dt=dt, dev=dev),
+                                                             torch.full((3,), -100, device=dev))),
+    ("linear_cross_entropy_with_lse", "N=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(5, 8, dt=dt, dev=dev),
+                                                              _pos(0, dev=dev), -100)),
+    ("linear_cross_entropy_backward", "N=0", lambda dt, dev: _lce_bwd(0, 8, 5, dt, dev)),
+    ("linear_cross_entropy_backward", "H=0", lambda dt, dev: _lce_bwd(3, 0, 5, dt, dev)),
+    ("causal_conv1d", "B=0", lambda dt, dev: (_r(0, 3, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
+    ("causal_conv1d", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
+    ("causal_conv1d", "T=0 state", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev),
+                                                    _r(2, 8, 3, dt=dt, dev=dev))),
+    ("causal_conv1d", "C=0", lambda dt, dev: (_r(2, 3, 0, dt=dt, dev=dev), _r(0, 4, dt=dt, dev=dev), None)),
+    ("causal_conv1d_update", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(2, 8, 3, dt=dt, dev=dev),
+                                                     _r(8, 4, dt=dt, dev=dev))),
+    ("causal_conv1d_update", "B=0", lambda dt, dev: (_r(0, 1, 8, dt=dt, dev=dev), _r(0, 8, 3, dt=dt, dev=dev),
+                                                     _r(8, 4, dt=dt, dev=dev))),
+    ("causal_conv1d_update", "C=0", lambda dt, dev: (_r(2, 1, 0, dt=dt, dev=dev), _r(2, 0, 3, dt=dt, dev=dev),
+                                                     _r(0, 4, dt=dt, dev=dev))),
+    ("chunk_gated_delta_rule", "B=0", lambda dt, dev: _gdr(0, 3, 1, 1, dt, dev)),
+    ("chunk_gated_delta_rule", "T=0", lambda dt, dev: _gdr(1, 0, 1, 2, dt, dev)),
+    ("chunk_gated_delta_rule", "T=0 state", lambda dt, dev: _gdr(2, 0, 1, 1, dt, dev, state=True)),
+    ("chunk_gated_delta_rule", "Hv=0", lambda dt, dev: _gdr(1, 3, 1, 0, dt, dev)),
+    ("recurrent_gated_delta_rule", "B=0", lambda dt, dev: _rec(0, 1, 1, 1, dt, dev)),
+    ("recurrent_gated_delta_rule", "T=0", lambda dt, dev: _rec(2, 0, 1, 2, dt, dev)),
+    ("recurrent_gated_delta_rule", "Hv=0", lambda dt, dev: _rec(1, 1, 1, 0, dt, dev)),
+    ("gated_rms_norm", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev),
+                                               _r(0, dt=dt, dev=dev), 1e-6)),
+    ("gated_rms_norm", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                                  _r(8, dt=dt, dev=dev), 1e-6)),
+]
+
+# Degenerate inputs the ops refuse (the same error from the real and the fake kernel).
+REFUSED = [
+    ("rope", "theta=0", r"theta \(the RoPE base\) must be positive and finite",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev), 0.0, 16)),
+    ("rope", "theta<0", r"theta \(the RoPE base\) must be positive and finite",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev), -1e4, 16)),
+    ("rope", "theta=nan", r"theta \(the RoPE base\) must be positive and finite",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev),
+                      float("nan"), 16)),
+    ("rope", "theta=inf", r"theta \(the RoPE base\) must be positive and finite",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev),
+                      float("inf"), 16)),
+    ("rope_backward", "theta=0", r"theta \(the RoPE base\) must be positive and finite",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _r(1, 2, 2, 16, dt=dt, dev=dev),
+                      _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev), 0.0, 16)),
+    ("rope", "D=0", r"rotary_dim must be even and in \(0, head_dim=0\]",
+     lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 1, 0, dt=dt, dev=dev), _pos(1, 2, dev=dev), 1e4, 0)),
+    ("linear", "K=0", r"x's last dim \(K\) must be positive",
+     lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(4, 0, dt=dt, dev=dev))),
+    ("attention", "Sk=0", "k and v must hold at least one position",
+     lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
+                      0.25, False)),
+    ("attention", "Hk=0", r"must be a multiple of kv heads \(0\)",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 0, 16, dt=dt, dev=dev), _r(1, 2, 0, 16, dt=dt, dev=dev),
+                      0.25, True)),
+    ("attention", "D=0", "head_dim 0 is not supported",
+     lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev),
+                      0.25, True)),
+    ("decode_attention", "Hk=0", r"must be a multiple of kv heads \(0\)",
+     lambda dt, dev: (_r(1, 1, 2, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev),
+                      torch.ones(1, dtype=torch.int32, device=dev), 0.25)),
+    ("linear_cross_entropy", "V=0", r"vocab size V > 0",
+     lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev), _pos(3, dev=dev))),
+    ("chunk_gated_delta_rule", "Hk=0", "v's head count 0 must be a multiple of k's 0",
+     lambda dt, dev: _gdr(1, 3, 0, 0, dt, dev)),
+    ("causal_conv1d", "K=1", "kernel size",
+     lambda dt, dev: (_r(1, 3, 8, dt=dt, dev=dev), _r(8, 1, dt=dt, dev=dev), None)),
+]
+
+MUTATED = {"kv_cache_store": (2, 3), "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
+"""Arguments an op writes in place: compared with the reference's after the call."""
+
+KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}
+
+
+def _op(name):
+    return getattr(torch.ops.qwen, name)
+
+
+def _reference(name):
+    return getattr(qwen_ops, f"{name}_reference")
+
+
+def _clone(args):
+    return tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
+
+
+def _leaves(x):
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _check_same(out, ref, what):
+    """Same structure, shapes and dtypes; equal values (NaN where the reference has NaN)."""
+    outs, refs = _leaves(out), _leaves(ref)
+    assert len(outs) == len(refs), f"{what}: {len(outs)} outputs, the reference has {len(refs)}"
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        where = f"{what} [output {i}]"
+        assert o.shape == r.shape and o.dtype == r.dtype, \
+            f"{where}: {tuple(o.shape)} {o.dtype} != reference {tuple(r.shape)} {r.dtype}"
+        if not r.numel():
+            continue
+        o, r = o.cpu(), r.cpu()
+        nan = torch.isnan(r)
+        assert torch.equal(torch.isnan(o), nan), f"{where}: NaN where the reference has none (or the reverse)"
+        if nan.all():
+            continue
+        o, r = o[~nan], r[~nan]
+        if not r.any():
+            assert not o.any(), f"{where}: the reference is all zeros, the kernel's output is not"
+        else:
+            assert_close(o, r, max(REL_TOL[r.dtype], 1e-5) * 2, where)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Float tensors from torch.empty start as NaN: an output a launcher returns unwritten (e.g. the
+    kv gradients of attention without queries, which must be zeros) shows up."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _fake_outputs(op, args):
+    with FakeTensorMode() as mode:
+        fake = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args)
+        return op(*fake)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name,case,make", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_zero_size_inputs_match_the_reference(name, case, make, dtype, device, nan_empty):
+    torch.manual_seed(0)
+    args = make(dtype, device)
+    ref_args = _clone(args)
+    counter = KERNEL_NAME.get(name, name)
+    before = qwen_ops.kernel_calls[counter]
+    out = _op(name)(*args)
+    assert qwen_ops.kernel_calls[counter] == before + 1, "the op did not take its Triton launcher"
+    ref = _reference(name)(*ref_args)
+    what = f"{name} {case} {dtype}"
+    _check_same(out, ref, what)
+    for i in MUTATED.get(name, ()):
+        _check_same(args[i], ref_args[i], f"{what} (argument {i}, written in place)")
+    fake = _fake_outputs(_op(name), _clone(args))
+    assert [(tuple(t.shape), t.dtype) for t in _leaves(fake)] == [(tuple(t.shape), t.dtype) for t in _leaves(out)], \
+        f"{what}: the fake kernel's outputs differ from the real ones"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,case,message,make", REFUSED, ids=[f"{c[0]}-{c[1]}" for c in REFUSED])
+def test_degenerate_inputs_refused_with_a_clear_error(name, case, message, make, device):
+    args = make(F32, device)
+    pattern = rf"qwen\.{name.removesuffix('_backward')}: .*{message}"  # rope_backward runs rope's check
+    with pytest.raises(qwen_ops.QwenOpError, match=pattern):
+        _op(name)(*args)
+    with pytest.raises(qwen_ops.QwenOpError, match=pattern):
+        _fake_outputs(_op(name), args)
+
+
+def test_every_op_has_edge_cases():
+    """Each op with a reference in qwen_ops has zero-size cases here (a new op needs its rows)."""
+    ops = {n.removesuffix("_reference") for n in qwen_ops.__all__ if n.endswith("_reference")}
+    missing = sorted(ops - {c[0] for c in CASES})
+    assert not missing, f"ops without zero-size cases in tests/test_edge_cases.py: {missing}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_cache_store_any_head_dim(device):
+    """A head_dim that is not a power of two (the kernel's block is rounded up and masked)."""
+    k, v = _r(2, 3, 2, 48, dev=device), _r(2, 3, 2, 48, dev=device)
+    caches = [_r(2, 8, 2, 48, dev=device) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    positions = torch.tensor([[0, 3, 7], [5, 1, 2]], device=device)
+    torch.ops.qwen.kv_cache_store(k, v, *caches, positions)
+    qwen_ops.kv_cache_store_reference(k, v, *ref, positions)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+# ------------------------------------------------------------------------------------------ large values
+
+BF16_MAX = torch.finfo(torch.bfloat16).max  # 3.39e38, as fp32's
+
+
+def _uniform(*shape, bound, device, dtype, positive=False):
+    u = torch.rand(*shape, device=device)
+    return ((u if positive else 2 * u - 1) * bound).to(dtype)
+
+
+def _finite_and_close(out, ref, what):
+    assert torch.isfinite(ref).all(), f"{what}: the fp32 reference itself overflows (a bad test case)"
+    assert torch.isfinite(out).all(), f"{what}: the kernel overflows where the fp32 reference is finite"
+    assert_close(out, ref, REL_TOL[out.dtype] * 2, what)
+
+
+LARGE = [  # (q and k bound, v bound, v positive): score magnitudes up to ~1e37, values up to the bf16 maximum
+    pytest.param(1e18, 1.0, False, id="scores~1e37"),
+    pytest.param(1.0, 0.99 * BF16_MAX, False, id="v~bf16max"),
+    pytest.param(1.0, 0.99 * BF16_MAX, True, id="v~bf16max-positive"),
+    pytest.param(1e18, 1e37, True, id="both"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qk,vb,positive", LARGE)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_large_values_stay_finite(qk, vb, positive, causal, dtype, device):
+    """The online softmax sums p * v before normalising: with |v| near the bf16 maximum and more
+    than a few keys the unnormalised sum would overflow fp32 (common.SOFTMAX_HEADROOM keeps it
+    below max |v|); scores of 1e37 must not turn into inf - inf."""
+    torch.manual_seed(1)
+    b, sq, sk, hq, hk, d = 2, 37, 70, 4, 2, 64
+    q = _uniform(b, sq, hq, d, bound=qk, device=device, dtype=dtype)
+    k = _uniform(b, sk, hk, d, bound=qk, device=device, dtype=dtype)
+    v = _uniform(b, sk, hk, d, bound=vb, device=device, dtype=dtype, positive=positive)
+    out, lse = torch.ops.qwen.attention_with_lse(q, k, v, d**-0.5, causal)
+    ref, ref_lse = qwen_ops.attention_with_lse_reference(q, k, v, d**-0.5, causal)
+    _finite_and_close(out, ref, "attention")
+    _finite_and_close(lse, ref_lse, "attention lse")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("qk,vb,positive", LARGE)
+def test_decode_attention_large_values_stay_finite(qk, vb, positive, dtype, device):
+    """Several splits (cache of 300: the combine step sums split outputs near the bf16 maximum)."""
+    torch.manual_seed(2)
+    b, tq, hq, hk, d, cache_len = 2, 2, 4, 2, 64, 300
+    q = _uniform(b, tq, hq, d, bound=qk, device=device, dtype=dtype)
+    kc = _uniform(b, cache_len, hk, d, bound=qk, device=device, dtype=dtype)
+    vc = _uniform(b, cache_len, hk, d, bound=vb, device=device, dtype=dtype, positive=positive)
+    seqlens = torch.tensor([cache_len, 77], dtype=torch.int32, device=device)
+    out = torch.ops.qwen.decode_attention(q, kc, vc, seqlens, d**-0.5)
+    _finite_and_close(out, qwen_ops.decode_attention_reference(q, kc, vc, seqlens, d**-0.5), "decode_attention")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("hidden_bound,weight_bound", [(1e18, 1.0), (1e36, 1e-1), (1.0, 1e35)],
+                         ids=["hidden~1e18", "hidden~1e36", "weight~1e35"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, on masked-off lanes
+def test_fused_loss_large_values_stay_finite(hidden_bound, weight_bound, dtype, device):
+    """Logits up to ~1e36 (the mean of the row losses stays below the fp32 maximum): the loss, the
+    log-sum-exp and both gradients stay finite and match the reference."""
+    torch.manual_seed(3)
+    n, h, v = 24, 32, 300
+    hidden = _uniform(n, h, bound=hidden_bound, device=device, dtype=dtype).requires_grad_(True)
+    weight = _uniform(v, h, bound=weight_bound, device=device, dtype=dtype).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), device=device)
+    targets[3] = -100
+    loss, lse = torch.ops.qwen.linear_cross_entropy_with_lse(hidden, weight, targets, -100)
+    ref_loss, ref_lse = qwen_ops.linear_cross_entropy_with_lse_reference(hidden, weight, targets, -100)
+    _finite_and_close(loss, ref_loss, "loss")
+    _finite_and_close(lse, ref_lse, "lse")
+    dh, dw = torch.autograd.grad(loss, (hidden, weight))
+    ref_dh, ref_dw = torch.autograd.grad(ref_loss, (hidden, weight))
+    assert torch.isfinite(ref_dh).all() and torch.isfinite(ref_dw).all()
+    assert torch.isfinite(dh).all() and torch.isfinite(dw).all(), "loss gradients overflow"
+    assert_close(dh, ref_dh.to(dh.dtype), REL_TOL[dtype] * 2, "dhidden")
+    assert_close(dw, ref_dw.to(dw.dtype), REL_TOL[dtype] * 2, "dweight")
