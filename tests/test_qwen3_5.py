@@ -293,6 +293,13 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
+BF16_CAP = 0.1
+"""The absolute bf16 cap for the hybrid model. The dense models' 2.5e-2 does not fit it: on the
+H200, transformers' own bf16 forward of the random 0.8B-shaped Qwen3.5 is 5.9e-2 from its fp32
+forward (its Gated DeltaNet layers compound bf16 rounding through the recurrent state), so the
+bound that carries the meaning is the relative one, within 1.25x of that."""
+
+
 def check_logits_match_transformers(tmp_path, dtype, device="cuda", sizes=HF_0_8B, length=300):
     hf = random_hf_model(dtype=torch.bfloat16, device=device, std=0.02, **sizes)
     hf.save_pretrained(tmp_path)
@@ -311,7 +318,7 @@ def check_logits_match_transformers(tmp_path, dtype, device="cuda", sizes=HF_0_8
         if dtype == torch.float32:
             assert errors[-1][0] < 1e-4, errors
         else:
-            assert errors[-1][0] < min(2.5e-2, 1.25 * errors[-1][1]), errors
+            assert errors[-1][0] < min(BF16_CAP, 1.25 * errors[-1][1]), errors
     return errors
 
 
@@ -321,8 +328,8 @@ def check_logits_match_transformers(tmp_path, dtype, device="cuda", sizes=HF_0_8
 def test_full_size_logits_match_transformers_cuda(tmp_path, dtype, no_tf32):
     """The Qwen3.5-0.8B shape, random bf16 weights (std 0.02), a 300-token prefill and one decode
     step; the reference is transformers in fp32 on the same weights. fp32: rel err < 1e-4. bf16:
-    within 2.5e-2 and within 1.25x the error of transformers' own bf16 forward (as the dense
-    models in tests/test_modeling.py)."""
+    within 1.25x the error of transformers' own bf16 forward (as the dense models in
+    tests/test_modeling.py) and under BF16_CAP."""
     check_logits_match_transformers(tmp_path, dtype)
 
 
