@@ -29,7 +29,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import qwen_ops  # noqa: F401
 import qwen_ops.gated_delta_rule  # noqa: F401  (registers the ops if qwen_ops/__init__ does not yet)
-from qwen_ops.gated_delta_rule import gated_delta_gates
+from qwen_ops.gated_delta_rule import gated_delta_gates_reference
 
 B, H, D = 1, 16, 128
 BF16 = torch.bfloat16
@@ -47,7 +47,7 @@ def make_inputs(t, seed=0):
              a=r(B, t, H).to(BF16), b=r(B, t, H).to(BF16))
     x["A_log"] = torch.empty(H, device="cuda").uniform_(0.01, 16.0, generator=g).log()  # transformers' init range
     x["dt_bias"] = r(H) * 0.5
-    x["g"], x["beta"] = gated_delta_gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
+    x["g"], x["beta"] = gated_delta_gates_reference(x["a"], x["b"], x["A_log"], x["dt_bias"])
     return x
 
 

@@ -101,11 +101,9 @@ def silu_mul_split_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     return dg, du
 
 
-# ----------------------------------------------------------------------------- gates (Qwen3.5)
+# ----------------------------------------------------------------------------- output gate (Qwen3.5)
 #
 #   sigmoid_mul(x [..., H, N], gate [..., H, N]) = x * sigmoid(gate)       (gated attention's output gate)
-#   gated_delta_gates(a, b [..., H], A_log, dt_bias [H]) -> (g, beta)      (Gated DeltaNet's gates)
-#       g = -exp(A_log) * softplus(a + dt_bias)  (fp32),  beta = sigmoid(b)  (in b's dtype)
 #
 # sigmoid_mul reads x and gate through two strides each (rows, heads), so the gate can be a view
 # of the fused q projection (per head [query | gate]) without a copy.
@@ -148,45 +146,3 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x3, g3, y, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), rows, h, n,
         BLOCK_R=block_r, BLOCK=block, num_warps=4)
     return y
-
-
-@triton.jit
-def _softplus(x):
-    """torch.nn.functional.softplus (beta 1, threshold 20): log1p(exp(x)), x above 20."""
-    y = tl.exp(-tl.abs(x))
-    one_y = 1.0 + y
-    tiny = one_y == 1.0  # log1p(y) = y; the guarded denominator keeps the other branch finite
-    log1p = tl.where(tiny, y, tl.log(one_y) * (y / tl.where(tiny, 1.0, one_y - 1.0)))
-    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
-
-
-@triton.jit
-def _gated_delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, stride_a, stride_b, ROWS, H,
-                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    r = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
-    h = tl.arange(0, BLOCK_H)[None, :]
-    mask = (r < ROWS) & (h < H)
-    neg_a = -tl.exp(tl.load(alog_ptr + h, mask=h < H, other=0.0).to(tl.float32))
-    dt_bias = tl.load(dtb_ptr + h, mask=h < H, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + r * stride_a + h, mask=mask, other=0.0).to(tl.float32)
-    tl.store(g_ptr + r * H + h, neg_a * _softplus(a + dt_bias), mask=mask)
-    braw = tl.load(b_ptr + r * stride_b + h, mask=mask, other=0.0)
-    tl.store(beta_ptr + r * H + h, tl.sigmoid(braw.to(tl.float32)).to(beta_ptr.dtype.element_ty), mask=mask)
-
-
-def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """a, b [..., H] (last dim contiguous), A_log, dt_bias [H] -> (g [..., H] fp32, beta [..., H] in
-    b's dtype), both contiguous."""
-    h = a.shape[-1]
-    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
-    if g.numel() == 0:
-        return g, beta
-    rows = g.numel() // h
-    a2, b2 = a.reshape(rows, h), b.reshape(rows, h)
-    block_h = triton.next_power_of_2(h)
-    block_r = min(triton.next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block_h))
-    _gated_delta_gates_kernel[(triton.cdiv(rows, block_r),)](
-        a2, b2, A_log, dt_bias, g, beta, a2.stride(0), b2.stride(0), rows, h,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
-    return g, beta

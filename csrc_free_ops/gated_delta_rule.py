@@ -384,3 +384,41 @@ def gated_rms_norm(x, z, weight, eps: float):
         num_warps=row_warps(block_r * block_n),
     )
     return y
+
+
+# ----------------------------------------------------------------------------- gates
+#   gated_delta_gates(a, b [..., H], A_log, dt_bias [H]) -> (g, beta): the prefill's decays and
+#   write strengths, g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b) (b's dtype);
+#   the recurrent kernel computes the same inline.
+
+
+@triton.jit
+def _gated_delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, stride_a, stride_b, ROWS, H,
+                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
+    h = tl.arange(0, BLOCK_H)[None, :]
+    mask = (r < ROWS) & (h < H)
+    neg_a = -tl.exp(tl.load(alog_ptr + h, mask=h < H, other=0.0).to(tl.float32))
+    dt_bias = tl.load(dtb_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r * stride_a + h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(g_ptr + r * H + h, neg_a * _softplus(a + dt_bias), mask=mask)
+    braw = tl.load(b_ptr + r * stride_b + h, mask=mask, other=0.0)
+    tl.store(beta_ptr + r * H + h, tl.sigmoid(braw.to(tl.float32)).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """a, b [..., H] (last dim contiguous), A_log, dt_bias [H] -> (g [..., H] fp32, beta [..., H] in
+    b's dtype), both contiguous."""
+    h = a.shape[-1]
+    g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
+    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if g.numel() == 0:
+        return g, beta
+    rows = g.numel() // h
+    a2, b2 = a.reshape(rows, h), b.reshape(rows, h)
+    block_h = triton.next_power_of_2(h)
+    block_r = min(triton.next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block_h))
+    _gated_delta_gates_kernel[(triton.cdiv(rows, block_r),)](
+        a2, b2, A_log, dt_bias, g, beta, a2.stride(0), b2.stride(0), rows, h,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+    return g, beta

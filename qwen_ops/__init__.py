@@ -6,9 +6,9 @@ that register them, and their autograd formulas (backward ops are ops too). The 
 kernels live in the family's module of `csrc_free_ops`. See docs/ops.md, docs/training.md
 and docs/architecture.md.
 """
-from .activation import (silu_mul, silu_mul_backward, silu_mul_backward_reference, silu_mul_reference, silu_mul_split,
-                         silu_mul_split_backward, silu_mul_split_backward_reference, silu_mul_split_reference)
-from .activation import gated_delta_gates, gated_delta_gates_reference, sigmoid_mul, sigmoid_mul_reference
+from .activation import (sigmoid_mul, sigmoid_mul_reference, silu_mul, silu_mul_backward, silu_mul_backward_reference,
+                         silu_mul_reference, silu_mul_split, silu_mul_split_backward, silu_mul_split_backward_reference,
+                         silu_mul_split_reference)
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
 from .causal_conv1d import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update,
@@ -18,7 +18,8 @@ from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
 from .decode_attention import decode_attention, decode_attention_reference
-from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gated_rms_norm,
+from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gated_delta_gates,
+                               gated_delta_gates_reference, gated_rms_norm,
                                gated_rms_norm_reference, recurrent_gated_delta_rule,
                                recurrent_gated_delta_rule_reference)
 from .kv_cache import kv_cache_store, kv_cache_store_reference

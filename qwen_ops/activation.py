@@ -102,13 +102,10 @@ torch.library.register_autograd("qwen::silu_mul", _silu_mul_bwd, setup_context=_
 torch.library.register_autograd("qwen::silu_mul_split", _silu_mul_split_bwd, setup_context=_setup)
 
 
-# ---------------------------------------------------------------------- Qwen3.5 gates (inference only)
+# ---------------------------------------------------------------------- Qwen3.5 output gate (inference only)
 #
-#   sigmoid_mul(x, gate) = x * sigmoid(gate)   x, gate [..., N]: the gated attention's output gate
-#   gated_delta_gates(a, b, A_log, dt_bias) = (-exp(A_log) * softplus(a + dt_bias), sigmoid(b)):
-#       the Gated DeltaNet's decay g [..., H] (fp32; float64 for float64 a) and beta [..., H] (in b's
-#       dtype), exactly as transformers' Qwen3_5GatedDeltaNet and recurrent_gated_delta_rule's kernel.
-# No autograd is registered for these two.
+#   sigmoid_mul(x, gate) = x * sigmoid(gate)   x, gate [..., N]: the gated attention's output gate.
+# No autograd is registered for it.
 
 
 def sigmoid_mul_reference(x: Tensor, gate: Tensor) -> Tensor:
@@ -125,33 +122,4 @@ def _check_sigmoid_mul(x, gate):
         fail(op, f"gate has shape {tuple(gate.shape)} but x has {tuple(x.shape)}")
 
 
-def gated_delta_gates_reference(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-    from .gated_delta_rule import gated_delta_gates as gates  # the math recurrent_gated_delta_rule uses
-
-    g, beta = gates(a, b, A_log, dt_bias)
-    return g.contiguous(), beta.contiguous()
-
-
-def _check_gates(a, b, A_log, dt_bias):
-    op = "gated_delta_gates"
-    check_float(op, "a", a)
-    check_float(op, "b", b)
-    check_same(op, "a", a, b=b)
-    if b.shape != a.shape:
-        fail(op, f"b has shape {tuple(b.shape)} but a has {tuple(a.shape)}")
-    h = a.shape[-1]
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        check_float(op, name, t, ndim=1)
-        if t.device != a.device:
-            fail(op, f"{name} is on {t.device} but a is on {a.device}")
-        if t.shape[0] != h:
-            fail(op, f"{name} has {t.shape[0]} elements but a's last dim (heads) is {h}")
-
-
-def _fake_gates(a, b, A_log, dt_bias):
-    return (torch.empty(a.shape, dtype=acc_dtype(a), device=a.device),
-            torch.empty(b.shape, dtype=b.dtype, device=b.device))
-
-
 sigmoid_mul = define(sigmoid_mul_reference, kernels.sigmoid_mul, _check_sigmoid_mul, lambda x, gate: _like(x))
-gated_delta_gates = define(gated_delta_gates_reference, kernels.gated_delta_gates, _check_gates, _fake_gates)

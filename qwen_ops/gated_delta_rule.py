@@ -50,12 +50,12 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gated_delta_gates(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+def gated_delta_gates_reference(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """(g, beta) from the raw projections, as Qwen3_5GatedDeltaNet: g = -exp(A_log) softplus(a + dt_bias)
-    in fp32 (float64 for float64 a), beta = sigmoid(b) in b's dtype."""
+    in fp32 (float64 for float64 a), beta = sigmoid(b) in b's dtype; both contiguous."""
     dt = acc_dtype(a)
     g = -A_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt))
-    return g, b.sigmoid()
+    return g.contiguous(), b.sigmoid().contiguous()
 
 
 def _heads_first(q, k, v, g, beta, scale, use_qk_l2norm, dt):
@@ -124,7 +124,7 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
 def recurrent_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                                          dt_bias: Tensor, state: Tensor, scale: float,
                                          use_qk_l2norm: bool = True) -> Tensor:
-    g, beta = gated_delta_gates(a, b, A_log, dt_bias)
+    g, beta = gated_delta_gates_reference(a, b, A_log, dt_bias)
     out, s = gated_delta_recurrence(q, k, v, g, beta, scale, state, use_qk_l2norm)
     state.copy_(s)
     return out
@@ -230,3 +230,27 @@ chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_
 recurrent_gated_delta_rule = define(recurrent_gated_delta_rule_reference, kernels.recurrent_gated_delta_rule,
                                     _check_recurrent, _fake_recurrent, mutates_args=("state",))
 gated_rms_norm = define(gated_rms_norm_reference, kernels.gated_rms_norm, _check_norm, _fake_norm)
+
+
+def _check_gates(a, b, A_log, dt_bias):
+    op = "gated_delta_gates"
+    check_float(op, "a", a)
+    check_float(op, "b", b)
+    check_same(op, "a", a, b=b)
+    if b.shape != a.shape:
+        fail(op, f"b has shape {tuple(b.shape)} but a has {tuple(a.shape)}")
+    h = a.shape[-1]
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        check_float(op, name, t, ndim=1)
+        if t.device != a.device:
+            fail(op, f"{name} is on {t.device} but a is on {a.device}")
+        if t.shape[0] != h:
+            fail(op, f"{name} has {t.shape[0]} elements but a's last dim (heads) is {h}")
+
+
+def _fake_gates(a, b, A_log, dt_bias):
+    return (torch.empty(a.shape, dtype=acc_dtype(a), device=a.device),
+            torch.empty(b.shape, dtype=b.dtype, device=b.device))
+
+
+gated_delta_gates = define(gated_delta_gates_reference, kernels.gated_delta_gates, _check_gates, _fake_gates)

@@ -32,6 +32,21 @@ def _cpu_op_tests_run_the_kernels(request):
     assert sum(kernel_calls.values()) > before, "the test ran no Triton kernel (did the op take its reference?)"
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float tensor torch.empty allocates during the test starts as NaN, so an output or
+    scratch element a kernel forgets to write (or reads before writing) shows up, on CPU too."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (realistic shapes); skipped without one")
     config.addinivalue_line("markers", "launcher: calls a csrc_free_ops launcher directly (not through an op)")

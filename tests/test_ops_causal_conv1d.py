@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import qwen_ops  # noqa: F401
-import qwen_ops.causal_conv1d  # noqa: F401  (registers the ops until qwen_ops/__init__ imports it)
 from qwen_ops import QwenOpError
 from qwen_ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
 from qwen_ops.registry import kernel_calls
@@ -17,21 +16,6 @@ K = 4
 # (B, T, C): T = 0, T = 1, T < K - 1, T not a multiple of the kernels' T blocks, C not a power of two.
 SHAPES = {"cpu": [(1, 0, 8), (2, 1, 24), (1, 2, 40), (2, 37, 48), (1, 130, 16)],
           "cuda": [(1, 2048, 6144), (2, 2048, 6144), (3, 5, 6144)]}
-
-
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every float tensor torch.empty allocates during the test starts as NaN, so an output element
-    (or scratch element) a kernel forgets to write shows up, on CPU as on CUDA."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 def _inputs(b, t, c, dtype, device, state=True):
