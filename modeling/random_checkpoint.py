@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import save_file
@@ -81,8 +81,9 @@ def default_random_model_dir() -> Path:
     return root / "qwen-triton-ops" / "random-qwen3-tiny"
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``CORPUS``; specials get ids 0, 1, 2."""
+def build_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``corpus`` (default ``CORPUS``), with
+    all 256 byte symbols (any UTF-8 text encodes) and ``SPECIAL_TOKENS`` as ids 0, 1, 2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -90,15 +91,16 @@ def build_tokenizer(vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     return tok
 
 
-def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: int = 4096):
-    """Write tokenizer.json (``build_tokenizer``), tokenizer_config.json and generation_config.json
-    (EOS ``<|im_end|>`` then ``<|endoftext|>``) into ``path``; returns the ``tokenizers.Tokenizer``."""
+def write_tokenizer_files(path: Union[str, Path], tok, max_length: int, tokenizer_config: Mapping[str, Any] = {},
+                          generation: Mapping[str, Any] = {}) -> None:
+    """tokenizer.json, tokenizer_config.json (EOS ``<|im_end|>``, pad ``<|endoftext|>``, plus
+    ``tokenizer_config``) and generation_config.json (EOS ``<|im_end|>`` then ``<|endoftext|>``,
+    plus ``generation``) for ``tok`` into ``path``."""
     path = Path(path)
-    tok = build_tokenizer(vocab_size)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "model_max_length": max_length,
@@ -107,11 +109,19 @@ def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: i
         "bos_token": None,
         "add_bos_token": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
+        **tokenizer_config,
     }, indent=2))
     (path / "generation_config.json").write_text(json.dumps({
         "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
         "pad_token_id": tok.token_to_id("<|endoftext|>"),
+        **generation,
     }, indent=2))
+
+
+def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: int = 4096):
+    """``write_tokenizer_files`` for ``build_tokenizer(vocab_size)``; returns the ``tokenizers.Tokenizer``."""
+    tok = build_tokenizer(vocab_size)
+    write_tokenizer_files(path, tok, max_length)
     return tok
 
 

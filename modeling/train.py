@@ -95,43 +95,22 @@ def split_text(text: str, val_fraction: float) -> Tuple[str, str]:
 
 
 def train_tokenizer(text: str, vocab_size: int):
-    """A byte-level BPE trained on ``text`` (one document), with ``random_checkpoint.SPECIAL_TOKENS``
-    as ids 0, 1, 2 and all 256 byte symbols, so any UTF-8 text encodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from .random_checkpoint import SPECIAL_TOKENS
+    """``random_checkpoint.build_tokenizer`` trained on ``text`` (one document): a byte-level BPE with
+    ``SPECIAL_TOKENS`` as ids 0, 1, 2 and all 256 byte symbols, so any UTF-8 text encodes."""
+    from .random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UsageError(f"--vocab-size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} specials")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text], trainer)
-    return tok
+    return build_tokenizer(vocab_size, [text])
 
 
 def write_tokenizer_files(path: Path, tok, max_length: int) -> None:
-    """tokenizer.json, tokenizer_config.json (EOS ``<|im_end|>``, pad ``<|endoftext|>``, ChatML
-    template) and generation_config.json (EOS ids, sampling defaults ``GENERATION_DEFAULTS``)."""
+    """The tokenizer files of ``random_checkpoint.write_tokenizer_files`` with a ChatML template and
+    the sampling defaults ``GENERATION_DEFAULTS``."""
     from .chat import CHATML_TEMPLATE
+    from .random_checkpoint import write_tokenizer_files as write
 
-    tok.save(str(path / "tokenizer.json"))
-    _write_json(path / "tokenizer_config.json", {
-        "model_max_length": max_length,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "add_bos_token": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHATML_TEMPLATE,
-    })
-    _write_json(path / "generation_config.json", {
-        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
-        "pad_token_id": tok.token_to_id("<|endoftext|>"),
-        **GENERATION_DEFAULTS,
-    })
+    write(path, tok, max_length, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
 
 
 def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:
