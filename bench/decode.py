@@ -156,7 +156,6 @@ def transformers_ms(config_dict: dict, context: int, steps: int):
     with torch.no_grad():
         run(4)
         short, long = run(8), run(8 + steps)
-    del hf
     return (long - short) / steps * 1e3
 
 

@@ -28,7 +28,6 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 import qwen_ops  # noqa: F401
-import qwen_ops.gated_delta_rule  # noqa: F401  (registers the ops if qwen_ops/__init__ does not yet)
 from qwen_ops.gated_delta_rule import gated_delta_gates_reference
 
 B, H, D = 1, 16, 128

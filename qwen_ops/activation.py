@@ -11,7 +11,7 @@ from torch import Tensor
 
 from csrc_free_ops import activation as kernels
 
-from .checks import check_float, check_same, fail
+from .checks import check_float, check_like, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous
 
 
@@ -116,10 +116,7 @@ def sigmoid_mul_reference(x: Tensor, gate: Tensor) -> Tensor:
 def _check_sigmoid_mul(x, gate):
     op = "sigmoid_mul"
     check_float(op, "x", x)
-    check_float(op, "gate", gate)
-    check_same(op, "x", x, gate=gate)
-    if gate.shape != x.shape:
-        fail(op, f"gate has shape {tuple(gate.shape)} but x has {tuple(x.shape)}")
+    check_like(op, "x", x, gate=gate)
 
 
 sigmoid_mul = define(sigmoid_mul_reference, kernels.sigmoid_mul, _check_sigmoid_mul, lambda x, gate: _like(x))

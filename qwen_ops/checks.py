@@ -48,3 +48,12 @@ def check_same(op: str, ref_name: str, ref: torch.Tensor, **others):
 def check_head_dim(op: str, d: int):
     if d not in HEAD_DIMS:
         fail(op, f"head_dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+
+
+def check_like(op: str, ref_name: str, ref: torch.Tensor, **others):
+    """Every tensor in `others` is a float tensor (last dim contiguous) with ref's shape, device and dtype."""
+    for name, t in others.items():
+        check_float(op, name, t)
+        check_same(op, ref_name, ref, **{name: t})
+        if t.shape != ref.shape:
+            fail(op, f"{name} has shape {tuple(t.shape)} but {ref_name} has {tuple(ref.shape)}")

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from csrc_free_ops import gated_delta_rule as kernels
 
-from .checks import HEAD_DIMS, check_float, check_same, fail
+from .checks import HEAD_DIMS, check_float, check_like, check_same, fail
 from .registry import acc_dtype, define
 
 CHUNK = kernels.CHUNK
@@ -197,10 +197,7 @@ def _check_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=
 def _check_norm(x, z, weight, eps):
     op = "gated_rms_norm"
     check_float(op, "x", x)
-    check_float(op, "z", z)
-    check_same(op, "x", x, z=z)
-    if z.shape != x.shape:
-        fail(op, f"z has shape {tuple(z.shape)} but x has {tuple(x.shape)}")
+    check_like(op, "x", x, z=z)
     check_float(op, "weight", weight, ndim=1)
     if weight.device != x.device:
         fail(op, f"weight is on {weight.device} but x is on {x.device}")
@@ -235,10 +232,7 @@ gated_rms_norm = define(gated_rms_norm_reference, kernels.gated_rms_norm, _check
 def _check_gates(a, b, A_log, dt_bias):
     op = "gated_delta_gates"
     check_float(op, "a", a)
-    check_float(op, "b", b)
-    check_same(op, "a", a, b=b)
-    if b.shape != a.shape:
-        fail(op, f"b has shape {tuple(b.shape)} but a has {tuple(a.shape)}")
+    check_like(op, "a", a, b=b)
     h = a.shape[-1]
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_float(op, name, t, ndim=1)

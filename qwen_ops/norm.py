@@ -17,7 +17,7 @@ from torch import Tensor
 
 from csrc_free_ops import norm as kernels
 
-from .checks import check_float, check_same, fail
+from .checks import check_float, check_like, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous
 
 
@@ -57,10 +57,7 @@ def _check(op: str, x: Tensor, weight: Tensor, residual: Optional[Tensor] = None
     if weight.device != x.device:
         fail(op, f"weight is on {weight.device} but x is on {x.device}")
     if residual is not None:
-        check_float(op, "residual", residual)
-        check_same(op, "x", x, residual=residual)
-        if residual.shape != x.shape:
-            fail(op, f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}")
+        check_like(op, "x", x, residual=residual)
 
 
 def _check_backward(dy, x, weight, eps, offset=0.0, dsum=None):
