@@ -72,9 +72,9 @@ def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stri
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) + HEADROOM)  # p <= 2^-HEADROOM: see common.SOFTMAX_HEADROOM
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s - m_new[:, None]) * tl.exp2(-HEADROOM)  # p <= 2^-HEADROOM, exactly: common.SOFTMAX_HEADROOM
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if WRITE_O:
         if MASKED:
@@ -126,7 +126,7 @@ def _attention_kernel(
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
                                       qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM)
     if WRITE_LSE:  # natural-log log-sum-exp of the scaled scores, for the backward
-        tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=offs_m < SQ)
+        tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i + HEADROOM + tl.log2(l_i)) * LN2, mask=offs_m < SQ)
     if WRITE_O:
         o = acc / l_i[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],

@@ -28,11 +28,12 @@ LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
 
 SOFTMAX_HEADROOM = 20.0
-"""Online softmax (attention, decode_attention): the running max is kept SOFTMAX_HEADROOM above the
-row's largest score (log2 units), so every probability is at most 2^-20 and the unnormalised
-accumulator sum_j p_j v_j stays within max|v| for up to 2^20 keys: values near the bf16/fp32
-maximum cannot overflow it where the normalised output is finite. The shift cancels in the
-division by sum_j p_j and in the log-sum-exp. fp16 gets none (see `softmax_headroom`)."""
+"""Online softmax (attention, decode_attention): every probability exp2(s - max) is scaled by
+2^-SOFTMAX_HEADROOM (exact: a power of two, applied after the exp2, so the exponent's argument
+keeps its precision), so each is at most 2^-20 and the unnormalised accumulator sum_j p_j v_j
+stays within max|v| for up to 2^20 keys: values near the bf16/fp32 maximum cannot overflow it
+where the normalised output is finite. The scale cancels in the division by sum_j p_j, and the
+log-sum-exp adds SOFTMAX_HEADROOM back. fp16 gets none (see `softmax_headroom`)."""
 
 
 def softmax_headroom(dtype: torch.dtype) -> float:

@@ -58,11 +58,11 @@ def _decode_split_kernel(
                      mask=cols[None, :] < hi, other=0.0)
         s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
         s = tl.where((cols[None, :] < hi) & (cols[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) + HEADROOM)  # p <= 2^-HEADROOM: see common.SOFTMAX_HEADROOM
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row whose keys are all masked so far keeps m = -inf: shift by 0 instead of NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s - m_safe[:, None]) * tl.exp2(-HEADROOM)  # p <= 2^-HEADROOM, exactly: common.SOFTMAX_HEADROOM
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
                     mask=cols[:, None] < hi, other=0.0)
@@ -70,7 +70,7 @@ def _decode_split_kernel(
         m_i = m_new
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part_row = ((b * TQ + t) * HQ + h) * NUM_SPLITS + split
     tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
     tl.store(plse_ptr + part_row, lse, mask=row_ok)
