@@ -23,6 +23,7 @@ it (``Cache.supports_padded_prefill``): a model with recurrent layers (Qwen3.5's
 falls back to the exact-length prefill and ``gen.prefill_graph`` reads False. See docs/generate.md.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -41,7 +42,8 @@ DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 @dataclass
 class GenerationResult:
     """``tokens[i]``: the new tokens of prompt i, without the stop token; ``finish_reasons[i]``:
-    ``"stop"`` (it emitted a stop token) or ``"length"`` (max_new_tokens reached)."""
+    ``"stop"`` (it emitted a stop token), ``"length"`` (max_new_tokens reached) or ``"callback"``
+    (``on_token`` returned ``readback.STOP``)."""
 
     tokens: List[List[int]]
     finish_reasons: List[str]
@@ -54,7 +56,7 @@ class GenerationResult:
 
     @property
     def generated_tokens(self) -> int:
-        """Tokens produced, stop tokens included."""
+        """Tokens produced, stop tokens included (a row ended by its callback emitted none)."""
         return sum(len(t) for t in self.tokens) + self.finish_reasons.count("stop")
 
     @property
@@ -137,7 +139,7 @@ class Generator:
         CUDA graphs."""
         if not self.use_cuda_graph:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._on_device():
             for mode in modes:
                 for bs in batch_sizes:
                     self._decode(self._batch_bucket(bs), mode)
@@ -188,7 +190,8 @@ class Generator:
         total = GenerationResult([], [], sum(map(len, prompts)), 0.0, 0.0, 0, 0.0, False)
         for start in range(0, len(prompts), self.max_batch_size):
             chunk = prompts[start : start + self.max_batch_size]
-            part = self._generate_batch(chunk, start, max_new_tokens, sampling, stop_ids, on_token, on_finish)
+            with self._on_device():
+                part = self._generate_batch(chunk, start, max_new_tokens, sampling, stop_ids, on_token, on_finish)
             total.tokens += part.tokens
             total.finish_reasons += part.finish_reasons
             total.prefill_ms += part.prefill_ms
@@ -197,6 +200,11 @@ class Generator:
             total.setup_ms += part.setup_ms
             total.cuda_graph |= part.cuda_graph
         return total
+
+    def _on_device(self):
+        """The model's GPU as the current device (streams, events, graphs and Triton launches follow
+        the current device, which need not be the model's)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

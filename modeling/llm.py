@@ -345,8 +345,8 @@ def _one_line(e: BaseException) -> str:
 class RequestOutput:
     """One completion. ``text``: the new text (without the stop string that ended it);
     ``token_ids``: the new token ids (without a stop token; with the token that completed a stop
-    string); ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string) or ``"length"``
-    (``max_tokens``); ``stop_reason``: the stop string that ended it, else None. ``metrics``: the
+    string); ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"``
+    (``max_tokens``) or ``"abort"`` (the stream was closed before the end); ``stop_reason``: the stop string that ended it, else None. ``metrics``: the
     timings of the ``Generator.generate`` call it ran in (``prefill_ms``, ``decode_ms``,
     ``decode_steps``, ``setup_ms``: graph warm-up and capture, ``cuda_graph``). ``outputs`` is
     ``[self]``, so code written for vLLM's ``RequestOutput.outputs[0].text`` works."""
@@ -611,6 +611,8 @@ class LLM:
                 tail = row.finish()
                 if tail and on_text is not None:
                     on_text(i, tail)
+                if reason == "callback":  # a stop string, or the caller stopped the stream
+                    reason = "stop" if row.stops.matched is not None else "abort"
                 out = RequestOutput(i, None, prompts[i - index_offset], row.text, list(tokens), reason,
                                     row.stops.matched)
                 outputs[i - index_offset] = out

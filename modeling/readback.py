@@ -30,7 +30,7 @@ class TokenSink:
     """The tokens of one batch as the host reads them: a stop token ends its row (and is not
     kept), ``max_new`` kept tokens end it with reason ``length``. ``on_token`` gets each kept
     token (prompt index = ``offset`` + row) and may return ``STOP`` to end the row there (reason
-    ``stop``, the token kept); ``on_finish`` gets each row once, when it ends. A row ended by
+    ``callback``, the token kept); ``on_finish`` gets each row once, when it ends. A row ended by
     ``STOP`` still runs on the device until the batch is done; its later tokens are ignored."""
 
     def __init__(self, n: int, offset: int, max_new: int, stop_ids: Sequence[int],
@@ -52,7 +52,7 @@ class TokenSink:
         else:
             self.tokens[row].append(token)
             if self.on_token is not None and self.on_token(self.offset + row, token) is STOP:
-                self.reasons[row] = "stop"
+                self.reasons[row] = "callback"
             elif len(self.tokens[row]) == self.max_new:
                 self.reasons[row] = "length"
         if self.reasons[row] is not None and self.on_finish is not None:

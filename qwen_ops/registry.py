@@ -13,7 +13,8 @@ Every op is four plain functions with the op's own signature:
   (free there, a host sync on CUDA, where the kernels clamp instead) and never on fake tensors.
 
 Where an op runs (the real kernel registered for the CPU and CUDA dispatch keys):
-CUDA tensors run Triton; CPU tensors run Triton under TRITON_INTERPRET=1 (how CI
+CUDA tensors run Triton (on the tensors' device, which need not be the current one); CPU
+tensors run Triton under TRITON_INTERPRET=1 (how CI
 exercises the kernels) and the reference otherwise; float64 always runs the reference
 (the kernels compute in fp32). The op is defined with `torch.library.Library.define` and
 plain `impl` registrations: the thinnest Python path the dispatcher offers.
@@ -62,8 +63,12 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
         check(*args)
         if check_values is not None and args[dispatch_arg].device.type == "cpu":
             check_values(*args)
-        if use_triton(args[dispatch_arg]):
+        t = args[dispatch_arg]
+        if use_triton(t):
             kernel_calls[name] += 1
+            if t.is_cuda and t.device.index != torch.cuda.current_device():
+                with torch.cuda.device(t.device):  # Triton launches on the current device
+                    return kernel(*args)
             return kernel(*args)
         return reference(*args)
 

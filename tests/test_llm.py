@@ -78,6 +78,7 @@ def test_stop_strings(steered):
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=8, stop=["世\n世", "never"]))
     assert out.text == "\n" and out.finish_reason == "stop" and out.stop_reason == "世\n世"
     assert out.token_ids == full.token_ids[:4]  # the token that completed the stop string is kept
+    assert out.generated_tokens == 4  # a stop string adds no stop token to the count
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=8, stop="\n"))
     assert out.text == "" and out.token_ids == full.token_ids[:1] and out.stop_reason == "\n"
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=3, stop="世\n世\n"))  # a partial match at the end
@@ -121,6 +122,7 @@ def test_stream(steered):
     assert steered.stream("Hello", SamplingParams(max_tokens=6, stop="世\n")).text == "\n"
     with steered.stream("Hello", SamplingParams(max_tokens=2000)) as s:  # leaving early stops the generation
         assert next(s) == "\n"
+    assert s.output.finish_reason == "abort" and s.output.generated_tokens == len(s.output.token_ids) < 2000
     assert steered.generate("Hello", params)[0].text == "\n世\n世\n世"  # the generator is free again
     for piece in steered.stream("Hello", SamplingParams(max_tokens=2000)):
         break  # dropping the iterator stops it too
