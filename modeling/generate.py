@@ -459,7 +459,8 @@ def run(a: argparse.Namespace) -> int:
     max_new = params.max_tokens
     if longest + max_new > limit:
         max_new = limit - longest
-        say(f"note: --max-new-tokens lowered to {max_new} to fit the cache of {limit} positions")
+        what = "--max-new-tokens" if a.max_new_tokens is not None else "max new tokens (the checkpoint's or the default)"
+        say(f"note: {what} lowered to {max_new} to fit the cache of {limit} positions")
     params = replace(params, max_tokens=max_new)
     max_seq_len = a.max_seq_len or longest + max_new
     batch = min(a.max_batch_size, len(prompts))

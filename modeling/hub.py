@@ -51,7 +51,13 @@ def is_hub_id(name: str) -> bool:
 
 def hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to 1/ON/YES/TRUE, read now."""
-    return any((os.environ.get(v) or "").upper() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return _offline_variable() is not None
+
+
+def _offline_variable():
+    """The environment variable that turns offline mode on, or None."""
+    return next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if (os.environ.get(v) or "").upper() in _TRUE),
+                None)
 
 
 def hub_cache_dir() -> Path:
@@ -116,7 +122,8 @@ def resolve_model(name_or_path: Union[str, Path], revision: Optional[str] = None
             raise ModelNotFound(f"{name!r}: no such directory, and not a Hub id of the form ORG/NAME")
         return check_checkpoint_dir(local, name)
     if offline is None:
-        offline, why_offline = hub_offline(), "offline mode is on (HF_HUB_OFFLINE=1)"
+        variable = _offline_variable()
+        offline, why_offline = variable is not None, f"offline mode is on ({variable}=1)"
     else:
         why_offline = "offline mode is on"
     return _resolve_hub(name, revision, offline, why_offline,

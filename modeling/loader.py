@@ -109,7 +109,11 @@ def load_state_dict(
     with ExitStack() as stack:
         handles = {}
         for f in checkpoint_files(path):
-            handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
+            try:
+                handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
+            except Exception as e:  # safetensors' own error type differs between its versions
+                raise CheckpointError(f"checkpoint file {str(f)!r} is not a valid safetensors file "
+                                      f"(truncated or corrupt: {e})") from None
             for name in handle.keys():
                 if name in handles:
                     raise CheckpointError(f"tensor {name!r} appears in more than one shard")

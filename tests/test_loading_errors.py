@@ -195,3 +195,27 @@ def test_qwen3_5_wrapper_names(tmp_path):
     QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, wrapper, tensors), dtype=torch.float32)
     with pytest.raises(CheckpointError, match=r"missing tensor.*model\.language_model\.embed_tokens\.weight"):
         QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, wrapper, hf_tensors(QWEN3_5)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header length", "offsets"])
+def test_corrupt_weights_file_is_named(tmp_path, damage):
+    """A truncated file, a header that claims a huge size, offsets past the data: a CheckpointError
+    that names the file, not a raw safetensors error."""
+    write_checkpoint(tmp_path, CONFIG, hf_tensors(CONFIG))
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "header length":
+        data = (10**12).to_bytes(8, "little") + data[8:]
+    else:
+        header = json.loads(data[8 : 8 + n])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"] = [0, 10**9]
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        data = len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+    weights.write_bytes(data)
+    with pytest.raises(CheckpointError, match="model.safetensors' is not a valid safetensors file"):
+        QwenForCausalLM.from_pretrained(tmp_path)
