@@ -3,7 +3,7 @@
 Streams the completion of one prompt to stdout; with ``--batch-file`` prints each completion on
 one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` one JSON object per
 completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
-Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.llm.default_model_dir``).
+Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.checkpoint.default_model_dir``).
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
 other failure (one line too); 130 interrupted (Ctrl-C, from the first instant: this module imports
@@ -274,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def load_checkpoint(a: argparse.Namespace):
     from .hub import ModelNotFound
-    from .llm import Checkpoint
+    from .checkpoint import Checkpoint
 
     name = a.model
     try:
@@ -310,7 +310,8 @@ def sampling_params(a: argparse.Namespace, ck):
 
 def load_llm(ck, device, dtype, **kwargs):
     from .config import ConfigError
-    from .llm import LLM, DoesNotFit
+    from .llm import LLM
+    from .runtime import DoesNotFit
     from .loader import CheckpointError
 
     try:
@@ -362,7 +363,7 @@ def _kernel_launches() -> int:
 
 def path_that_ran(device, dtype, launches_before: int) -> str:
     """The ops' path, from what ran: Triton launches counted since ``launches_before``."""
-    from .llm import backend_name
+    from .runtime import backend_name
 
     expected = backend_name(device, dtype)
     ran_triton = _kernel_launches() > launches_before
@@ -402,7 +403,8 @@ def run(a: argparse.Namespace) -> int:
     import torch
 
     from .chat import ChatTemplateError
-    from .llm import ContextLengthError, DoesNotFit, backend_name, check_fits, resolve_device
+    from .llm import ContextLengthError
+    from .runtime import DoesNotFit, backend_name, check_fits, resolve_device
 
     ck = load_checkpoint(a)
     config, tokenizer = ck.config, ck.tokenizer
@@ -551,7 +553,8 @@ def interactive(a, ck, params, device, dtype, out: Writer, template_kwargs) -> i
     object with --json). ``/reset`` forgets the conversation (the system message stays), end of
     input (Ctrl-D) leaves, Ctrl-C during a reply cuts it short (at the prompt: leaves, status 130)."""
     from .chat import ChatTemplateError
-    from .llm import ContextLengthError, DoesNotFit
+    from .llm import ContextLengthError
+    from .runtime import DoesNotFit
 
     launches = _kernel_launches()
     llm = load_llm(ck, device, dtype, max_seq_len=a.max_seq_len, max_batch_size=1,

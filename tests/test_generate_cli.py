@@ -98,7 +98,7 @@ def json_lines(out: str):
 
 
 def expected_path(device="cpu", dtype=torch.float32) -> str:
-    from modeling.llm import backend_name
+    from modeling.runtime import backend_name
 
     return backend_name(torch.device(device), dtype)
 
@@ -412,9 +412,9 @@ def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):
 def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
     """--max-seq-len 10**9 would be 64 GB of fp32 cache for this tiny model: refused before anything
     is allocated, with what fits."""
-    import modeling.llm
+    import modeling.runtime
 
-    monkeypatch.setattr(modeling.llm, "available_memory", lambda device: 2 * 10**9)
+    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 2 * 10**9)
     t0 = time.perf_counter()
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", 10**9, "--device", "cpu")
     assert code == 2 and out == "", err
@@ -432,10 +432,10 @@ def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch)
 def test_long_prompt_on_the_reference_path_says_what_fits(ckpt, capsys, monkeypatch):
     """The reference attention builds the full fp32 score matrix: a prompt too long for it is refused
     with the length that fits (here with 50 MB "free")."""
-    import modeling.llm
+    import modeling.runtime
 
-    monkeypatch.setattr(modeling.llm, "available_memory", lambda device: 50 * 10**6)
-    monkeypatch.setattr(modeling.llm, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
+    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 50 * 10**6)
+    monkeypatch.setattr(modeling.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
     prompt = "The quick brown fox jumps over the lazy dog. " * 120  # ~1200 tokens: 4 x 4 heads x T^2 x 4 B
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 1, "--device", "cpu")
     assert code == 2 and out == "", err

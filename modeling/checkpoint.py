@@ -1,0 +1,104 @@
+"""Where a model comes from, and the files beside its weights: ``Checkpoint`` (config, tokenizer,
+chat template, generation defaults: cheap to load, so the command line checks its input against
+it before reading any weight), ``load_config`` (one-line errors), and ``default_model_dir``, the
+model used when none is named (the one shipped in ``modeling/default_model``)."""
+
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from .chat import ChatTemplate, GenerationDefaults, generation_defaults
+from .config import ConfigError, QwenConfig
+from .decode_state import MAX_STOP_IDS
+from .hub import resolve_model
+from .sampling import SamplingParams
+from .tokenizer import QwenTokenizer
+
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+"""The model shipped with the package: a 7.2M-parameter Qwen3 this project trained on Tiny
+Shakespeare with its own kernels (``python -m modeling.train``; docs/training.md)."""
+
+
+def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
+    """The checkpoint used when no model is named (the command line without ``--model``, ``LLM()``):
+    ``DEFAULT_MODEL``. ``notice`` gets a one-line note saying so."""
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        raise ValueError(f"the shipped default model is missing from {DEFAULT_MODEL}: reinstall the package, "
+                         "or name a model")
+    if notice is not None:
+        notice("note: no model given: using the shipped default model, a small Qwen3 trained on Tiny Shakespeare")
+    return DEFAULT_MODEL
+
+
+def load_config(path: Union[str, Path]) -> QwenConfig:
+    """``QwenConfig`` of a checkpoint directory; every problem with config.json is a ``ConfigError``
+    with one line that says what is wrong (not a JSON object, a missing field, a wrong type...)."""
+    import json
+
+    f = Path(path) / "config.json"
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"unreadable config.json ({type(e).__name__}: {_one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config.json is not a JSON object (it holds a {type(data).__name__})")
+    try:
+        return QwenConfig.from_dict(data)
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"config.json has no {e.args[0]!r}") from None
+    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"config.json has a field of the wrong type or value ({type(e).__name__}: "
+                          f"{_one_line(e)})") from None
+
+
+class Checkpoint:
+    """A checkpoint's files other than its weights: ``path``, ``config`` (``QwenConfig``),
+    ``tokenizer`` (``QwenTokenizer``), ``defaults`` (``GenerationDefaults`` from
+    generation_config.json) and ``chat_template`` (loaded on first use). ``load`` raises a
+    ``ValueError`` (``ModelNotFound``, ``ConfigError``, ...) with a one-line message."""
+
+    def __init__(self, path: Path, config: QwenConfig, tokenizer: QwenTokenizer, defaults: GenerationDefaults):
+        self.path, self.config, self.tokenizer, self.defaults = Path(path), config, tokenizer, defaults
+        self._chat_template: Optional[ChatTemplate] = None
+        if len(tokenizer.eos_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"the tokenizer names {len(tokenizer.eos_token_ids)} EOS ids; at most {MAX_STOP_IDS} "
+                             "stop ids are supported")
+
+    @classmethod
+    def load(cls, model: Union[str, Path, None] = None, revision: Optional[str] = None,
+             offline: Optional[bool] = None, progress: bool = True,
+             notice: Optional[Callable[[str], None]] = None) -> "Checkpoint":
+        """``model``: a checkpoint directory or a Hub id ``ORG/NAME`` (``modeling.hub.resolve_model``:
+        ``revision``, ``offline``, download ``progress`` on stderr); None: ``default_model_dir``."""
+        if model is None:
+            if revision is not None:
+                raise ValueError("a revision needs a model name (a Hub id ORG/NAME)")
+            path = default_model_dir(notice)
+        else:
+            path = resolve_model(model, revision=revision, offline=offline, progress=progress)
+        config = load_config(path)
+        tokenizer = QwenTokenizer.from_pretrained(path)
+        defaults = generation_defaults(path)
+        return cls(path, config, tokenizer, defaults)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The checkpoint's chat template (``ChatTemplateError`` if it is broken; ChatML if none)."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_pretrained(self.path)
+        return self._chat_template
+
+    def default_sampling_params(self) -> SamplingParams:
+        """generation_config.json's sampling values and ``max_new_tokens`` as ``SamplingParams``."""
+        d = self.defaults
+        return SamplingParams(d.temperature, d.top_k, d.top_p, max_tokens=d.max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# devices, the path the ops take, memory
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
