@@ -58,7 +58,7 @@ LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 @triton.jit
 def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta, qk_scale,
                   m_i, l_i, acc, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_O: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr):
     """One key block of the online softmax; MASKED blocks check the sequence end and the diagonal.
     Without WRITE_O only the row statistics (m, l) are updated: v is never read."""
     cols = n0 + offs_n
@@ -74,7 +74,7 @@ def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stri
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None]) * tl.exp2(-HEADROOM)  # p <= 2^-HEADROOM, exactly: common.SOFTMAX_HEADROOM
+    p = tl.exp2(s - m_new[:, None]) * P_SCALE  # P_SCALE = 2^-HEADROOM: p <= 2^-HEADROOM, exactly (common.SOFTMAX_HEADROOM)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if WRITE_O:
         if MASKED:
@@ -92,7 +92,7 @@ def _attention_kernel(
     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
     SQ, SK, HQ, GROUP, qk_scale,
     CAUSAL: tl.constexpr, WRITE_O: tl.constexpr, WRITE_LSE: tl.constexpr,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys, so they start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -120,11 +120,11 @@ def _attention_kernel(
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
-                                      qk_scale, m_i, l_i, acc, False, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM)
+                                      qk_scale, m_i, l_i, acc, False, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
     # Every row sees key 0, so after the first block m_i is finite and no row divides by zero.
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
-                                      qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM)
+                                      qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
     if WRITE_LSE:  # natural-log log-sum-exp of the scaled scores, for the backward
         tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i + HEADROOM + tl.log2(l_i)) * LN2, mask=offs_m < SQ)
     if WRITE_O:
@@ -166,13 +166,14 @@ def _launch(q, k, v, o, lse, scale, causal):
     hk = k.shape[2]
     ot = o if o is not None else q  # a placeholder pointer when o is not written
     bm, bn, warps, stages = _blocks(d, sq, q.element_size())
+    headroom = softmax_headroom(v.dtype)
     _attention_kernel[(triton.cdiv(sq, bm), bsz * hq)](
         q, k, v, ot, lse if lse is not None else q,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), ot.stride(0), ot.stride(1), ot.stride(2),
         sq, k.shape[1], hq, hq // hk, scale * LOG2E,
         CAUSAL=causal, WRITE_O=o is not None, WRITE_LSE=lse is not None,
-        D=d, BLOCK_M=bm, BLOCK_N=bn, HEADROOM=softmax_headroom(v.dtype), num_warps=warps, num_stages=stages,
+        D=d, BLOCK_M=bm, BLOCK_N=bn, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=warps, num_stages=stages,
     )
 
 

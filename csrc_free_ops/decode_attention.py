@@ -28,7 +28,7 @@ def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -62,7 +62,7 @@ def _decode_split_kernel(
         # A row whose keys are all masked so far keeps m = -inf: shift by 0 instead of NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None]) * tl.exp2(-HEADROOM)  # p <= 2^-HEADROOM, exactly: common.SOFTMAX_HEADROOM
+        p = tl.exp2(s - m_safe[:, None]) * P_SCALE  # P_SCALE = 2^-HEADROOM: p <= 2^-HEADROOM, exactly (common.SOFTMAX_HEADROOM)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
                     mask=cols[:, None] < hi, other=0.0)
@@ -110,13 +110,14 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     part_out = torch.empty((bsz, tq, hq, num_splits, d), dtype=torch.float32, device=q.device)
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads element b at offset b
     part_lse = torch.empty((bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
+    headroom = softmax_headroom(v_cache.dtype)
     _decode_split_kernel[(bsz * hk, num_splits)](
         q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=softmax_headroom(v_cache.dtype), num_warps=4, num_stages=2,
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2,
     )
     _decode_combine_kernel[(bsz * tq * hq,)](
         part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,

@@ -93,10 +93,10 @@ MUTATIONS = [
              "    if bsz == 0 or sk == 0:\n        return dq, dk, dv\n    if sq * hq == 0:",
              "    if bsz * hq == 0 or sk == 0:\n        return dq, dk, dv\n    if sq == 0:", ("tests/test_edge_cases.py",)),
     Mutation("attention's online softmax without headroom (p @ v overflows)", "csrc_free_ops/attention.py",
-             "p = tl.exp2(s - m_new[:, None]) * tl.exp2(-HEADROOM)", "p = tl.exp2(s - m_new[:, None])",
+             "p = tl.exp2(s - m_new[:, None]) * P_SCALE", "p = tl.exp2(s - m_new[:, None])",
              ("tests/test_edge_cases.py",)),
     Mutation("decode_attention's splits without headroom", "csrc_free_ops/decode_attention.py",
-             "p = tl.exp2(s - m_safe[:, None]) * tl.exp2(-HEADROOM)", "p = tl.exp2(s - m_safe[:, None])",
+             "p = tl.exp2(s - m_safe[:, None]) * P_SCALE", "p = tl.exp2(s - m_safe[:, None])",
              ("tests/test_edge_cases.py",)),
     Mutation("decode_attention combines unnormalised split weights", "csrc_free_ops/decode_attention.py",
              "    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, "
