@@ -9,6 +9,7 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
   context 256 and 2048, batch 8 and 32 at context 256; wall time of the decode loop over
   `--steps` steps (token readback included);
 - ours, eager: the same step without the graph (one Python launch per op);
+- ours unfused, CUDA graph: the op-by-op decode step (`model.fused_decode = False`);
 - torch eager / torch.compile: a plain PyTorch model of the same architecture (bf16 `F.linear`,
   `F.rms_norm`, rotate-half RoPE, SDPA over a static KV cache of exactly context + steps
   positions so masked attention over unused slots costs little), gpt-fast style, compiled with
@@ -20,7 +21,8 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
 Shapes: Qwen3-0.6B (all rows); with `--all` also the seed's shape (hidden 896, 8/2 heads of
 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
 intermediate 6144, tied), ours with the graph, torch.compile and the floor at batch 1, context 256.
-Kernels per decoded token come from the profiler (one eager step of ours).
+Kernels per decoded token and the time of each come from the profiler (captured steps of the
+fused and the unfused path, batch 1).
 """
 import argparse
 import datetime
@@ -159,23 +161,38 @@ def transformers_ms(config_dict: dict, context: int, steps: int):
     return (long - short) / steps * 1e3
 
 
-def kernels_per_token(model) -> int:
-    """CUDA kernels launched by one eager decode step of ours (batch 1), from the profiler."""
+def kernel_profile(model, steps: int = 8) -> dict:
+    """Kernel name -> [launches, microseconds] per decoded token (batch 1, CUDA graph), from the
+    profiler: a run of 1 + steps tokens minus a run of 1 (the prefill and its first token)."""
     from torch.profiler import ProfilerActivity, profile
 
     from modeling.generator import Generator
 
-    gen = Generator(model, max_batch_size=1, max_seq_len=64, use_cuda_graph=False)
-    gen.generate([[1, 2, 3]], 3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        gen.generate([[1, 2, 3]], 2)  # prefill + one decode step
-    with profile(activities=[ProfilerActivity.CUDA]) as prof_prefill:
-        gen.generate([[1, 2, 3]], 1)  # prefill only
-    def count(p):
-        return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not any(w in e.name.lower() for w in ("memcpy", "memset")))
+    gen = Generator(model, max_batch_size=1, max_seq_len=64, use_cuda_graph=True)
+    gen.generate([[1, 2, 3]], steps + 1)  # compile, capture
 
-    return count(prof) - count(prof_prefill)
+    def kernels(n):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gen.generate([[1, 2, 3]], n)
+        stats = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and \
+                    not any(w in e.name.lower() for w in ("memcpy", "memset")):
+                count_us = stats.setdefault(e.name, [0, 0.0])
+                count_us[0] += 1
+                count_us[1] += e.time_range.elapsed_us()
+        return stats
+
+    decode, prefill = kernels(steps + 1), kernels(1)
+    return {name: [(n - prefill.get(name, [0, 0.0])[0]) / steps, (us - prefill.get(name, [0, 0.0])[1]) / steps]
+            for name, (n, us) in decode.items() if n > prefill.get(name, [0, 0.0])[0]}
+
+
+def print_profile(title: str, table: dict) -> None:
+    print(f"{title}: {sum(n for n, _ in table.values()):.0f} kernels, "
+          f"{sum(us for _, us in table.values()):.0f} us of kernel time per token", flush=True)
+    for name, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {name[:60]:60s} {n:6.1f} x {us:8.1f} us", flush=True)
 
 
 def measure(args) -> dict:
@@ -201,12 +218,20 @@ def measure(args) -> dict:
         row(name, "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
         if name == "qwen3-0.6b":
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-            out["kernels_per_token"] = kernels_per_token(model)
-            print(f"kernels per decoded token: {out['kernels_per_token']}", flush=True)
             row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
             for batch in (8, 32):
                 row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
             row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
+            fused = kernel_profile(model)
+            model.fused_decode = False
+            row(name, "ours unfused, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+            unfused = kernel_profile(model)
+            model.fused_decode = True
+            out["kernels_per_token"] = round(sum(n for n, _ in fused.values()))
+            out["unfused_kernels_per_token"] = round(sum(n for n, _ in unfused.values()))
+            out["profile"] = dict(fused=fused, unfused=unfused)
+            print_profile("fused decode step", fused)
+            print_profile("unfused decode step", unfused)
             row(name, "torch eager", 1, 256, torch_ms(model, 1, 256, 32, None))
         row(name, f"torch.compile {compile_mode}", 1, 256, torch_ms(model, 1, 256, args.steps, compile_mode))
         if name == "qwen3-0.6b" and not args.no_transformers:
@@ -226,13 +251,20 @@ def render(path: str, doc: str = "docs/performance.md", plot: str = "docs/decode
     lines = [MARK_BEGIN, "",
              f"`python -m bench.decode` on {res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}; "
              f"random weights, bf16, greedy, {res['steps']} steps; copy bandwidth {res['copy_bandwidth_tb_s']:.2f} TB/s. "
-             f"Kernels per decoded token (ours, batch 1): {res.get('kernels_per_token', 'n/a')}. "
+             f"Kernels per decoded token (ours, batch 1): {res.get('kernels_per_token', 'n/a')} fused, "
+             f"{res.get('unfused_kernels_per_token', 'n/a')} unfused. "
              f"Result file: `{path}`.", "",
              "| shape | what | batch | context | ms / step | x floor |", "|---|---|---|---|---|---|"]
     floors = {r["shape"]: r["ms_per_step"] for r in res["rows"] if r["what"].startswith("floor")}
     for r in res["rows"]:
         lines.append(f"| {r['shape']} | {r['what']} | {r['batch']} | {r['context'] or '-'} | "
                      f"{r['ms_per_step']:.3f} | {r['ms_per_step'] / floors[r['shape']]:.2f} |")
+    for path_name, table in res.get("profile", {}).items():
+        lines += ["", f"Kernel time per decoded token inside the graph, {path_name} path (batch 1, context 3-11):", "",
+                  "| kernel | launches | us |", "|---|---|---|"]
+        for name, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:10]:
+            lines.append(f"| `{name[:50]}` | {n:.0f} | {us:.1f} |")
+        lines.append(f"| all | {sum(n for n, _ in table.values()):.0f} | {sum(us for _, us in table.values()):.1f} |")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -9,6 +9,9 @@ never from each other.
   of P programs writes the fp32 partial sum of a fixed, contiguous range of rows to row p of
   a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the
   shape, so results are bitwise reproducible run to run.
+- `semaphores`, `arrive`: per-tile arrival counters, so the last program of a split reduction
+  finishes it in the same kernel (fused decode GEMVs, decode attention's combine).
+- `use_pdl`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
 import math
@@ -41,6 +44,76 @@ def softmax_headroom(dtype: torch.dtype) -> float:
     product, and p <= 2^-20 would be subnormal in fp16 (fp16 values, <= 65504, cannot overflow
     the fp32 accumulator anyway). bf16 and fp32 have fp32's exponent range: the shift is exact."""
     return 0.0 if dtype == torch.float16 else SOFTMAX_HEADROOM
+
+
+_PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
+_pdl_devices: dict = {}
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Programmatic Dependent Launch for the decode kernels that support it: on CUDA devices of
+    compute capability 9 or more (Hopper), unless QWEN_PDL=0. Such a kernel is launched with
+    `launch_pdl=True`, may start while the previous kernel in the stream finishes, and calls
+    `gdc_wait` before it reads or writes anything but its weights (see `pdl_wait`). Never under
+    the interpreter, which has no griddepcontrol instruction."""
+    if _PDL_OFF or not t.is_cuda:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_devices:
+        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_devices[index]
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel of the stream has finished and its writes are visible (a no-op
+    without PDL). Nothing before this point may touch memory another kernel writes."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next kernel of the stream start its prologue (it still waits for this one to finish
+    before touching shared memory state)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+MAX_TILES = 1 << 16
+"""Arrival counters per device: output tiles x row blocks of one launch."""
+
+_semaphores: dict = {}
+
+
+def semaphores(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters: int32, zero between launches (the last program of a tile
+    sets its counter back), created zeroed on first use. One buffer per device, so two kernels
+    that count arrivals must not run at the same time on one device (concurrent streams are not
+    supported). Create it before a CUDA graph capture (`reserve`), never inside one."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    if key not in _semaphores:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels that count arrivals: call csrc_free_ops.common.reserve(device) before "
+                               "capturing a CUDA graph")
+        _semaphores[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _semaphores[key]
+
+
+def reserve(device) -> None:
+    """Create the device's arrival counters now (the model does this when it builds a cache)."""
+    semaphores(torch.device(device))
+
+
+@triton.jit
+def arrive(sem_ptr, tile):
+    """Split reductions without a second kernel: each program of a tile stores its partial result,
+    then counts itself in; the count returned is how many arrived before it, so the one that gets
+    (number of programs - 1) is last and may read every partial (and must reset the counter)."""
+    tl.debug_barrier()  # every thread's partial is stored before the arrival is published
+    return tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel")
 
 
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)

@@ -7,7 +7,10 @@ subclass that declares its mixer:
 - ``mixer_plan(config, hf)``: for each mixer parameter, the Hugging Face tensors under the prefix
   ``hf`` (e.g. ``"model.layers.3."``) that are concatenated along dim 0 to make it, with shapes;
 - ``new_cache(batch_size, max_len, dtype, device)``: the layer's per-sequence state;
-- ``mix(h, positions, cache, cache_seqlens)``: the mixer's forward.
+- ``mix(h, positions, cache, cache_seqlens)``: the mixer's forward;
+- ``mix_decode(x, positions, cache, cache_seqlens)``: ``x + mix(rms_norm(x))`` for a decode step
+  through the fused ops (the input norm inside the first projection, the residual add inside
+  the last), used by ``DecoderLayer.decode``.
 
 ``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes: the model builds its
 layers and the loader its plan from it, and the config rejects any other name.
@@ -106,6 +109,17 @@ class DecoderLayer(nn.Module):
         gate_up = ops.linear(h, self.gate_up_weight)  # [B, T, 2I]
         return ops.linear(ops.silu_mul(gate_up), self.down_weight), residual
 
+    def decode(self, x: Tensor, positions: Tensor, cache, cache_seqlens: Tensor) -> Tensor:
+        """The fused decode step (inference only: the fused ops have no autograd). x [B, T, hidden]
+        is the residual stream with the previous layer's output already added; returns it after
+        this layer. The same math as ``forward``: the input norm runs inside the mixer's first
+        projection (``mix_decode``), the post norm inside ``norm_gate_up_silu``, and each residual
+        add inside the projection before it (``linear_residual``)."""
+        c = self.config
+        x = self.mix_decode(x, positions, cache, cache_seqlens)
+        h = ops.norm_gate_up_silu(x, self.post_norm, self.gate_up_weight, c.rms_norm_eps, c.norm_offset)
+        return ops.linear_residual(h, self.down_weight, x)
+
 
 class AttentionLayer(DecoderLayer):
     """Full (causal, GQA) attention with RoPE, fused QKV; q/k RMSNorm per head on qwen3 and
@@ -168,14 +182,29 @@ class AttentionLayer(DecoderLayer):
         q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps,
                         c.norm_offset)
         ops.kv_cache_store(k, v, cache.k, cache.v, positions)
-        scale = D**-0.5
         if cache_seqlens is None:
-            o = ops.attention(q, k, v, scale, True)
+            o = ops.attention(q, k, v, D**-0.5, True)
         else:
-            o = ops.decode_attention(q, cache.k, cache.v, cache_seqlens, scale)
+            o = ops.decode_attention(q, cache.k, cache.v, cache_seqlens, D**-0.5)
+        return ops.linear(self._gated(o, gate), self.o_weight)
+
+    def mix_decode(self, x: Tensor, positions: Tensor, cache: KVCache, cache_seqlens: Tensor) -> Tensor:
+        """``x + mix(rms_norm(x))`` for a decode step, in three kernels: ``norm_qkv_rope_store``,
+        ``decode_attention``, ``linear_residual`` (plus ``sigmoid_mul`` with the output gate)."""
+        c = self.config
+        D = c.head_dim
+        qg = ops.norm_qkv_rope_store(x, self.input_norm, self.qkv_weight, self.qkv_bias, self.q_norm, self.k_norm,
+                                     cache.k, cache.v, positions, c.rms_norm_eps, c.norm_offset, c.rope_theta,
+                                     c.rotary_dim, c.num_attention_heads, c.attn_output_gate)
+        o = ops.decode_attention(qg[..., :D], cache.k, cache.v, cache_seqlens, D**-0.5)
+        return ops.linear_residual(self._gated(o, qg[..., D:] if c.attn_output_gate else None), self.o_weight, x)
+
+    @staticmethod
+    def _gated(o: Tensor, gate: Optional[Tensor]) -> Tensor:
+        """Attention output o [B, T, Hq, D] (times sigmoid(gate) with the output gate) -> [B, T, Hq * D]."""
         if gate is not None:
-            o = ops.sigmoid_mul(o, gate)  # [B, T, Hq, D]
-        return ops.linear(o.view(B, T, Hq * D), self.o_weight)
+            o = ops.sigmoid_mul(o, gate)
+        return o.reshape(*o.shape[:2], -1)
 
 
 class GatedDeltaNetCache:
@@ -247,12 +276,23 @@ class GatedDeltaNetLayer(DecoderLayer):
         return GatedDeltaNetCache(conv, state)
 
     def mix(self, h: Tensor, positions: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor]) -> Tensor:
+        o = self._delta_rule(ops.linear(h, self.in_proj_weight), cache, cache_seqlens)
+        return ops.linear(o, self.out_weight)
+
+    def mix_decode(self, x: Tensor, positions: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Tensor) -> Tensor:
+        """``x + mix(rms_norm(x))`` for a decode step: the input norm inside ``norm_linear``, the
+        residual add inside ``linear_residual``."""
         c = self.config
-        B, T, _ = h.shape
+        proj = ops.norm_linear(x, self.input_norm, self.in_proj_weight, None, c.rms_norm_eps, c.norm_offset)
+        return ops.linear_residual(self._delta_rule(proj, cache, cache_seqlens), self.out_weight, x)
+
+    def _delta_rule(self, proj: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor]) -> Tensor:
+        """The mixer between its two projections: proj [B, T, C + Vd + 2Hv] -> o [B, T, Vd]."""
+        c = self.config
+        B, T, _ = proj.shape
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv, Kd, Vd, C = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim, c.linear_value_dim,
                              c.linear_conv_dim)
-        proj = ops.linear(h, self.in_proj_weight)  # [B, T, C + Vd + 2Hv]
         x = proj[..., :C]
         z = proj[..., C : C + Vd].view(B, T, Hv, Dv)
         b = proj[..., C + Vd : C + Vd + Hv]
@@ -274,7 +314,7 @@ class GatedDeltaNetLayer(DecoderLayer):
         else:
             o = ops.recurrent_gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, scale, True)
         o = ops.gated_rms_norm(o, z, self.norm_weight, c.rms_norm_eps)  # [B, T, Hv, Dv]
-        return ops.linear(o.view(B, T, Vd), self.out_weight)
+        return o.view(B, T, Vd)
 
 
 LAYER_TYPES = {"full_attention": AttentionLayer, "linear_attention": GatedDeltaNetLayer}

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import qwen_ops
+
 from .config import QwenConfig
 from .layers import LAYER_TYPES
 from .loader import load_state_dict
@@ -49,6 +51,11 @@ class Cache:
 class QwenForCausalLM(nn.Module):
     """Qwen3 / Qwen2 / Qwen3.5 causal LM. Parameters are created uninitialized; use ``from_pretrained``."""
 
+    fused_decode: bool = True
+    """Decode steps (``cache_seqlens`` given) run the fused decode ops (``DecoderLayer.decode``):
+    five kernels per attention layer instead of thirteen, the same math. Set False for the
+    unfused path (the op-by-op ``forward`` of prefill); training never decodes."""
+
     def __init__(self, config: QwenConfig):
         super().__init__()
         c = config
@@ -71,6 +78,7 @@ class QwenForCausalLM(nn.Module):
         """A zeroed cache for ``batch_size`` sequences of up to ``max_len`` positions, one per layer
         (default dtype and device: the model's)."""
         dtype, device = dtype or self.dtype, device or self.device
+        qwen_ops.reserve_semaphores(device)  # before any CUDA graph capture of a decode step
         return Cache(layer.new_cache(batch_size, max_len, dtype, device) for layer in self.layers)
 
     def forward(
@@ -91,6 +99,13 @@ class QwenForCausalLM(nn.Module):
         ``cache``: from ``new_cache`` (or some of its rows, ``cache.rows``).
         Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``.
         """
+        c = self.config
+        if cache_seqlens is not None and self.fused_decode:
+            x = F.embedding(input_ids, self.embed_tokens)  # the residual stream
+            for layer, layer_cache in zip(self.layers, cache.layers):
+                x = layer.decode(x, positions, layer_cache, cache_seqlens)
+            return ops.norm_linear(x if all_logits else x[:, -1], self.norm, self._head(), None, c.rms_norm_eps,
+                                   c.norm_offset)
         h = self._final_hidden(input_ids, positions, cache, cache_seqlens, last_only=not all_logits)
         return ops.linear(h, self._head())
 

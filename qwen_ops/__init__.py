@@ -18,6 +18,9 @@ from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
 from .decode_attention import decode_attention, decode_attention_reference
+from .fused_decode import (linear_residual, linear_residual_reference, norm_gate_up_silu,
+                           norm_gate_up_silu_reference, norm_linear, norm_linear_reference, norm_qkv_rope_store,
+                           norm_qkv_rope_store_reference, reserve_semaphores)
 from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, gated_delta_gates,
                                gated_delta_gates_reference, gated_rms_norm,
                                gated_rms_norm_reference, recurrent_gated_delta_rule,
@@ -43,4 +46,7 @@ __all__ = [
     "rope_reference", "silu_mul", "silu_mul_backward", "silu_mul_backward_reference", "silu_mul_reference",
     "silu_mul_split", "silu_mul_split_backward", "silu_mul_split_backward_reference", "silu_mul_split_reference",
     "sigmoid_mul", "sigmoid_mul_reference", "gated_delta_gates", "gated_delta_gates_reference",
+    "linear_residual", "linear_residual_reference", "norm_gate_up_silu", "norm_gate_up_silu_reference",
+    "norm_linear", "norm_linear_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
+    "reserve_semaphores",
 ]

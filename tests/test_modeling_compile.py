@@ -70,7 +70,8 @@ def captured_ops(fn, *args) -> str:
 @torch.no_grad()
 def test_decoder_layer_op_sequence():
     """Prefill through the first layer (rms_norm, attention), decode through the second
-    (add_rms_norm fused with the residual, decode_attention on the cache)."""
+    (add_rms_norm fused with the residual, decode_attention on the cache), and the fused decode
+    step of the second: five kernels."""
     expecttest = pytest.importorskip("expecttest")  # a test extra; the GPU machine lacks it
     model = random_model("qwen3")
     cache = model.new_cache(B, MAX_LEN, torch.float32)
@@ -117,4 +118,14 @@ qwen.add_rms_norm.default
 qwen.linear.default
 qwen.silu_mul.default
 qwen.linear.default
+""")
+    fused_ops = captured_ops(second.decode, x1, positions, cache.layers[1], seqlens)
+    expecttest.assert_expected_inline(fused_ops, """\
+auto_functionalized_v2(qwen.norm_qkv_rope_store.default)
+aten.alias.default
+qwen.decode_attention.default
+aten.view.default
+qwen.linear_residual.default
+qwen.norm_gate_up_silu.default
+qwen.linear_residual.default
 """)

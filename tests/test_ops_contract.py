@@ -25,6 +25,12 @@ def _samples(device):
         "attention": (q, k, v, 0.25, True),
         "kv_cache_store": (k, v, cache(), cache(), positions),
         "decode_attention": (q[:, :1], cache(), cache(), torch.tensor([3, 7], dtype=torch.int32, device=device), 0.25),
+        "norm_linear": (randn(b, n, **f32), randn(n, **f32), randn(24, n, **f32), randn(24, **f32), 1e-6, 1.0),
+        "linear_residual": (randn(b, n, **f32), randn(24, n, **f32), randn(b, 24, **f32)),
+        "norm_gate_up_silu": (randn(b, n, **f32), randn(n, **f32), randn(24, n, **f32), 1e-6, 0.0),
+        "norm_qkv_rope_store": (randn(b, 1, n, **f32), randn(n, **f32), randn((hq + 2 * hk) * d, n, **f32), None,
+                                randn(d, **f32), randn(d, **f32), cache(), cache(), positions[:, :1], 1e-6, 0.0, 1e4, d,
+                                hq, False),
     }
 
 

@@ -1,0 +1,139 @@
+"""The fused decode ops against the op sequences they replace, and their config sweep (GPU).
+
+    python -m bench.fused_decode [--out DIR] [--sweep]
+
+Each case is one decode-step projection of Qwen3-0.6B or Qwen3.5-0.8B at batch 1, bf16, timed
+as a CUDA graph of calls over enough input copies that the weights do not sit in L2
+(`bench.ops.bench_us`): the fused op at its stored config, the unfused ops it replaces, and the
+weight bytes over the time against the copy bandwidth measured in the same run. --sweep also
+times every candidate (block_n, block_k, split_k, num_stages) and prints the FUSED_CONFIGS table
+for csrc_free_ops/fused_decode.py.
+"""
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import triton
+
+import qwen_ops  # noqa: F401
+from bench.ops import bench_us, copies, copy_bandwidth, rnd
+from csrc_free_ops import fused_decode as fd
+
+ops = torch.ops.qwen
+EPS = 1e-6
+
+# name: (op, N, K, extra): N output rows of the weight (gate_up: 2I), K its input size
+CASES = {
+    "qwen3-0.6b qkv+rope+store": ("norm_qkv_rope_store", 4096, 1024, dict(hq=16, hk=8, d=128, rot=128, gated=False)),
+    "qwen3-0.6b o_proj+residual": ("linear_residual", 1024, 2048, {}),
+    "qwen3-0.6b norm+gate_up+silu": ("norm_gate_up_silu", 6144, 1024, {}),
+    "qwen3-0.6b down+residual": ("linear_residual", 1024, 3072, {}),
+    "qwen3-0.6b norm+lm_head": ("norm_linear", 151936, 1024, {}),
+    "qwen3.5 gated qkv+rope+store": ("norm_qkv_rope_store", 5120, 1024, dict(hq=8, hk=2, d=256, rot=64, gated=True)),
+    "qwen3.5 norm+in_proj": ("norm_linear", 8224, 1024, {}),
+    "qwen3.5 out_proj+residual": ("linear_residual", 1024, 2048, {}),
+    "qwen3.5 norm+gate_up+silu": ("norm_gate_up_silu", 7168, 1024, {}),
+    "qwen3.5 down+residual": ("linear_residual", 1024, 3584, {}),
+    "qwen3.5 norm+lm_head": ("norm_linear", 248320, 1024, {}),
+}
+
+
+def make_args(op, n, k, extra):
+    """A fresh argument tuple (the weight is the big part) for one call of the fused op."""
+    x, nw = rnd(1, 1, k), rnd(k, scale=0.1) + 1
+    w = rnd(n, k, scale=k**-0.5)
+    if op == "norm_qkv_rope_store":
+        cache = lambda: torch.zeros(1, 512, extra["hk"], extra["d"], dtype=torch.bfloat16, device="cuda")  # noqa: E731
+        return (x, nw, w, None, rnd(extra["d"]) + 1, rnd(extra["d"]) + 1, cache(), cache(),
+                torch.full((1, 1), 300, device="cuda"), EPS, 1.0 if extra["gated"] else 0.0, 1e6, extra["rot"],
+                extra["hq"], extra["gated"])
+    if op == "linear_residual":
+        return (x, w, rnd(1, 1, n))
+    return (x, nw, w, None, EPS, 0.0) if op == "norm_linear" else (x, nw, w, EPS, 0.0)
+
+
+def fused(op, cfg=None):
+    launcher = getattr(fd, op)
+    return lambda *a: launcher(*a, cfg=cfg)
+
+
+def unfused(op, extra):
+    """The op-by-op sequence the fused op replaces (the residual stream's add_rms_norm included
+    where the fused op absorbs it)."""
+    def qkv(x, nw, w, b, qn, kn, kc, vc, pos, eps, offset, theta, rot, hq, gated):
+        h, _ = ops.add_rms_norm(x, x, nw, eps, offset)
+        qkv = ops.linear(h, w, b)
+        d, hk = extra["d"], extra["hk"]
+        q_rows = hq * d * (2 if gated else 1)
+        q = qkv[..., :q_rows].view(1, 1, hq, -1)[..., :d]
+        k = qkv[..., q_rows : q_rows + hk * d].view(1, 1, hk, d)
+        v = qkv[..., q_rows + hk * d :].view(1, 1, hk, d)
+        q, k = ops.rope(q, k, pos, theta, rot, qn, kn, eps, offset)
+        ops.kv_cache_store(k, v, kc, vc, pos)
+
+    return {
+        "norm_qkv_rope_store": qkv,
+        "linear_residual": lambda x, w, r: ops.add_rms_norm(ops.linear(x, w), r, r[0, 0], EPS)[1],
+        "norm_gate_up_silu": lambda x, nw, w, eps, off: ops.silu_mul(ops.linear(ops.add_rms_norm(x, x, nw, eps)[0], w)),
+        "norm_linear": lambda x, nw, w, b, eps, off: ops.linear(ops.add_rms_norm(x, x, nw, eps)[0], w),
+    }[op]
+
+
+def candidates(op, n, k, extra):
+    block_ns = [extra["d"]] if op == "norm_qkv_rope_store" else [16, 32, 64] if n < 32768 else [64, 128]
+    for block_n in block_ns:
+        tiles = triton.cdiv(n // 2 if op == "norm_gate_up_silu" else n, block_n)
+        for block_k in (64, 128, 256):
+            for split in (1, 2, 3, 4, 6, 8, 12, 16):
+                if split * block_k > k or (split > 1 and not 64 <= tiles * split <= 1056):
+                    continue
+                for stages in (3, 4):
+                    yield fd.GemvConfig(block_n, block_k, split, 4, stages)
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="python -m bench.fused_decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    qwen_ops.reserve_semaphores("cuda")
+    bw = copy_bandwidth()
+    head = (f"# bench/fused_decode.py on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch "
+            f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, batch 1, bf16")
+    lines = [head, "", "| case | weight MB | fused us | %copy | unfused us | best config | best us |",
+             "|---|---|---|---|---|---|---|"]
+    print(head, flush=True)
+    best = {}
+    for name, (op, n, k, extra) in CASES.items():
+        nbytes = n * k * 2
+        sets = copies(lambda: make_args(op, n, k, extra), nbytes)
+        t_fused = bench_us(fused(op), sets)
+        t_unfused = bench_us(unfused(op, extra), sets)
+        win = (t_fused, None)
+        if args.sweep:
+            for cfg in candidates(op, n, k, extra):
+                win = min(win, (bench_us(fused(op, cfg), sets), cfg), key=lambda r: r[0])
+            if win[1] is not None:
+                best[(op, n // 2 if op == "norm_gate_up_silu" else n, k)] = win[1]
+        pct = 100 * nbytes / (win[0] * 1e-6) / bw
+        line = (f"| {name} | {nbytes / 1e6:.1f} | {t_fused:.1f} | {100 * nbytes / (t_fused * 1e-6) / bw:.0f}% | "
+                f"{t_unfused:.1f} | {tuple(win[1]) if win[1] else 'stored'} | {win[0]:.1f} ({pct:.0f}%) |")
+        lines.append(line)
+        print(line, flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    if best:
+        lines += ["", "FUSED_CONFIGS = {"] + [f"    {key!r}: GemvConfig{tuple(c)}," for key, c in best.items()] + ["}"]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fused_decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "fused_configs.json"), "w") as f:
+        json.dump({f"{op} {n}x{k}": list(c) for (op, n, k), c in best.items()}, f)
+    print("\n".join(lines[-len(best) - 2:]) if best else "", flush=True)
+
+
+if __name__ == "__main__":
+    main()

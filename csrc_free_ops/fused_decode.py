@@ -1,0 +1,361 @@
+"""Fused decode GEMVs: each weight matrix of a decode step read once, by one kernel that also does
+the small work around it (the norm before it, the residual add, SiLU, RoPE and the KV-cache write
+after it), so a decoder layer runs five kernels instead of thirteen.
+
+x [M, K] (M = batch x new tokens: a few rows), weight [N, K]. Program (n, s, m) multiplies the
+BLOCK_M rows m of x by the BLOCK_N weight rows n over the K slice s. With SPLIT_K > 1 it stores
+its fp32 partial product in part [SPLIT_K, M, N] and adds one to the tile's arrival counter; the
+program that arrives last sums the SPLIT_K slices in a fixed order (deterministic: the atomics
+only count) and runs the epilogue, then sets the counter back to zero. One kernel, no reduce pass.
+
+Prologue (NORM): x is first replaced by rms_norm(x) = x * rsqrt(mean(x^2) + eps) * (w + offset),
+rounded to x's dtype as `qwen.rms_norm` would store it. Every program recomputes the row's rsqrt
+from the whole row (K values from L2): cheaper than a kernel launch.
+
+Epilogues (y = the fp32 sum over K, rounded to the model dtype wherever the unfused ops would
+have stored it, so the fused ops equal the composition of their references):
+
+- `norm_linear`: y (+ bias);
+- `linear_residual`: residual + y (the residual stream's add, rounded once more);
+- `norm_gate_up_silu`: a tile holds gate rows n and up rows I + n: silu(gate) * up;
+- `norm_qkv_rope_store`: a tile is one head (BLOCK_N = head_dim) of the fused QKV projection:
+  query heads get the q RMSNorm and RoPE and go to the output, gate heads (Qwen3.5's gated
+  attention) go to the output as they are, key heads get the k RMSNorm and RoPE and value heads
+  nothing, and both are written into the KV cache at the row's position (outside [0, L): not
+  written). RoPE pairs dimension i with i +- R/2, which another thread holds: the epilogue reads
+  the summed head from `part` twice, once in each order (so even SPLIT_K = 1 goes through `part`).
+
+The arrival counters are `common.semaphores`.
+
+PDL: with `use_pdl`, a kernel waits for the previous one only before its first read of x; its
+address set-up and launch overlap the previous kernel's tail, and it lets the next kernel start
+once its own main loop is done.
+"""
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_wait, semaphores,
+                     use_pdl)
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (op, N, K) -> config, the fastest of `python -m bench.ops --sweep-fused` on an H200 (bench/results/).
+# Shapes not listed use gemv_config's rule.
+FUSED_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {}
+
+
+def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None = None) -> GemvConfig:
+    """The stored config, else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for
+    qkv), 128-deep K steps, and enough K slices for about two programs per SM."""
+    if (op, n, k) in FUSED_CONFIGS:
+        return FUSED_CONFIGS[(op, n, k)]
+    block_n = block_n or (64 if n >= 32768 else 32)
+    block_k = 32 if INTERPRET else 128
+    tiles = triton.cdiv(n, block_n) * m_blocks
+    return GemvConfig(block_n, block_k, min(triton.cdiv(k, block_k), max(1, round(TARGET_PROGRAMS / tiles))))
+
+
+@triton.jit
+def _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of each row rm of x [M, K], fp32."""
+    rk = tl.arange(0, BLOCK_K)
+    ss = tl.zeros((rm.shape[0],), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
+                    mask=(rm[:, None] < M) & (k0 + rk < K)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
+                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[rm, k_lo:k_hi] (normed with NORM) @ weight[rn, k_lo:k_hi]^T."""
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < k_hi - k0
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32) + offset
+            a = (a.to(tl.float32) * rstd[:, None] * nw[None, :]).to(x_ptr.dtype.element_ty)
+        acc = dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.constexpr):
+    """sum over s of part[s, rm, cols], in slice order (fp32); read through L2, where the other
+    programs' stores are."""
+    ptrs = part_ptr + rm[:, None] * stride_pm + cols[None, :]
+    y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, SPLIT_K):
+        y += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return y
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, sem_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, stride_ps, stride_pm, eps, offset,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """out [M, N] = epilogue(x @ weight^T); with SILU, weight is [2N, K] (gate rows, then up rows)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    pdl_wait(USE_PDL)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K)
+    acc = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
+                      NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_up = acc
+    if SILU:
+        acc_up = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn,
+                             rstd, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    pdl_launch_dependents(USE_PDL)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    arrived = SPLIT_K - 1
+    if SPLIT_K > 1:
+        part_ptrs = part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :]
+        tl.store(part_ptrs, acc, mask=mask)
+        if SILU:
+            tl.store(part_ptrs + N, acc_up, mask=mask)
+        arrived = arrive(sem_ptr, pid_m * tl.num_programs(0) + pid_n)
+    if arrived == SPLIT_K - 1:
+        if SPLIT_K > 1:
+            tl.atomic_xchg(sem_ptr + pid_m * tl.num_programs(0) + pid_n, 0)  # ready for the next launch
+            acc = _sum_slices(part_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K)
+            if SILU:
+                acc_up = _sum_slices(part_ptr, rm, rn + N, mask, stride_ps, stride_pm, SPLIT_K)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        if SILU:
+            up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = y * tl.sigmoid(y) * up
+        if RESIDUAL:
+            y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_values(part_ptr, b_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """The projection's output at columns `cols` as the unfused linear stores it (bias added,
+    rounded to the model dtype), in fp32."""
+    y = _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, stride_ps, stride_pm, eps, offset, log2_theta,
+                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                  D: tl.constexpr, ROT: tl.constexpr, dtype: tl.constexpr):
+    """One head [BLOCK_M, D] of q or k after the per-head RMSNorm (HAS_NORM) and RoPE on its first
+    ROT dims, fp32; the math of csrc_free_ops/rope.py."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, D)
+    pd = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))  # RoPE's partner dim
+    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(y * y, axis=1) / D + eps)[:, None]
+        y = y * rstd * (tl.load(nw_ptr + d).to(tl.float32) + offset)[None, :]
+        yp = yp * rstd * (tl.load(nw_ptr + pd).to(tl.float32) + offset)[None, :]
+    i = tl.where(d < HALF, d, d - HALF)
+    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
+    angle = pos[:, None] * inv_freq[None, :]
+    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
+    rotated = y * tl.cos(angle) + sign * yp * tl.sin(angle)
+    return tl.where((d < ROT)[None, :], rotated, y)
+
+
+@triton.jit
+def _qkv_kernel(
+    x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, sem_ptr,
+    M, T, L, K, K_PER_SPLIT, stride_xm, stride_wn, stride_qm, stride_ps, stride_pm,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps, offset, log2_theta,
+    HQ: tl.constexpr, HK: tl.constexpr, GATED: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Tile t of D rows of qkv = rms_norm(x) @ qkv_weight^T: t < QT a query (or, GATED, alternately
+    query and gate) head, then HK key heads, then HK value heads."""
+    QW: tl.constexpr = 2 if GATED else 1
+    QT: tl.constexpr = HQ * QW
+    N: tl.constexpr = (QT + 2 * HK) * D
+    tile = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile * D + tl.arange(0, D)
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = min(k_lo + K_PER_SPLIT, K)
+    pdl_wait(USE_PDL)
+    rstd = _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K)
+    acc = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
+                      True, BLOCK_M, D, BLOCK_K)
+    pdl_launch_dependents(USE_PDL)
+    row_ok = rm < M
+    mask = row_ok[:, None] & (rn[None, :] < N)
+    tl.store(part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :], acc, mask=mask)
+    arrived = SPLIT_K - 1
+    if SPLIT_K > 1:
+        arrived = arrive(sem_ptr, pid_m * tl.num_programs(0) + tile)
+    else:
+        tl.debug_barrier()  # the epilogue reads other threads' columns of the stored head
+    if arrived == SPLIT_K - 1:
+        if SPLIT_K > 1:
+            tl.atomic_xchg(sem_ptr + pid_m * tl.num_programs(0) + tile, 0)
+        dtype = q_ptr.dtype.element_ty
+        d = tl.arange(0, D)
+        if tile < QT:
+            head = tile // QW
+            q_ptrs = q_ptr + rm[:, None] * stride_qm + head * (QW * D) + d[None, :]
+            if tile % QW == 0:
+                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.float32)
+                q = _rotated_head(part_ptr, b_ptr, qn_ptr, rm, tile * D, pos, mask, stride_ps, stride_pm, eps,
+                                  offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
+                tl.store(q_ptrs, q.to(dtype), mask=mask)
+            else:
+                gate = _head_values(part_ptr, b_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+                tl.store(q_ptrs + D, gate.to(dtype), mask=mask)
+        else:
+            pos = tl.load(pos_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
+            b = (rm // T).to(tl.int64)
+            in_cache = mask & ((pos >= 0) & (pos < L))[:, None]
+            if tile < QT + HK:
+                hk = tile - QT
+                k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos.to(tl.float32), mask, stride_ps,
+                                  stride_pm, eps, offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
+                dst = kc_ptr + b[:, None] * stride_kcb + pos[:, None] * stride_kct + hk * stride_kch + d[None, :]
+                tl.store(dst, k.to(kc_ptr.dtype.element_ty), mask=in_cache)
+            else:
+                hv = tile - QT - HK
+                v = _head_values(part_ptr, b_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+                dst = vc_ptr + b[:, None] * stride_vcb + pos[:, None] * stride_vct + hv * stride_vch + d[None, :]
+                tl.store(dst, v.to(vc_ptr.dtype.element_ty), mask=in_cache)
+
+
+def _block_m(m: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def _launch_shape(op: str, m: int, n: int, k: int, cfg: GemvConfig | None, block_n: int | None = None):
+    bm = _block_m(m)
+    m_blocks = triton.cdiv(m, bm)
+    cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return bm, m_blocks, cfg, k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, cfg=None):
+    m, k = x2.shape
+    n = out.shape[1]
+    bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, cfg)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if tiles * m_blocks > MAX_TILES:
+        raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
+    part = torch.empty((split, m, (2 if silu else 1) * n) if split > 1 else (0,), dtype=torch.float32,
+                       device=x2.device)
+    pdl = use_pdl(x2)
+    _gemv_kernel[(tiles, split, m_blocks)](
+        x2, norm_weight if norm_weight is not None else x2, weight, bias if bias is not None else weight,
+        residual if residual is not None else out, out, part, semaphores(x2.device),
+        m, n, k, k_per_split, x2.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0), part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0, eps, offset,
+        NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SILU=silu,
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def norm_linear(x, norm_weight, weight, bias, eps: float, offset: float, cfg=None):
+    """rms_norm(x) @ weight^T (+ bias): x [..., K] -> [..., N]."""
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    if out.numel():
+        _gemv("norm_linear", _rows(x), weight, bias, norm_weight, None, _rows(out), eps, offset, False, cfg)
+    return out
+
+
+def linear_residual(x, weight, residual, cfg=None):
+    """residual + x @ weight^T: x [..., K], residual [..., N] -> [..., N]."""
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    if out.numel():
+        _gemv("linear_residual", _rows(x), weight, None, None, _rows(residual), _rows(out), 0.0, 0.0, False, cfg)
+    return out
+
+
+def norm_gate_up_silu(x, norm_weight, gate_up_weight, eps: float, offset: float, cfg=None):
+    """silu_mul(rms_norm(x) @ gate_up_weight^T): x [..., K] -> [..., I], gate_up_weight [2I, K]."""
+    out = x.new_empty((*x.shape[:-1], gate_up_weight.shape[0] // 2))
+    if out.numel():
+        _gemv("norm_gate_up_silu", _rows(x), gate_up_weight, None, norm_weight, None, _rows(out), eps, offset,
+              True, cfg)
+    return out
+
+
+def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache,
+                        positions, eps: float, offset: float, theta: float, rotary_dim: int, num_heads: int,
+                        gated: bool, cfg=None):
+    """x [B, T, K] -> q [B, T, Hq, D] rotated (with `gated`, [B, T, Hq, 2D]: per head query then
+    gate); the rotated keys and the values go into k_cache/v_cache [B, L, Hk, D] at `positions`."""
+    bsz, t, k = x.shape
+    _, cache_len, hk, d = k_cache.shape
+    qw = 2 if gated else 1
+    q = x.new_empty((bsz, t, num_heads, qw * d))
+    m = bsz * t
+    if m == 0:
+        return q
+    x2 = _rows(x)
+    n = qkv_weight.shape[0]
+    bm, m_blocks, cfg, k_per_split, split = _launch_shape("norm_qkv_rope_store", m, n, k, cfg, block_n=d)
+    tiles = n // d
+    if tiles * m_blocks > MAX_TILES:
+        raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    pos = positions.reshape(-1).contiguous()
+    has_norm = q_norm_weight is not None
+    pdl = use_pdl(x)
+    _qkv_kernel[(tiles, split, m_blocks)](
+        x2, norm_weight, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight,
+        q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, pos, q, k_cache, v_cache, part,
+        semaphores(x.device),
+        m, t, cache_len, k, k_per_split, x2.stride(0), qkv_weight.stride(0), num_heads * qw * d,
+        part.stride(0), part.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, offset, math.log2(theta),
+        HQ=num_heads, HK=hk, GATED=gated, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
+        HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    return q

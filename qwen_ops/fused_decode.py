@@ -1,0 +1,173 @@
+"""The fused decode ops: one weight read per op, with the small ops around it folded in.
+
+Each is, by definition, the composition of existing ops (its reference composes their
+references, with the same rounding to the model dtype between them):
+
+    norm_linear(x, norm_weight, weight, bias, eps, offset)
+        = linear(rms_norm(x, norm_weight, eps, offset), weight, bias)          x [..., K] -> [..., N]
+    linear_residual(x, weight, residual)
+        = residual + linear(x, weight)   (add_rms_norm's sum, rounded)        x [..., K] -> [..., N]
+    norm_gate_up_silu(x, norm_weight, gate_up_weight, eps, offset)
+        = silu_mul(linear(rms_norm(x, norm_weight, eps, offset), gate_up_weight))   -> [..., I]
+    norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight,
+                        k_cache, v_cache, positions, eps, offset, theta, rotary_dim, num_heads, gated)
+        = qkv = linear(rms_norm(x), qkv_weight, qkv_bias); q, k, v = the heads of qkv;
+          q, k = rope(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, eps, offset);
+          kv_cache_store(k, v, k_cache, v_cache, positions); returns q [B, T, Hq, D]
+          (with `gated`, qkv's query rows hold per head [query | gate] and the result is
+          [B, T, Hq, 2D]: the rotated query, then the gate as the projection gave it).
+
+The kernels count arrivals in a per-device buffer (`reserve_semaphores(device)` creates it; do
+that before capturing a CUDA graph of these ops or of `decode_attention`: the model does it in
+`new_cache`). They are built for decode (a few rows of x; the kernels in csrc_free_ops/fused_decode.py are
+split-K GEMVs) but correct for any number of rows. No autograd: the model uses them only for
+inference decode steps.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from csrc_free_ops import fused_decode as kernels
+from csrc_free_ops.common import reserve as reserve_semaphores
+
+from .activation import silu_mul_reference
+from .checks import check_float, check_head_dim, check_index, check_same, fail
+from .kv_cache import kv_cache_store_reference
+from .linear import linear_reference
+from .norm import rms_norm_reference
+from .registry import acc_dtype, define
+from .rope import rope_reference
+
+
+def norm_linear_reference(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                          eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    return linear_reference(rms_norm_reference(x, norm_weight, eps, offset), weight, bias)
+
+
+def linear_residual_reference(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    dt = acc_dtype(x)
+    return (linear_reference(x, weight).to(dt) + residual.to(dt)).to(residual.dtype)
+
+
+def norm_gate_up_silu_reference(x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, eps: float = 1e-6,
+                                offset: float = 0.0) -> Tensor:
+    return silu_mul_reference(linear_reference(rms_norm_reference(x, norm_weight, eps, offset), gate_up_weight))
+
+
+def norm_qkv_rope_store_reference(
+    x: Tensor, norm_weight: Tensor, qkv_weight: Tensor, qkv_bias: Optional[Tensor], q_norm_weight: Optional[Tensor],
+    k_norm_weight: Optional[Tensor], k_cache: Tensor, v_cache: Tensor, positions: Tensor, eps: float, offset: float,
+    theta: float, rotary_dim: int, num_heads: int, gated: bool = False,
+) -> Tensor:
+    b, t, _ = x.shape
+    hk, d = k_cache.shape[2:]
+    q_rows = num_heads * d * (2 if gated else 1)
+    qkv = linear_reference(rms_norm_reference(x, norm_weight, eps, offset), qkv_weight, qkv_bias)
+    qg = qkv[..., :q_rows].reshape(b, t, num_heads, q_rows // num_heads)
+    k = qkv[..., q_rows : q_rows + hk * d].reshape(b, t, hk, d)
+    v = qkv[..., q_rows + hk * d :].reshape(b, t, hk, d)
+    q, k = rope_reference(qg[..., :d], k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, eps, offset)
+    kv_cache_store_reference(k, v, k_cache, v_cache, positions)
+    return torch.cat([q, qg[..., d:]], dim=-1) if gated else q
+
+
+def _check_norm_weight(op: str, x: Tensor, norm_weight: Tensor):
+    check_float(op, "norm_weight", norm_weight, ndim=1)
+    if norm_weight.shape[0] != x.shape[-1]:
+        fail(op, f"norm_weight has {norm_weight.shape[0]} elements but x's last dim is {x.shape[-1]}")
+
+
+def _check_weight(op: str, x: Tensor, name: str, weight: Tensor, **others):
+    check_float(op, "x", x)
+    check_float(op, name, weight, ndim=2)
+    check_same(op, "x", x, **{name: weight}, **others)
+    if x.shape[-1] == 0 or weight.shape[1] != x.shape[-1]:
+        fail(op, f"{name} is {tuple(weight.shape)} ([N, K]) but x's last dim is {x.shape[-1]} (K must be positive)")
+
+
+def _check_norm_linear(x, norm_weight, weight, bias, eps, offset):
+    op = "norm_linear"
+    _check_weight(op, x, "weight", weight, norm_weight=norm_weight, bias=bias)
+    _check_norm_weight(op, x, norm_weight)
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        fail(op, f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def _check_linear_residual(x, weight, residual):
+    op = "linear_residual"
+    _check_weight(op, x, "weight", weight, residual=residual)
+    check_float(op, "residual", residual)
+    if tuple(residual.shape) != (*x.shape[:-1], weight.shape[0]):
+        fail(op, f"residual must have shape {(*x.shape[:-1], weight.shape[0])}, got {tuple(residual.shape)}")
+
+
+def _check_gate_up(x, norm_weight, gate_up_weight, eps, offset):
+    op = "norm_gate_up_silu"
+    _check_weight(op, x, "gate_up_weight", gate_up_weight, norm_weight=norm_weight)
+    _check_norm_weight(op, x, norm_weight)
+    if gate_up_weight.shape[0] % 2:
+        fail(op, f"gate_up_weight needs an even number of rows (gate, then up), got {gate_up_weight.shape[0]}")
+
+
+def _check_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
+               eps, offset, theta, rotary_dim, num_heads, gated):
+    op = "norm_qkv_rope_store"
+    check_float(op, "x", x, ndim=3)
+    _check_weight(op, x, "qkv_weight", qkv_weight, norm_weight=norm_weight, qkv_bias=qkv_bias,
+                  q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache)
+    _check_norm_weight(op, x, norm_weight)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(op, name, c, ndim=4)
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != x.shape[0]:
+        fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                 f"[B={x.shape[0]}, L, Hk, D]")
+    hk, d = k_cache.shape[2:]
+    check_head_dim(op, d)
+    if num_heads <= 0 or hk == 0 or num_heads % hk:
+        fail(op, f"num_heads ({num_heads}) must be a positive multiple of the cache's kv heads ({hk})")
+    rows = (num_heads * (2 if gated else 1) + 2 * hk) * d
+    if qkv_weight.shape[0] != rows:
+        fail(op, f"qkv_weight has {qkv_weight.shape[0]} rows; {num_heads} q heads{' with gates' if gated else ''} "
+                 f"and {hk} kv heads of {d} need {rows}")
+    if qkv_bias is not None and tuple(qkv_bias.shape) != (rows,):
+        fail(op, f"qkv_bias must have shape ({rows},), got {tuple(qkv_bias.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        fail(op, "give both q_norm_weight and k_norm_weight, or neither")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None and tuple(w.shape) != (d,):
+            fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+        fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
+    if not 0.0 < theta < float("inf"):
+        fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
+    check_index(op, "positions", positions, x.shape[:2])
+    if positions.device != x.device:
+        fail(op, f"positions is on {positions.device} but x is on {x.device}")
+
+
+def _check_positions(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache,
+                     positions, *rest):
+    """Value check, CPU tensors only (on CUDA the kernel skips positions outside the cache)."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= k_cache.shape[1]):
+        fail("norm_qkv_rope_store", f"positions must lie in [0, {k_cache.shape[1]}) (cache length), got "
+                                    f"[{int(positions.min())}, {int(positions.max())}]")
+
+
+def _fake_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache, positions, eps,
+              offset, theta, rotary_dim, num_heads, gated):
+    return x.new_empty((*x.shape[:2], num_heads, (2 if gated else 1) * k_cache.shape[3]))
+
+
+norm_linear = define(norm_linear_reference, kernels.norm_linear, check=_check_norm_linear,
+                     fake=lambda x, norm_weight, weight, *rest: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+linear_residual = define(linear_residual_reference, kernels.linear_residual, check=_check_linear_residual,
+                         fake=lambda x, weight, residual: torch.empty_like(residual,
+                                                                           memory_format=torch.contiguous_format))
+
+norm_gate_up_silu = define(norm_gate_up_silu_reference, kernels.norm_gate_up_silu, check=_check_gate_up,
+                           fake=lambda x, nw, w, *rest: x.new_empty((*x.shape[:-1], w.shape[0] // 2)))
+
+norm_qkv_rope_store = define(norm_qkv_rope_store_reference, kernels.norm_qkv_rope_store, check=_check_qkv,
+                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), check_values=_check_positions)

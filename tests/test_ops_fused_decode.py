@@ -1,0 +1,153 @@
+"""The fused decode ops against the composition of the references they replace."""
+import pytest
+import torch
+
+import qwen_ops
+from csrc_free_ops import fused_decode as kernels
+from csrc_free_ops.common import semaphores
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, poison_allocator, randn
+
+
+def _tol(dtype, device):
+    """Three to five roundings to the model dtype in a row (the norm, the projection, the
+    epilogue): bf16 on the CPU interpreter, which truncates at each, gets three times the bound."""
+    return REL_TOL[dtype] * (3 if dtype == torch.bfloat16 and device == "cpu" else 1)
+
+
+# (M, K, N): awkward K and N; on CUDA the Qwen3-0.6B decode shapes
+CASES = {"cpu": [(1, 72, 40), (3, 40, 100), (17, 96, 24)],
+         "cuda": [(1, 1024, 2048), (1, 3072, 1024), (8, 1024, 1024), (32, 896, 4864), (1, 1024, 151936)]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_linear(device, dtype):
+    for m, k, n in CASES[device]:
+        x, nw = randn(m, k, dtype=dtype, device=device), randn(k, dtype=dtype, device=device)
+        w, b = randn(n, k, dtype=dtype, device=device, scale=k**-0.5), randn(n, dtype=dtype, device=device)
+        for bias in (None, b):
+            poison_allocator(device)
+            out = torch.ops.qwen.norm_linear(x, nw, w, bias, 1e-6, 1.0)
+            assert_close(out, qwen_ops.norm_linear_reference(x, nw, w, bias, 1e-6, 1.0), _tol(dtype, device),
+                         f"norm_linear M{m} K{k} N{n} bias={bias is not None}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_residual(device, dtype):
+    for m, k, n in CASES[device]:
+        x, w = randn(2, m, k, dtype=dtype, device=device), randn(n, k, dtype=dtype, device=device, scale=k**-0.5)
+        residual = randn(2, m, n, dtype=dtype, device=device)
+        poison_allocator(device)
+        assert_close(torch.ops.qwen.linear_residual(x, w, residual),
+                     qwen_ops.linear_residual_reference(x, w, residual), _tol(dtype, device),
+                     f"linear_residual M{m} K{k} N{n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_gate_up_silu(device, dtype):
+    for m, k, n in CASES[device]:
+        x, nw = randn(m, k, dtype=dtype, device=device), randn(k, dtype=dtype, device=device)
+        w = randn(2 * n, k, dtype=dtype, device=device, scale=k**-0.5)
+        poison_allocator(device)
+        assert_close(torch.ops.qwen.norm_gate_up_silu(x, nw, w, 1e-6, 0.0),
+                     qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), _tol(dtype, device),
+                     f"norm_gate_up_silu M{m} K{k} I{n}")
+
+
+# (B, T, K, Hq, Hk, D, rotary_dim, gated, bias, qk_norm): qwen3, qwen2, Qwen3.5's gated attention
+QKV = {"cpu": [(2, 1, 40, 4, 2, 16, 16, False, False, True), (1, 3, 72, 2, 2, 32, 32, False, True, False),
+               (3, 1, 48, 4, 1, 32, 8, True, False, True)],
+       "cuda": [(1, 1, 1024, 16, 8, 128, 128, False, False, True), (8, 1, 896, 14, 2, 64, 64, False, True, False),
+                (2, 1, 1024, 8, 2, 256, 64, True, False, True), (32, 1, 1024, 16, 8, 128, 128, False, False, True)]}
+
+
+def _qkv_args(b, t, k, hq, hk, d, rot, gated, bias, qk_norm, dtype, device, cache_len=9):
+    rows = (hq * (2 if gated else 1) + 2 * hk) * d
+    r = lambda *s, **kw: randn(*s, dtype=dtype, device=device, **kw)  # noqa: E731
+    positions = torch.randint(0, cache_len, (b, t), device=device)
+    return [r(b, t, k), r(k), r(rows, k, scale=k**-0.5), r(rows) if bias else None, r(d) if qk_norm else None,
+            r(d) if qk_norm else None, r(b, cache_len, hk, d), r(b, cache_len, hk, d), positions, 1e-6, 1.0, 1e4, rot,
+            hq, gated]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_qkv_rope_store(device, dtype):
+    """q (and the gate) and the cache rows written match; every other cache row is untouched."""
+    torch.manual_seed(0)
+    for spec in QKV[device]:
+        args = _qkv_args(*spec, dtype, device)
+        ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        poison_allocator(device)
+        q = torch.ops.qwen.norm_qkv_rope_store(*args)
+        ref = qwen_ops.norm_qkv_rope_store_reference(*ref_args)
+        assert_close(q, ref, _tol(dtype, device), f"norm_qkv_rope_store q {spec}")
+        for i, name in ((6, "k_cache"), (7, "v_cache")):
+            assert_close(args[i], ref_args[i], _tol(dtype, device), f"norm_qkv_rope_store {name} {spec}")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_every_split_factor(device, split_k):
+    """Every K split (uneven slices included) ends in the same result: the last program to arrive
+    sums the slices, and the counters are back at zero for the next launch."""
+    f32 = dict(dtype=torch.float32, device=device)
+    cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=split_k)
+    x, nw, res = randn(3, 160, **f32), randn(160, **f32), randn(3, 40, **f32)
+    w = randn(80, 160, **f32, scale=0.1)
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+                 qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear split {split_k}")
+    assert_close(kernels.linear_residual(x, w[:40], res, cfg), qwen_ops.linear_residual_reference(x, w[:40], res),
+                 what=f"linear_residual split {split_k}")
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+                 qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"gate_up split {split_k}")
+    args = _qkv_args(3, 1, 160, 2, 1, 16, 16, False, True, True, torch.float32, device)
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert_close(kernels.norm_qkv_rope_store(*args, cfg=cfg), qwen_ops.norm_qkv_rope_store_reference(*ref_args),
+                 what=f"qkv split {split_k}")
+    assert_close(args[6], ref_args[6], what=f"qkv k_cache split {split_k}")
+    assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_qkv_positions_outside_the_cache_are_not_written(device):
+    """On the device a bad position is skipped (a check would cost a sync); q is still computed."""
+    args = _qkv_args(2, 1, 40, 2, 1, 16, 16, False, False, True, torch.float32, device, cache_len=4)
+    args[8] = torch.tensor([[4], [-1]], device=device)
+    k_cache, v_cache = args[6].clone(), args[7].clone()
+    kernels.norm_qkv_rope_store(*args)
+    assert torch.equal(args[6], k_cache) and torch.equal(args[7], v_cache)
+
+
+def test_qkv_positions_are_checked_on_cpu():
+    args = _qkv_args(1, 1, 40, 2, 1, 16, 16, False, False, True, torch.float32, "cpu", cache_len=4)
+    args[8] = torch.tensor([[4]])
+    with pytest.raises(qwen_ops.QwenOpError, match=r"positions must lie in \[0, 4\)"):
+        torch.ops.qwen.norm_qkv_rope_store(*args)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: a.__setitem__(2, a[2][:-16]), "qkv_weight has 112 rows"),
+    (lambda a: a.__setitem__(13, 3), r"num_heads \(3\) must be a positive multiple"),
+    (lambda a: a.__setitem__(12, 18), "rotary_dim must be even"),
+    (lambda a: a.__setitem__(5, None), "give both q_norm_weight and k_norm_weight"),
+])
+def test_qkv_bad_input(bad, message):
+    args = _qkv_args(2, 1, 40, 4, 2, 16, 16, False, False, True, torch.float32, "cpu")
+    bad(args)
+    with pytest.raises(qwen_ops.QwenOpError, match=message):
+        torch.ops.qwen.norm_qkv_rope_store(*args)
+
+
+def test_bad_input():
+    x, w = torch.randn(2, 8), torch.randn(6, 8)
+    with pytest.raises(qwen_ops.QwenOpError, match="residual must have shape"):
+        torch.ops.qwen.linear_residual(x, w, torch.randn(2, 5))
+    with pytest.raises(qwen_ops.QwenOpError, match="even number of rows"):
+        torch.ops.qwen.norm_gate_up_silu(x, torch.randn(8), torch.randn(5, 8), 1e-6, 0.0)
+    with pytest.raises(qwen_ops.QwenOpError, match="norm_weight has 7 elements"):
+        torch.ops.qwen.norm_linear(x, torch.randn(7), w, None, 1e-6, 0.0)
