@@ -6,7 +6,7 @@ Each case is one decode-step projection of Qwen3-0.6B or Qwen3.5-0.8B at batch 1
 as a CUDA graph of calls over enough input copies that the weights do not sit in L2
 (`bench.ops.bench_us`): the fused op at its stored config, the unfused ops it replaces, and the
 weight bytes over the time against the copy bandwidth measured in the same run. --sweep also
-times every candidate (block_n, block_k, split_k, num_stages) and prints the FUSED_CONFIGS table
+times every candidate (block_n, block_k, split_k) and prints the FUSED_CONFIGS table
 for csrc_free_ops/fused_decode.py.
 """
 import argparse
@@ -85,12 +85,10 @@ def candidates(op, n, k, extra):
     block_ns = [extra["d"]] if op == "norm_qkv_rope_store" else [16, 32, 64] if n < 32768 else [64, 128]
     for block_n in block_ns:
         tiles = triton.cdiv(n // 2 if op == "norm_gate_up_silu" else n, block_n)
-        for block_k in (64, 128, 256):
-            for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                if split * block_k > k or (split > 1 and not 64 <= tiles * split <= 1056):
-                    continue
-                for stages in (3, 4):
-                    yield fd.GemvConfig(block_n, block_k, split, 4, stages)
+        for block_k in (128, 256):
+            for split in (1, 2, 4, 8, 16):
+                if split * block_k <= k and (split == 1 or 64 <= tiles * split <= 1056):
+                    yield fd.GemvConfig(block_n, block_k, split)
 
 
 def main():

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from csrc_free_ops import fused_decode as kernels
-from csrc_free_ops.common import reserve as reserve_semaphores
+from csrc_free_ops.common import reserve as reserve_semaphores  # noqa: F401  (exported by qwen_ops)
 
 from .activation import silu_mul_reference
 from .checks import check_float, check_head_dim, check_index, check_same, fail
