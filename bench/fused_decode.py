@@ -82,13 +82,36 @@ def unfused(op, extra):
 
 
 def candidates(op, n, k, extra):
-    block_ns = [extra["d"]] if op == "norm_qkv_rope_store" else [16, 32, 64] if n < 32768 else [64, 128]
+    block_ns = [extra["d"]] if op == "norm_qkv_rope_store" else [16, 32, 64] if n < 32768 else [64, 128, 256]
     for block_n in block_ns:
         tiles = triton.cdiv(n // 2 if op == "norm_gate_up_silu" else n, block_n)
         for block_k in (128, 256):
             for split in (1, 2, 4, 8, 16):
                 if split * block_k <= k and (split == 1 or 64 <= tiles * split <= 1056):
                     yield fd.GemvConfig(block_n, block_k, split)
+
+
+def step_rows():
+    """One whole decode step of the Qwen3-0.6B shape (batch 1, context 300), replayed from a CUDA
+    graph: fused and unfused, with and without PDL."""
+    from csrc_free_ops import common
+    from modeling import QwenConfig
+    from modeling.random_checkpoint import QWEN3_0_6B, config_dict, random_model
+
+    model = random_model(QwenConfig.from_dict(config_dict(**QWEN3_0_6B)), device="cuda")
+    cache = model.new_cache(1, 512)
+    tokens = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
+    pos, lens = torch.full((1, 1), 300, device="cuda"), torch.full((1,), 301, dtype=torch.int32, device="cuda")
+    lines = ["| decode step, Qwen3-0.6B shape, graph replay | us |", "|---|---|"]
+    for fused_path, pdl in ((True, True), (True, False), (False, False)):
+        model.fused_decode, common._PDL_OFF = fused_path, not pdl
+        with torch.no_grad():
+            model(tokens, pos, cache, lens)
+            us = triton.testing.do_bench_cudagraph(lambda: model(tokens, pos, cache, lens), rep=200,
+                                                   return_mode="median") * 1e3
+        lines.append(f"| {'fused' if fused_path else 'unfused'}{', PDL' if pdl else ''} | {us:.0f} |")
+    model.fused_decode, common._PDL_OFF = True, False
+    return lines
 
 
 def main():
@@ -101,9 +124,14 @@ def main():
     bw = copy_bandwidth()
     head = (f"# bench/fused_decode.py on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch "
             f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, batch 1, bf16")
-    lines = [head, "", "| case | weight MB | fused us | %copy | unfused us | best config | best us |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [head, ""]
     print(head, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "fused_decode.log"), "w")
+    for line in step_rows():
+        lines.append(line)
+        print(line, flush=True)
+    lines += ["", "| case | weight MB | fused us | %copy | unfused us | best config | best us |", "|---|---|---|---|---|---|---|"]
     best = {}
     for name, (op, n, k, extra) in CASES.items():
         nbytes = n * k * 2
@@ -113,7 +141,10 @@ def main():
         win = (t_fused, None)
         if args.sweep:
             for cfg in candidates(op, n, k, extra):
-                win = min(win, (bench_us(fused(op, cfg), sets), cfg), key=lambda r: r[0])
+                try:
+                    win = min(win, (bench_us(fused(op, cfg), sets), cfg), key=lambda r: r[0])
+                except triton.runtime.errors.OutOfResources:
+                    continue
             if win[1] is not None:
                 best[(op, n // 2 if op == "norm_gate_up_silu" else n, k)] = win[1]
         pct = 100 * nbytes / (win[0] * 1e-6) / bw
@@ -121,6 +152,8 @@ def main():
                 f"{t_unfused:.1f} | {tuple(win[1]) if win[1] else 'stored'} | {win[0]:.1f} ({pct:.0f}%) |")
         lines.append(line)
         print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
         del sets
         torch.cuda.empty_cache()
     if best:

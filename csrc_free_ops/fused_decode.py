@@ -8,12 +8,17 @@ its fp32 partial product in part [SPLIT_K, M, N] and adds one to the tile's arri
 program that arrives last sums the SPLIT_K slices in a fixed order (deterministic: the atomics
 only count) and runs the epilogue, then sets the counter back to zero. One kernel, no reduce pass.
 
-Prologue (NORM): x is first replaced by rms_norm(x) = x * rsqrt(mean(x^2) + eps) * (w + offset),
-rounded to x's dtype as `qwen.rms_norm` would store it. Every program recomputes the row's rsqrt
-from the whole row (K values from L2): cheaper than a kernel launch.
+Norm (NORM): rms_norm(x) @ W^T = rsqrt(mean(x^2) + eps) * ((x * (w + offset)) @ W^T), the rsqrt
+being one scalar per row. So the main loop multiplies x * (w + offset), kept in fp32 (on TF32
+tensor cores for bf16/fp16 weights: 10 mantissa bits, at least the model dtype's, and fp32's
+range, so no overflow before the scale), while it sums x^2 over its K slice from the same tiles;
+the row's rsqrt scales the sum at the end (with SPLIT_K > 1 the slices' sums of squares are
+stored beside the partials and added by the last program). No extra pass over x before the
+weights start streaming. (The unfused path rounds the normed x to the model dtype instead: the
+two agree to that dtype's rounding.)
 
 Epilogues (y = the fp32 sum over K, rounded to the model dtype wherever the unfused ops would
-have stored it, so the fused ops equal the composition of their references):
+have stored it, so the fused ops match the composition of their references):
 
 - `norm_linear`: y (+ bias);
 - `linear_residual`: residual + y (the residual stream's add, rounded once more);
@@ -66,36 +71,38 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
 
 
 @triton.jit
-def _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of each row rm of x [M, K], fp32."""
-    rk = tl.arange(0, BLOCK_K)
-    ss = tl.zeros((rm.shape[0],), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :],
-                    mask=(rm[:, None] < M) & (k0 + rk < K)[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, axis=1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
+def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
                 NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[rm, k_lo:k_hi] (normed with NORM) @ weight[rn, k_lo:k_hi]^T."""
+    """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
+    or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice."""
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = rk < k_hi - k0
         b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         if NORM:
+            a = a.to(tl.float32)
+            ss += tl.sum(a * a, axis=1)
             nw = tl.load(nw_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32) + offset
-            a = (a.to(tl.float32) * rstd[:, None] * nw[None, :]).to(x_ptr.dtype.element_ty)
-        acc = dot(a, b, acc)
+            acc = _dot_widened(a * nw[None, :], b, acc)
+        else:
+            acc = dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    return acc
+    return acc, ss
+
+
+@triton.jit
+def _dot_widened(a, b, acc):
+    """acc + a @ b for fp32 a and b of the weight dtype: exact fp32 for fp32 weights, else b
+    widened and the product on TF32 tensor cores."""
+    if b.dtype == tl.float32:
+        return dot(a, b, acc)
+    return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
 
 
 @triton.jit
@@ -110,8 +117,17 @@ def _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.cons
 
 
 @triton.jit
+def _sum_row_slices(ss_ptr, rm, M, SPLIT_K: tl.constexpr):
+    """sum over s of ss[s, rm] (the slices' sums of squares), in slice order."""
+    ss = tl.zeros(rm.shape, dtype=tl.float32)
+    for s in range(SPLIT_K):
+        ss += tl.load(ss_ptr + s * M + rm, mask=rm < M, other=0.0, cache_modifier=".cg")
+    return ss
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, sem_ptr,
+    x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, sem_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, stride_ps, stride_pm, eps, offset,
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,30 +142,36 @@ def _gemv_kernel(
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
     pdl_wait(USE_PDL)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:
-        rstd = _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K)
-    acc = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
-                      NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                          NORM, BLOCK_M, BLOCK_N, BLOCK_K)
     acc_up = acc
     if SILU:
-        acc_up = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn,
-                             rstd, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm,
+                                stride_wn, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
     pdl_launch_dependents(USE_PDL)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tile = pid_m * tl.num_programs(0) + pid_n
     arrived = SPLIT_K - 1
     if SPLIT_K > 1:
         part_ptrs = part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :]
         tl.store(part_ptrs, acc, mask=mask)
         if SILU:
             tl.store(part_ptrs + N, acc_up, mask=mask)
-        arrived = arrive(sem_ptr, pid_m * tl.num_programs(0) + pid_n)
+        if NORM:  # every tile's programs store the same slice sums: identical writes
+            tl.store(ss_ptr + pid_s * M + rm, ss, mask=rm < M)
+        arrived = arrive(sem_ptr, tile)
     if arrived == SPLIT_K - 1:
         if SPLIT_K > 1:
-            tl.atomic_xchg(sem_ptr + pid_m * tl.num_programs(0) + pid_n, 0)  # ready for the next launch
+            tl.atomic_xchg(sem_ptr + tile, 0)  # ready for the next launch
             acc = _sum_slices(part_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K)
             if SILU:
                 acc_up = _sum_slices(part_ptr, rm, rn + N, mask, stride_ps, stride_pm, SPLIT_K)
+            if NORM:
+                ss = _sum_row_slices(ss_ptr, rm, M, SPLIT_K)
+        if NORM:
+            rstd = tl.rsqrt(ss / K + eps)[:, None]
+            acc *= rstd
+            acc_up *= rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -162,18 +184,18 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _head_values(part_ptr, b_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
+def _head_values(part_ptr, b_ptr, rm, cols, mask, rstd, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """The projection's output at columns `cols` as the unfused linear stores it (bias added,
-    rounded to the model dtype), in fp32."""
-    y = _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K)
+    """The projection's output at columns `cols` as the unfused linear stores it (scaled by the
+    input norm's rsqrt, bias added, rounded to the model dtype), in fp32."""
+    y = _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K) * rstd[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, stride_ps, stride_pm, eps, offset, log2_theta,
+def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, rstd, stride_ps, stride_pm, eps, offset, log2_theta,
                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                   D: tl.constexpr, ROT: tl.constexpr, dtype: tl.constexpr):
     """One head [BLOCK_M, D] of q or k after the per-head RMSNorm (HAS_NORM) and RoPE on its first
@@ -181,8 +203,8 @@ def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, stride_ps, strid
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, D)
     pd = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))  # RoPE's partner dim
-    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
-    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(y * y, axis=1) / D + eps)[:, None]
         y = y * rstd * (tl.load(nw_ptr + d).to(tl.float32) + offset)[None, :]
@@ -197,7 +219,7 @@ def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, stride_ps, strid
 
 @triton.jit
 def _qkv_kernel(
-    x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, sem_ptr,
+    x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, ss_ptr, sem_ptr,
     M, T, L, K, K_PER_SPLIT, stride_xm, stride_wn, stride_qm, stride_ps, stride_pm,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps, offset, log2_theta,
     HQ: tl.constexpr, HK: tl.constexpr, GATED: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
@@ -217,21 +239,24 @@ def _qkv_kernel(
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
     pdl_wait(USE_PDL)
-    rstd = _row_rstd(x_ptr, rm, M, K, stride_xm, eps, BLOCK_K)
-    acc = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, rstd, offset,
-                      True, BLOCK_M, D, BLOCK_K)
+    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                          True, BLOCK_M, D, BLOCK_K)
     pdl_launch_dependents(USE_PDL)
     row_ok = rm < M
     mask = row_ok[:, None] & (rn[None, :] < N)
     tl.store(part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :], acc, mask=mask)
+    tile_id = pid_m * tl.num_programs(0) + tile
     arrived = SPLIT_K - 1
     if SPLIT_K > 1:
-        arrived = arrive(sem_ptr, pid_m * tl.num_programs(0) + tile)
+        tl.store(ss_ptr + pid_s * M + rm, ss, mask=row_ok)  # every tile stores the same slice sums
+        arrived = arrive(sem_ptr, tile_id)
     else:
         tl.debug_barrier()  # the epilogue reads other threads' columns of the stored head
     if arrived == SPLIT_K - 1:
         if SPLIT_K > 1:
-            tl.atomic_xchg(sem_ptr + pid_m * tl.num_programs(0) + tile, 0)
+            tl.atomic_xchg(sem_ptr + tile_id, 0)
+            ss = _sum_row_slices(ss_ptr, rm, M, SPLIT_K)
+        rstd = tl.rsqrt(ss / K + eps)
         dtype = q_ptr.dtype.element_ty
         d = tl.arange(0, D)
         if tile < QT:
@@ -239,11 +264,12 @@ def _qkv_kernel(
             q_ptrs = q_ptr + rm[:, None] * stride_qm + head * (QW * D) + d[None, :]
             if tile % QW == 0:
                 pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.float32)
-                q = _rotated_head(part_ptr, b_ptr, qn_ptr, rm, tile * D, pos, mask, stride_ps, stride_pm, eps,
+                q = _rotated_head(part_ptr, b_ptr, qn_ptr, rm, tile * D, pos, mask, rstd, stride_ps, stride_pm, eps,
                                   offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
                 tl.store(q_ptrs, q.to(dtype), mask=mask)
             else:
-                gate = _head_values(part_ptr, b_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+                gate = _head_values(part_ptr, b_ptr, rm, rn, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
+                                    dtype)
                 tl.store(q_ptrs + D, gate.to(dtype), mask=mask)
         else:
             pos = tl.load(pos_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
@@ -251,13 +277,13 @@ def _qkv_kernel(
             in_cache = mask & ((pos >= 0) & (pos < L))[:, None]
             if tile < QT + HK:
                 hk = tile - QT
-                k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos.to(tl.float32), mask, stride_ps,
+                k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos.to(tl.float32), mask, rstd, stride_ps,
                                   stride_pm, eps, offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
                 dst = kc_ptr + b[:, None] * stride_kcb + pos[:, None] * stride_kct + hk * stride_kch + d[None, :]
                 tl.store(dst, k.to(kc_ptr.dtype.element_ty), mask=in_cache)
             else:
                 hv = tile - QT - HK
-                v = _head_values(part_ptr, b_ptr, rm, rn, mask, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+                v = _head_values(part_ptr, b_ptr, rm, rn, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
                 dst = vc_ptr + b[:, None] * stride_vcb + pos[:, None] * stride_vct + hv * stride_vch + d[None, :]
                 tl.store(dst, v.to(vc_ptr.dtype.element_ty), mask=in_cache)
 
@@ -266,29 +292,46 @@ def _block_m(m: int) -> int:
     return min(64, max(16, triton.next_power_of_2(m)))
 
 
-def _launch_shape(op: str, m: int, n: int, k: int, cfg: GemvConfig | None, block_n: int | None = None):
+SMEM_BUDGET = 200 << 10
+"""Shared memory the pipelined main loop may take (an H200 SM has 227 KB)."""
+
+
+def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfig | None, block_n: int | None = None):
+    """(BLOCK_M, row blocks, config, K per split, splits). The config's pipeline is cut down (fewer
+    stages, then shallower K steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles
+    would not fit the bf16 defaults."""
     bm = _block_m(m)
     m_blocks = triton.cdiv(m, bm)
     cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
+    rows = block_n or cfg.block_n
+    while cfg.num_stages * cfg.block_k * (rows * itemsize + bm * 4) > SMEM_BUDGET and cfg.block_k > 32:
+        cfg = cfg._replace(num_stages=2) if cfg.num_stages > 2 else cfg._replace(block_k=cfg.block_k // 2)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return bm, m_blocks, cfg, k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _partials(split: int, m: int, n: int, norm: bool, device):
+    """The fp32 partial products [split, m, n] and the slices' sums of squares [split, m] (empty
+    without a split or without a norm)."""
+    part = torch.empty((split, m, n) if split > 1 else (0, 0, 0), dtype=torch.float32, device=device)
+    ss = torch.empty((split, m) if split > 1 and norm else (0,), dtype=torch.float32, device=device)
+    return part, ss
 
 
 def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, cfg=None):
     m, k = x2.shape
     n = out.shape[1]
-    bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, cfg)
+    bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, weight.element_size(), cfg)
     tiles = triton.cdiv(n, cfg.block_n)
     if tiles * m_blocks > MAX_TILES:
         raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
-    part = torch.empty((split, m, (2 if silu else 1) * n) if split > 1 else (0,), dtype=torch.float32,
-                       device=x2.device)
+    part, ss = _partials(split, m, (2 if silu else 1) * n, norm_weight is not None, x2.device)
     pdl = use_pdl(x2)
     _gemv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight if norm_weight is not None else x2, weight, bias if bias is not None else weight,
-        residual if residual is not None else out, out, part, semaphores(x2.device),
+        residual if residual is not None else out, out, part, ss, semaphores(x2.device),
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0), part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0, eps, offset,
+        out.stride(0), part.stride(0), part.stride(1), eps, offset,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SILU=silu,
         SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
@@ -339,17 +382,19 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
         return q
     x2 = _rows(x)
     n = qkv_weight.shape[0]
-    bm, m_blocks, cfg, k_per_split, split = _launch_shape("norm_qkv_rope_store", m, n, k, cfg, block_n=d)
+    bm, m_blocks, cfg, k_per_split, split = _launch_shape("norm_qkv_rope_store", m, n, k, qkv_weight.element_size(),
+                                                          cfg, block_n=d)
     tiles = n // d
     if tiles * m_blocks > MAX_TILES:
         raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)  # even unsplit: RoPE reads it back
+    ss = torch.empty((split, m) if split > 1 else (0,), dtype=torch.float32, device=x.device)
     pos = positions.reshape(-1).contiguous()
     has_norm = q_norm_weight is not None
     pdl = use_pdl(x)
     _qkv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight,
-        q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, pos, q, k_cache, v_cache, part,
+        q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, pos, q, k_cache, v_cache, part, ss,
         semaphores(x.device),
         m, t, cache_len, k, k_per_split, x2.stride(0), qkv_weight.stride(0), num_heads * qw * d,
         part.stride(0), part.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

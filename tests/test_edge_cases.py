@@ -46,6 +46,13 @@ def _rec(b, t, hk, hv, dt, dev, d=16):
             _r(b, hv, d, d, dev=dev), 0.25, True)
 
 
+def _qkv(b, t, dt, dev):
+    """norm_qkv_rope_store arguments: hidden 8, 2 q heads and 1 kv head of 16, a cache of 4."""
+    return (_r(b, t, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(64, 8, dt=dt, dev=dev), None, _r(16, dt=dt, dev=dev),
+            _r(16, dt=dt, dev=dev), _r(b, 4, 1, 16, dt=dt, dev=dev), _r(b, 4, 1, 16, dt=dt, dev=dev), _pos(b, t, dev=dev),
+            1e-6, 0.0, 1e4, 16, 2, False)
+
+
 def _lce_bwd(n, h, v, dt, dev):
     hidden, w = _r(n, h, dt=dt, dev=dev), _r(v, h, dt=dt, dev=dev)
     targets = torch.randint(0, v, (n,), device=dev)
@@ -170,6 +177,20 @@ CASES = [
                                                               _pos(0, dev=dev), -100)),
     ("linear_cross_entropy_backward", "N=0", lambda dt, dev: _lce_bwd(0, 8, 5, dt, dev)),
     ("linear_cross_entropy_backward", "H=0", lambda dt, dev: _lce_bwd(3, 0, 5, dt, dev)),
+    ("norm_linear", "M=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(4, 8, dt=dt, dev=dev),
+                                            None, 1e-6, 0.0)),
+    ("norm_linear", "N=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                            _r(0, dt=dt, dev=dev), 1e-6, 1.0)),
+    ("linear_residual", "M=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(4, 8, dt=dt, dev=dev),
+                                                _r(2, 0, 4, dt=dt, dev=dev))),
+    ("linear_residual", "N=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
+                                                _r(3, 0, dt=dt, dev=dev))),
+    ("norm_gate_up_silu", "M=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev),
+                                                  _r(6, 8, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("norm_gate_up_silu", "I=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev),
+                                                  _r(0, 8, dt=dt, dev=dev), 1e-6, 0.0)),
+    ("norm_qkv_rope_store", "B=0", lambda dt, dev: _qkv(0, 1, dt, dev)),
+    ("norm_qkv_rope_store", "T=0", lambda dt, dev: _qkv(2, 0, dt, dev)),
     ("causal_conv1d", "B=0", lambda dt, dev: (_r(0, 3, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0 state", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev),
@@ -233,7 +254,7 @@ REFUSED = [
      lambda dt, dev: (_r(1, 3, 8, dt=dt, dev=dev), _r(8, 1, dt=dt, dev=dev), None)),
 ]
 
-MUTATED = {"kv_cache_store": (2, 3), "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
+MUTATED = {"kv_cache_store": (2, 3), "norm_qkv_rope_store": (6, 7), "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 
 KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}

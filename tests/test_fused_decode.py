@@ -77,7 +77,7 @@ def test_fused_decode_on_real_shapes_cuda(sizes):
     """fp32: the same 256 greedy tokens as the unfused path. bf16, teacher-forced on those tokens:
     the fused logits are as close to the fp32 ones as the unfused path's (the same roundings, in
     another order), within the modeling tests' 2.5e-2."""
-    config = QwenConfig.from_dict(config_dict(sizes["vocab_size"], **sizes))
+    config = QwenConfig.from_dict(config_dict(**sizes))
     model = random_model(config, torch.float32, device="cuda", std=0.02)
     ids = prompt(1, 16, config.vocab_size).cuda()
     tokens = _greedy(model, ids, 256, fused=True)
