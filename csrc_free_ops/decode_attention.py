@@ -8,9 +8,9 @@ One kernel, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache sli
 [s*SPLIT_LEN, (s+1)*SPLIT_LEN) and every query of that kv head's group (Tq x Hq/Hk
 rows, so each cached key is read once for the whole group) and stores the
 normalised partial output and its log-sum-exp (base 2, fp32). The last of the
-NUM_SPLITS programs of (b, kv head) to arrive (`common.arrive`) combines them:
-it weights the splits by exp2(lse - max lse), in split order (deterministic), and
-writes o. With one split the program writes o directly.
+NUM_SPLITS programs of (b, kv head) to arrive (`common.arrive`) combines the splits
+that hold keys: it weights them by exp2(lse - running max lse), in split order
+(deterministic), and writes o. With one split the program writes o directly.
 With PDL (`common.use_pdl`) it waits for the previous kernel before reading anything.
 
 The split count depends only on (B, Hk, L), never on cache_seqlens (which live on
@@ -88,23 +88,24 @@ def _decode_attention_kernel(
         tl.store(plse_ptr + part_rows + split, lse, mask=row_ok)
         if arrive(sem_ptr, pid_bh) == NUM_SPLITS - 1:
             tl.atomic_xchg(sem_ptr + pid_bh, 0)  # ready for the next launch
-            lse_ptrs = plse_ptr + part_rows
+            # Only the splits that hold keys (the others have lse = -inf and weight 0). The running
+            # output stays a convex combination of the splits' outputs: |out| <= max |part|, so values
+            # near the dtype's maximum cannot overflow.
             m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg"))
-            m = tl.where(m == float("-inf"), 0.0, m)
             w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                w_sum += tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg") - m)
-            w_sum = tl.maximum(w_sum, 1e-30)
             out = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                # weights normalised before the sum: |out| <= max |part|, so values near the dtype's
-                # maximum cannot overflow
-                w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=0.0, cache_modifier=".cg") - m) / w_sum
+            for s in range(0, tl.cdiv(seqlen, SPLIT_LEN)):
+                lse = tl.load(plse_ptr + part_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
                 part = tl.load(po_ptr + (part_rows + s)[:, None] * D + offs_d[None, :], mask=row_ok[:, None],
                                other=0.0, cache_modifier=".cg")
-                out += part * w[:, None]
+                m_new = tl.maximum(m, lse)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                w_old = w_sum * tl.exp2(m - m_safe)
+                w_s = tl.exp2(lse - m_safe)
+                w_sum = w_old + w_s
+                denom = tl.where(w_sum > 0.0, w_sum, 1.0)
+                out = out * (w_old / denom)[:, None] + part * (w_s / denom)[:, None]
+                m = m_new
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 

@@ -9,13 +9,12 @@ program that arrives last sums the SPLIT_K slices in a fixed order (deterministi
 only count) and runs the epilogue, then sets the counter back to zero. One kernel, no reduce pass.
 
 Norm (NORM): rms_norm(x) @ W^T = rsqrt(mean(x^2) + eps) * ((x * (w + offset)) @ W^T), the rsqrt
-being one scalar per row. So the main loop multiplies x * (w + offset), kept in fp32 (on TF32
-tensor cores for bf16/fp16 weights: 10 mantissa bits, at least the model dtype's, and fp32's
-range, so no overflow before the scale), while it sums x^2 over its K slice from the same tiles;
-the row's rsqrt scales the sum at the end (with SPLIT_K > 1 the slices' sums of squares are
-stored beside the partials and added by the last program). No extra pass over x before the
-weights start streaming. (The unfused path rounds the normed x to the model dtype instead: the
-two agree to that dtype's rounding.)
+being one scalar per row. So the main loop multiplies by x * (w + offset), rounded to the weight
+dtype like the normed x of the unfused path (fp16 keeps it in fp32 and runs the product on TF32
+tensor cores instead: unnormalised, it could pass fp16's 65504), while it sums x^2 over its K
+slice from the same tiles; the row's rsqrt scales the sum at the end (with SPLIT_K > 1 the
+slices' sums of squares are stored beside the partials and added by the last program). No
+extra pass over x before the weights start streaming.
 
 Epilogues (y = the fp32 sum over K, rounded to the model dtype wherever the unfused ops would
 have stored it, so the fused ops match the composition of their references):
@@ -98,11 +97,11 @@ def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, strid
 
 @triton.jit
 def _dot_widened(a, b, acc):
-    """acc + a @ b for fp32 a and b of the weight dtype: exact fp32 for fp32 weights, else b
-    widened and the product on TF32 tensor cores."""
-    if b.dtype == tl.float32:
-        return dot(a, b, acc)
-    return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+    """acc + a @ b for fp32 a and b of the weight dtype: a rounded to bf16 for bf16 weights (the
+    same range as fp32), exact fp32 for fp32 weights, TF32 (b widened) for fp16."""
+    if b.dtype == tl.float16:
+        return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
+    return dot(a.to(b.dtype), b, acc)
 
 
 @triton.jit
@@ -111,7 +110,7 @@ def _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.cons
     programs' stores are."""
     ptrs = part_ptr + rm[:, None] * stride_pm + cols[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, SPLIT_K):
+    for s in tl.static_range(1, SPLIT_K):  # unrolled: the loads go out together, not one round trip each
         y += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
     return y
 
@@ -120,7 +119,7 @@ def _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.cons
 def _sum_row_slices(ss_ptr, rm, M, SPLIT_K: tl.constexpr):
     """sum over s of ss[s, rm] (the slices' sums of squares), in slice order."""
     ss = tl.zeros(rm.shape, dtype=tl.float32)
-    for s in range(SPLIT_K):
+    for s in tl.static_range(SPLIT_K):
         ss += tl.load(ss_ptr + s * M + rm, mask=rm < M, other=0.0, cache_modifier=".cg")
     return ss
 
