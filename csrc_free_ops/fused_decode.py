@@ -53,11 +53,15 @@ class GemvConfig(NamedTuple):
     num_stages: int = 3
 
 
-# (op, N, K) -> config, the fastest of `python -m bench.ops --sweep-fused` on an H200 (bench/results/).
-# Shapes not listed use gemv_config's rule.
+# (op, N, K) -> config (N: output columns, I for gate_up), the fastest of
+# `python -m bench.fused_decode --sweep` on an H200 (bench/results/). Shapes not listed use
+# gemv_config's rule.
 FUSED_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {
     ("linear_residual", 1024, 2048): GemvConfig(32, 128, 8),    # Qwen3-0.6B o_proj, Qwen3.5 out_proj
+    ("linear_residual", 1024, 3072): GemvConfig(32, 128, 8),    # Qwen3-0.6B down
     ("linear_residual", 1024, 3584): GemvConfig(32, 128, 8),    # Qwen3.5 down
+    ("norm_qkv_rope_store", 4096, 1024): GemvConfig(128, 128, 8),  # Qwen3-0.6B, a tile per head of 128
+    ("norm_qkv_rope_store", 5120, 1024): GemvConfig(256, 128, 8),  # Qwen3.5 gated attention, heads of 256
     ("norm_gate_up_silu", 3072, 1024): GemvConfig(32, 256, 4),  # Qwen3-0.6B gate_up (I = 3072)
     ("norm_gate_up_silu", 3584, 1024): GemvConfig(32, 256, 1),  # Qwen3.5 gate_up
     ("norm_linear", 8224, 1024): GemvConfig(64, 256, 1),        # Qwen3.5 Gated DeltaNet in_proj
@@ -78,52 +82,29 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
 
 
 @triton.jit
-def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, up_rows, offset,
-                NORM: tl.constexpr, SILU: tl.constexpr, USE_PDL: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(acc, acc_up, ss) over the K slice [k_lo, k_hi): acc [BLOCK_M, BLOCK_N] fp32 = x' @ weight[rn]^T
-    with x' = x, or with NORM x' = x * (norm weight + offset) and ss [BLOCK_M] = the sum of x^2;
-    with SILU, acc_up the same product with the rows rn + up_rows (else acc_up = acc).
-
-    The first weight tile is loaded before `pdl_wait` (weights never depend on the previous kernel,
-    so with PDL they stream in while it finishes), and each iteration loads the next tile before
-    it multiplies the current one."""
+def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
+    or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice."""
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]
-    up_off = up_rows * stride_wn  # < 2^31 elements: the up half of gate_up_weight
-    b = tl.load(w_ptrs, mask=(rk < k_hi - k_lo)[:, None], other=0.0)
-    b_up = b
-    if SILU:
-        b_up = tl.load(w_ptrs + up_off, mask=(rk < k_hi - k_lo)[:, None], other=0.0)
-    pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & (rk < k_hi - k0)[None, :], other=0.0)
-        w_ptrs += BLOCK_K
-        next_ok = (rk < k_hi - k0 - BLOCK_K)[:, None]
-        b_next = tl.load(w_ptrs, mask=next_ok, other=0.0)
-        b_up_next = b_next
-        if SILU:
-            b_up_next = tl.load(w_ptrs + up_off, mask=next_ok, other=0.0)
+        k_ok = rk < k_hi - k0
+        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         if NORM:
             a = a.to(tl.float32)
             ss += tl.sum(a * a, axis=1)
-            nw = tl.load(nw_ptr + k0 + rk, mask=rk < k_hi - k0, other=0.0).to(tl.float32) + offset
-            a = a * nw[None, :]
-            acc = _dot_widened(a, b, acc)
-            if SILU:
-                acc_up = _dot_widened(a, b_up, acc_up)
+            nw = tl.load(nw_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32) + offset
+            acc = _dot_widened(a * nw[None, :], b, acc)
         else:
             acc = dot(a, b, acc)
-            if SILU:
-                acc_up = dot(a, b_up, acc_up)
-        b = b_next
-        b_up = b_up_next
         x_ptrs += BLOCK_K
-    return acc, acc_up, ss
+        w_ptrs += BLOCK_K
+    return acc, ss
 
 
 @triton.jit
@@ -171,8 +152,13 @@ def _gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
-    acc, acc_up, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, N, offset,
-                                  NORM, SILU, USE_PDL, BLOCK_M, BLOCK_N, BLOCK_K)
+    pdl_wait(USE_PDL)
+    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                          NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc_up = acc
+    if SILU:
+        acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm,
+                                stride_wn, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
     pdl_launch_dependents(USE_PDL)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tile = pid_m * tl.num_programs(0) + pid_n
@@ -263,8 +249,9 @@ def _qkv_kernel(
     rn = tile * D + tl.arange(0, D)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
-    acc, _, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, 0, offset,
-                             True, False, USE_PDL, BLOCK_M, D, BLOCK_K)
+    pdl_wait(USE_PDL)
+    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                          True, BLOCK_M, D, BLOCK_K)
     pdl_launch_dependents(USE_PDL)
     row_ok = rm < M
     mask = row_ok[:, None] & (rn[None, :] < N)
