@@ -74,18 +74,30 @@ def _teacher_forced(model, ids, prompt_len, fused):
                          ids=["qwen3-0.6b-8-layers", "qwen3.5-0.8b-8-layers"])
 @torch.no_grad()
 def test_fused_decode_on_real_shapes_cuda(sizes):
-    """fp32: the same 256 greedy tokens as the unfused path. bf16, teacher-forced on those tokens:
-    the fused logits are as close to the fp32 ones as the unfused path's (the same roundings, in
-    another order), within the modeling tests' 2.5e-2."""
+    """fp32: the same 256 greedy tokens as the unfused path, except after a near-tie (random
+    weights give nearly flat logits: the first differing token must be one whose logit the
+    unfused step had within 1e-4 of the maximum's scale of the chosen one), and teacher-forced
+    logits within 1e-4. bf16, teacher-forced on the unfused tokens: the fused logits are as close
+    to the fp32 ones as the unfused path's (the same roundings, in another order), within the
+    modeling tests' 2.5e-2."""
     config = QwenConfig.from_dict(config_dict(**sizes))
     model = random_model(config, torch.float32, device="cuda", std=0.02)
     ids = prompt(1, 16, config.vocab_size).cuda()
-    tokens = _greedy(model, ids, 256, fused=True)
-    assert torch.equal(tokens, _greedy(model, ids, 256, fused=False))
+    tokens = _greedy(model, ids, 256, fused=False)
     assert len(tokens.unique()) > 16  # not a trivial repetition
+    seq = torch.cat([ids, tokens[:, :-1]], 1)
+    ref = _teacher_forced(model, seq, 16, fused=False)  # ref[:, i] chose tokens[:, i + 1]
+    assert rel_err(_teacher_forced(model, seq, 16, fused=True), ref) < 1e-4
+    fused_tokens = _greedy(model, ids, 256, fused=True)
+    differ = (fused_tokens != tokens)[0].nonzero()
+    if len(differ):
+        i = int(differ[0])
+        logits = ref[0, i - 1]
+        gap = (logits[tokens[0, i]] - logits[fused_tokens[0, i]]).abs()
+        assert gap <= 1e-4 * logits.abs().max(), f"token {i} differs without a near-tie (gap {float(gap):.3g})"
 
-    seq = torch.cat([ids, tokens[:, :64]], 1)
-    ref = _teacher_forced(model, seq, 16, fused=False)
+    ref = ref[:, :64]
+    seq = seq[:, :16 + 64]
     model = model.to(torch.bfloat16)
     fused_err = rel_err(_teacher_forced(model, seq, 16, fused=True), ref)
     unfused_err = rel_err(_teacher_forced(model, seq, 16, fused=False), ref)
