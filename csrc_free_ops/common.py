@@ -10,7 +10,7 @@ never from each other.
   a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the
   shape, so results are bitwise reproducible run to run.
 - `semaphores`, `arrive`: per-tile arrival counters, so the last program of a split reduction
-  finishes it in the same kernel (fused decode GEMVs, decode attention's combine).
+  finishes it in the same kernel (the fused decode GEMVs).
 - `use_pdl`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
@@ -96,7 +96,7 @@ def semaphores(device: torch.device) -> torch.Tensor:
     key = str(device)
     if key not in _semaphores:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kernels that count arrivals: call csrc_free_ops.common.reserve(device) before "
+            raise RuntimeError("kernels that count arrivals: call qwen_ops.reserve_semaphores(device) before "
                                "capturing a CUDA graph")
         _semaphores[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return _semaphores[key]

@@ -4,14 +4,11 @@ q [B, Tq, Hq, D], k_cache/v_cache [B, L, Hk, D], cache_seqlens [B] (valid entrie
 the Tq new tokens included) -> o [B, Tq, Hq, D]. Query t of sequence b sits at
 position cache_seqlens[b] - Tq + t and attends to cache[b, :position + 1].
 
-One kernel, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache slice
+Pass 1, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache slice
 [s*SPLIT_LEN, (s+1)*SPLIT_LEN) and every query of that kv head's group (Tq x Hq/Hk
-rows, so each cached key is read once for the whole group) and stores the
-normalised partial output and its log-sum-exp (base 2, fp32). The last of the
-NUM_SPLITS programs of (b, kv head) to arrive (`common.arrive`) combines the splits
-that hold keys: it weights them by exp2(lse - running max lse), in split order
-(deterministic), and writes o. With one split the program writes o directly.
-With PDL (`common.use_pdl`) it waits for the previous kernel before reading anything.
+rows, so each cached key is read once for the whole group) and writes the
+normalised partial output and its log-sum-exp (base 2, fp32).
+Pass 2, grid (B*Tq*Hq,): weights the splits by exp2(lse - max lse) and sums them.
 
 The split count depends only on (B, Hk, L), never on cache_seqlens (which live on
 the device), so one CUDA graph serves every length; splits past the sequence end
@@ -23,21 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_wait, semaphores,
-                     softmax_headroom, use_pdl)
+from .common import LOG2E, TARGET_PROGRAMS, dot, softmax_headroom
 
 
 @triton.jit
-def _decode_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, o_ptr, po_ptr, plse_ptr, sem_ptr,
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    pdl_wait(USE_PDL)
     b = (pid_bh // HK).to(tl.int64)
     hk = pid_bh % HK
     # Clamped to [0, CACHE_LEN] before narrowing: a bad length never reads past the cache.
@@ -74,39 +68,27 @@ def _decode_attention_kernel(
                     mask=cols[:, None] < hi, other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    pdl_launch_dependents(USE_PDL)
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    o_row = (b * TQ + t) * HQ + h  # o is contiguous [B, TQ, HQ, D]
-    o_ptrs = o_ptr + o_row[:, None] * D + offs_d[None, :]
-    if ONE_SPLIT:
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        part_rows = o_row * NUM_SPLITS
-        tl.store(po_ptr + (part_rows + split)[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
-        tl.store(plse_ptr + part_rows + split, lse, mask=row_ok)
-        if arrive(sem_ptr, pid_bh) == NUM_SPLITS - 1:
-            tl.atomic_xchg(sem_ptr + pid_bh, 0)  # ready for the next launch
-            # Only the splits that hold keys (the others have lse = -inf and weight 0). The running
-            # output stays a convex combination of the splits' outputs: |out| <= max |part|, so values
-            # near the dtype's maximum cannot overflow.
-            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            out = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-            for s in range(0, tl.cdiv(seqlen, SPLIT_LEN)):
-                lse = tl.load(plse_ptr + part_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(po_ptr + (part_rows + s)[:, None] * D + offs_d[None, :], mask=row_ok[:, None],
-                               other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                w_old = w_sum * tl.exp2(m - m_safe)
-                w_s = tl.exp2(lse - m_safe)
-                w_sum = w_old + w_s
-                denom = tl.where(w_sum > 0.0, w_sum, 1.0)
-                out = out * (w_old / denom)[:, None] + part * (w_s / denom)[:, None]
-                m = m_new
-            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    part_row = ((b * TQ + t) * HQ + h) * NUM_SPLITS + split
+    tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.store(plse_ptr + part_row, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * TQ + t) * HQ + h: o is contiguous [B, TQ, HQ, D]
+    s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
+                    mask=s[:, None] < NUM_SPLITS, other=0.0)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, no overflow
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
@@ -125,21 +107,19 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
         return o
     block_n = 64 if d <= 128 else 32
     num_splits, split_len = split_plan(bsz, hk, cache_len, block_n)
-    one_split = num_splits == 1
-    part_out = torch.empty((0,) if one_split else (bsz, tq, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((0,) if one_split else (bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
-    if bsz * hk > MAX_TILES:
-        raise ValueError(f"decode_attention: {bsz * hk} sequence x kv-head pairs exceed {MAX_TILES} arrival counters")
+    part_out = torch.empty((bsz, tq, hq, num_splits, d), dtype=torch.float32, device=q.device)
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads element b at offset b
+    part_lse = torch.empty((bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
     headroom = softmax_headroom(v_cache.dtype)
-    pdl = use_pdl(q)
-    _decode_attention_kernel[(bsz * hk, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, o, part_out, part_lse, semaphores(q.device),
+    _decode_split_kernel[(bsz * hk, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, ONE_SPLIT=one_split, USE_PDL=pdl, num_warps=4, num_stages=2,
-        **({"launch_pdl": True} if pdl else {}),
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2,
+    )
+    _decode_combine_kernel[(bsz * tq * hq,)](
+        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
     )
     return o

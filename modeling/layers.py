@@ -189,7 +189,7 @@ class AttentionLayer(DecoderLayer):
         return ops.linear(self._gated(o, gate), self.o_weight)
 
     def mix_decode(self, x: Tensor, positions: Tensor, cache: KVCache, cache_seqlens: Tensor) -> Tensor:
-        """``x + mix(rms_norm(x))`` for a decode step, in three kernels: ``norm_qkv_rope_store``,
+        """``x + mix(rms_norm(x))`` for a decode step, in three ops: ``norm_qkv_rope_store``,
         ``decode_attention``, ``linear_residual`` (plus ``sigmoid_mul`` with the output gate)."""
         c = self.config
         D = c.head_dim

@@ -51,10 +51,13 @@ class Cache:
 class QwenForCausalLM(nn.Module):
     """Qwen3 / Qwen2 / Qwen3.5 causal LM. Parameters are created uninitialized; use ``from_pretrained``."""
 
-    fused_decode: bool = True
-    """Decode steps (``cache_seqlens`` given) run the fused decode ops (``DecoderLayer.decode``):
-    five kernels per attention layer instead of thirteen, the same math. Set False for the
-    unfused path (the op-by-op ``forward`` of prefill); training never decodes."""
+    fused_decode: Optional[bool] = None
+    """Whether decode steps (``cache_seqlens`` given) run the fused decode ops
+    (``DecoderLayer.decode``: six kernels per attention layer instead of thirteen, the same math)
+    or the op-by-op path of prefill. None (the default): fused for a step of one token of one
+    sequence, where the H200 measures it at least as fast (docs/performance.md), op by op for
+    batched or multi-token steps, where the fused kernels are not tuned yet. True or False
+    forces one path."""
 
     def __init__(self, config: QwenConfig):
         super().__init__()
@@ -100,7 +103,8 @@ class QwenForCausalLM(nn.Module):
         Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``.
         """
         c = self.config
-        if cache_seqlens is not None and self.fused_decode:
+        fused = self.fused_decode if self.fused_decode is not None else input_ids.numel() == 1
+        if cache_seqlens is not None and fused:
             x = F.embedding(input_ids, self.embed_tokens)  # the residual stream
             for layer, layer_cache in zip(self.layers, cache.layers):
                 x = layer.decode(x, positions, layer_cache, cache_seqlens)

@@ -18,8 +18,7 @@ references, with the same rounding to the model dtype between them):
           [B, T, Hq, 2D]: the rotated query, then the gate as the projection gave it).
 
 The kernels count arrivals in a per-device buffer (`reserve_semaphores(device)` creates it; do
-that before capturing a CUDA graph of these ops or of `decode_attention`: the model does it in
-`new_cache`). They are built for decode (a few rows of x; the kernels in csrc_free_ops/fused_decode.py are
+that before capturing a CUDA graph of these ops: the model does it in `new_cache`). They are built for decode (a few rows of x; the kernels in csrc_free_ops/fused_decode.py are
 split-K GEMVs) but correct for any number of rows. No autograd: the model uses them only for
 inference decode steps.
 """

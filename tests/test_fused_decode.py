@@ -70,16 +70,18 @@ def _teacher_forced(model, ids, prompt_len, fused):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sizes", [QWEN3_0_6B | dict(num_hidden_layers=8), QWEN3_5_0_8B | dict(num_hidden_layers=8)],
+@pytest.mark.parametrize("sizes, bf16_cap", [(QWEN3_0_6B | dict(num_hidden_layers=8), 2.5e-2),
+                                             (QWEN3_5_0_8B | dict(num_hidden_layers=8), 0.1)],
                          ids=["qwen3-0.6b-8-layers", "qwen3.5-0.8b-8-layers"])
 @torch.no_grad()
-def test_fused_decode_on_real_shapes_cuda(sizes):
+def test_fused_decode_on_real_shapes_cuda(sizes, bf16_cap):
     """fp32: the same 256 greedy tokens as the unfused path, except after a near-tie (random
     weights give nearly flat logits: the first differing token must be one whose logit the
     unfused step had within 1e-4 of the maximum's scale of the chosen one), and teacher-forced
     logits within 1e-4. bf16, teacher-forced on the unfused tokens: the fused logits are as close
     to the fp32 ones as the unfused path's (the same roundings, in another order), within the
-    modeling tests' 2.5e-2."""
+    modeling tests' caps (2.5e-2 for Qwen3; 0.1 for Qwen3.5, whose bf16 error is larger in
+    transformers too: 2.8e-2 for both our paths on the H200)."""
     config = QwenConfig.from_dict(config_dict(**sizes))
     model = random_model(config, torch.float32, device="cuda", std=0.02)
     ids = prompt(1, 16, config.vocab_size).cuda()
@@ -101,4 +103,4 @@ def test_fused_decode_on_real_shapes_cuda(sizes):
     model = model.to(torch.bfloat16)
     fused_err = rel_err(_teacher_forced(model, seq, 16, fused=True), ref)
     unfused_err = rel_err(_teacher_forced(model, seq, 16, fused=False), ref)
-    assert fused_err < min(2.5e-2, 1.25 * unfused_err + 1e-3), (fused_err, unfused_err)
+    assert fused_err < min(bf16_cap, 1.25 * unfused_err + 1e-3), (fused_err, unfused_err)

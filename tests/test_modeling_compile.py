@@ -71,7 +71,7 @@ def captured_ops(fn, *args) -> str:
 def test_decoder_layer_op_sequence():
     """Prefill through the first layer (rms_norm, attention), decode through the second
     (add_rms_norm fused with the residual, decode_attention on the cache), and the fused decode
-    step of the second: five kernels."""
+    step of the second: five ops (six kernels: decode_attention has two)."""
     expecttest = pytest.importorskip("expecttest")  # a test extra; the GPU machine lacks it
     model = random_model("qwen3")
     cache = model.new_cache(B, MAX_LEN, torch.float32)
