@@ -75,10 +75,12 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
     qkv), 256-deep K steps, and enough K slices for about two programs per SM."""
     if (op, n, k) in FUSED_CONFIGS:
         return FUSED_CONFIGS[(op, n, k)]
+    if INTERPRET:  # programs run one by one: few, wide ones, still split in two where K allows
+        block_k = 64
+        return GemvConfig(block_n or 64, block_k, min(2, triton.cdiv(k, block_k)))
     block_n = block_n or (64 if n >= 32768 else 32)
-    block_k = 32 if INTERPRET else 256
     tiles = triton.cdiv(n, block_n) * m_blocks
-    return GemvConfig(block_n, block_k, min(triton.cdiv(k, block_k), max(1, round(TARGET_PROGRAMS / tiles))))
+    return GemvConfig(block_n, 256, min(triton.cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
 
 
 @triton.jit

@@ -103,6 +103,20 @@ MUTATIONS = [
              "no overflow\n    out = tl.sum(parts * w[:, None], axis=0)",
              "    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)",
              ("tests/test_edge_cases.py",)),
+    Mutation("fused GEMV forgets the norm's rsqrt", "csrc_free_ops/fused_decode.py",
+             "            acc *= rstd\n", "", ("tests/test_ops_fused_decode.py",)),
+    Mutation("linear_residual drops the residual", "csrc_free_ops/fused_decode.py",
+             "y += tl.load(res_ptr", "y += 0.0 * tl.load(res_ptr", ("tests/test_ops_fused_decode.py",)),
+    Mutation("fused split sum skips the last slice", "csrc_free_ops/fused_decode.py",
+             "for s in tl.static_range(1, SPLIT_K):", "for s in tl.static_range(1, SPLIT_K - 1):", ("tests/test_ops_fused_decode.py",)),
+    Mutation("fused GEMV leaves its arrival counter set", "csrc_free_ops/fused_decode.py",
+             "tl.atomic_xchg(sem_ptr + tile, 0)  # ready for the next launch", "pass", ("tests/test_ops_fused_decode.py",)),
+    Mutation("norm_gate_up_silu loses the up half", "csrc_free_ops/fused_decode.py",
+             "y = y * tl.sigmoid(y) * up", "y = y * tl.sigmoid(y)", ("tests/test_ops_fused_decode.py",)),
+    Mutation("norm_qkv_rope_store rotates the wrong way", "csrc_free_ops/fused_decode.py",
+             "sign = tl.where(d < HALF, -1.0, 1.0)", "sign = tl.where(d < HALF, 1.0, -1.0)", ("tests/test_ops_fused_decode.py",)),
+    Mutation("norm_qkv_rope_store sums slice squares from one slice", "csrc_free_ops/fused_decode.py",
+             "            ss = _sum_row_slices(ss_ptr, rm, M, SPLIT_K)\n        rstd", "        rstd", ("tests/test_ops_fused_decode.py",)),
 ]
 
 

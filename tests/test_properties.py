@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import qwen_ops
 from qwen_ops import (add_rms_norm_reference, attention_reference, decode_attention_reference,
-                      kv_cache_store_reference, linear_reference, rms_norm_reference, rope_reference,
-                      silu_mul_reference)
+                      kv_cache_store_reference, linear_reference, linear_residual_reference,
+                      norm_gate_up_silu_reference, norm_linear_reference, norm_qkv_rope_store_reference,
+                      rms_norm_reference, rope_reference, silu_mul_reference)
 from tests.helpers import REL_TOL, assert_close
 
 ON_GPU = torch.cuda.is_available()
@@ -67,6 +68,47 @@ def test_linear_property(data, m, k, n, dtype, bias, strided):
     w = tensor(data, (n, k), dtype, strided)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     assert_close(torch.ops.qwen.linear(x, w, b), linear_reference(x, w, b), tol(dtype))
+
+
+def fused_tol(dtype):
+    """The fused decode ops round two or three times in a row (norm, projection, epilogue)."""
+    return tol(dtype) * (1.5 if dtype == torch.bfloat16 else 1)
+
+
+@PROPERTY
+@given(data=st.data(), m=st.integers(1, 20), k=st.integers(1, 160), n=st.integers(1, 80), dtype=dtypes,
+       eps=eps, offset=st.sampled_from([0.0, 1.0]), bias=st.booleans(), strided=st.booleans())
+def test_fused_decode_gemv_property(data, m, k, n, dtype, eps, offset, bias, strided):
+    x = tensor(data, (m, k), dtype, strided)
+    nw = torch.randn(k, device=DEVICE).to(dtype)
+    w = tensor(data, (2 * n, k), dtype, strided)
+    b = torch.randn(2 * n, device=DEVICE).to(dtype) if bias else None
+    assert_close(torch.ops.qwen.norm_linear(x, nw, w, b, eps, offset), norm_linear_reference(x, nw, w, b, eps, offset),
+                 fused_tol(dtype))
+    assert_close(torch.ops.qwen.norm_gate_up_silu(x, nw, w, eps, offset),
+                 norm_gate_up_silu_reference(x, nw, w, eps, offset), fused_tol(dtype))
+    r = tensor(data, (m, 2 * n), dtype, strided)
+    assert_close(torch.ops.qwen.linear_residual(x, w, r), linear_residual_reference(x, w, r), fused_tol(dtype))
+
+
+@PROPERTY
+@given(data=st.data(), b=small, t=st.integers(1, 3), hk=st.integers(1, 2), group=st.integers(1, 3),
+       d=st.sampled_from([16, 32]), k=st.integers(1, 96), dtype=dtypes, gated=st.booleans(), bias=st.booleans(),
+       norm=st.booleans(), offset=st.sampled_from([0.0, 1.0]))
+def test_norm_qkv_rope_store_property(data, b, t, hk, group, d, k, dtype, gated, bias, norm, offset):
+    hq = hk * group
+    rows = (hq * (2 if gated else 1) + 2 * hk) * d
+    rot = data.draw(st.sampled_from([r for r in range(2, d + 1, 2)]), label="rotary_dim")
+    cache_len = data.draw(st.integers(t, 12), label="cache_len")
+    r = lambda *shape: torch.randn(*shape, device=DEVICE).to(dtype)  # noqa: E731
+    positions = torch.stack([torch.randperm(cache_len, device=DEVICE)[:t] for _ in range(b)])
+    args = [r(b, t, k), r(k), r(rows, k), r(rows) if bias else None, r(d) if norm else None, r(d) if norm else None,
+            r(b, cache_len, hk, d), r(b, cache_len, hk, d), positions, 1e-6, offset, 1e4, rot, hq, gated]
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert_close(torch.ops.qwen.norm_qkv_rope_store(*args), norm_qkv_rope_store_reference(*ref_args),
+                 fused_tol(dtype))
+    assert_close(args[6], ref_args[6], fused_tol(dtype))
+    assert_close(args[7], ref_args[7], fused_tol(dtype))
 
 
 @PROPERTY
