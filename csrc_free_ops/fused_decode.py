@@ -17,7 +17,8 @@ slices' sums of squares are stored beside the partials and added by the last pro
 extra pass over x before the weights start streaming.
 
 Epilogues (y = the fp32 sum over K, rounded to the model dtype wherever the unfused ops would
-have stored it, so the fused ops match the composition of their references):
+have stored it, so the fused ops agree with the composition of their references to that
+dtype's rounding; only the normed x is rounded at another point, see above):
 
 - `norm_linear`: y (+ bias);
 - `linear_residual`: residual + y (the residual stream's add, rounded once more);
@@ -148,9 +149,9 @@ def _gemv_kernel(
 ):
     """out [M, N] = epilogue(x @ weight^T); with SILU, weight is [2N, K] (gate rows, then up rows)."""
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_s = tl.program_id(1).to(tl.int64)
     pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets in int64: x may be a strided view
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
@@ -245,9 +246,9 @@ def _qkv_kernel(
     QT: tl.constexpr = HQ * QW
     N: tl.constexpr = (QT + 2 * HK) * D
     tile = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_s = tl.program_id(1).to(tl.int64)
     pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets in int64: x may be a strided view
     rn = tile * D + tl.arange(0, D)
     k_lo = pid_s * K_PER_SPLIT
     k_hi = min(k_lo + K_PER_SPLIT, K)
@@ -336,7 +337,7 @@ def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, c
     n = out.shape[1]
     bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, weight.element_size(), cfg)
     tiles = triton.cdiv(n, cfg.block_n)
-    if tiles * m_blocks > MAX_TILES:
+    if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
     part, ss = _partials(split, m, (2 if silu else 1) * n, norm_weight is not None, x2.device)
     pdl = use_pdl(x2)
@@ -398,7 +399,7 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
     bm, m_blocks, cfg, k_per_split, split = _launch_shape("norm_qkv_rope_store", m, n, k, qkv_weight.element_size(),
                                                           cfg, block_n=d)
     tiles = n // d
-    if tiles * m_blocks > MAX_TILES:
+    if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)  # even unsplit: RoPE reads it back
     ss = torch.empty((split, m) if split > 1 else (0,), dtype=torch.float32, device=x.device)

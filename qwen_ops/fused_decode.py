@@ -89,6 +89,8 @@ def _check_norm_linear(x, norm_weight, weight, bias, eps, offset):
     op = "norm_linear"
     _check_weight(op, x, "weight", weight, norm_weight=norm_weight, bias=bias)
     _check_norm_weight(op, x, norm_weight)
+    if bias is not None:
+        check_float(op, "bias", bias, ndim=1)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         fail(op, f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
 
@@ -129,6 +131,9 @@ def _check_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weigh
     if qkv_weight.shape[0] != rows:
         fail(op, f"qkv_weight has {qkv_weight.shape[0]} rows; {num_heads} q heads{' with gates' if gated else ''} "
                  f"and {hk} kv heads of {d} need {rows}")
+    for name, t in (("qkv_bias", qkv_bias), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if t is not None:
+            check_float(op, name, t, ndim=1)  # read with unit stride
     if qkv_bias is not None and tuple(qkv_bias.shape) != (rows,):
         fail(op, f"qkv_bias must have shape ({rows},), got {tuple(qkv_bias.shape)}")
     if (q_norm_weight is None) != (k_norm_weight is None):

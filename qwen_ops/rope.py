@@ -64,6 +64,8 @@ def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
     if (q_norm_weight is None) != (k_norm_weight is None):
         fail(op, "give both q_norm_weight and k_norm_weight, or neither")
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            check_float(op, name, w, ndim=1)  # read with unit stride
         if w is not None and tuple(w.shape) != (d,):
             fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
 

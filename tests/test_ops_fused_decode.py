@@ -135,6 +135,8 @@ def test_qkv_positions_are_checked_on_cpu():
     (lambda a: a.__setitem__(13, 3), r"num_heads \(3\) must be a positive multiple"),
     (lambda a: a.__setitem__(12, 18), "rotary_dim must be even"),
     (lambda a: a.__setitem__(5, None), "give both q_norm_weight and k_norm_weight"),
+    (lambda a: a.__setitem__(4, torch.randn(32)[::2]), "q_norm_weight must be contiguous"),
+    (lambda a: a.__setitem__(3, torch.tensor([1.0]).expand(128)), "qkv_bias must be contiguous"),
 ])
 def test_qkv_bad_input(bad, message):
     args = _qkv_args(2, 1, 40, 4, 2, 16, 16, False, False, True, torch.float32, "cpu")
@@ -151,3 +153,5 @@ def test_bad_input():
         torch.ops.qwen.norm_gate_up_silu(x, torch.randn(8), torch.randn(5, 8), 1e-6, 0.0)
     with pytest.raises(qwen_ops.QwenOpError, match="norm_weight has 7 elements"):
         torch.ops.qwen.norm_linear(x, torch.randn(7), w, None, 1e-6, 0.0)
+    with pytest.raises(qwen_ops.QwenOpError, match="bias must be contiguous"):  # read with unit stride
+        torch.ops.qwen.norm_linear(x, torch.randn(8), w, torch.randn(12)[::2], 1e-6, 0.0)
