@@ -32,9 +32,10 @@ dtype's rounding; only the normed x is rounded at another point, see above):
 
 The arrival counters are `common.semaphores`.
 
-PDL: with `use_pdl`, a kernel waits for the previous one only before its first read of x; its
-address set-up and launch overlap the previous kernel's tail, and it lets the next kernel start
-once its own main loop is done.
+PDL: with `use_pdl`, a kernel's launch and address set-up overlap the previous kernel's tail; it
+waits for that kernel (`pdl_wait`) before touching memory, and lets the next kernel start once
+its own main loop is done. (Loading the first weight tile before the wait was tried: written by
+hand, the lookahead defeated Triton's software pipeliner and doubled the GEMV times.)
 """
 import math
 from typing import NamedTuple
@@ -45,6 +46,7 @@ import triton.language as tl
 
 from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_wait, semaphores,
                      use_pdl)
+
 
 class GemvConfig(NamedTuple):
     block_n: int
