@@ -62,3 +62,23 @@ def prefill(model, ids: torch.Tensor, cache, all_logits: bool = False) -> torch.
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     return model(ids, positions, cache, all_logits=all_logits)
 
+
+def decode(model, token: torch.Tensor, pos: int, cache) -> torch.Tensor:
+    """One decode step of token [B] at position pos (every row); the model's logits [B, V]."""
+    b = token.shape[0]
+    positions = torch.full((b, 1), pos, dtype=torch.int32, device=token.device)
+    seqlens = torch.full((b,), pos + 1, dtype=torch.int32, device=token.device)
+    return model(token[:, None], positions, cache, seqlens)
+
+
+def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Prefill then ``new_tokens - 1`` single-token decode steps (cache in the model's dtype);
+    returns [B, new_tokens]."""
+    b, t = ids.shape
+    cache = model.new_cache(b, t + new_tokens)
+    token = prefill(model, ids, cache).argmax(-1)
+    out = [token]
+    for pos in range(t, t + new_tokens - 1):
+        token = decode(model, token, pos, cache).argmax(-1)
+        out.append(token)
+    return torch.stack(out, 1)

@@ -5,7 +5,7 @@ import torch
 
 from modeling import QwenConfig
 from modeling.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, config_dict, random_model
-from tests.helpers import prefill, prompt, rel_err
+from tests.helpers import decode, greedy, prefill, prompt, rel_err
 
 TINY = {
     "qwen3": config_dict(256),
@@ -14,7 +14,7 @@ TINY = {
 }
 
 
-def _decode(model, ids, prompt_len, fused, dtype):
+def _prefill_then_decode(model, ids, prompt_len, fused, dtype):
     """Prefill ids[:, :prompt_len], then one decode call for the rest: (logits of every new token,
     every cache tensor)."""
     b, t = ids.shape[0], ids.shape[1] - prompt_len
@@ -34,25 +34,11 @@ def test_fused_decode_matches_unfused(kind, new_tokens):
     config = QwenConfig.from_dict(TINY[kind])
     model = random_model(config, torch.float32, std=0.1)
     ids = prompt(2, 7 + new_tokens, config.vocab_size)
-    fused, fused_cache = _decode(model, ids, 7, True, torch.float32)
-    unfused, unfused_cache = _decode(model, ids, 7, False, torch.float32)
+    fused, fused_cache = _prefill_then_decode(model, ids, 7, True, torch.float32)
+    unfused, unfused_cache = _prefill_then_decode(model, ids, 7, False, torch.float32)
     assert rel_err(fused, unfused) < 1e-5
     for a, b in zip(fused_cache, unfused_cache):
         assert rel_err(a, b) < 1e-5
-
-
-def _greedy(model, ids, new_tokens, fused):
-    model.fused_decode = fused
-    b, t = ids.shape
-    cache = model.new_cache(b, t + new_tokens)
-    token = prefill(model, ids, cache).argmax(-1)
-    out = [token]
-    for pos in range(t, t + new_tokens - 1):
-        positions = torch.full((b, 1), pos, dtype=torch.int32, device=ids.device)
-        seqlens = torch.full((b,), pos + 1, dtype=torch.int32, device=ids.device)
-        token = model(token[:, None], positions, cache, seqlens).argmax(-1)
-        out.append(token)
-    return torch.stack(out, 1)
 
 
 def _teacher_forced(model, ids, prompt_len, fused):
@@ -61,12 +47,7 @@ def _teacher_forced(model, ids, prompt_len, fused):
     b, t = ids.shape
     cache = model.new_cache(b, t)
     prefill(model, ids[:, :prompt_len], cache)
-    out = []
-    for pos in range(prompt_len, t):
-        positions = torch.full((b, 1), pos, dtype=torch.int32, device=ids.device)
-        seqlens = torch.full((b,), pos + 1, dtype=torch.int32, device=ids.device)
-        out.append(model(ids[:, pos : pos + 1], positions, cache, seqlens).float())
-    return torch.stack(out, 1)
+    return torch.stack([decode(model, ids[:, pos], pos, cache).float() for pos in range(prompt_len, t)], 1)
 
 
 @pytest.mark.cuda
@@ -85,12 +66,14 @@ def test_fused_decode_on_real_shapes_cuda(sizes, bf16_cap):
     config = QwenConfig.from_dict(config_dict(**sizes))
     model = random_model(config, torch.float32, device="cuda", std=0.02)
     ids = prompt(1, 16, config.vocab_size).cuda()
-    tokens = _greedy(model, ids, 256, fused=False)
+    model.fused_decode = False
+    tokens = greedy(model, ids, 256)
     assert len(tokens.unique()) > 16  # not a trivial repetition
     seq = torch.cat([ids, tokens[:, :-1]], 1)
     ref = _teacher_forced(model, seq, 16, fused=False)  # ref[:, i] chose tokens[:, i + 1]
     assert rel_err(_teacher_forced(model, seq, 16, fused=True), ref) < 1e-4
-    fused_tokens = _greedy(model, ids, 256, fused=True)
+    model.fused_decode = True
+    fused_tokens = greedy(model, ids, 256)
     differ = (fused_tokens != tokens)[0].nonzero()
     if len(differ):
         i = int(differ[0])

@@ -13,7 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from modeling import QwenForCausalLM
-from tests.helpers import hf_greedy, prefill, prompt, rel_err
+from tests.helpers import greedy, hf_greedy, prefill, prompt, rel_err
 
 HF_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # (model_type, tie_word_embeddings, heads, kv heads, head_dim); head_dim None: hidden / heads
@@ -57,20 +57,6 @@ def random_hf_model(
 def save_checkpoint(hf_model, path, **kwargs):
     hf_model.save_pretrained(path, **kwargs)
     return path
-
-
-def greedy(model, ids, new_tokens, dtype=torch.float32):
-    """Prefill then ``new_tokens - 1`` single-token decode steps; returns [B, new_tokens]."""
-    B, T = ids.shape
-    cache = model.new_cache(B, T + new_tokens, dtype, ids.device)
-    token = prefill(model, ids, cache).argmax(-1)
-    out = [token]
-    for pos in range(T, T + new_tokens - 1):
-        positions = torch.full((B, 1), pos, dtype=torch.int32, device=ids.device)
-        seqlens = torch.full((B,), pos + 1, dtype=torch.int32, device=ids.device)
-        token = model(token[:, None], positions, cache, seqlens).argmax(-1)
-        out.append(token)
-    return torch.stack(out, 1)
 
 
 @pytest.mark.parametrize("spec", TINY, ids=TINY_IDS)

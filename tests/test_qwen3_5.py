@@ -18,7 +18,7 @@ from modeling import QwenConfig, QwenForCausalLM
 from modeling.generator import Generator
 from modeling.layers import GatedDeltaNetCache, KVCache
 from modeling.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
-from tests.helpers import hf_greedy, prefill, prompt, rel_err
+from tests.helpers import decode, greedy, hf_greedy, prefill, prompt, rel_err
 
 # Two Gated DeltaNet layers (2 key heads of 16, 4 value heads of 32) and two gated attention layers
 # (4/2 heads of 32, rotary dim 8), interleaved: L F L F.
@@ -57,26 +57,6 @@ def random_hf_model(dtype=torch.float32, device="cpu", std=0.2, seed=0, **sizes)
         # dtype here, not .to(dtype), which would also round the fp32 RoPE inv_freq buffer
         model = Qwen3_5ForCausalLM._from_config(config, attn_implementation="eager", dtype=dtype).eval()
     return randomize_(model, std)
-
-
-def decode(model, token, pos, cache):
-    """One decode step of token [B] at position pos (every row)."""
-    B = token.shape[0]
-    positions = torch.full((B, 1), pos, dtype=torch.int32, device=token.device)
-    seqlens = torch.full((B,), pos + 1, dtype=torch.int32, device=token.device)
-    return model(token[:, None], positions, cache, seqlens)
-
-
-def greedy(model, ids, new_tokens):
-    """Prefill then ``new_tokens - 1`` single-token decode steps; returns [B, new_tokens]."""
-    B, T = ids.shape
-    cache = model.new_cache(B, T + new_tokens)
-    token = prefill(model, ids, cache).argmax(-1)
-    out = [token]
-    for pos in range(T, T + new_tokens - 1):
-        token = decode(model, token, pos, cache).argmax(-1)
-        out.append(token)
-    return torch.stack(out, 1)
 
 
 # --------------------------------------------------------------------------------------------- config
