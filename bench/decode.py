@@ -156,7 +156,7 @@ def transformers_ms(config_dict: dict, context: int, steps: int):
         return time.perf_counter() - t0
 
     with torch.no_grad():
-        run(4)
+        run(8), run(8 + steps)  # warm-up of both lengths: a static cache of a new size may recompile
         short, long = run(8), run(8 + steps)
     return (long - short) / steps * 1e3
 
@@ -208,6 +208,7 @@ def measure(args) -> dict:
     def row(shape, what, batch, context, ms):
         out["rows"].append(dict(shape=shape, what=what, batch=batch, context=context, ms_per_step=ms))
         print(f"{shape:11s} {what:34s} b{batch:<3d} ctx {context:<5d} {ms:8.3f} ms/step", flush=True)
+        save(args.out, out)  # after every row: a run cut short keeps what it measured
 
     compile_mode = "max-autotune" if args.max_autotune else "reduce-overhead"
     for name in (SHAPES if args.all else ["qwen3-0.6b"]):
@@ -256,9 +257,14 @@ def render(path: str, doc: str = "docs/performance.md", plot: str = "docs/decode
              f"Result file: `{path}`.", "",
              "| shape | what | batch | context | ms / step | x floor |", "|---|---|---|---|---|---|"]
     floors = {r["shape"]: r["ms_per_step"] for r in res["rows"] if r["what"].startswith("floor")}
+    notes = [r["note"] for r in res["rows"] if "note" in r]
     for r in res["rows"]:
-        lines.append(f"| {r['shape']} | {r['what']} | {r['batch']} | {r['context'] or '-'} | "
+        mark = f" ({notes.index(r['note']) + 1})" if "note" in r else ""
+        lines.append(f"| {r['shape']} | {r['what']}{mark} | {r['batch']} | {r['context'] or '-'} | "
                      f"{r['ms_per_step']:.3f} | {r['ms_per_step'] / floors[r['shape']]:.2f} |")
+    lines += [""] * bool(notes or res.get("notes")) + [f"({i}) {n}." for i, n in enumerate(notes, 1)]
+    if res.get("notes"):
+        lines.append(f"Run: {res['notes']}.")
     for path_name, table in res.get("profile", {}).items():
         lines += ["", f"Kernel time per decoded token inside the graph, {path_name} path (batch 1, context 3-11):", "",
                   "| kernel | launches | us |", "|---|---|---|"]
@@ -305,13 +311,16 @@ def main():
     if a.render:
         return render(a.render)
     assert torch.cuda.is_available(), "bench.decode measures on a CUDA GPU (--render works anywhere)"
-    res = measure(a)
-    os.makedirs(a.out, exist_ok=True)
+    print(f"wrote {save(a.out, measure(a))}")
+
+
+def save(out_dir: str, res: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
     slug = res["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    path = os.path.join(a.out, f"{res['date']}-{slug}-decode.json")
+    path = os.path.join(out_dir, f"{res['date']}-{slug}-decode.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

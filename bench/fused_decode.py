@@ -103,13 +103,14 @@ def step_rows():
     tokens = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
     pos, lens = torch.full((1, 1), 300, device="cuda"), torch.full((1,), 301, dtype=torch.int32, device="cuda")
     lines = ["| decode step, Qwen3-0.6B shape, graph replay | us |", "|---|---|"]
-    for fused_path, pdl in ((True, True), (True, False), (False, False)):
+    for fused_path, pdl in ((True, True), (True, False), (False, True), (False, False)):
         model.fused_decode, common._PDL_OFF = fused_path, not pdl
         with torch.no_grad():
             model(tokens, pos, cache, lens)
             us = triton.testing.do_bench_cudagraph(lambda: model(tokens, pos, cache, lens), rep=200,
                                                    return_mode="median") * 1e3
         lines.append(f"| {'fused' if fused_path else 'unfused'}{', PDL' if pdl else ''} | {us:.0f} |")
+        print(lines[-1], flush=True)
     model.fused_decode, common._PDL_OFF = True, False
     return lines
 
@@ -128,9 +129,7 @@ def main():
     print(head, flush=True)
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "fused_decode.log"), "w")
-    for line in step_rows():
-        lines.append(line)
-        print(line, flush=True)
+    lines += step_rows()
     lines += ["", "| case | weight MB | fused us | %copy | unfused us | best config | best us |", "|---|---|---|---|---|---|---|"]
     best = {}
     for name, (op, n, k, extra) in CASES.items():

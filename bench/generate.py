@@ -13,7 +13,8 @@
   batch 1, eager vs the CUDA graph, and transformers' eager ``generate`` beside it when
   importable (its torch fallbacks for the Gated DeltaNet unless flash-linear-attention and
   causal-conv1d are installed; per token = the time difference of two lengths / their token
-  difference, so its prefill cancels out).
+  difference, so its prefill cancels out). Also the floor (weight bytes / copy bandwidth measured
+  in the run) and the kernel time per decoded token inside the graph, from the profiler.
 
 Medians over ``--reps`` runs after a warm-up run (compilation and capture excluded). Prints a
 markdown table and writes it to ``DIR/<date>-<gpu>-generate.md`` (default $OUT, else bench/results).
@@ -52,8 +53,8 @@ def main():
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench.generate needs a CUDA GPU"
     rows = qwen3_rows(args) if "qwen3" in args.models else []
-    hybrid_rows = qwen3_5_rows(args) if "qwen3_5" in args.models else []
-    write(args, rows, hybrid_rows)
+    hybrid_rows, hybrid_notes = qwen3_5_rows(args) if "qwen3_5" in args.models else ([], [])
+    write(args, rows, hybrid_rows, hybrid_notes)
 
 
 def qwen3_rows(args):
@@ -98,7 +99,10 @@ def qwen3_rows(args):
 
 def qwen3_5_rows(args, context=256):
     """Greedy decode ms/token of the Qwen3.5-0.8B shape at context ``context``, batch 1: ours eager
-    and with the CUDA graph, and transformers eager (None when it cannot be imported)."""
+    and with the CUDA graph, and transformers eager (None when it cannot be imported); and notes:
+    the floor and the per-kernel profile of the graph's step."""
+    from bench.decode import copy_bandwidth, kernel_profile, weight_bytes
+
     config = QwenConfig.from_dict(QWEN3_5_0_8B)
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
     new, ids = args.new_tokens, prompt(context, config.vocab_size, 7)
@@ -115,7 +119,16 @@ def qwen3_5_rows(args, context=256):
     row = (f"Qwen3.5-0.8B decode greedy, context {context}, {new} tokens", "batch 1", times[False], times[True],
            transformers_decode_ms(context, new, args.reps), "ms/token")
     print(row, flush=True)
-    return [row]
+    floor = weight_bytes(model) / copy_bandwidth() * 1e3
+    profile = kernel_profile(model)
+    notes = [f"Floor: {weight_bytes(model) / 1e9:.2f} GB of weights / the copy bandwidth = {floor:.3f} ms/token. "
+             f"Kernel time per decoded token inside the graph (profiler, batch 1, context 3-11): "
+             f"{sum(n for n, _ in profile.values()):.0f} kernels, {sum(us for _, us in profile.values()):.0f} us.",
+             "", "| kernel | launches | us |", "|---|---|---|"]
+    notes += [f"| `{name[:50]}` | {n:.0f} | {us:.1f} |" for name, (n, us) in
+              sorted(profile.items(), key=lambda kv: -kv[1][1])[:14]]
+    print("\n".join(notes), flush=True)
+    return [row], notes
 
 
 def transformers_decode_ms(context, new, reps):
@@ -145,7 +158,7 @@ def transformers_decode_ms(context, new, reps):
     return median_of(max(1, reps // 2), lambda: (timed(long) - timed(short)) / (long - short) * 1e3)
 
 
-def write(args, rows, hybrid_rows):
+def write(args, rows, hybrid_rows, hybrid_notes):
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     import triton
@@ -176,6 +189,7 @@ def write(args, rows, hybrid_rows):
         for what, batch, eager, graph, hf, unit in hybrid_rows:
             hf_cell, ratio = ("n/a", "n/a") if hf is None else (f"{hf:.3f}", f"{hf / graph:.1f}x")
             lines.append(f"| {what} | {batch} | {eager:.3f} | {graph:.3f} | {hf_cell} | {unit} | {ratio} |")
+        lines += [""] + hybrid_notes
     table = "\n".join(lines)
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)

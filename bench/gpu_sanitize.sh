@@ -16,7 +16,8 @@
 #
 # One call keeps within BUDGET seconds (default 540, under a 10-minute device call): each run gets
 # the time left (GNU timeout on its whole process group); a run cut short shows TIMEOUT, and the
-# subsets not reached show "not run": pass them to the next call.
+# subsets not reached show "not run": pass them to the next call. Several calls may run side by side
+# (one per GPU, or several on one): give each its own OUT and TMPDIR.
 #
 # Allocation: memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is
 # its own cudaMalloc (memcheck sees a tensor's true bounds; initcheck does not flag reads of memory
@@ -24,7 +25,8 @@
 # so `graph` and `generate-graph` always run with caching (memcheck there catches accesses outside
 # the allocator's segments only). racecheck and synccheck do not depend on it and run with caching.
 set -u -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
+export QWEN_SANITIZER=1  # tests skip their slow float64 token-by-token references (see tests/helpers.py)
 OUT=${OUT:-out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-540}
 PRINT_LIMIT=${PRINT_LIMIT:-20}
@@ -109,7 +111,10 @@ for s in $expanded; do
   rc=$?
   took=$((SECONDS - t0))
   tail -3 "$prog" | sed 's/^/   /'
-  errors=$(grep -h "ERROR SUMMARY" "$log" 2>/dev/null | sed -E 's/.*ERROR SUMMARY: ([0-9]+).*/\1/' \
+  # "ERROR SUMMARY: N errors" (memcheck, initcheck, synccheck); racecheck: "RACECHECK SUMMARY: H hazards
+  # displayed (N errors, W warnings)"
+  errors=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$log" 2>/dev/null \
+           | sed -E 's/.*ERROR SUMMARY: ([0-9]+).*/\1/; s/.*RACECHECK SUMMARY.*\(([0-9]+) errors?.*/\1/' \
            | awk '{s += $1} END {if (NR) print s; else print "no summary"}')
   result=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s" "$prog" | tail -1 \
            | sed -E 's/=+//g; s/^ +| +$//g')

@@ -8,6 +8,11 @@ With `causal`, query i sits at position Sk - Sq + i and sees keys 0..Sk-Sq+i, so
 Sk > Sq attends over a cached prefix (chunked prefill / prompt continuation).
 Online softmax in fp32 (base 2): the score matrix never leaves registers. GQA
 reads each kv head in place (no repeat in memory). Grid: (cdiv(Sq, BLOCK_M), B*Hq).
+The running maximum is kept on the raw scores q.k and the scale applied after the subtraction,
+p = exp2((q.k - max) * scale * log2e) (scale > 0), so the row maximum gives exactly exp2(0):
+scaling first lets the compiler fuse the scaling into the subtraction (one FMA, whose unrounded
+product differs from the rounded maximum by up to 1e30 at scores near 1e37, and exp2 of that is
+inf or 0).
 
 The forward can also return lse [B, Hq, Sq] fp32, the natural-log log-sum-exp of the scaled
 scores (`attention_with_lse`), which the backward needs.
@@ -66,15 +71,15 @@ def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stri
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
     else:
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None])
-    s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
+    s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # raw q.k: m_i, m_new are raw maxima
     if MASKED:
         valid = cols[None, :] < SK
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + delta)
         s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None]) * P_SCALE  # P_SCALE = 2^-HEADROOM: p <= 2^-HEADROOM, exactly (common.SOFTMAX_HEADROOM)
+    alpha = tl.exp2((m_i - m_new) * qk_scale)
+    p = tl.exp2((s - m_new[:, None]) * qk_scale) * P_SCALE  # P_SCALE = 2^-HEADROOM: p <= 2^-HEADROOM, exactly (common.SOFTMAX_HEADROOM)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if WRITE_O:
         if MASKED:
@@ -126,7 +131,8 @@ def _attention_kernel(
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
                                       qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
     if WRITE_LSE:  # natural-log log-sum-exp of the scaled scores, for the backward
-        tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i + HEADROOM + tl.log2(l_i)) * LN2, mask=offs_m < SQ)
+        tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i * qk_scale + HEADROOM + tl.log2(l_i)) * LN2,
+                 mask=offs_m < SQ)
     if WRITE_O:
         o = acc / l_i[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],

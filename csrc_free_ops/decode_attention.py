@@ -15,12 +15,15 @@ the device), so one CUDA graph serves every length; splits past the sequence end
 do no work and contribute weight 0. cache_seqlens is clamped to [0, L] on the
 device (checking it would cost a host sync), so no length reads outside the cache;
 a query row that sees no key (length < Tq) outputs zeros.
+
+With PDL (`common.use_pdl`) both passes wait for their predecessor before reading anything,
+and the combine lets the next kernel (the o_proj GEMV) launch at once.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, TARGET_PROGRAMS, dot, softmax_headroom
+from .common import LOG2E, TARGET_PROGRAMS, dot, pdl_launch_dependents, pdl_wait, softmax_headroom, use_pdl
 
 
 @triton.jit
@@ -29,11 +32,13 @@ def _decode_split_kernel(
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // HK).to(tl.int64)
     hk = pid_bh % HK
+    pdl_wait(USE_PDL)
     # Clamped to [0, CACHE_LEN] before narrowing: a bad length never reads past the cache.
     seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b).to(tl.int64), 0), CACHE_LEN).to(tl.int32)
     rows = tl.arange(0, BLOCK_M)
@@ -68,6 +73,7 @@ def _decode_split_kernel(
                     mask=cols[:, None] < hi, other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    pdl_launch_dependents(USE_PDL)
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -77,8 +83,11 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * TQ + t) * HQ + h: o is contiguous [B, TQ, HQ, D]
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)  # the next kernel (o_proj) may start its launch now
     s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
@@ -111,15 +120,18 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads element b at offset b
     part_lse = torch.empty((bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
     headroom = softmax_headroom(v_cache.dtype)
+    pdl = use_pdl(q)
+    launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(bsz * hk, num_splits)](
         q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2,
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, USE_PDL=pdl, num_warps=4, num_stages=2, **launch,
     )
     _decode_combine_kernel[(bsz * tq * hq,)](
-        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), USE_PDL=pdl,
+        num_warps=4, **launch,
     )
     return o

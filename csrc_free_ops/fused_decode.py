@@ -34,8 +34,10 @@ The arrival counters are `common.semaphores`.
 
 PDL: with `use_pdl`, a kernel's launch and address set-up overlap the previous kernel's tail; it
 waits for that kernel (`pdl_wait`) before touching memory, and lets the next kernel start once
-its own main loop is done. (Loading the first weight tile before the wait was tried: written by
-hand, the lookahead defeated Triton's software pipeliner and doubled the GEMV times.)
+its own main loop is done. Tried and measured slower on the H200
+(docs/performance.md): loading the first weight tile before the wait (a hand-written lookahead
+defeats Triton's software pipeliner), an L2 prefetch of the program's weights before the wait, and
+letting the next kernel start before the main loop instead of after it.
 """
 import math
 from typing import NamedTuple
@@ -323,6 +325,9 @@ def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfi
     while cfg.num_stages * cfg.block_k * (rows * itemsize + bm * 4) > SMEM_BUDGET and cfg.block_k > 32:
         cfg = cfg._replace(num_stages=2) if cfg.num_stages > 2 else cfg._replace(block_k=cfg.block_k // 2)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    # No more stages than K steps: a program of one or two steps has nothing more to pipeline, and
+    # spare buffers would only keep other programs (the next kernel's, under PDL) off the SM.
+    cfg = cfg._replace(num_stages=max(1, min(cfg.num_stages, k_per_split // cfg.block_k)))
     return bm, m_blocks, cfg, k_per_split, triton.cdiv(k, k_per_split)
 
 

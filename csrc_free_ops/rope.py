@@ -119,9 +119,16 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HK=triton.next_power_of_2(max(hk, 1)),  # 0 heads: masked
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)),
-        num_warps=4,
+        num_warps=_warps(max(hq, hk), d),
     )
     return q_out, k_out
+
+
+def _warps(heads: int, d: int) -> int:
+    """Warps for a [heads, D / 2] tile: at least 4 elements per thread, so no two warps hold copies
+    of one element (each copy would be stored to shared memory by the per-head reductions: a benign
+    write-write race, but one that compute-sanitizer's racecheck reports)."""
+    return max(1, min(4, triton.next_power_of_2(max(heads, 1)) * triton.next_power_of_2(d) // 256))
 
 
 @triton.jit

@@ -8,10 +8,11 @@ attention_with_lse: also returns lse [B, Hq, Sq] (fp32, natural log; float64 for
 attention_backward: (dq, dk, dv) for output gradient do (and lse's gradient dlse);
     lse None: recomputed.
 """
+import math
+from typing import Optional
+
 import torch
 from torch import Tensor
-
-from typing import Optional
 
 from csrc_free_ops import attention as kernels
 
@@ -98,6 +99,8 @@ def check_heads(op, q, k, v, k_name, v_name):
 
 def _check_attention(q, k, v, scale, causal=True):
     check_heads("attention", q, k, v, "k", "v")
+    if not 0.0 < scale < math.inf:
+        fail("attention", f"scale must be a positive finite number, got {scale}")
     if k.shape[1] == 0:
         fail("attention", "k and v must hold at least one position")
     if causal and k.shape[1] < q.shape[1]:

@@ -217,6 +217,12 @@ CASES = [
 
 # Degenerate inputs the ops refuse (the same error from the real and the fake kernel).
 REFUSED = [
+    ("attention", "scale=0", r"scale must be a positive finite number",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev),
+                      0.0, True)),
+    ("attention", "scale<0", r"scale must be a positive finite number",
+     lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev),
+                      -0.25, True)),
     ("rope", "theta=0", r"theta \(the RoPE base\) must be positive and finite",
      lambda dt, dev: (_r(1, 2, 2, 16, dt=dt, dev=dev), _r(1, 2, 1, 16, dt=dt, dev=dev), _pos(1, 2, dev=dev), 0.0, 16)),
     ("rope", "theta<0", r"theta \(the RoPE base\) must be positive and finite",
