@@ -101,9 +101,15 @@ GPU_ARCH = (4, 256, 4, 2, 64, 768)
 
 
 def test_convergence_cpu():
+    """fp32 losses agree to 1e-5 (2.7e-7 measured). The parameters' bound is looser: AdamW's
+    first steps move each weight by about lr * sign(gradient), so a gradient entry near zero
+    whose sign the two runs round differently moves by 2 lr, and a handful of such entries set the
+    worst matrix's difference: 1.2e-4 for a gate_proj after attention's softmax changed its
+    rounding (scale applied after the max subtraction), with losses still 2.7e-7 apart. 5e-4
+    keeps that margin; a wrong gradient moves whole matrices by O(lr) relative."""
     a, b, m1, m2 = run_pair("cpu", torch.float32, steps=8, batch=2, seq=32, arch=CPU_ARCH, lr=1e-2)
     print("losses", a.tolist(), b.tolist())
-    assert_converged_alike(a, b, m1, m2, early_rtol=1e-5, loss_rtol=1e-5, param_rtol=1e-4)
+    assert_converged_alike(a, b, m1, m2, early_rtol=1e-5, loss_rtol=1e-5, param_rtol=5e-4)
 
 
 @pytest.mark.cuda
