@@ -32,7 +32,7 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation("every op takes its reference", "qwen_ops/registry.py",
-             "if use_triton(args[dispatch_arg]):", "if False:", ("tests/test_ops_norm.py",)),
+             "if use_triton(t):", "if False:", ("tests/test_ops_norm.py",)),
     Mutation("decode_attention without the NaN guard of fully masked rows", "csrc_free_ops/decode_attention.py",
              'm_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new", ("tests/test_ops_attention.py",)),
     Mutation("decode_attention without its length clamp", "csrc_free_ops/decode_attention.py",
@@ -93,8 +93,10 @@ MUTATIONS = [
              "    if bsz == 0 or sk == 0:\n        return dq, dk, dv\n    if sq * hq == 0:",
              "    if bsz * hq == 0 or sk == 0:\n        return dq, dk, dv\n    if sq == 0:", ("tests/test_edge_cases.py",)),
     Mutation("attention's online softmax without headroom (p @ v overflows)", "csrc_free_ops/attention.py",
-             "p = tl.exp2(s - m_new[:, None]) * P_SCALE", "p = tl.exp2(s - m_new[:, None])",
+             "p = tl.exp2((s - m_new[:, None]) * qk_scale) * P_SCALE", "p = tl.exp2((s - m_new[:, None]) * qk_scale)",
              ("tests/test_edge_cases.py",)),
+    Mutation("attention accepts a scale <= 0 (its running max is taken on unscaled scores)", "qwen_ops/attention.py",
+             "if not 0.0 < scale < math.inf:", "if False:", ("tests/test_edge_cases.py",)),
     Mutation("decode_attention's splits without headroom", "csrc_free_ops/decode_attention.py",
              "p = tl.exp2(s - m_safe[:, None]) * P_SCALE", "p = tl.exp2(s - m_safe[:, None])",
              ("tests/test_edge_cases.py",)),
