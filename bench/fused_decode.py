@@ -7,7 +7,8 @@ as a CUDA graph of calls over enough input copies that the weights do not sit in
 (`bench.ops.bench_us`): the fused op at its stored config, the unfused ops it replaces, and the
 weight bytes over the time against the copy bandwidth measured in the same run. --sweep also
 times every candidate (block_n, block_k, split_k) and prints the FUSED_CONFIGS table
-for csrc_free_ops/fused_decode.py.
+for csrc_free_ops/fused_decode.py (each launched with its config's stages cut to the program's K
+steps, as `_launch_shape` does for every launch).
 """
 import argparse
 import datetime

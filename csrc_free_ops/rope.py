@@ -119,16 +119,19 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HK=triton.next_power_of_2(max(hk, 1)),  # 0 heads: masked
         BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)),
-        num_warps=_warps(max(hq, hk), d),
+        num_warps=_warps(hq, hk, d, rotary_dim),
     )
     return q_out, k_out
 
 
-def _warps(heads: int, d: int) -> int:
-    """Warps for a [heads, D / 2] tile: at least 4 elements per thread, so no two warps hold copies
-    of one element (each copy would be stored to shared memory by the per-head reductions: a benign
-    write-write race, but one that compute-sanitizer's racecheck reports)."""
-    return max(1, min(4, triton.next_power_of_2(max(heads, 1)) * triton.next_power_of_2(d) // 256))
+def _warps(hq: int, hk: int, d: int, rotary_dim: int) -> int:
+    """Warps for the launch's smallest tile ([heads, R/2] rotated, [heads, D - R] passed through, for
+    q's heads and k's): at least 4 elements per thread, so no two warps hold copies of one element
+    (each copy would be stored to shared memory by the per-head reductions: a benign write-write
+    race, but one that compute-sanitizer's racecheck reports)."""
+    heads = triton.next_power_of_2(max(min(hq, hk), 1))
+    widths = [rotary_dim // 2] + ([d - rotary_dim] if d > rotary_dim else [])
+    return max(1, min(4, heads * triton.next_power_of_2(max(min(widths), 1)) // 128))
 
 
 @triton.jit
