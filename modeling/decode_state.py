@@ -103,8 +103,7 @@ class DecodeState:
     def prefill_bucket(self, bucket: int, mode: str) -> None:
         """Prefill ``pf_ids[:, :bucket]`` into the staging cache and sample the token after position
         ``pf_last`` into ``pf_token``."""
-        logits = self.model(self.pf_ids[:, :bucket], self.pf_pos[:, :bucket], self.staging, all_logits=True)
-        last = logits.index_select(1, self.pf_last)[:, 0]  # [1, V]
+        last = self.model(self.pf_ids[:, :bucket], self.pf_pos[:, :bucket], self.staging, logits_at=self.pf_last)
         self.pf_token.copy_(self.sample(last, slice(0, 1), mode))
 
     # ------------------------------------------------------------------ host-side updates

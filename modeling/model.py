@@ -91,6 +91,7 @@ class QwenForCausalLM(nn.Module):
         cache: Cache,
         cache_seqlens: Optional[Tensor] = None,
         all_logits: bool = False,
+        logits_at: Optional[Tensor] = None,
     ) -> Tensor:
         """input_ids, positions: [B, T] (int64; positions int32 or int64).
 
@@ -100,7 +101,9 @@ class QwenForCausalLM(nn.Module):
         k/v are stored at ``positions``, then attention reads the cache; recurrent layers continue
         their state in place.
         ``cache``: from ``new_cache`` (or some of its rows, ``cache.rows``).
-        Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``.
+        Returns logits [B, V] of the last position, or [B, T, V] with ``all_logits``, or [B, V] of
+        position ``logits_at[b]`` of each row with ``logits_at`` ([B] int64, on the device: a padded
+        prefill's last real token; the final norm and the lm_head then run on those rows only).
         """
         c = self.config
         fused = self.fused_decode if self.fused_decode is not None else input_ids.numel() == 1
@@ -110,7 +113,11 @@ class QwenForCausalLM(nn.Module):
                 x = layer.decode(x, positions, layer_cache, cache_seqlens)
             return ops.norm_linear(x if all_logits else x[:, -1], self.norm, self._head(), None, c.rms_norm_eps,
                                    c.norm_offset)
-        h = self._final_hidden(input_ids, positions, cache, cache_seqlens, last_only=not all_logits)
+        if logits_at is not None and (all_logits or logits_at.shape != input_ids.shape[:1]):
+            raise ValueError(f"logits_at must be one index per row, shape [{input_ids.shape[0]}], and excludes "
+                             f"all_logits; got shape {list(logits_at.shape)}")
+        select = logits_at if logits_at is not None else None if all_logits else input_ids.shape[1] - 1
+        h = self._final_hidden(input_ids, positions, cache, cache_seqlens, select)
         return ops.linear(h, self._head())
 
     def loss(self, input_ids: Tensor, cache: Cache, labels: Optional[Tensor] = None,
@@ -121,7 +128,7 @@ class QwenForCausalLM(nn.Module):
         the [B, T, V] logits are never built. For training, with ``requires_grad_(True)``."""
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        h = self._final_hidden(input_ids, positions, cache, None, last_only=False)
+        h = self._final_hidden(input_ids, positions, cache, None, None)
         targets = (input_ids if labels is None else labels)[:, 1:]
         return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),
                                         ignore_index)
@@ -129,12 +136,17 @@ class QwenForCausalLM(nn.Module):
     def _head(self) -> Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
-    def _final_hidden(self, input_ids, positions, cache, cache_seqlens, last_only: bool) -> Tensor:
+    def _final_hidden(self, input_ids, positions, cache, cache_seqlens, select) -> Tensor:
+        """The normed final hidden states [B, T, H]; with ``select`` (an int, or a [B] index tensor)
+        only that position of each row, [B, H]."""
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, residual = layer(x, residual, positions, layer_cache, cache_seqlens)
-        if last_only:
-            x, residual = x[:, -1], residual[:, -1]
+        if isinstance(select, int):
+            x, residual = x[:, select], residual[:, select]
+        elif select is not None:
+            index = select.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+            x, residual = x.gather(1, index)[:, 0], residual.gather(1, index)[:, 0]
         return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.config.norm_offset)[0]
 
     @classmethod

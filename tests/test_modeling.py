@@ -104,6 +104,25 @@ def test_sharded_checkpoint(tmp_path):
     assert rel_err(logits, hf(ids).logits) < 1e-5
 
 
+@torch.no_grad()
+def test_logits_at_selects_one_position_per_row(tmp_path):
+    """logits_at (a padded prefill's last real token) gives the rows' logits at those positions,
+    as all_logits does; a wrong shape, or both at once, is refused."""
+    hf = random_hf_model("qwen3", False, 4, 2, 16)
+    model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
+    ids = prompt(2, 9, hf.config.vocab_size)
+    positions = torch.arange(9).expand(2, 9)
+    every = model(ids, positions, model.new_cache(2, 9, torch.float32), all_logits=True)
+    at = torch.tensor([3, 8])
+    picked = model(ids, positions, model.new_cache(2, 9, torch.float32), logits_at=at)
+    assert picked.shape == (2, hf.config.vocab_size)
+    assert rel_err(picked, every[torch.arange(2), at]) < 1e-6
+    with pytest.raises(ValueError, match="one index per row"):
+        model(ids, positions, model.new_cache(2, 9, torch.float32), logits_at=torch.tensor([3]))
+    with pytest.raises(ValueError, match="excludes all_logits"):
+        model(ids, positions, model.new_cache(2, 9, torch.float32), all_logits=True, logits_at=at)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.no_grad()
 def test_half_precision_load(tmp_path, dtype):
