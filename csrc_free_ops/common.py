@@ -11,7 +11,7 @@ never from each other.
   shape, so results are bitwise reproducible run to run.
 - `semaphores`, `arrive`: per-tile arrival counters, so the last program of a split reduction
   finishes it in the same kernel (the fused decode GEMVs).
-- `use_pdl`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
+- `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
 import math
@@ -62,6 +62,13 @@ def use_pdl(t: torch.Tensor) -> bool:
     if index not in _pdl_devices:
         _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _pdl_devices[index]
+
+
+def pdl_options(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel that takes a USE_PDL constexpr: USE_PDL, and `launch_pdl`
+    where PDL is on (`use_pdl`)."""
+    pdl = use_pdl(t)
+    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
 
 
 @triton.jit

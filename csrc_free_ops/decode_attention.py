@@ -16,14 +16,14 @@ do no work and contribute weight 0. cache_seqlens is clamped to [0, L] on the
 device (checking it would cost a host sync), so no length reads outside the cache;
 a query row that sees no key (length < Tq) outputs zeros.
 
-With PDL (`common.use_pdl`) both passes wait for their predecessor before reading anything,
+With PDL (`common.pdl_options`) both passes wait for their predecessor before reading anything,
 and the combine lets the next kernel (the o_proj GEMV) launch at once.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, TARGET_PROGRAMS, dot, pdl_launch_dependents, pdl_wait, softmax_headroom, use_pdl
+from .common import LOG2E, TARGET_PROGRAMS, dot, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom
 
 
 @triton.jit
@@ -120,18 +120,17 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads element b at offset b
     part_lse = torch.empty((bsz, tq, hq, num_splits), dtype=torch.float32, device=q.device)
     headroom = softmax_headroom(v_cache.dtype)
-    pdl = use_pdl(q)
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl = pdl_options(q)
     _decode_split_kernel[(bsz * hk, num_splits)](
         q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, USE_PDL=pdl, num_warps=4, num_stages=2, **launch,
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2, **pdl,
     )
     _decode_combine_kernel[(bsz * tq * hq,)](
-        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits), USE_PDL=pdl,
-        num_warps=4, **launch,
+        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4, **pdl,
     )
     return o

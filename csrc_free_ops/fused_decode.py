@@ -32,7 +32,7 @@ dtype's rounding; only the normed x is rounded at another point, see above):
 
 The arrival counters are `common.semaphores`.
 
-PDL: with `use_pdl`, a kernel's launch and address set-up overlap the previous kernel's tail; it
+PDL: with `use_pdl` (`pdl_options`), a kernel's launch and address set-up overlap the previous kernel's tail; it
 waits for that kernel (`pdl_wait`) before touching memory, and lets the next kernel start once
 its own main loop is done. Tried and measured slower on the H200
 (docs/performance.md): loading the first weight tile before the wait (a hand-written lookahead
@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_wait, semaphores,
-                     use_pdl)
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_options, pdl_wait,
+                     semaphores)
 
 
 class GemvConfig(NamedTuple):
@@ -144,6 +144,17 @@ def _sum_row_slices(ss_ptr, rm, M, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
+def _program_slice(K, K_PER_SPLIT, BLOCK_M: tl.constexpr):
+    """(pid_s, pid_m, rm, k_lo, k_hi) of program (., s, m): its K slice [k_lo, k_hi) and its x rows
+    rm, in int64 (x may be a strided view)."""
+    pid_s = tl.program_id(1).to(tl.int64)
+    pid_m = tl.program_id(2)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    k_lo = pid_s * K_PER_SPLIT
+    return pid_s, pid_m, rm, k_lo, min(k_lo + K_PER_SPLIT, K)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, sem_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, stride_ps, stride_pm, eps, offset,
@@ -153,12 +164,8 @@ def _gemv_kernel(
 ):
     """out [M, N] = epilogue(x @ weight^T); with SILU, weight is [2N, K] (gate rows, then up rows)."""
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1).to(tl.int64)
-    pid_m = tl.program_id(2)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets in int64: x may be a strided view
+    pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo = pid_s * K_PER_SPLIT
-    k_hi = min(k_lo + K_PER_SPLIT, K)
     pdl_wait(USE_PDL)
     acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
                           NORM, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -250,12 +257,8 @@ def _qkv_kernel(
     QT: tl.constexpr = HQ * QW
     N: tl.constexpr = (QT + 2 * HK) * D
     tile = tl.program_id(0)
-    pid_s = tl.program_id(1).to(tl.int64)
-    pid_m = tl.program_id(2)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # row offsets in int64: x may be a strided view
+    pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = tile * D + tl.arange(0, D)
-    k_lo = pid_s * K_PER_SPLIT
-    k_hi = min(k_lo + K_PER_SPLIT, K)
     pdl_wait(USE_PDL)
     acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
                           True, BLOCK_M, D, BLOCK_K)
@@ -347,15 +350,14 @@ def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, c
     if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
     part, ss = _partials(split, m, (2 if silu else 1) * n, norm_weight is not None, x2.device)
-    pdl = use_pdl(x2)
     _gemv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight if norm_weight is not None else x2, weight, bias if bias is not None else weight,
         residual if residual is not None else out, out, part, ss, semaphores(x2.device),
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), part.stride(0), part.stride(1), eps, offset,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SILU=silu,
-        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2),
     )
     return out
 
@@ -412,7 +414,6 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
     ss = torch.empty((split, m) if split > 1 else (0,), dtype=torch.float32, device=x.device)
     pos = positions.reshape(-1).contiguous()
     has_norm = q_norm_weight is not None
-    pdl = use_pdl(x)
     _qkv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight,
         q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, pos, q, k_cache, v_cache, part, ss,
@@ -421,7 +422,7 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
         part.stride(0), part.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, offset, math.log2(theta),
         HQ=num_heads, HK=hk, GATED=gated, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
-        HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x),
     )
     return q
