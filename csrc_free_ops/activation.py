@@ -12,16 +12,15 @@ layout passes the two halves as views and the split layout (transformers' gate_p
 up_proj) shares the code. Grid: (cdiv(rows, BLOCK_R), cdiv(I, BLOCK)).
 """
 import torch
-import triton
 import triton.language as tl
 
-from .common import INTERPRET, flat_rows
+from .common import INTERPRET, cdiv, flat_rows, kernel, next_power_of_2
 
 BLOCK = 1024
 ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program, a GPU does not
 
 
-@triton.jit
+@kernel
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, ROWS, I,
                      BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     row = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
@@ -36,7 +35,7 @@ def _launch(g2, u2, y2):
     rows, inter = g2.shape
     if rows == 0 or inter == 0:
         return
-    _silu_mul_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(inter, BLOCK))](
+    _silu_mul_kernel[(cdiv(rows, ROWS_PER_PROGRAM), cdiv(inter, BLOCK))](
         g2, u2, y2, g2.stride(0), u2.stride(0), y2.stride(0), rows, inter,
         BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
 
@@ -57,7 +56,7 @@ def silu_mul_split(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@triton.jit
+@kernel
 def _silu_mul_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
                          stride_dy, stride_g, stride_u, stride_dg, stride_du, ROWS, I,
                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
@@ -78,7 +77,7 @@ def _launch_bwd(dy2, g2, u2, dg2, du2):
     rows, inter = g2.shape
     if rows == 0 or inter == 0:
         return
-    _silu_mul_bwd_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM), triton.cdiv(inter, BLOCK))](
+    _silu_mul_bwd_kernel[(cdiv(rows, ROWS_PER_PROGRAM), cdiv(inter, BLOCK))](
         dy2, g2, u2, dg2, du2, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
         rows, inter, BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
 
@@ -109,7 +108,7 @@ def silu_mul_split_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tens
 # of the fused q projection (per head [query | gate]) without a copy.
 
 
-@triton.jit
+@kernel
 def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, stride_xr, stride_xh, stride_gr, stride_gh, ROWS, H, N,
                         BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     r = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]  # over R * H
@@ -140,9 +139,9 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     x3, g3 = _rows3(x), _rows3(gate)
     _, h, n = x3.shape
     rows = x3.shape[0] * h
-    block = min(1024, triton.next_power_of_2(n))
-    block_r = min(triton.next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block))
-    _sigmoid_mul_kernel[(triton.cdiv(rows, block_r), triton.cdiv(n, block))](
+    block = min(1024, next_power_of_2(n))
+    block_r = min(next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block))
+    _sigmoid_mul_kernel[(cdiv(rows, block_r), cdiv(n, block))](
         x3, g3, y, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), rows, h, n,
         BLOCK_R=block_r, BLOCK=block, num_warps=4)
     return y

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, dot, softmax_headroom
+from .common import INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, softmax_headroom
 LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 
 
@@ -90,7 +90,7 @@ def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stri
     return m_new, l_i, acc
 
 
-@triton.jit
+@kernel
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -99,6 +99,7 @@ def _attention_kernel(
     CAUSAL: tl.constexpr, WRITE_O: tl.constexpr, WRITE_LSE: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
 ):
+    qk_scale = fp32(qk_scale)
     # Causal: the last query blocks have the most keys, so they start first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -145,7 +146,7 @@ def _blocks(d: int, sq: int, itemsize: int):
     bm, bn, warps, stages = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}.get(d, (64, 32, 4, 2))
     if itemsize == 4:
         bm, stages = bm // 2, 2
-    return min(bm, max(16, triton.next_power_of_2(sq))), bn, warps, stages
+    return min(bm, max(16, next_power_of_2(sq))), bn, warps, stages
 
 
 def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True):
@@ -173,7 +174,7 @@ def _launch(q, k, v, o, lse, scale, causal):
     ot = o if o is not None else q  # a placeholder pointer when o is not written
     bm, bn, warps, stages = _blocks(d, sq, q.element_size())
     headroom = softmax_headroom(v.dtype)
-    _attention_kernel[(triton.cdiv(sq, bm), bsz * hq)](
+    _attention_kernel[(cdiv(sq, bm), bsz * hq)](
         q, k, v, ot, lse if lse is not None else q,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), ot.stride(0), ot.stride(1), ot.stride(2),
@@ -208,7 +209,7 @@ def _check_tiles(t: Tiles):
     assert t.num_stages >= 1, f"num_stages={t.num_stages}"
 
 
-@triton.jit
+@kernel
 def _bwd_preprocess_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
@@ -266,7 +267,7 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, m0, offs_m
     return dk, dv
 
 
-@triton.jit
+@kernel
 def _bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -274,6 +275,7 @@ def _bwd_dkdv_kernel(
     SQ, SK, HQ, HK, GROUP, qk_scale, scale,
     CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_bh = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N  # causal: the first key blocks, seen by the most queries, start first
     b = (pid_bh // HK).to(tl.int64)
@@ -348,7 +350,7 @@ def _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, s
     return dot(ds.to(kt.dtype), tl.trans(kt), dq)
 
 
-@triton.jit
+@kernel
 def _bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -356,6 +358,7 @@ def _bwd_dq_kernel(
     SQ, SK, HQ, GROUP, qk_scale, scale,
     CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale, scale = fp32(qk_scale), fp32(scale)
     pid_bh = tl.program_id(0)
     # Causal: the last query blocks see the most keys, so they start first.
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
@@ -425,7 +428,7 @@ def bwd_delta(o, do, dlse=None):
     bsz, sq, hq, d = o.shape
     delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=o.device)
     block = max(16, 4096 // d)
-    _bwd_preprocess_kernel[(triton.cdiv(sq, block), bsz * hq)](
+    _bwd_preprocess_kernel[(cdiv(sq, block), bsz * hq)](
         o, do, dlse if dlse is not None else delta, delta, *_qstrides(o), *_qstrides(do),
         sq, hq, HAS_DLSE=dlse is not None, D=d, BLOCK_M=block, num_warps=4,
     )
@@ -438,7 +441,7 @@ def dkdv_backward(do, q, k, v, lse, delta, dk, dv, scale: float, causal: bool, t
     _check_tiles(tiles)
     bsz, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    return _bwd_dkdv_kernel[(bsz * hk, triton.cdiv(sk, tiles.block_n))](
+    return _bwd_dkdv_kernel[(bsz * hk, cdiv(sk, tiles.block_n))](
         q, k, v, do, lse, delta, dk, dv, *_qstrides(q), *_qstrides(k), *_qstrides(v), *_qstrides(do),
         sq, sk, hq, hk, hq // hk, scale * LOG2E, scale,
         CAUSAL=causal, D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
@@ -450,7 +453,7 @@ def dq_backward(do, q, k, v, lse, delta, dq, scale: float, causal: bool, tiles: 
     """Writes dq (contiguous [B, Sq, Hq, D]); returns the launched kernel, as dkdv_backward."""
     _check_tiles(tiles)
     bsz, sq, hq, d = q.shape
-    return _bwd_dq_kernel[(bsz * hq, triton.cdiv(sq, tiles.block_m))](
+    return _bwd_dq_kernel[(bsz * hq, cdiv(sq, tiles.block_m))](
         q, k, v, do, lse, delta, dq, *_qstrides(q), *_qstrides(k), *_qstrides(v), *_qstrides(do),
         sq, k.shape[1], hq, hq // k.shape[2], scale * LOG2E, scale,
         CAUSAL=causal, D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,

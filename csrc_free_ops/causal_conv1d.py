@@ -16,13 +16,12 @@ each channel block one program that walks all T steps, reading the old state bef
 writes the new one in place (no other program touches those channels).
 """
 import torch
-import triton
 import triton.language as tl
 
-from .common import INTERPRET
+from .common import INTERPRET, cdiv, kernel, next_power_of_2
 
 
-@triton.jit
+@kernel
 def _conv_kernel(
     x_ptr, w_ptr, s_in_ptr, y_ptr, s_out_ptr,
     T, C, T_PER_PROG,
@@ -80,8 +79,8 @@ def _conv_kernel(
 
 def _blocks(c: int):
     if INTERPRET:
-        return 64, min(256, triton.next_power_of_2(c))
-    return 16, min(128, triton.next_power_of_2(c))  # no register spills at 4 warps (sm_90, K = 4)
+        return 64, min(256, next_power_of_2(c))
+    return 16, min(128, next_power_of_2(c))  # no register spills at 4 warps (sm_90, K = 4)
 
 
 def _launch(x, weight, s_in, y, s_out, split_t: bool):
@@ -92,13 +91,13 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
     block_t, block_c = _blocks(c)
     if split_t:
         per = block_t * (4 if not INTERPRET else 1)
-        n_t = max(1, triton.cdiv(t, per))
+        n_t = max(1, cdiv(t, per))
     else:
-        block_t = min(block_t, triton.next_power_of_2(max(t, 1)))
+        block_t = min(block_t, next_power_of_2(max(t, 1)))
         per, n_t = max(t, 1), 1
     has_state = s_in is not None
     s_in_ = s_in if has_state else s_out
-    grid = (bsz, n_t, triton.cdiv(c, block_c))
+    grid = (bsz, n_t, cdiv(c, block_c))
     _conv_kernel[grid](
         x, weight, s_in_, y, s_out,
         t, c, per,
@@ -106,7 +105,7 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
         s_in_.stride(0), s_in_.stride(1), s_in_.stride(2), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         weight.stride(0), weight.stride(1),
         K=k, HAS_STATE=has_state, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_S=triton.next_power_of_2(max(k - 1, 1)), num_warps=4,
+        BLOCK_S=next_power_of_2(max(k - 1, 1)), num_warps=4,
     )
 
 

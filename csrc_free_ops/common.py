@@ -11,6 +11,8 @@ never from each other.
   shape, so results are bitwise reproducible run to run.
 - `semaphores`, `arrive`: per-tile arrival counters, so the last program of a split reduction
   finishes it in the same kernel (the fused decode GEMVs).
+- `cdiv`, `next_power_of_2`: host-side integer helpers (Triton's cost microseconds a call).
+- `fp32`: float arguments as fp32 whoever launches the kernel.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
@@ -21,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
+from .launch import INTERPRET, kernel
+
 
 TARGET_PROGRAMS = 264
 """Programs that make about two waves on an H200 (132 SMs): the grid size the launchers aim for."""
@@ -44,6 +46,25 @@ def softmax_headroom(dtype: torch.dtype) -> float:
     product, and p <= 2^-20 would be subnormal in fp16 (fp16 values, <= 65504, cannot overflow
     the fp32 accumulator anyway). bf16 and fp32 have fp32's exponent range: the shift is exact."""
     return 0.0 if dtype == torch.float16 else SOFTMAX_HEADROOM
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints. Launchers use this, not `triton.cdiv`, which is a constexpr
+    function whose wrapper costs microseconds a call (several per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host ints (as `cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@triton.jit
+def fp32(x):
+    """A float argument as fp32. Triton passes Python floats to a kernel as fp32; Inductor, which
+    launches the kernels of a graph torch.compile traced into them, passes them as fp64 (whose
+    math would be slow, and which tl.dot's fp32 accumulators refuse)."""
+    return tl.cast(x, tl.float32)
 
 
 _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
@@ -178,7 +199,7 @@ def num_programs(rows: int) -> int:
     return max(1, min(rows, MAX_PROGRAMS))
 
 
-@triton.jit
+@kernel
 def _sum_partials_kernel(part_ptr, out_ptr, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[n] = sum_p part[p, n], in a fixed order (fp32), stored in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,13 +219,13 @@ def sum_partials(partial: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | 
         out = torch.empty(n, dtype=dtype, device=partial.device)
     if n == 0:
         return out
-    block_n = min(1024 if INTERPRET else 256, triton.next_power_of_2(n))
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partial, out, p, n, partial.stride(0),
+    block_n = min(1024 if INTERPRET else 256, next_power_of_2(n))
+    _sum_partials_kernel[(cdiv(n, block_n),)](partial, out, p, n, partial.stride(0),
                                                        BLOCK_P=16, BLOCK_N=block_n, num_warps=4)
     return out
 
 
-@triton.jit
+@kernel
 def _column_sum_kernel(x_ptr, part_ptr, ROWS, N, ROWS_PER_PROG, stride_x, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """part[p, n] = sum of x[r, n] over program p's rows (fp32); grid (P, cdiv(N, BLOCK_N))."""
     pid = tl.program_id(0)
@@ -225,12 +246,12 @@ def column_sum(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows, n = x2.shape
     if rows == 0 or n == 0:
         return torch.zeros(n, dtype=dtype, device=x2.device)
-    p = num_programs(triton.cdiv(rows, 16))
-    per = triton.cdiv(rows, p)
-    p = triton.cdiv(rows, per)
+    p = num_programs(cdiv(rows, 16))
+    per = cdiv(rows, p)
+    p = cdiv(rows, per)
     partial = torch.empty((p, n), dtype=torch.float32, device=x2.device)
-    block_n = min(128, triton.next_power_of_2(n))
-    _column_sum_kernel[(p, triton.cdiv(n, block_n))](x2, partial, rows, n, per, x2.stride(0),
+    block_n = min(128, next_power_of_2(n))
+    _column_sum_kernel[(p, cdiv(n, block_n))](x2, partial, rows, n, per, x2.stride(0),
                                                       BLOCK_R=16, BLOCK_N=block_n, num_warps=4)
     return sum_partials(partial, dtype)
 
@@ -259,7 +280,7 @@ def tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, s
     return acc
 
 
-@triton.jit
+@kernel
 def _mm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, K_PER_SPLIT,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
@@ -289,7 +310,7 @@ def gemm_blocks(m: int, n: int, k: int, itemsize: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Under the interpreter, tiles shrink to
     the problem (each tile element costs numpy time there)."""
     if INTERPRET:
-        clamp = lambda v, hi: min(hi, max(16, triton.next_power_of_2(v)))  # noqa: E731
+        clamp = lambda v, hi: min(hi, max(16, next_power_of_2(v)))  # noqa: E731
         return clamp(m, 64), clamp(n, 64), clamp(k, 32), 4, 1
     if itemsize == 4:
         return 64, 128, 32, 8, 2
@@ -302,10 +323,10 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
     least 16 K-steps long. A function of the shape only (deterministic)."""
     if INTERPRET:
         return 1
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     if tiles >= TARGET_PROGRAMS // 2:
         return 1
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
+    return max(1, min(cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None,
@@ -329,12 +350,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     if accumulate:
         stages = min(stages, 2)  # the fp32 output tile read at the end needs the registers
     s = splits if splits is not None else (1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk))
-    per = triton.cdiv(triton.cdiv(k, s), bk) * bk
-    s = triton.cdiv(k, per)
+    per = cdiv(cdiv(k, s), bk) * bk
+    s = cdiv(k, per)
     if s > 1 and (accumulate or bias is not None or not out.is_contiguous()):
         raise ValueError("split-K needs a contiguous output, no accumulate and no bias")
     target = out if s == 1 else torch.empty((s, m, n), dtype=torch.float32, device=out.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), s)
+    grid = (cdiv(m, bm) * cdiv(n, bn), s)
     _mm_kernel[grid](
         a, b, bias if bias is not None else b, target, m, n, k, per, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         target.stride(-2), target.stride(-1), target.stride(0) if s > 1 else 0,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, gemm_blocks, grouped_tile, mm, tile_product
+from .common import INTERPRET, cdiv, gemm_blocks, grouped_tile, kernel, mm, next_power_of_2, tile_product
 
 PARTIALS_BYTES = 32 << 20
 """Byte budget of the forward's per-tile row statistics (8 bytes per row per BLOCK_N columns)."""
@@ -45,7 +45,7 @@ def _counts(t, ignore_index, V):
     return (t != ignore_index) & (t >= 0) & (t < V)
 
 
-@triton.jit
+@kernel
 def _logits_lse_kernel(
     h_ptr, w_ptr, targets_ptr, pmax_ptr, psum_ptr, target_logit_ptr,
     R, V, H, stride_h, stride_w, TILES_V,
@@ -68,7 +68,7 @@ def _logits_lse_kernel(
     tl.store(target_logit_ptr + rm, picked, mask=here)
 
 
-@triton.jit
+@kernel
 def _lse_loss_kernel(
     pmax_ptr, psum_ptr, target_logit_ptr, targets_ptr, lse_ptr, loss_ptr,
     R, V, TILES_V, ignore_index, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -95,7 +95,7 @@ def _lse_loss_kernel(
     tl.store(loss_ptr + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
 
 
-@triton.jit
+@kernel
 def _logits_grad_kernel(
     h_ptr, w_ptr, targets_ptr, lse_ptr, dlse_ptr, scale_ptr, g_ptr,
     N, VS, V0, V, H, stride_h, stride_w, stride_g, ignore_index,
@@ -133,21 +133,21 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int):
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     losses = torch.empty(n, dtype=torch.float32, device=dev)
     cfg = _gemm_launch(n, v, h, hidden.element_size())
-    tiles_v = triton.cdiv(v, cfg["BLOCK_N"])
+    tiles_v = cdiv(v, cfg["BLOCK_N"])
     r = max(cfg["BLOCK_M"], PARTIALS_BYTES // (8 * tiles_v) // cfg["BLOCK_M"] * cfg["BLOCK_M"])
     r = min(r, max(n, 1))
     pmax = torch.empty((r, tiles_v), dtype=torch.float32, device=dev)
     psum = torch.empty_like(pmax)
     target_logit = torch.empty(r, dtype=torch.float32, device=dev)
-    block_t = min(triton.next_power_of_2(tiles_v), 64 if INTERPRET else 256)
+    block_t = min(next_power_of_2(tiles_v), 64 if INTERPRET else 256)
     block_r = 16
     for r0 in range(0, n, r):
         rows = min(r, n - r0)
         h_c, t_c = hidden[r0:r0 + rows], targets[r0:r0 + rows]
-        _logits_lse_kernel[(triton.cdiv(rows, cfg["BLOCK_M"]) * tiles_v,)](
+        _logits_lse_kernel[(cdiv(rows, cfg["BLOCK_M"]) * tiles_v,)](
             h_c, weight, t_c, pmax, psum, target_logit, rows, v, h, h_c.stride(0), weight.stride(0), tiles_v, **cfg,
         )
-        _lse_loss_kernel[(triton.cdiv(rows, block_r),)](
+        _lse_loss_kernel[(cdiv(rows, block_r),)](
             pmax, psum, target_logit, t_c, lse[r0:r0 + rows], losses[r0:r0 + rows], rows, v, tiles_v, ignore_index,
             BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4,
         )
@@ -173,7 +173,7 @@ def linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, 
         cols = min(vs, v - v0)
         cfg = _gemm_launch(n, cols, h, hidden.element_size())
         g_s, w_s = g[:, :cols], weight[v0:v0 + cols]  # w_s: the slice's rows (a 64-bit offset from the host)
-        _logits_grad_kernel[(triton.cdiv(n, cfg["BLOCK_M"]) * triton.cdiv(cols, cfg["BLOCK_N"]),)](
+        _logits_grad_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(cols, cfg["BLOCK_N"]),)](
             hidden, w_s, targets, lse, dlse, scale, g_s, n, cols, v0, v, h, hidden.stride(0), weight.stride(0),
             g_s.stride(0), ignore_index, HAS_DLSE=grad_lse is not None, **cfg,
         )

@@ -20,13 +20,13 @@ With PDL (`common.pdl_options`) both passes wait for their predecessor before re
 and the combine lets the next kernel (the o_proj GEMV) launch at once.
 """
 import torch
-import triton
 import triton.language as tl
 
-from .common import LOG2E, TARGET_PROGRAMS, dot, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom
+from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
+                    pdl_options, pdl_wait, softmax_headroom)
 
 
-@triton.jit
+@kernel
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -34,6 +34,7 @@ def _decode_split_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    qk_scale = fp32(qk_scale)
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // HK).to(tl.int64)
@@ -82,7 +83,7 @@ def _decode_split_kernel(
     tl.store(plse_ptr + part_row, lse, mask=row_ok)
 
 
-@triton.jit
+@kernel
 def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
                            USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * TQ + t) * HQ + h: o is contiguous [B, TQ, HQ, D]
@@ -102,9 +103,9 @@ def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr,
 
 def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
     """(num_splits, split_len): about two waves of programs, each split a whole number of key blocks."""
-    splits = min(triton.cdiv(cache_len, block_n), max(1, triton.cdiv(TARGET_PROGRAMS, bsz * hk)))
-    split_len = triton.cdiv(triton.cdiv(cache_len, splits), block_n) * block_n
-    return triton.cdiv(cache_len, split_len), split_len
+    splits = min(cdiv(cache_len, block_n), max(1, cdiv(TARGET_PROGRAMS, bsz * hk)))
+    split_len = cdiv(cdiv(cache_len, splits), block_n) * block_n
+    return cdiv(cache_len, split_len), split_len
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.Tensor:
@@ -126,11 +127,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
-        D=d, BLOCK_M=max(16, triton.next_power_of_2(tq * group)), BLOCK_N=block_n,
+        D=d, BLOCK_M=max(16, next_power_of_2(tq * group)), BLOCK_N=block_n,
         HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2, **pdl,
     )
     _decode_combine_kernel[(bsz * tq * hq,)](
-        part_out, part_lse, o, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits),
+        part_out, part_lse, o, num_splits, D=d, BLOCK_S=next_power_of_2(num_splits),
         num_warps=4, **pdl,
     )
     return o

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, dot, pdl_launch_dependents, pdl_options, pdl_wait,
-                     semaphores)
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, fp32, kernel, next_power_of_2,
+                    pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
 
 
 class GemvConfig(NamedTuple):
@@ -82,10 +82,10 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
         return FUSED_CONFIGS[(op, n, k)]
     if INTERPRET:  # programs run one by one: few, wide ones, still split in two where K allows
         block_k = 64
-        return GemvConfig(block_n or 64, block_k, min(2, triton.cdiv(k, block_k)))
+        return GemvConfig(block_n or 64, block_k, min(2, cdiv(k, block_k)))
     block_n = block_n or (64 if n >= 32768 else 32)
-    tiles = triton.cdiv(n, block_n) * m_blocks
-    return GemvConfig(block_n, 256, min(triton.cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
+    tiles = cdiv(n, block_n) * m_blocks
+    return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _program_slice(K, K_PER_SPLIT, BLOCK_M: tl.constexpr):
     return pid_s, pid_m, rm, k_lo, min(k_lo + K_PER_SPLIT, K)
 
 
-@triton.jit
+@kernel
 def _gemv_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, sem_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, stride_ps, stride_pm, eps, offset,
@@ -163,6 +163,7 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """out [M, N] = epilogue(x @ weight^T); with SILU, weight is [2N, K] (gate rows, then up rows)."""
+    eps, offset = fp32(eps), fp32(offset)
     pid_n = tl.program_id(0)
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,7 +243,7 @@ def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, rstd, stride_ps,
     return tl.where((d < ROT)[None, :], rotated, y)
 
 
-@triton.jit
+@kernel
 def _qkv_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, ss_ptr, sem_ptr,
     M, T, L, K, K_PER_SPLIT, stride_xm, stride_wn, stride_qm, stride_ps, stride_pm,
@@ -253,6 +254,7 @@ def _qkv_kernel(
 ):
     """Tile t of D rows of qkv = rms_norm(x) @ qkv_weight^T: t < QT a query (or, GATED, alternately
     query and gate) head, then HK key heads, then HK value heads."""
+    eps, offset, log2_theta = fp32(eps), fp32(offset), fp32(log2_theta)
     QW: tl.constexpr = 2 if GATED else 1
     QT: tl.constexpr = HQ * QW
     N: tl.constexpr = (QT + 2 * HK) * D
@@ -310,7 +312,7 @@ def _qkv_kernel(
 
 
 def _block_m(m: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(m)))
+    return min(64, max(16, next_power_of_2(m)))
 
 
 SMEM_BUDGET = 200 << 10
@@ -322,16 +324,16 @@ def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfi
     stages, then shallower K steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles
     would not fit the bf16 defaults."""
     bm = _block_m(m)
-    m_blocks = triton.cdiv(m, bm)
+    m_blocks = cdiv(m, bm)
     cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
     rows = block_n or cfg.block_n
     while cfg.num_stages * cfg.block_k * (rows * itemsize + bm * 4) > SMEM_BUDGET and cfg.block_k > 32:
         cfg = cfg._replace(num_stages=2) if cfg.num_stages > 2 else cfg._replace(block_k=cfg.block_k // 2)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     # No more stages than K steps: a program of one or two steps has nothing more to pipeline, and
     # spare buffers would only keep other programs (the next kernel's, under PDL) off the SM.
     cfg = cfg._replace(num_stages=max(1, min(cfg.num_stages, k_per_split // cfg.block_k)))
-    return bm, m_blocks, cfg, k_per_split, triton.cdiv(k, k_per_split)
+    return bm, m_blocks, cfg, k_per_split, cdiv(k, k_per_split)
 
 
 def _partials(split: int, m: int, n: int, norm: bool, device):
@@ -346,7 +348,7 @@ def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, c
     m, k = x2.shape
     n = out.shape[1]
     bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, weight.element_size(), cfg)
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(n, cfg.block_n)
     if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
     part, ss = _partials(split, m, (2 if silu else 1) * n, norm_weight is not None, x2.device)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TARGET_PROGRAMS, dot, flat_rows, row_warps
+from .common import INTERPRET, TARGET_PROGRAMS, cdiv, dot, flat_rows, fp32, kernel, next_power_of_2, row_warps
 
 CHUNK = 64
 
@@ -86,7 +86,7 @@ def _unit_lower_inverse(a, BT: tl.constexpr, BLK: tl.constexpr, TF32: tl.constex
     return _dot_f32(y, d_inv, TF32)
 
 
-@triton.jit
+@kernel
 def _wy_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gc_ptr, kn_ptr,
     T, H, GROUP,
@@ -136,7 +136,7 @@ def _wy_kernel(
     tl.store(u_ptr + bh_t[:, None] * DV + dv[None, :], u.to(DT), mask=tm[:, None])
 
 
-@triton.jit
+@kernel
 def _state_kernel(
     k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, vn_ptr, h0_ptr, ht_ptr,
     T, NT, H, GROUP,
@@ -180,7 +180,7 @@ def _state_kernel(
     tl.store(ht_ptr + state_off, s)
 
 
-@triton.jit
+@kernel
 def _output_kernel(
     q_ptr, k_ptr, vn_ptr, gc_ptr, h_ptr, o_ptr, scale,
     T, NT, H, GROUP,
@@ -189,6 +189,7 @@ def _output_kernel(
 ):
     """O of chunk i_t for (b, h, value block): (q exp(G)) S_chunk + causal(q k^T exp(G_i - G_j)) V'
     (q normalised here, k as stored by _wy_kernel)."""
+    scale = fp32(scale)
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -241,7 +242,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, u
     final = torch.empty((bsz, hv, dk, dv), dtype=torch.float32, device=dev)
     if bsz * hv == 0:
         return o, final
-    nt = triton.cdiv(t, CHUNK)
+    nt = cdiv(t, CHUNK)
     group = hv // hk
     gc = torch.empty((bsz, hv, t), dtype=torch.float32, device=dev)
     w = torch.empty((bsz, hv, t, dk), dtype=dt, device=dev)
@@ -287,7 +288,7 @@ def _softplus(x):
     return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
 
-@triton.jit
+@kernel
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, scale,
     T, H, GROUP,
@@ -295,6 +296,7 @@ def _recurrent_kernel(
     ssb, ssh, ssk, sob, sot, soh,
     NORM: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
 ):
+    scale = fp32(scale)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = (i_bh // H).to(tl.int64)
@@ -345,11 +347,12 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale: floa
     return o
 
 
-@triton.jit
+@kernel
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, ROWS, N, eps, stride_x, stride_z, stride_y,
     ROUND_WEIGHT_PRODUCT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps = fp32(eps)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r64 = rows.to(tl.int64)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -376,9 +379,9 @@ def gated_rms_norm(x, z, weight, eps: float):
     rows = x2.shape[0]
     if rows == 0 or n == 0:
         return y
-    block_n = triton.next_power_of_2(n)
-    block_r = max(1, min((16384 if INTERPRET else 2048) // block_n, triton.next_power_of_2(rows)))
-    _gated_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+    block_n = next_power_of_2(n)
+    block_r = max(1, min((16384 if INTERPRET else 2048) // block_n, next_power_of_2(rows)))
+    _gated_rms_norm_kernel[(cdiv(rows, block_r),)](
         x2, z2, weight, y2, rows, n, eps, x2.stride(0), z2.stride(0), y2.stride(0),
         ROUND_WEIGHT_PRODUCT=weight.dtype == x.dtype, BLOCK_R=block_r, BLOCK_N=block_n,
         num_warps=row_warps(block_r * block_n),
@@ -392,7 +395,7 @@ def gated_rms_norm(x, z, weight, eps: float):
 #   the recurrent kernel computes the same inline.
 
 
-@triton.jit
+@kernel
 def _gated_delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, stride_a, stride_b, ROWS, H,
                               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     r = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
@@ -416,9 +419,9 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_
         return g, beta
     rows = g.numel() // h
     a2, b2 = a.reshape(rows, h), b.reshape(rows, h)
-    block_h = triton.next_power_of_2(h)
-    block_r = min(triton.next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block_h))
-    _gated_delta_gates_kernel[(triton.cdiv(rows, block_r),)](
+    block_h = next_power_of_2(h)
+    block_r = min(next_power_of_2(rows), max(1, (16384 if INTERPRET else 2048) // block_h))
+    _gated_delta_gates_kernel[(cdiv(rows, block_r),)](
         a2, b2, A_log, dt_bias, g, beta, a2.stride(0), b2.stride(0), rows, h,
         BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return g, beta

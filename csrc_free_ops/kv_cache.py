@@ -5,11 +5,12 @@ fused QKV output); caches [B, L, Hk, D] contiguous. Grid: (B*T,), one program
 copies the Hk*D values of one token for both k and v. A position outside
 [0, L) is not written: the kernel never stores out of bounds.
 """
-import triton
 import triton.language as tl
 
+from .common import kernel, next_power_of_2
 
-@triton.jit
+
+@kernel
 def _kv_cache_store_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -43,5 +44,5 @@ def kv_cache_store(k, v, k_cache, v_cache, positions) -> None:
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         positions.stride(0), positions.stride(1),
         t, k_cache.shape[1], hk,
-        D=d, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        D=d, BLOCK_H=next_power_of_2(hk), BLOCK_D=next_power_of_2(d), num_warps=4,
     )

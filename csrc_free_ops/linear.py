@@ -25,10 +25,9 @@ Backward, with dy [M, N]:
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
-from .common import TARGET_PROGRAMS, column_sum, dot, flat_rows, mm
+from .common import TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, kernel, mm, next_power_of_2
 
 DECODE_MAX_M = 16
 
@@ -63,13 +62,13 @@ def decode_config(n: int, k: int) -> DecodeConfig:
     enough K slices for about two programs per SM."""
     if (n, k) in DECODE_CONFIGS:
         return DECODE_CONFIGS[(n, k)]
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(128, max(16, triton.next_power_of_2(k)))
-    tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, triton.cdiv(TARGET_PROGRAMS, tiles))))
+    block_n = min(64, max(16, next_power_of_2(n)))
+    block_k = min(128, max(16, next_power_of_2(k)))
+    tiles, k_blocks = cdiv(n, block_n), cdiv(k, block_k)
+    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, cdiv(TARGET_PROGRAMS, tiles))))
 
 
-@triton.jit
+@kernel
 def _splitk_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_os,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -102,7 +101,7 @@ def _splitk_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@kernel
 def _splitk_reduce_kernel(
     part_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -126,7 +125,7 @@ def prefill_blocks(m: int, n: int, itemsize: int):
     if itemsize == 4:
         return (64 if m <= 64 else 128), 128, 32, 8, 2
     for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
-        if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= TARGET_PROGRAMS // 2:
+        if cdiv(m, bm) * cdiv(n, bn) >= TARGET_PROGRAMS // 2:
             break
     return bm, bn, 64, warps, stages
 
@@ -135,11 +134,11 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
     """Decode GEMM into y2 (M <= DECODE_MAX_M) with cfg's K split and a separate reduce."""
     m, k = x2.shape
     n = weight.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     has_bias = bias is not None
     out = y2 if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-    _splitk_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _splitk_kernel[(cdiv(n, cfg.block_n), split)](
         x2, weight, bias if has_bias else weight, out, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         SPLIT_K=split, HAS_BIAS=has_bias,
@@ -148,7 +147,7 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
     )
     if split > 1:
         block = 1024
-        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        _splitk_reduce_kernel[(m, cdiv(n, block))](
             out, bias if has_bias else out, y2, n, out.stride(0), out.stride(1), y2.stride(0),
             SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
         )

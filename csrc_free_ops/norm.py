@@ -17,19 +17,20 @@ being saved by the forward. dweight is reduced in two passes (`common.sum_partia
 deterministic and free of atomics.
 """
 import torch
-import triton
 import triton.language as tl
 
-from .common import flat_rows, num_programs, row_block, row_warps, sum_partials
+from .common import (cdiv, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block, row_warps,
+                    sum_partials)
 
 
-@triton.jit
+@kernel
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr,
     stride_x, stride_res, stride_y, stride_sum,
     N, eps, offset,
     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    eps, offset = fp32(eps), fp32(offset)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -64,7 +65,7 @@ def _launch(x2, r2, weight, y2, s2, eps, offset):
     rows, n = x2.shape
     if rows == 0 or n == 0:
         return
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     has_res = r2 is not None
     _rms_norm_kernel[(rows,)](
         x2, r2 if has_res else x2, weight, y2, s2 if has_res else y2,
@@ -74,7 +75,7 @@ def _launch(x2, r2, weight, y2, s2, eps, offset):
     )
 
 
-@triton.jit
+@kernel
 def _rms_norm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, dsum_ptr, dx_ptr, dw_part_ptr,
     stride_dy, stride_x, stride_dsum, stride_dx,
@@ -82,6 +83,7 @@ def _rms_norm_bwd_kernel(
     HAS_DSUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program p: rows [p * ROWS_PER_PROG, ...) in tiles of BLOCK_R rows; dweight partial -> row p."""
+    eps, offset = fp32(eps), fp32(offset)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
@@ -118,15 +120,15 @@ def rms_norm_backward(dy, x, weight, eps: float, offset: float, dsum=None):
     dx2 = dx.view(-1, n)
     ds2 = flat_rows(dsum) if dsum is not None else None
     p = num_programs(rows)
-    per = triton.cdiv(rows, p)
-    p = triton.cdiv(rows, per)
+    per = cdiv(rows, p)
+    p = cdiv(rows, per)
     partial = torch.empty((p, n), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     _rms_norm_bwd_kernel[(p,)](
         dy2, x2, weight, ds2 if ds2 is not None else dy2, dx2, partial,
         dy2.stride(0), x2.stride(0), ds2.stride(0) if ds2 is not None else 0, dx2.stride(0),
         rows, n, per, eps, offset,
-        HAS_DSUM=ds2 is not None, BLOCK_R=min(row_block(block), triton.next_power_of_2(per)), BLOCK_N=block,
+        HAS_DSUM=ds2 is not None, BLOCK_R=min(row_block(block), next_power_of_2(per)), BLOCK_N=block,
         num_warps=row_warps(block),
     )
     return dx, sum_partials(partial, weight.dtype)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import flat_rows, num_programs, row_block, sum_partials
+from .common import cdiv, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block, sum_partials
 
 
 @triton.jit
@@ -76,13 +76,14 @@ def _rope_heads(
         tl.store(dst + ROT + p[None, :], xp.to(o_ptr.dtype.element_ty), mask=m_pass)
 
 
-@triton.jit
+@kernel
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr,
     stride_qr, stride_qh, stride_kr, stride_kh, HQ, HK, log2_theta, eps, offset,
     D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
+    log2_theta, eps, offset = fp32(log2_theta), fp32(eps), fp32(offset)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.float32)
     if tl.program_id(1) == 0:
@@ -116,9 +117,9 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), hq, hk,
         math.log2(theta), eps, offset,
         D=d, ROT=rotary_dim, HAS_NORM=has_norm,
-        BLOCK_HQ=triton.next_power_of_2(max(hq, 1)), BLOCK_HK=triton.next_power_of_2(max(hk, 1)),  # 0 heads: masked
-        BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)),
+        BLOCK_HQ=next_power_of_2(max(hq, 1)), BLOCK_HK=next_power_of_2(max(hk, 1)),  # 0 heads: masked
+        BLOCK_HALF=next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_PASS=next_power_of_2(max(d - rotary_dim, 1)),
         num_warps=_warps(hq, hk, d, rotary_dim),
     )
     return q_out, k_out
@@ -129,12 +130,12 @@ def _warps(hq: int, hk: int, d: int, rotary_dim: int) -> int:
     q's heads and k's): at least 4 elements per thread, so no two warps hold copies of one element
     (each copy would be stored to shared memory by the per-head reductions: a benign write-write
     race, but one that compute-sanitizer's racecheck reports)."""
-    heads = triton.next_power_of_2(max(min(hq, hk), 1))
+    heads = next_power_of_2(max(min(hq, hk), 1))
     widths = [rotary_dim // 2] + ([d - rotary_dim] if d > rotary_dim else [])
-    return max(1, min(4, heads * triton.next_power_of_2(max(min(widths), 1)) // 128))
+    return max(1, min(4, heads * next_power_of_2(max(min(widths), 1)) // 128))
 
 
-@triton.jit
+@kernel
 def _rope_bwd_kernel(
     dy_ptr, x_ptr, pos_ptr, w_ptr, dx_ptr, dw_part_ptr,
     stride_dyr, stride_dyh, stride_xr, stride_xh,
@@ -144,6 +145,7 @@ def _rope_bwd_kernel(
 ):
     """Works on head-rows (token, head) hr = token * H + head, BLOCK_R of them per tile; program p
     takes head-rows [p * PER_PROG, ...) and writes its dweight partial to row p."""
+    log2_theta, eps, offset = fp32(log2_theta), fp32(eps), fp32(offset)
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = D - ROT
     pid = tl.program_id(0)
@@ -214,18 +216,18 @@ def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
     has_norm = weight is not None
     if nhr == 0:
         return dx, (torch.zeros_like(weight) if has_norm else None)
-    p = num_programs(triton.cdiv(nhr, 8))
-    per = triton.cdiv(nhr, p)
-    p = triton.cdiv(nhr, per)
+    p = num_programs(cdiv(nhr, 8))
+    per = cdiv(nhr, p)
+    p = cdiv(nhr, per)
     partial = torch.empty((p, d) if has_norm else (1, 1), dtype=torch.float32, device=x.device)
     _rope_bwd_kernel[(p,)](
         dy3, x3, pos, weight if has_norm else x3, dx, partial,
         dy3.stride(0), dy3.stride(1), x3.stride(0), x3.stride(1),
         nhr, h, per, math.log2(theta), eps, offset,
         D=d, ROT=rotary_dim, HAS_NORM=has_norm,
-        BLOCK_R=min(row_block(triton.next_power_of_2(d)), triton.next_power_of_2(per)),
-        BLOCK_HALF=triton.next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_PASS=triton.next_power_of_2(max(d - rotary_dim, 1)), num_warps=4,
+        BLOCK_R=min(row_block(next_power_of_2(d)), next_power_of_2(per)),
+        BLOCK_HALF=next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_PASS=next_power_of_2(max(d - rotary_dim, 1)), num_warps=4,
     )
     return dx, (sum_partials(partial, weight.dtype) if has_norm else None)
 

@@ -1,0 +1,121 @@
+"""How launchers start kernels: `@kernel` in place of `@triton.jit` on every kernel a launcher
+launches. `k[grid](*args, **meta)` reads like a Triton launch and takes one of three paths:
+
+- **Eager on CUDA, a specialization seen before**: the compiled kernel is found in a dict keyed
+  by what Triton specializes a kernel on, and started through its C launcher directly. Triton's
+  own `JITFunction.run` redoes its binding, cache-key string, option parsing, global-value checks
+  and driver queries on every call; this path costs a dict lookup and the launch (the host cost
+  of an op call is what eager prefill and training pay per kernel).
+- **Traced** (inside `traced()`, which an op's torch.compile rule enters, see
+  `qwen_ops.registry`): through `torch.library.wrap_triton`, so Inductor sees the kernel itself
+  and launches it from its generated code. Programmatic Dependent Launch is off there.
+- **Otherwise** (the interpreter, the first launch of a specialization, a Triton launch hook
+  installed): Triton's `JITFunction.run`, whose compiled kernel is then cached here.
+
+The key, per argument (exactly as fine as Triton's specialization, or finer, so a cached kernel
+is never launched with arguments it was not compiled for): a tensor's dtype and whether its
+address is 16-byte aligned; an int's `== 1`, `% 16 == 0` and 32-bit range; a float's type; any
+other value (constexprs, bools, None) itself. Device and launch options join the key. Runtime
+(non-constexpr) parameters must be passed positionally, constexprs by keyword or position.
+"""
+import os
+import threading
+from contextlib import contextmanager
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
+
+_state = threading.local()
+
+
+@contextmanager
+def traced():
+    """Launches inside go through `wrap_triton` (torch.compile sees them) instead of starting."""
+    before = getattr(_state, "traced", False)
+    _state.traced = True
+    try:
+        yield
+    finally:
+        _state.traced = before
+
+
+def _launch_hook_installed() -> bool:
+    """A Triton launch hook (a profiler's) is set: Triton >= 3.4 keeps hooks in a chain, empty by default."""
+    hook = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "launch_enter_hook", None)
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _arg_key(a):
+    cls = a.__class__
+    if cls is int:  # most arguments: sizes and strides
+        return a == 1, a & 15 == 0, -0x80000000 <= a <= 0x7FFFFFFF
+    if cls is float:
+        return float
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    return a
+
+
+class Kernel:
+    """A @triton.jit kernel with the launch paths above; `.fn` is the JITFunction."""
+
+    def __init__(self, fn):
+        self.fn = triton.jit(fn)
+        self.compiled: dict = {}
+        params = [] if INTERPRET else self.fn.params  # the interpreter's function has no params
+        self.names = [p.name for p in params]
+        self.runtime_names = {p.name for p in params if not p.is_constexpr}
+        constexpr_at = [i for i, p in enumerate(params) if p.is_constexpr]
+        self.first_constexpr = constexpr_at[0] if constexpr_at else len(params)
+        self.constexpr_at = frozenset(constexpr_at)
+
+    def __getitem__(self, grid):
+        """The launch of grid (a tuple of 1-3 ints); the call returns the compiled kernel (None when traced)."""
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def _key(self, args, meta):
+        if len(args) <= self.first_constexpr:
+            spec = tuple(map(_arg_key, args))
+        else:
+            spec = tuple(a if i in self.constexpr_at else _arg_key(a) for i, a in enumerate(args))
+        return torch._C._cuda_getDevice(), spec, tuple(meta.items())
+
+    def launch(self, grid, args, meta):
+        if getattr(_state, "traced", False):
+            return self._launch_traced(grid, args, meta)
+        if INTERPRET:
+            return self.fn[grid](*args, **meta)
+        key = self._key(args, meta)
+        hit = self.compiled.get(key)
+        if hit is None:
+            return self._first_launch(key, grid, args, meta)
+        run, function, metadata, tail, compiled = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(key[0]), function, metadata, None, None, None,
+            *args, *[meta[name] for name in tail])
+        return compiled
+
+    def _first_launch(self, key, grid, args, meta):
+        by_keyword = self.runtime_names.intersection(meta)
+        if by_keyword:
+            raise TypeError(f"{self.fn.__name__}: pass runtime arguments {sorted(by_keyword)} positionally")
+        compiled = self.fn.run(*args, grid=grid, warmup=False, **meta)
+        tail = self.names[len(args):]
+        if compiled is not None and not _launch_hook_installed() and all(name in meta for name in tail):
+            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, compiled)
+        return compiled
+
+    def _launch_traced(self, grid, args, meta):
+        meta = {k: v for k, v in meta.items() if k != "launch_pdl"}
+        if "USE_PDL" in meta:
+            meta["USE_PDL"] = False
+        torch.library.wrap_triton(self.fn)[grid](*args, **meta)
+
+
+def kernel(fn) -> Kernel:
+    """`@kernel` on a kernel function: `triton.jit` plus the launch paths of this module."""
+    return Kernel(fn)

@@ -1,0 +1,73 @@
+"""csrc_free_ops.launch: the launch-key rules (CPU) and, on a GPU, the cached launch path and
+torch.compile tracing into the kernels."""
+import pytest
+import torch
+
+import qwen_ops
+from csrc_free_ops import norm
+from csrc_free_ops.launch import _arg_key
+
+
+def test_arg_key_separates_what_triton_specializes_on():
+    base = torch.zeros(64, dtype=torch.float32)
+    assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned vs not
+    assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
+    assert _arg_key(base[4:]) == _arg_key(base)  # 16 bytes further: still aligned
+    assert len({_arg_key(v) for v in (1, 16, 17, 2 ** 31, 2 ** 31 + 1)}) == 5
+    assert _arg_key(33) == _arg_key(35) and _arg_key(32) == _arg_key(48)
+    assert _arg_key(True) != _arg_key(False) and _arg_key(None) is None
+    assert _arg_key(0.5) == _arg_key(2.0)
+
+
+@pytest.mark.cuda
+def test_runtime_argument_by_keyword_is_refused():
+    k = norm._rms_norm_kernel
+    with pytest.raises(TypeError, match="positionally"):
+        k._first_launch(None, (1,), (), {"N": 4})
+
+
+@pytest.mark.cuda
+def test_cached_launch_matches_and_separates_specializations():
+    k = norm._rms_norm_kernel
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    buf = torch.randn(3, 1001, device="cuda", dtype=torch.bfloat16)
+    for x in (buf[:, :1000], buf[:, :1000].contiguous(), buf.view(-1)[1:3001].view(3, 1000)):
+        for _ in range(3):  # the first launch compiles or finds Triton's kernel, the rest take the cache
+            y = torch.ops.qwen.rms_norm(x, w, 1e-6)
+            torch.testing.assert_close(y, qwen_ops.rms_norm_reference(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+    keys = list(k.compiled)
+    assert len(keys) == len(set(keys)) >= 2  # aligned and misaligned x are different entries
+    assert any(not spec[0][1] for _, spec, _ in keys)  # the misaligned pointer has its own kernel
+
+
+@pytest.mark.cuda
+def test_compile_traces_into_the_kernels():
+    """Under torch.compile the op becomes its Triton kernel in the graph (Inductor launches it);
+    with dynamic shapes it stays the op; both give the eager result."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    seen = []
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if "triton_kernel_wrapper" in str(node.target):
+                seen.append(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__)
+            elif str(node.target).startswith("qwen."):
+                seen.append(str(node.target))
+        return gm
+
+    def f(x, w):
+        return torch.ops.qwen.rms_norm(x, w, 1e-6) * 2
+
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=record))(x, w)
+    assert seen == ["_rms_norm_kernel"]
+    seen.clear()
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, dynamic=True, backend=aot_autograd(fw_compiler=record))(x, w)
+    assert seen == ["qwen.rms_norm.default"]
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w), f(x, w), rtol=0, atol=0)
