@@ -12,7 +12,7 @@ from torch import Tensor
 from csrc_free_ops import activation as kernels
 
 from .checks import check_float, check_like, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
 
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
@@ -98,8 +98,8 @@ def _silu_mul_split_bwd(ctx, dy):
     return silu_mul_split_backward(last_dim_contiguous(dy), gate, up)
 
 
-torch.library.register_autograd("qwen::silu_mul", _silu_mul_bwd, setup_context=_setup)
-torch.library.register_autograd("qwen::silu_mul_split", _silu_mul_split_bwd, setup_context=_setup)
+register_autograd(silu_mul, _silu_mul_bwd, _setup)
+register_autograd(silu_mul_split, _silu_mul_split_bwd, _setup)
 
 
 # ---------------------------------------------------------------------- Qwen3.5 output gate (inference only)

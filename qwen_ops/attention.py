@@ -17,7 +17,7 @@ from torch import Tensor
 from csrc_free_ops import attention as kernels
 
 from .checks import check_float, check_head_dim, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
 
 
 def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -170,5 +170,5 @@ def _backward_with_lse(ctx, do, dlse):
     return dq, dk, dv, None, None
 
 
-torch.library.register_autograd("qwen::attention", _backward, setup_context=_setup)
-torch.library.register_autograd("qwen::attention_with_lse", _backward_with_lse, setup_context=_setup_with_lse)
+register_autograd(attention, _backward, _setup)
+register_autograd(attention_with_lse, _backward_with_lse, _setup_with_lse)

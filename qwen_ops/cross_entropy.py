@@ -28,7 +28,7 @@ from torch import Tensor
 from csrc_free_ops import cross_entropy as kernels
 
 from .checks import INDEX_DTYPES, check_float, check_same, fail
-from .registry import acc_dtype, define
+from .registry import acc_dtype, define, register_autograd
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
@@ -117,7 +117,7 @@ def _backward(ctx, grad_loss, grad_lse):
     return (dh if need_dh else None), (dw if need_dw else None), None, None
 
 
-torch.library.register_autograd("qwen::linear_cross_entropy_with_lse", _backward, setup_context=_setup)
+register_autograd(linear_cross_entropy_with_lse, _backward, _setup)
 
 _lib = torch.library.Library("qwen", "FRAGMENT")  # a composite op: no kernel of its own, so not `define`d
 _lib.define("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index=-100) -> Tensor")

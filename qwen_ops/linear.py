@@ -15,7 +15,7 @@ from torch import Tensor
 from csrc_free_ops import linear as kernels
 
 from .checks import check_float, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -93,4 +93,4 @@ def _backward(ctx, dy):
     return (dx if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 
-torch.library.register_autograd("qwen::linear", _backward, setup_context=_setup)
+register_autograd(linear, _backward, _setup)

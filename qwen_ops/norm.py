@@ -18,7 +18,7 @@ from torch import Tensor
 from csrc_free_ops import norm as kernels
 
 from .checks import check_float, check_like, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
@@ -117,5 +117,5 @@ def _add_rms_norm_bwd(ctx, dy, dsum):
     return dx, dx, dw, None, None
 
 
-torch.library.register_autograd("qwen::rms_norm", _rms_norm_bwd, setup_context=_rms_norm_setup)
-torch.library.register_autograd("qwen::add_rms_norm", _add_rms_norm_bwd, setup_context=_add_rms_norm_setup)
+register_autograd(rms_norm, _rms_norm_bwd, _rms_norm_setup)
+register_autograd(add_rms_norm, _add_rms_norm_bwd, _add_rms_norm_setup)

@@ -17,7 +17,15 @@ CUDA tensors run Triton (on the tensors' device, which need not be the current o
 tensors run Triton under TRITON_INTERPRET=1 (how CI
 exercises the kernels) and the reference otherwise; float64 always runs the reference
 (the kernels compute in fp32). The op is defined with `torch.library.Library.define` and
-plain `impl` registrations: the thinnest Python path the dispatcher offers.
+plain `impl` registrations: the thinnest Python path the dispatcher offers (`custom_op` and
+`triton_op` add several microseconds per call). Kernels start through `csrc_free_ops.launch`.
+
+Under torch.compile (`_trace_into_kernels`): the op's Triton kernels are traced into the graph,
+as `torch.library.triton_op` would, so Inductor launches them from its own code.
+
+Autograd (`register_autograd`): a Python kernel for the Autograd key, as torch.library's, but
+leaner. Outside `torch.inference_mode()` every call passes through it (a few microseconds even
+when nothing needs grad); inside, PyTorch skips the Autograd key altogether.
 
 `kernel_calls` counts the Triton launches per op, so tests can assert which path ran.
 """
@@ -27,7 +35,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from csrc_free_ops.common import INTERPRET
+from csrc_free_ops.launch import INTERPRET, traced
 
 from .checks import KERNEL_DTYPES
 
@@ -37,20 +45,19 @@ kernel_calls: Counter = Counter()
 """op name -> number of calls that took the Triton kernel (not the reference), this process."""
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return t.dtype in KERNEL_DTYPES and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
-
-
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype references compute in: fp32, or float64 for float64 inputs."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def define(reference: Callable, kernel: Callable, check: Callable, fake: Callable,
-           mutates_args: Iterable[str] = (), dispatch_arg: int = 0, check_values: Optional[Callable] = None):
+           mutates_args: Iterable[str] = (), dispatch_arg: int = 0, check_values: Optional[Callable] = None,
+           traceable: bool = True):
     """Register torch.ops.qwen.<name> (see the module doc) and return its OpOverload.
 
     `dispatch_arg`: the position of the tensor whose device and dtype pick the path.
+    `traceable`: torch.compile traces into the kernel launches (see `_trace_into_kernels`); False
+    keeps the op opaque (ops whose launchers use state outside their arguments).
     """
     name = reference.__name__.removesuffix("_reference")
     schema = torch.library.infer_schema(reference, mutates_args=tuple(mutates_args))
@@ -58,29 +65,112 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
     # The dispatcher leaves out trailing arguments equal to their defaults: put them back.
     defaults = tuple(p.default for p in inspect.signature(reference).parameters.values())
 
-    def real(*args):
+    def on_cpu(*args):
         args += defaults[len(args):]
         check(*args)
-        if check_values is not None and args[dispatch_arg].device.type == "cpu":
+        if check_values is not None:
             check_values(*args)
-        t = args[dispatch_arg]
-        if use_triton(t):
+        if INTERPRET and args[dispatch_arg].dtype in KERNEL_DTYPES:
             kernel_calls[name] += 1
-            if t.is_cuda and t.device.index != torch.cuda.current_device():
-                with torch.cuda.device(t.device):  # Triton launches on the current device
-                    return kernel(*args)
             return kernel(*args)
         return reference(*args)
+
+    def on_cuda(*args):
+        args += defaults[len(args):]
+        check(*args)
+        t = args[dispatch_arg]
+        if t.dtype not in KERNEL_DTYPES:
+            return reference(*args)
+        kernel_calls[name] += 1
+        if t.get_device() != torch._C._cuda_getDevice():
+            with torch.cuda.device(t.device):  # kernels launch on the current device
+                return kernel(*args)
+        return kernel(*args)
 
     def fake_impl(*args):
         args += defaults[len(args):]
         check(*args)
         return fake(*args)
 
-    _lib.impl(name, real, "CPU")
-    _lib.impl(name, real, "CUDA")
+    _lib.impl(name, on_cpu, "CPU")
+    _lib.impl(name, on_cuda, "CUDA")
     torch.library.register_fake(f"qwen::{name}", fake_impl, lib=_lib)
-    return getattr(torch.ops.qwen, name).default
+    op = getattr(torch.ops.qwen, name).default
+    if traceable:
+        _trace_into_kernels(op, kernel, check, defaults, dispatch_arg)
+    return op
+
+
+def _symbolic(args) -> bool:
+    for a in args:
+        if isinstance(a, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape):
+            return True
+    return False
+
+
+def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
+    """When torch.compile functionalizes a graph (AOTAutograd), replace the op by its launcher run
+    on the traced tensors, its kernel launches recorded through `wrap_triton`: Inductor then
+    schedules and launches the Triton kernels itself. This is what `torch.library.triton_op`
+    does, on an op defined with `Library.define` (a leaner eager path than `custom_op`).
+
+    Kept opaque (the op itself in the graph): inputs off CUDA or of a dtype the kernels do not
+    take, the interpreter, and symbolic shapes (dynamic-shape graphs; the launchers pick tiles
+    from concrete sizes)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    known = (torch.Tensor, FunctionalTensor, FakeTensor)
+
+    def decompose(mode, func, types, args, kwargs):
+        if any(t not in known and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented
+        args = tuple(args) + defaults[len(args):]
+        t = args[dispatch_arg]
+        if INTERPRET or not t.is_cuda or t.dtype not in KERNEL_DTYPES or kwargs or _symbolic(args):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode, traced():
+            check(*args)
+            return kernel(*args)
+
+    torch.library.register_torch_dispatch(op, FunctionalTensorMode, decompose, lib=_lib)
+
+
+def register_autograd(op, backward: Callable, setup_context: Callable):
+    """`torch.library.register_autograd(op, backward, setup_context=...)` with a leaner per-call
+    path: without grad, one redispatch below autograd; with grad, an autograd.Function whose
+    forward redispatches and calls setup_context(ctx, inputs, output) (inputs with their defaults
+    filled in), and whose backward is `backward(ctx, *grads)`."""
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
+    below_autograd = torch._C._after_autograd_keyset
+
+    def forward(ctx, keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op.redispatch(keyset & below_autograd, *args)
+        setup_context(ctx, args, output)
+        return output
+
+    def backward_without_keyset(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[1:]
+        try:
+            grads_in = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (None, *grads_in) if isinstance(grads_in, tuple) else (None, grads_in)
+
+    function = type(f"{op._namespace}_{op._opname}_{op._overloadname}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_without_keyset)})
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(keyset, *args, *defaults[len(args):])
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *args)
+
+    _lib.impl(op._opname, autograd_kernel, "Autograd", with_keyset=True)
 
 
 def last_dim_contiguous(t):

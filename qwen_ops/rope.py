@@ -19,7 +19,7 @@ from csrc_free_ops import rope as kernels
 
 from .checks import check_float, check_index, check_same, fail
 from .norm import rms_norm_backward_reference, rms_norm_reference
-from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd
 
 
 def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
@@ -142,4 +142,4 @@ def _backward(ctx, dq, dk):
     return (dq_in, dk_in, None, None, None, dqw if has_norm else None, dkw if has_norm else None, None, None)
 
 
-torch.library.register_autograd("qwen::rope", _backward, setup_context=_setup)
+register_autograd(rope, _backward, _setup)

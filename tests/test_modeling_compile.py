@@ -47,9 +47,12 @@ def test_compile_fullgraph_prefill_and_decode(model_type):
         torch.testing.assert_close(c_layer.v, layer.v, rtol=1e-5, atol=1e-5)
 
 
-def captured_ops(fn, *args) -> str:
+def captured_ops(fn, *args, skip=()) -> str:
     """The call_function targets of the AOT (functionalized, aten-level) graph of fn, one per
-    line, tuple getitems left out; a mutating op shows as auto_functionalized(op)."""
+    line, tuple getitems and the targets in `skip` left out; a mutating op shows as
+    auto_functionalized(op), a traced Triton kernel (CUDA) as triton(kernel name)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
     lines = []
 
     def record(gm, example_inputs):
@@ -59,7 +62,10 @@ def captured_ops(fn, *args) -> str:
             name = str(node.target)
             if "auto_functionalized" in name:
                 name = f"{name}({node.args[0]})"
-            lines.append(name)
+            elif "triton_kernel_wrapper" in name:
+                name = f"triton({kernel_side_table.get_kernel(node.kwargs['kernel_idx']).fn.__name__})"
+            if name not in skip:
+                lines.append(name)
         return gm
 
     torch._dynamo.reset()
@@ -128,4 +134,33 @@ aten.view.default
 qwen.linear_residual.default
 qwen.norm_gate_up_silu.default
 qwen.linear_residual.default
+""")
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_decoder_layer_traced_kernels_cuda():
+    """On the GPU (bf16, static shapes) torch.compile traces each op into its Triton kernels: the
+    prefill of one decoder layer is this kernel sequence (allocations and views left out), with
+    no op left opaque. At 16 rows the projections take the split-K GEMV path."""
+    expecttest = pytest.importorskip("expecttest")
+    model = random_model("qwen3").to("cuda", torch.bfloat16)
+    cache = model.new_cache(B, MAX_LEN)
+    x = torch.randn(B, T, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(T, device="cuda").expand(B, T)
+    views = ("aten.empty.memory_format", "aten.view.default", "aten._unsafe_view.default", "aten.slice.Tensor")
+    prefill_ops = captured_ops(model.layers[0], x, None, positions, cache.layers[0], None, skip=views)
+    assert "qwen." not in prefill_ops
+    expecttest.assert_expected_inline(prefill_ops, """\
+triton(_rms_norm_kernel)
+triton(_splitk_kernel)
+aten.clone.default
+triton(_rope_kernel)
+triton(_kv_cache_store_kernel)
+triton(_attention_kernel)
+triton(_splitk_kernel)
+triton(_rms_norm_kernel)
+triton(_splitk_kernel)
+triton(_silu_mul_kernel)
+triton(_splitk_kernel)
 """)
