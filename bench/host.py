@@ -5,9 +5,10 @@
 Decode-sized inputs (Qwen3-0.6B shapes, bf16, batch 1), so the GPU finishes each kernel long
 before the host issues the next: the wall time of a loop of calls, divided by the calls, is
 the host cost per call (dispatcher, checks, launcher, Triton launch). Each row also times the
-csrc_free_ops launcher alone (no dispatcher, no checks). The peer: F.rms_norm, F.linear,
-F.scaled_dot_product_attention; ops without a native peer are compared with F.rms_norm.
-Prints a table; with --out writes host.json there.
+csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.inference_mode()
+(where PyTorch skips the Autograd key, so the op's Python autograd kernel). The peer: F.rms_norm,
+F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a native peer are
+compared with F.rms_norm. Prints a table; with --out writes host.json there.
 """
 import argparse
 import json
@@ -78,11 +79,16 @@ def main():
     rows = []
     for name, op_call, launcher_call, (peer_name, peer_call) in cases():
         ours, launch, peer = (per_call_us(f, a.calls) for f in (op_call, launcher_call, peer_call))
-        rows.append(dict(op=name, ours_us=ours, launcher_us=launch, peer=peer_name, peer_us=peer, ratio=ours / peer))
-    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}")
+        with torch.inference_mode():
+            ours_inf, peer_inf = per_call_us(op_call, a.calls), per_call_us(peer_call, a.calls)
+        rows.append(dict(op=name, ours_us=ours, launcher_us=launch, peer=peer_name, peer_us=peer, ratio=ours / peer,
+                         ours_inference_us=ours_inf, peer_inference_us=peer_inf, ratio_inference=ours_inf / peer_inf))
+    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}"
+          f" {'inference_mode: ours':>21s} {'peer':>6s} {'ratio':>6s}")
     for r in rows:
         print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['launcher_us']:9.1f} {r['peer']:>12s} {r['peer_us']:8.1f} "
-              f"{r['ratio']:9.2f}")
+              f"{r['ratio']:9.2f} {r['ours_inference_us']:21.1f} {r['peer_inference_us']:6.1f} "
+              f"{r['ratio_inference']:6.2f}")
     if a.out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         with open(f"{a.out}/host.json", "w") as f:

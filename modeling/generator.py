@@ -139,7 +139,7 @@ class Generator:
         CUDA graphs."""
         if not self.use_cuda_graph:
             return
-        with torch.no_grad(), self._on_device():
+        with torch.inference_mode(), self._on_device():
             for mode in modes:
                 for bs in batch_sizes:
                     self._decode(self._batch_bucket(bs), mode)
@@ -167,7 +167,7 @@ class Generator:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
                     f"{len(p) + max_new_tokens} cache positions, but max_seq_len is {self.max_seq_len}")
 
-    @torch.no_grad()
+    @torch.inference_mode()  # skips the Autograd key: the ops' Python autograd kernels cost host time
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
