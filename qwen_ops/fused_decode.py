@@ -163,15 +163,21 @@ def _fake_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight
     return x.new_empty((*x.shape[:2], num_heads, (2 if gated else 1) * k_cache.shape[3]))
 
 
+# The launchers count arrivals in a per-device buffer outside the op's arguments
+# (`common.semaphores`): torch.compile keeps these ops opaque (traceable=False).
 norm_linear = define(norm_linear_reference, kernels.norm_linear, check=_check_norm_linear,
-                     fake=lambda x, norm_weight, weight, *rest: x.new_empty((*x.shape[:-1], weight.shape[0])))
+                     fake=lambda x, norm_weight, weight, *rest: x.new_empty((*x.shape[:-1], weight.shape[0])),
+                     traceable=False)
 
 linear_residual = define(linear_residual_reference, kernels.linear_residual, check=_check_linear_residual,
                          fake=lambda x, weight, residual: torch.empty_like(residual,
-                                                                           memory_format=torch.contiguous_format))
+                                                                           memory_format=torch.contiguous_format),
+                         traceable=False)
 
 norm_gate_up_silu = define(norm_gate_up_silu_reference, kernels.norm_gate_up_silu, check=_check_gate_up,
-                           fake=lambda x, nw, w, *rest: x.new_empty((*x.shape[:-1], w.shape[0] // 2)))
+                           fake=lambda x, nw, w, *rest: x.new_empty((*x.shape[:-1], w.shape[0] // 2)),
+                           traceable=False)
 
 norm_qkv_rope_store = define(norm_qkv_rope_store_reference, kernels.norm_qkv_rope_store, check=_check_qkv,
-                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), check_values=_check_positions)
+                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), check_values=_check_positions,
+                             traceable=False)

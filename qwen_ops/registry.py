@@ -20,8 +20,11 @@ exercises the kernels) and the reference otherwise; float64 always runs the refe
 plain `impl` registrations: the thinnest Python path the dispatcher offers (`custom_op` and
 `triton_op` add several microseconds per call). Kernels start through `csrc_free_ops.launch`.
 
-Under torch.compile (`_trace_into_kernels`): the op's Triton kernels are traced into the graph,
-as `torch.library.triton_op` would, so Inductor launches them from its own code.
+Under torch.compile (`_trace_into_kernels`), what runs where:
+- CUDA tensors of a kernel dtype, static shapes: the op's Triton kernels are traced into the graph,
+  as `torch.library.triton_op` would, and Inductor launches them from its own generated code;
+- symbolic (dynamic) shapes, CPU tensors (the interpreter cannot be traced), float64, and ops
+  defined with `traceable=False` (the fused decode ops): the op stays one opaque node, run as in eager.
 
 Autograd (`register_autograd`): a Python kernel for the Autograd key, as torch.library's, but
 leaner. Outside `torch.inference_mode()` every call passes through it (a few microseconds even

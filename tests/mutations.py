@@ -33,6 +33,10 @@ class Mutation(NamedTuple):
 MUTATIONS = [
     Mutation("every op takes its reference", "qwen_ops/registry.py",
              "if INTERPRET and args[dispatch_arg].dtype in KERNEL_DTYPES:", "if False:", ("tests/test_ops_norm.py",)),
+    Mutation("cached launches ignore pointer alignment", "csrc_free_ops/launch.py",
+             "return a.dtype, a.data_ptr() & 15 == 0", "return a.dtype, True", ("tests/test_launch.py",)),
+    Mutation("cached launches ignore the int == 1 specialization", "csrc_free_ops/launch.py",
+             "return a == 1, a & 15 == 0,", "return False, a & 15 == 0,", ("tests/test_launch.py",)),
     Mutation("decode_attention without the NaN guard of fully masked rows", "csrc_free_ops/decode_attention.py",
              'm_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new", ("tests/test_ops_attention.py",)),
     Mutation("decode_attention without its length clamp", "csrc_free_ops/decode_attention.py",
