@@ -6,12 +6,13 @@
 #
 #   TOOL     memcheck | racecheck | initcheck | synccheck
 #   SUBSETS  comma-separated, run in order (default: all):
-#              norm rope linear activation attention conv gdr contract training edge   (the `cuda` tests
-#                of tests/test_ops_*.py, tests/test_training_ops.py, tests/test_edge_cases.py)
+#              norm rope linear activation attention conv gdr contract training edge launch   (the `cuda`
+#                tests of tests/test_ops_*.py, tests/test_training_ops.py, tests/test_edge_cases.py,
+#                tests/test_launch.py: the cached launch path and kernels launched by Inductor)
 #              graph           the tests that capture CUDA graphs
 #              generate        `python -m modeling.generate` on a tiny random checkpoint, eager decode
 #              generate-graph  the same with the CUDA-graph decode
-#            groups: ops (the ten op subsets), all (ops, graph, generate, generate-graph)
+#            groups: ops (the eleven op subsets), all (ops, graph, generate, generate-graph)
 #   -k EXPR  a pytest -k expression for the test subsets (racecheck's default: "not fp16 and not fp32")
 #
 # One call keeps within BUDGET seconds (default 540, under a 10-minute device call): each run gets
@@ -42,7 +43,7 @@ KEXPR=""
 if [ "${1:-}" = "-k" ]; then KEXPR=${2:-}; shift 2 || true; fi
 [ -z "$KEXPR" ] && [ "$TOOL" = racecheck ] && KEXPR="not fp16 and not fp32"
 
-OPS="norm rope linear activation attention conv gdr contract training edge"
+OPS="norm rope linear activation attention conv gdr contract training edge launch"
 expanded=""
 for s in ${SUBSETS//,/ }; do
   case "$s" in ops) expanded+=" $OPS";; all) expanded+=" $OPS graph generate generate-graph";; *) expanded+=" $s";; esac
@@ -70,6 +71,7 @@ spec() {
     contract)   echo "tests/test_ops_contract.py||0";;
     training)   echo "tests/test_training_ops.py||0";;
     edge)       echo "tests/test_edge_cases.py||0";;
+    launch)     echo "tests/test_launch.py||0";;
     graph)      echo "tests/test_ops_cuda_graph.py tests/test_ops_gated_delta_rule.py|replay|1";;
     generate)   echo "||0";;
     generate-graph) echo "||1";;
