@@ -429,7 +429,7 @@ def bwd_delta(o, do, dlse=None):
     delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=o.device)
     block = max(16, 4096 // d)
     _bwd_preprocess_kernel[(cdiv(sq, block), bsz * hq)](
-        o, do, dlse if dlse is not None else delta, delta, *_qstrides(o), *_qstrides(do),
+        o, do, dlse if dlse is not None else o, delta, *_qstrides(o), *_qstrides(do),
         sq, hq, HAS_DLSE=dlse is not None, D=d, BLOCK_M=block, num_warps=4,
     )
     return delta

@@ -96,7 +96,7 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
         block_t = min(block_t, next_power_of_2(max(t, 1)))
         per, n_t = max(t, 1), 1
     has_state = s_in is not None
-    s_in_ = s_in if has_state else s_out
+    s_in_ = s_in if has_state else x
     grid = (bsz, n_t, cdiv(c, block_c))
     _conv_kernel[grid](
         x, weight, s_in_, y, s_out,

@@ -354,7 +354,7 @@ def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, c
     part, ss = _partials(split, m, (2 if silu else 1) * n, norm_weight is not None, x2.device)
     _gemv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight if norm_weight is not None else x2, weight, bias if bias is not None else weight,
-        residual if residual is not None else out, out, part, ss, semaphores(x2.device),
+        residual if residual is not None else x2, out, part, ss, semaphores(x2.device),
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), part.stride(0), part.stride(1), eps, offset,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SILU=silu,

@@ -263,7 +263,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, u
     bv = _value_block(dk, dv, bsz * hv)
     has_h0 = initial_state is not None
     _state_kernel[(dv // bv, bsz * hv)](
-        kn, w, u, gc, hs, vn, initial_state.contiguous() if has_h0 else final, final, t, nt, hv, group,
+        kn, w, u, gc, hs, vn, initial_state.contiguous() if has_h0 else gc, final, t, nt, hv, group,
         *kn_strides,
         HAS_H0=has_h0, BT=CHUNK, DK=dk, DV=dv, BV=bv,
         num_warps=8 if dk * bv >= 4096 else 4, num_stages=2,  # no register spills on sm_90

@@ -9,14 +9,18 @@ launches. `k[grid](*args, **meta)` reads like a Triton launch and takes one of t
 - **Traced** (inside `traced()`, which an op's torch.compile rule enters, see
   `qwen_ops.registry`): through `torch.library.wrap_triton`, so Inductor sees the kernel itself
   and launches it from its generated code. Programmatic Dependent Launch is off there.
-- **Otherwise** (the interpreter, the first launch of a specialization, a Triton launch hook
-  installed): Triton's `JITFunction.run`, whose compiled kernel is then cached here.
+- **Otherwise**: Triton's `JITFunction.run`. That is the first launch of a specialization (its
+  compiled kernel is then cached here), every launch under the interpreter (nothing is cached
+  there), and every launch while a Triton launch hook is set (a profiler's) or Triton's debug
+  mode is on, checked per launch.
 
 The key, per argument (exactly as fine as Triton's specialization, or finer, so a cached kernel
 is never launched with arguments it was not compiled for): a tensor's dtype and whether its
-address is 16-byte aligned; an int's `== 1`, `% 16 == 0` and 32-bit range; a float's type; any
-other value (constexprs, bools, None) itself. Device and launch options join the key. Runtime
-(non-constexpr) parameters must be passed positionally, constexprs by keyword or position.
+address is 16-byte aligned; an int's `== 1`, `% 16 == 0` and range (i32, i64 or u64); a float's
+type; any other value (constexprs, bools, None) itself. Device and launch options join the key.
+Runtime (non-constexpr) parameters must be passed positionally, constexprs by keyword or
+position; the grid is a tuple. Triton settings other than hooks and debug (instrumentation,
+pre-run hooks) are read when a specialization is first compiled, not per launch.
 """
 import os
 import threading
@@ -42,16 +46,24 @@ def traced():
         _state.traced = before
 
 
-def _launch_hook_installed() -> bool:
-    """A Triton launch hook (a profiler's) is set: Triton >= 3.4 keeps hooks in a chain, empty by default."""
-    hook = getattr(getattr(getattr(triton, "knobs", None), "runtime", None), "launch_enter_hook", None)
-    return hook is not None and bool(getattr(hook, "calls", True))
+_runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >= 3.4
+
+
+def _through_triton() -> bool:
+    """Launch through `JITFunction.run`: a launch hook is set (Triton keeps hooks in chains, empty
+    by default), Triton's debug mode is on, or this Triton has no `knobs` to tell."""
+    rt = _runtime
+    if rt is None:
+        return True
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
+                or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook) or rt.debug)
 
 
 def _arg_key(a):
     cls = a.__class__
-    if cls is int:  # most arguments: sizes and strides
-        return a == 1, a & 15 == 0, -0x80000000 <= a <= 0x7FFFFFFF
+    if cls is int:  # most arguments: sizes and strides; Triton types them i32, i64 or u64
+        width = 0 if -0x80000000 <= a <= 0x7FFFFFFF else 1 if a < 0x8000000000000000 else 2
+        return a == 1, a & 15 == 0, width
     if cls is float:
         return float
     if isinstance(a, torch.Tensor):
@@ -74,6 +86,8 @@ class Kernel:
 
     def __getitem__(self, grid):
         """The launch of grid (a tuple of 1-3 ints); the call returns the compiled kernel (None when traced)."""
+        if not isinstance(grid, tuple):
+            raise TypeError(f"{self.fn.__name__}: the grid must be a tuple of ints, got {type(grid).__name__}")
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def _key(self, args, meta):
@@ -90,8 +104,8 @@ class Kernel:
             return self.fn[grid](*args, **meta)
         key = self._key(args, meta)
         hit = self.compiled.get(key)
-        if hit is None:
-            return self._first_launch(key, grid, args, meta)
+        if hit is None or _through_triton():
+            return self._launch_through_triton(key, grid, args, meta)
         run, function, metadata, tail, compiled = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -99,13 +113,13 @@ class Kernel:
             *args, *[meta[name] for name in tail])
         return compiled
 
-    def _first_launch(self, key, grid, args, meta):
+    def _launch_through_triton(self, key, grid, args, meta):
         by_keyword = self.runtime_names.intersection(meta)
         if by_keyword:
             raise TypeError(f"{self.fn.__name__}: pass runtime arguments {sorted(by_keyword)} positionally")
         compiled = self.fn.run(*args, grid=grid, warmup=False, **meta)
         tail = self.names[len(args):]
-        if compiled is not None and not _launch_hook_installed() and all(name in meta for name in tail):
+        if compiled is not None and not _through_triton() and all(name in meta for name in tail):
             self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, compiled)
         return compiled
 

@@ -68,7 +68,7 @@ def _launch(x2, r2, weight, y2, s2, eps, offset):
     block = next_power_of_2(n)
     has_res = r2 is not None
     _rms_norm_kernel[(rows,)](
-        x2, r2 if has_res else x2, weight, y2, s2 if has_res else y2,
+        x2, r2 if has_res else x2, weight, y2, s2 if has_res else x2,
         x2.stride(0), r2.stride(0) if has_res else 0, y2.stride(0), s2.stride(0) if has_res else 0,
         n, eps, offset,
         HAS_RESIDUAL=has_res, BLOCK_N=block, num_warps=row_warps(block),

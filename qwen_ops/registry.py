@@ -113,6 +113,15 @@ def _symbolic(args) -> bool:
     return False
 
 
+def _exporting_ops_whole() -> bool:
+    """torch.export asked to keep Triton-backed ops whole (as it does for `triton_op`)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # a torch without the switch
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
 def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
     """When torch.compile functionalizes a graph (AOTAutograd), replace the op by its launcher run
     on the traced tensors, its kernel launches recorded through `wrap_triton`: Inductor then
@@ -120,8 +129,8 @@ def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
     does, on an op defined with `Library.define` (a leaner eager path than `custom_op`).
 
     Kept opaque (the op itself in the graph): inputs off CUDA or of a dtype the kernels do not
-    take, the interpreter, and symbolic shapes (dynamic-shape graphs; the launchers pick tiles
-    from concrete sizes)."""
+    take, the interpreter, symbolic shapes (dynamic-shape graphs; the launchers pick tiles from
+    concrete sizes), and torch.export when it keeps such ops whole."""
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -132,7 +141,8 @@ def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
             return NotImplemented
         args = tuple(args) + defaults[len(args):]
         t = args[dispatch_arg]
-        if INTERPRET or not t.is_cuda or t.dtype not in KERNEL_DTYPES or kwargs or _symbolic(args):
+        if (INTERPRET or not t.is_cuda or t.dtype not in KERNEL_DTYPES or kwargs or _symbolic(args)
+                or _exporting_ops_whole()):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, traced():
             check(*args)
@@ -146,7 +156,11 @@ def register_autograd(op, backward: Callable, setup_context: Callable):
     path: without grad, one redispatch below autograd; with grad, an autograd.Function whose
     forward redispatches and calls setup_context(ctx, inputs, output) (inputs with their defaults
     filled in), and whose backward is `backward(ctx, *grads)`."""
-    defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
+    schema = op._schema
+    if schema.is_mutable or any(a.kwarg_only or isinstance(a.type, torch._C.ListType) for a in schema.arguments):
+        raise ValueError(f"register_autograd: {op} mutates an input or takes keyword-only or list arguments, "
+                         "which this autograd kernel does not handle")
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in schema.arguments)
     below_autograd = torch._C._after_autograd_keyset
 
     def forward(ctx, keyset, *args):

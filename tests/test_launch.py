@@ -2,10 +2,11 @@
 torch.compile tracing into the kernels."""
 import pytest
 import torch
+import triton
 
 import qwen_ops
 from csrc_free_ops import norm
-from csrc_free_ops.launch import _arg_key
+from csrc_free_ops.launch import _arg_key, _through_triton
 
 
 def test_arg_key_separates_what_triton_specializes_on():
@@ -13,17 +14,37 @@ def test_arg_key_separates_what_triton_specializes_on():
     assert _arg_key(base) != _arg_key(base[1:])  # 16-byte aligned vs not
     assert _arg_key(base) != _arg_key(base.to(torch.bfloat16))
     assert _arg_key(base[4:]) == _arg_key(base)  # 16 bytes further: still aligned
-    assert len({_arg_key(v) for v in (1, 16, 17, 2 ** 31, 2 ** 31 + 1)}) == 5
+    assert len({_arg_key(v) for v in (1, 16, 17, 2 ** 31, 2 ** 31 + 1, 2 ** 63)}) == 6  # i32 / i64 / u64
     assert _arg_key(33) == _arg_key(35) and _arg_key(32) == _arg_key(48)
     assert _arg_key(True) != _arg_key(False) and _arg_key(None) is None
     assert _arg_key(0.5) == _arg_key(2.0)
+
+
+def test_grid_must_be_a_tuple():
+    with pytest.raises(TypeError, match="tuple"):
+        norm._rms_norm_kernel[lambda meta: (1,)]
+
+
+def test_a_launch_hook_sends_launches_through_triton():
+    """A profiler's hook must see every launch, cached or not (checked per launch)."""
+    chain = triton.knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps a single hook, not a chain")
+    assert not _through_triton()
+    hook = lambda *args, **kwargs: None  # noqa: E731
+    chain.add(hook)
+    try:
+        assert _through_triton()
+    finally:
+        chain.remove(hook)
+    assert not _through_triton()
 
 
 @pytest.mark.cuda
 def test_runtime_argument_by_keyword_is_refused():
     k = norm._rms_norm_kernel
     with pytest.raises(TypeError, match="positionally"):
-        k._first_launch(None, (1,), (), {"N": 4})
+        k._launch_through_triton(None, (1,), (), {"N": 4})
 
 
 @pytest.mark.cuda

@@ -117,3 +117,11 @@ def test_device_mismatch_names_the_argument():
         torch.ops.qwen.rms_norm(torch.randn(2, 8, device="cuda"), torch.randn(8), 1e-6)
     with pytest.raises(qwen_ops.QwenOpError, match="weight is on cpu but x is on cuda"):
         torch.ops.qwen.linear(torch.randn(2, 8, device="cuda"), torch.randn(4, 8))
+
+
+def test_register_autograd_refuses_mutating_ops():
+    """The lean autograd kernel neither marks inputs dirty nor bumps version counters: refused."""
+    from qwen_ops.registry import register_autograd
+
+    with pytest.raises(ValueError, match="mutates an input"):
+        register_autograd(torch.ops.qwen.kv_cache_store.default, lambda ctx, *g: g, lambda ctx, i, o: None)
