@@ -1,12 +1,13 @@
 """Host time of one op call, side by side with the native PyTorch op of the same kind.
 
-    python -m bench.host [--calls 2000] [--out DIR]
+    python -m bench.host [--calls 500] [--loops 9] [--out DIR]
 
 Decode-sized inputs (Qwen3-0.6B shapes, bf16, batch 1), so the GPU finishes each kernel long
 before the host issues the next: the wall time of a loop of calls, divided by the calls, is
-the host cost per call (dispatcher, checks, launcher, Triton launch). Each row also times the
+the host cost per call (dispatcher, checks, launcher, Triton launch); the best of several short
+loops, since a shared host's noise comes in bursts. Each row also times the
 csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.inference_mode()
-(where PyTorch skips the Autograd key, so the op's Python autograd kernel). The peer: F.rms_norm,
+(where PyTorch skips the Autograd key, so the op's Python autograd kernel does not run). The peer: F.rms_norm,
 F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a native peer are
 compared with F.rms_norm. Prints a table; with --out writes host.json there.
 """
@@ -23,12 +24,12 @@ from csrc_free_ops import activation, decode_attention, kv_cache, linear, norm, 
 ops = torch.ops.qwen
 
 
-def per_call_us(fn, calls: int) -> float:
+def per_call_us(fn, calls: int, loops: int) -> float:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(loops):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -73,14 +74,15 @@ def cases():
 
 def main():
     p = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.splitlines()[0])
-    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--calls", type=int, default=500, help="calls per timed loop")
+    p.add_argument("--loops", type=int, default=9, help="timed loops per row; the fastest counts")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rows = []
     for name, op_call, launcher_call, (peer_name, peer_call) in cases():
-        ours, launch, peer = (per_call_us(f, a.calls) for f in (op_call, launcher_call, peer_call))
+        ours, launch, peer = (per_call_us(f, a.calls, a.loops) for f in (op_call, launcher_call, peer_call))
         with torch.inference_mode():
-            ours_inf, peer_inf = per_call_us(op_call, a.calls), per_call_us(peer_call, a.calls)
+            ours_inf, peer_inf = per_call_us(op_call, a.calls, a.loops), per_call_us(peer_call, a.calls, a.loops)
         rows.append(dict(op=name, ours_us=ours, launcher_us=launch, peer=peer_name, peer_us=peer, ratio=ours / peer,
                          ours_inference_us=ours_inf, peer_inference_us=peer_inf, ratio_inference=ours_inf / peer_inf))
     print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}"
