@@ -93,7 +93,7 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
         per = block_t * (4 if not INTERPRET else 1)
         n_t = max(1, cdiv(t, per))
     else:
-        block_t = min(block_t, next_power_of_2(max(t, 1)))
+        block_t = min(block_t, next_power_of_2(t))
         per, n_t = max(t, 1), 1
     has_state = s_in is not None
     s_in_ = s_in if has_state else x
@@ -105,7 +105,7 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
         s_in_.stride(0), s_in_.stride(1), s_in_.stride(2), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         weight.stride(0), weight.stride(1),
         K=k, HAS_STATE=has_state, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_S=next_power_of_2(max(k - 1, 1)), num_warps=4,
+        BLOCK_S=next_power_of_2(k - 1), num_warps=4,
     )
 
 

@@ -117,9 +117,9 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), hq, hk,
         math.log2(theta), eps, offset,
         D=d, ROT=rotary_dim, HAS_NORM=has_norm,
-        BLOCK_HQ=next_power_of_2(max(hq, 1)), BLOCK_HK=next_power_of_2(max(hk, 1)),  # 0 heads: masked
-        BLOCK_HALF=next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_PASS=next_power_of_2(max(d - rotary_dim, 1)),
+        BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),  # 0 heads: a masked block of 1
+        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=next_power_of_2(d - rotary_dim),
         num_warps=_warps(hq, hk, d, rotary_dim),
     )
     return q_out, k_out
@@ -130,9 +130,9 @@ def _warps(hq: int, hk: int, d: int, rotary_dim: int) -> int:
     q's heads and k's): at least 4 elements per thread, so no two warps hold copies of one element
     (each copy would be stored to shared memory by the per-head reductions: a benign write-write
     race, but one that compute-sanitizer's racecheck reports)."""
-    heads = next_power_of_2(max(min(hq, hk), 1))
+    heads = next_power_of_2(min(hq, hk))
     widths = [rotary_dim // 2] + ([d - rotary_dim] if d > rotary_dim else [])
-    return max(1, min(4, heads * next_power_of_2(max(min(widths), 1)) // 128))
+    return max(1, min(4, heads * next_power_of_2(min(widths)) // 128))
 
 
 @kernel
@@ -226,8 +226,8 @@ def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
         nhr, h, per, math.log2(theta), eps, offset,
         D=d, ROT=rotary_dim, HAS_NORM=has_norm,
         BLOCK_R=min(row_block(next_power_of_2(d)), next_power_of_2(per)),
-        BLOCK_HALF=next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_PASS=next_power_of_2(max(d - rotary_dim, 1)), num_warps=4,
+        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=next_power_of_2(d - rotary_dim), num_warps=4,
     )
     return dx, (sum_partials(partial, weight.dtype) if has_norm else None)
 

@@ -134,10 +134,8 @@ def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch._subclasses.fake_tensor import FakeTensor
 
-    known = (torch.Tensor, FunctionalTensor, FakeTensor)
-
     def decompose(mode, func, types, args, kwargs):
-        if any(t not in known and not issubclass(t, FakeTensor) for t in types):
+        if any(t is not torch.Tensor and not issubclass(t, (FunctionalTensor, FakeTensor)) for t in types):
             return NotImplemented
         args = tuple(args) + defaults[len(args):]
         t = args[dispatch_arg]
