@@ -2,6 +2,7 @@
 
     python -m bench.ops [--out DIR] [--sweep-splitk]
     python -m bench.ops [--out DIR] --sweep-attn-bwd
+    python -m bench.ops [--out DIR] --sweep-prefill
 
 Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
 vocab 151936) and the seed's (hidden 896, 8 q / 2 kv heads, head_dim 128, intermediate
@@ -11,6 +12,12 @@ enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest 
 the op must move over the time, and "%copy" compares it with a device-to-device copy
 measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
 config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
+
+--sweep-prefill runs only the prefill GEMM sweep (no ops table): every linear shape of both
+models at 256 and 2048 tokens, through the TMA GEMM at each tile config and K split (checked
+against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
+the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
+keeps; writes prefill_sweep.md and prefill_configs.json.
 
 --sweep-attn-bwd runs only the attention-backward tile sweep (no ops table): causal bf16 at
 B=4, S=2048 for Qwen3 heads (16/8 x 128) and Qwen2.5-0.5B heads (14/2 x 64). Each candidate
@@ -31,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
 import qwen_ops
-from csrc_free_ops import attention, linear
+from csrc_free_ops import attention, common, linear
 from csrc_free_ops.attention import BwdBlocks, Tiles
 
 SHAPES = {
@@ -78,7 +85,7 @@ def bench_linear(rows, name, m, n, k, decode_cfg=None):
     if decode_cfg is None:
         ours = bench_us(lambda x, w: torch.ops.qwen.linear(x, w), sets)
     else:
-        ours = bench_us(lambda x, w: linear.linear(x, w, None, decode_cfg=decode_cfg), sets)
+        ours = bench_us(lambda x, w: linear.linear(x, w, None, config=decode_cfg), sets)
     peer = bench_us(lambda x, w: F.linear(x, w), sets)
     rows.append((name, f"M={m} N={n} K={k}", ours, "cuBLAS F.linear", peer, nbytes))
 
@@ -154,13 +161,69 @@ def sweep_splitk(cfgs):
                     if split * block_k > k * 2:
                         continue
                     c = linear.DecodeConfig(block_n, block_k, split)
-                    results.append((bench_us(lambda x, w: linear.linear(x, w, None, decode_cfg=c), sets), c))
+                    results.append((bench_us(lambda x, w: linear.linear(x, w, None, config=c), sets), c))
         no_split = min(r for r in results if r[1].split_k == 1)
         winner = min(results)
         peer = bench_us(lambda x, w: F.linear(x, w), sets)
         best[(n, k)] = winner[1]
         table.append((n, k, no_split[0], no_split[1], winner[0], winner[1], peer))
     return best, table
+
+
+PREFILL_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of the TMA GEMM
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 5), (64, 64, 64, 4, 4), (128, 128, 128, 8, 2),
+    (64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3),
+]
+
+
+def sweep_prefill(cfgs):
+    """Time each prefill GEMM through the TMA kernel at every tile config and split; return the
+    table lines (printed as they come) and the fastest eligible config per (M class, N, K)."""
+    lines, best = [], {}
+
+    def add(*new):
+        lines.extend(new)
+        print(*new, sep="\n", flush=True)
+
+    add("| M | N | K | cuBLAS (us) | strided GEMM (us) | TMA best (us) | best config | vs cuBLAS | runner-up |",
+        "|---|---|---|---|---|---|---|---|---|")
+    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
+    for n, k in shapes:
+        for m in (256, 2048):
+            sets = copies(lambda: (rnd(m, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
+            x0, w0 = sets[0]
+            ref = F.linear(x0, w0)
+            peer = bench_us(lambda x, w: F.linear(x, w), sets)
+            strided = bench_us(lambda x, w: common.mm(x, w.t(), torch.empty(m, n, dtype=BF16, device="cuda"), splits=1,
+                                                      blocks=linear.prefill_blocks(m, n, 2)), sets)
+            results, failed = [], []
+            for tile in PREFILL_TILES:
+                for split in (1, 2, 3, 4):
+                    cfg = linear.PrefillConfig(*tile, split_k=split)
+                    if split > 1 and (common.cdiv(m, tile[0]) * common.cdiv(n, tile[1]) >= 132 or k < 512 * split):
+                        continue
+                    try:
+                        err = rel_error(linear.linear(x0, w0, None, config=cfg), ref)
+                        us = bench_us(lambda x, w: linear.linear(x, w, None, config=cfg), sets)
+                    except Exception as e:  # out of shared memory: not a candidate
+                        failed.append(f"{tuple(cfg)}: {type(e).__name__}")
+                        continue
+                    if err > 1e-2:
+                        failed.append(f"{tuple(cfg)}: rel err {err:.1e}")
+                        continue
+                    results.append((us, cfg))
+            results.sort()
+            (us, cfg), runner = results[0], results[1] if len(results) > 1 else (float("nan"), None)
+            best[(256 if m < 1024 else 2048, n, k)] = cfg
+            add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | {us:.1f} | {tuple(cfg)} | {peer / us:.2f}x "
+                f"| {runner[0]:.1f} {tuple(runner[1]) if runner[1] else ''} |")
+            if failed:
+                print("   not eligible:", "; ".join(failed), flush=True)
+    add("", "PREFILL_CONFIGS = {")
+    add(*[f"    ({mc}, {n}, {k}): PrefillConfig{tuple(c)}," for (mc, n, k), c in sorted(best.items())])
+    add("}", "")
+    return lines, best
 
 
 ATTN_BWD_SHAPES = {  # name: (batch, seq, q heads, kv heads, head_dim); bf16, causal
@@ -289,11 +352,20 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--sweep-splitk", action="store_true")
     ap.add_argument("--sweep-attn-bwd", action="store_true")
+    ap.add_argument("--sweep-prefill", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     header = f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}"
+    if args.sweep_prefill:
+        print(header + ": --sweep-prefill\n", flush=True)
+        lines, best = sweep_prefill(SHAPES.values())
+        with open(os.path.join(args.out, "prefill_sweep.md"), "w") as f:
+            f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
+        with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:
+            json.dump({f"{mc}x{n}x{k}": list(c) for (mc, n, k), c in best.items()}, f)
+        return
     if args.sweep_attn_bwd:
         print(header + ": --sweep-attn-bwd\n", flush=True)
         lines, best = sweep_attn_bwd()

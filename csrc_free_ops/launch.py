@@ -17,7 +17,8 @@ launches. `k[grid](*args, **meta)` reads like a Triton launch and takes one of t
 The key, per argument (exactly as fine as Triton's specialization, or finer, so a cached kernel
 is never launched with arguments it was not compiled for): a tensor's dtype and whether its
 address is 16-byte aligned; an int's `== 1`, `% 16 == 0` and range (i32, i64 or u64); a float's
-type; any other value (constexprs, bools, None) itself. Device and launch options join the key.
+type; a TMA tensor descriptor's dtype, block shape and padding (and its shape and strides as ints);
+any other value (constexprs, bools, None) itself. Device and launch options join the key.
 Runtime (non-constexpr) parameters must be passed positionally, constexprs by keyword or
 position; the grid is a tuple. Triton settings other than hooks and debug (instrumentation,
 pre-run hooks) are read when a specialization is first compiled, not per launch.
@@ -28,11 +29,17 @@ from contextlib import contextmanager
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
 
 _state = threading.local()
+
+
+def is_traced() -> bool:
+    """Inside `traced()`: launchers see torch.compile's storage-less tensors (no data_ptr)."""
+    return getattr(_state, "traced", False)
 
 
 @contextmanager
@@ -68,6 +75,9 @@ def _arg_key(a):
         return float
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
+    if cls is TensorDescriptor:  # its tensor map is built per launch from the object
+        return (cls, a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "round_f32_to_tf32", False),
+                tuple(map(_arg_key, a.shape)), tuple(map(_arg_key, a.strides)))
     return a
 
 
@@ -98,7 +108,7 @@ class Kernel:
         return torch._C._cuda_getDevice(), spec, tuple(meta.items())
 
     def launch(self, grid, args, meta):
-        if getattr(_state, "traced", False):
+        if is_traced():
             return self._launch_traced(grid, args, meta)
         if INTERPRET:
             return self.fn[grid](*args, **meta)

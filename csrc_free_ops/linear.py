@@ -4,8 +4,14 @@ for prefill) and backward.
 x [M, K], weight [N, K] (the nn.Linear layout), bias [N] -> y [M, N] in x's dtype,
 fp32 accumulation, bias added in fp32.
 
-Prefill (M > DECODE_MAX_M): `common.mm` with one program per BLOCK_M x BLOCK_N tile of y,
-tiles visited in GROUP_M-row groups so neighbouring programs share weight tiles in L2.
+Prefill (M > DECODE_MAX_M), 16-bit operands on Hopper: `tma_matmul`, a persistent GEMM whose
+operand tiles arrive through TMA tensor descriptors (hardware address generation and bounds: a
+tile past M, N or K reads zeros and stores nothing, so the main loop has no masks). PROGRAMS
+programs (at most one per SM) walk the list of BLOCK_M x BLOCK_N output tiles, GROUP_M-row groups
+at a time so neighbouring programs share weight tiles in L2. Where the output has too few tiles
+to fill the GPU (256 tokens against N = 1024), the K axis is split as at decode. The configs come
+from `bench/ops.py --sweep-prefill` on an H200 and are kept in PREFILL_CONFIGS. Other inputs
+(fp32, pre-Hopper GPUs, strides TMA cannot describe) take `common.mm`, the shared tiled GEMM.
 
 Decode (M <= DECODE_MAX_M): reading the weight once is the whole cost, and with
 N = 1024 a tile per program leaves most of the GPU idle. The K axis is cut into
@@ -25,9 +31,14 @@ Backward, with dy [M, N]:
 from typing import NamedTuple
 
 import torch
+import triton
 import triton.language as tl
+from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, kernel, mm, next_power_of_2
+from .common import (TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, grouped_tile, kernel, mm,
+                     next_power_of_2)
+from .launch import INTERPRET, is_traced
 
 DECODE_MAX_M = 16
 
@@ -117,11 +128,179 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    split_k: int = 1
+
+
+# (M class, N, K) -> config, M class 256 for M < 1024, else 2048: the fastest of
+# `python -m bench.ops --sweep-prefill` on an H200, 2026-11-29 (bench/results/). Shapes not listed
+# use prefill_config's rule.
+PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
+    (256, 896, 1024): PrefillConfig(64, 64, 128, 4, 3, 1),
+    (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 3, 4),
+    (256, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 2),
+    (256, 1024, 3072): PrefillConfig(64, 128, 128, 4, 3, 4),
+    (256, 1536, 896): PrefillConfig(64, 64, 64, 4, 5, 1),
+    (256, 4096, 1024): PrefillConfig(64, 128, 128, 4, 3, 1),
+    (256, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (256, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (256, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (256, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 896, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (2048, 896, 4864): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (2048, 1024, 2048): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (2048, 1024, 3072): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (2048, 1536, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 4096, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 6144, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+}
+
+
+def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
+    """The stored config for (M class, N, K), else the largest tile that still gives about
+    three quarters of a wave of programs, with the K axis split where even the smallest tile
+    leaves half the GPU idle."""
+    cfg = PREFILL_CONFIGS.get((256 if m < 1024 else 2048, n, k))
+    if cfg is not None:
+        return cfg
+    if INTERPRET:  # every tile element costs numpy time there
+        return PrefillConfig(32, 32, 32, 4, 1)
+    for cfg in (PrefillConfig(128, 256, 64, 8, 3), PrefillConfig(128, 128, 64, 4, 4), PrefillConfig(64, 128, 64, 4, 4),
+                PrefillConfig(64, 64, 64, 4, 5)):
+        tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+        if tiles >= 3 * TARGET_PROGRAMS // 8:
+            return cfg
+    return cfg._replace(split_k=min(4, k // 1024)) if tiles < TARGET_PROGRAMS // 4 and k >= 2048 else cfg
+
+
+def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:
+    """Whether `tma_matmul` can take this GEMM: 16-bit operands, rows contiguous with 16-byte
+    aligned starts and strides (what a TMA descriptor can describe), on Hopper or newer (or the
+    interpreter)."""
+    if x2.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x2.dtype:
+        return False
+    if not (INTERPRET or (x2.is_cuda and _device_props(x2.device)[1] >= 9)):
+        return False
+    for t in (x2, weight, y2):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
+            return False
+        # Under torch.compile's tracing the tensors have no storage: the allocator's 16-byte
+        # aligned bases are assumed, and only the offset is checked
+        start = t.storage_offset() * t.element_size() if is_traced() else t.data_ptr()
+        if start % 16:
+            return False
+    return True
+
+
+_devices: dict = {}
+
+
+def _device_props(device: torch.device) -> tuple[int, int]:
+    """(SMs, compute capability major) of a CUDA device (cached), (1, 0) under the interpreter."""
+    if INTERPRET:
+        return 1, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _devices:
+        props = torch.cuda.get_device_properties(index)
+        _devices[index] = props.multi_processor_count, props.major
+    return _devices[index]
+
+
+@kernel
+def _tma_gemm_kernel(
+    x, w, y, b_ptr, M, N, K, K_PER_SPLIT, PROGRAMS, stride_xm, stride_wn, stride_ym, stride_ys,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DEVICE_DESCRIPTORS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Program p computes work items p, p + PROGRAMS, ... of SPLIT_K x (output tiles): the tile
+    (pid_m, pid_n) over K slice s. One slice: y tile (+ bias) in y's dtype. Several: the fp32
+    partial to y[s] of a [SPLIT_K, M, N] buffer.
+
+    x, w, y are TMA descriptors made on the host (block shapes [BLOCK_M, BLOCK_K], [BLOCK_N,
+    BLOCK_K], and [BLOCK_M, BLOCK_N], or [1, BLOCK_M, BLOCK_N] for the partials), or, with
+    DEVICE_DESCRIPTORS, pointers from which each program makes its own descriptors in global
+    scratch that Triton's launcher allocates. Host descriptors are faster for small GEMMs (no
+    per-program setup: 5.8 against 7.5 us at 256 x 896 x 1024 on an H200); torch.compile can
+    only trace the pointer form."""
+    if DEVICE_DESCRIPTORS:
+        x_desc = tl.make_tensor_descriptor(x, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        if SPLIT_K == 1:
+            y_desc = tl.make_tensor_descriptor(y, [M, N], [stride_ym, 1], [BLOCK_M, BLOCK_N])
+        else:
+            y_desc = tl.make_tensor_descriptor(y, [SPLIT_K, M, N], [stride_ys, stride_ym, 1], [1, BLOCK_M, BLOCK_N])
+    else:
+        x_desc, w_desc, y_desc = x, w, y
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for work in tl.range(tl.program_id(0), tiles * SPLIT_K, PROGRAMS, flatten=True):
+        pid_m, pid_n = grouped_tile(work % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        k_lo = (work // tiles) * K_PER_SPLIT
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, min(k_lo + K_PER_SPLIT, K), BLOCK_K):
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = dot(a, b.T, acc)
+        if HAS_BIAS:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SPLIT_K == 1:
+            y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
+        else:
+            y_desc.store([work // tiles, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.reshape(1, BLOCK_M, BLOCK_N))
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's allocator of kernel scratch (device-made TMA descriptors): a torch tensor, from the
+    caching allocator (or a CUDA graph's pool during capture)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, cfg: PrefillConfig) -> None:
+    """Prefill GEMM into y2 through TMA descriptors (`tma_ok` must hold): y2 = x2 @ weight.T (+ bias).
+    Host-made descriptors, except under torch.compile's tracing (Inductor passes tensors)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    per = cdiv(cdiv(k, cfg.split_k), bk) * bk
+    split = cdiv(k, per)
+    has_bias = bias is not None
+    out = y2 if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    work = cdiv(m, bm) * cdiv(n, bn) * split
+    programs = min(work, 4 if INTERPRET else _device_props(x2.device)[0])
+    on_device = is_traced()
+    if on_device:
+        x, w, y = x2, weight, out
+        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+            triton.set_allocator(_scratch)  # for a graph run outside Inductor (which sets its own)
+    else:
+        x = TensorDescriptor.from_tensor(x2, [bm, bk])
+        w = TensorDescriptor.from_tensor(weight, [bn, bk])
+        y = TensorDescriptor.from_tensor(out, [bm, bn] if split == 1 else [1, bm, bn])
+    _tma_gemm_kernel[(programs,)](
+        x, w, y, bias if has_bias and split == 1 else weight, m, n, k, per, programs,
+        x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        SPLIT_K=split, HAS_BIAS=has_bias and split == 1, DEVICE_DESCRIPTORS=on_device,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        _splitk_reduce_kernel[(m, cdiv(n, 1024))](
+            out, bias if has_bias else out, y2, n, out.stride(0), out.stride(1), y2.stride(0),
+            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=1024, num_warps=4,
+        )
+
+
 def prefill_blocks(m: int, n: int, itemsize: int):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the forward GEMM: the largest tile
-    that still gives about a wave of programs (256-token prefills of N=1024 would leave most SMs
-    idle with 128x128 tiles). fp32 tiles are twice the bytes: half as deep and fewer stages, to
-    fit shared memory."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `common.mm` for the GEMMs TMA cannot
+    take: the largest tile that still gives about a wave of programs. fp32 tiles are twice the
+    bytes: half as deep and fewer stages, to fit shared memory."""
     if itemsize == 4:
         return (64 if m <= 64 else 128), 128, 32, 8, 2
     for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
@@ -153,8 +332,10 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
         )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias, decode_cfg: DecodeConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N]. decode_cfg overrides the table (benchmarks)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | PrefillConfig | None = None,
+           ) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) -> [..., N]. `config` overrides the tables (benchmarks,
+    tests): a DecodeConfig for M <= DECODE_MAX_M, a PrefillConfig (TMA path) above."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -164,7 +345,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, decode_cfg: DecodeConfig
         return y
     y2 = y.view(m, n)
     if m <= DECODE_MAX_M:
-        splitk_matmul(x2, weight, bias, y2, decode_cfg or decode_config(n, k))
+        splitk_matmul(x2, weight, bias, y2, config or decode_config(n, k))
+    elif k > 0 and tma_ok(x2, weight, y2):
+        tma_matmul(x2, weight, bias, y2, config or prefill_config(m, n, k))
     else:
         mm(x2, weight.t(), y2, splits=1, bias=bias, blocks=prefill_blocks(m, n, x2.element_size()))
     return y

@@ -5,7 +5,7 @@ import torch
 import triton
 
 import qwen_ops
-from csrc_free_ops import norm
+from csrc_free_ops import linear, norm
 from csrc_free_ops.launch import _arg_key, _through_triton
 
 
@@ -18,6 +18,17 @@ def test_arg_key_separates_what_triton_specializes_on():
     assert _arg_key(33) == _arg_key(35) and _arg_key(32) == _arg_key(48)
     assert _arg_key(True) != _arg_key(False) and _arg_key(None) is None
     assert _arg_key(0.5) == _arg_key(2.0)
+
+
+def test_arg_key_of_tensor_descriptors():
+    """A host TMA descriptor is keyed by dtype, block shape and its shape/stride ints, not by its tensor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    a, b = torch.zeros(64, 32, dtype=torch.bfloat16), torch.ones(64, 32, dtype=torch.bfloat16)
+    assert _arg_key(TD.from_tensor(a, [16, 16])) == _arg_key(TD.from_tensor(b, [16, 16]))
+    assert _arg_key(TD.from_tensor(a, [16, 16])) != _arg_key(TD.from_tensor(a, [32, 16]))
+    assert _arg_key(TD.from_tensor(a, [16, 16])) != _arg_key(TD.from_tensor(a.float(), [16, 16]))
+    assert _arg_key(TD.from_tensor(a, [16, 16])) != _arg_key(TD.from_tensor(a[:33], [16, 16]))  # M % 16
 
 
 def test_grid_must_be_a_tuple():
@@ -95,5 +106,37 @@ def test_compile_traces_into_the_kernels():
     torch._dynamo.reset()
     torch.compile(f, fullgraph=True, dynamic=True, backend=aot_autograd(fw_compiler=record))(x, w)
     assert seen == ["qwen.rms_norm.default"]
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w), f(x, w), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_tma_gemm_cached_and_traced():
+    """The prefill GEMM takes host TMA descriptors: cached launches (tensor maps of new tensors
+    each time) give cuBLAS's result; torch.compile traces the op into `_tma_gemm_kernel` in its
+    pointer form, with Inductor's launch equal to eager."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    for m in (300, 300, 301, 64):  # 301: M % 16 != 0 is its own specialization
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
+        torch.testing.assert_close(torch.ops.qwen.linear(x, w), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-2)
+    assert linear._tma_gemm_kernel.compiled
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+                    for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target))
+        return gm
+
+    def f(x, w):
+        return torch.ops.qwen.linear(x, w) + 1
+
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, dynamic=False, backend=aot_autograd(fw_compiler=record))(x, w)
+    assert seen == ["_tma_gemm_kernel"]
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w), f(x, w), rtol=0, atol=0)

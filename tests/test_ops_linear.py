@@ -45,4 +45,54 @@ def test_splitk_every_split_factor(device, split_k):
     w = randn(48, 160, dtype=torch.float32, device=device)
     b = randn(48, dtype=torch.float32, device=device)
     cfg = linear_kernels.DecodeConfig(block_n=16, block_k=32, split_k=split_k)
-    assert_close(linear_kernels.linear(x, w, b, decode_cfg=cfg), linear_reference(x, w, b), what=f"split_k={split_k}")
+    assert_close(linear_kernels.linear(x, w, b, config=cfg), linear_reference(x, w, b), what=f"split_k={split_k}")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_prefill_tma_edge_tiles_and_splits(device, split_k):
+    """The TMA GEMM: edge tiles past M, N and K (zero-filled loads, clipped stores), uneven K
+    slices summed with the bias, and more work items than programs (the persistent loop)."""
+    m, k, n = (45, 88, 40) if device == "cpu" else (300, 1000, 200)
+    x = randn(m, k, dtype=torch.bfloat16, device=device)
+    w = randn(n, k, dtype=torch.bfloat16, device=device, scale=k ** -0.5)
+    b = randn(n, dtype=torch.bfloat16, device=device)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper")
+    assert linear_kernels.tma_ok(x, w, y)
+    tile = 16 if device == "cpu" else 64
+    cfg = linear_kernels.PrefillConfig(tile, tile, tile, 4, 1 if device == "cpu" else 3, split_k)
+    assert_close(linear_kernels.linear(x, w, b, config=cfg), linear_reference(x, w, b), what=f"split_k={split_k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_unaligned_rows_take_the_tiled_gemm(device):
+    """Rows TMA cannot describe (a 2-byte offset, a row stride that is not a multiple of 16 bytes)
+    go to the strided GEMM, with the same result."""
+    flat = randn(40 * 96 + 1, dtype=torch.bfloat16, device=device)
+    wide = randn(40, 97, dtype=torch.bfloat16, device=device)
+    w = randn(24, 96, dtype=torch.bfloat16, device=device, scale=0.1)
+    for x in (flat[1:].view(40, 96), wide[:, :96]):
+        assert not linear_kernels.tma_ok(x, w, torch.empty(40, 24, dtype=torch.bfloat16, device=device))
+        assert_close(torch.ops.qwen.linear(x, w), linear_reference(x, w), what="unaligned x")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_prefill_tma_device_descriptors(device, split_k, monkeypatch):
+    """The descriptor form torch.compile traces (pointers in, descriptors made per program) gives
+    the host-descriptor result."""
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper")
+    m, k, n = (45, 88, 40) if device == "cpu" else (300, 1000, 200)
+    x = randn(m, k, dtype=torch.bfloat16, device=device)
+    w = randn(n, k, dtype=torch.bfloat16, device=device, scale=k ** -0.5)
+    b = randn(n, dtype=torch.bfloat16, device=device)
+    tile = 16 if device == "cpu" else 64
+    cfg = linear_kernels.PrefillConfig(tile, tile, tile, 4, 1 if device == "cpu" else 3, split_k)
+    host = linear_kernels.linear(x, w, b, config=cfg)
+    monkeypatch.setattr(linear_kernels, "is_traced", lambda: True)
+    torch.testing.assert_close(linear_kernels.linear(x, w, b, config=cfg), host, rtol=0, atol=0)
