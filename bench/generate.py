@@ -2,8 +2,9 @@
 
     python -m bench.generate [--out DIR] [--new-tokens 128] [--reps 5] [--models qwen3 qwen3_5]
 
-- prefill: prompts of 16 / 128 / 512 tokens, eager (one Python launch per op) vs captured in a
-  CUDA graph (``Generator(prefill_graph=True)``; these lengths are buckets, so no padding).
+- prefill: prompts of 16 / 256 / 512 / 2048 tokens, eager (``prefill_graph=False``: one Python
+  launch per op) vs captured in a CUDA graph (the default, ``Generator(prefill_graph=None)``:
+  these lengths are buckets, so no padding).
   Wall time from the prompt to the first token on the host (``GenerationResult.prefill_ms``).
 - decode: ms per step over ``--new-tokens`` tokens (greedy; no stop token), eager vs the
   CUDA-graph step, at batch 1 and 8, plus batch 1 with top-k/top-p sampling in the graph.
@@ -47,7 +48,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--prefill-lengths", type=int, nargs="+", default=[16, 256, 512, 2048])
     ap.add_argument("--models", nargs="+", choices=["qwen3", "qwen3_5"], default=["qwen3"],
                     help="qwen3: the Qwen3-0.6B rows (default); qwen3_5: the Qwen3.5-0.8B decode row")
     args = ap.parse_args()

@@ -111,8 +111,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "--interactive: grown as the conversation needs)")
     r.add_argument("--max-batch-size", type=int, default=8, help="prompts decoded together (--batch-file)")
     r.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one Python launch per op)")
-    r.add_argument("--prefill-graph", action="store_true",
-                   help="capture prefill in CUDA graphs per padded length bucket (pays off when reused)")
+    r.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill through CUDA graphs captured per padded length bucket (default: on with "
+                        "the CUDA-graph decode; --no-prefill-graph prefills eagerly at the exact length)")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     return p.parse_args(argv)
 

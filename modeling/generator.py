@@ -13,12 +13,14 @@ It composes three pieces:
 - ``Readback`` (modeling/readback.py): the decode loop, reading the tokens back in chunks one
   chunk behind the GPU; ``TokenSink`` applies the stop / length rule and calls the callbacks.
 
-Prefill runs each prompt separately into its batch row of the cache (eagerly, exact length). With
-``prefill_graph=True`` prompts up to the largest length bucket are right-padded to a bucket and run
-through a graph captured per (bucket, mode) that writes a batch-1 staging cache; the prompt's state
-is then copied into its row. The padded GEMM shapes can round differently from the exact-length
-prefill, so tokens may differ from the eager prefill in the last bits of bf16 (never in the decode
-graph, which is bit-identical to its eager run). Padded prefill needs every layer's cache to allow
+Prefill runs each prompt separately into its batch row of the cache. With the prefill graphs (on
+by default wherever the decode step is captured; ``prefill_graph=False`` turns them off) prompts up
+to the largest length bucket are right-padded to a bucket and run through a graph captured per
+(bucket, mode) that writes a batch-1 staging cache; the prompt's state is then copied into its
+row. Longer prompts, and every prompt without them, are prefilled eagerly at their exact length.
+The padded GEMM shapes can round differently from the exact-length prefill, so tokens may differ
+from the eager prefill in the last bits of bf16 (never in the decode graph, which is
+bit-identical to its eager run). Padded prefill needs every layer's cache to allow
 it (``Cache.supports_padded_prefill``): a model with recurrent layers (Qwen3.5's Gated DeltaNet)
 falls back to the exact-length prefill and ``gen.prefill_graph`` reads False. See docs/generate.md.
 """
@@ -36,7 +38,7 @@ from .model import QwenForCausalLM
 from .readback import FinishCallback, Readback, TokenCallback, TokenSink
 from .sampling import SamplingParams
 
-DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass
@@ -80,6 +82,11 @@ class Generator:
     every other buffer a step reads or writes. ``generate`` takes any number of prompts (more than
     ``max_batch_size`` run in consecutive batches). A batch of n runs in the graph of the smallest
     batch bucket (1, 2, 4, ..., ``max_batch_size``) >= n, its extra rows idle.
+
+    ``prefill_graph``: None (default) captures prefill per length bucket whenever the decode step
+    is captured (CUDA and ``use_cuda_graph``); True also pads eagerly without CUDA graphs (tests);
+    False prefills every prompt eagerly at its exact length. The staging cache holds the largest
+    bucket that fits ``max_seq_len``.
     """
 
     def __init__(
@@ -88,7 +95,7 @@ class Generator:
         max_batch_size: int = 1,
         max_seq_len: Optional[int] = None,
         use_cuda_graph: bool = True,
-        prefill_graph: bool = False,
+        prefill_graph: Optional[bool] = None,
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         readback_every: int = 4,
     ):
@@ -101,7 +108,8 @@ class Generator:
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         self.use_cuda_graph = bool(use_cuda_graph and self.device.type == "cuda")
-        self.prefill_graph = bool(prefill_graph)  # without CUDA graphs: the padded buckets, eagerly
+        # without CUDA graphs (prefill_graph=True): the padded buckets, eagerly
+        self.prefill_graph = self.use_cuda_graph if prefill_graph is None else bool(prefill_graph)
         self.prefill_buckets = tuple(sorted(b for b in set(prefill_buckets) if 0 < b <= self.max_seq_len))
         self.batch_buckets = _buckets(max_batch_size)
         prefill_len = self.prefill_buckets[-1] if self.prefill_graph and self.prefill_buckets else 0

@@ -176,7 +176,7 @@ class LLM:
     def __init__(self, model: Union[str, Path, Checkpoint, None] = None, *, revision: Optional[str] = None,
                  offline: Optional[bool] = None, device: Union[str, torch.device, None] = None,
                  dtype: Union[str, torch.dtype, None] = None, max_seq_len: Optional[int] = None,
-                 max_batch_size: int = 8, use_cuda_graph: bool = True, prefill_graph: bool = False,
+                 max_batch_size: int = 8, use_cuda_graph: bool = True, prefill_graph: Optional[bool] = None,
                  progress: bool = True):
         if isinstance(model, Checkpoint):
             self.checkpoint = model

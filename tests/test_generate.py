@@ -185,6 +185,17 @@ def test_padded_prefill_buckets_give_the_same_tokens(model64):
     assert padded_gen.generate(prompts[::-1], 10).tokens == exact.tokens[::-1]  # stale gather index, shorter bucket
 
 
+def test_prefill_graph_default_follows_the_decode_graph(model64):
+    """Prefill graphs are on by default exactly where the decode step is captured: not on CPU."""
+    assert not Generator(model64, max_seq_len=32).prefill_graph
+    assert Generator(model64, max_seq_len=32, prefill_graph=True).prefill_graph
+    if torch.cuda.is_available():
+        cuda = tiny_model(torch.float32, "cuda")
+        assert Generator(cuda, max_seq_len=32).prefill_graph
+        assert not Generator(cuda, max_seq_len=32, use_cuda_graph=False).prefill_graph
+        assert not Generator(cuda, max_seq_len=32, prefill_graph=False).prefill_graph
+
+
 def test_sampled_generation_same_seed_same_tokens(model64):
     prompts = prompts_of([5, 9], TINY["vocab_size"], seed=3)
     gen = Generator(model64, max_batch_size=2, max_seq_len=32)

@@ -103,6 +103,14 @@ def expected_path(device="cpu", dtype=torch.float32) -> str:
     return backend_name(torch.device(device), dtype)
 
 
+def test_prefill_graph_flag_is_tri_state():
+    """No flag leaves the generator's default (prefill graphs wherever decode is captured)."""
+    from modeling.generate import parse_args
+
+    assert [parse_args(extra + ["--prompt", "x"]).prefill_graph
+            for extra in ([], ["--prefill-graph"], ["--no-prefill-graph"])] == [None, True, False]
+
+
 def test_random_checkpoint_loads(ckpt):
     model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     tok = QwenTokenizer.from_pretrained(ckpt)
