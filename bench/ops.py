@@ -213,6 +213,9 @@ def sweep_prefill(cfgs):
                         failed.append(f"{tuple(cfg)}: rel err {err:.1e}")
                         continue
                     results.append((us, cfg))
+            if not results:
+                add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | no eligible config | | | |")
+                continue
             results.sort()
             (us, cfg), runner = results[0], results[1] if len(results) > 1 else (float("nan"), None)
             best[(256 if m < 1024 else 2048, n, k)] = cfg

@@ -182,15 +182,17 @@ def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
 
 
 def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:
-    """Whether `tma_matmul` can take this GEMM: 16-bit operands, rows contiguous with 16-byte
-    aligned starts and strides (what a TMA descriptor can describe), on Hopper or newer (or the
-    interpreter)."""
+    """Whether `tma_matmul` can take this GEMM: 16-bit operands; rows contiguous, apart (row
+    stride >= row length: no broadcast or overlapping rows), with 16-byte aligned starts and
+    strides (what a TMA descriptor can describe); on a Hopper-class GPU (compute capability 9+
+    with the ~227 KB of shared memory per block the configs need; not consumer Blackwell's
+    ~99 KB) or the interpreter."""
     if x2.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x2.dtype:
         return False
-    if not (INTERPRET or (x2.is_cuda and _device_props(x2.device)[1] >= 9)):
+    if not (INTERPRET or (x2.is_cuda and _device_props(x2.device)[1])):
         return False
     for t in (x2, weight, y2):
-        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
+        if t.stride(-1) != 1 or t.stride(0) < t.shape[1] or (t.stride(0) * t.element_size()) % 16:
             return False
         # Under torch.compile's tracing the tensors have no storage: the allocator's 16-byte
         # aligned bases are assumed, and only the offset is checked
@@ -201,16 +203,17 @@ def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:
 
 
 _devices: dict = {}
+TMA_SHARED_MEMORY = 200 * 1024
+"""Shared memory per block (opt-in) a GPU needs for the TMA GEMM's configs (up to ~208 KB)."""
 
 
-def _device_props(device: torch.device) -> tuple[int, int]:
-    """(SMs, compute capability major) of a CUDA device (cached), (1, 0) under the interpreter."""
-    if INTERPRET:
-        return 1, 0
+def _device_props(device: torch.device) -> tuple[int, bool]:
+    """(SMs, whether the TMA GEMM runs there) of a CUDA device, cached."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _devices:
         props = torch.cuda.get_device_properties(index)
-        _devices[index] = props.multi_processor_count, props.major
+        _devices[index] = (props.multi_processor_count,
+                           props.major >= 9 and props.shared_memory_per_block_optin >= TMA_SHARED_MEMORY)
     return _devices[index]
 
 
@@ -274,7 +277,7 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
     has_bias = bias is not None
     out = y2 if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     work = cdiv(m, bm) * cdiv(n, bn) * split
-    programs = min(work, 4 if INTERPRET else _device_props(x2.device)[0])
+    programs = min(work, _device_props(x2.device)[0] if x2.is_cuda else 4)
     on_device = is_traced()
     if on_device:
         x, w, y = x2, weight, out
@@ -335,7 +338,7 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
 def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | PrefillConfig | None = None,
            ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias) -> [..., N]. `config` overrides the tables (benchmarks,
-    tests): a DecodeConfig for M <= DECODE_MAX_M, a PrefillConfig (TMA path) above."""
+    tests): a DecodeConfig for M <= DECODE_MAX_M, a PrefillConfig above (which needs the TMA path)."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -344,10 +347,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | P
     if m == 0 or n == 0:
         return y
     y2 = y.view(m, n)
-    if m <= DECODE_MAX_M:
+    decode = m <= DECODE_MAX_M
+    if config is not None and isinstance(config, DecodeConfig) != decode:
+        raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "
+                         "PrefillConfig above)")
+    if decode:
         splitk_matmul(x2, weight, bias, y2, config or decode_config(n, k))
     elif k > 0 and tma_ok(x2, weight, y2):
         tma_matmul(x2, weight, bias, y2, config or prefill_config(m, n, k))
+    elif config is not None:
+        raise ValueError("a PrefillConfig for a GEMM the TMA path cannot take (see tma_ok)")
     else:
         mm(x2, weight.t(), y2, splits=1, bias=bias, blocks=prefill_blocks(m, n, x2.element_size()))
     return y

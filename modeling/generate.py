@@ -112,8 +112,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     r.add_argument("--max-batch-size", type=int, default=8, help="prompts decoded together (--batch-file)")
     r.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one Python launch per op)")
     r.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill through CUDA graphs captured per padded length bucket (default: on with "
-                        "the CUDA-graph decode; --no-prefill-graph prefills eagerly at the exact length)")
+                   help="prefill prompts padded to a length bucket, through a CUDA graph captured per bucket "
+                        "(default: on with the CUDA-graph decode; with --no-cuda-graph the padded prefill "
+                        "runs eagerly); --no-prefill-graph prefills eagerly at the exact length")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     return p.parse_args(argv)
 

@@ -1,5 +1,7 @@
 import pytest
 import torch
+import triton
+from triton.runtime import _allocation
 
 import qwen_ops  # noqa: F401
 from csrc_free_ops import linear as linear_kernels
@@ -95,4 +97,27 @@ def test_prefill_tma_device_descriptors(device, split_k, monkeypatch):
     cfg = linear_kernels.PrefillConfig(tile, tile, tile, 4, 1 if device == "cpu" else 3, split_k)
     host = linear_kernels.linear(x, w, b, config=cfg)
     monkeypatch.setattr(linear_kernels, "is_traced", lambda: True)
-    torch.testing.assert_close(linear_kernels.linear(x, w, b, config=cfg), host, rtol=0, atol=0)
+    allocator = _allocation._allocator.get()
+    try:
+        torch.testing.assert_close(linear_kernels.linear(x, w, b, config=cfg), host, rtol=0, atol=0)
+    finally:
+        triton.set_allocator(allocator)  # the traced form sets Triton's scratch allocator where none is set
+    offset = randn(m * k + 8, dtype=torch.bfloat16, device=device)[1:m * k + 1].view(m, k)
+    assert not linear_kernels.tma_ok(offset, w, torch.empty(m, n, dtype=torch.bfloat16, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_tma_refuses_broadcast_rows_and_wrong_configs(device):
+    """Rows a descriptor cannot describe (a broadcast x, stride 0) take the strided GEMM; a config
+    of the wrong kind, or a PrefillConfig for such rows, is an error rather than ignored."""
+    w = randn(24, 64, dtype=torch.bfloat16, device=device, scale=0.1)
+    x = randn(1, 64, dtype=torch.bfloat16, device=device).expand(40, 64)
+    assert not linear_kernels.tma_ok(x, w, torch.empty(40, 24, dtype=torch.bfloat16, device=device))
+    assert_close(torch.ops.qwen.linear(x, w), linear_reference(x, w), what="broadcast x")
+    prefill_cfg = linear_kernels.PrefillConfig(16, 16, 16, 4, 1)
+    with pytest.raises(ValueError, match="TMA path cannot take"):
+        linear_kernels.linear(x, w, None, config=prefill_cfg)
+    with pytest.raises(ValueError, match="PrefillConfig for M = 4"):
+        linear_kernels.linear(x[:4].contiguous(), w, None, config=prefill_cfg)
+    with pytest.raises(ValueError, match="DecodeConfig for M = 40"):
+        linear_kernels.linear(x.contiguous(), w, None, config=linear_kernels.DecodeConfig(16, 16, 1))
