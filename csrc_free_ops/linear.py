@@ -212,8 +212,8 @@ def _device_props(device: torch.device) -> tuple[int, bool]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _devices:
         props = torch.cuda.get_device_properties(index)
-        _devices[index] = (props.multi_processor_count,
-                           props.major >= 9 and props.shared_memory_per_block_optin >= TMA_SHARED_MEMORY)
+        smem = getattr(props, "shared_memory_per_block_optin", 0)  # absent on ROCm builds: no TMA there
+        _devices[index] = props.multi_processor_count, props.major >= 9 and smem >= TMA_SHARED_MEMORY
     return _devices[index]
 
 
