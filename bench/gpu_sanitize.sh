@@ -15,6 +15,11 @@
 #            groups: ops (the eleven op subsets), all (ops, graph, generate, generate-graph)
 #   -k EXPR  a pytest -k expression for the test subsets (racecheck's default: "not fp16 and not fp32")
 #
+# EACH=1 runs every test of a test subset in its own sanitized process, at most PER_TEST seconds
+# each (default 150): a test that crashes the process or runs long costs only itself. The
+# subset's row then counts passed / failed / skipped / crashed / timed-out tests, and
+# $OUT/sanitize-TOOL-SUBSET-each.md lists every test with its errors and result.
+#
 # One call keeps within BUDGET seconds (default 540, under a 10-minute device call): each run gets
 # the time left (GNU timeout on its whole process group); a run cut short shows TIMEOUT, and the
 # subsets not reached show "not run": pass them to the next call. Several calls may run side by side
@@ -79,7 +84,29 @@ spec() {
   esac
 }
 
+# sanitize BASE SECONDS CMD...: run CMD under the sanitizer (log BASE.log, output BASE.out), at most
+# SECONDS; sets ERRORS (the summed "ERROR SUMMARY: N errors", racecheck's "RACECHECK SUMMARY ... (N
+# errors", or "no summary"), RESULT (pytest's last count line, or the exit status) and TOOK.
+sanitize() {
+  local base=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  env ${env_cache[@]+"${env_cache[@]}"} timeout --signal=TERM --kill-after=20 "$limit" \
+    "$SAN" --tool "$TOOL" --target-processes all --print-limit "$PRINT_LIMIT" --log-file "$base.log" "$@" \
+    > "$base.out" 2>&1
+  rc=$?
+  TOOK=$((SECONDS - t0))
+  [ "${EACH:-0}" = 1 ] || tail -3 "$base.out" | sed 's/^/   /'
+  ERRORS=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$base.log" 2>/dev/null \
+           | sed -E 's/.*ERROR SUMMARY: ([0-9]+).*/\1/; s/.*RACECHECK SUMMARY.*\(([0-9]+) errors?.*/\1/' \
+           | awk '{s += $1} END {if (NR) print s; else print "no summary"}')
+  RESULT=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s" "$base.out" | tail -1 \
+           | sed -E 's/=+//g; s/^ +| +$//g')
+  [ -z "$RESULT" ] && RESULT="exit $rc"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then RESULT="TIMEOUT after ${TOOK}s; $RESULT"; fi
+}
+
 CKPT=${TMPDIR:-/tmp}/qwen-sanitize-checkpoint
+PER_TEST=${PER_TEST:-150}
 ROWS=()
 for s in $expanded; do
   if ! sp=$(spec "$s"); then ROWS+=("| $s | - | unknown subset | - |"); continue; fi
@@ -93,7 +120,6 @@ for s in $expanded; do
   if [ "$graph" = 0 ] && { [ "$TOOL" = memcheck ] || [ "$TOOL" = initcheck ]; }; then
     env_cache=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); caching="uncached"
   fi
-  log="$OUT/sanitize-$TOOL-$s.log"; prog="$OUT/sanitize-$TOOL-$s.out"
   if [ -n "$files" ]; then
     # shellcheck disable=SC2206
     cmd=(python3 -m pytest -q -m cuda -p no:cacheprovider ${files} ${k:+-k "$k"})
@@ -105,24 +131,35 @@ for s in $expanded; do
          --max-new-tokens 16 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 0)
     [ "$graph" = 0 ] && cmd+=(--no-cuda-graph)
   fi
-  echo "== $s ($caching, ${left}s left): ${cmd[*]}"
-  t0=$SECONDS
-  env ${env_cache[@]+"${env_cache[@]}"} timeout --signal=TERM --kill-after=20 "$((left - 10))" \
-    "$SAN" --tool "$TOOL" --target-processes all --print-limit "$PRINT_LIMIT" --log-file "$log" "${cmd[@]}" \
-    > "$prog" 2>&1
-  rc=$?
-  took=$((SECONDS - t0))
-  tail -3 "$prog" | sed 's/^/   /'
-  # "ERROR SUMMARY: N errors" (memcheck, initcheck, synccheck); racecheck: "RACECHECK SUMMARY: H hazards
-  # displayed (N errors, W warnings)"
-  errors=$(grep -hE "(ERROR|RACECHECK) SUMMARY" "$log" 2>/dev/null \
-           | sed -E 's/.*ERROR SUMMARY: ([0-9]+).*/\1/; s/.*RACECHECK SUMMARY.*\(([0-9]+) errors?.*/\1/' \
-           | awk '{s += $1} END {if (NR) print s; else print "no summary"}')
-  result=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected).* in [0-9.]+s" "$prog" | tail -1 \
-           | sed -E 's/=+//g; s/^ +| +$//g')
-  [ -z "$result" ] && result="exit $rc"
-  [ "$rc" = 124 ] || [ "$rc" = 137 ] && result="TIMEOUT after ${took}s; $result"
-  ROWS+=("| $s | $errors | $result | ${took}s, $caching |")
+  if [ "${EACH:-0}" != 1 ] || [ -z "$files" ]; then
+    echo "== $s ($caching, ${left}s left): ${cmd[*]}"
+    sanitize "$OUT/sanitize-$TOOL-$s" "$((left - 10))" "${cmd[@]}"
+    ROWS+=("| $s | $ERRORS | $RESULT | ${TOOK}s, $caching |")
+    continue
+  fi
+  mapfile -t ids < <("${cmd[@]}" --collect-only 2>/dev/null | grep "::")
+  echo "== $s ($caching, ${left}s left): ${#ids[@]} tests, each in its own process"
+  each="$OUT/sanitize-$TOOL-$s-each.md"
+  printf '| test | errors | result |\n|---|---|---|\n' > "$each"
+  total=0; passed=0; failed=0; skipped=0; crashed=0; timed_out=0; not_run=0; t_subset=$SECONDS
+  for i in "${!ids[@]}"; do
+    id=${ids[$i]}
+    left=$((BUDGET - (SECONDS - START)))
+    if [ "$left" -lt 30 ]; then not_run=$((not_run + 1)); echo "| $id | - | not run (budget) |" >> "$each"; continue; fi
+    sanitize "$OUT/sanitize-$TOOL-$s-$i" "$(( left - 10 < PER_TEST ? left - 10 : PER_TEST ))" \
+      python3 -m pytest -q -m cuda -p no:cacheprovider "$id"
+    [[ "$ERRORS" =~ ^[0-9]+$ ]] && total=$((total + ERRORS))
+    case "$RESULT" in
+      TIMEOUT*) timed_out=$((timed_out + 1));;
+      *failed*) failed=$((failed + 1));;
+      *passed*) passed=$((passed + 1));;
+      *skipped*) skipped=$((skipped + 1));;
+      *) crashed=$((crashed + 1));;
+    esac
+    echo "| $id | $ERRORS | $RESULT |" >> "$each"
+    echo "   $id: $ERRORS errors, $RESULT"
+  done
+  ROWS+=("| $s | $total | each test alone: $passed passed, $failed failed, $skipped skipped, $crashed crashed, $timed_out timed out, $not_run not run ($(basename "$each")) | $((SECONDS - t_subset))s, $caching |")
 done
 
 {
