@@ -3,6 +3,7 @@
     python -m bench.ops [--out DIR] [--sweep-splitk]
     python -m bench.ops [--out DIR] --sweep-attn-bwd
     python -m bench.ops [--out DIR] --sweep-prefill
+    python -m bench.ops [--out DIR] --sweep-attn-fwd
 
 Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
 vocab 151936) and the seed's (hidden 896, 8 q / 2 kv heads, head_dim 128, intermediate
@@ -18,6 +19,12 @@ models at 256 and 2048 tokens, through the TMA GEMM at each tile config and K sp
 against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
 keeps; writes prefill_sweep.md and prefill_configs.json.
+
+--sweep-attn-fwd runs only the attention-forward tile sweep (no ops table): causal bf16, batch 1,
+256 and 2048 tokens, for Qwen3 heads (16/8 x 128), Qwen2.5-0.5B heads (14/2 x 64) and Qwen3.5's
+gated attention (8/2 x 256). Each candidate Tiles(block_m, block_n, warps, stages) is graph-timed
+and checked against an fp32 SDPA (a config above 1e-2 relative error is not eligible), beside
+SDPA's flash and cuDNN backends. Writes attn_fwd_sweep.md.
 
 --sweep-attn-bwd runs only the attention-backward tile sweep (no ops table): causal bf16 at
 B=4, S=2048 for Qwen3 heads (16/8 x 128) and Qwen2.5-0.5B heads (14/2 x 64). Each candidate
@@ -229,6 +236,65 @@ def sweep_prefill(cfgs):
     return lines, best
 
 
+ATTN_FWD_SHAPES = {  # name: (q heads, kv heads, head_dim); bf16, causal, batch 1
+    "qwen3 16/8x128": (16, 8, 128),
+    "qwen2.5-0.5b 14/2x64": (14, 2, 64),
+    "qwen3.5 8/2x256": (8, 2, 256),
+}
+ATTN_FWD_TILES = {  # head_dim -> candidate Tiles(block_m, block_n, num_warps, num_stages); the default joins
+    64: [Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 4), Tiles(64, 64, 4, 3), Tiles(128, 128, 4, 3), Tiles(64, 128, 4, 3),
+         Tiles(128, 32, 4, 3)],
+    128: [Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 2),
+          Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 4)],
+    256: [Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2)],
+}
+
+
+def sweep_attn_fwd():
+    """Time the attention forward at each candidate tile config; return the table lines (printed as
+    they come)."""
+    lines = []
+
+    def add(*new):
+        lines.extend(new)
+        print(*new, sep="\n", flush=True)
+
+    for name, (hq, hk, d) in ATTN_FWD_SHAPES.items():
+        for s in (256, 2048):
+            sets = copies(lambda: (rnd(1, s, hq, d), rnd(1, s, hk, d), rnd(1, s, hk, d)), s * (hq + 2 * hk) * d * 2)
+            q, k, v = sets[0]
+            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True,
+                                                 enable_gqa=True).transpose(1, 2)
+            flops = 2 * hq * s * s * d  # two causal matmuls: 2 * (2 * Hq * S^2 / 2 * D)
+            add(f"## attention forward: {name}, S={s}, bf16 causal", "",
+                "| tiles (m, n, warps, stages) | us | TFLOPS | rel err |", "|---|---|---|---|")
+            default = attention.forward_tiles(d, s, 2)
+            for t in dict.fromkeys([default] + ATTN_FWD_TILES[d]):
+                label = f"{tuple(t)}{' default' if t == default else ''}"
+                try:
+                    err = rel_error(attention.attention(q, k, v, d ** -0.5, True, tiles=t), ref)
+                    us = bench_us(lambda q, k, v: attention.attention(q, k, v, d ** -0.5, True, tiles=t), sets)
+                except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
+                    add(_row(label, f"failed: {type(e).__name__}", "", ""))
+                    continue
+                verdict = "" if err <= 1e-2 else " (not eligible)"
+                add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}{verdict}"))
+            for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
+                def sdpa(q, k, v):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                              is_causal=True, enable_gqa=True)
+                try:
+                    us = bench_us(sdpa, sets)
+                except RuntimeError:
+                    add(_row(label, "not available", "", ""))
+                    continue
+                err = rel_error(sdpa(q, k, v).transpose(1, 2), ref)
+                add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}"))
+            add("")
+    return lines
+
+
 ATTN_BWD_SHAPES = {  # name: (batch, seq, q heads, kv heads, head_dim); bf16, causal
     "qwen3 16/8x128": (4, 2048, 16, 8, 128),
     "qwen2.5-0.5b 14/2x64": (4, 2048, 14, 2, 64),
@@ -356,6 +422,7 @@ def main():
     ap.add_argument("--sweep-splitk", action="store_true")
     ap.add_argument("--sweep-attn-bwd", action="store_true")
     ap.add_argument("--sweep-prefill", action="store_true")
+    ap.add_argument("--sweep-attn-fwd", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -368,6 +435,12 @@ def main():
             f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
         with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:
             json.dump({f"{mc}x{n}x{k}": list(c) for (mc, n, k), c in best.items()}, f)
+        return
+    if args.sweep_attn_fwd:
+        print(header + ": --sweep-attn-fwd\n", flush=True)
+        lines = sweep_attn_fwd()
+        with open(os.path.join(args.out, "attn_fwd_sweep.md"), "w") as f:
+            f.write("\n".join([header + ": --sweep-attn-fwd", ""] + lines) + "\n")
         return
     if args.sweep_attn_bwd:
         print(header + ": --sweep-attn-bwd\n", flush=True)

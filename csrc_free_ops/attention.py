@@ -46,9 +46,11 @@ Launch order: heads vary fastest (grid axis 0) and, in causal attention, the blo
 most work start first (the first key blocks for dK/dV, the last query blocks for dQ), so the
 short programs fill the tail of the launch.
 
-Tiles: `BwdBlocks`, one `Tiles(block_m, block_n, num_warps, num_stages)` per kernel, chosen
-by `backward_blocks` from head_dim and dtype or passed as `attention_backward(..., blocks=)`;
-`python -m bench.ops --sweep-attn-bwd` times candidates per kernel against SDPA's backward.
+Tiles: the forward's `Tiles(block_m, block_n, num_warps, num_stages)` from `forward_tiles`
+(head_dim, query length, dtype) or `attention(..., tiles=)`; the backward's `BwdBlocks`, one
+`Tiles` per kernel, chosen by `backward_blocks` from head_dim and dtype or passed as
+`attention_backward(..., blocks=)`. `python -m bench.ops --sweep-attn-fwd` / `--sweep-attn-bwd`
+time candidates against SDPA.
 """
 from typing import NamedTuple
 
@@ -140,39 +142,47 @@ def _attention_kernel(
                  o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
 
 
-def _blocks(d: int, sq: int, itemsize: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim; BLOCK_M shrunk for short queries
-    and halved for fp32 (twice the bytes per tile) to fit shared memory."""
-    bm, bn, warps, stages = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}.get(d, (64, 32, 4, 2))
+FWD_TILES = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+"""head_dim -> the forward's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit operands; other
+head dims get (64, 32, 4, 2). `python -m bench.ops --sweep-attn-fwd` times alternatives."""
+
+
+def forward_tiles(d: int, sq: int, itemsize: int) -> "Tiles":
+    """The forward's tiles: FWD_TILES, BLOCK_M shrunk for short queries and halved for fp32 (twice
+    the bytes per tile) to fit shared memory."""
+    bm, bn, warps, stages = FWD_TILES.get(d, (64, 32, 4, 2))
     if itemsize == 4:
         bm, stages = bm // 2, 2
-    return min(bm, max(16, next_power_of_2(sq))), bn, warps, stages
+    return Tiles(min(bm, max(16, next_power_of_2(sq))), bn, warps, stages)
 
 
-def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True):
+def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True, tiles: "Tiles | None" = None):
     """-> (o [B, Sq, Hq, D] or None without write_o, lse [B, Hq, Sq] fp32 natural log).
-    write_o=False recomputes only the softmax statistics (the backward of plain attention)."""
+    write_o=False recomputes only the softmax statistics (the backward of plain attention).
+    `tiles` overrides `forward_tiles` (benchmarks, tests)."""
     bsz, sq, hq, d = q.shape
     o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device) if write_o else None
     lse = torch.empty((bsz, hq, sq), dtype=torch.float32, device=q.device)
     if bsz * sq * hq > 0:
-        _launch(q, k, v, o, lse, scale, causal)
+        _launch(q, k, v, o, lse, scale, causal, tiles)
     return o, lse
 
 
-def attention(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+def attention(q, k, v, scale: float, causal: bool, tiles: "Tiles | None" = None) -> torch.Tensor:
     bsz, sq, hq, d = q.shape
     o = torch.empty((bsz, sq, hq, d), dtype=q.dtype, device=q.device)
     if bsz * sq * hq > 0:
-        _launch(q, k, v, o, None, scale, causal)
+        _launch(q, k, v, o, None, scale, causal, tiles)
     return o
 
 
-def _launch(q, k, v, o, lse, scale, causal):
+def _launch(q, k, v, o, lse, scale, causal, tiles):
     bsz, sq, hq, d = q.shape
     hk = k.shape[2]
     ot = o if o is not None else q  # a placeholder pointer when o is not written
-    bm, bn, warps, stages = _blocks(d, sq, q.element_size())
+    if tiles is not None:
+        _check_tiles(tiles)
+    bm, bn, warps, stages = tiles or forward_tiles(d, sq, q.element_size())
     headroom = softmax_headroom(v.dtype)
     _attention_kernel[(cdiv(sq, bm), bsz * hq)](
         q, k, v, ot, lse if lse is not None else q,
@@ -188,8 +198,8 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 
 
 class Tiles(NamedTuple):
-    """One backward kernel's launch: steps of BLOCK_M queries x BLOCK_N keys (dK/dV owns a key
-    block and walks query blocks, dQ the reverse). The blocks need not divide each other."""
+    """One kernel's launch: steps of BLOCK_M queries x BLOCK_N keys (the forward and dQ own a
+    query block and walk key blocks, dK/dV the reverse). The blocks need not divide each other."""
     block_m: int
     block_n: int
     num_warps: int

@@ -37,6 +37,22 @@ def test_attention_matches_reference(device, dtype, causal):
                      what=f"attention b{b} sq{sq} sk{sk} hq{hq} hk{hk} d{d} causal={causal}")
 
 
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [(16, 32, 4, 1), (32, 16, 2, 2), (64, 64, 4, 1)], ids=str)
+def test_attention_forward_tiles(device, tiles):
+    """Any forward tile shape (query blocks wider or narrower than key blocks, neither dividing the
+    lengths) gives the reference's result, causal with a cached prefix (Sk > Sq) and not."""
+    from csrc_free_ops import attention as attention_kernels
+
+    b, sq, sk, hq, hk, d = (1, 37, 53, 4, 2, 32) if device == "cpu" else (2, 300, 421, 16, 8, 128)
+    q, k, v = _qkv(b, sq, sk, hq, hk, d, torch.bfloat16, device)
+    t = attention_kernels.Tiles(*tiles)
+    for causal in (True, False):
+        assert_close(attention_kernels.attention(q, k, v, d ** -0.5, causal, tiles=t),
+                     attention_reference(q, k, v, d ** -0.5, causal), what=f"tiles {tiles} causal={causal}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_strided_qkv_views(device):
     """q/k/v sliced out of one fused QKV activation, as the model passes them."""
