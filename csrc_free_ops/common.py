@@ -13,6 +13,8 @@ never from each other.
   finishes it in the same kernel (the fused decode GEMVs).
 - `cdiv`, `next_power_of_2`: host-side integer helpers (Triton's cost microseconds a call).
 - `fp32`: float arguments as fp32 whoever launches the kernel.
+- `kernel`, `is_traced`, `INTERPRET` (from `launch`): how kernels are launched, whether the
+  launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRET, kernel
+from .launch import INTERPRET, is_traced, kernel  # noqa: F401 (is_traced: for the families)
 
 
 TARGET_PROGRAMS = 264

@@ -36,9 +36,8 @@ import triton.language as tl
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, grouped_tile, kernel, mm,
-                     next_power_of_2)
-from .launch import INTERPRET, is_traced
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, grouped_tile, is_traced, kernel,
+                     mm, next_power_of_2)
 
 DECODE_MAX_M = 16
 
