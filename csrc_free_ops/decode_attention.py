@@ -9,6 +9,10 @@ Pass 1, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache slice
 rows, so each cached key is read once for the whole group) and writes the
 normalised partial output and its log-sum-exp (base 2, fp32).
 Pass 2, grid (B*Tq*Hq,): weights the splits by exp2(lse - max lse) and sums them.
+With `combine_in_kernel` there is no pass 2: each split program counts itself in on its
+(b, kv head)'s arrival counter (`common.arrive`), and the last to arrive combines that group's
+rows the same way, summing the splits in order (one launch instead of two; the counters must
+exist before a CUDA graph capture, `common.reserve`).
 
 The split count depends only on (B, Hk, L), never on cache_seqlens (which live on
 the device), so one CUDA graph serves every length; splits past the sequence end
@@ -20,19 +24,20 @@ With PDL (`common.pdl_options`) both passes wait for their predecessor before re
 and the combine lets the next kernel (the o_proj GEMV) launch at once.
 """
 import torch
+import triton
 import triton.language as tl
 
-from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
-                    pdl_options, pdl_wait, softmax_headroom)
+from .common import (LOG2E, TARGET_PROGRAMS, arrive, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
+                    pdl_options, pdl_wait, semaphores, softmax_headroom)
 
 
 @kernel
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
+    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr, o_ptr, sem_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    COMBINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     qk_scale = fp32(qk_scale)
     pid_bh = tl.program_id(0)
@@ -78,9 +83,40 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    part_row = ((b * TQ + t) * HQ + h) * NUM_SPLITS + split
+    out_row = (b * TQ + t) * HQ + h  # o is contiguous [B, TQ, HQ, D]
+    part_row = out_row * NUM_SPLITS + split
     tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
     tl.store(plse_ptr + part_row, lse, mask=row_ok)
+    if COMBINE:
+        if arrive(sem_ptr, pid_bh) == NUM_SPLITS - 1:  # the last split of this (b, kv head): combine
+            tl.atomic_xchg(sem_ptr + pid_bh, 0)  # ready for the next launch
+            _combine_rows(po_ptr, plse_ptr, o_ptr, out_row, row_ok, NUM_SPLITS, D, BLOCK_M)
+
+
+@triton.jit
+def _combine_rows(po_ptr, plse_ptr, o_ptr, out_row, row_ok, NUM_SPLITS, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """o[row] = sum over splits s (in order) of w_s part[row, s], w = softmax weights exp2(lse - max)
+    normalised first (|o| <= max |part|, no overflow); a row whose splits all saw no key gets 0.
+    Read through L2 (`.cg`), where the other programs' stores are."""
+    offs_d = tl.arange(0, D)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(plse_ptr + out_row * NUM_SPLITS + s, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w_sum += tl.exp2(tl.load(plse_ptr + out_row * NUM_SPLITS + s, mask=row_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m)
+    w_sum = tl.maximum(w_sum, 1e-30)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(plse_ptr + out_row * NUM_SPLITS + s, mask=row_ok, other=float("-inf"),
+                            cache_modifier=".cg") - m) / w_sum
+        part = tl.load(po_ptr + (out_row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :], mask=row_ok[:, None],
+                       other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+    tl.store(o_ptr + out_row[:, None] * D + offs_d[None, :], acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @kernel
@@ -108,7 +144,9 @@ def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
     return cdiv(cache_len, split_len), split_len
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float, combine_in_kernel: bool = False) -> torch.Tensor:
+    """See the module doc; `combine_in_kernel`: one launch, the last split program of each (b, kv
+    head) combining (arrival counters), instead of a second combine kernel."""
     bsz, tq, hq, d = q.shape
     cache_len, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
@@ -123,15 +161,17 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     headroom = softmax_headroom(v_cache.dtype)
     pdl = pdl_options(q)
     _decode_split_kernel[(bsz * hk, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
+        q, k_cache, v_cache, cache_seqlens, part_out, part_lse, o,
+        semaphores(q.device) if combine_in_kernel else cache_seqlens,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2, **pdl,
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, COMBINE=combine_in_kernel, num_warps=4, num_stages=2, **pdl,
     )
-    _decode_combine_kernel[(bsz * tq * hq,)](
-        part_out, part_lse, o, num_splits, D=d, BLOCK_S=next_power_of_2(num_splits),
-        num_warps=4, **pdl,
-    )
+    if not combine_in_kernel:
+        _decode_combine_kernel[(bsz * tq * hq,)](
+            part_out, part_lse, o, num_splits, D=d, BLOCK_S=next_power_of_2(num_splits),
+            num_warps=4, **pdl,
+        )
     return o
