@@ -65,6 +65,14 @@ def bench_us(fn_per_set, arg_sets):
     return do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(arg_sets)
 
 
+class Report(list):
+    """The lines of a sweep's table, each printed as it is added (sweeps run for minutes)."""
+
+    def add(self, *new):
+        self.extend(new)
+        print(*new, sep="\n", flush=True)
+
+
 def copies(make, nbytes_each):
     """Enough fresh argument sets that together they are 4x the L2."""
     return [make() for _ in range(max(1, min(64, (4 * L2_BYTES) // max(1, nbytes_each) + 1)))]
@@ -191,13 +199,9 @@ PREFILL_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of the T
 def sweep_prefill(cfgs):
     """Time each prefill GEMM through the TMA kernel at every tile config and split; return the
     table lines (printed as they come) and the fastest eligible config per (M class, N, K)."""
-    lines, best = [], {}
+    lines, best = Report(), {}
 
-    def add(*new):
-        lines.extend(new)
-        print(*new, sep="\n", flush=True)
-
-    add("| M | N | K | cuBLAS (us) | strided GEMM (us) | TMA best (us) | best config | vs cuBLAS | runner-up |",
+    lines.add("| M | N | K | cuBLAS (us) | strided GEMM (us) | TMA best (us) | best config | vs cuBLAS | runner-up |",
         "|---|---|---|---|---|---|---|---|---|")
     shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
     for n, k in shapes:
@@ -225,18 +229,18 @@ def sweep_prefill(cfgs):
                         continue
                     results.append((us, cfg))
             if not results:
-                add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | no eligible config | | | |")
+                lines.add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | no eligible config | | | |")
                 continue
             results.sort()
             (us, cfg), runner = results[0], results[1] if len(results) > 1 else (float("nan"), None)
             best[(256 if m < 1024 else 2048, n, k)] = cfg
-            add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | {us:.1f} | {tuple(cfg)} | {peer / us:.2f}x "
+            lines.add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | {us:.1f} | {tuple(cfg)} | {peer / us:.2f}x "
                 f"| {runner[0]:.1f} {tuple(runner[1]) if runner[1] else ''} |")
             if failed:
                 print("   not eligible:", "; ".join(failed), flush=True)
-    add("", "PREFILL_CONFIGS = {")
-    add(*[f"    ({mc}, {n}, {k}): PrefillConfig{tuple(c)}," for (mc, n, k), c in sorted(best.items())])
-    add("}", "")
+    lines.add("", "PREFILL_CONFIGS = {")
+    lines.add(*[f"    ({mc}, {n}, {k}): PrefillConfig{tuple(c)}," for (mc, n, k), c in sorted(best.items())])
+    lines.add("}", "")
     return lines, best
 
 
@@ -257,11 +261,7 @@ ATTN_FWD_TILES = {  # head_dim -> candidate Tiles(block_m, block_n, num_warps, n
 def sweep_attn_fwd():
     """Time the attention forward at each candidate tile config; return the table lines (printed as
     they come)."""
-    lines = []
-
-    def add(*new):
-        lines.extend(new)
-        print(*new, sep="\n", flush=True)
+    lines = Report()
 
     for name, (hq, hk, d) in ATTN_FWD_SHAPES.items():
         for s in (256, 2048):
@@ -270,7 +270,7 @@ def sweep_attn_fwd():
             ref = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True,
                                                  enable_gqa=True).transpose(1, 2)
             flops = 2 * hq * s * s * d  # two causal matmuls: 2 * (2 * Hq * S^2 / 2 * D)
-            add(f"## attention forward: {name}, S={s}, bf16 causal", "",
+            lines.add(f"## attention forward: {name}, S={s}, bf16 causal", "",
                 "| tiles (m, n, warps, stages) | us | TFLOPS | rel err |", "|---|---|---|---|")
             default = attention.forward_tiles(d, s, 2)
             for t in dict.fromkeys([default] + ATTN_FWD_TILES[d]):
@@ -279,10 +279,10 @@ def sweep_attn_fwd():
                     err = rel_error(attention.attention(q, k, v, d ** -0.5, True, tiles=t), ref)
                     us = bench_us(lambda q, k, v: attention.attention(q, k, v, d ** -0.5, True, tiles=t), sets)
                 except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
-                    add(_row(label, f"failed: {type(e).__name__}", "", ""))
+                    lines.add(_row(label, f"failed: {type(e).__name__}", "", ""))
                     continue
                 verdict = "" if err <= 1e-2 else " (not eligible)"
-                add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}{verdict}"))
+                lines.add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}{verdict}"))
             for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
                 def sdpa(q, k, v):
                     with sdpa_kernel(backend):
@@ -291,11 +291,11 @@ def sweep_attn_fwd():
                 try:
                     us = bench_us(sdpa, sets)
                 except RuntimeError:
-                    add(_row(label, "not available", "", ""))
+                    lines.add(_row(label, "not available", "", ""))
                     continue
                 err = rel_error(sdpa(q, k, v).transpose(1, 2), ref)
-                add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}"))
-            add("")
+                lines.add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}"))
+            lines.add("")
     return lines
 
 
@@ -352,11 +352,7 @@ def _sdpa_backward(backend, q, k, v, do, scale):
 def sweep_attn_bwd():
     """Time every candidate tile config of the two attention-backward kernels; return the table
     lines (also printed as they come) and the fastest BwdBlocks per shape."""
-    lines, best_blocks = [], {}
-
-    def add(*new):
-        lines.extend(new)
-        print(*new, sep="\n", flush=True)
+    lines, best_blocks = Report(), {}
 
     for name, (b, s, hq, hk, d) in ATTN_BWD_SHAPES.items():
         q, k, v, do = rnd(b, s, hq, d), rnd(b, s, hk, d), rnd(b, s, hk, d), rnd(b, s, hq, d)
@@ -371,7 +367,7 @@ def sweep_attn_bwd():
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         mm_flops = b * hq * s * s * d  # one causal matmul: 2 * B * Hq * (S^2 / 2) * D
         default = attention.backward_blocks(d, 2)
-        add(f"## attention backward tiles: {name}, B={b} S={s} bf16 causal", "",
+        lines.add(f"## attention backward tiles: {name}, B={b} S={s} bf16 causal", "",
             "| kernel | tiles (m, n, warps, stages) | regs | spill B | smem KB | ms | TFLOPS | rel err |",
             "|---|---|---|---|---|---|---|---|")
         best = {}
@@ -388,14 +384,14 @@ def sweep_attn_bwd():
                     ms = triton.testing.do_bench(lambda: run(do, q, k, v, lse, delta, *outs, scale, True, t),
                                                  return_mode="median")
                 except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
-                    add(_row(*label, "", "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", "", ""))
+                    lines.add(_row(*label, "", "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", "", ""))
                     continue
                 err = " / ".join(f"d{'qkv'[i]} {rel_error(got[i], ref[i]):.1e}" for i in grads)
                 tflops = n_mm * mm_flops / (ms * 1e9)
-                add(_row(*label, getattr(handle, "n_regs", "?"), getattr(handle, "n_spills", "?"),
+                lines.add(_row(*label, getattr(handle, "n_regs", "?"), getattr(handle, "n_spills", "?"),
                          f"{handle.metadata.shared / 1024:.0f}", f"{ms:.3f}", f"{tflops:.0f}", err))
                 best[kernel] = min(best.get(kernel, (ms, t)), (ms, t))
-        add("", "| backward (preprocess + dK/dV + dQ) | ms | TFLOPS (5 matmuls) | rel err dq / dk / dv |",
+        lines.add("", "| backward (preprocess + dK/dV + dQ) | ms | TFLOPS (5 matmuls) | rel err dq / dk / dv |",
             "|---|---|---|---|")
         fastest = BwdBlocks(best["dkdv"][1], best["dq"][1]) if len(best) == 2 else None
         best_blocks[name] = fastest
@@ -406,17 +402,17 @@ def sweep_attn_bwd():
             def ours():
                 return attention.attention_backward(do, q, k, v, o, lse, scale, True, blocks=blocks)
             ms = triton.testing.do_bench(ours, return_mode="median")
-            add(_row(label, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
+            lines.add(_row(label, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
                      " / ".join(f"{rel_error(g, r):.1e}" for g, r in zip(ours(), ref))))
         for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
             res = _sdpa_backward(backend, q, k, v, do, scale)
             if res is None:
-                add(_row(label, "not available", "", ""))
+                lines.add(_row(label, "not available", "", ""))
                 continue
             ms, g, note = res
-            add(_row(label + note, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
+            lines.add(_row(label + note, f"{ms:.3f}", f"{5 * mm_flops / (ms * 1e9):.0f}",
                      " / ".join(f"{rel_error(x, r):.1e}" for x, r in zip(g, ref))))
-        add("")
+        lines.add("")
     return lines, best_blocks
 
 

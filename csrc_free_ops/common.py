@@ -15,6 +15,7 @@ never from each other.
 - `fp32`: float arguments as fp32 whoever launches the kernel.
 - `kernel`, `is_traced`, `INTERPRET` (from `launch`): how kernels are launched, whether the
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
+- `cuda_properties`: a device's properties, cached.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
@@ -69,8 +70,19 @@ def fp32(x):
     return tl.cast(x, tl.float32)
 
 
+_cuda_properties: dict = {}
+
+
+def cuda_properties(device: torch.device):
+    """`torch.cuda.get_device_properties` of a CUDA device (the current one for "cuda"), cached:
+    launchers ask on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_properties:
+        _cuda_properties[index] = torch.cuda.get_device_properties(index)
+    return _cuda_properties[index]
+
+
 _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
-_pdl_devices: dict = {}
 
 
 def use_pdl(t: torch.Tensor) -> bool:
@@ -79,12 +91,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     `launch_pdl=True`, may start while the previous kernel in the stream finishes, and calls
     `gdc_wait` before it reads or writes anything but its weights (see `pdl_wait`). Never under
     the interpreter, which has no griddepcontrol instruction."""
-    if _PDL_OFF or not t.is_cuda:
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _pdl_devices:
-        _pdl_devices[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _pdl_devices[index]
+    return not _PDL_OFF and t.is_cuda and cuda_properties(t.device).major >= 9
 
 
 def pdl_options(t: torch.Tensor) -> dict:

@@ -36,8 +36,8 @@ import triton.language as tl
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, dot, flat_rows, grouped_tile, is_traced, kernel,
-                     mm, next_power_of_2)
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, flat_rows, grouped_tile,
+                     is_traced, kernel, mm, next_power_of_2)
 
 DECODE_MAX_M = 16
 
@@ -127,6 +127,15 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
+    """y2 [M, N] = sum over s of part[s] (fp32 [S, M, N], in slice order) (+ bias), in y2's dtype."""
+    split, m, n = part.shape
+    _splitk_reduce_kernel[(m, cdiv(n, 1024))](
+        part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
+    )
+
+
 class PrefillConfig(NamedTuple):
     block_m: int
     block_n: int
@@ -180,15 +189,27 @@ def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
     return cfg._replace(split_k=min(4, k // 1024)) if tiles < TARGET_PROGRAMS // 4 and k >= 2048 else cfg
 
 
+TMA_SHARED_MEMORY = 200 * 1024
+"""Shared memory per block (opt-in) a GPU needs for the TMA GEMM's configs (up to ~208 KB)."""
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether the TMA GEMM runs on this device: the interpreter, or a Hopper-class GPU (compute
+    capability 9+ with the ~227 KB of shared memory per block the configs need; not consumer
+    Blackwell's ~99 KB, and not ROCm builds, whose properties lack the field)."""
+    if INTERPRET:
+        return True
+    if device.type != "cuda":
+        return False
+    props = cuda_properties(device)
+    return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= TMA_SHARED_MEMORY
+
+
 def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:
     """Whether `tma_matmul` can take this GEMM: 16-bit operands; rows contiguous, apart (row
     stride >= row length: no broadcast or overlapping rows), with 16-byte aligned starts and
-    strides (what a TMA descriptor can describe); on a Hopper-class GPU (compute capability 9+
-    with the ~227 KB of shared memory per block the configs need; not consumer Blackwell's
-    ~99 KB) or the interpreter."""
-    if x2.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x2.dtype:
-        return False
-    if not (INTERPRET or (x2.is_cuda and _device_props(x2.device)[1])):
+    strides (what a TMA descriptor can describe); on a device `tma_supported` accepts."""
+    if x2.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x2.dtype or not tma_supported(x2.device):
         return False
     for t in (x2, weight, y2):
         if t.stride(-1) != 1 or t.stride(0) < t.shape[1] or (t.stride(0) * t.element_size()) % 16:
@@ -199,21 +220,6 @@ def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:
         if start % 16:
             return False
     return True
-
-
-_devices: dict = {}
-TMA_SHARED_MEMORY = 200 * 1024
-"""Shared memory per block (opt-in) a GPU needs for the TMA GEMM's configs (up to ~208 KB)."""
-
-
-def _device_props(device: torch.device) -> tuple[int, bool]:
-    """(SMs, whether the TMA GEMM runs there) of a CUDA device, cached."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _devices:
-        props = torch.cuda.get_device_properties(index)
-        smem = getattr(props, "shared_memory_per_block_optin", 0)  # absent on ROCm builds: no TMA there
-        _devices[index] = props.multi_processor_count, props.major >= 9 and smem >= TMA_SHARED_MEMORY
-    return _devices[index]
 
 
 @kernel
@@ -276,7 +282,7 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
     has_bias = bias is not None
     out = y2 if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     work = cdiv(m, bm) * cdiv(n, bn) * split
-    programs = min(work, _device_props(x2.device)[0] if x2.is_cuda else 4)
+    programs = min(work, cuda_properties(x2.device).multi_processor_count if x2.is_cuda else 4)
     on_device = is_traced()
     if on_device:
         x, w, y = x2, weight, out
@@ -293,10 +299,7 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        _splitk_reduce_kernel[(m, cdiv(n, 1024))](
-            out, bias if has_bias else out, y2, n, out.stride(0), out.stride(1), y2.stride(0),
-            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=1024, num_warps=4,
-        )
+        _reduce_slices(out, bias, y2)
 
 
 def prefill_blocks(m: int, n: int, itemsize: int):
@@ -327,11 +330,7 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if x2.element_size() == 2 else 2,
     )
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(m, cdiv(n, block))](
-            out, bias if has_bias else out, y2, n, out.stride(0), out.stride(1), y2.stride(0),
-            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-        )
+        _reduce_slices(out, bias, y2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | PrefillConfig | None = None,

@@ -115,8 +115,8 @@ def test_tma_gemm_cached_and_traced():
     """The prefill GEMM takes host TMA descriptors: cached launches (tensor maps of new tensors
     each time) give cuBLAS's result; torch.compile traces the op into `_tma_gemm_kernel` in its
     pointer form, with Inductor's launch equal to eager."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs Hopper")
+    if not linear.tma_supported(torch.device("cuda")):
+        pytest.skip("this GPU cannot run the TMA GEMM (see linear.tma_supported)")
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
