@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
 import qwen_ops
-from csrc_free_ops import attention, common, decode_attention, linear
+from csrc_free_ops import attention, common, linear
 from csrc_free_ops.attention import BwdBlocks, Tiles
 
 SHAPES = {
@@ -152,10 +152,6 @@ def bench_decode_attention(rows, cfg, cache_len, batch=1):
     peer = bench_us(lambda q, kc, vc, lens, kt, vt: F.scaled_dot_product_attention(
         q.transpose(1, 2), kt, vt, enable_gqa=True), sets)
     rows.append(("decode_attention", f"B={batch} L={cache_len} {hq}/{hk}x{d}", ours, "SDPA [B,H,L,D]", peer, cache_bytes))
-    one = bench_us(lambda q, kc, vc, lens, kt, vt: decode_attention.decode_attention(q, kc, vc, lens, d ** -0.5,
-                                                                                   combine_in_kernel=True), sets)
-    rows.append(("decode_attention, combine in kernel", f"B={batch} L={cache_len} {hq}/{hk}x{d}", one,
-                 "two launches", ours, cache_bytes))
 
     def store_set():
         kc, vc = rnd(batch, cache_len, hk, d), rnd(batch, cache_len, hk, d)
@@ -254,7 +250,8 @@ ATTN_FWD_TILES = {  # head_dim -> candidate Tiles(block_m, block_n, num_warps, n
          Tiles(128, 32, 4, 3)],
     128: [Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 3), Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 2),
           Tiles(64, 128, 4, 3), Tiles(128, 32, 4, 4)],
-    256: [Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2)],
+    256: [Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 8, 2), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2),
+          Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 4), Tiles(32, 64, 4, 3), Tiles(64, 16, 4, 3)],
 }
 
 

@@ -7,7 +7,7 @@ q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (any strides, last dim contiguous) -> o [B,
 With `causal`, query i sits at position Sk - Sq + i and sees keys 0..Sk-Sq+i, so
 Sk > Sq attends over a cached prefix (chunked prefill / prompt continuation).
 Online softmax in fp32 (base 2): the score matrix never leaves registers. GQA
-reads each kv head in place (no repeat in memory). Grid: (cdiv(Sq, BLOCK_M), B*Hq).
+reads each kv head in place (no repeat in memory). Grid: (B*Hq, cdiv(Sq, BLOCK_M)).
 The running maximum is kept on the raw scores q.k and the scale applied after the subtraction,
 p = exp2((q.k - max) * scale * log2e) (scale > 0), so the row maximum gives exactly exp2(0):
 scaling first lets the compiler fuse the scaling into the subtraction (one FMA, whose unrounded
@@ -42,9 +42,9 @@ block a program owns holds a sequence end, all of its steps are masked. dK/dV wa
 flat loops over (head, query block), the masked steps of every head and then the unmasked
 ones (a loop over heads around the block loops makes ptxas spill).
 
-Launch order: heads vary fastest (grid axis 0) and, in causal attention, the blocks with the
-most work start first (the first key blocks for dK/dV, the last query blocks for dQ), so the
-short programs fill the tail of the launch.
+Launch order, forward and backward: heads vary fastest (grid axis 0) and, in causal attention,
+the blocks with the most work start first (the last query blocks for the forward and dQ, the
+first key blocks for dK/dV), so the short programs fill the tail of the launch.
 
 Tiles: the forward's `Tiles(block_m, block_n, num_warps, num_stages)` from `forward_tiles`
 (head_dim, query length, dtype) or `attention(..., tiles=)`; the backward's `BwdBlocks`, one
@@ -102,9 +102,9 @@ def _attention_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
 ):
     qk_scale = fp32(qk_scale)
-    # Causal: the last query blocks have the most keys, so they start first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Heads vary fastest; in causal attention the last query blocks (the most keys) start first.
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1) if CAUSAL else tl.program_id(1)
+    pid_bh = tl.program_id(0)
     b = (pid_bh // HQ).to(tl.int64)
     h = pid_bh % HQ
     hk = h // GROUP
@@ -142,9 +142,10 @@ def _attention_kernel(
                  o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
 
 
-FWD_TILES = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}
+FWD_TILES = {64: (64, 128, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3)}
 """head_dim -> the forward's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit operands; other
-head dims get (64, 32, 4, 2). `python -m bench.ops --sweep-attn-fwd` times alternatives."""
+head dims get (64, 32, 4, 2). From `python -m bench.ops --sweep-attn-fwd` (H200, causal, 256 and
+2048 tokens: bench/results/2026-11-30-h200-attn-fwd-sweep.md)."""
 
 
 def forward_tiles(d: int, sq: int, itemsize: int) -> "Tiles":
@@ -184,7 +185,7 @@ def _launch(q, k, v, o, lse, scale, causal, tiles):
         _check_tiles(tiles)
     bm, bn, warps, stages = tiles or forward_tiles(d, sq, q.element_size())
     headroom = softmax_headroom(v.dtype)
-    _attention_kernel[(cdiv(sq, bm), bsz * hq)](
+    _attention_kernel[(bsz * hq, cdiv(sq, bm))](
         q, k, v, ot, lse if lse is not None else q,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), ot.stride(0), ot.stride(1), ot.stride(2),

@@ -201,6 +201,8 @@ def flat_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
     """t [..., *last `keep` dims] -> [R, *last dims] (a view where the strides allow). Unlike
     reshape(-1, ...), it works when the kept dims hold no elements (N = 0 or no heads), where
     the -1 would be ambiguous."""
+    if t.dim() == keep + 1:  # already [R, *last dims]: the common case, kept cheap (host time per call)
+        return t
     return t.reshape(t.shape[:t.dim() - keep].numel(), *t.shape[t.dim() - keep:])
 
 

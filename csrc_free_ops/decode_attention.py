@@ -9,10 +9,6 @@ Pass 1, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache slice
 rows, so each cached key is read once for the whole group) and writes the
 normalised partial output and its log-sum-exp (base 2, fp32).
 Pass 2, grid (B*Tq*Hq,): weights the splits by exp2(lse - max lse) and sums them.
-With `combine_in_kernel` there is no pass 2: each split program counts itself in on its
-(b, kv head)'s arrival counter (`common.arrive`), and the last to arrive combines that group's
-rows with the combine kernel's code (one launch instead of two, the same result bit for bit; the
-counters must exist before a CUDA graph capture, `common.reserve`).
 
 The split count depends only on (B, Hk, L), never on cache_seqlens (which live on
 the device), so one CUDA graph serves every length; splits past the sequence end
@@ -24,20 +20,19 @@ With PDL (`common.pdl_options`) both passes wait for their predecessor before re
 and the combine lets the next kernel (the o_proj GEMV) launch at once.
 """
 import torch
-import triton
 import triton.language as tl
 
-from .common import (LOG2E, TARGET_PROGRAMS, arrive, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
-                    pdl_options, pdl_wait, semaphores, softmax_headroom)
+from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
+                    pdl_options, pdl_wait, softmax_headroom)
 
 
 @kernel
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr, o_ptr, sem_ptr,
+    q_ptr, kc_ptr, vc_ptr, seqlens_ptr, po_ptr, plse_ptr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     TQ, HQ, HK, GROUP, CACHE_LEN, SPLIT_LEN, NUM_SPLITS, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
-    COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     qk_scale = fp32(qk_scale)
     pid_bh = tl.program_id(0)
@@ -86,29 +81,6 @@ def _decode_split_kernel(
     part_row = ((b * TQ + t) * HQ + h) * NUM_SPLITS + split
     tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
     tl.store(plse_ptr + part_row, lse, mask=row_ok)
-    if COMBINE:
-        if arrive(sem_ptr, pid_bh) == NUM_SPLITS - 1:  # the last split of this (b, kv head): combine
-            tl.atomic_xchg(sem_ptr + pid_bh, 0)  # ready for the next launch
-            for r in range(TQ * GROUP):  # the group's rows, as the combine kernel does them
-                _combine_row(po_ptr, plse_ptr, o_ptr, (b * TQ + r // GROUP) * HQ + hk * GROUP + r % GROUP,
-                             NUM_SPLITS, D, BLOCK_S)
-
-
-@triton.jit
-def _combine_row(po_ptr, plse_ptr, o_ptr, row, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """o[row] = sum over splits s of w_s part[row, s], w = exp2(lse - max lse) normalised before the
-    sum (|o| <= max |part|, no overflow); a row whose splits all saw no key gets 0. Read through
-    L2 (`.cg`), where the split programs' stores are."""
-    s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
-                    mask=s[:, None] < NUM_SPLITS, other=0.0, cache_modifier=".cg")
-    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
-    out = tl.sum(parts * w[:, None], axis=0)
-    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 @kernel
@@ -117,7 +89,16 @@ def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr,
     row = tl.program_id(0).to(tl.int64)  # (b * TQ + t) * HQ + h: o is contiguous [B, TQ, HQ, D]
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)  # the next kernel (o_proj) may start its launch now
-    _combine_row(po_ptr, plse_ptr, o_ptr, row, NUM_SPLITS, D, BLOCK_S)
+    s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
+                    mask=s[:, None] < NUM_SPLITS, other=0.0)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, no overflow
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
@@ -127,9 +108,7 @@ def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
     return cdiv(cache_len, split_len), split_len
 
 
-def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float, combine_in_kernel: bool = False) -> torch.Tensor:
-    """See the module doc; `combine_in_kernel`: one launch, the last split program of each (b, kv
-    head) combining (arrival counters), instead of a second combine kernel."""
+def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.Tensor:
     bsz, tq, hq, d = q.shape
     cache_len, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
@@ -144,18 +123,15 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float, combine_i
     headroom = softmax_headroom(v_cache.dtype)
     pdl = pdl_options(q)
     _decode_split_kernel[(bsz * hk, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, part_out, part_lse, o,
-        semaphores(q.device) if combine_in_kernel else cache_seqlens,
+        q, k_cache, v_cache, cache_seqlens, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tq, hq, hk, group, cache_len, split_len, num_splits, scale * LOG2E,
         D=d, BLOCK_M=max(16, next_power_of_2(tq * group)), BLOCK_N=block_n,
-        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, COMBINE=combine_in_kernel,
-        BLOCK_S=next_power_of_2(num_splits) if combine_in_kernel else 1, num_warps=4, num_stages=2, **pdl,
+        HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=4, num_stages=2, **pdl,
     )
-    if not combine_in_kernel:
-        _decode_combine_kernel[(bsz * tq * hq,)](
-            part_out, part_lse, o, num_splits, D=d, BLOCK_S=next_power_of_2(num_splits),
-            num_warps=4, **pdl,
-        )
+    _decode_combine_kernel[(bsz * tq * hq,)](
+        part_out, part_lse, o, num_splits, D=d, BLOCK_S=next_power_of_2(num_splits),
+        num_warps=4, **pdl,
+    )
     return o

@@ -210,32 +210,6 @@ def test_decode_attention_split_boundaries(device, tq):
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_attention_combine_in_kernel(device, nan_empty):
-    """The one-launch form (the last split program of each (b, kv head) combines) equals the
-    two-kernel form and the reference: ragged and clamped lengths (a row with no key gives 0),
-    Tq > 1, several kv heads and batches sharing the arrival counters, launch after launch (the
-    counters are reset). Scratch starts as NaN, so a combine that reads a split before it is
-    written shows."""
-    from csrc_free_ops.common import semaphores
-    from csrc_free_ops.decode_attention import decode_attention as kernel
-
-    cases = [(5, 2, 4, 2, 16, 70), (2, 1, 8, 2, 32, 130)] if device == "cpu" else [(3, 1, 16, 8, 128, 4096),
-                                                                                   (5, 2, 4, 2, 16, 70)]
-    for b, tq, hq, hk, d, cache_len in cases:
-        q = randn(b, tq, hq, d, dtype=torch.float32, device=device)
-        k_cache, v_cache = (randn(b, cache_len, hk, d, dtype=torch.float32, device=device) for _ in range(2))
-        seqlens = torch.randint(tq, cache_len + 1, (b,), dtype=torch.int32, device=device)
-        seqlens[0], seqlens[-1] = 0, cache_len  # 0: no key for any row
-        for _ in range(2):
-            one = kernel(q, k_cache, v_cache, seqlens, 0.25, combine_in_kernel=True)
-            assert_close(one, kernel(q, k_cache, v_cache, seqlens, 0.25), what=f"one launch vs two, b{b} L{cache_len}")
-            assert_close(one, decode_attention_reference(q, k_cache, v_cache, seqlens, 0.25), what="vs reference")
-            assert not one[0].any(), "rows that see no key must be zero"
-        assert not semaphores(q.device)[: b * hk].any(), "arrival counters left set"
-
-
-@pytest.mark.launcher
-@pytest.mark.parametrize("device", DEVICES)
 def test_kv_cache_store_kernel_drops_positions_outside_the_cache(device):
     """The kernel (no host check on CUDA) never writes outside [0, L): the caches are views of a
     longer storage, and positions -1, L and L + 3 must leave every slot of it untouched."""
