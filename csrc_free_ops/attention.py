@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, softmax_headroom
+from .common import INTERPRET, LOG2E, cdiv, cuda_properties, dot, fp32, kernel, next_power_of_2, softmax_headroom
 LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 
 
@@ -142,19 +142,29 @@ def _attention_kernel(
                  o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
 
 
-FWD_TILES = {64: (64, 128, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3)}
+FWD_TILES = {64: (64, 128, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 3)}
 """head_dim -> the forward's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit operands; other
 head dims get (64, 32, 4, 2). From `python -m bench.ops --sweep-attn-fwd` (H200, causal, 256 and
 2048 tokens: bench/results/2026-11-30-h200-attn-fwd-sweep.md)."""
 
 
-def forward_tiles(d: int, sq: int, itemsize: int) -> "Tiles":
+def forward_tiles(d: int, sq: int, itemsize: int, shared_memory: "int | None" = None) -> "Tiles":
     """The forward's tiles: FWD_TILES, BLOCK_M shrunk for short queries and halved for fp32 (twice
-    the bytes per tile) to fit shared memory."""
+    the bytes per tile); with `shared_memory` (bytes per block), fewer stages and then narrower key
+    blocks until the q tile and `num_stages` k and v tiles fit (head_dim 256 needs 224 KB as
+    stored, which Hopper has and most other GPUs do not)."""
     bm, bn, warps, stages = FWD_TILES.get(d, (64, 32, 4, 2))
     if itemsize == 4:
         bm, stages = bm // 2, 2
-    return Tiles(min(bm, max(16, next_power_of_2(sq))), bn, warps, stages)
+    bm = min(bm, max(16, next_power_of_2(sq)))
+    if shared_memory is not None:
+        def footprint():
+            return (bm + 2 * stages * bn) * d * itemsize
+        while stages > 2 and footprint() > shared_memory:
+            stages -= 1
+        while bn > 16 and footprint() > shared_memory:
+            bn //= 2
+    return Tiles(bm, bn, warps, stages)
 
 
 def attention_with_lse(q, k, v, scale: float, causal: bool, write_o: bool = True, tiles: "Tiles | None" = None):
@@ -183,7 +193,8 @@ def _launch(q, k, v, o, lse, scale, causal, tiles):
     ot = o if o is not None else q  # a placeholder pointer when o is not written
     if tiles is not None:
         _check_tiles(tiles)
-    bm, bn, warps, stages = tiles or forward_tiles(d, sq, q.element_size())
+    bm, bn, warps, stages = tiles or forward_tiles(
+        d, sq, q.element_size(), cuda_properties(q.device).shared_memory_per_block_optin if q.is_cuda else None)
     headroom = softmax_headroom(v.dtype)
     _attention_kernel[(bsz * hq, cdiv(sq, bm))](
         q, k, v, ot, lse if lse is not None else q,

@@ -53,6 +53,24 @@ def test_attention_forward_tiles(device, tiles):
                      attention_reference(q, k, v, d ** -0.5, causal), what=f"tiles {tiles} causal={causal}")
 
 
+def test_attention_forward_tiles_fit_shared_memory():
+    """forward_tiles trades stages, then key-block width, for shared memory: the stored head_dim 256
+    tiles need 224 KB, which an H200 gives a block; an A100 (163 KB) and a consumer GPU (99 KB) get
+    tiles that fit (their footprint, q + stages * (k + v), within the limit)."""
+    from csrc_free_ops.attention import FWD_TILES, Tiles, forward_tiles
+
+    def footprint(t, d, itemsize=2):
+        return (t.block_m + 2 * t.num_stages * t.block_n) * d * itemsize
+
+    assert forward_tiles(256, 2048, 2, 232448) == Tiles(*FWD_TILES[256]) == forward_tiles(256, 2048, 2)
+    for limit in (166912, 101376):
+        for d in (64, 128, 256):
+            t = forward_tiles(d, 2048, 2, limit)
+            assert footprint(t, d) <= limit and t.num_stages >= 2 and t.block_n >= 16, (d, limit, t)
+    assert forward_tiles(256, 2048, 2, 166912) == Tiles(64, 64, 4, 2)
+    assert forward_tiles(256, 2048, 2, 101376) == Tiles(64, 32, 4, 2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_strided_qkv_views(device):
     """q/k/v sliced out of one fused QKV activation, as the model passes them."""
