@@ -135,7 +135,9 @@ def main():
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            raised = [ln for ln in lines if ln and not ln[0].isspace() and "Error" in ln.split(":")[0]]
+            tail = raised[-1:] or lines[-3:]  # the exception line, not CUDA's advice printed after it
             res = {"mode": mode, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-400:]}
         else:
             res = json.loads(line[len("RESULT "):])
