@@ -3,6 +3,9 @@ against autograd through the `*_reference` functions (CPU: fp32 under the interp
 cuda: bf16 and fp32 at realistic shapes), opcheck with requires_grad inputs, determinism, and a
 compiled (fullgraph) forward + backward."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -413,14 +416,8 @@ def _model_shape_case(name):
             [x.reshape(b * s, hidden), randn(vocab, hidden, **bf, scale=hidden ** -0.5)])
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "linear",
-                                  "linear_cross_entropy"])
-def test_compiled_backward_at_model_shapes(name):
-    """Each trainable op's forward + backward under torch.compile (Inductor launches the traced
-    kernels) at the shapes of a Qwen3-0.6B training step, against the same op eager: the compiled
-    graphs of the small tests above hold one vocabulary slice, one query block per head, and no
-    buffer Inductor pads. Run one per process: a fault leaves the CUDA context unusable."""
+def _compare_compiled_backward(name):
+    """Compiled vs eager gradients of sum(op(...) * probe) for one `_model_shape_case`."""
     fn, inputs = _model_shape_case(name)
     leaves = [_leaf(t) for t in inputs]
     out = fn(*leaves)
@@ -432,11 +429,25 @@ def test_compiled_backward_at_model_shapes(name):
         outs = outs if isinstance(outs, tuple) else (outs,)
         return sum((o.float() * p.float()).sum() for o, p in zip(outs, probes))
 
-    torch._dynamo.reset()
     eager = torch.autograd.grad(loss(*leaves), leaves)
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*leaves), leaves)
     for i, (a, e) in enumerate(zip(compiled, eager)):
         assert_close(a, e, 2e-2, what=f"{name} compiled grad {i}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "rope", "attention", "silu_mul", "linear",
+                                  "linear_cross_entropy"])
+def test_compiled_backward_at_model_shapes(name):
+    """Each trainable op's forward + backward under torch.compile (Inductor launches the traced
+    kernels) at the shapes of a Qwen3-0.6B training step, against the same op eager: the compiled
+    graphs of the small tests above hold one vocabulary slice, one query block per head, and no
+    buffer Inductor pads. In a subprocess: a device fault leaves a process's CUDA context unusable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", f"from tests.test_training_ops import _compare_compiled_backward as "
+                           f"c; c({name!r})"], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n" + "\n".join(proc.stderr.splitlines()[-25:])
 
 
 def test_backward_bad_input_raises():
