@@ -16,8 +16,9 @@
 #   -k EXPR  a pytest -k expression for the test subsets (racecheck's default: "not fp16 and not fp32")
 #
 # EACH=1 runs every test of a test subset in its own sanitized process, at most PER_TEST seconds
-# each (default 150): a test that crashes the process or runs long costs only itself. The
-# subset's row then counts passed / failed / skipped / crashed / timed-out tests, and
+# each (default 150), PARALLEL of them at once (default 1; racecheck leaves a GPU mostly idle,
+# so several at once finish more tests per call): a test that crashes the process or runs long
+# costs only itself. The subset's row then counts passed / failed / skipped / crashed / timed-out tests, and
 # $OUT/sanitize-TOOL-SUBSET-each.md lists every test with its errors and result.
 #
 # One call keeps within BUDGET seconds (default 540, under a 10-minute device call): each run gets
@@ -142,22 +143,32 @@ for s in $expanded; do
   each="$OUT/sanitize-$TOOL-$s-each.md"
   printf '| test | errors | result |\n|---|---|---|\n' > "$each"
   total=0; passed=0; failed=0; skipped=0; crashed=0; timed_out=0; not_run=0; t_subset=$SECONDS
+  rm -f "$each".row.*
   for i in "${!ids[@]}"; do
     id=${ids[$i]}
+    while [ "$(jobs -rp | wc -l)" -ge "${PARALLEL:-1}" ]; do wait -n; done
     left=$((BUDGET - (SECONDS - START)))
-    if [ "$left" -lt 30 ]; then not_run=$((not_run + 1)); echo "| $id | - | not run (budget) |" >> "$each"; continue; fi
-    sanitize "$OUT/sanitize-$TOOL-$s-$i" "$(( left - 10 < PER_TEST ? left - 10 : PER_TEST ))" \
-      python3 -m pytest -q -m cuda -p no:cacheprovider "$id"
-    [[ "$ERRORS" =~ ^[0-9]+$ ]] && total=$((total + ERRORS))
-    case "$RESULT" in
-      TIMEOUT*) timed_out=$((timed_out + 1));;
+    if [ "$left" -lt 30 ]; then echo "| $id | - | not run (budget) |" > "$each.row.$i"; continue; fi
+    (sanitize "$OUT/sanitize-$TOOL-$s-$i" "$(( left - 10 < PER_TEST ? left - 10 : PER_TEST ))" \
+       python3 -m pytest -q -m cuda -p no:cacheprovider "$id"
+     echo "| $id | $ERRORS | $RESULT |" > "$each.row.$i"
+     echo "   $id: $ERRORS errors, $RESULT") &
+  done
+  wait
+  for i in "${!ids[@]}"; do
+    row=$(cat "$each.row.$i"); rm -f "$each.row.$i"
+    echo "$row" >> "$each"
+    IFS='|' read -r _ _ errors result _ <<< "$row"
+    errors=${errors// /}
+    [[ "$errors" =~ ^[0-9]+$ ]] && total=$((total + errors))
+    case "$result" in
+      *"not run"*) not_run=$((not_run + 1));;
+      *TIMEOUT*) timed_out=$((timed_out + 1));;
       *failed*) failed=$((failed + 1));;
       *passed*) passed=$((passed + 1));;
       *skipped*) skipped=$((skipped + 1));;
       *) crashed=$((crashed + 1));;
     esac
-    echo "| $id | $ERRORS | $RESULT |" >> "$each"
-    echo "   $id: $ERRORS errors, $RESULT"
   done
   ROWS+=("| $s | $total | each test alone: $passed passed, $failed failed, $skipped skipped, $crashed crashed, $timed_out timed out, $not_run not run ($(basename "$each")) | $((SECONDS - t_subset))s, $caching |")
 done
