@@ -58,7 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, cdiv, cuda_properties, dot, fp32, kernel, next_power_of_2, softmax_headroom
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, shared_memory_per_block,
+                     softmax_headroom)
 LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 
 
@@ -194,7 +195,7 @@ def _launch(q, k, v, o, lse, scale, causal, tiles):
     if tiles is not None:
         _check_tiles(tiles)
     bm, bn, warps, stages = tiles or forward_tiles(
-        d, sq, q.element_size(), cuda_properties(q.device).shared_memory_per_block_optin if q.is_cuda else None)
+        d, sq, q.element_size(), shared_memory_per_block(q.device) if q.is_cuda else None)
     headroom = softmax_headroom(v.dtype)
     _attention_kernel[(bsz * hq, cdiv(sq, bm))](
         q, k, v, ot, lse if lse is not None else q,

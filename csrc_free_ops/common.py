@@ -15,7 +15,7 @@ never from each other.
 - `fp32`: float arguments as fp32 whoever launches the kernel.
 - `kernel`, `is_traced`, `INTERPRET` (from `launch`): how kernels are launched, whether the
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
-- `cuda_properties`: a device's properties, cached.
+- `cuda_properties`, `shared_memory_per_block`: a device's properties, cached.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 """
@@ -80,6 +80,13 @@ def cuda_properties(device: torch.device):
     if index not in _cuda_properties:
         _cuda_properties[index] = torch.cuda.get_device_properties(index)
     return _cuda_properties[index]
+
+
+def shared_memory_per_block(device: torch.device) -> "int | None":
+    """The shared memory one block may use on a CUDA device, in bytes: the opt-in maximum (227 KB
+    on Hopper), else the default per-block limit (ROCm builds lack the opt-in field), else None."""
+    props = cuda_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
 
 
 _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"

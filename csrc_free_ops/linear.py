@@ -37,7 +37,7 @@ from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, flat_rows, grouped_tile,
-                     is_traced, kernel, mm, next_power_of_2)
+                     is_traced, kernel, mm, next_power_of_2, shared_memory_per_block)
 
 DECODE_MAX_M = 16
 
@@ -201,8 +201,7 @@ def tma_supported(device: torch.device) -> bool:
         return True
     if device.type != "cuda":
         return False
-    props = cuda_properties(device)
-    return props.major >= 9 and getattr(props, "shared_memory_per_block_optin", 0) >= TMA_SHARED_MEMORY
+    return cuda_properties(device).major >= 9 and (shared_memory_per_block(device) or 0) >= TMA_SHARED_MEMORY
 
 
 def tma_ok(x2: torch.Tensor, weight: torch.Tensor, y2: torch.Tensor) -> bool:

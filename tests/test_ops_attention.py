@@ -71,6 +71,19 @@ def test_attention_forward_tiles_fit_shared_memory():
     assert forward_tiles(256, 2048, 2, 101376) == Tiles(64, 32, 4, 2)
 
 
+def test_shared_memory_per_block_reads_what_the_build_has(monkeypatch):
+    """The opt-in limit where the properties have it (CUDA), the default per-block limit where they
+    do not (ROCm builds), None where neither is known: launchers then keep their stored tiles."""
+    from types import SimpleNamespace
+
+    from csrc_free_ops import common
+
+    for props, expected in ((SimpleNamespace(shared_memory_per_block_optin=232448, shared_memory_per_block=49152), 232448),
+                            (SimpleNamespace(shared_memory_per_block=65536), 65536), (SimpleNamespace(), None)):
+        monkeypatch.setattr(common, "cuda_properties", lambda device, p=props: p)
+        assert common.shared_memory_per_block(torch.device("cuda")) == expected
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_strided_qkv_views(device):
     """q/k/v sliced out of one fused QKV activation, as the model passes them."""
