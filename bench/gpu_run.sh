@@ -7,5 +7,5 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 K=${1:-}; shift || true
-python3 -m pytest -q -m cuda tests ${K:+-k "$K"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+python3 -m bench.cuda_suite ${K:+-k "$K"} --out "$OUT" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
 [ "${SKIP_BENCH:-0}" = 1 ] || python3 -m bench.ops --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -120
