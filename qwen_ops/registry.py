@@ -27,8 +27,10 @@ Under torch.compile (`_trace_into_kernels`), what runs where:
   defined with `traceable=False` (the fused decode ops): the op stays one opaque node, run as in eager.
 
 Autograd (`register_autograd`): a Python kernel for the Autograd key, as torch.library's, but
-leaner. Outside `torch.inference_mode()` every call passes through it (a few microseconds even
-when nothing needs grad); inside, PyTorch skips the Autograd key altogether.
+leaner. Outside `torch.inference_mode()` every call passes through it; inside, PyTorch skips the
+Autograd key altogether. When nothing needs grad and the call's dispatch keys are those of plain
+CPU or CUDA tensors (`PLAIN_KEYSETS`), it calls the backend kernel directly instead of
+redispatching to it; any other key set (fake or functional tensors, modes, autocast) redispatches.
 
 `kernel_calls` counts the Triton launches per op, so tests can assert which path ran.
 """
@@ -46,6 +48,13 @@ _lib = torch.library.Library("qwen", "FRAGMENT")
 
 kernel_calls: Counter = Counter()
 """op name -> number of calls that took the Triton kernel (not the reference), this process."""
+
+_K = torch._C.DispatchKey
+PLAIN_KEYSETS = {"CPU": torch._C.DispatchKeySet(_K.CPU).add(_K.AutogradCPU),
+                 "CUDA": torch._C.DispatchKeySet(_K.CUDA).add(_K.AutogradCUDA)}
+"""The dispatch key sets an op's Autograd kernel sees for plain CPU / CUDA tensors: no mode, tensor
+subclass, functionalization, autocast or functorch transform in play."""
+_impls: dict = {}  # op name -> {"CPU": on_cpu, "CUDA": on_cuda}
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -97,6 +106,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
 
     _lib.impl(name, on_cpu, "CPU")
     _lib.impl(name, on_cuda, "CUDA")
+    _impls[name] = {"CPU": on_cpu, "CUDA": on_cuda}
     torch.library.register_fake(f"qwen::{name}", fake_impl, lib=_lib)
     op = getattr(torch.ops.qwen, name).default
     if traceable:
@@ -179,10 +189,15 @@ def register_autograd(op, backward: Callable, setup_context: Callable):
     function = type(f"{op._namespace}_{op._opname}_{op._overloadname}", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_without_keyset)})
 
+    direct = {PLAIN_KEYSETS[k].raw_repr(): impl for k, impl in _impls[op._opname].items()}
+
     def autograd_kernel(keyset, *args):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(keyset, *args, *defaults[len(args):])
+        impl = direct.get(keyset.raw_repr())
         with torch._C._AutoDispatchBelowAutograd():
+            if impl is not None:  # plain tensors: the backend kernel itself, no second trip through the dispatcher
+                return impl(*args)
             return op.redispatch(keyset & below_autograd, *args)
 
     _lib.impl(op._opname, autograd_kernel, "Autograd", with_keyset=True)

@@ -125,3 +125,43 @@ def test_register_autograd_refuses_mutating_ops():
 
     with pytest.raises(ValueError, match="mutates an input"):
         register_autograd(torch.ops.qwen.kv_cache_store.default, lambda ctx, *g: g, lambda ctx, i, o: None)
+
+
+_probe_libs: dict = {}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_kernel_skips_the_dispatcher_only_for_plain_tensors(device):
+    """Without grad, an op's Autograd kernel calls the backend kernel directly when the call's key
+    set is `registry.PLAIN_KEYSETS[device]`: a probe op records the key sets such a kernel sees, so
+    the constant must equal what a plain tensor carries on this device (else the direct path is
+    never taken), and a fake tensor's (which must redispatch) must differ."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qwen_ops.registry import PLAIN_KEYSETS
+
+    seen = []
+    name = f"qwen_keyset_probe_{device}"
+    if name not in _probe_libs:
+        lib = _probe_libs[name] = torch.library.Library(name, "FRAGMENT")
+        lib.define("f(Tensor x) -> Tensor")
+        lib.impl("f", lambda x: x.clone(), "CompositeExplicitAutograd")
+        lib.impl("f", lambda keyset, x: seen.append(keyset.raw_repr()) or x.clone(), "Autograd", with_keyset=True)
+        _probe_libs[name + "_seen"] = seen
+    seen = _probe_libs[name + "_seen"]
+    seen.clear()
+    probe = getattr(torch.ops, name).f
+    x = torch.randn(3, device=device)
+    probe(x)
+    with torch.no_grad():
+        probe(x)
+    with FakeTensorMode() as mode:
+        probe(mode.from_tensor(x))
+    plain = PLAIN_KEYSETS[device.upper()].raw_repr()
+    assert seen[:2] == [plain, plain], "a plain tensor's key set is not registry.PLAIN_KEYSETS: no direct path"
+    assert seen[2] != plain, "a fake tensor would skip its mode"
+    w = torch.randn(3, device=device)
+    with torch.no_grad():
+        direct = torch.ops.qwen.rms_norm(x[None], w, 1e-6)
+    with torch.inference_mode():
+        assert torch.equal(direct, torch.ops.qwen.rms_norm(x[None], w, 1e-6))
