@@ -33,6 +33,9 @@ class Mutation(NamedTuple):
 MUTATIONS = [
     Mutation("every op takes its reference", "qwen_ops/registry.py",
              "if INTERPRET and args[dispatch_arg].dtype in KERNEL_DTYPES:", "if False:", ("tests/test_ops_norm.py",)),
+    Mutation("the direct Autograd path ignores the key set (fake tensors skip their mode)", "qwen_ops/registry.py",
+             "impl = direct.get(keyset.raw_repr())", 'impl = direct.get(PLAIN_KEYSETS["CPU"].raw_repr())',
+             ("tests/test_ops_contract.py",)),
     Mutation("cached launches ignore pointer alignment", "csrc_free_ops/launch.py",
              "return a.dtype, a.data_ptr() & 15 == 0", "return a.dtype, True", ("tests/test_launch.py",)),
     Mutation("cached launches ignore the int == 1 specialization", "csrc_free_ops/launch.py",
