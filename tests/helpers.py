@@ -42,6 +42,15 @@ def hf_greedy(hf_model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return out[:, ids.shape[1]:]
 
 
+def require_tma(device: str):
+    """Skip where the TMA prefill GEMM cannot run: GPUs without Hopper-class shared memory
+    (`linear.tma_supported`), whose GEMMs take the strided kernel the other linear tests cover."""
+    from csrc_free_ops.linear import tma_supported
+
+    if not tma_supported(torch.device(device)):
+        pytest.skip("this GPU cannot run the TMA GEMM (see linear.tma_supported)")
+
+
 def poison_allocator(device: str):
     """Fill recently freed CUDA memory with NaN so an output element a kernel forgets to write shows up."""
     if device == "cuda":

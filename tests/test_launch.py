@@ -7,6 +7,7 @@ import triton
 import qwen_ops
 from csrc_free_ops import linear, norm
 from csrc_free_ops.launch import _arg_key, _through_triton
+from tests.helpers import require_tma
 
 
 def test_arg_key_separates_what_triton_specializes_on():
@@ -115,8 +116,7 @@ def test_tma_gemm_cached_and_traced():
     """The prefill GEMM takes host TMA descriptors: cached launches (tensor maps of new tensors
     each time) give cuBLAS's result; torch.compile traces the op into `_tma_gemm_kernel` in its
     pointer form, with Inductor's launch equal to eager."""
-    if not linear.tma_supported(torch.device("cuda")):
-        pytest.skip("this GPU cannot run the TMA GEMM (see linear.tma_supported)")
+    require_tma("cuda")
     from torch._dynamo.backends.common import aot_autograd
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 

@@ -6,7 +6,7 @@ from triton.runtime import _allocation
 import qwen_ops  # noqa: F401
 from csrc_free_ops import linear as linear_kernels
 from qwen_ops import linear_reference
-from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn, require_tma
 
 # (M, K, N): decode (split-K) rows first, then prefill tiles; awkward K and N on purpose.
 CASES = {
@@ -61,8 +61,7 @@ def test_prefill_tma_edge_tiles_and_splits(device, split_k):
     w = randn(n, k, dtype=torch.bfloat16, device=device, scale=k ** -0.5)
     b = randn(n, dtype=torch.bfloat16, device=device)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
-    if not linear_kernels.tma_supported(torch.device(device)):
-        pytest.skip("this GPU cannot run the TMA GEMM (see linear.tma_supported)")
+    require_tma(device)
     assert linear_kernels.tma_ok(x, w, y)
     tile = 16 if device == "cpu" else 64
     cfg = linear_kernels.PrefillConfig(tile, tile, tile, 4, 1 if device == "cpu" else 3, split_k)
@@ -87,8 +86,7 @@ def test_prefill_unaligned_rows_take_the_tiled_gemm(device):
 def test_prefill_tma_device_descriptors(device, split_k, monkeypatch):
     """The descriptor form torch.compile traces (pointers in, descriptors made per program) gives
     the host-descriptor result."""
-    if not linear_kernels.tma_supported(torch.device(device)):
-        pytest.skip("this GPU cannot run the TMA GEMM (see linear.tma_supported)")
+    require_tma(device)
     m, k, n = (45, 88, 40) if device == "cpu" else (300, 1000, 200)
     x = randn(m, k, dtype=torch.bfloat16, device=device)
     w = randn(n, k, dtype=torch.bfloat16, device=device, scale=k ** -0.5)
