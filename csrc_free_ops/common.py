@@ -218,27 +218,28 @@ def num_programs(rows: int) -> int:
 
 
 @kernel
-def _sum_partials_kernel(part_ptr, out_ptr, P, N, stride_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[n] = sum_p part[p, n], in a fixed order (fp32), stored in out's dtype."""
+def _sum_partials_kernel(part_ptr, out_ptr, P, N, stride_p, out_offset, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[out_offset + n] = sum_p part[p, n], in a fixed order (fp32), stored in out's dtype."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         m = ((p0 + rows)[:, None] < P) & (cols[None, :] < N)
         acc += tl.load(part_ptr + (p0 + rows)[:, None].to(tl.int64) * stride_p + cols[None, :], mask=m, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(out_ptr + out_offset + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def sum_partials(partial: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """partial [P, N] fp32 -> [N] in `dtype` (into `out`, contiguous, if given): the second,
-    fixed-order pass of a column sum."""
+def sum_partials(partial: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None,
+                 out_offset: int = 0) -> torch.Tensor:
+    """partial [P, N] fp32 -> [N] in `dtype` (into out[out_offset:out_offset + N], out 1-D
+    contiguous, if given): the second, fixed-order pass of a column sum."""
     p, n = partial.shape
     if out is None:
         out = torch.empty(n, dtype=dtype, device=partial.device)
     if n == 0:
         return out
     block_n = min(1024 if INTERPRET else 256, next_power_of_2(n))
-    _sum_partials_kernel[(cdiv(n, block_n),)](partial, out, p, n, partial.stride(0),
+    _sum_partials_kernel[(cdiv(n, block_n),)](partial, out, p, n, partial.stride(0), out_offset,
                                                        BLOCK_P=16, BLOCK_N=block_n, num_warps=4)
     return out
 
@@ -301,13 +302,13 @@ def tile_product(a_ptr, b_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_ak, s
 @kernel
 def _mm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, K_PER_SPLIT,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_cs, c_row0,
     HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Tile (pid_m, pid_n) of c, over the K slice [pid_s * K_PER_SPLIT, ...) of program axis 1
-    (one slice: the whole K). With several slices c is a [SPLIT, M, N] fp32 partial buffer.
-    The bias (fp32 add) is only given with one slice."""
+    """Tile (pid_m, pid_n) of c[c_row0:c_row0 + M], over the K slice [pid_s * K_PER_SPLIT, ...) of
+    program axis 1 (one slice: the whole K). With several slices c is a [SPLIT, M, N] fp32 partial
+    buffer (c_row0 0). The bias (fp32 add) is only given with one slice."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_s = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -317,7 +318,8 @@ def _mm_kernel(
                        stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + pid_s * stride_cs + rm.to(tl.int64)[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
+    c_rows = c_row0 + rm.to(tl.int64)
+    c_ptrs = c_ptr + pid_s * stride_cs + c_rows[:, None] * stride_cm + rn.to(tl.int64)[None, :] * stride_cn
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=mask, other=0.0)
@@ -348,9 +350,14 @@ def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None,
-       bias: torch.Tensor | None = None, blocks: tuple | None = None) -> torch.Tensor:
+       bias: torch.Tensor | None = None, blocks: tuple | None = None, out_row0: int = 0) -> torch.Tensor:
     """out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out if accumulate, out fp32). Any strides; a and
     b one dtype. `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides `gemm_blocks`.
+
+    `out_row0`: the product goes to rows [out_row0, out_row0 + M) of a taller `out`. Launchers
+    write row ranges this way, never through a slice of `out`: under torch.compile's tracing, a
+    kernel writing into a view becomes a scatter of the view into a copy of its whole base, and a
+    loop of them copies the base once per pass.
 
     A short, deep GEMM is split along K (`split_k`, or `splits`): each slice writes an fp32 partial
     [S, M, N] and `sum_partials` adds them in a fixed order (no atomics)."""
@@ -359,10 +366,11 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     if m == 0 or n == 0:
         return out
     if k == 0:
+        rows = out.narrow(0, out_row0, m)
         if not accumulate:
-            out.zero_()
+            rows.zero_()
         if bias is not None:
-            out += bias
+            rows += bias
         return out
     bm, bn, bk, warps, stages = blocks or gemm_blocks(m, n, k, a.element_size())
     if accumulate:
@@ -376,10 +384,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     grid = (cdiv(m, bm) * cdiv(n, bn), s)
     _mm_kernel[grid](
         a, b, bias if bias is not None else b, target, m, n, k, per, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        target.stride(-2), target.stride(-1), target.stride(0) if s > 1 else 0,
+        target.stride(-2), target.stride(-1), target.stride(0) if s > 1 else 0, out_row0 if s == 1 else 0,
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=k % bk == 0 and s == 1,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
     )
     if s > 1:
-        sum_partials(target.view(s, m * n), out.dtype, out=out.view(m * n))
+        sum_partials(target.view(s, m * n), out.dtype, out=out.view(-1), out_offset=out_row0 * n)
     return out

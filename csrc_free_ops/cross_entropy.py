@@ -71,8 +71,9 @@ def _logits_lse_kernel(
 @kernel
 def _lse_loss_kernel(
     pmax_ptr, psum_ptr, target_logit_ptr, targets_ptr, lse_ptr, loss_ptr,
-    R, V, TILES_V, ignore_index, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    R, R0, V, TILES_V, ignore_index, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """lse and loss of the chunk's rows R0 + r (the partials hold the chunk's R rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     tiles = tl.arange(0, BLOCK_T)
@@ -88,11 +89,11 @@ def _lse_loss_kernel(
         l = l * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
         m = m_new
     lse = tl.where(row_ok, m + tl.log(tl.where(row_ok, l, 1.0)), 0.0)
-    t = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    t = tl.load(targets_ptr + R0 + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     valid = _counts(t, ignore_index, V)
     picked = tl.load(target_logit_ptr + rows, mask=row_ok & valid, other=0.0)
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
-    tl.store(loss_ptr + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
+    tl.store(lse_ptr + R0 + rows, lse, mask=row_ok)
+    tl.store(loss_ptr + R0 + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
 
 
 @kernel
@@ -147,8 +148,8 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int):
         _logits_lse_kernel[(cdiv(rows, cfg["BLOCK_M"]) * tiles_v,)](
             h_c, weight, t_c, pmax, psum, target_logit, rows, v, h, h_c.stride(0), weight.stride(0), tiles_v, **cfg,
         )
-        _lse_loss_kernel[(cdiv(rows, block_r),)](
-            pmax, psum, target_logit, t_c, lse[r0:r0 + rows], losses[r0:r0 + rows], rows, v, tiles_v, ignore_index,
+        _lse_loss_kernel[(cdiv(rows, block_r),)](  # writes lse and losses at row r0 (no view: see common.mm)
+            pmax, psum, target_logit, targets, lse, losses, rows, r0, v, tiles_v, ignore_index,
             BLOCK_R=block_r, BLOCK_T=block_t, num_warps=4,
         )
     return losses.sum() / count.to(torch.float32), lse
@@ -172,13 +173,14 @@ def linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, 
     for v0 in range(0, v, vs):
         cols = min(vs, v - v0)
         cfg = _gemm_launch(n, cols, h, hidden.element_size())
-        g_s, w_s = g[:, :cols], weight[v0:v0 + cols]  # w_s: the slice's rows (a 64-bit offset from the host)
-        _logits_grad_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(cols, cfg["BLOCK_N"]),)](
-            hidden, w_s, targets, lse, dlse, scale, g_s, n, cols, v0, v, h, hidden.stride(0), weight.stride(0),
-            g_s.stride(0), ignore_index, HAS_DLSE=grad_lse is not None, **cfg,
+        w_s = weight[v0:v0 + cols]  # the slice's rows (a 64-bit offset from the host); read only
+        _logits_grad_kernel[(cdiv(n, cfg["BLOCK_M"]) * cdiv(cols, cfg["BLOCK_N"]),)](  # g[:, :cols]
+            hidden, w_s, targets, lse, dlse, scale, g, n, cols, v0, v, h, hidden.stride(0), weight.stride(0),
+            g.stride(0), ignore_index, HAS_DLSE=grad_lse is not None, **cfg,
         )
+        g_s = g[:, :cols]
         if need_dw:
-            mm(g_s.t(), hidden, dw[v0:v0 + cols])
+            mm(g_s.t(), hidden, dw, out_row0=v0)  # dw[v0:v0 + cols], written without a view (see common.mm)
         if need_dh:
             mm(g_s, w_s, dh_acc, accumulate=v0 > 0)
     dh = None

@@ -59,7 +59,7 @@ def poison_allocator(device: str):
 
 
 def randn(*shape, dtype, device, scale: float = 1.0):
-    return (torch.randn(*shape, dtype=torch.float32, device=device) * scale).to(dtype)
+    return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)  # shape () too
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -91,6 +91,11 @@ MUTATIONS = [
     Mutation("cross-entropy counts ignored targets", "csrc_free_ops/cross_entropy.py",
              "return (t != ignore_index) & (t >= 0) & (t < V)", "return (t >= 0) & (t < V)",
              ("tests/test_training_ops.py",)),
+    Mutation("GEMM ignores its output row offset", "csrc_free_ops/common.py",
+             "c_rows = c_row0 + rm.to(tl.int64)", "c_rows = rm.to(tl.int64)", ("tests/test_training_ops.py",)),
+    Mutation("cross-entropy chunk rows stored at row 0", "csrc_free_ops/cross_entropy.py",
+             "tl.store(lse_ptr + R0 + rows, lse, mask=row_ok)", "tl.store(lse_ptr + rows, lse, mask=row_ok)",
+             ("tests/test_training_ops.py",)),
     # Zero-size inputs and large values (tests/test_edge_cases.py).
     Mutation("rows flattened with reshape(-1, N) (fails for N = 0)", "csrc_free_ops/common.py",
              "return t.reshape(t.shape[:t.dim() - keep].numel(), *t.shape[t.dim() - keep:])",

@@ -505,3 +505,8 @@ def test_strided_matmul_split_k_and_accumulate(device):
         assert_close(mm(a, b, out, splits=splits), ref.float(), tol, what=f"mm splits={splits}")
     acc = torch.ones(m, n, device=device)
     assert_close(mm(a, b, acc, accumulate=True), (ref + 1).float(), tol, what="mm accumulate")
+    for splits in (1, 3):  # into rows [3, 3 + m) of a taller output, the rows around it untouched
+        tall = torch.full((m + 5, n), float("nan"), device=device)
+        mm(a, b, tall, splits=splits, out_row0=3)
+        assert_close(tall[3:3 + m], ref.float(), tol, what=f"mm out_row0 splits={splits}")
+        assert tall[:3].isnan().all() and tall[3 + m:].isnan().all(), f"mm out_row0 splits={splits} wrote outside its rows"
