@@ -19,9 +19,14 @@ models in the process are untouched and `undo()` restores exactly what was there
 |                       | then o_proj. apply_rotary_pos_emb and the cos/sin tables are not used.     |
 | `*ForCausalLM`        | with `labels`: `qwen::linear_cross_entropy` on the final hidden states and |
 |                       | lm_head.weight, no logits ([B, T, V] never exists; `logits` is None)      |
+| `*Model` (the decoder | with the attention patch: called without an attention mask and with no     |
+| stack)                | cached tokens, it hands its layers no mask (`{"full_attention": None}`)   |
 
-The attention kernel runs when transformers hands the layer no mask (the default `sdpa`
-implementation without padding, as in training on packed sequences). With a mask (padding,
+The attention kernel runs when the layer gets no mask: the default `sdpa` implementation
+without padding, as in training on packed sequences. transformers decides that itself in eager
+mode, but under torch.compile some releases (5.17, for one) cannot prove that a mask is purely
+causal and build a [B, 1, T, T] one; the patched decoder stack skips that when the call had no mask
+and no cached tokens, so compiled training runs our attention too. With a mask (padding,
 `attn_implementation="eager"`) or a sliding window, the layer keeps our RoPE but calls the
 model's own attention function. A KV cache (generation) is updated as transformers does.
 Only the default RoPE (`rope_type` "default") and `hidden_act` "silu" are supported; other
@@ -144,6 +149,17 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(o), None
 
 
+def _decoder_forward(self, *args, **kwargs):
+    """The decoder stack's forward, told that its masks are purely causal (None) when they are: no
+    attention mask, no cached tokens, full attention in every layer (see the module doc)."""
+    cache = kwargs.get("past_key_values")
+    if (len(args) <= 1 and kwargs.get("attention_mask") is None
+            and all(t == "full_attention" for t in getattr(self.config, "layer_types", None) or ())
+            and (cache is None or cache.get_seq_length() == 0)):
+        kwargs["attention_mask"] = {"full_attention": None}  # transformers' precomputed-mask mapping
+    return type(self).forward(self, *args, **kwargs)
+
+
 def _causal_lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, logits_to_keep=0,
                        return_dict=None, **kwargs):
     if args:
@@ -189,6 +205,9 @@ def patch_transformers(model, *, rms_norm: bool = True, swiglu: bool = True, att
             elif attention and name.endswith("Attention") and all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
                 module._qwen_rope_theta = theta
                 handle._patch(module, _attention_forward, "attention")
+            elif (attention and name.endswith("Model") and hasattr(module, "layers") and hasattr(module, "embed_tokens")
+                  and getattr(module.config, "layer_types", None)):
+                handle._patch(module, _decoder_forward, "causal_mask")
             elif loss and name.endswith("ForCausalLM") and hasattr(module, "lm_head") and hasattr(module, "model"):
                 handle._patch(module, _causal_lm_forward, "loss")
     except Exception:

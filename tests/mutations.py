@@ -96,6 +96,8 @@ MUTATIONS = [
     Mutation("cross-entropy chunk rows stored at row 0", "csrc_free_ops/cross_entropy.py",
              "tl.store(lse_ptr + R0 + rows, lse, mask=row_ok)", "tl.store(lse_ptr + rows, lse, mask=row_ok)",
              ("tests/test_training_ops.py",)),
+    Mutation("patched decoder lets transformers build a causal mask", "modeling/transformers_patch.py",
+             'kwargs["attention_mask"] = {"full_attention": None}', "pass", ("tests/test_training_patch.py",)),
     # Zero-size inputs and large values (tests/test_edge_cases.py).
     Mutation("rows flattened with reshape(-1, N) (fails for N = 0)", "csrc_free_ops/common.py",
              "return t.reshape(t.shape[:t.dim() - keep].numel(), *t.shape[t.dim() - keep:])",

@@ -53,7 +53,7 @@ def test_patch_matches_transformers_and_undoes(device, kind):
     handle = patch_transformers(model)
     n_layers = TINY["num_hidden_layers"]
     norms = n_layers * (4 if kind == "qwen3" else 2) + 1
-    assert handle.counts == {"rms_norm": norms, "mlp": n_layers, "attention": n_layers, "loss": 1}
+    assert handle.counts == {"rms_norm": norms, "mlp": n_layers, "attention": n_layers, "causal_mask": 1, "loss": 1}
     out, grads = _loss_and_grads(model, ids)
     assert out.logits is None  # the fused loss never builds the logits
     names = " ".join(_graph_node_names(out.loss))
@@ -103,6 +103,27 @@ def test_patch_padding_mask_falls_back_to_transformers_attention():
     assert_close(loss, ref_loss, 1e-5, what="padded loss")
     for name, p in model.named_parameters():
         assert_close(p.grad, ref_grads[name], 1e-4, what=f"padded grad {name}")
+
+
+def test_patch_keeps_our_attention_where_transformers_would_build_a_causal_mask(monkeypatch):
+    """Under torch.compile, transformers 5.17 cannot prove a mask purely causal and builds a 4-D
+    one, which would send the patched layers to the masked fallback. Simulated in eager mode by
+    refusing transformers' own skip: the patched decoder stack still hands its layers no mask, so
+    our attention runs, with the unpatched model's loss; a padding mask still reaches the layers."""
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    model = _model("qwen3", "cpu")
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12))
+    ref_out, ref_grads = _loss_and_grads(model, ids)
+    with patch_transformers(model):
+        out, grads = _loss_and_grads(model, ids)
+        assert "qwen_attention_with_lse_default" in " ".join(_graph_node_names(out.loss))
+        padded = model(ids, attention_mask=torch.ones(2, 12, dtype=torch.long), labels=ids).loss
+        assert "qwen_attention_with_lse_default" not in " ".join(_graph_node_names(padded))
+    assert_close(out.loss, ref_out.loss, 1e-5, what="loss")
+    for name, g in grads.items():
+        assert_close(g, ref_grads[name], 1e-4, what=f"grad {name}")
 
 
 def test_patch_num_items_in_batch_and_generation():
