@@ -236,7 +236,7 @@ def test_attention_backward_block_split(device, causal, sq, sk):
                 assert_close(a, b, what=f"{name} Sq={sq} Sk={sk} causal={causal} {dtype} {blocks}")
 
 
-LCE_CASES = {"cpu": [(30, 24, 50), (9, 16, 7)], "cuda": [(8192, 1024, 151936), (1000, 896, 5000)]}
+LCE_CASES = {"cpu": [(30, 24, 50), (9, 16, 7)], "cuda": [(8192, 1024, 151936), (1000, 896, 5000), (260, 200, 1000)]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
