@@ -158,11 +158,22 @@ def test_patched_training_step_compiles_fullgraph(device):
     def loss_fn(x):
         return model(x, labels=x).loss
 
-    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    graphs = []
+
+    def backend(gm, example_inputs):  # records the graph Dynamo captured, then compiles it
+        graphs.append(gm.code)
+        if device == "cpu":
+            return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
     model.zero_grad(set_to_none=True)
     compiled(ids).backward()
     for name, p in model.named_parameters():
         assert_close(p.grad, eager_grads[name], 1e-4, what=f"compiled grad {name}")
+    # our attention, not transformers' masked fallback (under tracing transformers may build a mask)
+    assert "qwen.attention_with_lse" in graphs[0] and "scaled_dot_product_attention" not in graphs[0]
     handle.undo()
 
 
