@@ -15,7 +15,7 @@ peak allocated memory, and the first step's loss (same seed and data: the setups
                           [--profile 25]
 
 --profile K adds one profiled step per setup after the timed ones and prints its K costliest GPU
-kernels (torch.profiler, self CUDA time) to stderr, to see where a setup spends its step.
+kernels (torch.profiler, device-side events only) to stderr, to see where a setup spends its step.
 
 Prints a markdown table (GPU name, date, versions); with $OUT (or --out) set, also writes
 train_bench.md and train_bench.json there.
@@ -90,16 +90,21 @@ def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: in
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+    if profile and cuda:
+        from bench.prefill import kernel_table
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        def step():
             step_fn(data[-1]).backward()
             model.zero_grad(set_to_none=True)
-            sync()
-        print(f"--- {mode}: top {profile} kernels of one step ---", file=sys.stderr)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=profile, max_name_column_width=70),
+
+        # GPU kernels only: the profiler's host-side ranges (aten::mm, our ops, Inductor's
+        # per-launch ranges) repeat the CUDA time of the kernels they launch.
+        table = kernel_table(step)
+        print(f"--- {mode}: one step, {sum(n for n, _ in table.values())} kernel launches, "
+              f"{sum(us for _, us in table.values()) / 1e3:.1f} ms of kernel time; the {profile} costliest ---",
               file=sys.stderr)
+        for name, (n, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:profile]:
+            print(f"{us / 1e3:9.3f} ms {n:5d}x  {name[:100]}", file=sys.stderr)
     return {"mode": mode, "ms": statistics.median(times), "ms_min": min(times), "peak_gb": peak_gb,
             "first_loss": first_loss, "tokens_per_s": batch * seq / (statistics.median(times) / 1e3)}
 
