@@ -152,12 +152,20 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 def _decoder_forward(self, *args, **kwargs):
     """The decoder stack's forward, told that its masks are purely causal (None) when they are: no
     attention mask, no cached tokens, full attention in every layer (see the module doc)."""
-    cache = kwargs.get("past_key_values")
     if (len(args) <= 1 and kwargs.get("attention_mask") is None
             and all(t == "full_attention" for t in getattr(self.config, "layer_types", None) or ())
-            and (cache is None or cache.get_seq_length() == 0)):
+            and _holds_no_tokens(kwargs.get("cache", kwargs.get("past_key_values")))):
         kwargs["attention_mask"] = {"full_attention": None}  # transformers' precomputed-mask mapping
     return type(self).forward(self, *args, **kwargs)
+
+
+def _holds_no_tokens(cache) -> bool:
+    """No cache, or one whose length is a Python 0 (a static cache's length is a tensor: reading
+    it would sync, or break a compiled graph, so such a cache keeps transformers' masks)."""
+    if cache is None:
+        return True
+    length = cache.get_seq_length()
+    return isinstance(length, int) and length == 0
 
 
 def _causal_lm_forward(self, input_ids=None, *args, labels=None, shift_labels=None, logits_to_keep=0,
