@@ -19,8 +19,9 @@ models in the process are untouched and `undo()` restores exactly what was there
 |                       | then o_proj. apply_rotary_pos_emb and the cos/sin tables are not used.     |
 | `*ForCausalLM`        | with `labels`: `qwen::linear_cross_entropy` on the final hidden states and |
 |                       | lm_head.weight, no logits ([B, T, V] never exists; `logits` is None)      |
-| `*Model` (the decoder | with the attention patch: called without an attention mask and with no     |
-| stack)                | cached tokens, it hands its layers no mask (`{"full_attention": None}`)   |
+| `*Model` (the decoder | with the attention patch, all layers full attention: called without an     |
+| stack)                | attention mask and with no cached tokens, it hands its layers no mask     |
+|                       | (`{"full_attention": None}`)                                              |
 
 The attention kernel runs when the layer gets no mask: the default `sdpa` implementation
 without padding, as in training on packed sequences. transformers decides that itself in eager
@@ -150,10 +151,10 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def _decoder_forward(self, *args, **kwargs):
-    """The decoder stack's forward, told that its masks are purely causal (None) when they are: no
-    attention mask, no cached tokens, full attention in every layer (see the module doc)."""
+    """The decoder stack's forward (patched only where every layer is full attention), told that
+    its masks are purely causal (None) when they are: no attention mask, no cached tokens (see the
+    module doc)."""
     if (len(args) <= 1 and kwargs.get("attention_mask") is None
-            and all(t == "full_attention" for t in getattr(self.config, "layer_types", None) or ())
             and _holds_no_tokens(kwargs.get("cache", kwargs.get("past_key_values")))):
         kwargs["attention_mask"] = {"full_attention": None}  # transformers' precomputed-mask mapping
     return type(self).forward(self, *args, **kwargs)
@@ -214,7 +215,7 @@ def patch_transformers(model, *, rms_norm: bool = True, swiglu: bool = True, att
                 module._qwen_rope_theta = theta
                 handle._patch(module, _attention_forward, "attention")
             elif (attention and name.endswith("Model") and hasattr(module, "layers") and hasattr(module, "embed_tokens")
-                  and getattr(module.config, "layer_types", None)):
+                  and set(getattr(module.config, "layer_types", None) or ["unknown"]) == {"full_attention"}):
                 handle._patch(module, _decoder_forward, "causal_mask")
             elif loss and name.endswith("ForCausalLM") and hasattr(module, "lm_head") and hasattr(module, "model"):
                 handle._patch(module, _causal_lm_forward, "loss")
