@@ -86,7 +86,10 @@ def _lse_loss_kernel(
         ps = tl.load(psum_ptr + base + t0 + tiles[None, :], mask=mask, other=0.0)
         m_new = tl.maximum(m, tl.max(pm, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see only -inf
-        l = l * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
+        # The select rounds each product before the sum: fused into the sum's first cross-lane add
+        # as an FMA, the lanes holding a row would get different bits of l, and lse (stored through
+        # shared memory from every such lane) would differ in its last bit from run to run.
+        l = l * tl.exp(m - m_safe) + tl.sum(tl.where(mask, ps * tl.exp(pm - m_safe[:, None]), 0.0), axis=1)
         m = m_new
     lse = tl.where(row_ok, m + tl.log(tl.where(row_ok, l, 1.0)), 0.0)
     t = tl.load(targets_ptr + R0 + rows, mask=row_ok, other=ignore_index).to(tl.int64)
