@@ -10,6 +10,12 @@ csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.
 (where PyTorch skips the Autograd key, so the op's Python autograd kernel does not run). The peer: F.rms_norm,
 F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a native peer are
 compared with F.rms_norm. Prints a table; with --out writes host.json there.
+
+Where the time goes, per op, from three nested measurements: "triton" replays the Triton launches
+that one launcher call makes, through the compiled kernels' C launchers with the arguments already
+built (the floor for a Triton kernel started from Python: Triton's `CudaLauncher.__call__` and the
+driver call); "launcher" adds our launcher's Python (output allocation, sizes, the launch-cache
+key); "ours" adds the dispatcher, the op's checks and its Autograd kernel.
 """
 import argparse
 import json
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import qwen_ops  # noqa: F401
-from csrc_free_ops import activation, decode_attention, kv_cache, linear, norm, rope
+from csrc_free_ops import activation, decode_attention, kv_cache, launch, linear, norm, rope
 
 ops = torch.ops.qwen
 
@@ -36,6 +42,34 @@ def per_call_us(fn, calls: int, loops: int) -> float:
         torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
+
+
+def bare_launches(launcher_call):
+    """A function that repeats the Triton launches of one `launcher_call` through the cached
+    compiled kernels' C launchers alone, arguments prebuilt (the same tensors every time)."""
+    recorded, original = [], launch.Kernel.launch
+
+    def record(self, grid, args, meta):
+        recorded.append((self, grid, args, meta))
+        return original(self, grid, args, meta)
+
+    launcher_call()  # compiled and cached before the recording
+    launch.Kernel.launch = record
+    try:
+        launcher_call()
+    finally:
+        launch.Kernel.launch = original
+    stream = torch.cuda.current_stream().cuda_stream
+    calls = []
+    for k, grid, args, meta in recorded:
+        run, function, metadata, tail, _ = k.compiled[k._key(args, meta)]
+        g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
+        calls.append((run, g0, g1, g2, function, metadata, (*args, *[meta[name] for name in tail])))
+
+    def replay():
+        for run, g0, g1, g2, function, metadata, args in calls:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+    return replay
 
 
 def cases():
@@ -80,16 +114,18 @@ def main():
     a = p.parse_args()
     rows = []
     for name, op_call, launcher_call, (peer_name, peer_call) in cases():
-        ours, launch, peer = (per_call_us(f, a.calls, a.loops) for f in (op_call, launcher_call, peer_call))
+        ours, launcher, bare, peer = (per_call_us(f, a.calls, a.loops)
+                                      for f in (op_call, launcher_call, bare_launches(launcher_call), peer_call))
         with torch.inference_mode():
             ours_inf, peer_inf = per_call_us(op_call, a.calls, a.loops), per_call_us(peer_call, a.calls, a.loops)
-        rows.append(dict(op=name, ours_us=ours, launcher_us=launch, peer=peer_name, peer_us=peer, ratio=ours / peer,
-                         ours_inference_us=ours_inf, peer_inference_us=peer_inf, ratio_inference=ours_inf / peer_inf))
-    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}"
+        rows.append(dict(op=name, ours_us=ours, launcher_us=launcher, triton_us=bare, peer=peer_name, peer_us=peer,
+                         ratio=ours / peer, ours_inference_us=ours_inf, peer_inference_us=peer_inf,
+                         ratio_inference=ours_inf / peer_inf))
+    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'triton':>7s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}"
           f" {'inference_mode: ours':>21s} {'peer':>6s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['launcher_us']:9.1f} {r['peer']:>12s} {r['peer_us']:8.1f} "
-              f"{r['ratio']:9.2f} {r['ours_inference_us']:21.1f} {r['peer_inference_us']:6.1f} "
+        print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['launcher_us']:9.1f} {r['triton_us']:7.1f} {r['peer']:>12s} "
+              f"{r['peer_us']:8.1f} {r['ratio']:9.2f} {r['ours_inference_us']:21.1f} {r['peer_inference_us']:6.1f} "
               f"{r['ratio_inference']:6.2f}")
     if a.out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))

@@ -2,7 +2,7 @@
 
     python -m bench.ops [--out DIR] [--sweep-splitk]
     python -m bench.ops [--out DIR] --sweep-attn-bwd
-    python -m bench.ops [--out DIR] --sweep-prefill
+    python -m bench.ops [--out DIR] --sweep-prefill [--tokens 256 2048]
     python -m bench.ops [--out DIR] --sweep-attn-fwd
 
 Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
@@ -15,7 +15,7 @@ measured in the same run. --sweep-splitk also times every decode GEMM at each sp
 config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
 
 --sweep-prefill runs only the prefill GEMM sweep (no ops table): every linear shape of both
-models at 256 and 2048 tokens, through the TMA GEMM at each tile config and K split (checked
+models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split (checked
 against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
 keeps; writes prefill_sweep.md and prefill_configs.json.
@@ -189,19 +189,22 @@ PREFILL_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of the T
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
     (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 5), (64, 64, 64, 4, 4), (128, 128, 128, 8, 2),
     (64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3),
+    # narrow, deep tiles: at 256 tokens against N = 1024 they give a wave of programs without a K split
+    (64, 32, 256, 4, 3), (64, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 64, 256, 4, 2), (64, 128, 128, 4, 4),
+    (64, 64, 64, 4, 8),
 ]
 
 
-def sweep_prefill(cfgs):
-    """Time each prefill GEMM through the TMA kernel at every tile config and split; return the
-    table lines (printed as they come) and the fastest eligible config per (M class, N, K)."""
+def sweep_prefill(cfgs, tokens=(256, 2048)):
+    """Time each prefill GEMM (M in `tokens`) through the TMA kernel at every tile config and split;
+    return the table lines (printed as they come) and the fastest eligible config per (M class, N, K)."""
     lines, best = Report(), {}
 
     lines.add("| M | N | K | cuBLAS (us) | strided GEMM (us) | TMA best (us) | best config | vs cuBLAS | runner-up |",
         "|---|---|---|---|---|---|---|---|---|")
     shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
     for n, k in shapes:
-        for m in (256, 2048):
+        for m in tokens:
             sets = copies(lambda: (rnd(m, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
             x0, w0 = sets[0]
             ref = F.linear(x0, w0)
@@ -420,6 +423,7 @@ def main():
     ap.add_argument("--sweep-attn-bwd", action="store_true")
     ap.add_argument("--sweep-prefill", action="store_true")
     ap.add_argument("--sweep-attn-fwd", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -427,7 +431,7 @@ def main():
     header = f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}"
     if args.sweep_prefill:
         print(header + ": --sweep-prefill\n", flush=True)
-        lines, best = sweep_prefill(SHAPES.values())
+        lines, best = sweep_prefill(SHAPES.values(), args.tokens)
         with open(os.path.join(args.out, "prefill_sweep.md"), "w") as f:
             f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
         with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:
