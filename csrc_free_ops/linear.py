@@ -146,15 +146,16 @@ class PrefillConfig(NamedTuple):
 
 
 # (M class, N, K) -> config, M class 256 for M < 1024, else 2048: the fastest of
-# `python -m bench.ops --sweep-prefill` on an H200, 2026-11-29 (bench/results/). Shapes not listed
-# use prefill_config's rule.
+# `python -m bench.ops --sweep-prefill` on an H200 (bench/results/): 2026-11-29, and 2026-12-01 for
+# M class 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at N = 1024).
+# Shapes not listed use prefill_config's rule.
 PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
-    (256, 896, 1024): PrefillConfig(64, 64, 128, 4, 3, 1),
-    (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 3, 4),
-    (256, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 2),
-    (256, 1024, 3072): PrefillConfig(64, 128, 128, 4, 3, 4),
-    (256, 1536, 896): PrefillConfig(64, 64, 64, 4, 5, 1),
-    (256, 4096, 1024): PrefillConfig(64, 128, 128, 4, 3, 1),
+    (256, 896, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 4),
+    (256, 1024, 2048): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (256, 1024, 3072): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (256, 1536, 896): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (256, 4096, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
     (256, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
     (256, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (256, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
