@@ -9,7 +9,8 @@ operand tiles arrive through TMA tensor descriptors (hardware address generation
 tile past M, N or K reads zeros and stores nothing, so the main loop has no masks). PROGRAMS
 programs (at most one per SM) walk the list of BLOCK_M x BLOCK_N output tiles, GROUP_M-row groups
 at a time so neighbouring programs share weight tiles in L2. Where the output has too few tiles
-to fill the GPU (256 tokens against N = 1024), the K axis is split as at decode. The configs come
+to fill the GPU (256 tokens against N = 1024), narrow 64 x 32 tiles walking K 256 deep make a wave
+of programs, or the K axis is split as at decode (the sweep picks per shape). The configs come
 from `bench/ops.py --sweep-prefill` on an H200 and are kept in PREFILL_CONFIGS. Other inputs
 (fp32, pre-Hopper GPUs, strides TMA cannot describe) take `common.mm`, the shared tiled GEMM.
 
