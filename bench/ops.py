@@ -15,8 +15,8 @@ measured in the same run. --sweep-splitk also times every decode GEMM at each sp
 config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
 
 --sweep-prefill runs only the prefill GEMM sweep (no ops table): every linear shape of both
-models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split (checked
-against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
+models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
+(checked against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
 keeps; writes prefill_sweep.md and prefill_configs.json.
 
