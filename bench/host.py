@@ -62,9 +62,9 @@ def bare_launches(launcher_call):
     stream = torch.cuda.current_stream().cuda_stream
     calls = []
     for k, grid, args, meta in recorded:
-        run, function, metadata, tail, _ = k.compiled[k._key(args, meta)]
+        run, function, metadata, constexprs, _ = k.compiled[k._key(args, meta)]
         g0, g1, g2 = tuple(grid) + (1,) * (3 - len(grid))
-        calls.append((run, g0, g1, g2, function, metadata, (*args, *[meta[name] for name in tail])))
+        calls.append((run, g0, g1, g2, function, metadata, (*args, *constexprs)))
 
     def replay():
         for run, g0, g1, g2, function, metadata, args in calls:

@@ -18,6 +18,7 @@ never from each other.
 - `cuda_properties`, `shared_memory_per_block`: a device's properties, cached.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
+- `flat_rows`, `empty_contiguous_like`: launchers' views and outputs, cheap on the host.
 """
 import math
 import os
@@ -101,11 +102,19 @@ def use_pdl(t: torch.Tensor) -> bool:
     return not _PDL_OFF and t.is_cuda and cuda_properties(t.device).major >= 9
 
 
+_pdl_capable: dict = {}  # device index -> use_pdl's answer while PDL is not switched off
+
+
 def pdl_options(t: torch.Tensor) -> dict:
     """The launch arguments of a kernel that takes a USE_PDL constexpr: USE_PDL, and `launch_pdl`
-    where PDL is on (`use_pdl`)."""
-    pdl = use_pdl(t)
-    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
+    where PDL is on (`use_pdl`, its device query cached per device)."""
+    if _PDL_OFF:
+        return {"USE_PDL": False}
+    index = t.get_device()
+    capable = _pdl_capable.get(index)
+    if capable is None:
+        capable = _pdl_capable[index] = use_pdl(t)
+    return {"USE_PDL": True, "launch_pdl": True} if capable else {"USE_PDL": False}
 
 
 @triton.jit
@@ -205,12 +214,19 @@ MAX_PROGRAMS = 4 if INTERPRET else 512
 
 
 def flat_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
-    """t [..., *last `keep` dims] -> [R, *last dims] (a view where the strides allow). Unlike
-    reshape(-1, ...), it works when the kept dims hold no elements (N = 0 or no heads), where
-    the -1 would be ambiguous."""
-    if t.dim() == keep + 1:  # already [R, *last dims]: the common case, kept cheap (host time per call)
+    """t [..., *last `keep` dims] -> [R, *last dims] (a view where the strides allow, as reshape).
+    Unlike reshape(-1, ...), it works when the kept dims hold no elements (N = 0 or no heads),
+    where the -1 would be ambiguous."""
+    lead = t.dim() - keep
+    if lead == 1:  # already [R, *last dims]: the common case
         return t
-    return t.reshape(t.shape[:t.dim() - keep].numel(), *t.shape[t.dim() - keep:])
+    return t.flatten(0, lead - 1) if lead > 1 else t.unsqueeze(0)
+
+
+def empty_contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of t's shape, dtype and device: `torch.empty_like` in the contiguous
+    format, which costs the host half of `torch.empty(t.shape, dtype=..., device=...)`."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def num_programs(rows: int) -> int:

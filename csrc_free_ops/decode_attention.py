@@ -22,8 +22,8 @@ and the combine lets the next kernel (the o_proj GEMV) launch at once.
 import torch
 import triton.language as tl
 
-from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents,
-                    pdl_options, pdl_wait, softmax_headroom)
+from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, fp32, kernel, next_power_of_2,
+                    pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
 
 
 @kernel
@@ -112,7 +112,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, scale: float) -> torch.
     bsz, tq, hq, d = q.shape
     cache_len, hk = k_cache.shape[1], k_cache.shape[2]
     group = hq // hk
-    o = torch.empty((bsz, tq, hq, d), dtype=q.dtype, device=q.device)
+    o = empty_contiguous_like(q)
     if bsz * tq * hq == 0:  # no query rows (hq = 0 would make the group size 0)
         return o
     block_n = 64 if d <= 128 else 32

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, fp32, kernel, next_power_of_2,
-                    pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, empty_contiguous_like, fp32, kernel,
+                    next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
 
 
 class GemvConfig(NamedTuple):
@@ -378,7 +378,7 @@ def norm_linear(x, norm_weight, weight, bias, eps: float, offset: float, cfg=Non
 
 def linear_residual(x, weight, residual, cfg=None):
     """residual + x @ weight^T: x [..., K], residual [..., N] -> [..., N]."""
-    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    out = empty_contiguous_like(residual)
     if out.numel():
         _gemv("linear_residual", _rows(x), weight, None, None, _rows(residual), _rows(out), 0.0, 0.0, False, cfg)
     return out

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TARGET_PROGRAMS, cdiv, dot, flat_rows, fp32, kernel, next_power_of_2, row_warps
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, flat_rows, fp32, kernel,
+                    next_power_of_2, row_warps)
 
 CHUNK = 64
 
@@ -374,7 +375,7 @@ def _gated_rms_norm_kernel(
 def gated_rms_norm(x, z, weight, eps: float):
     """x, z [..., N], weight [N] -> rms_norm(x) * weight * silu(z) [..., N] in x.dtype (contiguous)."""
     n = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_contiguous_like(x)
     x2, z2, y2 = flat_rows(x), flat_rows(z), flat_rows(y)
     rows = x2.shape[0]
     if rows == 0 or n == 0:
@@ -414,7 +415,7 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_
     b's dtype), both contiguous."""
     h = a.shape[-1]
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
-    beta = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    beta = empty_contiguous_like(b)
     if g.numel() == 0:
         return g, beta
     rows = g.numel() // h

@@ -19,6 +19,8 @@ is never launched with arguments it was not compiled for): a tensor's dtype and 
 address is 16-byte aligned; an int's `== 1`, `% 16 == 0` and range (i32, i64 or u64); a float's
 type; a TMA tensor descriptor's dtype, block shape and padding (and its shape and strides as ints);
 any other value (constexprs, bools, None) itself. Device and launch options join the key.
+`_arg_key` states the rule; each kernel computes it with a function generated for its
+parameters (`spec_function`), the tensor and 32-bit int cases inlined.
 Runtime (non-constexpr) parameters must be passed positionally, constexprs by keyword or
 position; the grid is a tuple. Triton settings other than hooks and debug (instrumentation,
 pre-run hooks) are read when a specialization is first compiled, not per launch.
@@ -34,18 +36,23 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
 
-_state = threading.local()
+
+class _State(threading.local):
+    traced = False
+
+
+_state = _State()
 
 
 def is_traced() -> bool:
     """Inside `traced()`: launchers see torch.compile's storage-less tensors (no data_ptr)."""
-    return getattr(_state, "traced", False)
+    return _state.traced
 
 
 @contextmanager
 def traced():
     """Launches inside go through `wrap_triton` (torch.compile sees them) instead of starting."""
-    before = getattr(_state, "traced", False)
+    before = _state.traced
     _state.traced = True
     try:
         yield
@@ -81,6 +88,27 @@ def _arg_key(a):
     return a
 
 
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def spec_function(n: int, constexpr_at=frozenset()):
+    """`spec(a0, ..., a{n-1})`: the tuple of `_arg_key(a)` for every runtime argument and of the
+    value of every constexpr (positions in constexpr_at), with `_arg_key`'s two common cases
+    inlined (a plain tensor or parameter; an int in i32 range) and the rest passed to it:
+    generated code, since the key is the largest part of a cached launch's Python."""
+    items = []
+    for i in range(n):
+        a = f"a{i}"
+        items.append(a if i in constexpr_at else
+                     f"(({a}.dtype, {a}.data_ptr() & 15 == 0) if {a}.__class__ in _TENSORS else "
+                     f"({a} == 1, {a} & 15 == 0, 0) if {a}.__class__ is int and -0x80000000 <= {a} <= 0x7FFFFFFF "
+                     f"else _arg_key({a}))")
+    names = ", ".join(f"a{i}" for i in range(n))
+    namespace = {"_TENSORS": _TENSORS, "_arg_key": _arg_key}
+    exec(f"def spec({names}):\n    return ({''.join(item + ', ' for item in items)})\n", namespace)
+    return namespace["spec"]
+
+
 class Kernel:
     """A @triton.jit kernel with the launch paths above; `.fn` is the JITFunction."""
 
@@ -91,8 +119,8 @@ class Kernel:
         self.names = [p.name for p in params]
         self.runtime_names = {p.name for p in params if not p.is_constexpr}
         constexpr_at = [i for i, p in enumerate(params) if p.is_constexpr]
-        self.first_constexpr = constexpr_at[0] if constexpr_at else len(params)
         self.constexpr_at = frozenset(constexpr_at)
+        self.specs: dict = {}  # number of positional arguments -> their spec function
 
     def __getitem__(self, grid):
         """The launch of grid (a tuple of 1-3 ints); the call returns the compiled kernel (None when traced)."""
@@ -100,27 +128,32 @@ class Kernel:
             raise TypeError(f"{self.fn.__name__}: the grid must be a tuple of ints, got {type(grid).__name__}")
         return lambda *args, **meta: self.launch(grid, args, meta)
 
+    def _spec(self, n: int):
+        """This kernel's `spec_function` of n positional arguments, made on first use."""
+        fn = self.specs.get(n)
+        if fn is None:
+            fn = self.specs[n] = spec_function(n, self.constexpr_at)
+        return fn
+
     def _key(self, args, meta):
-        if len(args) <= self.first_constexpr:
-            spec = tuple(map(_arg_key, args))
-        else:
-            spec = tuple(a if i in self.constexpr_at else _arg_key(a) for i, a in enumerate(args))
+        """The launch key (see the module doc): device, positional arguments' spec, launch options."""
+        spec = (self.specs.get(len(args)) or self._spec(len(args)))(*args)
         return torch._C._cuda_getDevice(), spec, tuple(meta.items())
 
     def launch(self, grid, args, meta):
-        if is_traced():
+        if _state.traced:
             return self._launch_traced(grid, args, meta)
         if INTERPRET:
             return self.fn[grid](*args, **meta)
-        key = self._key(args, meta)
+        spec = (self.specs.get(len(args)) or self._spec(len(args)))(*args)  # `_key`, inlined
+        key = (torch._C._cuda_getDevice(), spec, tuple(meta.items()))
         hit = self.compiled.get(key)
         if hit is None or _through_triton():
             return self._launch_through_triton(key, grid, args, meta)
-        run, function, metadata, tail, compiled = hit
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(key[0]), function, metadata, None, None, None,
-            *args, *[meta[name] for name in tail])
+        run, function, metadata, constexprs, compiled = hit
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(key[0]),
+            function, metadata, None, None, None, *args, *constexprs)
         return compiled
 
     def _launch_through_triton(self, key, grid, args, meta):
@@ -130,7 +163,9 @@ class Kernel:
         compiled = self.fn.run(*args, grid=grid, warmup=False, **meta)
         tail = self.names[len(args):]
         if compiled is not None and not _through_triton() and all(name in meta for name in tail):
-            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail, compiled)
+            # The trailing constexprs' values are part of the key (meta), so they are stored with it.
+            constexprs = tuple(meta[name] for name in tail)
+            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, compiled)
         return compiled
 
     def _launch_traced(self, grid, args, meta):

@@ -37,8 +37,8 @@ import triton.language as tl
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, flat_rows, grouped_tile,
-                     is_traced, kernel, mm, next_power_of_2, shared_memory_per_block)
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, empty_contiguous_like,
+                    flat_rows, grouped_tile, is_traced, kernel, mm, next_power_of_2, shared_memory_per_block)
 
 DECODE_MAX_M = 16
 
@@ -368,7 +368,7 @@ def linear_backward(dy, x, weight, need_dx: bool, need_dw: bool, need_db: bool):
     x2 = flat_rows(x)
     dx = dw = db = None
     if need_dx:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = empty_contiguous_like(x)
         mm(dy2, weight, flat_rows(dx))
     if need_dw:
         dw = torch.empty((n, k), dtype=weight.dtype, device=weight.device)

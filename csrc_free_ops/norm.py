@@ -19,8 +19,8 @@ deterministic and free of atomics.
 import torch
 import triton.language as tl
 
-from .common import (cdiv, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block, row_warps,
-                    sum_partials)
+from .common import (cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block,
+                    row_warps, sum_partials)
 
 
 @kernel
@@ -48,15 +48,15 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """x [..., N], weight [N] -> y [..., N] (contiguous, x.dtype)."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_contiguous_like(x)
     _launch(flat_rows(x), None, weight, flat_rows(y), None, eps, offset)
     return y
 
 
 def add_rms_norm(x, residual, weight, eps: float, offset: float):
     """x, residual [..., N], weight [N] -> (rms_norm(x + residual), x + residual)."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = empty_contiguous_like(x)
+    s = empty_contiguous_like(x)
     _launch(flat_rows(x), flat_rows(residual), weight, flat_rows(y), flat_rows(s), eps, offset)
     return y, s
 
@@ -114,7 +114,7 @@ def rms_norm_backward(dy, x, weight, eps: float, offset: float, dsum=None):
     n = x.shape[-1]
     x2, dy2 = flat_rows(x), flat_rows(dy)
     rows = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty_contiguous_like(x)
     if rows == 0 or n == 0:
         return dx, torch.zeros_like(weight)
     dx2 = dx.view(-1, n)

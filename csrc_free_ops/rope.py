@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block, sum_partials
+from .common import (cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block,
+                    sum_partials)
 
 
 @triton.jit
@@ -105,8 +106,8 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
     hk = k.shape[-2]
     q3, k3 = _as_rows(q), _as_rows(k)
     pos = positions.reshape(-1).contiguous()  # an expanded or sliced view has stride != 1
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = empty_contiguous_like(q)
+    k_out = empty_contiguous_like(k)
     rows = q3.shape[0]
     if rows == 0:
         return q_out, k_out
@@ -212,7 +213,7 @@ def _one(dy, x, pos, weight, theta, rotary_dim, eps, offset):
     x3 = _as_rows(x)
     dy3 = _as_rows(dy)
     nhr = x3.shape[0] * h
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = empty_contiguous_like(x)
     has_norm = weight is not None
     if nhr == 0:
         return dx, (torch.zeros_like(weight) if has_norm else None)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import activation as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_like, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
@@ -65,23 +66,20 @@ def _check_split(gate, up, dy=None):
              + " must have one shape")
 
 
-def _like(t: Tensor) -> Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 silu_mul = define(silu_mul_reference, kernels.silu_mul, check=_check,
                   fake=lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)))
 
 silu_mul_split = define(silu_mul_split_reference, kernels.silu_mul_split, check=_check_split,
-                        fake=lambda gate, up: _like(gate))
+                        fake=lambda gate, up: empty_contiguous_like(gate))
 
 silu_mul_backward = define(silu_mul_backward_reference, kernels.silu_mul_backward,
-                           check=lambda dy, gate_up: _check(gate_up, dy), fake=lambda dy, gate_up: _like(gate_up),
-                           dispatch_arg=1)
+                           check=lambda dy, gate_up: _check(gate_up, dy),
+                           fake=lambda dy, gate_up: empty_contiguous_like(gate_up), dispatch_arg=1)
 
 silu_mul_split_backward = define(silu_mul_split_backward_reference, kernels.silu_mul_split_backward,
                                  check=lambda dy, gate, up: _check_split(gate, up, dy),
-                                 fake=lambda dy, gate, up: (_like(gate), _like(gate)), dispatch_arg=1)
+                                 fake=lambda dy, gate, up: (empty_contiguous_like(gate), empty_contiguous_like(gate)),
+                                 dispatch_arg=1)
 
 
 def _setup(ctx, inputs, output):
@@ -119,4 +117,5 @@ def _check_sigmoid_mul(x, gate):
     check_like(op, "x", x, gate=gate)
 
 
-sigmoid_mul = define(sigmoid_mul_reference, kernels.sigmoid_mul, _check_sigmoid_mul, lambda x, gate: _like(x))
+sigmoid_mul = define(sigmoid_mul_reference, kernels.sigmoid_mul, _check_sigmoid_mul,
+                     lambda x, gate: empty_contiguous_like(x))

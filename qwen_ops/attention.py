@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from csrc_free_ops import attention as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_head_dim, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
@@ -124,10 +125,6 @@ def _backward_kernel(do, q, k, v, o, lse, scale, causal, dlse):
                                       None if dlse is None else dlse.float())
 
 
-def _like(t: Tensor) -> Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 attention = define(attention_reference, kernels.attention, check=_check_attention,
                    fake=lambda q, k, v, scale, causal: q.new_empty(q.shape))
 
@@ -137,7 +134,8 @@ attention_with_lse = define(
                                          q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc_dtype(q))))
 
 attention_backward = define(attention_backward_reference, _backward_kernel, check=_check_backward,
-                            fake=lambda do, q, k, v, *args: (_like(q), _like(k), _like(v)), dispatch_arg=1)
+                            fake=lambda do, q, k, v, *args: tuple(map(empty_contiguous_like, (q, k, v))),
+                            dispatch_arg=1)
 
 
 def _setup(ctx, inputs, output):

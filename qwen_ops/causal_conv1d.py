@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import causal_conv1d as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_same, fail
 from .registry import acc_dtype, define
@@ -90,7 +91,7 @@ def _fake_conv(x, weight, initial_state=None):
 
 
 def _fake_update(x, conv_state, weight):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return empty_contiguous_like(x)
 
 
 causal_conv1d = define(causal_conv1d_reference, kernels.causal_conv1d, _check_conv, _fake_conv)

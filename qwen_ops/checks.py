@@ -19,18 +19,19 @@ def fail(op: str, msg: str):
 def check_float(op: str, name: str, t: torch.Tensor, ndim: int | None = None, min_ndim: int = 1):
     if t.dtype not in FLOAT_DTYPES:
         fail(op, f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
+    dim = t.dim()
+    if ndim is not None and dim != ndim:
         fail(op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dim() < min_ndim:
+    if dim < min_ndim:
         fail(op, f"{name} must have at least {min_ndim} dims, got shape {tuple(t.shape)}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if dim and t.stride(-1) != 1 and t.shape[-1] > 1:
         fail(op, f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
 def check_index(op: str, name: str, t: torch.Tensor, shape: tuple):
     if t.dtype not in INDEX_DTYPES:
         fail(op, f"{name} must be int32 or int64, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != tuple(shape):  # torch.Size is a tuple
         fail(op, f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 

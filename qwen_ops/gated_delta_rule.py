@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import gated_delta_rule as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import HEAD_DIMS, check_float, check_like, check_same, fail
 from .registry import acc_dtype, define
@@ -219,7 +220,7 @@ def _fake_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=T
 
 
 def _fake_norm(x, z, weight, eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return empty_contiguous_like(x)
 
 
 chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_gated_delta_rule,
@@ -244,7 +245,7 @@ def _check_gates(a, b, A_log, dt_bias):
 
 def _fake_gates(a, b, A_log, dt_bias):
     return (torch.empty(a.shape, dtype=acc_dtype(a), device=a.device),
-            torch.empty(b.shape, dtype=b.dtype, device=b.device))
+            empty_contiguous_like(b))
 
 
 gated_delta_gates = define(gated_delta_gates_reference, kernels.gated_delta_gates, _check_gates, _fake_gates)

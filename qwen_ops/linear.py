@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import linear as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd
@@ -67,8 +68,8 @@ def _backward_kernel(dy, x, weight, need_dx, need_dw, need_db):
 
 
 def _fake_backward(dy, x, weight, need_dx, need_dw, need_db):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else no_grad_placeholder(x),
-            torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else no_grad_placeholder(weight),
+    return (empty_contiguous_like(x) if need_dx else no_grad_placeholder(x),
+            empty_contiguous_like(weight) if need_dw else no_grad_placeholder(weight),
             weight.new_empty((weight.shape[0],)) if need_db else no_grad_placeholder(weight))
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from csrc_free_ops import norm as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_like, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
@@ -69,23 +70,19 @@ def _check_backward(dy, x, weight, eps, offset=0.0, dsum=None):
         fail(op, f"dy {tuple(dy.shape)} / dsum must have x's shape {tuple(x.shape)}")
 
 
-def _like(x: Tensor) -> Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 rms_norm = define(
     rms_norm_reference, kernels.rms_norm,
     check=lambda x, weight, eps, offset: _check("rms_norm", x, weight),
-    fake=lambda x, weight, eps, offset: _like(x))
+    fake=lambda x, weight, eps, offset: empty_contiguous_like(x))
 
 add_rms_norm = define(
     add_rms_norm_reference, kernels.add_rms_norm,
     check=lambda x, residual, weight, eps, offset: _check("add_rms_norm", x, weight, residual),
-    fake=lambda x, residual, weight, eps, offset: (_like(x), _like(x)))
+    fake=lambda x, residual, weight, eps, offset: (empty_contiguous_like(x), empty_contiguous_like(x)))
 
 rms_norm_backward = define(
     rms_norm_backward_reference, kernels.rms_norm_backward, check=_check_backward,
-    fake=lambda dy, x, weight, eps, offset, dsum: (_like(x), torch.empty_like(weight)),
+    fake=lambda dy, x, weight, eps, offset, dsum: (empty_contiguous_like(x), torch.empty_like(weight)),
     dispatch_arg=1)
 
 

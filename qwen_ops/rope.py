@@ -10,12 +10,14 @@ With q_norm_weight/k_norm_weight, each head is first RMS-normed over D (Qwen3's 
 qwen::rope_backward: a rotation is orthogonal, so the backward rotates the output gradients by
 -a, then (with the fused norm) runs the RMSNorm backward over each head.
 """
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from csrc_free_ops import rope as kernels
+from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_index, check_same, fail
 from .norm import rms_norm_backward_reference, rms_norm_reference
@@ -59,15 +61,15 @@ def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
     d = q.shape[-1]
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
         fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
-    if not 0.0 < theta < float("inf"):  # theta^(-2i/R): 0, negative, inf or NaN give NaN angles
+    if not 0.0 < theta < math.inf:  # theta^(-2i/R): 0, negative, inf or NaN give NaN angles
         fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         fail(op, "give both q_norm_weight and k_norm_weight, or neither")
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if w is not None:
+    if q_norm_weight is not None:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             check_float(op, name, w, ndim=1)  # read with unit stride
-        if w is not None and tuple(w.shape) != (d,):
-            fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
+            if w.shape[0] != d:
+                fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
 
 
 def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positions: Tensor, theta: float,
@@ -104,20 +106,16 @@ def _backward_kernel(dq, dk, q, k, *args):
     return dq_in, dk_in, no_grad_placeholder(q) if dqw is None else dqw, no_grad_placeholder(k) if dkw is None else dkw
 
 
-def _like(t: Tensor) -> Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
 def _fake_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset):
     def w_grad(w, ref):
         return no_grad_placeholder(ref) if w is None else torch.empty_like(w)
-    return _like(q), _like(k), w_grad(q_norm_weight, q), w_grad(k_norm_weight, k)
+    return empty_contiguous_like(q), empty_contiguous_like(k), w_grad(q_norm_weight, q), w_grad(k_norm_weight, k)
 
 
 rope = define(rope_reference, kernels.rope,
               check=lambda q, k, positions, theta, rotary_dim, qw, kw, eps, offset:
               _check(q, k, positions, theta, rotary_dim, qw, kw),
-              fake=lambda q, k, *args: (_like(q), _like(k)))
+              fake=lambda q, k, *args: (empty_contiguous_like(q), empty_contiguous_like(k)))
 
 rope_backward = define(rope_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,
                        dispatch_arg=2)

@@ -6,7 +6,7 @@ import triton
 
 import qwen_ops
 from csrc_free_ops import linear, norm
-from csrc_free_ops.launch import _arg_key, _through_triton
+from csrc_free_ops.launch import _arg_key, _through_triton, spec_function
 from tests.helpers import require_tma
 
 
@@ -19,6 +19,21 @@ def test_arg_key_separates_what_triton_specializes_on():
     assert _arg_key(33) == _arg_key(35) and _arg_key(32) == _arg_key(48)
     assert _arg_key(True) != _arg_key(False) and _arg_key(None) is None
     assert _arg_key(0.5) == _arg_key(2.0)
+
+
+def test_generated_spec_is_the_arg_key_rule():
+    """The generated key function (tensor and i32 cases inlined) gives, argument by argument, what
+    `_arg_key` gives, and the value itself at constexpr positions."""
+    base = torch.zeros(64, dtype=torch.float32)
+    ints = [0, 1, -1, 15, 16, 17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, -2 ** 31, -2 ** 31 - 16, 2 ** 63 - 1, 2 ** 63]
+    others = [base, base[1:], base[2:], base[4:], base.to(torch.bfloat16), torch.nn.Parameter(base), 0.5, True, False, None,
+              torch.float16]
+    args = tuple(ints + others)
+    constexpr_at = {3, len(ints) + 7}
+    expected = tuple(a if i in constexpr_at else _arg_key(a) for i, a in enumerate(args))
+    assert spec_function(len(args), constexpr_at)(*args) == expected
+    assert spec_function(len(ints))(*ints) == tuple(map(_arg_key, ints))
+    assert spec_function(0)() == ()
 
 
 def test_arg_key_of_tensor_descriptors():
