@@ -5,9 +5,10 @@
 Decode-sized inputs (Qwen3-0.6B shapes, bf16, batch 1), so the GPU finishes each kernel long
 before the host issues the next: the wall time of a loop of calls, divided by the calls, is
 the host cost per call (dispatcher, checks, launcher, Triton launch); the best of several short
-loops, since a shared host's noise comes in bursts. Each row also times the
-csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.inference_mode()
-(where PyTorch skips the Autograd key, so the op's Python autograd kernel does not run). The peer: F.rms_norm,
+loops, since a shared host's noise comes in bursts, with the loops of a row's columns
+interleaved so that drift reaches them alike. Each row also times the csrc_free_ops launcher
+alone (no dispatcher, no checks), and the op under torch.inference_mode() (where PyTorch skips
+the Autograd key, so the op's Python autograd kernel does not run). The peer: F.rms_norm,
 F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a native peer are
 compared with F.rms_norm. Prints a table; with --out writes host.json there.
 
@@ -30,17 +31,21 @@ from csrc_free_ops import activation, decode_attention, kv_cache, launch, linear
 ops = torch.ops.qwen
 
 
-def per_call_us(fn, calls: int, loops: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(loops):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns, calls: int, loops: int) -> list:
+    """The best per-call time of each function over `loops` timed loops, the functions' loops
+    interleaved so that the host's drift (clocks, neighbours) reaches all of them alike."""
+    for fn in fns:
+        for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(fns)
+    for _ in range(loops):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
     return best
 
 
@@ -114,10 +119,10 @@ def main():
     a = p.parse_args()
     rows = []
     for name, op_call, launcher_call, (peer_name, peer_call) in cases():
-        ours, launcher, bare, peer = (per_call_us(f, a.calls, a.loops)
-                                      for f in (op_call, launcher_call, bare_launches(launcher_call), peer_call))
+        ours, launcher, bare, peer = per_call_us((op_call, launcher_call, bare_launches(launcher_call), peer_call),
+                                                 a.calls, a.loops)
         with torch.inference_mode():
-            ours_inf, peer_inf = per_call_us(op_call, a.calls, a.loops), per_call_us(peer_call, a.calls, a.loops)
+            ours_inf, peer_inf = per_call_us((op_call, peer_call), a.calls, a.loops)
         rows.append(dict(op=name, ours_us=ours, launcher_us=launcher, triton_us=bare, peer=peer_name, peer_us=peer,
                          ratio=ours / peer, ours_inference_us=ours_inf, peer_inference_us=peer_inf,
                          ratio_inference=ours_inf / peer_inf))

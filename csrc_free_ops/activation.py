@@ -7,11 +7,12 @@ Backward, y = silu(g) * u, s = sigmoid(g), silu(g) = g * s:
 
     dg = dy * u * s * (1 + g * (1 - s)),   du = dy * silu(g)
 
-Every kernel reads gate and up through their own pointers and row strides, up (and its
-gradient) starting `up_col` columns into its rows: the fused layout passes gate_up as both with
-up_col = I (no views to make on the host, which costs microseconds a call), the split layout
-(transformers' gate_proj and up_proj) two tensors with up_col = 0. Grid: (cdiv(rows, BLOCK_R),
-cdiv(I, BLOCK)).
+Every kernel reads gate and up through their own pointers and row strides, so the split layout
+(transformers' gate_proj and up_proj) shares the code. The forward reads up `up_col` columns into
+its rows: the fused layout passes gate_up as both with up_col = I (no views to make on the host,
+which costs microseconds a call). The backward writes d gate and d up, which must be two tensors
+for torch.compile's functionalization of the kernel's stores: the fused layout passes views of
+the two halves. Grid: (cdiv(rows, BLOCK_R), cdiv(I, BLOCK)).
 """
 import torch
 import triton.language as tl
@@ -60,28 +61,28 @@ def silu_mul_split(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @kernel
 def _silu_mul_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
-                         stride_dy, stride_g, stride_u, stride_dg, stride_du, ROWS, I, up_col,
+                         stride_dy, stride_g, stride_u, stride_dg, stride_du, ROWS, I,
                          BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     row = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (row < ROWS) & (cols < I)
     dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + up_col + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     dg = dy * u * s * (1.0 + g * (1.0 - s))
     du = dy * g * s
     tl.store(dg_ptr + row * stride_dg + cols, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + row * stride_du + up_col + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + row * stride_du + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_bwd(dy2, g2, u2, dg2, du2, up_col: int):
-    rows, inter = dy2.shape
+def _launch_bwd(dy2, g2, u2, dg2, du2):
+    rows, inter = g2.shape
     if rows == 0 or inter == 0:
         return
     _silu_mul_bwd_kernel[(cdiv(rows, ROWS_PER_PROGRAM), cdiv(inter, BLOCK))](
         dy2, g2, u2, dg2, du2, dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
-        rows, inter, up_col, BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
+        rows, inter, BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
 
 
 def silu_mul_backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def silu_mul_backward(dy: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     gu = flat_rows(gate_up)
     dgu = empty_contiguous_like(gate_up)
     d2 = flat_rows(dgu)
-    _launch_bwd(flat_rows(dy), gu, gu, d2, d2, inter)
+    _launch_bwd(flat_rows(dy), gu[:, :inter], gu[:, inter:], d2[:, :inter], d2[:, inter:])
     return dgu
 
 
@@ -98,7 +99,7 @@ def silu_mul_split_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tens
     """dy, gate, up [..., I] -> (d gate, d up), contiguous, gate's dtype."""
     dg = empty_contiguous_like(gate)
     du = empty_contiguous_like(gate)
-    _launch_bwd(flat_rows(dy), flat_rows(gate), flat_rows(up), flat_rows(dg), flat_rows(du), 0)
+    _launch_bwd(flat_rows(dy), flat_rows(gate), flat_rows(up), flat_rows(dg), flat_rows(du))
     return dg, du
 
 

@@ -340,12 +340,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | P
     tests): a DecodeConfig for M <= DECODE_MAX_M, a PrefillConfig above (which needs the TMA path)."""
     k = x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = flat_rows(x)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return y
-    y2 = y.view(m, n)
+    y2 = flat_rows(y)
     decode = m <= DECODE_MAX_M
     if config is not None and isinstance(config, DecodeConfig) != decode:
         raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "

@@ -26,6 +26,7 @@ sum (deterministic, no atomics). cos/sin are recomputed from the positions exact
 forward computes them. Backward grid: (P,), one launch for q and one for k; program p walks
 a contiguous range of (token, head) rows in tiles.
 """
+import functools
 import math
 
 import torch
@@ -116,14 +117,18 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         q3, k3, pos, q_out, k_out,
         q_norm_weight if has_norm else q3, k_norm_weight if has_norm else k3,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), hq, hk,
-        math.log2(theta), eps, offset,
-        D=d, ROT=rotary_dim, HAS_NORM=has_norm,
-        BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),  # 0 heads: a masked block of 1
-        BLOCK_HALF=next_power_of_2(rotary_dim // 2),
-        BLOCK_PASS=next_power_of_2(d - rotary_dim),
-        num_warps=_warps(hq, hk, d, rotary_dim),
+        math.log2(theta), eps, offset, **_rope_meta(hq, hk, d, rotary_dim, has_norm),
     )
     return q_out, k_out
+
+
+@functools.lru_cache(maxsize=None)
+def _rope_meta(hq: int, hk: int, d: int, rotary_dim: int, has_norm: bool) -> dict:
+    """The forward's constexprs and warps for a head layout (cached: a launch only unpacks them)."""
+    return dict(D=d, ROT=rotary_dim, HAS_NORM=has_norm,
+                BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),  # 0 heads: a masked block of 1
+                BLOCK_HALF=next_power_of_2(rotary_dim // 2), BLOCK_PASS=next_power_of_2(d - rotary_dim),
+                num_warps=_warps(hq, hk, d, rotary_dim))
 
 
 def _warps(hq: int, hk: int, d: int, rotary_dim: int) -> int:
