@@ -1,16 +1,17 @@
 """Host time of one op call, side by side with the native PyTorch op of the same kind.
 
-    python -m bench.host [--calls 500] [--loops 9] [--out DIR]
+    python -m bench.host [--calls 500] [--loops 9] [--rounds 3] [--out DIR]
 
 Decode-sized inputs (Qwen3-0.6B shapes, bf16, batch 1), so the GPU finishes each kernel long
 before the host issues the next: the wall time of a loop of calls, divided by the calls, is
-the host cost per call (dispatcher, checks, launcher, Triton launch); the best of several short
-loops, since a shared host's noise comes in bursts, with the loops of a row's columns
-interleaved so that drift reaches them alike. Each row also times the csrc_free_ops launcher
-alone (no dispatcher, no checks), and the op under torch.inference_mode() (where PyTorch skips
-the Autograd key, so the op's Python autograd kernel does not run). The peer: F.rms_norm,
-F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a native peer are
-compared with F.rms_norm. Prints a table; with --out writes host.json there.
+the host cost per call (dispatcher, checks, launcher, Triton launch). Each cell is the best of
+several short loops, since a shared host's noise comes in bursts: the loops of a row's columns
+interleaved, so that drift reaches them alike, over --rounds passes of the whole table (the
+first rows of a pass ran slower than later ones in early runs). Each row also times the
+csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.inference_mode()
+(where PyTorch skips the Autograd key, so the op's Python autograd kernel does not run). The
+peer: F.rms_norm, F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a
+native peer are compared with F.rms_norm. Prints a table; with --out writes host.json there.
 
 Where the time goes, per op, from three nested measurements: "triton" replays the Triton launches
 that one launcher call makes, through the compiled kernels' C launchers with the arguments already
@@ -115,14 +116,18 @@ def main():
     p = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=500, help="calls per timed loop")
     p.add_argument("--loops", type=int, default=9, help="timed loops per row; the fastest counts")
+    p.add_argument("--rounds", type=int, default=3, help="passes over all rows; each cell keeps its best")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    timings = {}  # op -> best (ours, launcher, triton, peer, ours inference_mode, peer inference_mode)
+    for _ in range(a.rounds):
+        for name, op_call, launcher_call, (peer_name, peer_call) in cases():
+            t = per_call_us((op_call, launcher_call, bare_launches(launcher_call), peer_call), a.calls, a.loops)
+            with torch.inference_mode():
+                t += per_call_us((op_call, peer_call), a.calls, a.loops)
+            timings[name] = (peer_name, [min(x, y) for x, y in zip(timings.get(name, (None, t))[1], t)])
     rows = []
-    for name, op_call, launcher_call, (peer_name, peer_call) in cases():
-        ours, launcher, bare, peer = per_call_us((op_call, launcher_call, bare_launches(launcher_call), peer_call),
-                                                 a.calls, a.loops)
-        with torch.inference_mode():
-            ours_inf, peer_inf = per_call_us((op_call, peer_call), a.calls, a.loops)
+    for name, (peer_name, (ours, launcher, bare, peer, ours_inf, peer_inf)) in timings.items():
         rows.append(dict(op=name, ours_us=ours, launcher_us=launcher, triton_us=bare, peer=peer_name, peer_us=peer,
                          ratio=ours / peer, ours_inference_us=ours_inf, peer_inference_us=peer_inf,
                          ratio_inference=ours_inf / peer_inf))
