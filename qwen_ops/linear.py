@@ -8,7 +8,6 @@ come back as empty tensors.
 """
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

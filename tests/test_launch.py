@@ -26,8 +26,8 @@ def test_generated_spec_is_the_arg_key_rule():
     `_arg_key` gives, and the value itself at constexpr positions."""
     base = torch.zeros(64, dtype=torch.float32)
     ints = [0, 1, -1, 15, 16, 17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, -2 ** 31, -2 ** 31 - 16, 2 ** 63 - 1, 2 ** 63]
-    others = [base, base[1:], base[2:], base[4:], base.to(torch.bfloat16), torch.nn.Parameter(base), 0.5, True, False, None,
-              torch.float16]
+    others = [base, base[1:], base[2:], base[4:], base.to(torch.bfloat16), torch.nn.Parameter(base), 0.5, True, False,
+              None, torch.float16]
     args = tuple(ints + others)
     constexpr_at = {3, len(ints) + 7}
     expected = tuple(a if i in constexpr_at else _arg_key(a) for i, a in enumerate(args))
