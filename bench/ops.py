@@ -232,7 +232,7 @@ def sweep_prefill(cfgs, tokens=(256, 2048)):
                 continue
             results.sort()
             (us, cfg), runner = results[0], results[1] if len(results) > 1 else (float("nan"), None)
-            best[(256 if m < 1024 else 2048, n, k)] = cfg
+            best[(linear.prefill_m_class(m), n, k)] = cfg
             lines.add(f"| {m} | {n} | {k} | {peer:.1f} | {strided:.1f} | {us:.1f} | {tuple(cfg)} | {peer / us:.2f}x "
                 f"| {runner[0]:.1f} {tuple(runner[1]) if runner[1] else ''} |")
             if failed:

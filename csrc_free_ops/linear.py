@@ -146,9 +146,20 @@ class PrefillConfig(NamedTuple):
     split_k: int = 1
 
 
-# (M class, N, K) -> config, M class 256 for M < 1024, else 2048: the fastest of
-# `python -m bench.ops --sweep-prefill` on an H200 (bench/results/): 2026-11-29, and 2026-12-01 for
-# M class 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at N = 1024).
+PREFILL_M_CLASSES = (256, 512, 1024, 2048)
+"""The token counts the prefill configs were swept at; M takes the config of the smallest class
+>= M (the largest past 2048)."""
+
+
+def prefill_m_class(m: int) -> int:
+    """The PREFILL_M_CLASSES entry whose configs serve M rows."""
+    return next((c for c in PREFILL_M_CLASSES if m <= c), PREFILL_M_CLASSES[-1])
+
+
+# (M class, N, K) -> config (prefill_m_class): the fastest of
+# `python -m bench.ops --sweep-prefill` on an H200 (bench/results/): 2026-11-29 for M class 2048,
+# 2026-12-01 for 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at
+# N = 1024) and for 512 and 1024 (`--tokens 512 1024`).
 # Shapes not listed use prefill_config's rule.
 PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
     (256, 896, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
@@ -161,6 +172,26 @@ PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
     (256, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (256, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (256, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (512, 896, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (512, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 2),
+    (512, 1024, 2048): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (512, 1024, 3072): PrefillConfig(64, 128, 128, 4, 4, 2),
+    (512, 1536, 896): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (512, 4096, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (512, 6144, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (512, 9728, 896): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (512, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (512, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (1024, 896, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (1024, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (1024, 1024, 2048): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (1024, 1024, 3072): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (1024, 1536, 896): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (1024, 4096, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (1024, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (1024, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (1024, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (1024, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
     (2048, 896, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
     (2048, 896, 4864): PrefillConfig(128, 128, 64, 4, 4, 1),
     (2048, 1024, 2048): PrefillConfig(128, 128, 64, 4, 4, 1),
@@ -178,7 +209,7 @@ def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
     """The stored config for (M class, N, K), else the largest tile that still gives about
     three quarters of a wave of programs, with the K axis split where even the smallest tile
     leaves half the GPU idle."""
-    cfg = PREFILL_CONFIGS.get((256 if m < 1024 else 2048, n, k))
+    cfg = PREFILL_CONFIGS.get((prefill_m_class(m), n, k))
     if cfg is not None:
         return cfg
     if INTERPRET:  # every tile element costs numpy time there

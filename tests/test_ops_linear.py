@@ -15,7 +15,9 @@ CASES = {
              (1, 896, 1152), (1, 896, 9728), (1, 4864, 896), (4, 1024, 4096), (16, 3584, 896),
              (255, 896, 9728), (256, 1024, 6144), (1000, 4864, 896), (2048, 1024, 3072),
              # PREFILL_CONFIGS' 256-token rows with narrow 64 x 32 x 256 tiles, and qkv's 4-stage tile
-             (256, 2048, 1024), (200, 3072, 1024), (77, 1024, 896), (256, 1024, 4096)],
+             (256, 2048, 1024), (200, 3072, 1024), (77, 1024, 896), (256, 1024, 4096),
+             # the 512 and 1024 classes: 64 x 128 x 128 tiles, K split in two for down at 512
+             (512, 3072, 1024), (300, 4864, 896), (700, 2048, 1024), (1024, 896, 1536)],
 }
 
 
@@ -29,6 +31,14 @@ def test_linear_matches_reference(device, dtype, bias):
         b = randn(n, dtype=dtype, device=device) if bias else None
         poison_allocator(device)
         assert_close(torch.ops.qwen.linear(x, w, b), linear_reference(x, w, b), what=f"linear M{m} K{k} N{n}")
+
+
+def test_prefill_m_classes():
+    """M takes the configs swept at the smallest class >= M (the largest beyond it), and every stored
+    config belongs to a class."""
+    classes = [linear_kernels.prefill_m_class(m) for m in (17, 256, 257, 512, 513, 1024, 1025, 2048, 8192)]
+    assert classes == [256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
+    assert {m for m, _, _ in linear_kernels.PREFILL_CONFIGS} == set(linear_kernels.PREFILL_M_CLASSES)
 
 
 @pytest.mark.parametrize("device", DEVICES)
