@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, empty_contiguous_like, fp32, kernel,
                     next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
-
+from .rope import rotary_cos_sin
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -237,9 +237,9 @@ def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, rstd, stride_ps,
         yp = yp * rstd * (tl.load(nw_ptr + pd).to(tl.float32) + offset)[None, :]
     i = tl.where(d < HALF, d, d - HALF)
     inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
-    angle = pos[:, None] * inv_freq[None, :]
+    cos, sin = rotary_cos_sin(pos[:, None] * inv_freq[None, :])
     sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
-    rotated = y * tl.cos(angle) + sign * yp * tl.sin(angle)
+    rotated = y * cos + sign * yp * sin
     return tl.where((d < ROT)[None, :], rotated, y)
 
 

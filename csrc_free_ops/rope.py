@@ -7,7 +7,8 @@ For each head x [D] at position p, with R = rotary_dim and i < R/2:
     out[i + R/2] = x[i + R/2] cos a_i + x[i] sin a_i
     out[R:]      = x[R:]                                  (partial rotary passes through)
 
-cos/sin come from the positions inside the kernel, in fp32: no tables in memory.
+cos/sin come from the positions inside the kernel, in fp32: no tables in memory (`rotary_cos_sin`:
+the angle reduced to [-pi, pi], then the hardware's approximate sin/cos).
 With a norm weight w, x is first replaced by x * rsqrt(mean(x^2) + eps) * (w + offset)
 (Qwen3's q_norm/k_norm), saving a kernel and a round trip per projection.
 
@@ -32,9 +33,30 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from .common import (cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block,
-                    sum_partials)
+from .common import (INTERPRET, cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs,
+                     row_block, sum_partials)
+
+
+_HARDWARE_TRIG = tl.constexpr(not INTERPRET)  # the interpreter has no libdevice: it takes tl.cos / tl.sin
+
+
+@triton.jit
+def rotary_cos_sin(angle):
+    """(cos, sin) of fp32 angles: the angle is reduced to [-pi, pi] by subtracting k * 2pi in three
+    parts (Cody-Waite; k * 6.28125 is exact for |k| < 2^16, so the reduction is exact to fp32
+    rounding for angles below ~4e5 rad), then the hardware's approximate sin/cos (absolute error
+    ~1e-6 on [-pi, pi]). The rounding of the fp32 angle itself (~1e-4 rad at 2048) dwarfs both.
+    tl.cos / tl.sin are libdevice's, whose own reduction made the forward compute-bound: 11.8
+    against 7.0 us at 2048 tokens of Qwen3-0.6B on an H200."""
+    k = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2pi)
+    r = tl.fma(k, -6.28125, angle)
+    r = tl.fma(k, -1.9353071693331003e-3, r)
+    r = tl.fma(k, -1.0253131677018246e-11, r)
+    if _HARDWARE_TRIG:
+        return libdevice.fast_cosf(r), libdevice.fast_sinf(r)
+    return tl.cos(r), tl.sin(r)
 
 
 @triton.jit
@@ -69,9 +91,8 @@ def _rope_heads(
             wp = tl.load(w_ptr + ROT + p, mask=p < PASS, other=0.0).to(tl.float32) + offset
             xp = xp * rstd * wp[None, :]
     inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
-    angle = pos * inv_freq
-    cos = tl.cos(angle)[None, :]
-    sin = tl.sin(angle)[None, :]
+    cos, sin = rotary_cos_sin(pos * inv_freq)
+    cos, sin = cos[None, :], sin[None, :]
     tl.store(dst + i[None, :], (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=m_rot)
     tl.store(dst + HALF + i[None, :], (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=m_rot)
     if PASS > 0:
@@ -176,9 +197,7 @@ def _rope_bwd_kernel(
         m_rot = ok[:, None] & (i[None, :] < HALF)
         m_pass = ok[:, None] & (p[None, :] < PASS)
         pos = tl.load(pos_ptr + row, mask=ok, other=0).to(tl.float32)
-        angle = pos[:, None] * inv_freq[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        cos, sin = rotary_cos_sin(pos[:, None] * inv_freq[None, :])
         src = dy_ptr + row[:, None] * stride_dyr + head[:, None] * stride_dyh
         dy1 = tl.load(src + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
         dy2 = tl.load(src + HALF + i[None, :], mask=m_rot, other=0.0).to(tl.float32)

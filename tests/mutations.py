@@ -61,6 +61,8 @@ MUTATIONS = [
     Mutation("rope's fused q/k norm without eps", "csrc_free_ops/rope.py",
              "rstd = tl.rsqrt(sq / D + eps)[:, None]\n        w1 = ", "rstd = tl.rsqrt(sq / D)[:, None]\n        w1 = ",
              ("tests/test_ops_rope.py",)),
+    Mutation("rope's angle reduction drops the middle part of 2pi", "csrc_free_ops/rope.py",
+             "r = tl.fma(k, -1.9353071693331003e-3, r)", "r = r", ("tests/test_ops_rope.py",)),
     Mutation("kv_cache_store bound check loosened", "csrc_free_ops/kv_cache.py",
              "(pos >= 0) & (pos < L)", "(pos >= 0) & (pos <= L)", ("tests/test_ops_attention.py",)),
     Mutation("linear drops the bias", "csrc_free_ops/common.py",

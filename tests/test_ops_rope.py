@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import qwen_ops  # noqa: F401
-from qwen_ops import rope_reference
+from qwen_ops import rope_backward_reference, rope_reference
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
 # (batch, tokens, q heads, kv heads, head_dim, rotary_dim)
@@ -72,3 +72,19 @@ def test_rope_qk_norm_of_an_all_zero_head_is_zero(device):
     assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
     assert not q_out[0, 1, 2].any() and not k_out[0, 0, 1].any()
     assert_close(q_out, rope_reference(q, k, positions, 1e4, 32, w, w, 1e-6)[0], what="q with a zero head")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_long_context_angles(device):
+    """Positions of 1e5-3e5 (angles to 3e5 rad), forward and backward: the kernels subtract k * 2pi
+    from each angle before the hardware sin/cos, and a wrong reduction shows as errors of order 1.
+    The fp32 angle itself is only good to ~0.03 rad there (one ulp of inv_freq times the position,
+    exp2 here against pow in the reference; 4e-4 relative error on the CPU), hence the loose tolerance."""
+    q, k = _fused_qkv(1, 64, 4, 2, 32, torch.float32, device)
+    positions = torch.randint(100_000, 300_000, (1, 64), device=device)
+    out = torch.ops.qwen.rope(q, k, positions, 1e4, 32)
+    ref = rope_reference(q, k, positions, 1e4, 32)
+    grads = torch.ops.qwen.rope_backward(*out, q, k, positions, 1e4, 32)
+    ref_grads = rope_backward_reference(*out, q, k, positions, 1e4, 32)
+    for name, got, want in zip(("q", "k", "dq", "dk"), (*out, *grads[:2]), (*ref, *ref_grads[:2])):
+        assert_close(got, want, 3e-3, what=f"rope {name} at positions 1e5-3e5")
