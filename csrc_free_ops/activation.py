@@ -17,7 +17,8 @@ the two halves. Grid: (cdiv(rows, BLOCK_R), cdiv(I, BLOCK)).
 import torch
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, empty_contiguous_like, flat_rows, kernel, next_power_of_2
+from .common import (INTERPRET, cdiv, empty_contiguous_like, flat_rows, kernel, next_power_of_2, pdl_launch_dependents,
+                     pdl_options, pdl_wait)
 
 BLOCK = 1024
 ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program, a GPU does not
@@ -25,12 +26,14 @@ ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program, a
 
 @kernel
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, ROWS, I, up_col,
-                     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     mask = (row < ROWS) & (cols < I)
+    pdl_wait(USE_PDL)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + up_col + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     tl.store(y_ptr + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -40,7 +43,7 @@ def _launch(g2, u2, y2, up_col: int):
         return
     _silu_mul_kernel[(cdiv(rows, ROWS_PER_PROGRAM), cdiv(inter, BLOCK))](
         g2, u2, y2, g2.stride(0), u2.stride(0), y2.stride(0), rows, inter, up_col,
-        BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4)
+        BLOCK_R=ROWS_PER_PROGRAM, BLOCK=BLOCK, num_warps=4, **pdl_options(y2))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

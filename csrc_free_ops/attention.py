@@ -58,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, shared_memory_per_block,
-                     softmax_headroom)
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents, pdl_options,
+                     pdl_wait, shared_memory_per_block, softmax_headroom)
 LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 
 
@@ -101,6 +101,7 @@ def _attention_kernel(
     SQ, SK, HQ, GROUP, qk_scale,
     CAUSAL: tl.constexpr, WRITE_O: tl.constexpr, WRITE_LSE: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     qk_scale = fp32(qk_scale)
     # Heads vary fastest; in causal attention the last query blocks (the most keys) start first.
@@ -112,6 +113,7 @@ def _attention_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    pdl_wait(USE_PDL)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                 mask=offs_m[:, None] < SQ, other=0.0)
     k_base = k_ptr + b * stride_kb + hk * stride_kh
@@ -134,6 +136,7 @@ def _attention_kernel(
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
                                       qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
+    pdl_launch_dependents(USE_PDL)
     if WRITE_LSE:  # natural-log log-sum-exp of the scaled scores, for the backward
         tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i * qk_scale + HEADROOM + tl.log2(l_i)) * LN2,
                  mask=offs_m < SQ)
@@ -204,6 +207,7 @@ def _launch(q, k, v, o, lse, scale, causal, tiles):
         sq, k.shape[1], hq, hq // hk, scale * LOG2E,
         CAUSAL=causal, WRITE_O=o is not None, WRITE_LSE=lse is not None,
         D=d, BLOCK_M=bm, BLOCK_N=bn, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, num_warps=warps, num_stages=stages,
+        **pdl_options(q),
     )
 
 

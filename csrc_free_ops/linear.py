@@ -38,7 +38,8 @@ from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, empty_contiguous_like,
-                    flat_rows, grouped_tile, is_traced, kernel, mm, next_power_of_2, shared_memory_per_block)
+                    flat_rows, grouped_tile, is_traced, kernel, mm, next_power_of_2, pdl_launch_dependents,
+                    pdl_options, pdl_wait, shared_memory_per_block)
 
 DECODE_MAX_M = 16
 
@@ -115,16 +116,18 @@ def _splitk_kernel(
 @kernel
 def _splitk_reduce_kernel(
     part_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    pdl_wait(USE_PDL)
     for s in range(SPLIT_K):
         acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -133,7 +136,7 @@ def _reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
     split, m, n = part.shape
     _splitk_reduce_kernel[(m, cdiv(n, 1024))](
         part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
-        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(y2),
     )
 
 
@@ -259,6 +262,7 @@ def _tma_gemm_kernel(
     x, w, y, b_ptr, M, N, K, K_PER_SPLIT, PROGRAMS, stride_xm, stride_wn, stride_ym, stride_ys,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DEVICE_DESCRIPTORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program p computes work items p, p + PROGRAMS, ... of SPLIT_K x (output tiles): the tile
     (pid_m, pid_n) over K slice s. One slice: y tile (+ bias) in y's dtype. Several: the fp32
@@ -269,7 +273,9 @@ def _tma_gemm_kernel(
     DEVICE_DESCRIPTORS, pointers from which each program makes its own descriptors in global
     scratch that Triton's launcher allocates. Host descriptors are faster for small GEMMs (no
     per-program setup: 5.8 against 7.5 us at 256 x 896 x 1024 on an H200); torch.compile can
-    only trace the pointer form."""
+    only trace the pointer form. Under PDL a program lets the next kernel launch once its last
+    work item's main loop is done."""
+    pdl_wait(USE_PDL)
     if DEVICE_DESCRIPTORS:
         x_desc = tl.make_tensor_descriptor(x, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
@@ -288,6 +294,8 @@ def _tma_gemm_kernel(
             a = x_desc.load([pid_m * BLOCK_M, k0])
             b = w_desc.load([pid_n * BLOCK_N, k0])
             acc = dot(a, b.T, acc)
+        if work + PROGRAMS >= tiles * SPLIT_K:
+            pdl_launch_dependents(USE_PDL)
         if HAS_BIAS:
             rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -329,6 +337,7 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
         x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         SPLIT_K=split, HAS_BIAS=has_bias and split == 1, DEVICE_DESCRIPTORS=on_device,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_options(x2),
     )
     if split > 1:
         _reduce_slices(out, bias, y2)

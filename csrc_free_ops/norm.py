@@ -19,8 +19,8 @@ deterministic and free of atomics.
 import torch
 import triton.language as tl
 
-from .common import (cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs, row_block,
-                    row_warps, sum_partials)
+from .common import (cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs,
+                     pdl_launch_dependents, pdl_options, pdl_wait, row_block, row_warps, sum_partials)
 
 
 @kernel
@@ -28,15 +28,18 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr,
     stride_x, stride_res, stride_y, stride_sum,
     N, eps, offset,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     eps, offset = fp32(eps), fp32(offset)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
+    if HAS_RESIDUAL:
         # The stored sum is rounded to the dtype; normalise exactly what the next layer reads.
         x_rounded = x.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, x_rounded, mask=mask)
@@ -71,7 +74,7 @@ def _launch(x2, r2, weight, y2, s2, eps, offset):
         x2, r2 if has_res else x2, weight, y2, s2 if has_res else x2,
         x2.stride(0), r2.stride(0) if has_res else 0, y2.stride(0), s2.stride(0) if has_res else 0,
         n, eps, offset,
-        HAS_RESIDUAL=has_res, BLOCK_N=block, num_warps=row_warps(block),
+        HAS_RESIDUAL=has_res, BLOCK_N=block, num_warps=row_warps(block), **pdl_options(x2),
     )
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .common import (INTERPRET, cdiv, empty_contiguous_like, flat_rows, fp32, kernel, next_power_of_2, num_programs,
-                     row_block, sum_partials)
+                     pdl_launch_dependents, pdl_options, pdl_wait, row_block, sum_partials)
 
 
 _HARDWARE_TRIG = tl.constexpr(not INTERPRET)  # the interpreter has no libdevice: it takes tl.cos / tl.sin
@@ -63,7 +63,7 @@ def rotary_cos_sin(angle):
 def _rope_heads(
     x_ptr, o_ptr, w_ptr, row, stride_r, stride_h, H, pos, log2_theta, eps, offset,
     D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = D - ROT
@@ -93,6 +93,7 @@ def _rope_heads(
     inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
     cos, sin = rotary_cos_sin(pos * inv_freq)
     cos, sin = cos[None, :], sin[None, :]
+    pdl_launch_dependents(USE_PDL)
     tl.store(dst + i[None, :], (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=m_rot)
     tl.store(dst + HALF + i[None, :], (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=m_rot)
     if PASS > 0:
@@ -105,16 +106,18 @@ def _rope_kernel(
     stride_qr, stride_qh, stride_kr, stride_kh, HQ, HK, log2_theta, eps, offset,
     D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     log2_theta, eps, offset = fp32(log2_theta), fp32(eps), fp32(offset)
     row = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     pos = tl.load(pos_ptr + row).to(tl.float32)
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, qw_ptr, row, stride_qr, stride_qh, HQ, pos, log2_theta, eps, offset,
-                    D, ROT, HAS_NORM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS)
+                    D, ROT, HAS_NORM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, USE_PDL)
     else:
         _rope_heads(k_ptr, ko_ptr, kw_ptr, row, stride_kr, stride_kh, HK, pos, log2_theta, eps, offset,
-                    D, ROT, HAS_NORM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS)
+                    D, ROT, HAS_NORM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, USE_PDL)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +141,7 @@ def rope(q, k, positions, theta: float, rotary_dim: int, q_norm_weight, k_norm_w
         q3, k3, pos, q_out, k_out,
         q_norm_weight if has_norm else q3, k_norm_weight if has_norm else k3,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), hq, hk,
-        math.log2(theta), eps, offset, **_rope_meta(hq, hk, d, rotary_dim, has_norm),
+        math.log2(theta), eps, offset, **_rope_meta(hq, hk, d, rotary_dim, has_norm), **pdl_options(q3),
     )
     return q_out, k_out
 
