@@ -94,8 +94,8 @@ _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
 
 
 def use_pdl(t: torch.Tensor) -> bool:
-    """Programmatic Dependent Launch for the decode kernels that support it: on CUDA devices of
-    compute capability 9 or more (Hopper), unless QWEN_PDL=0. Such a kernel is launched with
+    """Programmatic Dependent Launch for the kernels that support it (the decode and prefill paths'):
+    on CUDA devices of compute capability 9 or more (Hopper), unless QWEN_PDL=0. Such a kernel is launched with
     `launch_pdl=True`, may start while the previous kernel in the stream finishes, and calls
     `gdc_wait` before it reads or writes anything but its weights (see `pdl_wait`). Never under
     the interpreter, which has no griddepcontrol instruction."""
