@@ -13,11 +13,15 @@ csrc_free_ops launcher alone (no dispatcher, no checks), and the op under torch.
 peer: F.rms_norm, F.linear, F.scaled_dot_product_attention (same mode as "ours"); ops without a
 native peer are compared with F.rms_norm. Prints a table; with --out writes host.json there.
 
-Where the time goes, per op, from three nested measurements: "triton" replays the Triton launches
-that one launcher call makes, through the compiled kernels' C launchers with the arguments already
-built (the floor for a Triton kernel started from Python: Triton's `CudaLauncher.__call__` and the
-driver call); "launcher" adds our launcher's Python (output allocation, sizes, the launch-cache
-key); "ours" adds the dispatcher, the op's checks and its Autograd kernel.
+"ours" calls the op as a user does: the same inputs every call, so after its first calls each
+op replays its launch plan (qwen_ops/plans.py: no checks, no launcher Python). "no plan" is the
+same call with plans switched off (`plans.enabled`, set around each call), the path every op call
+took before plans. Where that time goes, from nested measurements: "triton" replays the Triton
+launches that one launcher call makes, through the compiled kernels' C launchers with the
+arguments already built (the floor for a Triton kernel started from Python: Triton's
+`CudaLauncher.__call__` and the driver call); "launcher" adds our launcher's Python (output
+allocation, sizes, the launch-cache key); "no plan" adds the dispatcher, the op's checks and its
+Autograd kernel.
 """
 import argparse
 import json
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import qwen_ops  # noqa: F401
+from qwen_ops import plans
 from csrc_free_ops import activation, decode_attention, kv_cache, launch, linear, norm, rope
 
 ops = torch.ops.qwen
@@ -78,6 +83,15 @@ def bare_launches(launcher_call):
     return replay
 
 
+def without_plans(op_call):
+    """op_call with launch plans switched off around it."""
+    def call():
+        plans.enabled = False
+        op_call()
+        plans.enabled = True
+    return call
+
+
 def cases():
     dev, bf = "cuda", torch.bfloat16
     hidden, hq, hk, d, inter, cache_len = 1024, 16, 8, 128, 3072, 1024
@@ -88,6 +102,7 @@ def cases():
     gate_up = torch.randn(1, 2 * inter, device=dev, dtype=bf)
     q = torch.randn(1, 1, hq, d, device=dev, dtype=bf)
     k = torch.randn(1, 1, hk, d, device=dev, dtype=bf)
+    v = torch.randn(1, 1, hk, d, device=dev, dtype=bf)
     qn, kn = torch.randn(d, device=dev, dtype=bf), torch.randn(d, device=dev, dtype=bf)
     pos = torch.tensor([[cache_len - 1]], device=dev)
     k_cache = torch.randn(1, cache_len, hk, d, device=dev, dtype=bf)
@@ -104,8 +119,8 @@ def cases():
         ("silu_mul", lambda: ops.silu_mul(gate_up), lambda: activation.silu_mul(gate_up), rms_peer),
         ("rope + qk norm", lambda: ops.rope(q, k, pos, 1e6, d, qn, kn),
          lambda: rope.rope(q, k, pos, 1e6, d, qn, kn, 1e-6, 0.0), rms_peer),
-        ("kv_cache_store", lambda: ops.kv_cache_store(k, k, k_cache, v_cache, pos),
-         lambda: kv_cache.kv_cache_store(k, k, k_cache, v_cache, pos), rms_peer),
+        ("kv_cache_store", lambda: ops.kv_cache_store(k, v, k_cache, v_cache, pos),
+         lambda: kv_cache.kv_cache_store(k, v, k_cache, v_cache, pos), rms_peer),
         ("decode_attention L=1024", lambda: ops.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
          lambda: decode_attention.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
          ("F.sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))),
@@ -119,22 +134,25 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="passes over all rows; each cell keeps its best")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    timings = {}  # op -> best (ours, launcher, triton, peer, ours inference_mode, peer inference_mode)
+    timings = {}  # op -> best (ours, no plan, launcher, triton, peer, ours inference_mode, peer inference_mode)
     for _ in range(a.rounds):
         for name, op_call, launcher_call, (peer_name, peer_call) in cases():
-            t = per_call_us((op_call, launcher_call, bare_launches(launcher_call), peer_call), a.calls, a.loops)
+            t = per_call_us((op_call, without_plans(op_call), launcher_call, bare_launches(launcher_call), peer_call),
+                            a.calls, a.loops)
             with torch.inference_mode():
                 t += per_call_us((op_call, peer_call), a.calls, a.loops)
             timings[name] = (peer_name, [min(x, y) for x, y in zip(timings.get(name, (None, t))[1], t)])
     rows = []
-    for name, (peer_name, (ours, launcher, bare, peer, ours_inf, peer_inf)) in timings.items():
-        rows.append(dict(op=name, ours_us=ours, launcher_us=launcher, triton_us=bare, peer=peer_name, peer_us=peer,
+    for name, (peer_name, (ours, no_plan, launcher, bare, peer, ours_inf, peer_inf)) in timings.items():
+        rows.append(dict(op=name, ours_us=ours, no_plan_us=no_plan, launcher_us=launcher, triton_us=bare,
+                         peer=peer_name, peer_us=peer,
                          ratio=ours / peer, ours_inference_us=ours_inf, peer_inference_us=peer_inf,
                          ratio_inference=ours_inf / peer_inf))
-    print(f"{'op':26s} {'ours us':>8s} {'launcher':>9s} {'triton':>7s} {'peer':>12s} {'peer us':>8s} {'ours/peer':>9s}"
-          f" {'inference_mode: ours':>21s} {'peer':>6s} {'ratio':>6s}")
+    print(f"{'op':26s} {'ours us':>8s} {'no plan':>8s} {'launcher':>9s} {'triton':>7s} {'peer':>12s} {'peer us':>8s}"
+          f" {'ours/peer':>9s} {'inference_mode: ours':>21s} {'peer':>6s} {'ratio':>6s}")
     for r in rows:
-        print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['launcher_us']:9.1f} {r['triton_us']:7.1f} {r['peer']:>12s} "
+        print(f"{r['op']:26s} {r['ours_us']:8.1f} {r['no_plan_us']:8.1f} {r['launcher_us']:9.1f} {r['triton_us']:7.1f} "
+              f"{r['peer']:>12s} "
               f"{r['peer_us']:8.1f} {r['ratio']:9.2f} {r['ours_inference_us']:21.1f} {r['peer_inference_us']:6.1f} "
               f"{r['ratio_inference']:6.2f}")
     if a.out:

@@ -39,6 +39,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 class _State(threading.local):
     traced = False
+    recording = None  # a list while `recording()` is active: what cached launches happened, in order
 
 
 _state = _State()
@@ -58,6 +59,19 @@ def traced():
         yield
     finally:
         _state.traced = before
+
+
+@contextmanager
+def recording(launches: list):
+    """Inside, every cached launch appends (compiled kernel entry, grid, positional args) to
+    `launches`, and a launch through Triton (a first compile, a hook) appends None: what
+    `qwen_ops.plans` replays."""
+    before = _state.recording
+    _state.recording = launches
+    try:
+        yield
+    finally:
+        _state.recording = before
 
 
 _runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >= 3.4
@@ -149,11 +163,15 @@ class Kernel:
         key = (torch._C._cuda_getDevice(), spec, tuple(meta.items()))
         hit = self.compiled.get(key)
         if hit is None or _through_triton():
+            if _state.recording is not None:
+                _state.recording.append(None)
             return self._launch_through_triton(key, grid, args, meta)
         run, function, metadata, constexprs, compiled = hit
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(key[0]),
             function, metadata, None, None, None, *args, *constexprs)
+        if _state.recording is not None:
+            _state.recording.append((hit, grid, args))
         return compiled
 
     def _launch_through_triton(self, key, grid, args, meta):

@@ -40,7 +40,9 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from csrc_free_ops.launch import INTERPRET, traced
+from csrc_free_ops.launch import INTERPRET, _through_triton, traced
+
+from . import plans
 
 from .checks import KERNEL_DTYPES
 
@@ -55,6 +57,8 @@ PLAIN_KEYSETS = {"CPU": torch._C.DispatchKeySet(_K.CPU).add(_K.AutogradCPU),
 """The dispatch key sets an op's Autograd kernel sees for plain CPU / CUDA tensors: no mode, tensor
 subclass, functionalization, autocast or functorch transform in play."""
 _impls: dict = {}  # op name -> {"CPU": on_cpu, "CUDA": on_cuda}
+plan_tables: dict = {}
+"""op name -> its launch plans (signature -> replay function, or False where a call cannot be replayed)."""
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -87,8 +91,20 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
             return kernel(*args)
         return reference(*args)
 
+    # Launch plans (qwen_ops/plans.py): signature -> replay function, or False where a call cannot be replayed
+    key = plans.key_function(getattr(torch.ops.qwen, name).default._schema) if traceable and not INTERPRET else None
+    table = plan_tables[name] = {}
+
     def on_cuda(*args):
         args += defaults[len(args):]
+        if key is not None and plans.enabled and not _through_triton():
+            signature = key(*args)
+            replay = table.get(signature)
+            if replay:
+                kernel_calls[name] += 1
+                return replay(*args)
+        else:
+            signature = replay = None
         check(*args)
         t = args[dispatch_arg]
         if t.dtype not in KERNEL_DTYPES:
@@ -97,6 +113,13 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
         if t.get_device() != torch._C._cuda_getDevice():
             with torch.cuda.device(t.device):  # kernels launch on the current device
                 return kernel(*args)
+        if replay is None and signature is not None:  # not recorded yet
+            out, replay = plans.record(kernel, args)
+            if replay is not None:  # None: a launch went through Triton (a first compile), record the next call
+                if len(table) >= plans.MAX_PLANS:
+                    table.clear()
+                table[signature] = replay
+            return out
         return kernel(*args)
 
     def fake_impl(*args):

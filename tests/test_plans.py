@@ -1,0 +1,165 @@
+"""qwen_ops.plans: a replayed call starts exactly the launches its launcher would start (CPU, in a
+subprocess with the C launch stubbed), and on a GPU replayed calls match the references."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qwen_ops  # noqa: F401
+from qwen_ops import (add_rms_norm_reference, decode_attention_reference, kv_cache_store_reference, linear_reference,
+                      rms_norm_reference, rope_reference, silu_mul_reference)
+from qwen_ops import plans
+from qwen_ops.registry import plan_tables
+from tests.helpers import assert_close, randn
+
+# CPU tensors stand in for CUDA ones: the CUDA queries are patched and each kernel's compiled launch
+# is a stub that logs its arguments. Without TRITON_INTERPRET, as on a GPU, so the launches take
+# launch.py's cached path, which plans record.
+SCRIPT = r'''
+import torch
+torch._C._cuda_getDevice = lambda: -1
+torch._C._cuda_getCurrentRawStream = lambda device: 0
+from csrc_free_ops import launch
+
+LOG = []
+
+
+def stub_compile(self, key, grid, args, meta):
+    specialization = f"{self.fn.__name__} #{len(self.compiled)}"  # one compiled kernel per launch key
+
+    def run(gx, gy, gz, stream, function, metadata, *rest):
+        LOG.append((specialization, (gx, gy, gz), rest[3:]))
+    self.compiled[key] = (run, None, None, tuple(meta[n] for n in self.names[len(args):]), None)
+
+
+launch.Kernel._launch_through_triton = stub_compile
+import qwen_ops  # noqa: E402,F401
+from qwen_ops import registry  # noqa: E402
+
+bf = torch.bfloat16
+
+
+def r(*shape, dtype=bf):
+    return torch.randn(*shape).to(dtype)
+
+
+L = 64
+CASES = {  # op -> (make fresh arguments of one signature, whether a plan must be made)
+    "rms_norm": (lambda: (r(3, 96), r(96), 1e-6, 0.0), True),
+    # x 2 bytes past a 16-byte boundary: another signature, and another compiled kernel
+    "rms_norm, misaligned x": (lambda: (r(3 * 96 + 1)[1:].view(3, 96), r(96), 1e-6, 0.0), True),
+    "add_rms_norm": (lambda: (r(1, 96), r(1, 96), r(96), 1e-6, 1.0), True),
+    "linear": (lambda: (r(1, 256), r(320, 256), r(320)), True),
+    "silu_mul": (lambda: (r(2, 1, 128),), True),
+    "rope": (lambda: (r(1, 2, 4, 32), r(1, 2, 2, 32), torch.tensor([[5, 6]]), 1e6, 32, r(32), r(32), 1e-6, 0.0),
+             True),
+    "kv_cache_store": (lambda: (r(1, 1, 2, 32), r(1, 1, 2, 32), r(1, L, 2, 32), r(1, L, 2, 32), torch.tensor([[9]])),
+                       True),
+    "decode_attention": (lambda: (r(2, 1, 4, 32), r(2, L, 2, 32), r(2, L, 2, 32), torch.tensor([7, 40], dtype=torch.int32),
+                                  0.2), True),
+    "rms_norm_backward": (lambda: (r(3, 96), r(3, 96), r(96), 1e-6, 0.0, None), True),
+    # positions expanded over the batch: the launcher copies them to one stride (an aten copy), so no plan
+    "rope, expanded positions": (lambda: (r(2, 1, 4, 32), r(2, 1, 2, 32), torch.tensor([[5]]).expand(2, 1), 1e6, 32,
+                                          None, None, 1e-6, 0.0), False),
+    # no queries: the launcher zeroes dK and dV with aten ops and launches nothing, so no plan
+    "attention_backward, no queries": (lambda: (r(1, 0, 4, 32), r(1, 0, 4, 32), r(1, 8, 2, 32), r(1, 8, 2, 32),
+                                                r(1, 0, 4, 32), None, 0.2, False, None), False),
+}
+
+
+def normalized(log, args, out):
+    """The logged launches with each tensor replaced by the input or output it is (by address)."""
+    names = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            names.setdefault(a.data_ptr(), f"input {i}")
+    for j, t in enumerate(out if isinstance(out, tuple) else (out,)):
+        if isinstance(t, torch.Tensor):
+            names.setdefault(t.data_ptr(), f"output {j}")
+    rows = []
+    for name, grid, kernel_args in log:
+        rows.append((name, grid, tuple(names.setdefault(a.data_ptr(), f"scratch {len(names)}")
+                                       if isinstance(a, torch.Tensor) else a for a in kernel_args)))
+    return rows
+
+
+for case, (make, planned) in CASES.items():
+    op = case.split(",")[0]
+    on_cuda, launcher = registry._impls[op]["CUDA"], None
+    for _ in range(2):  # the first call compiles (here: installs the stub), the second records
+        on_cuda(*make())
+    args = make()
+    key = on_cuda.__closure__[on_cuda.__code__.co_freevars.index("key")].cell_contents
+    entry = registry.plan_tables[op][key(*args)]
+    assert callable(entry) == planned, (case, entry)
+    LOG.clear()
+    replayed = normalized(LOG, args, on_cuda(*args))
+    launcher = on_cuda.__closure__[on_cuda.__code__.co_freevars.index("kernel")].cell_contents
+    LOG.clear()
+    direct = normalized(LOG, args, launcher(*args))
+    assert replayed == direct and (replayed or not planned), (case, replayed, direct)
+    print(case, "ok", len(direct), "launches")
+'''
+
+
+def test_replayed_launches_are_the_launchers():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(" ok ") == 11, result.stdout
+
+
+def test_record_keeps_only_what_a_replay_reproduces(monkeypatch):
+    """Launchers without kernels, recorded directly: allocating the output is replayable; computing
+    it with an aten op, returning a view of an allocation or returning an input is not."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    x = torch.randn(4, 8)
+    _, replay = plans.record(lambda x: torch.empty_like(x), (x,))
+    assert callable(replay)
+    y = replay(torch.randn(4, 8))
+    assert y.shape == (4, 8) and y.stride() == (8, 1) and y.dtype == x.dtype
+    for launcher in (lambda x: torch.empty_like(x).zero_(), lambda x: torch.empty(8, 4).t(), lambda x: x,
+                     lambda x: x.clone()):
+        out, replay = plans.record(launcher, (x,))
+        assert replay is False, out
+
+
+@pytest.mark.cuda
+def test_replayed_calls_match_the_references():
+    """Three calls per op with fresh inputs of one signature: the first compiles, the second records
+    a plan, the third replays it; each matches the reference."""
+    dev, bf = "cuda", torch.bfloat16
+    ops = torch.ops.qwen
+    for _ in range(3):
+        x, r, w = randn(1, 1024, dtype=bf, device=dev), randn(1, 1024, dtype=bf, device=dev), randn(1024, dtype=bf,
+                                                                                                       device=dev)
+        assert_close(ops.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), what="rms_norm")
+        for got, want in zip(ops.add_rms_norm(x, r, w, 1e-6), add_rms_norm_reference(x, r, w, 1e-6)):
+            assert_close(got, want, what="add_rms_norm")
+        wq = randn(4096, 1024, dtype=bf, device=dev, scale=1024 ** -0.5)
+        assert_close(ops.linear(x, wq), linear_reference(x, wq), what="linear M=1")
+        gu = randn(1, 6144, dtype=bf, device=dev)
+        assert_close(ops.silu_mul(gu), silu_mul_reference(gu), what="silu_mul")
+        qkv = randn(1, 1, 4096, dtype=bf, device=dev)
+        q, k = qkv[..., :2048].view(1, 1, 16, 128), qkv[..., 2048:3072].view(1, 1, 8, 128)
+        v = qkv[..., 3072:].view(1, 1, 8, 128)
+        qn, kn = randn(128, dtype=bf, device=dev), randn(128, dtype=bf, device=dev)
+        pos = torch.randint(0, 300, (1, 1), device=dev)
+        for got, want in zip(ops.rope(q, k, pos, 1e6, 128, qn, kn), rope_reference(q, k, pos, 1e6, 128, qn, kn)):
+            assert_close(got, want, what="rope")
+        caches = [randn(1, 300, 8, 128, dtype=bf, device=dev) for _ in range(2)]
+        expected = [c.clone() for c in caches]
+        ops.kv_cache_store(k, v, *caches, pos)
+        kv_cache_store_reference(k, v, *expected, pos)
+        for got, want in zip(caches, expected):
+            assert torch.equal(got, want), "kv_cache_store"
+        lens = torch.randint(1, 301, (1,), device=dev, dtype=torch.int32)
+        assert_close(ops.decode_attention(q, *caches, lens, 128 ** -0.5),
+                     decode_attention_reference(q, *caches, lens, 128 ** -0.5), what="decode_attention")
+    for op in ("rms_norm", "add_rms_norm", "linear", "silu_mul", "rope", "kv_cache_store", "decode_attention"):
+        assert any(map(callable, plan_tables[op].values())), f"{op}: no plan was made"
