@@ -21,7 +21,9 @@ type; a TMA tensor descriptor's dtype, block shape and padding (and its shape an
 any other value (constexprs, bools, None) itself. Device and launch options join the key.
 `_arg_key` states the rule; each kernel computes it with a function generated for its
 parameters (`spec_function`), the tensor and 32-bit int cases inlined.
-Runtime (non-constexpr) parameters must be passed positionally, constexprs by keyword or
+Inside `recording(list)`, each launch also appends what it started (the compiled-kernel entry, the
+grid, the arguments), or None where it went through Triton: `qwen_ops.plans` builds its replays
+from that. Runtime (non-constexpr) parameters must be passed positionally, constexprs by keyword or
 position; the grid is a tuple. Triton settings other than hooks and debug (instrumentation,
 pre-run hooks) are read when a specialization is first compiled, not per launch.
 """

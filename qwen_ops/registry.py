@@ -32,6 +32,10 @@ Autograd key altogether. When nothing needs grad and the call's dispatch keys ar
 CPU or CUDA tensors (`PLAIN_KEYSETS`), it calls the backend kernel directly instead of
 redispatching to it; any other key set (fake or functional tensors, modes, autocast) redispatches.
 
+Launch plans (qwen_ops/plans.py): on CUDA, after the checks and the launcher have run for a
+signature (shapes, strides, dtypes, devices, alignment, scalar values), later calls with that
+signature replay the recorded launches instead. `plan_tables` holds them per op.
+
 `kernel_calls` counts the Triton launches per op, so tests can assert which path ran.
 """
 import inspect
