@@ -86,6 +86,31 @@ class _AtenLog(TorchDispatchMode):
         return out
 
 
+class PlanTable(dict):
+    """signature -> replay function, or False where the call cannot be replayed exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.attempts: dict = {}  # signature -> recordings cut short by a launch through Triton
+
+    def record(self, signature, kernel: Callable, args: tuple):
+        """kernel(*args), recorded into this table. A recording with a launch through Triton (a first
+        compile) is tried again on the next call, up to three times, then given up (a kernel Triton
+        never lets launch.py cache would otherwise make every call pay for a recording)."""
+        out, replay = record(kernel, args)
+        if replay is None:
+            tries = self.attempts.get(signature, 0) + 1
+            self.attempts[signature] = tries
+            if tries < 3:
+                return out
+            replay = False
+        if len(self) >= MAX_PLANS:
+            self.clear()
+            self.attempts.clear()
+        self[signature] = replay
+        return out
+
+
 def record(kernel: Callable, args: tuple):
     """Run kernel(*args) (a launcher) while recording; returns (its output, the replay function),
     with False in place of the function where the call cannot be replayed exactly, and None where

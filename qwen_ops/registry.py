@@ -97,7 +97,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
 
     # Launch plans (qwen_ops/plans.py): signature -> replay function, or False where a call cannot be replayed
     key = plans.key_function(getattr(torch.ops.qwen, name).default._schema) if traceable and not INTERPRET else None
-    table = plan_tables[name] = {}
+    table = plan_tables[name] = plans.PlanTable()
 
     def on_cuda(*args):
         args += defaults[len(args):]
@@ -118,12 +118,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
             with torch.cuda.device(t.device):  # kernels launch on the current device
                 return kernel(*args)
         if replay is None and signature is not None:  # not recorded yet
-            out, replay = plans.record(kernel, args)
-            if replay is not None:  # None: a launch went through Triton (a first compile), record the next call
-                if len(table) >= plans.MAX_PLANS:
-                    table.clear()
-                table[signature] = replay
-            return out
+            return table.record(signature, kernel, args)
         return kernel(*args)
 
     def fake_impl(*args):
