@@ -47,7 +47,6 @@ import torch
 from csrc_free_ops.launch import INTERPRET, _through_triton, traced
 
 from . import plans
-
 from .checks import KERNEL_DTYPES
 
 _lib = torch.library.Library("qwen", "FRAGMENT")
@@ -95,7 +94,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
             return kernel(*args)
         return reference(*args)
 
-    # Launch plans (qwen_ops/plans.py): signature -> replay function, or False where a call cannot be replayed
+    # Launch plans (qwen_ops/plans.py), kept where the kernels run on CUDA through launch.py's cache
     key = plans.key_function(getattr(torch.ops.qwen, name).default._schema) if traceable and not INTERPRET else None
     table = plan_tables[name] = plans.PlanTable()
 
