@@ -2,10 +2,11 @@
 
 Off the graph, most of an op call's host time is Python that recomputes, on every call, what only
 depends on the inputs' metadata: the checks, the launcher's shapes, strides and configs, each
-kernel's launch key. A plan keeps the outcome. The first cached call of a signature runs as usual
-while it is recorded (`record`); later calls with that signature (`key_function`) skip the
-checks and the launcher: they allocate the outputs and scratch and start the recorded kernels
-with the new tensors in place of the old (`Plan`).
+kernel's launch key. A plan keeps the outcome. A call with a new signature (`key_function`) runs
+as usual while it is recorded (`record`); once a recording holds only cached launches (from the
+second call on: the first compiles), later calls with that signature skip the checks and the
+launcher: they allocate the outputs and scratch and start the recorded kernels with the new
+tensors in place of the old (`_replay_function`).
 
 The signature: the current device, whether PDL is off, and per argument its value, or for a
 tensor its shape, strides, dtype, device and address modulo 16 (the alignment Triton
