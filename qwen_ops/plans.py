@@ -111,9 +111,12 @@ class PlanTable(dict):
             replay = False
         if len(self) >= MAX_PLANS:
             self.clear()
-            self.attempts.clear()
         self[signature] = replay
         return out
+
+    def clear(self):
+        super().clear()
+        self.attempts.clear()
 
 
 def record(kernel: Callable, args: tuple):
