@@ -129,6 +129,24 @@ def test_record_keeps_only_what_a_replay_reproduces(monkeypatch):
         assert replay is False, out
 
 
+def test_plan_table_gives_up_on_recordings_cut_short():
+    """A signature whose recordings keep launching through Triton is retried twice, then kept as
+    unplannable, so its calls stop paying for a recording; clearing the table forgets the tries."""
+    from csrc_free_ops import launch
+
+    def through_triton(x):
+        launch._state.recording.append(None)  # what a launch that is not cached records
+        return torch.empty_like(x)
+
+    table, x = plans.PlanTable(), torch.randn(2)
+    for _ in range(3):
+        assert "signature" not in table
+        table.record("signature", through_triton, (x,))
+    assert table["signature"] is False
+    table.clear()
+    assert not table and not table.attempts
+
+
 @pytest.mark.cuda
 def test_replayed_calls_match_the_references():
     """Three calls per op with fresh inputs of one signature: the first compiles, the second records
