@@ -14,6 +14,9 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 - The checkpoint decides the format: ``chat`` renders the chat template it ships
   (``modeling.chat.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
   the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
+- A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``
+  (``generate_ids`` takes lists of token ids directly). Anything else is refused, and so is a
+  token id that is not an integer (a float is never rounded).
 - Generation stops at the tokenizer's EOS ids (unless ``ignore_eos``), at ``stop_token_ids``, at a
   ``stop`` string (the text ends before it; the token ids keep the token that completed it), or
   after ``max_tokens``.
@@ -43,7 +46,7 @@ from .generator import GenerationResult, Generator
 from .model import QwenForCausalLM
 from .runtime import backend_name, check_fits, resolve_device, resolve_dtype
 from .readback import STOP
-from .sampling import INT64_LIMIT, SamplingParams
+from .sampling import INT64_LIMIT, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, QwenTokenizer
 
 DEFAULT_MAX_TOKENS = 64
@@ -53,7 +56,11 @@ MIN_AUTO_SEQ_LEN = 256
 MAX_SEQ_LEN = 2**31 - 1
 """Positions and cache lengths are int32 on the device."""
 
-PromptLike = Union[str, Sequence[str]]
+TOKEN_IDS_KEY = "prompt_token_ids"
+"""The key of a prompt given as token ids, ``{"prompt_token_ids": [...]}`` (vLLM's ``TokensPrompt``)."""
+
+Prompt = Union[str, Mapping[str, Sequence[int]]]
+PromptLike = Union[Prompt, Sequence[Prompt]]
 Message = Mapping[str, Any]
 
 
@@ -68,13 +75,15 @@ class ContextLengthError(ValueError):
 
 @dataclass
 class RequestOutput:
-    """One completion. ``text``: the new text (without the stop string that ended it);
-    ``token_ids``: the new token ids (without a stop token; with the token that completed a stop
-    string); ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"``
-    (``max_tokens``) or ``"abort"`` (the stream was closed before the end); ``stop_reason``: the stop string that ended it, else None. ``metrics``: the
-    timings of the ``Generator.generate`` call it ran in (``prefill_ms``, ``decode_ms``,
-    ``decode_steps``, ``setup_ms``: graph warm-up and capture, ``cuda_graph``). ``outputs`` is
-    ``[self]``, so code written for vLLM's ``RequestOutput.outputs[0].text`` works."""
+    """One completion. ``prompt``: the prompt's text (None for a prompt given as token ids);
+    ``text``: the new text (without the stop string that ended it); ``token_ids``: the new token
+    ids (without a stop token; with the token that completed a stop string); ``finish_reason``:
+    ``"stop"`` (EOS, a stop token id or a stop string), ``"length"`` (``max_tokens``, or the cache
+    full) or ``"abort"`` (the stream was closed, or ``cancel`` set, before the end);
+    ``stop_reason``: the stop string that ended it, else None. ``metrics``: the timings of the
+    ``Generator.generate`` call it ran in (``prefill_ms``, ``decode_ms``, ``decode_steps``,
+    ``setup_ms``: graph warm-up and capture, ``cuda_graph``). ``outputs`` is ``[self]``, so code
+    written for vLLM's ``RequestOutput.outputs[0].text`` works."""
 
     index: int
     prompt: Optional[str]
@@ -239,18 +248,20 @@ class LLM:
     # ------------------------------------------------------------------ text API
     def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[RequestOutput]:
-        """Complete each prompt (a str or a list of them); one ``RequestOutput`` per prompt, in order.
-        ``sampling_params``: one for all, one per prompt, or None (``get_default_sampling_params``)."""
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not texts:
+        """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in order.
+        A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
+        ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
+        (``get_default_sampling_params``)."""
+        given = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
+        if not given:
             return []
+        texts, ids = zip(*(self._prompt(p, i) for i, p in enumerate(given)))
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(texts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(texts)} prompts")
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params or self.get_default_sampling_params()] * len(texts)
-        ids = [self._encode(t, i) for i, t in enumerate(texts)]
         outputs: List[Optional[RequestOutput]] = [None] * len(texts)
         for params in dict.fromkeys(per_prompt):  # one Generator call per distinct params
             idx = [i for i, p in enumerate(per_prompt) if p == params]
@@ -272,10 +283,11 @@ class LLM:
                  for c in convs]
         return self.generate(texts, sampling_params)
 
-    def stream(self, prompt: str, sampling_params: Optional[SamplingParams] = None) -> "TextStream":
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> "TextStream":
         """An iterator over the completion's text pieces as the tokens arrive; its ``output`` is the
         ``RequestOutput`` once it is exhausted. Closing it (or dropping it) stops the generation."""
-        return TextStream(self, prompt, self._encode(prompt, 0), sampling_params or self.get_default_sampling_params())
+        text, ids = self._prompt(prompt, 0)
+        return TextStream(self, text, ids, sampling_params or self.get_default_sampling_params())
 
     def stream_chat(self, messages: Sequence[Message], sampling_params: Optional[SamplingParams] = None,
                     **chat_kwargs: Any) -> "TextStream":
@@ -301,20 +313,20 @@ class LLM:
                      on_output: Optional[Callable[[int, RequestOutput], None]] = None,
                      index_offset: int = 0, cancel: Optional[threading.Event] = None
                      ) -> Tuple[List[RequestOutput], GenerationResult]:
-        """Complete prompts given as token ids. ``on_text(i, piece)`` gets the text as it is ready,
+        """Complete prompts given as token ids (each a sequence of ints or a 1-D integer tensor:
+        anything else, floats and bools included, is refused with an error naming it, never rounded).
+        ``on_text(i, piece)`` gets the text as it is ready,
         ``on_output(i, output)`` each completion when it ends (i counts from ``index_offset``, which
         also offsets the seed, so that consecutive calls on consecutive slices of a list sample as
         one call on the whole list would). ``cancel``: an event that ends every row when set."""
         params = params or self.get_default_sampling_params()
-        prompts = [list(map(int, p)) for p in prompts]
+        if isinstance(prompts, (str, Mapping)):
+            raise ValueError("prompts must be a list of prompts (each a list of token ids), "
+                             f"got a {type(prompts).__name__}")
+        prompts = [checked_token_ids(p, f"prompts[{index_offset + i}]", self.config.vocab_size)
+                   for i, p in enumerate(prompts)]
         if not prompts:
             raise ValueError("no prompts given")
-        vocab = self.config.vocab_size
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {index_offset + i} is empty")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {index_offset + i} has token ids outside the model's vocabulary [0, {vocab})")
         stop_ids = self.stop_ids(params)
         if params.seed is not None and index_offset:
             params = replace(params, seed=(params.seed + index_offset) % INT64_LIMIT)
@@ -368,13 +380,21 @@ class LLM:
             torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) * 1e3
 
-    def _encode(self, text: str, index: int) -> List[int]:
-        if not isinstance(text, str):
-            raise ValueError(f"prompt {index} must be a str, got {type(text).__name__}")
-        ids = self.tokenizer.encode(text)
+    def _prompt(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
+        """A prompt's text (None when given as token ids) and its token ids."""
+        if isinstance(prompt, Mapping):
+            if set(prompt) != {TOKEN_IDS_KEY}:
+                raise ValueError(f"prompts[{index}]: a dict prompt holds one key, {TOKEN_IDS_KEY!r}, "
+                                 f"got the keys {list(prompt)!r}")
+            return None, checked_token_ids(prompt[TOKEN_IDS_KEY], f"prompts[{index}][{TOKEN_IDS_KEY!r}]",
+                                           self.config.vocab_size)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompts[{index}] must be a str or a {{{TOKEN_IDS_KEY!r}: [...]}} dict, "
+                             f"got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError(f"prompt {index} is empty")
-        return ids
+        return prompt, ids
 
     def _generator_for(self, n: int, longest: int, max_new: int) -> Tuple[Generator, int]:
         """A generator for ``n`` prompts of up to ``longest`` tokens and up to ``max_new`` new tokens
@@ -405,6 +425,33 @@ class LLM:
         return self.generator, max_new
 
 
+def checked_token_ids(prompt: Any, where: str, vocab: int) -> List[int]:
+    """``prompt`` as a list of token ids: a sequence of integers (NumPy's too) or a 1-D integer
+    tensor, not empty, each in [0, ``vocab``). A float or a bool is refused, never rounded; the
+    error names the prompt (``where``) and the offending entry."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(f"{where} must be a 1-D integer tensor of token ids, got a {prompt.dim()}-D "
+                             f"{str(prompt.dtype).replace('torch.', '')} tensor")
+        ids = prompt.tolist()
+    else:
+        if isinstance(prompt, (str, bytes, Mapping)):
+            raise ValueError(f"{where} must be a sequence of token ids, got a {type(prompt).__name__}")
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise ValueError(f"{where} must be a sequence of token ids, got {prompt!r}") from None
+        for j, t in enumerate(ids):
+            if not is_int(t):
+                raise ValueError(f"{where}[{j}] must be an integer token id, got {t!r} ({type(t).__name__})")
+        ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(f"{where} is empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"{where} has token ids outside the model's vocabulary [0, {vocab})")
+    return ids
+
+
 def _offset(fn, offset: int):
     """The Generator numbers prompts from 0 within a call; the callbacks count from ``offset``."""
     if not offset:
@@ -425,7 +472,8 @@ class _StreamState:
         self.error: Optional[BaseException] = None
 
 
-def _stream_worker(llm: LLM, state: _StreamState, prompt: str, ids: List[int], params: SamplingParams) -> None:
+def _stream_worker(llm: LLM, state: _StreamState, prompt: Optional[str], ids: List[int],
+                   params: SamplingParams) -> None:
     try:
         outputs, _ = llm.generate_ids([ids], params, on_text=lambda i, piece: state.queue.put(piece),
                                       cancel=state.cancel)
@@ -442,7 +490,7 @@ class TextStream:
     once it is exhausted. The generation runs in a worker thread; ``close()`` (or leaving a
     ``with`` block, or dropping the iterator) ends it at the next token."""
 
-    def __init__(self, llm: LLM, prompt: str, ids: List[int], params: SamplingParams):
+    def __init__(self, llm: LLM, prompt: Optional[str], ids: List[int], params: SamplingParams):
         self.prompt = prompt
         self._state = _StreamState()
         self._finished = False

@@ -83,9 +83,9 @@ class SamplingParams:
             problems.append(f"stop_token_ids must be a sequence of integers, got {self.stop_token_ids!r}")
             stop_ids = ()
         for t in stop_ids:
-            if not (_is_int(t) and 0 <= t < INT64_LIMIT):
+            if not (is_int(t) and 0 <= t < INT64_LIMIT):
                 problems.append(f"stop_token_ids must be integers >= 0, got {t!r}")
-        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if problems:
             raise ValueError("; ".join(problems))
@@ -107,7 +107,8 @@ class SamplingParams:
         return sampling_mode(self.temperature, self.top_k, self.top_p)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An integer (Python, NumPy), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -129,11 +130,11 @@ def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional
     if not (_is_real(temperature) and 0 <= temperature <= FLOAT32_MAX):
         errors.append(f"temperature must be a finite number >= 0 (at most 3.4e38, float32's largest), "
                       f"got {temperature!r}")
-    if not (_is_int(top_k) and 0 <= top_k < INT64_LIMIT):
+    if not (is_int(top_k) and 0 <= top_k < INT64_LIMIT):
         errors.append(f"top_k must be an integer in [0, 2**63) (0 disables it), got {top_k!r}")
     if not (_is_real(top_p) and 0 < top_p <= 1):
         errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
-    if seed is not None and not (_is_int(seed) and 0 <= seed < INT64_LIMIT):
+    if seed is not None and not (is_int(seed) and 0 <= seed < INT64_LIMIT):
         errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
     return errors
 

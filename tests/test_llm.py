@@ -97,6 +97,62 @@ def test_stop_string_matcher():
     s = StopStrings(["abc"])
     assert s.push("zab") == "z" and s.flush() == "ab" and s.matched is None
     assert StopStrings([]).push("anything") == "anything"
+    # found in one piece: the earliest match wins, however short; at the same place, the longest
+    for stop in (["abc", "bc"], ["bc", "abc"]):
+        s = StopStrings(stop)
+        assert s.push("xbcabc") == "x" and s.matched == "bc"
+    for stop in (["ab", "abc"], ["abc", "ab"]):
+        s = StopStrings(stop)
+        assert s.push("xabcd") == "x" and s.matched == "abc"
+
+
+def test_token_id_prompts(steered):
+    """vLLM's {"prompt_token_ids": [...]} prompt (alone, in a list, mixed with text, streamed), and
+    generate_ids' lists, tuples, NumPy arrays and integer tensors, all the same tokens."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=4)
+    ids = steered.tokenizer.encode("Hello")
+    (text,) = steered.generate("Hello", params)
+    (out,) = steered.generate({"prompt_token_ids": ids}, params)
+    assert out.prompt is None and out.prompt_token_ids == ids
+    assert (out.token_ids, out.text) == (text.token_ids, text.text)
+    outs = steered.generate(["Hello", {"prompt_token_ids": tuple(ids)}], params)
+    assert [o.prompt for o in outs] == ["Hello", None] and outs[0].token_ids == outs[1].token_ids
+    assert steered.stream({"prompt_token_ids": ids}, params).text == text.text
+    outs, _ = steered.generate_ids([ids, tuple(ids), np.array(ids), torch.tensor(ids)], params)
+    assert all(o.token_ids == text.token_ids for o in outs)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (["Hello", {"prompt": "Hello"}],
+     r"prompts\[1\]: a dict prompt holds one key, 'prompt_token_ids', got the keys \['prompt'\]"),
+    ({"prompt_token_ids": [5], "extra": 1}, r"prompts\[0\]: a dict prompt holds one key"),
+    ([[5, 6]], r"prompts\[0\] must be a str or a \{'prompt_token_ids': \[\.\.\.\]\} dict, got list"),
+    ([5], r"prompts\[0\] must be a str or a \{'prompt_token_ids'.*got int"),
+    ({"prompt_token_ids": [1.7, 2.2]},
+     r"prompts\[0\]\['prompt_token_ids'\]\[0\] must be an integer token id, got 1.7 \(float\)"),
+    ({"prompt_token_ids": "Hello"}, r"prompts\[0\]\['prompt_token_ids'\] must be a sequence of token ids, got a str"),
+    ({"prompt_token_ids": []}, r"prompts\[0\]\['prompt_token_ids'\] is empty"),
+    ({"prompt_token_ids": [10**6]}, r"prompts\[0\]\['prompt_token_ids'\] has token ids outside the model's vocabulary"),
+])
+def test_bad_prompts_are_refused(steered, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        steered.generate(prompts, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("prompts, offset, message", [
+    ([[1.7, 2.2]], 0, r"prompts\[0\]\[0\] must be an integer token id, got 1.7 \(float\)"),
+    ([[5], [5, True]], 0, r"prompts\[1\]\[1\] must be an integer token id, got True \(bool\)"),
+    ([[5], [0.5]], 3, r"prompts\[4\]\[0\] must be an integer token id, got 0.5"),
+    ([torch.tensor([5.0, 6.0])], 0,
+     r"prompts\[0\] must be a 1-D integer tensor of token ids, got a 1-D float32 tensor"),
+    ([5, 6], 0, r"prompts\[0\] must be a sequence of token ids, got 5"),
+    ("Hello", 0, r"prompts must be a list of prompts \(each a list of token ids\), got a str"),
+])
+def test_generate_ids_refuses_what_is_not_token_ids(steered, prompts, offset, message):
+    with pytest.raises(ValueError, match=message):
+        steered.generate_ids(prompts, SamplingParams(max_tokens=2), index_offset=offset)
 
 
 def test_chat_uses_the_checkpoint_template(steered):
