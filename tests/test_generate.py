@@ -210,6 +210,16 @@ def test_sampled_generation_same_seed_same_tokens(model64):
     assert pure == gen.generate(prompts, 16, SamplingParams(temperature=0.8, seed=11)).tokens
 
 
+def test_tiny_positive_temperature_is_greedy(model64):
+    """A temperature far below float32's normal range (1e-40) is clamped to MIN_TEMPERATURE, so the
+    scaled logits stay finite and sampling picks the argmax, not the first of many infinities."""
+    prompts = prompts_of([5, 9], TINY["vocab_size"], seed=3)
+    gen = Generator(model64, max_batch_size=2, max_seq_len=32)
+    greedy = gen.generate(prompts, 16).tokens
+    for params in (SamplingParams(temperature=1e-40, seed=0), SamplingParams(temperature=1e-40, top_k=5, seed=0)):
+        assert gen.generate(prompts, 16, params).tokens == greedy
+
+
 # ---------------------------------------------------------------------------- transformers parity
 
 
@@ -328,6 +338,22 @@ def test_prefill_graph_buckets(qwen3_0_6b):
     r = gen.generate([prompt, prompt[:20]], 16)
     assert r.cuda_graph and all(len(t) == 16 for t in r.tokens)
     assert {k[:2] for k in gen.graphs.keys()} == {("decode", 2), ("prefill", 64), ("prefill", 32)}
+
+
+@pytest.mark.cuda
+def test_readback_reads_the_last_chunk():
+    """On CUDA the tokens come back in chunks of ``readback_every`` steps, each read once the next
+    is queued; the chunks still queued when the loop ends are read after it: every row gets all
+    its tokens, whatever the remainder of the length by the chunk size."""
+    model = tiny_model(torch.float32, "cuda")
+    prompts = prompts_of([4, 11], model.config.vocab_size, seed=10)
+    gen = Generator(model, max_batch_size=2, max_seq_len=48, readback_every=4)
+    assert gen.readback_every == 4
+    full = gen.generate(prompts, 24)
+    assert [len(t) for t in full.tokens] == [24, 24] and full.finish_reasons == ["length"] * 2
+    for new in (2, 3, 5, 8, 9, 13):
+        r = gen.generate(prompts, new)
+        assert r.finish_reasons == ["length"] * 2 and r.tokens == [t[:new] for t in full.tokens]
 
 
 def test_capture_is_a_no_op_without_cuda_graphs(model64):
