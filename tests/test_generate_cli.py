@@ -464,10 +464,12 @@ def test_ascii_stdout(steered, capsys, monkeypatch):
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_help_names_the_program(capsys, monkeypatch):
+def test_help_names_the_program_and_the_families(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/usr/local/bin/qwen-generate", "--help"])
     assert main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: qwen-generate ")
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qwen-generate ")
+    assert all(family in " ".join(out.split()) for family in ("Qwen3,", "Qwen2/2.5", "Qwen3.5"))
     monkeypatch.setattr(sys, "argv", [str(ROOT / "modeling" / "generate.py")])
     assert main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m modeling.generate ")
@@ -506,6 +508,18 @@ def test_command_line_without_model_uses_the_shipped_model(tmp_path):
     p = _cli("--prompt", "Hi", "--max-new-tokens", 2, "--top-p", "2", env_extra=env)
     assert p.returncode == 2 and p.stderr.startswith("error: top_p must lie in (0, 1]")
     assert "Traceback" not in p.stderr
+
+
+def test_readme_ops_snippet_runs():
+    """The README's "Use the ops" snippet, as written: on this machine's device (the CPU without CUDA)."""
+    text = (ROOT / "README.md").read_text()
+    snippet = re.search(r"^## Use the ops\n+```python\n(.*?)^```", text, re.S | re.M).group(1)
+    scope = {}
+    exec(snippet, scope)
+    x, w, y = scope["x"], scope["w"], scope["y"]
+    assert y.device.type == ("cuda" if torch.cuda.is_available() else "cpu") and y.shape == x.shape
+    expected = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), 1e-6)
+    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_closed_stdout(steered):
