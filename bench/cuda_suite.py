@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import require_cuda
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_IDS = "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + sys.argv[2:]))"
 
@@ -47,6 +49,7 @@ def main():
     if a.gpus is None:
         import torch
 
+        require_cuda("bench.cuda_suite", "--gpus N runs the selected tests without one")
         a.gpus = torch.cuda.device_count()
     if a.gpus < 1 or a.per_gpu < 1:
         sys.exit("no GPU to run on (--gpus and --per-gpu must be at least 1)")

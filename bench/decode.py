@@ -18,13 +18,21 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
   the per-token time from two runs of different lengths;
 - the floor: the model's weight bytes / the device-to-device copy bandwidth measured here.
 
-Shapes: Qwen3-0.6B (all rows); with `--all` also the seed's shape (hidden 896, 8/2 heads of
+- ours, weights after the PDL wait: the same graph with `fused_decode.PREFETCH` off (each
+  program of a fused GEMV streams its weights only after the previous kernel has finished), the
+  A/B of the weight prefetch in one run;
+
+JSON keys for the headline numbers: `ours_b1_ms_per_token` (Qwen3-0.6B, batch 1, context 256),
+`ours_b8_ms_per_step`, `qwen3_5_b1_ms_per_token` (Qwen3.5-0.8B, batch 1, context 256), `floor_ms`.
+
+Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B (the graph and the floor, batch 1); with `--all` also the seed's shape (hidden 896, 8/2 heads of
 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
 intermediate 6144, tied), ours with the graph, torch.compile and the floor at batch 1, context 256.
 Kernels per decoded token and the time of each come from the profiler (captured steps of the
 fused and the unfused path, batch 1).
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,6 +41,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from bench import require_cuda
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -197,7 +207,7 @@ def print_profile(title: str, table: dict) -> None:
 
 def measure(args) -> dict:
     from modeling import QwenConfig
-    from modeling.random_checkpoint import random_model
+    from modeling.random_checkpoint import QWEN3_5_0_8B, random_model
 
     import triton
 
@@ -218,10 +228,16 @@ def measure(args) -> dict:
         row(name, "floor (weights / copy bandwidth)", 1, 0, floor)
         row(name, "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
         if name == "qwen3-0.6b":
+            out["floor_ms"] = floor
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+            with weights_after_wait():
+                row(name, "ours, CUDA graph, weights after the PDL wait", 1, 256, ours_ms(model, 1, 256, args.steps, True))
             row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
             for batch in (8, 32):
                 row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
+            out["ours_b8_ms_per_step"] = out["rows"][-2]["ms_per_step"]
+            with weights_after_wait():
+                row(name, "ours, CUDA graph, weights after the PDL wait", 8, 256, ours_ms(model, 8, 256, args.steps, True))
             row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
             fused = kernel_profile(model)
             model.fused_decode = False
@@ -241,7 +257,26 @@ def measure(args) -> dict:
                 row(name, "transformers, static cache", 1, 256, ms)
         del model
         torch.cuda.empty_cache()
+    model = random_model(QwenConfig.from_dict(QWEN3_5_0_8B), dtype=torch.bfloat16, device="cuda", std=0.02)
+    row("qwen3.5-0.8b", "floor (weights / copy bandwidth)", 1, 0, weight_bytes(model) / bandwidth * 1e3)
+    row("qwen3.5-0.8b", "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+    out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+    with weights_after_wait():
+        row("qwen3.5-0.8b", "ours, CUDA graph, weights after the PDL wait", 1, 256, ours_ms(model, 1, 256, args.steps, True))
     return out
+
+
+@contextlib.contextmanager
+def weights_after_wait():
+    """The fused decode GEMVs without their weight prefetch (`csrc_free_ops.fused_decode.PREFETCH`):
+    every program waits for the previous kernel, then streams its weights."""
+    from csrc_free_ops import fused_decode
+
+    saved, fused_decode.PREFETCH = fused_decode.PREFETCH, False
+    try:
+        yield
+    finally:
+        fused_decode.PREFETCH = saved
 
 
 def render(path: str, doc: str = "docs/performance.md", plot: str = "docs/decode.png") -> None:
@@ -310,7 +345,7 @@ def main():
     a = p.parse_args()
     if a.render:
         return render(a.render)
-    assert torch.cuda.is_available(), "bench.decode measures on a CUDA GPU (--render works anywhere)"
+    require_cuda("bench.decode", "--render works anywhere")
     print(f"wrote {save(a.out, measure(a))}")
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 
 import qwen_ops  # noqa: F401
+from bench import require_cuda
 from bench.ops import bench_us, copies, copy_bandwidth, rnd
 from csrc_free_ops import fused_decode as fd
 
@@ -121,6 +122,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
+    require_cuda("bench.fused_decode")
     torch.manual_seed(0)
     qwen_ops.reserve_semaphores("cuda")
     bw = copy_bandwidth()

@@ -27,6 +27,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from bench import require_cuda
 import qwen_ops  # noqa: F401
 from qwen_ops.gated_delta_rule import gated_delta_gates_reference
 
@@ -165,7 +166,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--decode-steps", type=int, default=32)
     args = p.parse_args()
-    assert torch.cuda.is_available(), "bench.gated_delta_rule needs a CUDA GPU"
+    require_cuda("bench.gated_delta_rule")
     torch.backends.cuda.matmul.allow_tf32 = False
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     fla_chunk, fla_recurrent = fla_ops()

@@ -27,6 +27,7 @@ import statistics
 
 import torch
 
+from bench import require_cuda
 from modeling import QwenConfig
 from modeling.generator import Generator
 from modeling.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
@@ -52,7 +53,7 @@ def main():
     ap.add_argument("--models", nargs="+", choices=["qwen3", "qwen3_5"], default=["qwen3"],
                     help="qwen3: the Qwen3-0.6B rows (default); qwen3_5: the Qwen3.5-0.8B decode row")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench.generate needs a CUDA GPU"
+    require_cuda("bench.generate")
     rows = qwen3_rows(args) if "qwen3" in args.models else []
     hybrid_rows, hybrid_notes = qwen3_5_rows(args) if "qwen3_5" in args.models else ([], [])
     write(args, rows, hybrid_rows, hybrid_notes)

@@ -30,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import require_cuda
 import qwen_ops  # noqa: F401
 from qwen_ops import plans
 from csrc_free_ops import activation, decode_attention, kv_cache, launch, linear, norm, rope
@@ -134,6 +135,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="passes over all rows; each cell keeps its best")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    require_cuda("bench.host")
     timings = {}  # op -> best (ours, no plan, launcher, triton, peer, ours inference_mode, peer inference_mode)
     for _ in range(a.rounds):
         for name, op_call, launcher_call, (peer_name, peer_call) in cases():

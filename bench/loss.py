@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 
 import qwen_ops
+from bench import require_cuda
 from bench.ops import rel_error
 
 
@@ -42,6 +43,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
+    require_cuda("bench.loss")
     n, hd, v = a.tokens, a.hidden, a.vocab
     torch.manual_seed(0)
     h = (torch.randn(n, hd, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)

@@ -44,6 +44,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
+from bench import require_cuda
 import qwen_ops
 from csrc_free_ops import attention, common, linear
 from csrc_free_ops.attention import BwdBlocks, Tiles
@@ -425,6 +426,7 @@ def main():
     ap.add_argument("--sweep-attn-fwd", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
     args = ap.parse_args()
+    require_cuda("bench.ops")
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()

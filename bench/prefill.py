@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import require_cuda
 from modeling import QwenConfig
 from modeling.random_checkpoint import QWEN3_0_6B, random_model
 
@@ -90,7 +91,7 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    assert torch.cuda.is_available(), "bench.prefill needs a CUDA GPU"
+    require_cuda("bench.prefill")
     config = QwenConfig.from_dict(QWEN3_0_6B)
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
     cache = model.new_cache(1, max(a.lengths))

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from bench import require_cuda
+
 MODES = ("eager", "patch", "liger", "compile", "patch+compile")
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -125,6 +127,8 @@ def main():
     if a.child:
         print("RESULT " + json.dumps(run_one(a.child, a.batch, a.seq, a.steps, a.warmup, a.layers, a.device, a.profile)), flush=True)
         return
+    if a.device.startswith("cuda"):
+        require_cuda("bench.train", "--device cpu checks the plumbing")
     import torch
     import transformers
     import triton
