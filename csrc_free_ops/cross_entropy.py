@@ -1,7 +1,9 @@
 """Fused lm_head + cross-entropy: mean_i CE(hidden_i @ weight^T, target_i) without the [N, V] logits.
 
 hidden [N, H], weight [V, H], targets [N] (int64/int32; rows whose target is `ignore_index`
-count for nothing), n_valid = count(targets != ignore_index), kept on the device.
+count for nothing), n_valid = count(targets != ignore_index), kept on the device. A target that is
+neither ignore_index nor in [0, V) makes its row's loss NaN, so the loss and both gradients are NaN
+(checking the values on the host would cost a sync; qwen_ops raises for CPU tensors first).
 
 Forward, in row chunks of R tokens (R from PARTIALS_BYTES), two kernels:
 
@@ -43,6 +45,13 @@ SLICE_BYTES = 64 << 20
 def _counts(t, ignore_index, V):
     """Whether a target takes part in the loss: not ignore_index and a real vocabulary row."""
     return (t != ignore_index) & (t >= 0) & (t < V)
+
+
+@triton.jit
+def _per_target(x, t, ignore_index, V):
+    """x where target t takes part in the loss, 0 where it is ignore_index, NaN where it is neither
+    (outside the vocabulary: the loss and the gradients it reaches turn NaN)."""
+    return tl.where(_counts(t, ignore_index, V), x, tl.where(t == ignore_index, 0.0, float("nan")))
 
 
 @kernel
@@ -96,7 +105,7 @@ def _lse_loss_kernel(
     valid = _counts(t, ignore_index, V)
     picked = tl.load(target_logit_ptr + rows, mask=row_ok & valid, other=0.0)
     tl.store(lse_ptr + R0 + rows, lse, mask=row_ok)
-    tl.store(loss_ptr + R0 + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
+    tl.store(loss_ptr + R0 + rows, _per_target(lse - picked, t, ignore_index, V), mask=row_ok)
 
 
 @kernel
@@ -111,9 +120,8 @@ def _logits_grad_kernel(
     logits = tile_product(h_ptr, w_ptr, rm, rn, N, VS, 0, H, stride_h, 1, 1, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok = rm < N
     t = tl.load(targets_ptr + rm, mask=row_ok, other=ignore_index).to(tl.int64)
-    valid = _counts(t, ignore_index, V) & row_ok
     lse = tl.load(lse_ptr + rm, mask=row_ok, other=0.0)
-    scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+    scale = _per_target(tl.load(scale_ptr), t, ignore_index, V)  # rows past N read ignore_index: 0
     coef = scale
     if HAS_DLSE:
         coef += tl.load(dlse_ptr + rm, mask=row_ok, other=0.0)

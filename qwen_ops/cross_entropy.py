@@ -17,7 +17,10 @@ only the row log-sum-exp, the backward recomputes the logits in vocabulary slice
   CompositeImplicitAutograd op returning the first op's loss; under torch.compile it
   decomposes into that op during tracing.
 
-No host sync anywhere: n_valid and the loss's incoming gradient stay on the device.
+Every target is ignore_index or a vocabulary row in [0, V). For CPU tensors any other target
+raises (a value check, free there); on CUDA checking would cost a host sync, so such a target makes
+the loss and both gradients NaN instead (the reference does the same). No host sync anywhere:
+n_valid and the loss's incoming gradient stay on the device.
 """
 from typing import Optional
 
@@ -31,16 +34,23 @@ from .checks import INDEX_DTYPES, check_float, check_same, fail
 from .registry import acc_dtype, define, register_autograd
 
 
+def _outside_vocab(targets: Tensor, ignore_index: int, vocab: int) -> Tensor:
+    """[N] bool: the targets that are neither ignore_index nor a vocabulary row in [0, vocab)."""
+    return (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+
+
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-    dt = acc_dtype(hidden)
-    return F.cross_entropy(hidden.to(dt) @ weight.to(dt).t(), targets.long(), ignore_index=ignore_index)
+    return linear_cross_entropy_with_lse_reference(hidden, weight, targets, ignore_index)[0]
 
 
 def linear_cross_entropy_with_lse_reference(hidden: Tensor, weight: Tensor, targets: Tensor,
                                             ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """A target outside the vocabulary (not ignore_index) makes the loss NaN, as the kernel does."""
     dt = acc_dtype(hidden)
     logits = hidden.to(dt) @ weight.to(dt).t()
-    return F.cross_entropy(logits, targets.long(), ignore_index=ignore_index), torch.logsumexp(logits, dim=-1)
+    outside = _outside_vocab(targets, ignore_index, weight.shape[0])
+    loss = F.cross_entropy(logits, targets.long().masked_fill(outside, ignore_index), ignore_index=ignore_index)
+    return loss.masked_fill(outside.any(), float("nan")), torch.logsumexp(logits, dim=-1)
 
 
 def linear_cross_entropy_backward_reference(grad_loss: Tensor, grad_lse: Optional[Tensor], hidden: Tensor,
@@ -48,12 +58,15 @@ def linear_cross_entropy_backward_reference(grad_loss: Tensor, grad_lse: Optiona
                                             need_dhidden: bool, need_dweight: bool) -> tuple[Tensor, Tensor]:
     """Gradients of grad_loss * loss + sum_i grad_lse_i * lse_i with respect to (hidden, weight):
     G = softmax * (row_scale + grad_lse) - onehot * row_scale, row_scale = grad_loss / n_valid on
-    valid rows (0 on ignored ones); dhidden = G @ W, dweight = G^T @ hidden."""
+    valid rows (0 on ignored ones, NaN on targets outside the vocabulary, as in the kernel);
+    dhidden = G @ W, dweight = G^T @ hidden."""
     dt = acc_dtype(hidden)
     h, w = hidden.to(dt), weight.to(dt)
     valid = targets != ignore_index
-    onehot = F.one_hot(torch.where(valid, targets, 0).long(), weight.shape[0]).to(dt)
+    outside = _outside_vocab(targets, ignore_index, weight.shape[0])
+    onehot = F.one_hot(torch.where(valid & ~outside, targets, 0).long(), weight.shape[0]).to(dt)
     row_scale = (valid.to(dt) * (grad_loss.to(dt) / valid.sum().clamp_min(1).to(dt)))[:, None]
+    row_scale = row_scale.masked_fill(outside[:, None], float("nan"))
     coef = row_scale if grad_lse is None else row_scale + grad_lse.to(dt)[:, None]
     g = torch.exp(h @ w.t() - lse.to(dt)[:, None]) * coef - onehot * row_scale
     return ((g @ w).to(hidden.dtype) if need_dhidden else hidden.new_empty((0,)),
@@ -77,6 +90,16 @@ def _check(hidden, weight, targets):
         fail(op, f"targets is on {targets.device} but hidden is on {hidden.device}")
 
 
+def _check_targets(targets: Tensor, ignore_index: int, vocab: int):
+    """Value check, CPU tensors only (free there; a host sync on CUDA, where such a target makes the loss NaN)."""
+    outside = _outside_vocab(targets, ignore_index, vocab).nonzero()
+    if outside.numel():
+        row = int(outside[0, 0])
+        fail("linear_cross_entropy", f"targets must lie in [0, {vocab}) (the vocabulary size) or equal "
+                                     f"ignore_index={ignore_index}, got {int(targets[row])} at row {row} "
+                                     f"({outside.shape[0]} such targets)")
+
+
 def _backward_kernel(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
     dh, dw = kernels.linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index,
                                                    need_dhidden, need_dweight)
@@ -95,12 +118,15 @@ def _fake_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_ind
 
 linear_cross_entropy_with_lse = define(
     linear_cross_entropy_with_lse_reference, kernels.linear_cross_entropy,
-    check=lambda hidden, weight, targets, ignore_index: _check(hidden, weight, targets), fake=_fake_with_lse)
+    check=lambda hidden, weight, targets, ignore_index: _check(hidden, weight, targets), fake=_fake_with_lse,
+    check_values=lambda hidden, weight, targets, ignore_index: _check_targets(targets, ignore_index, weight.shape[0]))
 
 linear_cross_entropy_backward = define(
     linear_cross_entropy_backward_reference, _backward_kernel,
     check=lambda grad_loss, grad_lse, hidden, weight, targets, *args: _check(hidden, weight, targets),
-    fake=_fake_backward, dispatch_arg=2)
+    fake=_fake_backward, dispatch_arg=2,
+    check_values=lambda grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, *args:
+    _check_targets(targets, ignore_index, weight.shape[0]))
 
 
 def _setup(ctx, inputs, output):

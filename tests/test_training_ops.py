@@ -281,6 +281,45 @@ def test_linear_cross_entropy_chunks_slices_ignore_and_lse(device, monkeypatch):
     assert_close(ops.linear_cross_entropy(hid, w, wide[:, 0]), loss, what="lce with strided targets")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+def test_linear_cross_entropy_rejects_targets_outside_the_vocabulary_on_cpu(dtype):
+    """A target that is neither ignore_index nor in [0, V) raises one error naming targets, on the
+    kernel path (fp32 under the interpreter) and the reference path (float64) alike, forward and backward."""
+    hid, w = torch.randn(4, 8, dtype=dtype), torch.randn(10, 8, dtype=dtype)
+    message = r"qwen\.linear_cross_entropy: targets must lie in \[0, 10\) .* ignore_index=-100, got {} at row 2"
+    for bad in (10, -1, -101):
+        t = torch.tensor([1, -100, bad, 9])
+        with pytest.raises(qwen_ops.QwenOpError, match=message.format(bad)):
+            ops.linear_cross_entropy(hid, w, t)
+        with pytest.raises(qwen_ops.QwenOpError, match=message.format(bad)):
+            ops.linear_cross_entropy_backward(torch.tensor(1.0, dtype=dtype), None, hid, w, t,
+                                              torch.zeros(4, dtype=dtype), -100, True, True)
+    assert torch.isfinite(ops.linear_cross_entropy(hid, w, torch.tensor([1, -100, 0, 9])))
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_kernels_make_targets_outside_the_vocabulary_nan(device):
+    """The launchers (CUDA runs them without a value check: it would cost a host sync) turn the loss
+    NaN for a target outside [0, V), and the gradients it reaches: that row of dhidden and all of
+    dweight; the reference does the same. A plausible loss averaged over the other rows would hide it."""
+    n, h, v = 6, 16, 12
+    hid, w = randn(n, h, dtype=torch.float32, device=device), randn(v, h, dtype=torch.float32, device=device)
+    for bad in (v, -1, 3 * v):
+        t = torch.tensor([1, -100, bad, 0, 11, 5], device=device)
+        loss, lse = ce_kernels.linear_cross_entropy(hid, w, t, -100)
+        ref_loss, ref_lse = linear_cross_entropy_with_lse_reference(hid, w, t, -100)
+        assert torch.isnan(loss) and torch.isnan(ref_loss), f"target {bad}: loss {loss}, reference {ref_loss}"
+        assert_close(lse, ref_lse, what=f"lse with target {bad}")
+        one = torch.tensor(1.0, device=device)
+        dh, dw = ce_kernels.linear_cross_entropy_backward(one, None, hid, w, t, lse, -100, True, True)
+        ref_dh, ref_dw = qwen_ops.linear_cross_entropy_backward_reference(one, None, hid, w, t, ref_lse, -100,
+                                                                          True, True)
+        for name, got, want in (("dhidden", dh, ref_dh), ("dweight", dw, ref_dw)):
+            assert torch.equal(got.isnan(), want.isnan()), f"{name} with target {bad}: NaN in other places"
+        assert dh[2].isnan().all() and not dh[[0, 1, 3, 4, 5]].isnan().any() and dw.isnan().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Contract: opcheck with requires_grad inputs, determinism, compile
 # ---------------------------------------------------------------------------------------------
