@@ -8,7 +8,9 @@ For each head x [D] at position p, with R = rotary_dim and i < R/2:
     out[R:]      = x[R:]                                  (partial rotary passes through)
 
 cos/sin come from the positions inside the kernel, in fp32: no tables in memory (`rotary_cos_sin`:
-the angle reduced to [-pi, pi], then the hardware's approximate sin/cos).
+the angle reduced to [-pi, pi], then the hardware's approximate sin/cos). Positions are exact in
+fp32 up to |p| = 2^24 (MAX_POSITION); beyond it the kernels write NaN in the rotated dims of the
+position's heads (`fp32_position`: a value check on the host would cost a sync).
 With a norm weight w, x is first replaced by x * rsqrt(mean(x^2) + eps) * (w + offset)
 (Qwen3's q_norm/k_norm), saving a kernel and a round trip per projection.
 
@@ -41,13 +43,26 @@ from .common import (INTERPRET, cdiv, empty_contiguous_like, flat_rows, fp32, ke
 
 _HARDWARE_TRIG = tl.constexpr(not INTERPRET)  # the interpreter has no libdevice: it takes tl.cos / tl.sin
 
+MAX_POSITION = 1 << 24
+"""The largest |position| RoPE takes: positions enter the angle math as fp32, which holds every
+integer up to 2^24 and no further (2^24 + 1 would rotate as 2^24)."""
+_MAX_POSITION = tl.constexpr(MAX_POSITION)
+
+
+@triton.jit
+def fp32_position(p):
+    """An integer position as the fp32 the angles are computed from; NaN where |p| > MAX_POSITION."""
+    return tl.where((p >= -_MAX_POSITION) & (p <= _MAX_POSITION), p.to(tl.float32), float("nan"))
+
 
 @triton.jit
 def rotary_cos_sin(angle):
     """(cos, sin) of fp32 angles: the angle is reduced to [-pi, pi] by subtracting k * 2pi in three
     parts (Cody-Waite; k * 6.28125 is exact for |k| < 2^16, so the reduction is exact to fp32
     rounding for angles below ~4e5 rad), then the hardware's approximate sin/cos (absolute error
-    ~1e-6 on [-pi, pi]). The rounding of the fp32 angle itself (~1e-4 rad at 2048) dwarfs both.
+    ~1e-6 on [-pi, pi]). The rounding of the fp32 angle itself dwarfs both: |angle| * 2^-24 rad
+    and more (one ulp of inv_freq times the position), ~1e-4 rad at 2048, 0.03 at 4e5 and a whole
+    radian at MAX_POSITION, so long contexts get the accuracy of fp32 angles, not of the reduction.
     tl.cos / tl.sin are libdevice's, whose own reduction made the forward compute-bound: 11.8
     against 7.0 us at 2048 tokens of Qwen3-0.6B on an H200."""
     k = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2pi)
@@ -111,7 +126,7 @@ def _rope_kernel(
     log2_theta, eps, offset = fp32(log2_theta), fp32(eps), fp32(offset)
     row = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
-    pos = tl.load(pos_ptr + row).to(tl.float32)
+    pos = fp32_position(tl.load(pos_ptr + row))
     if tl.program_id(1) == 0:
         _rope_heads(q_ptr, qo_ptr, qw_ptr, row, stride_qr, stride_qh, HQ, pos, log2_theta, eps, offset,
                     D, ROT, HAS_NORM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, USE_PDL)
@@ -199,7 +214,7 @@ def _rope_bwd_kernel(
         head = hr % H
         m_rot = ok[:, None] & (i[None, :] < HALF)
         m_pass = ok[:, None] & (p[None, :] < PASS)
-        pos = tl.load(pos_ptr + row, mask=ok, other=0).to(tl.float32)
+        pos = fp32_position(tl.load(pos_ptr + row, mask=ok, other=0))
         cos, sin = rotary_cos_sin(pos[:, None] * inv_freq[None, :])
         src = dy_ptr + row[:, None] * stride_dyr + head[:, None] * stride_dyh
         dy1 = tl.load(src + i[None, :], mask=m_rot, other=0.0).to(tl.float32)

@@ -7,6 +7,11 @@ q [..., Hq, D], k [..., Hk, D], positions [...] (= q.shape[:-2]) -> (q_out, k_ou
 
 With q_norm_weight/k_norm_weight, each head is first RMS-normed over D (Qwen3's q_norm/k_norm).
 
+Positions lie in [-2^24, 2^24] (MAX_POSITION): the angles are fp32 (float64 for float64 inputs),
+and fp32 holds every integer only up to 2^24. CPU tensors outside raise (a value check, free
+there); on CUDA a check would cost a host sync, so the kernels write NaN in the rotated dims
+of such a position's heads instead, as the reference does.
+
 qwen::rope_backward: a rotation is orthogonal, so the backward rotates the output gradients by
 -a, then (with the fused norm) runs the RMSNorm backward over each head.
 """
@@ -18,6 +23,7 @@ from torch import Tensor
 
 from csrc_free_ops import rope as kernels
 from csrc_free_ops.common import empty_contiguous_like
+from csrc_free_ops.rope import MAX_POSITION
 
 from .checks import check_float, check_index, check_same, fail
 from .norm import rms_norm_backward_reference, rms_norm_reference
@@ -25,9 +31,11 @@ from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholde
 
 
 def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
-    """cos, sin of the angles [..., 1, R/2] (broadcast over heads) for positions [...]."""
+    """cos, sin of the angles [..., 1, R/2] (broadcast over heads) for positions [...]; NaN for a
+    position outside [-MAX_POSITION, MAX_POSITION], as in the kernels."""
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim)
-    angle = positions.to(dtype)[..., None, None] * inv_freq
+    in_range = (positions >= -MAX_POSITION) & (positions <= MAX_POSITION)
+    angle = positions.to(dtype).masked_fill(~in_range, float("nan"))[..., None, None] * inv_freq
     return angle.cos(), angle.sin()
 
 
@@ -70,6 +78,15 @@ def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
             check_float(op, name, w, ndim=1)  # read with unit stride
             if w.shape[0] != d:
                 fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
+
+
+def _check_positions(positions: Tensor):
+    """Value check, CPU tensors only (free there; a host sync on CUDA, where the kernels write NaN instead)."""
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < -MAX_POSITION or hi > MAX_POSITION:
+            fail("rope", f"positions must lie in [-2^24, 2^24] (the angles are fp32, exact for integers up to "
+                         f"2^24 only), got values in [{lo}, {hi}]")
 
 
 def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positions: Tensor, theta: float,
@@ -115,10 +132,11 @@ def _fake_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_
 rope = define(rope_reference, kernels.rope,
               check=lambda q, k, positions, theta, rotary_dim, qw, kw, eps, offset:
               _check(q, k, positions, theta, rotary_dim, qw, kw),
-              fake=lambda q, k, *args: (empty_contiguous_like(q), empty_contiguous_like(k)))
+              fake=lambda q, k, *args: (empty_contiguous_like(q), empty_contiguous_like(k)),
+              check_values=lambda q, k, positions, *args: _check_positions(positions))
 
 rope_backward = define(rope_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,
-                       dispatch_arg=2)
+                       dispatch_arg=2, check_values=lambda dq, dk, q, k, positions, *args: _check_positions(positions))
 
 
 def _setup(ctx, inputs, output):

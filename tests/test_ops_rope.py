@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import qwen_ops  # noqa: F401
+import qwen_ops
 from qwen_ops import rope_backward_reference, rope_reference
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
@@ -88,3 +88,41 @@ def test_rope_long_context_angles(device):
     ref_grads = rope_backward_reference(*out, q, k, positions, 1e4, 32)
     for name, got, want in zip(("q", "k", "dq", "dk"), (*out, *grads[:2]), (*ref, *ref_grads[:2])):
         assert_close(got, want, 3e-3, what=f"rope {name} at positions 1e5-3e5")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
+def test_rope_rejects_positions_past_2_24_on_cpu(dtype):
+    """fp32 angles hold integer positions exactly up to 2^24 only: beyond, forward and backward
+    raise one error naming positions, on the kernel path and the reference path alike."""
+    q, k = torch.randn(1, 2, 2, 16, dtype=dtype), torch.randn(1, 2, 1, 16, dtype=dtype)
+    edge = torch.tensor([[2**24, -2**24]])
+    assert torch.isfinite(torch.ops.qwen.rope(q, k, edge, 1e4, 16)[0]).all()
+    for bad in (2**24 + 1, -2**24 - 1, 2**31 - 1):
+        positions = torch.tensor([[5, bad]], dtype=torch.int32 if bad == 2**31 - 1 else torch.int64)
+        with pytest.raises(qwen_ops.QwenOpError, match=r"qwen\.rope: positions must lie in \[-2\^24, 2\^24\]"):
+            torch.ops.qwen.rope(q, k, positions, 1e4, 16)
+        with pytest.raises(qwen_ops.QwenOpError, match=r"qwen\.rope: positions must lie in \[-2\^24, 2\^24\]"):
+            torch.ops.qwen.rope_backward(q, k, q, k, positions, 1e4, 16)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_kernels_write_nan_for_positions_past_2_24(device):
+    """The launchers (no value check on CUDA: it would cost a host sync) write NaN in the rotated
+    dims of a head whose position is past +-2^24, where fp32 angles are off by a radian or more,
+    and the reference does the same; the other rows (2^24 included) and the pass-through dims
+    are unaffected."""
+    from csrc_free_ops import rope as kernels
+
+    q, k = _fused_qkv(1, 5, 2, 1, 32, torch.float32, device)
+    positions = torch.tensor([[3, 2**24 + 1, -2**24 - 1, 2**31 - 1, 2**24]], dtype=torch.int32, device=device)
+    rot, bad = 16, [1, 2, 3]
+    out = kernels.rope(q, k, positions, 1e4, rot, None, None, 1e-6, 0.0)
+    ref = rope_reference(q, k, positions, 1e4, rot)
+    grads = kernels.rope_backward(*out, q, k, positions, 1e4, rot, None, None, 1e-6, 0.0)
+    ref_grads = rope_backward_reference(*out, q, k, positions, 1e4, rot)
+    for name, got, want in zip(("q", "k", "dq", "dk"), (*out, *grads[:2]), (*ref, *ref_grads[:2])):
+        assert got[0, bad, :, :rot].isnan().all() and want[0, bad, :, :rot].isnan().all(), name
+        assert torch.equal(got[0, bad, :, rot:], want[0, bad, :, rot:]), f"{name}: pass-through dims"
+        assert_close(got[0, 0], want[0, 0], what=f"rope {name} at position 3")
+        assert torch.isfinite(got[0, 4]).all(), f"{name} at position 2^24"
