@@ -22,11 +22,16 @@ MAX_DECODE_ROWS = 128
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
-    """Lengths are clamped to [0, L] as the kernel does; a query that sees no key gives zeros."""
+    """Lengths are clamped to [0, L] as the kernel does; a query that sees no key gives zeros. Cache
+    entries past a sequence's length are zeroed before the products (the kernel never reads them),
+    so whatever they hold (NaN included) cannot reach the output."""
     tq, cache_len = q.shape[1], k_cache.shape[1]
     seqlens = cache_seqlens.long().clamp(0, cache_len)
+    slots = torch.arange(cache_len, device=q.device)
+    stored = (slots[None, :] < seqlens[:, None])[:, :, None, None]  # [B, L, 1, 1]
+    k_cache, v_cache = k_cache.where(stored, 0.0), v_cache.where(stored, 0.0)
     q_pos = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
-    keep = (torch.arange(cache_len, device=q.device)[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tq, L]
+    keep = (slots[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tq, L]
     s = masked_scores(q, k_cache, scale, keep)
     p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
     o = p @ heads_first(v_cache, q.shape[2] // k_cache.shape[2], s.dtype)

@@ -211,6 +211,26 @@ def test_decode_attention_kernel_clamps_bad_lengths_inside_the_cache(device):
     assert not out[1:3].any() and not out[3, 0].any(), "rows that see no key must be zero"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_attention_ignores_nan_past_each_length(device, dtype):
+    """NaN in the cache past each sequence's own length (inside the cache: a slot no token has filled
+    yet) never reaches the output, in the kernel or the reference: lengths ending inside a key block,
+    at a split boundary and one past it."""
+    b, tq, hq, hk, d, cache_len = 4, 2, 4, 2, 16, 70
+    q = randn(b, tq, hq, d, dtype=dtype, device=device)
+    k_cache, v_cache = (randn(b, cache_len, hk, d, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.tensor([2, 33, 64, 65], dtype=torch.int32, device=device)
+    for i, n in enumerate(seqlens.tolist()):
+        k_cache[i, n:] = float("nan")
+        v_cache[i, n:] = float("nan")
+    out = torch.ops.qwen.decode_attention(q, k_cache, v_cache, seqlens, 0.25)
+    ref = decode_attention_reference(q, k_cache, v_cache, seqlens, 0.25)
+    assert torch.isfinite(ref).all(), "the reference lets the cache past a length reach the output"
+    assert torch.isfinite(out).all(), "the kernel reads the cache past a sequence's length"
+    assert_close(out, ref, what="decode_attention with NaN past each length")
+
+
 def test_decode_attention_rejects_bad_lengths_on_cpu():
     q = randn(1, 2, 4, 16, dtype=torch.float32, device="cpu")
     cache = randn(1, 8, 2, 16, dtype=torch.float32, device="cpu")
