@@ -114,6 +114,24 @@ def test_every_split_factor(device, split_k):
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [65, 130])
+def test_split_k_with_several_row_blocks(device, m):
+    """More rows than one row block (64): each (row block, output tile) has its own arrival
+    counter, so the programs of one row block never sum another's slices."""
+    f32 = dict(dtype=torch.float32, device=device)
+    cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=2)
+    x, nw, res, w = randn(m, 64, **f32), randn(64, **f32), randn(m, 16, **f32), randn(32, 64, **f32, scale=0.1)
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+                 qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear M{m}")
+    assert_close(kernels.linear_residual(x, w[:16], res, cfg), qwen_ops.linear_residual_reference(x, w[:16], res),
+                 what=f"linear_residual M{m}")
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+                 qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"norm_gate_up_silu M{m}")
+    assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
 def test_qkv_positions_outside_the_cache_are_not_written(device):
     """On the device a bad position is skipped (a check would cost a sync); q is still computed."""
     args = _qkv_args(2, 1, 40, 2, 1, 16, 16, False, False, True, torch.float32, device, cache_len=4)
