@@ -39,11 +39,21 @@ Output directory (the model is the checkpoint with the best validation loss):
 - ``training_log.json``: the settings, the loss curves, throughput, wall time, the best
   validation loss and bits/char; ``loss_curve.png``, drawn from it at the end of a run or by
   ``--plot DIR`` (needs matplotlib; without it the run says so and skips the picture);
-- ``resume_state.pt`` (or ``--state PATH``): the last step's fp32 weights, optimizer state,
-  step and RNG states, for ``--resume``. Not part of the model.
+- ``resume_state.pt`` (or ``--state PATH``): the run's one record for ``--resume``, written last at
+  every save: the last step's fp32 weights, optimizer state, step, RNG states, and the best
+  weights and the log that the two files above are written from. Not part of the model.
+
+Interrupts: SIGTERM and SIGINT (Ctrl-C) set a flag that the loop reads between whole steps; it
+then saves and exits with 128 + the signal number (143, 130). Every file goes to disk through an
+fsynced temporary file and ``os.replace`` (then an fsync of its folder). Each invocation saves
+its starting point before anything else (a fresh run: step 0, before the step-0 validation), and
+``--resume`` rewrites the model and the log from the resume state, so a run stopped at any moment
+continues with ``--resume`` to the weights of a run without a stop. ``OUT/.train.lock`` (an
+``fcntl.flock``) keeps a second run out of a directory that one is writing.
 """
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -51,7 +61,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -59,8 +69,10 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 LOG_FILE = "training_log.json"
 PLOT_FILE = "loss_curve.png"
 STATE_FILE = "resume_state.pt"
+LOCK_FILE = ".train.lock"
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95}
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the state holds the best weights
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Defaults: the shipped model (about 7.2M parameters, 14.4 MB in bf16). "tiny": a CPU smoke run.
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -283,12 +295,16 @@ def lr_at(a: argparse.Namespace, step: int, max_steps: int, elapsed_s: float) ->
 
 
 class Trainer:
-    def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice):
+    """One invocation of a training run into ``out``: a fresh run (tokenizer and config.json
+    written here) or, with ``a.resume``, the run of the resume state at ``state_path``.
+    ``stop.signum`` (set by ``StopSignals``) ends the loop at the next step boundary."""
+
+    def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice, stop: "StopSignals"):
         import torch
 
         from .config import QwenConfig
 
-        self.a, self.out, self.state_path, self.notice = a, out, state_path, notice
+        self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
         self.device = torch.device(a.device)
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
         torch.manual_seed(a.seed)
@@ -300,11 +316,8 @@ class Trainer:
             tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         else:
             tok = train_tokenizer(train_text, a.vocab_size)
-            write_tokenizer_files(out, tok, a.seq_len)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         cfg = model_config_dict(a, vocab)
-        if not a.resume:
-            _write_json(out / "config.json", cfg)
         self.config = QwenConfig.from_dict(cfg)
 
         def encode(s):
@@ -359,6 +372,10 @@ class Trainer:
         }
         if a.resume:
             self._load_state()
+        else:  # written once the settings have passed every check, before the first save
+            write_tokenizer_files(out, tok, a.seq_len)
+            _fsync_files(out, ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
+            _write_json(out / "config.json", cfg)
 
     # ----- one step
 
@@ -409,15 +426,14 @@ class Trainer:
     # ----- files
 
     def write_model(self) -> None:
-        from safetensors.torch import save_file
+        """model.safetensors from the best weights (nothing before the first validation)."""
+        from safetensors.torch import save
 
         if self.best_weights is None:
             return
         tensors = hf_tensors(dict(zip(self.names, self.best_weights)), self.config, self.save_dtype)
-        tmp = self.out / ".model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.out / "model.safetensors")
+        data = save(tensors, metadata={"format": "pt"})
+        _replace_file(self.out / "model.safetensors", lambda f: f.write(data))
 
     def write_log(self, elapsed_s: float, stopped: str) -> None:
         best = next((v for v in self.log["val"] if v["step"] == self.best_step), None)
@@ -432,6 +448,8 @@ class Trainer:
         _write_json(self.out / LOG_FILE, self.log)
 
     def save_state(self, elapsed_s: float) -> None:
+        """The resume state: everything the run needs to continue, and the best weights and the log
+        that model.safetensors and training_log.json are written from."""
         import torch
         state = {
             "version": STATE_VERSION, "args": _training_args(self.a), "step": self.step,
@@ -439,14 +457,13 @@ class Trainer:
             "weights": {n: m.detach().float().cpu() for n, m in zip(self.names, self.master)},
             "optimizer": self.opt.state_dict(),
             "best": {"val_loss": self.best_val, "step": self.best_step, "evals_since_best": self.evals_since_best},
+            "best_weights": None if self.best_weights is None else
+            {n: w.cpu() for n, w in zip(self.names, self.best_weights)},
             "rng": {"cpu": torch.get_rng_state(), "data": self.data_gen.get_state(),
                     "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
             "log": self.log,
         }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name("." + self.state_path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.state_path)
+        _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
         import torch
@@ -462,6 +479,8 @@ class Trainer:
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
         b = state["best"]
         self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
+        if state["best_weights"] is not None:
+            self.best_weights = [state["best_weights"][n] for n in self.names]
         torch.set_rng_state(state["rng"]["cpu"])
         self.data_gen.set_state(state["rng"]["data"])
         if state["rng"]["cuda"] is not None and self.device.type == "cuda":
@@ -472,7 +491,10 @@ class Trainer:
 
     # ----- the loop
 
-    def run(self) -> Dict[str, Any]:
+    def run(self) -> str:
+        """Train until the schedule, ``--stop-at``, the time budget, patience or an interrupt stops
+        the run, then save; returns why it stopped (the log's ``stopped``). This invocation's
+        starting point is saved first, so the directory can be resumed from the start on."""
         import torch
 
         a = self.a
@@ -488,67 +510,75 @@ class Trainer:
                     f"val {self.val.n_tokens} tokens / {self.val.n_chars} chars; {self.max_steps} steps of "
                     f"{self.tokens_per_step} tokens" + (f", at most {a.max_minutes:g} min" if a.max_minutes else "")
                     + f"; {self.device.type} {a.dtype}")
-        if self.step == 0:
-            val_loss, val_bpc = self.evaluate(0.0)
+        self._flush(elapsed(), "running")
+        if not self.log["val"] and self.stop.signum is None:  # a fresh run, or one stopped before this
+            val_loss, val_bpc = self.evaluate(elapsed())
             self.notice(f"step 0: val loss {val_loss:.4f}, {val_bpc:.3f} bits/char")
         bar = _progress_bar(self.max_steps, self.step, a.progress)
         stop_at = min(self.max_steps, a.stop_at) if a.stop_at else self.max_steps
         loss_sum = torch.zeros((), device=self.device)
-        window_steps, window_start, last_eval_step, last_state_step = 0, time.perf_counter(), self.step, self.step
-        stopped = "steps"
-        try:
-            while self.step < stop_at:
-                if a.max_minutes and elapsed() >= 60.0 * a.max_minutes:
-                    stopped = "time"
-                    break
-                lr = lr_at(a, self.step, self.max_steps, elapsed())
-                loss, grad_norm = self.train_step(lr)
-                loss_sum += loss
-                window_steps += 1
-                if self.step % a.log_every == 0 or self.step == stop_at:
-                    mean_loss = loss_sum.item() / window_steps  # the one host sync per log interval
-                    now = time.perf_counter()
-                    tok_s = window_steps * self.tokens_per_step / max(now - window_start, 1e-9)
-                    self.log["train"].append({"step": self.step, "tokens": self.tokens_seen,
-                                              "time_s": round(elapsed(), 2), "loss": mean_loss, "lr": lr,
-                                              "grad_norm": grad_norm.item(), "tokens_per_s": round(tok_s, 1)})
-                    loss_sum.zero_()
-                    window_steps, window_start = 0, now
-                    done = self.step - first_step
-                    eta = (self.max_steps - self.step) * (elapsed() - self.elapsed_before) / max(done, 1)
-                    if a.max_minutes:
-                        eta = min(eta, 60.0 * a.max_minutes - elapsed())
-                    bar.set_postfix_str(f"loss {mean_loss:.3f}, {_rate(tok_s)} tok/s, lr {lr:.1e}, "
-                                        f"best val {self.best_val:.3f}, eta {_minutes(max(eta, 0.0))}", refresh=False)
-                    bar.update(self.step - bar.n)
-                if self.step % a.eval_every == 0:
-                    self._eval_and_report(elapsed(), bar)
-                    last_eval_step = self.step
-                    if window_steps == 0:  # keep evaluation out of the next tokens/s window
-                        window_start = time.perf_counter()
-                    if a.patience and self.evals_since_best >= a.patience:
-                        stopped = "patience"
-                        break
-                if a.state_every and self.step - last_state_step >= a.state_every:
-                    self._flush(elapsed(), "running")
-                    last_state_step = self.step
-            else:
-                stopped = "steps" if self.step >= self.max_steps else "stop_at"
-            if self.step != last_eval_step:
+        window_steps, window_start, last_state_step = 0, time.perf_counter(), self.step
+        last_eval_step = self.log["val"][-1]["step"] if self.log["val"] else None
+        while True:
+            stopped = self._stop_reason(stop_at, elapsed())
+            if stopped is not None:
+                break
+            lr = lr_at(a, self.step, self.max_steps, elapsed())
+            loss, grad_norm = self.train_step(lr)
+            loss_sum += loss
+            window_steps += 1
+            if self.step % a.log_every == 0 or self.step == stop_at:
+                mean_loss = loss_sum.item() / window_steps  # the one host sync per log interval
+                now = time.perf_counter()
+                tok_s = window_steps * self.tokens_per_step / max(now - window_start, 1e-9)
+                self.log["train"].append({"step": self.step, "tokens": self.tokens_seen,
+                                          "time_s": round(elapsed(), 2), "loss": mean_loss, "lr": lr,
+                                          "grad_norm": grad_norm.item(), "tokens_per_s": round(tok_s, 1)})
+                loss_sum.zero_()
+                window_steps, window_start = 0, now
+                done = self.step - first_step
+                eta = (self.max_steps - self.step) * (elapsed() - self.elapsed_before) / max(done, 1)
+                if a.max_minutes:
+                    eta = min(eta, 60.0 * a.max_minutes - elapsed())
+                bar.set_postfix_str(f"loss {mean_loss:.3f}, {_rate(tok_s)} tok/s, lr {lr:.1e}, "
+                                    f"best val {self.best_val:.3f}, eta {_minutes(max(eta, 0.0))}", refresh=False)
+                bar.update(self.step - bar.n)
+            if self.step % a.eval_every == 0:
                 self._eval_and_report(elapsed(), bar)
-        except KeyboardInterrupt:
-            bar.close()
-            self.notice(f"interrupted at step {self.step}: writing the best checkpoint and the resume state")
-            self._flush(elapsed(), "interrupted")
-            raise
+                last_eval_step = self.step
+                if window_steps == 0:  # keep evaluation out of the next tokens/s window
+                    window_start = time.perf_counter()
+                if a.patience and self.evals_since_best >= a.patience:
+                    stopped = "patience"
+                    break
+            if a.state_every and self.step - last_state_step >= a.state_every:
+                self._flush(elapsed(), "running")
+                last_state_step = self.step
+        if stopped != "interrupted" and self.step != last_eval_step:
+            self._eval_and_report(elapsed(), bar)
         bar.update(self.step - bar.n)
         bar.close()
         self._flush(elapsed(), stopped)
+        if stopped == "interrupted":
+            self.notice(f"interrupted by {signal.Signals(self.stop.signum).name} at step {self.step}: wrote the best "
+                        f"checkpoint and the resume state; continue with --resume")
+            return stopped
         best = self.log["best"]
         self.notice(f"done ({stopped}): {self.step} steps, {elapsed():.0f} s, {self.tokens_seen / 1e6:.1f}M tokens "
                     f"({self.log['epochs_seen']:.1f} epochs); best val loss {best['val_loss']:.4f} = "
                     f"{best['val_bits_per_char']:.3f} bits/char at step {best['step']}; wrote {self.out}")
-        return self.log
+        return stopped
+
+    def _stop_reason(self, stop_at: int, elapsed_s: float) -> Optional[str]:
+        """Why the loop stops before the next step (None: it goes on). The last step done wins over
+        an interrupt, which wins over the time budget."""
+        if self.step >= stop_at:
+            return "steps" if self.step >= self.max_steps else "stop_at"
+        if self.stop.signum is not None:
+            return "interrupted"
+        if self.a.max_minutes and elapsed_s >= 60.0 * self.a.max_minutes:
+            return "time"
+        return None
 
     def _eval_and_report(self, elapsed_s: float, bar) -> None:
         val_loss, val_bpc = self.evaluate(elapsed_s)
@@ -558,6 +588,9 @@ class Trainer:
                   + (" (best)" if self.best_step == self.step else ""), file=sys.stderr)
 
     def _flush(self, elapsed_s: float, stopped: str) -> None:
+        """Save the run: model.safetensors and training_log.json, then the resume state, which is
+        the record of the save (``--resume`` rewrites the first two from it, so a save cut short
+        leaves the previous one in force)."""
         self.write_model()
         self.write_log(elapsed_s, stopped)
         if self.a.state != "none":
@@ -722,31 +755,113 @@ def _training_args(a: argparse.Namespace) -> Dict[str, Any]:
     return {k: v for k, v in vars(a).items() if k not in ("given", "out", "resume", "state", "plot")}
 
 
-def prepare(a: argparse.Namespace) -> Tuple[Path, Path]:
-    """Check --out and --state, merge a resume state's settings into ``a``; (out, state path)."""
+def prepare(a: argparse.Namespace) -> Tuple[Path, Path, "OutLock"]:
+    """Create --out (and --state's folder), take OUT's lock, check that a fresh run finds no run there
+    and that --resume finds one, and merge a resume state's settings into ``a``; (out, state path,
+    the lock, which the caller releases)."""
     import torch
 
     out = Path(a.out)
     state_path = Path(a.state) if a.state not in (None, "none") else out / STATE_FILE
-    if a.resume:
-        if a.state == "none":
-            raise UsageError("--resume needs a resume state: drop --state none")
-        if not state_path.is_file():
-            raise UsageError(f"--resume: no resume state at {state_path}")
-        saved = torch.load(state_path, map_location="cpu", weights_only=True).get("args", {})
-        for k, v in saved.items():
-            if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
-                setattr(a, k, v)
-        missing = [f for f in ("tokenizer.json", "config.json") if not (out / f).is_file()]
-        if missing:
-            raise UsageError(f"--resume: {out} has no {', '.join(missing)}")
-    else:
-        ours = [f for f in (*MODEL_FILES, LOG_FILE, STATE_FILE) if (out / f).exists()]
-        if ours or (a.state not in (None, "none") and state_path.exists()):
-            raise UsageError(f"{out} already holds a training run ({', '.join(ours) or state_path.name}): "
-                             "continue it with --resume, or choose a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out, state_path
+    if a.resume and not out.is_dir():
+        raise UsageError(f"--resume: --out {out} is not a directory")
+    _make_dir(out, "--out")
+    if a.state not in (None, "none"):
+        _make_dir(state_path.parent, "--state")
+    lock = OutLock(out)
+    try:
+        if a.resume:
+            if a.state == "none":
+                raise UsageError("--resume needs a resume state: drop --state none")
+            if not state_path.is_file():
+                raise UsageError(f"--resume: no resume state at {state_path}")
+            saved = torch.load(state_path, map_location="cpu", weights_only=True).get("args", {})
+            for k, v in saved.items():
+                if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
+                    setattr(a, k, v)
+            missing = [f for f in ("tokenizer.json", "config.json") if not (out / f).is_file()]
+            if missing:
+                raise UsageError(f"--resume: {out} has no {', '.join(missing)}")
+        else:
+            ours = [f for f in (*MODEL_FILES, LOG_FILE, STATE_FILE) if (out / f).exists()]
+            if ours or (a.state not in (None, "none") and state_path.exists()):
+                raise UsageError(f"{out} already holds a training run ({', '.join(ours) or state_path.name}): "
+                                 "continue it with --resume, or choose a new --out")
+    except BaseException:
+        lock.release()
+        raise
+    return out, state_path, lock
+
+
+def _make_dir(path: Path, flag: str) -> None:
+    """``path`` as a directory (created with its parents if missing); UsageError naming ``flag`` where it
+    cannot be one."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+
+
+class OutLock:
+    """An exclusive ``fcntl.flock`` on ``OUT/.train.lock`` (holding the holder's pid), taken without
+    waiting: UsageError when another process holds it. ``release`` removes the file and unlocks."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_FILE
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise UsageError(f"--out {out}: cannot create {self.path.name} ({e.strerror or e})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise UsageError(f"--out {out} is being written by another training run (pid {holder}, which holds "
+                                 f"{self.path}): wait for it to end, or choose another --out") from None
+            try:  # the file may have been removed by a holder that let go before our flock
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock (in that order: a waiter that took the old file's lock
+        sees it gone and opens a new one)."""
+        if self.fd is None:
+            return
+        os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGINT only record the first signal's number in ``signum``; the
+    training loop reads it between steps. The previous handlers come back on exit."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self.previous: Dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def __enter__(self) -> "StopSignals":
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -765,21 +880,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch
 
         a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        out, state_path = prepare(a)  # on --resume: the saved device unless --device is given
-        if a.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"--device {a.device}: no CUDA device is available")
-        a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
-        trainer = Trainer(a, out, state_path, notice)
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, `kill`: save, then stop
-        try:
-            trainer.run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        if a.plot_after:
+        with StopSignals() as stop:  # `timeout`, `kill`, Ctrl-C: finish the step, save, then stop
+            out, state_path, lock = prepare(a)  # on --resume: the saved device unless --device is given
             try:
-                notice(f"wrote {plot(out)}")
-            except UsageError as e:
-                notice(f"note: no {PLOT_FILE}: {e}; run `python -m modeling.train --plot {out}` where it is")
+                if a.device.startswith("cuda") and not torch.cuda.is_available():
+                    raise UsageError(f"--device {a.device}: no CUDA device is available")
+                a.dtype = a.dtype or ("bf16" if a.device.startswith("cuda") else "fp32")
+                if Trainer(a, out, state_path, notice, stop).run() == "interrupted":
+                    return 128 + stop.signum
+                if a.plot_after:
+                    try:
+                        notice(f"wrote {plot(out)}")
+                    except UsageError as e:
+                        notice(f"note: no {PLOT_FILE}: {e}; run `python -m modeling.train --plot {out}` where it is")
+            finally:
+                lock.release()
         return 0
     except UsageError as e:
         notice(f"error: {e}")
@@ -791,10 +906,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
@@ -831,9 +942,32 @@ class _PlainProgress:
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    data = (json.dumps(obj, indent=2) + "\n").encode()
+    _replace_file(path, lambda f: f.write(data))
+
+
+def _replace_file(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``path`` written by ``write(f)`` into a temporary file beside it, fsynced, moved over ``path``
+    with ``os.replace`` and the folder fsynced: after a crash ``path`` holds its old or its new
+    content, never a mix. Mode 0644."""
     tmp = path.with_name("." + path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+    _fsync_files(path.parent, ())
+
+
+def _fsync_files(folder: Path, names: Sequence[str]) -> None:
+    """fsync the files ``names`` of ``folder``, then the folder itself (its entries)."""
+    for p in [folder / n for n in names] + [folder]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _rate(x: float) -> str:

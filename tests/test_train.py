@@ -6,11 +6,14 @@ sequences) and a slice of tests/data/tinyshakespeare_20k.txt, CPU (Triton interp
   gives the logits of our QwenForCausalLM.from_pretrained (fp32), with the tokenizer, EOS ids and
   sampling defaults in place, every file under 16 MB;
 - --stop-at then --resume reproduces an uninterrupted run (same losses, same weights);
+- the best weights are a copy, not the live weights (--save-dtype fp32 on CPU), and the learning
+  rate follows whichever of the step and the time budget is further along;
 - bits per character by hand: the formula, the validation windows (every token but the first
   predicted once), a zero model (uniform: log2(V) bits per token), and the fused loss against
   log-softmax of the logits, window by window;
 - the shipped default sizes fit the 16 MB file limit.
 """
+import argparse
 import json
 import math
 from pathlib import Path
@@ -120,6 +123,39 @@ def test_resume_continues_from_the_saved_step(trained, tmp_path):
 def test_refuses_to_overwrite_a_run(trained, capsys):
     assert train.main([*TINY, "--out", str(trained), *STEPS]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_best_weights_are_a_copy_of_the_live_ones(tmp_path):
+    """In fp32 with --save-dtype fp32, ``.to(dtype)`` alone returns the live tensor itself: the
+    checkpoint would follow every later step."""
+    a = train.parse_args([*TINY, "--out", str(tmp_path / "model"), "--save-dtype", "fp32", *STEPS])
+    a.dtype = "fp32"
+    out, state_path, lock = train.prepare(a)
+    try:
+        trainer = train.Trainer(a, out, state_path, print, train.StopSignals())
+    finally:
+        lock.release()
+    trainer.val = lambda model: (1.0, 1.0)  # a validation (the real one runs minutes in the interpreter)
+    before = [m.detach().clone() for m in trainer.master]
+    trainer.evaluate(0.0)
+    with torch.no_grad():
+        for m in trainer.master:
+            m.add_(1.0)  # what later steps do to the live weights
+    assert trainer.best_step == 0
+    for best, init in zip(trainer.best_weights, before):
+        assert best.dtype == torch.float32 and torch.equal(best, init)
+
+
+def test_learning_rate_follows_the_further_of_steps_and_time():
+    a = argparse.Namespace(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_minutes=2.0)
+    half = 1e-4 + 0.9e-3 * 0.5  # the cosine halfway
+    assert train.lr_at(a, 4, 110, 90.0) == pytest.approx(5e-4)  # warm-up: steps only
+    assert train.lr_at(a, 10, 110, 0.0) == pytest.approx(1e-3)
+    assert train.lr_at(a, 10, 110, 60.0) == pytest.approx(half)  # half the time budget, no decay steps yet
+    assert train.lr_at(a, 60, 110, 6.0) == pytest.approx(half)  # half the decay steps, 5% of the time
+    assert train.lr_at(a, 60, 110, 500.0) == pytest.approx(1e-4)  # past the budget: fully annealed
+    a.max_minutes = None
+    assert train.lr_at(a, 60, 110, 500.0) == pytest.approx(half)
 
 
 def test_bits_per_char_formula():

@@ -1,0 +1,168 @@
+"""modeling.train stopped by real signals, and the directory it writes into.
+
+- a tiny run (40 steps) stopped again and again by SIGTERM or SIGINT from outside at random
+  moments, continued with --resume each time, ends with the weights, optimizer state, checkpoint
+  and losses of the same run without a stop, bit for bit (CPU, fp32, one thread); every resume
+  state it leaves is whole (the optimizer's step counts, the log and the data sampler's generator
+  all at the saved step); its first process stops itself inside the step-0 validation, which
+  leaves a directory that --resume continues and a fresh run refuses;
+- a second training into a directory that one is writing fails at once (exit 2, one line);
+- an --out or --state that cannot be a writable directory: exit 2, one line, no traceback.
+
+The runs are subprocesses without TRITON_INTERPRET (the PyTorch references: a few seconds each).
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "tests" / "data" / "tinyshakespeare_20k.txt"
+STEPS = 40
+RUN = ["--device", "cpu", "--preset", "tiny", "--data", str(TEXT), "--max-chars", "4000", "--val-fraction", "0.05",
+       "--batch-size", "2", "--train-eval-tokens", "0", "--lr", "1e-2", "--rope-theta", "1e6", "--log-every", "1",
+       "--steps", str(STEPS), "--eval-every", "10", "--state-every", "7", "--no-progress", "--no-plot"]
+RESUME = ["--resume", "--no-progress", "--no-plot"]
+# A real SIGTERM to itself while the step-0 validation runs.
+STOP_IN_STEP0_VALIDATION = """\
+import os, signal, sys
+from modeling import train
+evaluate = train.Evaluator.__call__
+def stop_inside(self, model):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(self, model)
+train.Evaluator.__call__ = stop_inside
+sys.exit(train.main(sys.argv[1:]))
+"""
+ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},  # CPU: the reference ops
+       "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "OMP_NUM_THREADS": "1"}  # every process sums in the same order
+
+
+def start(*args, script=None):
+    head = ["-c", script] if script else ["-m", "modeling.train"]
+    return subprocess.Popen([sys.executable, *head, *map(str, args)], cwd=ROOT, env=ENV,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(p):
+    err = p.stderr.read()
+    return p.wait(timeout=120), err
+
+
+def wait_for_training(p):
+    """Read p's stderr until the run's 'model:' line (its lock is held by then)."""
+    lines = []
+    while not lines or not lines[-1].startswith("model:"):
+        line = p.stderr.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+
+
+def load_state(out):
+    return torch.load(out / train.STATE_FILE, weights_only=True)
+
+
+def assert_whole(out):
+    """The resume state, the log and the checkpoint of one save, all at one step."""
+    state = load_state(out)
+    step, log = state["step"], json.loads((out / train.LOG_FILE).read_text())
+    assert log["steps"] == state["log"]["steps"] == step
+    assert log["best"] == state["log"]["best"] and state["best"]["step"] == log["best"]["step"]
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} <= {step}
+    assert len(state["optimizer"]["state"]) == (len(state["weights"]) if step else 0)
+    data = torch.Generator().manual_seed(0 + 1)  # Trainer.batch's draws, one per step
+    for _ in range(step):
+        torch.randint(0, state["log"]["data"]["train_tokens"] - 32 + 1, (2, 1), generator=data)
+    assert torch.equal(data.get_state(), state["rng"]["data"])
+    return state
+
+
+def test_stopped_at_random_moments_the_resumed_run_is_the_uninterrupted_one(tmp_path, capsys):
+    ref = tmp_path / "ref"
+    rc, err = finish(start("--out", ref, *RUN))
+    assert rc == 0, err
+    wall = json.loads((ref / train.LOG_FILE).read_text())["wall_time_s"]
+
+    out = tmp_path / "run"
+    rc, err = finish(start("--out", out, *RUN, script=STOP_IN_STEP0_VALIDATION))
+    assert rc == 128 + signal.SIGTERM and "interrupted by SIGTERM at step 0" in err, err
+    state = assert_whole(out)  # the validation ran to its end, and the run stopped before step 1
+    assert state["step"] == 0 and [v["step"] for v in state["log"]["val"]] == [0]
+    assert not (out / train.LOCK_FILE).exists()
+    assert train.main([*RUN, "--out", str(out)]) == 2  # a fresh run refuses it; --resume continues it
+    assert "continue it with --resume" in capsys.readouterr().err
+
+    rng, stops = random.Random(0), []
+    for i in range(4):
+        p = start("--out", out, *RESUME)
+        wait_for_training(p)
+        if i == 0:
+            assert train.main(["--out", str(out), *RESUME]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error: --out {out} is being written by another training run (pid {p.pid}")
+            assert err.count("\n") == 1, err
+        step = load_state(out)["step"]
+        time.sleep(rng.uniform(0.0, 0.8 * wall * (STEPS - step) / STEPS))
+        sig = rng.choice([signal.SIGTERM, signal.SIGINT])
+        p.send_signal(sig)
+        rc, err = finish(p)
+        if rc == 0:  # it got to the end first
+            break
+        assert rc == 128 + sig and f"interrupted by {sig.name}" in err, (rc, err)
+        stops.append(assert_whole(out)["step"])
+    else:
+        rc, err = finish(start("--out", out, *RESUME))
+        assert rc == 0, err
+    assert sum(0 < s < STEPS for s in stops) >= 2, stops  # most stops land between steps 1 and 39
+
+    state, want = load_state(out), load_state(ref)
+    assert state["step"] == want["step"] == STEPS
+    for name, w in want["weights"].items():
+        assert torch.equal(state["weights"][name], w), name
+    for i, s in want["optimizer"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(state["optimizer"]["state"][i][k], v), (i, k)
+    assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+    log, ref_log = (json.loads((d / train.LOG_FILE).read_text()) for d in (out, ref))
+    assert [(p["step"], p["loss"]) for p in log["train"]] == [(p["step"], p["loss"]) for p in ref_log["train"]]
+    assert [(p["step"], p["val_loss"]) for p in log["val"]] == [(p["step"], p["val_loss"]) for p in ref_log["val"]]
+    assert log["best"] == ref_log["best"] and len(log["runs"]) == 2 + len(stops)
+
+
+def usage_error(capsys, *argv):
+    assert train.main([*RUN, *map(str, argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_out_that_cannot_be_a_directory(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    assert usage_error(capsys, "--out", a_file) == f"error: --out {a_file}: exists and is not a directory\n"
+    err = usage_error(capsys, "--out", a_file / "model")
+    assert err.startswith(f"error: --out {a_file / 'model'}: cannot create the directory (Not a directory)")
+    err = usage_error(capsys, "--out", tmp_path / "model", "--state", a_file / "state.pt")
+    assert err.startswith(f"error: --state {a_file}: exists and is not a directory")
+    assert usage_error(capsys, "--out", a_file, "--resume").startswith(f"error: --resume: --out {a_file} is not")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "model"] and not any((tmp_path / "model").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_out_in_a_read_only_folder(tmp_path, capsys):
+    tmp_path.chmod(0o555)
+    try:
+        err = usage_error(capsys, "--out", tmp_path / "model")
+    finally:
+        tmp_path.chmod(0o755)
+    assert err.startswith(f"error: --out {tmp_path / 'model'}: cannot create the directory (Permission denied)")
