@@ -1,4 +1,6 @@
 """The fused decode ops against the composition of the references they replace."""
+import re
+
 import pytest
 import torch
 
@@ -167,6 +169,10 @@ def test_bad_input():
     x, w = torch.randn(2, 8), torch.randn(6, 8)
     with pytest.raises(qwen_ops.QwenOpError, match="residual must have shape"):
         torch.ops.qwen.linear_residual(x, w, torch.randn(2, 5))
+    for leading in ((3, 6), (1, 2, 6), (6,)):  # the right last dim, the wrong rows
+        message = re.escape(f"qwen.linear_residual: residual must have shape (2, 6), got {leading}")
+        with pytest.raises(qwen_ops.QwenOpError, match=message):
+            torch.ops.qwen.linear_residual(x, w, torch.randn(leading))
     with pytest.raises(qwen_ops.QwenOpError, match="even number of rows"):
         torch.ops.qwen.norm_gate_up_silu(x, torch.randn(8), torch.randn(5, 8), 1e-6, 0.0)
     with pytest.raises(qwen_ops.QwenOpError, match="norm_weight has 7 elements"):
