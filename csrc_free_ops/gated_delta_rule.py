@@ -233,6 +233,11 @@ def _value_block(dk: int, dv: int, programs_per_block: int) -> int:
     return bv
 
 
+def _output_value_block(dv: int) -> int:
+    """Value columns per program of `_output_kernel` (parallel over chunks: no state in registers)."""
+    return dv if INTERPRET else min(dv, 64)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, use_qk_l2norm: bool = False):
     """q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], initial_state [B, Hv, Dk, Dv]
     fp32 or None -> (o [B, T, Hv, Dv] in q.dtype, final_state [B, Hv, Dk, Dv] fp32)."""
@@ -270,7 +275,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, u
         num_warps=8 if dk * bv >= 4096 else 4, num_stages=2,  # no register spills on sm_90
     )
     if nt:
-        bv_o = dv if INTERPRET else min(dv, 64)
+        bv_o = _output_value_block(dv)
         _output_kernel[(nt, bsz * hv, dv // bv_o)](
             q, kn, vn, gc, hs, o, scale, t, nt, hv, group,
             q.stride(0), q.stride(1), q.stride(2), *kn_strides,

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import qwen_ops  # noqa: F401
+from csrc_free_ops import gated_delta_rule as gdr_kernels
 from qwen_ops import QwenOpError
 from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_reference, gated_delta_gates_reference, gated_delta_recurrence,
                                        gated_rms_norm_reference, recurrent_gated_delta_rule_reference)
 from qwen_ops.registry import kernel_calls
-from tests.helpers import DEVICES, DTYPES, SANITIZING, assert_close, poison_allocator, randn
+from tests.helpers import DEVICES, DTYPES, REL_TOL, SANITIZING, assert_close, poison_allocator, randn
 
 # ||out - fp64|| / ||fp64|| for the chunked kernel. bf16 and fp16 products and intermediates
 # (W, U, V', per-chunk states) follow flash-linear-attention; on CPU the interpreter truncates
@@ -201,6 +202,42 @@ def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, 
     assert_close(state, s_all, tol, what="state after the steps vs chunk on whole")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_value_blocks(device, monkeypatch, nan_empty):
+    """Value columns split over four programs of 16 (the interpreter otherwise gives one program all
+    of Dv): the state, recurrent and output kernels each read and write their own block's columns
+    of v, the state and o, prefill (two chunks, an initial state) then a decode step."""
+    monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: 16)
+    monkeypatch.setattr(gdr_kernels, "_output_value_block", lambda dv: 16)
+    torch.manual_seed(7)
+    shape = (1, 66, 1, 2, 16, 64)
+    b, t, hk, hv, dk, dv = shape
+    q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, device)
+    g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
+    h0 = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
+    pre = slice(0, t - 1)
+    o, state = torch.ops.qwen.chunk_gated_delta_rule(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre],
+                                                     dk ** -0.5, h0, True)
+    o_step = torch.ops.qwen.recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], a[:, -1:], braw[:, -1:],
+                                                       a_log, dt_bias, state, dk ** -0.5)
+    ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, dk ** -0.5, h0)
+    tol = CHUNK_TOL[device][torch.float32]
+    assert_close(torch.cat([o, o_step], 1), ref_o, tol, what="o over four value blocks")
+    assert_close(state, ref_s, tol, what="state over four value blocks")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_rms_norm_rounds_the_weight_product(device):
+    """With a 16-bit weight of x's dtype the weight product is rounded to that dtype before the
+    gate, as transformers computes it: fp16 (which the interpreter rounds as torch does) agrees
+    with the reference to a few elements of one ulp, far below the one rounding left out."""
+    x = randn(64, 128, dtype=torch.float16, device=device, scale=3.0)
+    z = randn(64, 128, dtype=torch.float16, device=device, scale=2.0)
+    w = randn(128, dtype=torch.float16, device=device)
+    assert_close(torch.ops.qwen.gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_reference(x, z, w, 1e-6), 5e-5,
+                 what="gated_rms_norm fp16 weight")
+
+
 NORM_SHAPES = {"cpu": [(3, 2, 16), (5, 32), (1, 1, 2, 128)], "cuda": [(2048, 16, 128), (1, 16, 128), (7, 3, 64)]}
 
 
@@ -208,6 +245,11 @@ NORM_SHAPES = {"cpu": [(3, 2, 16), (5, 32), (1, 1, 2, 128)], "cuda": [(2048, 16,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp32_weight", [False, True])
 def test_gated_rms_norm_matches_reference(device, dtype, fp32_weight, nan_empty):
+    """bf16 on the CPU interpreter truncates at each of three roundings (the normalised x, the weight
+    product, the output), errors of one sign: ||error|| / ||y|| reaches 1.6e-2 over seeds, hence three
+    times the bf16 bound there (test_gated_rms_norm_rounds_the_weight_product pins the roundings)."""
+    torch.manual_seed(8)
+    tol = REL_TOL[dtype] * (3 if dtype == torch.bfloat16 and device == "cpu" else 1)
     for shape in NORM_SHAPES[device]:
         x = randn(*shape, dtype=dtype, device=device, scale=3.0)
         z = randn(*shape, dtype=dtype, device=device, scale=2.0)
@@ -216,7 +258,7 @@ def test_gated_rms_norm_matches_reference(device, dtype, fp32_weight, nan_empty)
         calls = kernel_calls["gated_rms_norm"]
         y = torch.ops.qwen.gated_rms_norm(x, z, w, 1e-6)
         assert kernel_calls["gated_rms_norm"] == calls + 1, "the Triton kernel did not run"
-        assert_close(y, gated_rms_norm_reference(x, z, w, 1e-6), what=f"gated_rms_norm {shape}")
+        assert_close(y, gated_rms_norm_reference(x, z, w, 1e-6), tol, what=f"gated_rms_norm {shape}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
