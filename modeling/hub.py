@@ -5,7 +5,8 @@
 ``QwenForCausalLM.from_pretrained`` read:
 
 - an existing local directory is returned as is, once it is checked to hold ``config.json`` and
-  ``tokenizer.json``;
+  ``tokenizer.json``, readable regular files (``modeling.files.open_file``: a FIFO or a link to a
+  device is refused without blocking);
 - otherwise ``ORG/NAME`` is fetched with ``huggingface_hub.snapshot_download`` into the Hub cache
   (only the files a checkpoint needs: ``ALLOW_PATTERNS``), at ``revision`` (a branch, tag or commit
   hash; default ``main``), with a tqdm progress bar on stderr. Offline (``offline=True``,
@@ -22,6 +23,8 @@ import os
 import re
 from pathlib import Path
 from typing import List, Optional, Union
+
+from .files import open_file
 
 ALLOW_PATTERNS: List[str] = [
     "*.json",  # config.json, generation_config.json, tokenizer*.json, model.safetensors.index.json
@@ -74,8 +77,9 @@ def hub_cache_dir() -> Path:
 
 
 def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> Path:
-    """``path`` if it is a directory holding a readable ``config.json`` and ``tokenizer.json``;
-    else ``ModelNotFound`` naming the missing file (``name``: how the user called it)."""
+    """``path`` if it is a directory holding ``config.json`` and ``tokenizer.json``, readable regular
+    files; else ``ModelNotFound`` naming the missing or unreadable file (``name``: how the user
+    called it)."""
     path = Path(path)
     what = f"{name!r}" if name is not None and name != str(path) else f"{str(path)!r}"
     if name is not None and name != str(path):
@@ -85,14 +89,15 @@ def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> 
     if not path.is_dir():
         raise ModelNotFound(f"{what} is not a directory (a checkpoint is a directory with config.json, "
                             "*.safetensors and tokenizer.json)")
-    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    missing = [f for f in REQUIRED_FILES if not os.path.lexists(path / f)]
     if missing:
         raise ModelNotFound(f"{what} has no {' and no '.join(missing)}")
     for f in REQUIRED_FILES:
         try:
-            (path / f).open("rb").close()
-        except OSError as e:
-            raise ModelNotFound(f"{what}: cannot read {f}: {e.strerror or e}") from None
+            with open_file(path / f):
+                pass
+        except ValueError as e:
+            raise ModelNotFound(f"{what}: {e}") from None
     return path
 
 

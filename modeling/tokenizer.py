@@ -7,11 +7,12 @@ since, and it has no ``flush``: the tail of a completion that ends inside a mult
 never returned. Where it exists, the two give the same text piece by piece (the tests check).
 """
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer
+
+from .files import TOKENIZER_LIMIT, read_file, read_json
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -29,7 +30,9 @@ class QwenTokenizer:
     ``eos_token_ids`` gathers the end-of-sequence ids from generation_config.json
     (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and config.json
     (``eos_token_id``), in that order, without repeats. ``pad_token_id`` comes from
-    tokenizer_config.json's ``pad_token`` (None if absent).
+    tokenizer_config.json's ``pad_token`` (None if absent). Every file is read with
+    ``modeling.files`` (regular files only, each under its size limit); all but tokenizer.json may
+    be absent.
     """
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], pad_token_id: Optional[int] = None):
@@ -40,14 +43,15 @@ class QwenTokenizer:
     @classmethod
     def from_pretrained(cls, path: Union[str, Path]) -> "QwenTokenizer":
         path = Path(path)
+        data = read_file(path / "tokenizer.json", TOKENIZER_LIMIT)
         try:
-            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tokenizer = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # the Rust side raises plain Exception: a ValueError with its text
             raise ValueError(f"tokenizer.json: {' '.join(str(e).split()) or type(e).__name__}") from None
-        tokenizer_config = _read_json(path / "tokenizer_config.json")
-        eos = _eos_ids(_read_json(path / "generation_config.json"), "generation_config.json")
+        tokenizer_config = read_json(path / "tokenizer_config.json", optional=True)
+        eos = _eos_ids(read_json(path / "generation_config.json", optional=True), "generation_config.json")
         eos += _token_ids(tokenizer, tokenizer_config, "eos_token")
-        eos += _eos_ids(_read_json(path / "config.json"), "config.json")
+        eos += _eos_ids(read_json(path / "config.json", optional=True), "config.json")
         pad = _token_ids(tokenizer, tokenizer_config, "pad_token")
         return cls(tokenizer, list(dict.fromkeys(eos)), pad[0] if pad else None)
 
@@ -131,19 +135,6 @@ def unicode_error(text: str) -> Optional[str]:
         if 0xDC80 <= code <= 0xDCFF:
             return f"is not valid UTF-8 (byte 0x{code - 0xDC00:02x} at character {e.start})"
         return f"holds a lone surrogate U+{code:04X} at character {e.start}"
-
-
-def _read_json(path: Path) -> Dict[str, Any]:
-    """The JSON object in ``path``, {} if there is no such file; ``ValueError`` naming the file otherwise."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"cannot read {path.name}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path.name} is not a JSON object (it holds a {type(data).__name__})")
-    return data
 
 
 def _token_ids(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any], field: str) -> List[int]:

@@ -176,6 +176,24 @@ def test_local_directory(tmp_path, checkpoint, cache, calls):
         resolve_model(str(tmp_path / "nope"))
 
 
+def test_hub_id_ending_in_a_dot_is_refused(cache, checkpoint, calls):
+    """The Hub refuses names that end in "."; a snapshot spelled so in the cache is never used."""
+    add_snapshot(cache, "org/tiny.", checkpoint, NEW)
+    with pytest.raises(ModelNotFound, match=r"^'org/tiny\.': no such directory, and not a Hub id of the form ORG/NAME$"):
+        resolve_model("org/tiny.")
+    assert not calls
+
+
+def test_snapshot_whose_blob_is_gone_names_the_file(cache, checkpoint, calls):
+    """A snapshot link to a blob that is missing (an interrupted download) is named, not taken for
+    an absent file."""
+    snap = add_snapshot(cache, "org/tiny", checkpoint, NEW)
+    (snap / "tokenizer.json").resolve().unlink()
+    with pytest.raises(ModelNotFound, match=r"^'org/tiny' \(.*\): tokenizer.json is a link to .*blobs/\w+, which does "
+                                            r"not exist$"):
+        resolve_model("org/tiny")
+
+
 def test_local_directory_wins_over_hub_id(tmp_path, checkpoint, cache, calls, monkeypatch):
     add_snapshot(cache, "org/tiny", checkpoint, NEW)
     local = tmp_path / "work" / "org" / "tiny"
@@ -187,7 +205,8 @@ def test_local_directory_wins_over_hub_id(tmp_path, checkpoint, cache, calls, mo
 
 def test_names_and_cache_dir(monkeypatch, tmp_path):
     assert is_hub_id("Qwen/Qwen3-0.6B") and is_hub_id("org/name_v1.5")
-    for name in ("Qwen3-0.6B", "/abs/dir", "./rel/dir", "a/b/c", "org/..", "../x", "org/", "/x"):
+    for name in ("Qwen3-0.6B", "/abs/dir", "./rel/dir", "a/b/c", "org/..", "../x", "org/", "/x", "org/name.",
+                 "org/name_v1."):
         assert not is_hub_id(name), name
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)

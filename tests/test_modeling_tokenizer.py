@@ -95,7 +95,7 @@ def test_incremental_detokenizer_flush_emits_incomplete_tail(checkpoint):
     ("config.json", {"model_type": "qwen3", "eos_token_id": {"id": 2}}, "config.json: eos_token_id must be"),
     ("config.json", {"model_type": "qwen3", "eos_token_id": -1}, "config.json: eos_token_id must be"),
     ("generation_config.json", [1, 2], r"generation_config.json is not a JSON object \(it holds a list\)"),
-    ("tokenizer_config.json", "{not json", "cannot read tokenizer_config.json"),
+    ("tokenizer_config.json", "{not json", r"unreadable tokenizer_config.json \(JSONDecodeError: "),
     ("tokenizer_config.json", {"eos_token": 5}, "eos_token must be a string"),
 ])
 def test_bad_config_files_name_the_problem(checkpoint, file, content, message):
@@ -109,6 +109,30 @@ def test_null_eos_and_broken_tokenizer_json(checkpoint):
     assert QwenTokenizer.from_pretrained(checkpoint).eos_token_ids == (2,)
     (checkpoint / "tokenizer.json").write_text("{")
     with pytest.raises(ValueError, match="^tokenizer.json: "):
+        QwenTokenizer.from_pretrained(checkpoint)
+
+
+def test_side_files_must_be_regular_and_bounded(checkpoint):
+    """A directory in place of tokenizer_config.json, a link to nowhere as generation_config.json
+    (not taken for an absent file), a tokenizer.json over TOKENIZER_LIMIT (sparse: refused from its
+    size, nothing read). FIFOs and /dev/zero: tests/test_loading_errors.py, in a subprocess."""
+    from modeling.files import TOKENIZER_LIMIT
+
+    (checkpoint / "tokenizer_config.json").unlink()
+    (checkpoint / "tokenizer_config.json").mkdir()
+    with pytest.raises(ValueError, match=r"^tokenizer_config.json is not a regular file \(a directory\)$"):
+        QwenTokenizer.from_pretrained(checkpoint)
+    (checkpoint / "tokenizer_config.json").rmdir()
+    (checkpoint / "generation_config.json").unlink()
+    (checkpoint / "generation_config.json").symlink_to(checkpoint / "gone.json")
+    with pytest.raises(ValueError, match=r"^generation_config.json is a link to .*gone.json, which does not exist$"):
+        QwenTokenizer.from_pretrained(checkpoint)
+    (checkpoint / "generation_config.json").unlink()
+    assert QwenTokenizer.from_pretrained(checkpoint).eos_token_ids == (2,)  # absent files are fine
+    with open(checkpoint / "tokenizer.json", "r+b") as f:
+        f.truncate(TOKENIZER_LIMIT + 1)
+    with pytest.raises(ValueError, match=r"^tokenizer.json is 512 MiB, larger than the 512 MiB this package reads of "
+                                         r"such a file$"):
         QwenTokenizer.from_pretrained(checkpoint)
 
 
