@@ -23,17 +23,23 @@ layer is ``full_attention`` for qwen3 / qwen2, and for Qwen3.5 layer i is ``full
 package implements are the keys of ``modeling.layers.LAYER_TYPES``. ``rope_settings`` is shared
 with ``modeling.transformers_patch``.
 
-Everything a kernel would refuse at the first forward is refused here instead, as a
-``ConfigError`` naming the field: non-positive sizes, a head_dim the attention kernels do not take
-(16, 32, 64, 128, 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims or conv kernel
-sizes the kernels do not take.
+Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers (not ``3.0``, not
+``true``) between 1 and their limit in ``MAX_SIZES`` (``MAX_SIZE`` for the others), so nothing is
+sized from an absurd value; flags are JSON booleans (the string ``"false"`` is refused, not read as
+true); ``rope_theta``, ``rms_norm_eps`` and ``partial_rotary_factor`` are finite numbers. An absent
+or null field takes its default. Everything a kernel would refuse at the first forward is refused
+here too: a head_dim the attention kernels do not take (16, 32, 64, 128, 256), a rotary dim that is
+0 or odd, Gated DeltaNet head dims or conv kernel sizes the kernels do not take.
+``QwenConfig.from_pretrained`` reads config.json with ``modeling.files.read_json`` (a regular file
+under ``SIDE_FILE_LIMIT``) and starts each error with ``config.json:``.
 """
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from .files import read_json
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 """The dense families (also what ``modeling.transformers_patch`` patches)."""
@@ -48,6 +54,13 @@ MAX_CONV_KERNEL = 16
 """Largest kernel the causal_conv1d kernels take (qwen_ops.causal_conv1d.MAX_KERNEL_SIZE)."""
 QWEN3_5_SKIPPED_WEIGHTS = ("mtp.", "model.visual.")
 """Checkpoint tensors a Qwen3.5 text model does not use: the MTP head and the vision tower."""
+MAX_SIZES = {"vocab_size": 1 << 24, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
+             "max_position_embeddings": (1 << 31) - 1}
+"""The largest value of these size fields: far above any released model's (Qwen's vocabularies
+are 152k-248k tokens, MLPs under 30k wide, the deepest ~100 layers); max_position_embeddings is
+bounded by the int32 positions. A config past one is refused before anything is sized from it."""
+MAX_SIZE = 1 << 16
+"""The largest value of every other size field (hidden_size, the head counts and head dims, ...)."""
 
 
 class ConfigError(ValueError):
@@ -116,9 +129,13 @@ class QwenConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QwenConfig":
+        """The config of a config.json dict; ``ConfigError`` naming the field for anything this
+        package does not implement or that is not of its type (see the module doc)."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a config must be a JSON object, got a {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {model_type!r}: supported are {', '.join(MODEL_TYPES)}")
+            raise ConfigError(f"unsupported model_type {_show(model_type)}: supported are {', '.join(MODEL_TYPES)}")
         hybrid = model_type in HYBRID_MODEL_TYPES
         extra: Dict[str, Any] = {}
         if hybrid:
@@ -126,14 +143,14 @@ class QwenConfig:
             extra = _qwen3_5_fields(d, model_type)
         rope_theta, rotary_factor = rope_settings(d)
         _reject_unsupported_features(d, model_type)
-        sizes = {name: _positive_int(d, name) for name in
+        sizes = {name: _size(d, name) for name in
                  ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
-        layer_types = _layer_types(d, model_type)
+        layer_types = _layer_types(d, model_type, sizes["num_hidden_layers"])
         heads = sizes["num_attention_heads"]
-        kv_heads = _positive_int(d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else heads
+        kv_heads = _size(d, "num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        head_dim = _positive_int(d, "head_dim") if d.get("head_dim") is not None else sizes["hidden_size"] // heads
+        head_dim = _size(d, "head_dim", sizes["hidden_size"] // heads)
         if head_dim not in HEAD_DIMS and "full_attention" in layer_types:
             raise ConfigError(f"unsupported head_dim {head_dim} (head_dim, or hidden_size / num_attention_heads): "
                               f"the attention kernels take {', '.join(map(str, HEAD_DIMS))}")
@@ -141,13 +158,12 @@ class QwenConfig:
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ConfigError(f"partial_rotary_factor {rotary_factor} gives a rotary dim of {rotary_dim} for head_dim "
                               f"{head_dim}: it must be even and in (0, head_dim]")
-        theta = float(10000.0 if rope_theta is None else rope_theta)
-        if not 0.0 < theta < math.inf:
+        theta = 10000.0 if rope_theta is None else rope_theta
+        if theta <= 0.0:
             raise ConfigError(f"rope_theta must be positive and finite, got {rope_theta!r}")
-        eps = float(d.get("rms_norm_eps", 1e-6))
-        if not 0.0 <= eps < math.inf:
-            raise ConfigError(f"rms_norm_eps must be a finite number >= 0, got {d.get('rms_norm_eps')!r}")
-        max_pos = _positive_int(d, "max_position_embeddings") if "max_position_embeddings" in d else 32768
+        eps = _number(d, "rms_norm_eps", 1e-6)
+        if eps < 0.0:
+            raise ConfigError(f"rms_norm_eps must be a finite number >= 0, got {eps!r}")
         return cls(
             model_type=model_type,
             **sizes,
@@ -156,40 +172,92 @@ class QwenConfig:
             rotary_dim=rotary_dim,
             rope_theta=theta,
             rms_norm_eps=eps,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_pos,
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
+            max_position_embeddings=_size(d, "max_position_embeddings", 32768),
             layer_types=layer_types,
             **extra,
         )
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path]) -> "QwenConfig":
-        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        """Read ``config.json`` from a checkpoint directory (or the file itself): a regular file
+        (``modeling.files.read_json``); every error is a one-line ``ConfigError`` naming the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        d = read_json(path, ConfigError)
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{path.name}: {e}") from None
 
 
 def rope_settings(d: Mapping[str, Any]) -> Tuple[Optional[float], float]:
     """(rope_theta, partial_rotary_factor) of a config dict, read at the top level or inside
-    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older); rope_theta is None when
-    the config names none. A ``rope_type`` other than ``default`` (YaRN etc.) is a ConfigError."""
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (older), each a finite number;
+    rope_theta is None when the config names none. A ``rope_type`` other than ``default`` (YaRN
+    etc.) is a ConfigError."""
+    rope = _object(d, "rope_parameters") or _object(d, "rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is implemented")
-    theta = rope.get("rope_theta", d.get("rope_theta"))
-    return theta, float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+        raise ConfigError(f"unsupported rope_type {_show(rope_type)}: only 'default' RoPE is implemented")
+    theta = _number(rope if rope.get("rope_theta") is not None else d, "rope_theta", None)
+    factor = _number(rope if rope.get("partial_rotary_factor") is not None else d, "partial_rotary_factor", 1.0)
+    return theta, factor
 
 
-def _positive_int(d: Mapping[str, Any], name: str) -> int:
-    if d.get(name) is None:
-        raise ConfigError(f"config.json has no {name!r} (a positive integer)")
-    v = d[name]
+def _size(d: Mapping[str, Any], name: str, default: Optional[int] = None) -> int:
+    """``d[name]``, an integer in [1, its ``MAX_SIZES`` limit]; ``default`` when absent or null
+    (None: the field is required)."""
+    v = d.get(name)
+    if v is None:
+        if default is None:
+            raise ConfigError(f"{name} is missing (a positive integer)")
+        return default
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        raise ConfigError(f"{name} must be a positive integer, got {_show(v)}")
+    limit = MAX_SIZES.get(name, MAX_SIZE)
+    if v > limit:
+        raise ConfigError(f"{name} {_show(v)} is above {limit:,}, the most this package takes")
     return v
+
+
+def _bool(d: Mapping[str, Any], name: str, default: bool) -> bool:
+    """``d[name]``, a JSON boolean; ``default`` when absent or null."""
+    v = d.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false (a JSON boolean), got {_show(v)}")
+    return v
+
+
+def _number(d: Mapping[str, Any], name: str, default: Optional[float]) -> Optional[float]:
+    """``d[name]`` as a float, a finite number (not a bool); ``default`` when absent or null."""
+    v = d.get(name)
+    if v is None:
+        return default
+    try:
+        finite = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise ConfigError(f"{name} must be a finite number, got {_show(v)}")
+    return float(v)
+
+
+def _object(d: Mapping[str, Any], name: str) -> Optional[Mapping[str, Any]]:
+    """``d[name]``, a JSON object, or None when absent or null."""
+    v = d.get(name)
+    if v is not None and not isinstance(v, Mapping):
+        raise ConfigError(f"{name} must be a JSON object, got {_show(v)}")
+    return v
+
+
+def _show(v: Any) -> str:
+    """``repr(v)``, cut to 60 characters."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _qwen3_5_text(d: Mapping[str, Any]) -> Dict[str, Any]:
@@ -201,7 +269,7 @@ def _qwen3_5_text(d: Mapping[str, Any]) -> Dict[str, Any]:
         if not isinstance(text, Mapping):
             raise ConfigError("model_type 'qwen3_5' (the multimodal wrapper) needs a 'text_config' object")
         if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-            raise ConfigError(f"unsupported text_config model_type {text.get('model_type')!r} in a qwen3_5 "
+            raise ConfigError(f"unsupported text_config model_type {_show(text.get('model_type'))} in a qwen3_5 "
                               "config: expected 'qwen3_5_text'")
         out = dict(text)
         if "tie_word_embeddings" in d:
@@ -209,16 +277,17 @@ def _qwen3_5_text(d: Mapping[str, Any]) -> Dict[str, Any]:
     else:
         out = dict(d)
     out["model_type"] = d["model_type"]
-    out.setdefault("partial_rotary_factor", 0.25)
+    if out.get("partial_rotary_factor") is None:
+        out["partial_rotary_factor"] = 0.25
     return out
 
 
 def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
-    if d.get("attn_output_gate", True) is not True:
+    if not _bool(d, "attn_output_gate", True):
         raise ConfigError("unsupported attn_output_gate=false: Qwen3.5 attention always has the output gate")
-    if d.get("attention_bias"):
+    if _bool(d, "attention_bias", False):
         raise ConfigError("unsupported attention_bias=true for qwen3_5: only bias-free projections are implemented")
-    fields = {name: _positive_int(d | {name: d.get(name, default)}, name) for name, default in (
+    fields = {name: _size(d, name, default) for name, default in (
         ("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
         ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4))}
     if fields["linear_num_value_heads"] % fields["linear_num_key_heads"]:
@@ -240,16 +309,18 @@ def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
 FAMILY_LAYER_TYPES = {"dense": ("full_attention",), "hybrid": ("linear_attention", "full_attention")}
 
 
-def _layer_types(d: Mapping[str, Any], model_type: str) -> Tuple[str, ...]:
+def _layer_types(d: Mapping[str, Any], model_type: str, n: int) -> Tuple[str, ...]:
+    """The kind of each of the ``n`` layers: ``layer_types`` (a list of names), or the family's default."""
     from .layers import LAYER_TYPES  # the layer kinds this package implements (imported here: layers imports us)
 
-    n = d["num_hidden_layers"]
     hybrid = model_type in HYBRID_MODEL_TYPES
-    if d.get("layer_types"):
-        types = tuple(d["layer_types"])
+    given = d.get("layer_types")
+    if given is not None:
+        if not isinstance(given, (list, tuple)) or not all(isinstance(t, str) for t in given):
+            raise ConfigError(f"layer_types must be a list of layer type names, got {_show(given)}")
+        types = tuple(given)
     elif hybrid:
-        interval = _positive_int(d | {"full_attention_interval": d.get("full_attention_interval", 4)},
-                                 "full_attention_interval")
+        interval = _size(d, "full_attention_interval", 4)
         types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n))
     else:
         types = ("full_attention",) * n
@@ -258,15 +329,15 @@ def _layer_types(d: Mapping[str, Any], model_type: str) -> Tuple[str, ...]:
     allowed = [t for t in FAMILY_LAYER_TYPES["hybrid" if hybrid else "dense"] if t in LAYER_TYPES]
     for t in types:
         if t not in allowed:
-            raise ConfigError(f"unsupported layer type {t!r} in layer_types: implemented for {model_type} are "
+            raise ConfigError(f"unsupported layer type {_show(t)} in layer_types: implemented for {model_type} are "
                               f"{', '.join(allowed)}")
     return types
 
 
 def _reject_unsupported_features(d: Mapping[str, Any], model_type: str) -> None:
-    if d.get("use_sliding_window"):
+    if _bool(d, "use_sliding_window", False):
         raise ConfigError("unsupported use_sliding_window=true: only full attention is implemented")
     if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' is implemented")
-    if model_type == "qwen3" and d.get("attention_bias"):
+        raise ConfigError(f"unsupported hidden_act {_show(d['hidden_act'])}: only 'silu' is implemented")
+    if model_type == "qwen3" and _bool(d, "attention_bias", False):
         raise ConfigError("unsupported attention_bias=true for qwen3: Qwen3 checkpoints have no attention bias")

@@ -1,4 +1,8 @@
-"""QwenConfig from config.json dicts: qwen3 / qwen2, rope_theta locations, defaults, errors."""
+"""QwenConfig from config.json dicts: qwen3 / qwen2, rope_theta locations, defaults, errors, the
+type and bound of every field."""
+
+import json
+import math
 
 import pytest
 from transformers import Qwen2Config, Qwen3Config
@@ -75,9 +79,9 @@ def test_transformers_qwen2_config_round_trip():
         ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
         ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
         ({"rope_theta": 0}, "rope_theta must be positive and finite, got 0"),
-        ({"rope_theta": float("inf")}, "rope_theta must be positive and finite"),
+        ({"rope_theta": float("inf")}, "rope_theta must be a finite number, got inf"),
         ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number >= 0"),
-        ({"vocab_size": None}, "config.json has no 'vocab_size' \\(a positive integer\\)"),
+        ({"vocab_size": None}, r"^vocab_size is missing \(a positive integer\)$"),
     ],
 )
 def test_unsupported_configs(change, message):
@@ -145,3 +149,109 @@ def test_unsupported_qwen3_5_configs(change, message):
 def test_unsupported_qwen3_5_wrappers(config, message):
     with pytest.raises(ConfigError, match=message):
         QwenConfig.from_dict(config)
+
+
+# ---------------------------------------------------------------------------- types and bounds
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_hidden_layers": 30_000_000}, r"^num_hidden_layers 30000000 is above 1,024, the most this package takes$"),
+        ({"num_hidden_layers": 10**10}, "num_hidden_layers 10000000000 is above 1,024"),
+        ({"num_hidden_layers": 1025}, "num_hidden_layers 1025 is above 1,024"),
+        ({"vocab_size": 2**24 + 1}, "vocab_size 16777217 is above 16,777,216"),
+        ({"hidden_size": 2**16 + 64}, "hidden_size 65600 is above 65,536"),
+        ({"intermediate_size": 2**20 + 1}, "intermediate_size 1048577 is above 1,048,576"),
+        ({"num_attention_heads": 2**17, "head_dim": 16}, "num_attention_heads 131072 is above 65,536"),
+        ({"num_key_value_heads": 10**30}, r"num_key_value_heads 1000000000000000000000000000000 is above 65,536"),
+        ({"head_dim": 2**20}, "head_dim 1048576 is above 65,536"),
+        ({"max_position_embeddings": 2**31}, "max_position_embeddings 2147483648 is above 2,147,483,647"),
+        ({"vocab_size": 10**100}, r"^vocab_size 10{56}\.\.\. is above 16,777,216"),  # a long value is cut
+        ({"partial_rotary_factor": float("inf")}, r"^partial_rotary_factor must be a finite number, got inf$"),
+        ({"partial_rotary_factor": float("-inf")}, "partial_rotary_factor must be a finite number, got -inf"),
+        ({"partial_rotary_factor": float("nan")}, "partial_rotary_factor must be a finite number, got nan"),
+        ({"partial_rotary_factor": 10**400}, "partial_rotary_factor must be a finite number, got 1000"),
+        ({"partial_rotary_factor": "0.5"}, "partial_rotary_factor must be a finite number, got '0.5'"),
+        ({"rope_parameters": {"rope_theta": float("nan")}}, "rope_theta must be a finite number, got nan"),
+        ({"rope_theta": "1e6"}, "rope_theta must be a finite number, got '1e6'"),
+        ({"rms_norm_eps": True}, "rms_norm_eps must be a finite number, got True"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got inf"),
+        ({"tie_word_embeddings": "false"}, r"^tie_word_embeddings must be true or false \(a JSON boolean\), got 'false'$"),
+        ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false"),
+        ({"use_sliding_window": "false"}, "use_sliding_window must be true or false"),
+        ({"model_type": "qwen3", "attention_bias": "false"}, "attention_bias must be true or false"),
+        ({"hidden_size": 64.0}, "hidden_size must be a positive integer, got 64.0"),
+        ({"num_key_value_heads": True}, "num_key_value_heads must be a positive integer, got True"),
+        ({"max_position_embeddings": 4096.0}, "max_position_embeddings must be a positive integer, got 4096.0"),
+        ({"rope_parameters": "default"}, "rope_parameters must be a JSON object, got 'default'"),
+        ({"rope_scaling": [1]}, r"rope_scaling must be a JSON object, got \[1\]"),
+        ({"layer_types": "full_attention"}, "layer_types must be a list of layer type names, got 'full_attention'"),
+        ({"layer_types": [1, 2]}, r"layer_types must be a list of layer type names, got \[1, 2\]"),
+        ({"hidden_act": ["silu"]}, r"unsupported hidden_act \['silu'\]"),
+    ],
+)
+def test_field_types_and_bounds(change, message):
+    with pytest.raises(ConfigError, match=message):
+        QwenConfig.from_dict(dict(BASE, model_type="qwen2") | change)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"attn_output_gate": "true"}, "attn_output_gate must be true or false"),
+        ({"attention_bias": 0}, "attention_bias must be true or false"),
+        ({"full_attention_interval": 4.0}, "full_attention_interval must be a positive integer, got 4.0"),
+        ({"full_attention_interval": 10**6}, "full_attention_interval 1000000 is above 65,536"),
+        ({"linear_num_key_heads": "2"}, "linear_num_key_heads must be a positive integer, got '2'"),
+        ({"linear_num_value_heads": 2**17}, "linear_num_value_heads 131072 is above 65,536"),
+    ],
+)
+def test_qwen3_5_field_types_and_bounds(change, message):
+    with pytest.raises(ConfigError, match=message):
+        QwenConfig.from_dict(QWEN3_5 | change)
+
+
+def test_null_fields_take_their_defaults():
+    c = QwenConfig.from_dict(dict(BASE, model_type="qwen2", tie_word_embeddings=None, num_key_value_heads=None,
+                                  max_position_embeddings=None, rms_norm_eps=None, rope_theta=None, head_dim=None,
+                                  layer_types=None, use_sliding_window=None))
+    assert (c.tie_word_embeddings, c.num_key_value_heads, c.max_position_embeddings) == (False, 4, 32768)
+    assert (c.rms_norm_eps, c.rope_theta, c.head_dim, c.layer_types) == (1e-6, 10000.0, 16, ("full_attention",) * 2)
+    assert QwenConfig.from_dict(QWEN3_5 | {"partial_rotary_factor": None}).rotary_dim == 8  # Qwen3.5's 0.25
+
+
+def test_from_pretrained_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="qwen2", tie_word_embeddings="false")))
+    with pytest.raises(ConfigError, match=r"^config.json: tie_word_embeddings must be true or false"):
+        QwenConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="qwen2", partial_rotary_factor=math.inf)))
+    assert "Infinity" in (tmp_path / "config.json").read_text()  # what json.dumps writes, and json.loads reads
+    with pytest.raises(ConfigError, match=r"^config.json: partial_rotary_factor must be a finite number, got inf$"):
+        QwenConfig.from_pretrained(tmp_path / "config.json")
+
+
+WRONG_VALUES = ["x", "", 1.5, 0, -1, 10**30, True, False, None, [], [1], {}, {"a": 1}, float("inf"), float("nan")]
+FIELDS = sorted(set(BASE) | set(QWEN3_5) | {
+    "model_type", "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters", "rope_scaling",
+    "partial_rotary_factor", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "layer_types",
+    "use_sliding_window", "hidden_act", "attention_bias", "attn_output_gate", "full_attention_interval",
+    "linear_conv_kernel_dim", "text_config"})
+
+
+@pytest.mark.parametrize("base", ["qwen2", "qwen3", "qwen3_5_text", "qwen3_5"])
+def test_any_json_value_in_any_field_is_a_config_error_or_a_config(base):
+    """Every field set to every kind of JSON value: from_dict returns a config or raises ConfigError,
+    never another exception (so load_config needs no guard of its own)."""
+    configs = {"qwen2": dict(BASE, model_type="qwen2"), "qwen3": dict(BASE, model_type="qwen3"),
+               "qwen3_5_text": QWEN3_5, "qwen3_5": {"model_type": "qwen3_5", "text_config": QWEN3_5}}
+    d = configs[base]
+    for field in FIELDS:
+        for value in WRONG_VALUES:
+            variants = [d | {field: value}, d | {"rope_parameters": {field: value}}]
+            if base == "qwen3_5":
+                variants.append(d | {"text_config": QWEN3_5 | {field: value}})
+            for changed in variants:
+                try:
+                    QwenConfig.from_dict(changed)
+                except ConfigError as e:
+                    assert "\n" not in str(e) and len(str(e)) < 300, (field, value, str(e))
