@@ -1,15 +1,17 @@
 """Where a model comes from, and the files beside its weights: ``Checkpoint`` (config, tokenizer,
 chat template, generation defaults: cheap to load, so the command line checks its input against
 it before reading any weight), ``load_config`` (one-line errors), and ``default_model_dir``, the
-model used when none is named (the one shipped in ``modeling/default_model``)."""
+model used when none is named (the one shipped in ``modeling/default_model``). Every file is read
+through ``modeling.files``: regular files only, each under a size limit."""
 
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 from .chat import ChatTemplate, GenerationDefaults, generation_defaults
-from .config import ConfigError, QwenConfig
+from .config import QwenConfig
 from .decode_state import MAX_STOP_IDS
 from .hub import resolve_model
+from .loader import check_weights_size
 from .sampling import SamplingParams
 from .tokenizer import QwenTokenizer
 
@@ -31,33 +33,19 @@ def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
 
 
 def load_config(path: Union[str, Path]) -> QwenConfig:
-    """``QwenConfig`` of a checkpoint directory; every problem with config.json is a ``ConfigError``
-    with one line that says what is wrong (not a JSON object, a missing field, a wrong type...)."""
-    import json
-
-    f = Path(path) / "config.json"
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(f"unreadable config.json ({type(e).__name__}: {_one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config.json is not a JSON object (it holds a {type(data).__name__})")
-    try:
-        return QwenConfig.from_dict(data)
-    except ConfigError:
-        raise
-    except KeyError as e:
-        raise ConfigError(f"config.json has no {e.args[0]!r}") from None
-    except (TypeError, AttributeError, ValueError, ZeroDivisionError) as e:
-        raise ConfigError(f"config.json has a field of the wrong type or value ({type(e).__name__}: "
-                          f"{_one_line(e)})") from None
+    """``QwenConfig`` of a checkpoint directory (``QwenConfig.from_pretrained``): every problem with
+    config.json is a ``ConfigError`` with one line that says what is wrong (not a regular file, not
+    a JSON object, a missing field, a wrong type, a size out of bounds...)."""
+    return QwenConfig.from_pretrained(Path(path))
 
 
 class Checkpoint:
     """A checkpoint's files other than its weights: ``path``, ``config`` (``QwenConfig``),
     ``tokenizer`` (``QwenTokenizer``), ``defaults`` (``GenerationDefaults`` from
     generation_config.json) and ``chat_template`` (loaded on first use). ``load`` raises a
-    ``ValueError`` (``ModelNotFound``, ``ConfigError``, ...) with a one-line message."""
+    ``ValueError`` (``ModelNotFound``, ``ConfigError``, ``CheckpointError``, ...) with a one-line
+    message; it also checks that the weights files are large enough for the config's sizes
+    (``modeling.loader.check_weights_size``, from their sizes alone)."""
 
     def __init__(self, path: Path, config: QwenConfig, tokenizer: QwenTokenizer, defaults: GenerationDefaults):
         self.path, self.config, self.tokenizer, self.defaults = Path(path), config, tokenizer, defaults
@@ -79,6 +67,7 @@ class Checkpoint:
         else:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
         config = load_config(path)
+        check_weights_size(path, config)
         tokenizer = QwenTokenizer.from_pretrained(path)
         defaults = generation_defaults(path)
         return cls(path, config, tokenizer, defaults)
@@ -94,11 +83,3 @@ class Checkpoint:
         """generation_config.json's sampling values and ``max_new_tokens`` as ``SamplingParams``."""
         d = self.defaults
         return SamplingParams(d.temperature, d.top_k, d.top_p, max_tokens=d.max_new_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# devices, the path the ops take, memory
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

@@ -20,17 +20,24 @@ in_proj_b, in_proj_a. The text model's names start with ``config.weights_prefix`
 Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down like F32) and,
 once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
 dtype) is a ``CheckpointError`` naming the tensor.
+
+Every file is opened through ``modeling.files`` (regular files only: a FIFO or a link to a device
+is refused without blocking). Before anything is allocated, the weights files must be large enough
+for the config's parameters at 2 bytes each (``check_weights_size``), so a config.json whose sizes
+are far off the weights is refused from the files' sizes alone.
 """
 
-import json
+import math
+import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 from safetensors import safe_open
 
 from .config import QwenConfig
+from .files import format_size, open_file, read_json
 from .layers import LAYER_TYPES, LoadPlan, Shape
 
 SINGLE_FILE = "model.safetensors"
@@ -44,6 +51,8 @@ class CheckpointError(ValueError):
 
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 """safetensors dtypes a weight may have (F64 is converted down to the target dtype like F32)."""
+MIN_WEIGHT_BYTES = 2
+"""Bytes of the narrowest weight dtype (F16, BF16): a checkpoint holds at least this per parameter."""
 
 
 def load_plan(config: QwenConfig) -> LoadPlan:
@@ -63,14 +72,16 @@ def checkpoint_files(path: Union[str, Path]) -> List[Path]:
     """The safetensors files of a checkpoint directory: one file, or the shards of the index.
 
     Shard names must be plain file names inside the directory (no absolute paths, no ``..``),
-    and every file must be a regular file (a FIFO or a device would block or mislead the reader).
+    and every file must be a regular file (``modeling.files.open_file``: a FIFO or a device would
+    block or mislead the reader).
     """
     path = Path(path)
-    if (path / INDEX_FILE).exists():
+    index = path / INDEX_FILE
+    if os.path.lexists(index):
         try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            weight_map = read_json(index, CheckpointError)["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{INDEX_FILE} is malformed ({type(e).__name__}: {e}); it needs a "
                                   "'weight_map' of tensor name -> shard file name") from None
         for name in names:
@@ -81,10 +92,30 @@ def checkpoint_files(path: Union[str, Path]) -> List[Path]:
     else:
         files = [path / SINGLE_FILE]
     for f in files:
-        if not f.exists():
-            raise CheckpointError(f"checkpoint file {str(f)!r} not found")
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {str(f)!r} is not a regular file")
+        with open_file(f, CheckpointError):
+            pass
+    return files
+
+
+def parameter_count(config: QwenConfig) -> int:
+    """Elements of all the checkpoint tensors the config calls for (``load_plan``)."""
+    return sum(math.prod(shape) for sources in load_plan(config).values() for _, shape in sources)
+
+
+def check_weights_size(path: Union[str, Path], config: QwenConfig) -> List[Path]:
+    """``checkpoint_files(path)``, once their sizes can hold the config's parameters at
+    ``MIN_WEIGHT_BYTES`` each; else a ``CheckpointError`` naming config.json's sizes. Reads no
+    tensor and allocates nothing: a config whose sizes are far off its weights is refused here."""
+    files = checkpoint_files(path)
+    have = sum(f.stat().st_size for f in files)
+    count = parameter_count(config)
+    if count * MIN_WEIGHT_BYTES > have:
+        c = config
+        raise CheckpointError(
+            f"config.json's sizes (num_hidden_layers {c.num_hidden_layers}, hidden_size {c.hidden_size}, "
+            f"intermediate_size {c.intermediate_size}, vocab_size {c.vocab_size}) call for {count:,} parameters, "
+            f"at least {format_size(count * MIN_WEIGHT_BYTES)} of weights, but the weights files hold "
+            f"{format_size(have)}")
     return files
 
 
@@ -108,15 +139,17 @@ def load_state_dict(
     device = torch.device(device)
     with ExitStack() as stack:
         handles = {}
-        for f in checkpoint_files(path):
+        shard_of: Dict[str, str] = {}  # every tensor name -> the file that holds it
+        for f in check_weights_size(path, config):
             try:
                 handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
             except Exception as e:  # safetensors' own error type differs between its versions
                 raise CheckpointError(f"checkpoint file {str(f)!r} is not a valid safetensors file "
                                       f"(truncated or corrupt: {e})") from None
             for name in handle.keys():
-                if name in handles:
-                    raise CheckpointError(f"tensor {name!r} appears in more than one shard")
+                if name in shard_of:
+                    raise CheckpointError(f"tensor {name!r} appears in two shards: {shard_of[name]} and {f.name}")
+                shard_of[name] = f.name
                 if not (skipped and name.startswith(skipped)):
                     handles[name] = handle
         _check(handles, expected, ignored)
@@ -150,10 +183,10 @@ def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
 def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
     missing = sorted(set(expected) - set(handles))
     if missing:
-        raise CheckpointError(f"checkpoint is missing tensor(s): {', '.join(missing)}")
+        raise CheckpointError(f"checkpoint is missing tensor(s): {_names(missing)}")
     unexpected = sorted(set(handles) - set(expected) - ignored)
     if unexpected:
-        raise CheckpointError(f"checkpoint has unexpected tensor(s): {', '.join(unexpected)}")
+        raise CheckpointError(f"checkpoint has unexpected tensor(s): {_names(unexpected)}")
     for name, shape in expected.items():
         tensor = handles[name].get_slice(name)
         found = tuple(tensor.get_shape())
@@ -162,3 +195,9 @@ def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
         if tensor.get_dtype() not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.get_dtype()}: weights must be floating point "
                                   f"({', '.join(FLOAT_DTYPES)})")
+
+
+def _names(names: Sequence[str], shown: int = 10) -> str:
+    """The first ``shown`` names, then how many more: one line even for thousands."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

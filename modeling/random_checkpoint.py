@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import QwenConfig
+from .files import read_json
 from .loader import load_plan
 from .model import QwenForCausalLM
 
@@ -126,15 +127,19 @@ def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: i
 
 
 def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
-    """A Hugging Face style Qwen3 config.json dict (Qwen3.5 with ``model_type="qwen3_5_text"``)."""
-    if sizes.get("model_type") == "qwen3_5_text":
+    """A Hugging Face style Qwen3 config.json dict (Qwen3.5 with ``model_type="qwen3_5_text"``):
+    ``DEFAULT_SIZES`` (``QWEN3_5_SIZES``) and the defaults below (tied embedding, silu, ...), each
+    overridden by the field of that name in ``sizes`` (``tie_word_embeddings=False`` gives a model
+    with its own lm_head). Another ``model_type`` is a ``ValueError``."""
+    model_type = sizes.get("model_type", "qwen3")
+    if model_type == "qwen3_5_text":
         return _qwen3_5_config_dict(vocab_size, **sizes)
-    d = dict(DEFAULT_SIZES, **sizes)
+    if model_type != "qwen3":
+        raise ValueError(f"model_type must be 'qwen3' or 'qwen3_5_text', got {model_type!r}")
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "vocab_size": vocab_size,
-        **d,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
@@ -144,6 +149,8 @@ def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 2,
         "torch_dtype": "float32",
+        **DEFAULT_SIZES,
+        **sizes,
     }
 
 
@@ -154,9 +161,6 @@ def _qwen3_5_config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
         "vocab_size": vocab_size,
-        **d,
-        "layer_types": d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                                for i in range(n)],
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
@@ -166,6 +170,9 @@ def _qwen3_5_config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 2,
         "torch_dtype": "float32",
+        **d,
+        "layer_types": d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                                for i in range(n)],
     }
 
 
@@ -193,7 +200,7 @@ def is_complete(path: Union[str, Path]) -> bool:
     """True when ``path`` holds a checkpoint this module built, every file whole (sizes match the marker)."""
     path = Path(path)
     try:
-        sizes = json.loads((path / MARKER).read_text())
+        sizes = read_json(path / MARKER)  # a regular file: a FIFO here cannot block the check
         return all((path / f).is_file() and (path / f).stat().st_size == sizes[f] for f in FILES)
     except (OSError, ValueError, KeyError, TypeError):
         return False

@@ -1,13 +1,23 @@
 """Checkpoint loading errors: each names the offending tensor, file or model_type."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from modeling import CheckpointError, ConfigError, QwenConfig, QwenForCausalLM
-from modeling.loader import load_plan
+from modeling.checkpoint import load_config
+from modeling.files import SIDE_FILE_LIMIT, read_file
+from modeling.loader import INDEX_FILE, load_plan
+from modeling.random_checkpoint import MARKER, build_random_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = dict(
     model_type="qwen2",
@@ -110,12 +120,189 @@ def test_malformed_index_is_named(tmp_path):
 
 
 def test_fifo_weights_file_is_refused_without_blocking(tmp_path):
-    import os
-
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="is not a regular file"):
         QwenForCausalLM.from_pretrained(tmp_path)
+
+
+def test_tensor_in_two_shards_is_refused(tmp_path):
+    tensors = hf_tensors(CONFIG)
+    names = sorted(tensors)
+    first = {n: tensors[n] for n in names[: len(names) // 2]} | {"model.norm.weight": tensors["model.norm.weight"]}
+    second = {n: tensors[n] for n in names[len(names) // 2 :]}
+    assert "model.norm.weight" in second
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for shard, part in zip(shards, (first, second)):
+        save_file(part, str(tmp_path / shard))
+    weight_map = {n: shards[0] for n in first} | {n: shards[1] for n in second}
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(CheckpointError, match=rf"^tensor 'model.norm.weight' appears in two shards: {shards[0]} and "
+                                              rf"{shards[1]}$"):
+        QwenForCausalLM.from_pretrained(tmp_path)
+
+
+def test_config_far_larger_than_its_weights_is_refused_before_loading(tmp_path):
+    """64 layers in config.json, 2 in the weights: refused from the files' sizes, not by listing
+    hundreds of missing tensors (nor by allocating 64 layers)."""
+    path = write_checkpoint(tmp_path, CONFIG, hf_tensors(CONFIG))
+    (path / "config.json").write_text(json.dumps(CONFIG | {"num_hidden_layers": 64}))
+    with pytest.raises(CheckpointError, match=r"^config.json's sizes \(num_hidden_layers 64, hidden_size 32, "
+                                              r"intermediate_size 48, vocab_size 64\) call for [\d,]+ parameters, at "
+                                              r"least [\d.]+ MiB of weights, but the weights files hold [\d.]+ KiB$"):
+        QwenForCausalLM.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps(CONFIG | {"num_hidden_layers": 3}))  # fits the files' size
+    with pytest.raises(CheckpointError, match=r"^checkpoint is missing tensor\(s\): model\.layers\.2\.input_layernorm"
+                                              r"\.weight, (\S+, ){8}\S+ and 2 more$"):
+        QwenForCausalLM.from_pretrained(path)
+
+
+def test_string_false_for_a_flag_is_refused(tmp_path):
+    """"false" is not read as true: an untied checkpoint's lm_head is never dropped silently."""
+    path = write_checkpoint(tmp_path, CONFIG | {"tie_word_embeddings": "false"}, hf_tensors(CONFIG))
+    with pytest.raises(ConfigError, match=r"^config.json: tie_word_embeddings must be true or false \(a JSON "
+                                          r"boolean\), got 'false'$"):
+        QwenForCausalLM.from_pretrained(path)
+
+
+# ------------------------------------------------------------------ side files: regular files, bounded
+
+HOSTILE = {
+    "fifo": (os.mkfifo, "is not a regular file (a FIFO)"),
+    "dev-zero": (lambda p: os.symlink("/dev/zero", p), "(a link to /dev/zero) is not a regular file (a character device)"),
+}
+"""Files that would block a reader (a FIFO) or feed it without end (/dev/zero), and how each is refused."""
+READERS = {
+    "config.json": {"resolve", "checkpoint", "weights"},
+    "tokenizer.json": {"resolve", "checkpoint"},
+    "tokenizer_config.json": {"checkpoint"},
+    "generation_config.json": {"checkpoint"},
+    "model.safetensors": {"checkpoint", "weights"},
+    INDEX_FILE: {"checkpoint", "weights"},
+    MARKER: set(),
+}
+"""Which of PROBE's loaders read each file of a checkpoint."""
+PROBE = """
+import contextlib, io, json, sys
+from modeling import QwenForCausalLM
+from modeling.checkpoint import Checkpoint
+from modeling.generate import main
+from modeling.hub import resolve_model
+from modeling.random_checkpoint import is_complete
+
+out = {}
+for d in sys.argv[1:]:
+    out[d] = {"complete": is_complete(d)}
+    for name, load in (("resolve", resolve_model), ("checkpoint", Checkpoint.load),
+                       ("weights", QwenForCausalLM.from_pretrained)):
+        try:
+            load(d)
+            out[d][name] = "ok"
+        except ValueError as e:
+            out[d][name] = str(e)
+    if out[d]["checkpoint"] != "ok":
+        with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()) as text:
+            code = main(["--model", d, "--prompt", "hi", "--device", "cpu"])
+        out[d]["command line"] = [code, text.getvalue(), err.getvalue()]
+print(json.dumps(out))
+"""
+"""Loads each checkpoint directory named on its command line every way there is (the command line
+too, where Checkpoint.load fails); prints what each way said."""
+
+
+def isolated(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python *args`` in the repository root, killed after ``timeout`` seconds and held to 2 GiB of
+    data: a reader that blocks on a FIFO or reads /dev/zero without end fails the test, it does not
+    hang it or exhaust the machine's memory."""
+    import resource
+
+    limit = 2 << 30
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)))
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tmp_path_factory) -> Path:
+    return build_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+def hostile_copy(src: Path, dst: Path, file: str, kind: str) -> Path:
+    """A copy of the checkpoint ``src`` with ``file`` replaced by the HOSTILE ``kind`` of file."""
+    shutil.copytree(src, dst)
+    if (dst / file).exists():
+        (dst / file).unlink()
+    HOSTILE[kind][0](dst / file)
+    return dst
+
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
+                                reason="needs FIFOs and /dev/zero")
+
+
+@needs_fifo
+def test_checkpoint_files_that_are_not_regular_files_are_refused_without_blocking(tmp_path, random_ckpt):
+    """Each file of a checkpoint as a FIFO and as a link to /dev/zero, loaded every way (the Hub /
+    directory check, Checkpoint.load, QwenForCausalLM.from_pretrained): whatever reads the file
+    refuses it in one line naming it, the others are not affected. In a separate process with a
+    timeout, so that a regression fails rather than hangs."""
+    cases = {str(hostile_copy(random_ckpt, tmp_path / f"{kind}-{file}", file, kind)): (file, kind)
+             for kind in HOSTILE for file in READERS}
+    p = isolated("-c", PROBE, *cases)
+    assert p.returncode == 0, p.stderr
+    for d, results in json.loads(p.stdout).items():
+        file, kind = cases[d]
+        assert results.pop("complete") == (file == INDEX_FILE), (file, kind)  # every other file is the builder's
+        if READERS[file]:  # python -m modeling.generate --model d: exit status 2, one line
+            assert results.pop("command line") == [2, "", f"error: --model {d!r}: {file} {HOSTILE[kind][1]}\n"]
+        for loader, said in results.items():
+            if loader in READERS[file]:
+                assert f"{file} {HOSTILE[kind][1]}" in said and "\n" not in said, (file, kind, loader, said)
+            else:
+                assert said == "ok", (file, kind, loader, said)
+
+
+@needs_fifo
+def test_command_line_refuses_a_fifo_side_file(tmp_path, random_ckpt):
+    """The case as it was seen: ``python -m modeling.generate --model DIR`` with a FIFO as
+    generation_config.json read it forever; now exit status 2, one line naming the file."""
+    path = hostile_copy(random_ckpt, tmp_path / "ckpt", "generation_config.json", "fifo")
+    p = isolated("-m", "modeling.generate", "--model", path, "--prompt", "hi", "--device", "cpu")
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr == f"error: --model {str(path)!r}: generation_config.json is not a regular file (a FIFO)\n"
+
+
+def test_side_file_larger_than_its_limit_is_refused_unread(tmp_path):
+    """A 1 GiB config.json (sparse: nothing is written) is refused from its size."""
+    with open(tmp_path / "config.json", "wb") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(ConfigError, match=r"^config.json is 1 GiB, larger than the 64 MiB this package reads of "
+                                          r"such a file$"):
+        load_config(tmp_path)
+    assert SIDE_FILE_LIMIT == 64 << 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_file_that_reports_no_size_is_read_within_the_limit(tmp_path):
+    """/proc files are regular files of size 0 that hold text: the read itself stops at the limit."""
+    os.symlink("/proc/self/status", tmp_path / "config.json")
+    assert os.stat(tmp_path / "config.json").st_size == 0
+    with pytest.raises(ValueError, match="^config.json is larger than the 16 bytes this package reads of such a file$"):
+        read_file(tmp_path / "config.json", 16)
+    assert read_file(tmp_path / "config.json", 1 << 20).startswith(b"Name:")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), r"^config.json is not a regular file \(a directory\)$"),
+    (lambda p: p.symlink_to(p.parent / "nowhere"), r"^config.json is a link to .*nowhere, which does not exist$"),
+    (lambda p: p.write_text("[" * 100_000), r"^unreadable config.json \(RecursionError: "),
+    (lambda p: p.write_bytes(b'{"a": "caf\xe9"}'), r"^unreadable config.json \(UnicodeDecodeError: "),
+])
+def test_unreadable_config_is_named(tmp_path, make, message):
+    make(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path)
 
 
 # ---------------------------------------------------------------------------- dtypes and values

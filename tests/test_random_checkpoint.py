@@ -1,9 +1,15 @@
-"""The random checkpoint builder never deletes what it did not write, and concurrent builds agree."""
+"""The random checkpoint builder never deletes what it did not write, concurrent builds agree, and
+its config honours every field it is given."""
+import json
 import multiprocessing
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from modeling.random_checkpoint import MARKER, build_random_checkpoint, ensure_random_checkpoint, is_complete
+from modeling import QwenForCausalLM
+from modeling.random_checkpoint import (MARKER, build_random_checkpoint, config_dict, ensure_random_checkpoint,
+                                        is_complete)
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16)
@@ -58,3 +64,22 @@ def test_concurrent_builds_all_succeed(tmp_path):
     with multiprocessing.get_context("spawn").Pool(3) as pool:
         assert pool.map(_ensure, [tmp_path / "ckpt"] * 3) == [True] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.lock"]
+
+
+def test_untied_checkpoint_has_its_own_lm_head(tmp_path):
+    ckpt = build_random_checkpoint(tmp_path / "untied", tie_word_embeddings=False, **TINY)
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is False
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    assert model.lm_head is not None and torch.equal(model.lm_head, tensors["lm_head.weight"])
+    tied = build_random_checkpoint(tmp_path / "tied", **TINY)
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_config_dict_fields_override_the_defaults(model_type):
+    given = dict(tie_word_embeddings=False, rms_norm_eps=1e-5, hidden_act="silu", eos_token_id=1)
+    d = config_dict(64, model_type=model_type, **given)
+    assert {k: d[k] for k in given} == given and d["model_type"] == model_type
+    with pytest.raises(ValueError, match="model_type must be 'qwen3' or 'qwen3_5_text', got 'qwen2'"):
+        config_dict(64, model_type="qwen2")
