@@ -1,5 +1,8 @@
-"""qwen_ops.plans: a replayed call starts exactly the launches its launcher would start (CPU, in a
-subprocess with the C launch stubbed), and on a GPU replayed calls match the references."""
+"""qwen_ops.plans: a replayed call starts exactly the launches its launcher would start, and a call
+of another shape, strides or aliasing never replays a plan recorded for another (CPU, in a
+subprocess with the C launch stubbed); signatures tell apart everything launches depend on; what
+cannot be replayed exactly gets no plan; the table is bounded; on a GPU replayed calls match the
+references."""
 import os
 import subprocess
 import sys
@@ -102,6 +105,35 @@ for case, (make, planned) in CASES.items():
     direct = normalized(LOG, args, launcher(*args))
     assert replayed == direct and (replayed or not planned), (case, replayed, direct)
     print(case, "ok", len(direct), "launches")
+
+# A call after another call's plan was recorded: its own launches, never a replay of the other's.
+ALIASED = r(1, 96)
+AFTER = {  # case -> (op, the recorded call's arguments, the later call's)
+    "rms_norm, 64 rows after 4": ("rms_norm", lambda: (r(4, 96), r(96), 1e-6, 0.0),
+                                  lambda: (r(64, 96), r(96), 1e-6, 0.0)),
+    "rms_norm, strided rows after contiguous": ("rms_norm", lambda: (r(3, 96), r(96), 1e-6, 0.0),
+                                                lambda: (r(3, 192)[:, :96], r(96), 1e-6, 0.0)),
+    # one tensor as x and residual: a plan could not tell the two apart, so none may be made
+    "add_rms_norm, x and residual apart after one tensor as both": (
+        "add_rms_norm", lambda: (ALIASED, ALIASED, r(96), 1e-6, 1.0), lambda: (r(1, 96), r(1, 96), r(96), 1e-6, 1.0)),
+}
+for case, (op, recorded, later) in AFTER.items():
+    on_cuda = registry._impls[op]["CUDA"]
+    launcher = on_cuda.__closure__[on_cuda.__code__.co_freevars.index("kernel")].cell_contents
+    registry.plan_tables[op].clear()
+    launcher(*later())  # the later call's kernels compiled (here: stubbed), its signature not recorded
+    for _ in range(2):
+        on_cuda(*recorded())
+    args = later()
+    LOG.clear()
+    out = on_cuda(*args)
+    got = [t.shape for t in (out if isinstance(out, tuple) else (out,))], normalized(LOG, args, out)
+    LOG.clear()
+    direct_out = launcher(*args)
+    want = [t.shape for t in (direct_out if isinstance(direct_out, tuple) else (direct_out,))]
+    want = want, normalized(LOG, args, direct_out)
+    assert got == want, (case, got, want)
+    print(case, "ok", len(want[1]), "launches")
 '''
 
 
@@ -110,7 +142,7 @@ def test_replayed_launches_are_the_launchers():
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count(" ok ") == 11, result.stdout
+    assert result.stdout.count(" ok ") == 14, result.stdout
 
 
 def test_record_keeps_only_what_a_replay_reproduces(monkeypatch):
@@ -127,6 +159,86 @@ def test_record_keeps_only_what_a_replay_reproduces(monkeypatch):
                      lambda x: x.clone()):
         out, replay = plans.record(launcher, (x,))
         assert replay is False, out
+
+
+class _OnDevice:
+    """A CPU tensor as the signature sees it, but reporting CUDA device `index`."""
+
+    def __init__(self, t, index):
+        self.t, self.index, self.shape, self.dtype = t, index, t.shape, t.dtype
+
+    def stride(self):
+        return self.t.stride()
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def get_device(self):
+        return self.index
+
+
+def test_signature_tells_apart_what_launches_depend_on(monkeypatch):
+    """rms_norm's signature changes with each input's shape, strides, dtype, alignment and device,
+    a scalar's value and the current device: a call differing in any of them never replays the
+    plan of another (a 64-row call replaying a 4-row plan would return 4 rows)."""
+    current = [0]
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    key = plans.key_function(torch.ops.qwen.rms_norm.default._schema)
+    x, w = torch.randn(4, 96), torch.randn(96)
+    base = key(x, w, 1e-6, 0.0)
+    assert key(torch.randn(4, 96), torch.randn(96), 1e-6, 0.0) == base
+    others = {
+        "rows": key(torch.randn(64, 96), w, 1e-6, 0.0),
+        "strides": key(torch.randn(4, 192)[:, :96], w, 1e-6, 0.0),
+        "dtype": key(x.half(), w, 1e-6, 0.0),
+        "alignment": key(torch.randn(4 * 96 + 1)[1:].view(4, 96), w, 1e-6, 0.0),
+        "an input's device": key(_OnDevice(x, 1), w, 1e-6, 0.0),
+        "eps": key(x, w, 1e-5, 0.0),
+    }
+    current[0] = 1
+    others["the current device"] = key(x, w, 1e-6, 0.0)
+    for what, other in others.items():
+        assert other != base, f"the signature ignores {what}"
+
+
+def test_record_refuses_two_allocations_at_one_address(monkeypatch):
+    """A launcher whose scratch is freed and whose next allocation reuses the block (as CUDA's caching
+    allocator does): by address the two are one, and a replay would hand the first kernel the second,
+    smaller buffer, so no plan is made. Here a dispatch mode serves both from one block."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from csrc_free_ops import launch
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    block = torch.empty(64)
+
+    class OneBlock(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.empty.memory_format:
+                return block[:args[0][0]]
+            return func(*args, **(kwargs or {}))
+
+    def launcher(x):
+        for size in (64, 8):  # a scratch launched on, then the output
+            t = torch.empty(size)
+            launch._state.recording.append(((lambda *a: None, None, None, (), None), (1,), (t,)))
+        return t
+
+    with OneBlock():
+        out, replay = plans.record(launcher, (torch.randn(2),))
+    assert out.data_ptr() == block.data_ptr() and replay is False
+
+
+def test_plan_table_keeps_at_most_512_signatures(monkeypatch):
+    """Eager prefill brings a new signature per prompt length: the table starts over when full."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    table, x = plans.PlanTable(), torch.randn(2)
+    for signature in range(513):
+        table.record(signature, lambda x: torch.empty_like(x), (x,))
+        assert len(table) <= 512
+    assert list(table) == [512]
 
 
 def test_plan_table_gives_up_on_recordings_cut_short():
