@@ -179,7 +179,8 @@ def test_local_directory(tmp_path, checkpoint, cache, calls):
 def test_hub_id_ending_in_a_dot_is_refused(cache, checkpoint, calls):
     """The Hub refuses names that end in "."; a snapshot spelled so in the cache is never used."""
     add_snapshot(cache, "org/tiny.", checkpoint, NEW)
-    with pytest.raises(ModelNotFound, match=r"^'org/tiny\.': no such directory, and not a Hub id of the form ORG/NAME$"):
+    with pytest.raises(ModelNotFound, match=r"^'org/tiny\.': no such directory, and not a Hub id of the form "
+                                            r"ORG/NAME$"):
         resolve_model("org/tiny.")
     assert not calls
 

@@ -170,7 +170,8 @@ def test_string_false_for_a_flag_is_refused(tmp_path):
 
 HOSTILE = {
     "fifo": (os.mkfifo, "is not a regular file (a FIFO)"),
-    "dev-zero": (lambda p: os.symlink("/dev/zero", p), "(a link to /dev/zero) is not a regular file (a character device)"),
+    "dev-zero": (lambda p: os.symlink("/dev/zero", p),
+                 "(a link to /dev/zero) is not a regular file (a character device)"),
 }
 """Files that would block a reader (a FIFO) or feed it without end (/dev/zero), and how each is refused."""
 READERS = {

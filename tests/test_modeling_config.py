@@ -156,7 +156,8 @@ def test_unsupported_qwen3_5_wrappers(config, message):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"num_hidden_layers": 30_000_000}, r"^num_hidden_layers 30000000 is above 1,024, the most this package takes$"),
+        ({"num_hidden_layers": 30_000_000},
+         r"^num_hidden_layers 30000000 is above 1,024, the most this package takes$"),
         ({"num_hidden_layers": 10**10}, "num_hidden_layers 10000000000 is above 1,024"),
         ({"num_hidden_layers": 1025}, "num_hidden_layers 1025 is above 1,024"),
         ({"vocab_size": 2**24 + 1}, "vocab_size 16777217 is above 16,777,216"),
@@ -176,7 +177,8 @@ def test_unsupported_qwen3_5_wrappers(config, message):
         ({"rope_theta": "1e6"}, "rope_theta must be a finite number, got '1e6'"),
         ({"rms_norm_eps": True}, "rms_norm_eps must be a finite number, got True"),
         ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number, got inf"),
-        ({"tie_word_embeddings": "false"}, r"^tie_word_embeddings must be true or false \(a JSON boolean\), got 'false'$"),
+        ({"tie_word_embeddings": "false"},
+         r"^tie_word_embeddings must be true or false \(a JSON boolean\), got 'false'$"),
         ({"tie_word_embeddings": 0}, "tie_word_embeddings must be true or false"),
         ({"use_sliding_window": "false"}, "use_sliding_window must be true or false"),
         ({"model_type": "qwen3", "attention_bias": "false"}, "attention_bias must be true or false"),
