@@ -29,6 +29,8 @@ from .kv_cache import kv_cache_store, kv_cache_store_reference
 from .linear import linear, linear_backward, linear_backward_reference, linear_reference
 from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
                    rms_norm_reference)
+from .paged_attention import (kv_cache_store_slots, kv_cache_store_slots_reference, paged_attention,
+                              paged_attention_reference)
 from .registry import kernel_calls
 from .rope import rope, rope_backward, rope_backward_reference, rope_reference
 
@@ -48,5 +50,6 @@ __all__ = [
     "sigmoid_mul", "sigmoid_mul_reference", "gated_delta_gates", "gated_delta_gates_reference",
     "linear_residual", "linear_residual_reference", "norm_gate_up_silu", "norm_gate_up_silu_reference",
     "norm_linear", "norm_linear_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
-    "reserve_semaphores",
+    "reserve_semaphores", "kv_cache_store_slots", "kv_cache_store_slots_reference", "paged_attention",
+    "paged_attention_reference",
 ]

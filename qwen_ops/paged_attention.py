@@ -1,0 +1,164 @@
+"""qwen::kv_cache_store_slots and qwen::paged_attention: a paged KV cache's write and attention.
+
+The cache layout (per attention layer):
+- k_cache and v_cache: [num_blocks, block_size, Hk, D], contiguous, block_size a power of two
+  >= 16 (the engine picks it; the kernels take any such);
+- a token's KV slot is block_id * block_size + offset_in_block (= its row in the
+  [num_blocks * block_size, Hk, D] view);
+- a sequence's block table: block_table [num_seqs, max_blocks_per_seq] int32, entry j the block
+  holding its positions [j * block_size, (j + 1) * block_size); entries past the sequence's
+  length are unused (may be anything, e.g. 0 or -1: never read);
+- seq_lens [num_seqs] int32: the number of cached positions of each sequence INCLUDING this
+  step's new tokens (their KV is written before attention runs).
+
+kv_cache_store_slots(k, v, k_cache, v_cache, slot_mapping): k, v [N, Hk, D] (last dim
+    contiguous, e.g. views of a fused qkv output), slot_mapping [N] int32/int64:
+    k_cache.view(-1, Hk, D)[slot_mapping[i]] = k[i], v likewise; mutates the two caches. A slot
+    < 0 or >= num_blocks * block_size is not written (padding tokens pass -1), on every device.
+paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len):
+    q [N, Hq, D] packs the new tokens of every sequence, sequence i's at rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] (cu_seqlens_q [num_seqs + 1] int32); query t of sequence
+    i (qlen_i = cu[i + 1] - cu[i]) sits at position seq_lens[i] - qlen_i + t and attends causally
+    to the cached positions 0..position; GQA (kv head = q head // (Hq / Hk)) -> o [N, Hq, D].
+    max_query_len, a host int >= every qlen_i, sizes the grid.
+
+The values must satisfy, and on CPU tensors are checked to (free there; on CUDA a check would
+cost a host sync, so the kernel clamps instead and never reads or writes outside its tensors):
+cu_seqlens_q non-decreasing from 0 to N; every qlen_i <= max_query_len; seq_lens[i] 0 (a padding
+sequence: its rows output zeros) or in [qlen_i, max_blocks_per_seq * block_size]; the block table
+entries a sequence reads in [0, num_blocks). A query that sees no key outputs zeros.
+"""
+import math
+
+import torch
+from torch import Tensor
+
+from csrc_free_ops import paged_attention as kernels
+
+from .attention import heads_first
+from .checks import check_float, check_head_dim, check_index, check_same, fail
+from .registry import acc_dtype, define
+
+
+def kv_cache_store_slots_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   slot_mapping: Tensor) -> None:
+    hk, d = k.shape[1], k.shape[2]
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < k_cache.shape[0] * k_cache.shape[1])
+    k_cache.view(-1, hk, d)[slots[keep]] = k[keep]
+    v_cache.view(-1, hk, d)[slots[keep]] = v[keep]
+
+
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
+                              block_table: Tensor, scale: float, max_query_len: int) -> Tensor:
+    """Per sequence: gather its cached positions through the block table, causal softmax in fp32
+    (float64 for float64 q). seq_lens are clamped to the table's reach as the kernel does; a
+    query that sees no key gives zeros. max_query_len only sizes the kernel's grid."""
+    block_size, hk, d = k_cache.shape[1:]
+    group = q.shape[1] // hk
+    dt = acc_dtype(q)
+    keys, values = k_cache.view(-1, hk, d), v_cache.view(-1, hk, d)
+    o = torch.zeros(q.shape, dtype=dt, device=q.device)
+    max_context = block_table.shape[1] * block_size
+    for i in range(seq_lens.shape[0]):
+        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        seq_len = min(max(int(seq_lens[i]), 0), max_context)
+        pos = torch.arange(seq_len, device=q.device)
+        slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        k = heads_first(keys[slots][None], group, dt)[0]  # [Hq, seq_len, D]
+        v = heads_first(values[slots][None], group, dt)[0]
+        q_pos = seq_len - (end - start) + torch.arange(end - start, device=q.device)
+        keep = pos[None, :] <= q_pos[:, None]  # [qlen, seq_len]
+        s = (heads_first(q[None, start:end], 1, dt)[0] @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+        p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
+        o[start:end] = (p @ v).transpose(0, 1)
+    return o.to(q.dtype)
+
+
+def _check_cache(op: str, ref_name: str, ref: Tensor, k_cache: Tensor, v_cache: Tensor):
+    """k_cache, v_cache: contiguous [num_blocks, block_size, Hk, D] of ref's dtype and device, block_size a
+    power of two >= 16."""
+    check_float(op, "k_cache", k_cache, ndim=4)
+    check_float(op, "v_cache", v_cache, ndim=4)
+    check_same(op, ref_name, ref, k_cache=k_cache, v_cache=v_cache)
+    if k_cache.shape != v_cache.shape:
+        fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not c.is_contiguous():
+            fail(op, f"{name} must be contiguous [num_blocks, block_size, Hk, D], got strides {c.stride()}")
+    block_size = k_cache.shape[1]
+    if block_size < 16 or block_size & (block_size - 1):
+        fail(op, f"block_size (k_cache.shape[1]) must be a power of two >= 16, got {block_size}")
+
+
+def _check_store(k, v, k_cache, v_cache, slot_mapping):
+    op = "kv_cache_store_slots"
+    check_float(op, "k", k, ndim=3)
+    check_float(op, "v", v, ndim=3)
+    _check_cache(op, "k", k, k_cache, v_cache)
+    check_same(op, "k", k, v=v)
+    if k.shape != v.shape:
+        fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[1:] != k_cache.shape[2:]:
+        fail(op, f"k {tuple(k.shape)} does not match k_cache {tuple(k_cache.shape)} in heads or head_dim")
+    check_index(op, "slot_mapping", slot_mapping, (k.shape[0],))
+    if slot_mapping.device != k.device:
+        fail(op, f"slot_mapping is on {slot_mapping.device} but k is on {k.device}")
+
+
+def _check_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len):
+    op = "paged_attention"
+    check_float(op, "q", q, ndim=3)
+    _check_cache(op, "q", q, k_cache, v_cache)
+    hq, d = q.shape[1], q.shape[2]
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        fail(op, f"q has head_dim {d} but k_cache has {k_cache.shape[3]}")
+    check_head_dim(op, d)
+    if hk == 0 or hq % hk:
+        fail(op, f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+    if seq_lens.dim() != 1 or block_table.dim() != 2:
+        fail(op, f"seq_lens must be [num_seqs] and block_table [num_seqs, max_blocks_per_seq], got shapes "
+                 f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    num_seqs = seq_lens.shape[0]
+    check_index(op, "seq_lens", seq_lens, (num_seqs,))
+    check_index(op, "cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
+    check_index(op, "block_table", block_table, (num_seqs, block_table.shape[1]))
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t.device != q.device:
+            fail(op, f"{name} is on {t.device} but q is on {q.device}")
+    if not 0.0 < scale < math.inf:
+        fail(op, f"scale must be a positive finite number, got {scale}")
+    if max_query_len < 0:
+        fail(op, f"max_query_len must be >= 0, got {max_query_len}")
+
+
+def _check_values(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, max_query_len):
+    """Value checks, CPU tensors only (free there; a host sync on CUDA, where the kernel clamps instead)."""
+    op = "paged_attention"
+    cu = cu_seqlens_q.long()
+    qlens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or (qlens < 0).any():
+        fail(op, f"cu_seqlens_q must rise from 0 to N={q.shape[0]} (q's rows), got {cu.tolist()}")
+    if qlens.numel() and int(qlens.max()) > max_query_len:
+        fail(op, f"a sequence has {int(qlens.max())} new tokens, more than max_query_len={max_query_len}")
+    block_size = k_cache.shape[1]
+    lens = seq_lens.long()
+    reach = block_table.shape[1] * block_size
+    bad = (lens != 0) & ((lens < qlens) | (lens > reach))
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        fail(op, f"seq_lens[{i}]={int(lens[i])} must be 0 (padding) or lie in [qlen={int(qlens[i])}, "
+                 f"{reach}] (the new tokens are already stored; the block table reaches {reach} positions)")
+    used = torch.arange(block_table.shape[1])[None, :] < (lens[:, None] + block_size - 1) // block_size
+    ids = block_table.long()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]):
+        fail(op, f"block_table entries a sequence reads must lie in [0, num_blocks={k_cache.shape[0]}), "
+                 f"got values in [{int(ids.min())}, {int(ids.max())}]")
+
+
+kv_cache_store_slots = define(kv_cache_store_slots_reference, kernels.kv_cache_store_slots, check=_check_store,
+                              fake=lambda *args: None, mutates_args=("k_cache", "v_cache"))
+
+paged_attention = define(paged_attention_reference, kernels.paged_attention, check=_check_attention,
+                         fake=lambda q, *args: q.new_empty(q.shape), check_values=_check_values)
