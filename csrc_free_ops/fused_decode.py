@@ -32,14 +32,21 @@ dtype's rounding; only the normed x is rounded at another point, see above):
 
 The arrival counters are `common.semaphores`.
 
-PDL: with `use_pdl` (`pdl_options`), a kernel's launch and address set-up overlap the previous kernel's tail; it
-waits for that kernel (`pdl_wait`) before touching memory, and lets the next kernel start once
-its own main loop is done. Tried and measured slower on the H200
-(docs/performance.md): loading the first weight tile before the wait (a hand-written lookahead
-defeats Triton's software pipeliner), an L2 prefetch of the program's weights before the wait, and
-letting the next kernel start before the main loop instead of after it.
+PDL: with `use_pdl` (`pdl_options`), a kernel's launch and address set-up overlap the previous
+kernel's tail; it waits for that kernel (`pdl_wait`) before touching anything but its weights.
+Weight prefetch (`PREFETCH`): a program whose K slice fits one register-resident tile
+(`PREFETCH_BYTES`) issues the loads of its whole weight slice, lets the next kernel launch, and
+only then waits, so while kernel i computes, kernel i+1's resident programs stream their weights
+(the compiled SASS has every weight LDG.128 of such a program ahead of its one ACQBULK, the wait).
+Measured on the H200 (docs/performance.md): 0.982 -> 0.954 ms per Qwen3-0.6B token and 1.076 ->
+1.015 per Qwen3.5-0.8B token; the same prefetch with the next kernel let in only after the
+product was slower than none (0.998). Other programs (the lm_head's, wide batches') run the
+software-pipelined loop after the wait and let the next kernel start once it is done. Tried
+earlier and slower: the first weight tile alone before the wait (a hand-written lookahead defeats
+Triton's pipeliner), and an L2 prefetch of the program's weights.
 """
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -63,7 +70,7 @@ class GemvConfig(NamedTuple):
 # gemv_config's rule.
 FUSED_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {
     ("linear_residual", 1024, 2048): GemvConfig(32, 128, 8),    # Qwen3-0.6B o_proj, Qwen3.5 out_proj
-    ("linear_residual", 1024, 3072): GemvConfig(32, 128, 8),    # Qwen3-0.6B down
+    ("linear_residual", 1024, 3072): GemvConfig(32, 128, 12),   # Qwen3-0.6B down (12 slices of 256: prefetched)
     ("linear_residual", 1024, 3584): GemvConfig(32, 128, 8),    # Qwen3.5 down
     ("norm_qkv_rope_store", 4096, 1024): GemvConfig(128, 128, 8),  # Qwen3-0.6B, a tile per head of 128
     ("norm_qkv_rope_store", 5120, 1024): GemvConfig(256, 128, 8),  # Qwen3.5 gated attention, heads of 256
@@ -89,28 +96,51 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
 
 
 @triton.jit
+def _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K: tl.constexpr):
+    """weight[rn, k_lo:k_lo + BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile, zero past k_hi."""
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None], mask=(rk < k_hi)[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(a, ss): a [BLOCK_M, BLOCK_K] = x[rm, k_lo:k_lo + BLOCK_K] (zero outside), or with NORM
+    x * (norm weight + offset) in fp32 and ss [BLOCK_M] = the tile's sum of x^2."""
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    k_ok = rk < k_hi
+    a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+    ss = tl.zeros((a.shape[0],), dtype=tl.float32)
+    if NORM:
+        a = a.to(tl.float32)
+        ss = tl.sum(a * a, axis=1)
+        a = a * (tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32) + offset)[None, :]
+    return a, ss
+
+
+@triton.jit
+def _dot_slice(a, b, acc, NORM: tl.constexpr):
+    """acc + a @ b for an `_input_slice` a and a `_weight_slice` b."""
+    if NORM:
+        acc = _dot_widened(a, b, acc)
+    else:
+        acc = dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
                 NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
-    or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice."""
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + (k_lo + rk)[:, None]
+    or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice;
+    BLOCK_K-deep steps, software-pipelined by Triton."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = rk < k_hi - k0
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        if NORM:
-            a = a.to(tl.float32)
-            ss += tl.sum(a * a, axis=1)
-            nw = tl.load(nw_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32) + offset
-            acc = _dot_widened(a * nw[None, :], b, acc)
-        else:
-            acc = dot(a, b, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        b = _weight_slice(w_ptr, rn, N, k0, k_hi, stride_wn, BLOCK_K)
+        a, s = _input_slice(x_ptr, nw_ptr, rm, M, k0, k_hi, stride_xm, offset, NORM, BLOCK_K)
+        ss += s
+        acc = _dot_slice(a, b, acc, NORM)
     return acc, ss
 
 
@@ -160,21 +190,35 @@ def _gemv_kernel(
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_rm, stride_om, stride_ps, stride_pm, eps, offset,
     NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out [M, N] = epilogue(x @ weight^T); with SILU, weight is [2N, K] (gate rows, then up rows)."""
     eps, offset = fp32(eps), fp32(offset)
     pid_n = tl.program_id(0)
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    pdl_wait(USE_PDL)
-    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                          NORM, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc_up = acc
-    if SILU:
-        acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm,
-                                stride_wn, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
-    pdl_launch_dependents(USE_PDL)
+    if PREFETCH:  # the whole weight slice is in flight before the program waits for its input
+        w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
+        w_up = w
+        if SILU:
+            w_up = _weight_slice(w_ptr + N * stride_wn, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
+        pdl_launch_dependents(USE_PDL)  # the next kernel's programs may load their weights meanwhile
+        pdl_wait(USE_PDL)
+        a, ss = _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, NORM, BLOCK_K)
+        acc = _dot_slice(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), NORM)
+        acc_up = acc
+        if SILU:
+            acc_up = _dot_slice(a, w_up, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), NORM)
+    else:
+        pdl_wait(USE_PDL)
+        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                              NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_up = acc
+        if SILU:
+            acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, rm, rn, M, N, k_lo, k_hi, stride_xm,
+                                    stride_wn, offset, NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    if not PREFETCH:
+        pdl_launch_dependents(USE_PDL)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tile = pid_m * tl.num_programs(0) + pid_n
     arrived = SPLIT_K - 1
@@ -250,7 +294,8 @@ def _qkv_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps, offset, log2_theta,
     HQ: tl.constexpr, HK: tl.constexpr, GATED: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Tile t of D rows of qkv = rms_norm(x) @ qkv_weight^T: t < QT a query (or, GATED, alternately
     query and gate) head, then HK key heads, then HK value heads."""
@@ -261,10 +306,18 @@ def _qkv_kernel(
     tile = tl.program_id(0)
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = tile * D + tl.arange(0, D)
-    pdl_wait(USE_PDL)
-    acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                          True, BLOCK_M, D, BLOCK_K)
-    pdl_launch_dependents(USE_PDL)
+    if PREFETCH:  # the whole weight slice is in flight before the program waits for its input
+        w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
+        pdl_launch_dependents(USE_PDL)  # the next kernel's programs may load their weights meanwhile
+        pdl_wait(USE_PDL)
+        a, ss = _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, True, BLOCK_K)
+        acc = _dot_slice(a, w, tl.zeros((BLOCK_M, D), dtype=tl.float32), True)
+    else:
+        pdl_wait(USE_PDL)
+        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
+                              True, BLOCK_M, D, BLOCK_K)
+    if not PREFETCH:
+        pdl_launch_dependents(USE_PDL)
     row_ok = rm < M
     mask = row_ok[:, None] & (rn[None, :] < N)
     tl.store(part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :], acc, mask=mask)
@@ -319,21 +372,36 @@ SMEM_BUDGET = 200 << 10
 """Shared memory the pipelined main loop may take (an H200 SM has 227 KB)."""
 
 
-def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfig | None, block_n: int | None = None):
-    """(BLOCK_M, row blocks, config, K per split, splits). The config's pipeline is cut down (fewer
-    stages, then shallower K steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles
-    would not fit the bf16 defaults."""
+PREFETCH = os.environ.get("QWEN_DECODE_PREFETCH", "1") != "0"
+"""Programs whose weight slice fits PREFETCH_BYTES load all of it before the PDL wait
+(QWEN_DECODE_PREFETCH=0: the pipelined loop after the wait for every program)."""
+PREFETCH_BYTES = 32 << 10
+"""The weight bytes one program of four warps holds in registers (64 registers a thread); its input
+tile (fp32) may take half as much again."""
+
+
+def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfig | None, block_n: int | None = None,
+                  halves: int = 1):
+    """(BLOCK_M, row blocks, config, K per split, splits, prefetch). A program prefetches when its
+    weight slice (`halves` x rows x one power-of-two K step) and its input tile fit PREFETCH_BYTES: its K slice is
+    then one BLOCK_K step. Otherwise the config's pipeline is cut down (fewer stages, then shallower K
+    steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles would not fit the bf16
+    defaults."""
     bm = _block_m(m)
     m_blocks = cdiv(m, bm)
     cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
     rows = block_n or cfg.block_n
+    step = next_power_of_2(cdiv(k, cfg.split_k))
+    if PREFETCH and halves * rows * step * itemsize <= PREFETCH_BYTES and bm * step * 4 <= PREFETCH_BYTES // 2:
+        cfg = cfg._replace(block_k=step, num_stages=1)
+        return bm, m_blocks, cfg, step, cdiv(k, step), True
     while cfg.num_stages * cfg.block_k * (rows * itemsize + bm * 4) > SMEM_BUDGET and cfg.block_k > 32:
         cfg = cfg._replace(num_stages=2) if cfg.num_stages > 2 else cfg._replace(block_k=cfg.block_k // 2)
     k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     # No more stages than K steps: a program of one or two steps has nothing more to pipeline, and
     # spare buffers would only keep other programs (the next kernel's, under PDL) off the SM.
     cfg = cfg._replace(num_stages=max(1, min(cfg.num_stages, k_per_split // cfg.block_k)))
-    return bm, m_blocks, cfg, k_per_split, cdiv(k, k_per_split)
+    return bm, m_blocks, cfg, k_per_split, cdiv(k, k_per_split), False
 
 
 def _partials(split: int, m: int, n: int, norm: bool, device):
@@ -347,7 +415,8 @@ def _partials(split: int, m: int, n: int, norm: bool, device):
 def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, cfg=None):
     m, k = x2.shape
     n = out.shape[1]
-    bm, m_blocks, cfg, k_per_split, split = _launch_shape(op, m, n, k, weight.element_size(), cfg)
+    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape(op, m, n, k, weight.element_size(), cfg,
+                                                                     halves=2 if silu else 1)
     tiles = cdiv(n, cfg.block_n)
     if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"{op}: {tiles * m_blocks} output tiles exceed the {MAX_TILES} arrival counters")
@@ -358,7 +427,7 @@ def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, c
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), part.stride(0), part.stride(1), eps, offset,
         NORM=norm_weight is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, SILU=silu,
-        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=split, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x2),
     )
     return out
@@ -407,8 +476,8 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
         return q
     x2 = _rows(x)
     n = qkv_weight.shape[0]
-    bm, m_blocks, cfg, k_per_split, split = _launch_shape("norm_qkv_rope_store", m, n, k, qkv_weight.element_size(),
-                                                          cfg, block_n=d)
+    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape("norm_qkv_rope_store", m, n, k,
+                                                                    qkv_weight.element_size(), cfg, block_n=d)
     tiles = n // d
     if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")
@@ -424,7 +493,7 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
         part.stride(0), part.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, offset, math.log2(theta),
         HQ=num_heads, HK=hk, GATED=gated, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
-        HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k,
+        HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x),
     )
     return q
