@@ -64,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait,
-                     softmax_headroom)
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents, pdl_options,
+                     pdl_wait, softmax_headroom)
 from .decode_attention import _decode_combine_kernel, split_plan
 
 
@@ -209,11 +209,13 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     for n0 in range(lo, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off, qk_scale,
-                                     m_i, l_i, acc, NUM_BLOCKS, False, HK, D, BLOCK_SIZE, WIDE_OFFSETS, HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off,
+                                     qk_scale, m_i, l_i, acc, NUM_BLOCKS, False, HK, D, BLOCK_SIZE, WIDE_OFFSETS,
+                                     HEADROOM, P_SCALE)
     for n0 in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off, qk_scale,
-                                     m_i, l_i, acc, NUM_BLOCKS, True, HK, D, BLOCK_SIZE, WIDE_OFFSETS, HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off,
+                                     qk_scale, m_i, l_i, acc, NUM_BLOCKS, True, HK, D, BLOCK_SIZE, WIDE_OFFSETS,
+                                     HEADROOM, P_SCALE)
     pdl_launch_dependents(USE_PDL)
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # a row that sees no key: zeros
@@ -291,8 +293,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o, part_out, part_lse,
         q.stride(0), q.stride(1), cu_seqlens_q.stride(0), seq_lens.stride(0), block_table.stride(0),
         block_table.stride(1), n, hq, num_seqs, num_seqs.bit_length(), num_blocks, max_context, p.split_len,
-        p.num_splits, scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q, BLOCK_M=p.block_m,
-        BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
+        p.num_splits, scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
         WIDE_OFFSETS=k_cache.numel() >= 2**31, HEADROOM=headroom, P_SCALE=2.0 ** -headroom,
         num_warps=p.num_warps, num_stages=2, **pdl,
     )

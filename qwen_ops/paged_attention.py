@@ -42,11 +42,10 @@ from .registry import acc_dtype, define
 
 def kv_cache_store_slots_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                    slot_mapping: Tensor) -> None:
-    hk, d = k.shape[1], k.shape[2]
     slots = slot_mapping.long()
     keep = (slots >= 0) & (slots < k_cache.shape[0] * k_cache.shape[1])
-    k_cache.view(-1, hk, d)[slots[keep]] = k[keep]
-    v_cache.view(-1, hk, d)[slots[keep]] = v[keep]
+    k_cache.flatten(0, 1)[slots[keep]] = k[keep]  # the [num_blocks * block_size, Hk, D] views
+    v_cache.flatten(0, 1)[slots[keep]] = v[keep]
 
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
@@ -57,7 +56,7 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_se
     block_size, hk, d = k_cache.shape[1:]
     group = q.shape[1] // hk
     dt = acc_dtype(q)
-    keys, values = k_cache.view(-1, hk, d), v_cache.view(-1, hk, d)
+    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     o = torch.zeros(q.shape, dtype=dt, device=q.device)
     max_context = block_table.shape[1] * block_size
     for i in range(seq_lens.shape[0]):

@@ -53,6 +53,22 @@ def _qkv(b, t, dt, dev):
             1e-6, 0.0, 1e4, 16, 2, False)
 
 
+def _slots(n, hk, d, dt, dev):
+    """kv_cache_store_slots arguments: n <= 3 tokens into a cache of 2 blocks of 16, at slots 0, 17, -1."""
+    slots = torch.tensor([0, 17, -1][:n], dtype=torch.int32, device=dev)
+    return (_r(n, hk, d, dt=dt, dev=dev), _r(n, hk, d, dt=dt, dev=dev), _r(2, 16, hk, d, dt=dt, dev=dev),
+            _r(2, 16, hk, d, dt=dt, dev=dev), slots)
+
+
+def _paged(n, hq, qlens, seq_lens, max_blocks, dt, dev):
+    """paged_attention arguments: n tokens of hq heads of 16 (one kv head), qlens / seq_lens per
+    sequence, block tables of max_blocks entries into a cache of 2 blocks of 16."""
+    cu = torch.tensor([0] + torch.tensor(qlens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    return (_r(n, hq, 16, dt=dt, dev=dev), _r(2, 16, 1, 16, dt=dt, dev=dev), _r(2, 16, 1, 16, dt=dt, dev=dev), cu,
+            torch.tensor(seq_lens, **i32), torch.zeros(len(seq_lens), max_blocks, **i32), 0.25, max(qlens, default=0))
+
+
 def _lce_bwd(n, h, v, dt, dev):
     hidden, w = _r(n, h, dt=dt, dev=dev), _r(v, h, dt=dt, dev=dev)
     targets = torch.randint(0, v, (n,), device=dev)
@@ -213,6 +229,13 @@ CASES = [
                                                _r(0, dt=dt, dev=dev), 1e-6)),
     ("gated_rms_norm", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
                                                   _r(8, dt=dt, dev=dev), 1e-6)),
+    ("kv_cache_store_slots", "N=0", lambda dt, dev: _slots(0, 2, 16, dt, dev)),
+    ("kv_cache_store_slots", "Hk=0", lambda dt, dev: _slots(3, 0, 16, dt, dev)),
+    ("kv_cache_store_slots", "D=0", lambda dt, dev: _slots(3, 2, 0, dt, dev)),
+    ("paged_attention", "N=0", lambda dt, dev: _paged(0, 2, [0, 0], [5, 0], 1, dt, dev)),
+    ("paged_attention", "seqs=0", lambda dt, dev: _paged(0, 2, [], [], 1, dt, dev)),
+    ("paged_attention", "Hq=0", lambda dt, dev: _paged(2, 0, [1, 1], [1, 2], 1, dt, dev)),
+    ("paged_attention", "max_blocks=0", lambda dt, dev: _paged(2, 2, [1, 1], [0, 0], 0, dt, dev)),
 ]
 
 # Degenerate inputs the ops refuse (the same error from the real and the fake kernel).
@@ -256,11 +279,16 @@ REFUSED = [
      lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev), _pos(3, dev=dev))),
     ("chunk_gated_delta_rule", "Hk=0", "v's head count 0 must be a multiple of k's 0",
      lambda dt, dev: _gdr(1, 3, 0, 0, dt, dev)),
+    ("paged_attention", "Hk=0", r"must be a multiple of kv heads \(0\)",
+     lambda dt, dev: (_r(1, 2, 16, dt=dt, dev=dev), _r(2, 16, 0, 16, dt=dt, dev=dev), _r(2, 16, 0, 16, dt=dt, dev=dev),
+                      torch.tensor([0, 1], dtype=torch.int32, device=dev), torch.ones(1, dtype=torch.int32, device=dev),
+                      torch.zeros(1, 1, dtype=torch.int32, device=dev), 0.25, 1)),
     ("causal_conv1d", "K=1", "kernel size",
      lambda dt, dev: (_r(1, 3, 8, dt=dt, dev=dev), _r(8, 1, dt=dt, dev=dev), None)),
 ]
 
-MUTATED = {"kv_cache_store": (2, 3), "norm_qkv_rope_store": (6, 7), "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
+MUTATED = {"kv_cache_store": (2, 3), "kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7),
+           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 
 KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}

@@ -95,10 +95,12 @@ def test_paged_attention_matches_reference(device, dtype, nan_empty):
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_paged_attention_every_split_count(device, splits, nan_empty):
     """Both tile modes with one, two and three KV splits (one split writes o directly, more go
-    through the combine pass); key blocks end mid-split and mid-table-block."""
+    through the combine pass); key blocks end mid-split and mid-table-block, and with three splits
+    (of 128 keys) the third starts between the positions of one tile's queries (255 and 256; 237
+    to 268), whose first rows see none of its keys."""
     from csrc_free_ops.paged_attention import paged_attention as kernel, plan
 
-    cases = [(16, 4, 2, 32, [1, 1, 2], [150, 70, 300]), (32, 2, 1, 16, [33, 0, 1], [250, 9, 100])]
+    cases = [(16, 4, 2, 32, [1, 1, 2], [150, 70, 257]), (32, 2, 1, 16, [33, 0, 1], [270, 9, 100])]
     for bs, hq, hk, d, qlens, lens in cases:
         q, *rest = paged_batch(bs, hq, hk, d, qlens, lens, torch.float32, device)
         max_q = max(qlens)
@@ -178,7 +180,8 @@ def test_paged_attention_equals_attention(device):
     table = torch.arange(b, dtype=torch.int32, device=device)[:, None]
     for chunk in (s, 16):
         cu = torch.arange(0, b * chunk + 1, chunk, dtype=torch.int32, device=device)
-        out = torch.ops.qwen.paged_attention(q[:, -chunk:].flatten(0, 1), k_cache, v_cache, cu, lens, table, 0.25, chunk)
+        rows = q[:, -chunk:].flatten(0, 1)
+        out = torch.ops.qwen.paged_attention(rows, k_cache, v_cache, cu, lens, table, 0.25, chunk)
         assert_close(out.view(b, chunk, hq, d), torch.ops.qwen.attention(q[:, -chunk:], k, v, 0.25),
                      what=f"paged vs attention, chunk of {chunk}")
 
@@ -232,47 +235,53 @@ def _cache(nb=4, bs=16, hk=2, d=16, dtype=torch.float32):
     return torch.zeros(nb, bs, hk, d, dtype=dtype)
 
 
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
 def _args(**changes):
     """paged_attention's arguments: two sequences (qlens 1 and 2, lengths 5 and 20), changed by name."""
-    args = dict(q=torch.randn(3, 4, 16), k_cache=_cache(), v_cache=_cache(),
-                cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), seq_lens=torch.tensor([5, 20], dtype=torch.int32),
-                block_table=torch.tensor([[0, 3], [1, 2]], dtype=torch.int32), scale=0.5, max_query_len=2)
+    args = dict(q=torch.randn(3, 4, 16), k_cache=_cache(), v_cache=_cache(), cu_seqlens_q=_i32([0, 1, 3]),
+                seq_lens=_i32([5, 20]), block_table=_i32([[0, 3], [1, 2]]), scale=0.5, max_query_len=2)
     args.update(changes)
     return tuple(args.values())
 
 
+def _store_args(k_shape=(2, 2, 16), v_shape=(2, 2, 16), hk=2, slots=_i32([0, 1])):
+    return torch.randn(k_shape), torch.randn(v_shape), _cache(hk=hk), _cache(hk=hk), slots
+
+
 ERRORS = [
     ("paged_attention", _args(q=torch.randn(1, 3, 4, 16)), "q must have 3 dims"),
-    ("paged_attention", _args(k_cache=_cache(bs=24), v_cache=_cache(bs=24)), "block_size (k_cache.shape[1]) must be a power of two >= 16, got 24"),
+    ("paged_attention", _args(k_cache=_cache(bs=24), v_cache=_cache(bs=24)),
+     "block_size (k_cache.shape[1]) must be a power of two >= 16, got 24"),
     ("paged_attention", _args(k_cache=_cache(bs=8), v_cache=_cache(bs=8)), "must be a power of two >= 16, got 8"),
     ("paged_attention", _args(v_cache=torch.zeros(4, 32, 2, 16)[:, :16]), "v_cache must be contiguous"),
     ("paged_attention", _args(v_cache=_cache(nb=5)), "must have the same shape"),
-    ("paged_attention", _args(k_cache=_cache(dtype=torch.float16)), "k_cache has dtype torch.float16 but q has torch.float32"),
+    ("paged_attention", _args(k_cache=_cache(dtype=torch.float16)),
+     "k_cache has dtype torch.float16 but q has torch.float32"),
     ("paged_attention", _args(q=torch.randn(3, 3, 16)), "multiple of kv heads"),
     ("paged_attention", _args(q=torch.randn(3, 4, 32)), "q has head_dim 32 but k_cache has 16"),
-    ("paged_attention", _args(cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens_q must have shape (3,)"),
+    ("paged_attention", _args(cu_seqlens_q=_i32([0, 3])), "cu_seqlens_q must have shape (3,)"),
     ("paged_attention", _args(block_table=torch.zeros(3, 2, dtype=torch.int32)), "block_table must have shape (2, 2)"),
     ("paged_attention", _args(block_table=torch.zeros(2, 2)), "block_table must be int32 or int64"),
-    ("paged_attention", _args(seq_lens=torch.zeros(2, 1, dtype=torch.int32)), "seq_lens must be [num_seqs]"),
+    ("paged_attention", _args(seq_lens=_i32([[5], [20]])), "seq_lens must be [num_seqs]"),
     ("paged_attention", _args(scale=0.0), "scale must be a positive finite number"),
     ("paged_attention", _args(max_query_len=-1), "max_query_len must be >= 0"),
     # values, checked on CPU tensors
-    ("paged_attention", _args(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), "cu_seqlens_q must rise from 0 to N=3"),
-    ("paged_attention", _args(cu_seqlens_q=torch.tensor([1, 1, 3], dtype=torch.int32)), "cu_seqlens_q must rise from 0"),
-    ("paged_attention", _args(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)), "cu_seqlens_q must rise from 0"),
+    ("paged_attention", _args(cu_seqlens_q=_i32([0, 1, 2])), "cu_seqlens_q must rise from 0 to N=3"),
+    ("paged_attention", _args(cu_seqlens_q=_i32([1, 1, 3])), "cu_seqlens_q must rise from 0"),
+    ("paged_attention", _args(cu_seqlens_q=_i32([0, 4, 3])), "cu_seqlens_q must rise from 0"),
     ("paged_attention", _args(max_query_len=1), "a sequence has 2 new tokens, more than max_query_len=1"),
-    ("paged_attention", _args(seq_lens=torch.tensor([5, 1], dtype=torch.int32)), "seq_lens[1]=1 must be 0 (padding) or lie in [qlen=2, 32]"),
-    ("paged_attention", _args(seq_lens=torch.tensor([33, 20], dtype=torch.int32)), "seq_lens[0]=33 must be 0"),
-    ("paged_attention", _args(block_table=torch.tensor([[0, -1], [1, -1]], dtype=torch.int32)), "block_table entries a sequence reads must lie in [0, num_blocks=4), got values in [-1, 1]"),
-    ("paged_attention", _args(block_table=torch.tensor([[4, 0], [1, 2]], dtype=torch.int32)), "got values in [1, 4]"),
-    ("kv_cache_store_slots", (torch.randn(2, 2, 16), torch.randn(2, 2, 16), _cache(hk=1), _cache(hk=1),
-                              torch.zeros(2, dtype=torch.int32)), "does not match k_cache"),
-    ("kv_cache_store_slots", (torch.randn(2, 2, 16), torch.randn(3, 2, 16), _cache(), _cache(),
-                              torch.zeros(2, dtype=torch.int32)), "k (2, 2, 16) and v (3, 2, 16) must have the same shape"),
-    ("kv_cache_store_slots", (torch.randn(2, 2, 16), torch.randn(2, 2, 16), _cache(), _cache(),
-                              torch.zeros(3, dtype=torch.int32)), "slot_mapping must have shape (2,)"),
-    ("kv_cache_store_slots", (torch.randn(2, 2, 16), torch.randn(2, 2, 16), _cache(), _cache(),
-                              torch.zeros(2)), "slot_mapping must be int32 or int64"),
+    ("paged_attention", _args(seq_lens=_i32([5, 1])), "seq_lens[1]=1 must be 0 (padding) or lie in [qlen=2, 32]"),
+    ("paged_attention", _args(seq_lens=_i32([33, 20])), "seq_lens[0]=33 must be 0"),
+    ("paged_attention", _args(block_table=_i32([[0, -1], [1, -1]])),
+     "block_table entries a sequence reads must lie in [0, num_blocks=4), got values in [-1, 1]"),
+    ("paged_attention", _args(block_table=_i32([[4, 0], [1, 2]])), "got values in [1, 4]"),
+    ("kv_cache_store_slots", _store_args(hk=1), "does not match k_cache"),
+    ("kv_cache_store_slots", _store_args(v_shape=(3, 2, 16)), "k (2, 2, 16) and v (3, 2, 16) must have the same shape"),
+    ("kv_cache_store_slots", _store_args(slots=_i32([0, 1, 2])), "slot_mapping must have shape (2,)"),
+    ("kv_cache_store_slots", _store_args(slots=torch.zeros(2)), "slot_mapping must be int32 or int64"),
 ]
 
 
@@ -304,3 +313,21 @@ def test_paged_attention_one_cuda_graph_serves_every_length():
         graph.replay()
         assert_close(static_out, torch.ops.qwen.paged_attention(static_q, kc, vc, cu, lens, table, d ** -0.5, 1),
                      rel_tol=0.0, what=f"replay {step}")
+
+
+@pytest.mark.cuda
+def test_paged_cache_ops_replay_launch_plans():
+    """Both launchers only allocate and launch, so eager calls replay launch plans
+    (qwen_ops/plans.py): a plan is made for each op, and a replayed call gives the first call's result."""
+    from qwen_ops.registry import plan_tables
+
+    q, kc, vc, cu, lens, table = paged_batch(16, 16, 8, 128, [1] * 6 + [40], [900] * 6 + [100], torch.bfloat16, "cuda")
+    kc, vc = kc.nan_to_num(0.0), vc.nan_to_num(0.0)
+    slots = torch.randperm(kc.shape[0] * 16, device="cuda")[:q.shape[0]]
+    outs = []
+    for _ in range(3):
+        torch.ops.qwen.kv_cache_store_slots(q[:, :8], q[:, 8:], kc, vc, slots)
+        outs.append(torch.ops.qwen.paged_attention(q, kc, vc, cu, lens, table, 0.1, 40))
+    for op in ("kv_cache_store_slots", "paged_attention"):
+        assert any(map(callable, plan_tables[op].values())), f"{op}: no plan was made"
+    assert torch.equal(outs[0], outs[2])
