@@ -25,8 +25,8 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
 JSON keys for the headline numbers: `ours_b1_ms_per_token` (Qwen3-0.6B, batch 1, context 256),
 `ours_b8_ms_per_step`, `qwen3_5_b1_ms_per_token` (Qwen3.5-0.8B, batch 1, context 256), `floor_ms`.
 
-Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B (the graph and the floor, batch 1); with `--all` also the seed's shape (hidden 896, 8/2 heads of
-128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
+Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B (the graph and the floor, batch 1); with `--all`
+also the seed's shape (hidden 896, 8/2 heads of 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
 intermediate 6144, tied), ours with the graph, torch.compile and the floor at batch 1, context 256.
 Kernels per decoded token and the time of each come from the profiler (captured steps of the
 fused and the unfused path, batch 1).
@@ -55,6 +55,7 @@ SHAPES = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
 }
+AFTER_WAIT = "ours, CUDA graph, weights after the PDL wait"
 MARK_BEGIN, MARK_END = "<!-- bench.decode:begin -->", "<!-- bench.decode:end -->"
 
 
@@ -231,13 +232,13 @@ def measure(args) -> dict:
             out["floor_ms"] = floor
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
             with weights_after_wait():
-                row(name, "ours, CUDA graph, weights after the PDL wait", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+                row(name, AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
             row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
             for batch in (8, 32):
                 row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
             out["ours_b8_ms_per_step"] = out["rows"][-2]["ms_per_step"]
             with weights_after_wait():
-                row(name, "ours, CUDA graph, weights after the PDL wait", 8, 256, ours_ms(model, 8, 256, args.steps, True))
+                row(name, AFTER_WAIT, 8, 256, ours_ms(model, 8, 256, args.steps, True))
             row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
             fused = kernel_profile(model)
             model.fused_decode = False
@@ -262,7 +263,7 @@ def measure(args) -> dict:
     row("qwen3.5-0.8b", "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
     out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
     with weights_after_wait():
-        row("qwen3.5-0.8b", "ours, CUDA graph, weights after the PDL wait", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+        row("qwen3.5-0.8b", AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
     return out
 
 

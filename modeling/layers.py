@@ -99,14 +99,21 @@ class DecoderLayer(nn.Module):
         """x: [B, T, hidden], the previous layer's output not yet added to ``residual`` (None in
         the first layer, where x is the embedding); ``cache``: this layer's cache (``new_cache``).
         Returns (mlp output, residual), both [B, T, hidden]."""
+        return self._block(x, residual, lambda h: self.mix(h, positions, cache, cache_seqlens))
+
+    def step(self, x: Tensor, residual: Optional[Tensor], batch, pool_entry) -> Tuple[Tensor, Tensor]:
+        """``forward`` over an engine step's flat tokens: x [N, hidden]; the mixer reads the batch
+        (``modeling.engine.step.StepBatch``) and this layer's entry of the engine's cache pool."""
+        return self._block(x, residual, lambda h: self.mix_step(h, batch, pool_entry))
+
+    def _block(self, x: Tensor, residual: Optional[Tensor], mix) -> Tuple[Tensor, Tensor]:
         eps, offset = self.config.rms_norm_eps, self.config.norm_offset
         if residual is None:
             h, residual = ops.rms_norm(x, self.input_norm, eps, offset), x
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_norm, eps, offset)
-        o = self.mix(h, positions, cache, cache_seqlens)
-        h, residual = ops.add_rms_norm(o, residual, self.post_norm, eps, offset)
-        gate_up = ops.linear(h, self.gate_up_weight)  # [B, T, 2I]
+        h, residual = ops.add_rms_norm(mix(h), residual, self.post_norm, eps, offset)
+        gate_up = ops.linear(h, self.gate_up_weight)  # [..., 2I]
         return ops.linear(ops.silu_mul(gate_up), self.down_weight), residual
 
     def decode(self, x: Tensor, positions: Tensor, cache, cache_seqlens: Tensor) -> Tensor:
@@ -165,7 +172,9 @@ class AttentionLayer(DecoderLayer):
         shape = (batch_size, max_len, c.num_key_value_heads, c.head_dim)
         return KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
-    def mix(self, h: Tensor, positions: Tensor, cache: KVCache, cache_seqlens: Optional[Tensor]) -> Tensor:
+    def _qkv(self, h: Tensor, positions: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """h [B, T, hidden] -> q [B, T, Hq, D] and k [B, T, Hk, D] (normed, rotated), v, and the
+        output gate (None without one): views of the fused QKV projection."""
         c = self.config
         B, T, _ = h.shape
         Hq, Hk, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -181,12 +190,28 @@ class AttentionLayer(DecoderLayer):
         v = qkv[..., Q + Hk * D :].view(B, T, Hk, D)
         q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps,
                         c.norm_offset)
+        return q, k, v, gate
+
+    def mix(self, h: Tensor, positions: Tensor, cache: KVCache, cache_seqlens: Optional[Tensor]) -> Tensor:
+        D = self.config.head_dim
+        q, k, v, gate = self._qkv(h, positions)
         ops.kv_cache_store(k, v, cache.k, cache.v, positions)
         if cache_seqlens is None:
             o = ops.attention(q, k, v, D**-0.5, True)
         else:
             o = ops.decode_attention(q, cache.k, cache.v, cache_seqlens, D**-0.5)
         return ops.linear(self._gated(o, gate), self.o_weight)
+
+    def mix_step(self, h: Tensor, batch, pool_entry: Tuple[Tensor, Tensor]) -> Tensor:
+        """The mixer over an engine step's flat tokens h [N, hidden]: k/v written to their slots of
+        the paged pool (k, v [num_blocks, block_size, Hk, D]), attention over each sequence's cached
+        positions through its block table."""
+        k_pool, v_pool = pool_entry
+        q, k, v, gate = self._qkv(h[None], batch.positions[None])
+        ops.kv_cache_store_slots(k[0], v[0], k_pool, v_pool, batch.slot_mapping)
+        o = ops.paged_attention(q[0], k_pool, v_pool, batch.cu_seqlens_q, batch.seq_lens, batch.block_table,
+                                self.config.head_dim**-0.5, batch.max_query_len)
+        return ops.linear(self._gated(o[None], gate), self.o_weight)[0]
 
     def mix_decode(self, x: Tensor, positions: Tensor, cache: KVCache, cache_seqlens: Tensor) -> Tensor:
         """``x + mix(rms_norm(x))`` for a decode step, in three ops: ``norm_qkv_rope_store``,
@@ -286,8 +311,31 @@ class GatedDeltaNetLayer(DecoderLayer):
         proj = ops.norm_linear(x, self.input_norm, self.in_proj_weight, None, c.rms_norm_eps, c.norm_offset)
         return ops.linear_residual(self._delta_rule(proj, cache, cache_seqlens), self.out_weight, x)
 
-    def _delta_rule(self, proj: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor]) -> Tensor:
-        """The mixer between its two projections: proj [B, T, C + Vd + 2Hv] -> o [B, T, Vd]."""
+    def mix_step(self, h: Tensor, batch, pool_entry: Tuple[Tensor, Tensor]) -> Tensor:
+        """The mixer over an engine step's flat tokens h [N, hidden], each sequence continuing the
+        state in its slot of the pool (conv [slots, C, K-1], state [slots, Hv, Dk, Dv]): the decoding
+        sequences (one token each) together, their states gathered from and written back to their
+        slots; each prefill chunk on its own, from a zero state at its first token."""
+        conv_pool, state_pool = pool_entry
+        proj = ops.linear(h, self.in_proj_weight)  # [N, C + Vd + 2Hv]
+        o = proj.new_empty((proj.shape[0], self.config.linear_value_dim))
+        if batch.decode_rows.numel():
+            slots = batch.decode_slots
+            cache = GatedDeltaNetCache(conv_pool.index_select(0, slots), state_pool.index_select(0, slots))
+            o[batch.decode_rows] = self._delta_rule(proj[batch.decode_rows][:, None], cache, batch.seq_lens)[:, 0]
+            conv_pool.index_copy_(0, slots, cache.conv)
+            state_pool.index_copy_(0, slots, cache.state)
+        for row, n, slot, start in batch.chunks:
+            cache = GatedDeltaNetCache(conv_pool[slot:slot + 1], state_pool[slot:slot + 1])
+            o[row:row + n] = self._delta_rule(proj[None, row:row + n], cache, None, continues=start > 0)[0]
+        return ops.linear(o, self.out_weight)
+
+    def _delta_rule(self, proj: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor],
+                    continues: bool = False) -> Tensor:
+        """The mixer between its two projections: proj [B, T, C + Vd + 2Hv] -> o [B, T, Vd]. Decode
+        (``cache_seqlens`` given) continues the cached state in place; prefill starts from a zero
+        state, or with ``continues`` from the cached one (a later chunk of a prompt), and leaves its
+        final state in the cache."""
         c = self.config
         B, T, _ = proj.shape
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
@@ -299,7 +347,7 @@ class GatedDeltaNetLayer(DecoderLayer):
         a = proj[..., C + Vd + Hv :]
         weight = self.conv_weight[:, 0]  # [C, K]
         if cache_seqlens is None:
-            y, conv_state = ops.causal_conv1d(x, weight)
+            y, conv_state = ops.causal_conv1d(x, weight, cache.conv if continues else None)
             cache.conv.copy_(conv_state)
         else:
             y = ops.causal_conv1d_update(x, cache.conv, weight)
@@ -309,7 +357,7 @@ class GatedDeltaNetLayer(DecoderLayer):
         scale = Dk**-0.5
         if cache_seqlens is None:
             g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            o, state = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, None, True)
+            o, state = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, cache.state if continues else None, True)
             cache.state.copy_(state)
         else:
             o = ops.recurrent_gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, cache.state, scale, True)

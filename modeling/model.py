@@ -120,6 +120,19 @@ class QwenForCausalLM(nn.Module):
         h = self._final_hidden(input_ids, positions, cache, cache_seqlens, select)
         return ops.linear(h, self._head())
 
+    def forward_step(self, batch, pool) -> Tensor:
+        """One engine step over flat tokens: ``batch`` a ``modeling.engine.step.StepBatch`` (input_ids,
+        positions [N], the sequences' offsets, lengths, KV slots, block tables, state slots),
+        ``pool`` the engine's ``CachePool``. Every layer reads and writes its pool entry; returns the
+        logits [Ss, V] of the rows ``batch.logits_rows`` (each sampling sequence's last token)."""
+        c = self.config
+        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        for layer, entry in zip(self.layers, pool.layers):
+            x, residual = layer.step(x, residual, batch, entry)
+        rows = batch.logits_rows
+        h = ops.add_rms_norm(x[rows], residual[rows], self.norm, c.rms_norm_eps, c.norm_offset)[0]
+        return ops.linear(h, self._head())
+
     def loss(self, input_ids: Tensor, cache: Cache, labels: Optional[Tensor] = None,
              ignore_index: int = -100) -> Tensor:
         """Mean next-token cross-entropy of a prefill of input_ids [B, T] (positions 0..T-1):

@@ -1,0 +1,138 @@
+"""The continuous-batching engine: requests join and leave at every step.
+
+```python
+engine = Engine(model)                                  # the pool sized from free memory
+seq = engine.add(prompt_ids, SamplingParams(temperature=0.7, seed=1), max_tokens=64, stop_token_ids=eos)
+while engine.has_work():
+    for seq in engine.step():                           # the sequences that got a token this step
+        ...                                             # seq.output_ids, seq.finish_reason
+```
+
+A step: the scheduler picks the work (``modeling.engine.scheduler``), ``step.build`` packs it
+into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``),
+the sequences whose tokens are all computed sample their next token (``sampler.sample_rows``,
+each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
+from any thread; ``step`` from one thread at a time.
+"""
+
+import random
+import threading
+from typing import List, Optional, Sequence as Seq
+
+import torch
+
+from ..sampling import SamplingParams
+from .block_manager import BlockManager
+from .cache_pool import CachePool, size_for
+from .sampler import sample_rows
+from .scheduler import Scheduler, StateSlots
+from .sequence import Sequence, Status
+from .step import build
+
+BLOCK_SIZE = 64
+"""Positions per KV block."""
+
+
+class Engine:
+    """``max_num_seqs`` sequences at most in a step, ``max_num_batched_tokens`` new tokens at most
+    in a step (prefill chunks share it with the decoding sequences), prompts and outputs of up to
+    ``max_model_len`` tokens together; the pool takes ``memory_fraction`` of the device's free
+    memory (on the CPU: what ``max_num_seqs`` full-length sequences need; ``num_blocks`` fixes the
+    number of KV blocks instead). Prefix caching is on for
+    models of attention layers only (a recurrent state cannot be rebuilt from cached blocks)."""
+
+    def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, memory_fraction: float = 0.9,
+                 prefix_caching: bool = True, num_blocks: Optional[int] = None):
+        c = model.config
+        self.model = model
+        self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        hybrid = any(kind != "full_attention" for kind in c.layer_types)
+        reserve = max_num_batched_tokens * c.hidden_size * 64 * model.dtype.itemsize  # the step's activations
+        self.size = size_for(model, block_size, max_num_seqs, self.max_model_len, memory_fraction, reserve)
+        if num_blocks is not None:
+            self.size.num_blocks = num_blocks
+        self.pool = CachePool(model, self.size)
+        self.blocks = BlockManager(self.size.num_blocks, block_size, prefix_caching and not hybrid)
+        slots = StateSlots(self.size.num_state_slots) if hybrid else None
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        self.steps = 0
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
+            stop_token_ids: Seq[int] = ()) -> Sequence:
+        """Queue a request; it joins the next step that has room for it."""
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        if len(prompt_ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens and {max_tokens} new ones exceed the engine's "
+                             f"max_model_len ({self.max_model_len})")
+        seq = Sequence(prompt_ids, params, max_tokens, tuple(stop_token_ids))
+        seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        with self._lock:
+            self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish ``seq`` now ("abort"), freeing its blocks; a finished sequence is left as it is."""
+        with self._lock:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    @torch.inference_mode()
+    def step(self) -> List[Sequence]:
+        """Run one step; returns the sequences that sampled a token in it (finished ones included)."""
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+        if not scheduled.work:
+            return []
+        dev = self.model.device
+        batch = build(scheduled, self.size.block_size, dev)
+        fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
+        if fresh:
+            self.pool.reset_state_slots(torch.tensor(fresh, dtype=torch.int64, device=dev))
+        logits = self.model.forward_step(batch, self.pool)
+        done = batch.sampling
+        tokens = self._sample(logits, [scheduled.work[i][0] for i in done]) if done else []
+        self.steps += 1
+        sampled = []
+        with self._lock:
+            for seq, n in scheduled.work:
+                seq.num_computed += n
+                self.blocks.commit(seq.block_table, seq.tokens[:seq.num_computed], seq.block_hashes)
+            for i, token in zip(done, tokens):
+                seq = scheduled.work[i][0]
+                if seq.status is not Status.RUNNING:  # aborted while the step ran
+                    continue
+                seq.append(token)
+                sampled.append(seq)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+        return sampled
+
+    def _sample(self, logits: torch.Tensor, seqs: List[Sequence]) -> List[int]:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+        temperature = torch.tensor([p.temperature for p in params], **f32)
+        top_k = torch.tensor([p.top_k for p in params], **i64)
+        top_p = torch.tensor([p.top_p for p in params], **f32)
+        seeds = torch.tensor([s.seed for s in seqs], **i64)
+        positions = torch.tensor([len(s.tokens) for s in seqs], **i64)
+        modes = {p.mode for p in params}
+        out = sample_rows(logits, temperature, top_k, top_p, seeds, positions,
+                          any_random=bool(modes - {"greedy"}), any_top="top" in modes)
+        return out.tolist()
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, max_tokens: int,
+                 stop_token_ids: Seq[int] = ()) -> List[List[int]]:
+        """Run ``prompts`` (token ids) to completion as one continuous batch; the new token ids of each."""
+        seqs = [self.add(p, params, max_tokens, stop_token_ids) for p in prompts]
+        while any(s.status is not Status.FINISHED for s in seqs):
+            self.step()
+        return [s.output_ids for s in seqs]

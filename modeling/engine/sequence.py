@@ -1,0 +1,69 @@
+"""One request's life in the engine: its tokens, how many of them are in the cache, its blocks."""
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from ..sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # not admitted, or preempted (its cache dropped: recomputed when readmitted)
+    RUNNING = "running"    # admitted: holds blocks (and a state slot), computes tokens every step
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """``tokens``: the prompt, then every sampled token; ``num_computed``: the leading tokens whose
+    KV (and recurrent state) is in the pool, so the next step computes ``tokens[num_computed:]``
+    (all of the prompt's rest while prefilling, one token while decoding). ``block_table`` and
+    ``state_slot`` are the pool entries it holds while running.
+
+    ``max_tokens``: new tokens at most; ``stop_token_ids``: tokens that finish it (EOS included
+    unless the caller left it out); ``finish_reason``: "stop", "length" or "abort"."""
+
+    tokens: List[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: Tuple[int, ...] = ()
+    request_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt: int = 0
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    block_table: List[int] = field(default_factory=list)
+    block_hashes: List[bytes] = field(default_factory=list)  # of its full blocks, for prefix caching
+    state_slot: Optional[int] = None
+    seed: int = 0  # the sampling stream's seed (the request's, or drawn when it was added)
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+
+    def __post_init__(self):
+        self.tokens = list(self.tokens)
+        self.num_prompt = self.num_prompt or len(self.tokens)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> List[int]:
+        return self.tokens[self.num_prompt:]
+
+
+    def append(self, token: int) -> None:
+        """Record a sampled token and finish the sequence if it is a stop token or the last allowed."""
+        self.tokens.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        if token in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.num_output >= self.max_tokens:
+            self.finish_reason = "length"

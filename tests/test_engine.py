@@ -1,0 +1,145 @@
+"""The engine end to end: greedy tokens equal the Generator's (itself held to transformers' by the
+parity tests), whether a sequence runs alone, joins a running batch of other lengths, is prefilled
+in chunks, finds its prefix in the cache or is preempted and recomputed; seeded sampling does not
+depend on the batch. float64 models: the PyTorch reference ops, exact and fast on the CPU; the
+`cuda` cases run the kernels on a GPU."""
+
+import pytest
+import torch
+
+from modeling import QwenConfig
+from modeling.engine import Engine, Status
+from modeling.generator import Generator
+from modeling.random_checkpoint import random_model
+from modeling.sampling import SamplingParams
+
+QWEN3 = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32, full_attention_interval=2,
+               tie_word_embeddings=True)
+GREEDY = SamplingParams()
+
+
+def model_of(config, dtype=torch.float64, device="cpu"):
+    return random_model(QwenConfig.from_dict(config), dtype=dtype, device=device, std=0.2, seed=0)
+
+
+def prompts_of(lengths, vocab=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def generator_tokens(model, prompts, new):
+    gen = Generator(model, max_batch_size=1, max_seq_len=max(map(len, prompts)) + new + 2, use_cuda_graph=False)
+    return [gen.generate([p], new).tokens[0] for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def setup(request):
+    config = QWEN3 if request.param == "qwen3" else QWEN3_5
+    model = model_of(config)
+    prompts = prompts_of([5, 37, 1, 70, 16, 23])
+    return request.param, model, prompts, generator_tokens(model, prompts, 12)
+
+
+def test_one_continuous_batch_equals_the_generator(setup):
+    _, model, prompts, want = setup
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    assert engine.generate(prompts, GREEDY, 12) == want
+    assert engine.blocks.num_free == engine.size.num_blocks  # every block given back
+
+
+def test_chunked_prefill_and_a_tiny_budget(setup):
+    kind, model, prompts, want = setup
+    engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=70 if kind == "qwen3_5" else 9, max_model_len=128,
+                    block_size=16)
+    assert engine.generate(prompts, GREEDY, 12) == want
+
+
+def test_a_sequence_joining_a_running_batch(setup):
+    _, model, prompts, want = setup
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128, block_size=16)
+    first = [engine.add(p, GREEDY, 12) for p in prompts[:3]]
+    for _ in range(5):
+        engine.step()
+    late = [engine.add(p, GREEDY, 12) for p in prompts[3:]]
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in first + late] == want
+
+
+def test_preemption_recomputes_and_loses_nothing(setup):
+    _, model, prompts, want = setup
+    # 10 blocks of 16: the six requests need 17 at their longest, so some are preempted
+    engine = Engine(model, max_num_seqs=6, max_num_batched_tokens=256, max_model_len=96, block_size=16, num_blocks=10)
+    assert engine.generate(prompts, GREEDY, 12) == want
+    assert engine.scheduler.preemptions > 0
+
+
+def test_prefix_caching_reuses_blocks_with_the_same_tokens():
+    model = model_of(QWEN3)
+    shared = prompts_of([40])[0]
+    prompts = [shared + [1, 2, 3], shared + [4, 5]]
+    want = generator_tokens(model, prompts, 8)
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    assert engine.generate(prompts[:1], GREEDY, 8) == want[:1]
+    second = engine.add(prompts[1], GREEDY, 8)
+    engine.step()
+    assert second.num_cached == 32  # two full blocks of the shared 40 tokens
+    while engine.has_work():
+        engine.step()
+    assert second.output_ids == want[1]
+
+
+def test_hybrid_models_reuse_no_prefix():
+    engine = Engine(model_of(QWEN3_5), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    assert not engine.blocks.prefix_caching
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(setup):
+    _, model, prompts, _ = setup
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    alone = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    want = alone.generate(prompts[1:2], params, 10)
+    crowd = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    others = [crowd.add(p, SamplingParams(temperature=1.0, seed=i), 10) for i, p in enumerate(prompts[2:])]
+    mine = crowd.add(prompts[1], params, 10)
+    while crowd.has_work():
+        crowd.step()
+    assert mine.output_ids == want[0] and all(s.status is Status.FINISHED for s in others)
+
+
+def test_abort_frees_the_blocks_and_stop_tokens_finish():
+    model = model_of(QWEN3)
+    prompts = prompts_of([20, 20])
+    want = generator_tokens(model, prompts[:1], 6)[0]
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    stopped = engine.add(prompts[0], GREEDY, 50, stop_token_ids=[want[3]])
+    aborted = engine.add(prompts[1], GREEDY, 50)
+    engine.step()
+    engine.abort(aborted)
+    while engine.has_work():
+        engine.step()
+    assert aborted.finish_reason == "abort" and stopped.finish_reason == "stop"
+    assert stopped.output_ids == want[:4] and engine.blocks.num_free == engine.size.num_blocks
+
+
+def test_requests_that_cannot_fit_are_refused():
+    engine = Engine(model_of(QWEN3), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add(list(range(60)), GREEDY, 10)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add([], GREEDY, 10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3_5"])
+def test_engine_on_cuda_equals_the_generator(config):
+    model = model_of(config, dtype=torch.float32, device="cuda")
+    prompts = prompts_of([5, 37, 1, 70, 16, 23, 300, 129])
+    want = generator_tokens(model, prompts, 16)
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=96, max_model_len=512, block_size=16,
+                    memory_fraction=0.2)
+    assert engine.generate(prompts, GREEDY, 16) == want

@@ -1,0 +1,177 @@
+"""The engine's host side: block manager (allocation, reference counts, prefix caching, reuse
+order), scheduler (chunked prefill under a token budget, preemption by recompute) and the
+per-request sampler (seeded streams independent of the batch, the distribution drawn)."""
+
+import random
+
+import pytest
+import torch
+
+from modeling.engine.block_manager import BlockManager
+from modeling.engine.sampler import sample_rows, uniforms
+from modeling.engine.scheduler import Scheduler, StateSlots
+from modeling.engine.sequence import Sequence, Status
+from modeling.sampling import SamplingParams, sampling_probs
+
+
+def seq(n_prompt, max_tokens=4, first=0):
+    return Sequence(list(range(first, first + n_prompt)), SamplingParams(), max_tokens)
+
+
+def test_blocks_allocate_and_free_every_block():
+    bm = BlockManager(8, 4)
+    table, hashes = bm.allocate(list(range(9)))  # 9 tokens: 3 blocks
+    assert len(table) == 3 and len(set(table)) == 3 and hashes == [] and bm.num_free == 5
+    bm.append(table, 13)
+    assert len(table) == 4 and bm.num_free == 4
+    with pytest.raises(MemoryError):
+        bm.allocate(list(range(100, 121)))  # 6 blocks, 4 free
+    bm.free(table)
+    assert bm.num_free == 8
+    with pytest.raises(RuntimeError, match="freed more often"):
+        bm.free(table)
+
+
+def test_prefix_cache_hits_full_blocks_only_and_never_the_last_token():
+    bm = BlockManager(16, 4)
+    prompt = list(range(10))
+    table, _ = bm.allocate(prompt)
+    bm.commit(table, prompt, [])  # 2 full blocks registered
+    same_start = prompt[:8] + [77, 78, 79]
+    table2, hashes = bm.allocate(same_start)
+    assert table2[:2] == table[:2] and len(hashes) == 2 and table2[2] not in table
+    assert bm.ref_count[table[0]] == 2
+    # a prompt of exactly the cached blocks keeps its last block to compute (its logits are needed)
+    table3, hashes3 = bm.allocate(prompt[:8])
+    assert len(hashes3) == 1 and table3[0] == table[0] and table3[1] != table[1]
+    # a different first block shares nothing, even with an equal second block
+    _, hashes4 = bm.allocate([99] + prompt[1:])
+    assert hashes4 == []
+
+
+def test_prefix_cache_survives_free_until_the_block_is_reused_least_recent_first():
+    bm = BlockManager(4, 2)
+    a = [1, 2, 3, 4, 5]
+    table, hashes = bm.allocate(a)
+    bm.commit(table, a, hashes)
+    bm.free(table)
+    assert bm.num_free == 4
+    _, hit = bm.allocate(a)  # still cached after the free
+    assert len(hit) == 2
+    bm2 = BlockManager(4, 2)
+    t1, h1 = bm2.allocate([1, 2, 3])
+    bm2.commit(t1, [1, 2, 3], h1)
+    bm2.free(t1)
+    t2, _ = bm2.allocate([9, 9, 9, 9, 9, 9, 9])  # needs all four blocks: the cached one is reused
+    assert sorted(t2) == [0, 1, 2, 3]
+    _, hit = bm2.allocate([1, 2, 3]) if bm2.num_free >= 2 else (None, [])
+    assert hit == []  # its content was overwritten: the hash was forgotten
+    bm2.free(t2)
+    _, hit = bm2.allocate([1, 2, 3])
+    assert hit == []
+
+
+def test_blocks_are_reused_in_the_order_they_were_freed():
+    bm = BlockManager(3, 1)
+    t = [bm.allocate([i])[0][0] for i in range(3)]
+    bm.free([t[1]])
+    bm.free([t[0]])
+    assert bm.allocate([7])[0] == [t[1]]
+
+
+def test_scheduler_chunks_prefill_under_the_budget_beside_decodes():
+    bm = BlockManager(64, 4)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=10)
+    short, long = seq(3), seq(25, first=100)
+    sch.add(short)
+    step = sch.schedule()
+    assert [(s is short, n) for s, n in step.work] == [(True, 3)]
+    short.num_computed += 3
+    short.append(5)
+    sch.add(long)
+    step = sch.schedule()
+    assert [(s is short, n) for s, n in step.work] == [(True, 1), (False, 9)]
+    for s, n in step.work:
+        s.num_computed += n
+    short.append(6)
+    step = sch.schedule()
+    assert [n for _, n in step.work] == [1, 9] and not step.decode_only
+
+
+def test_scheduler_preempts_the_youngest_and_readmits_it_first():
+    bm = BlockManager(6, 2)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq(4, max_tokens=8), seq(4, max_tokens=8, first=10)
+    sch.add(a)
+    sch.add(b)
+    for s, n in sch.schedule().work:  # both prefill: 4 of the 6 blocks
+        s.num_computed += n
+        s.append(1)
+    for _ in range(4):  # decode until the blocks run out
+        for s, n in sch.schedule().work:
+            s.num_computed += n
+            s.append(1)
+    assert sch.preemptions >= 1 and b.status is Status.WAITING and b.num_computed == 0
+    assert sch.waiting[0] is b and bm.num_free + sum(len(s.block_table) for s in sch.running) == 6
+    sch.finish(a)
+    step = sch.schedule()
+    assert step.work[0][0] is b and step.work[0][1] == len(b.tokens)  # recomputed from its tokens
+
+
+def test_scheduler_refuses_what_can_never_fit():
+    sch = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="needs 5 KV blocks; the pool has 4"):
+        sch.add(seq(15, max_tokens=5))
+    unchunked = Scheduler(BlockManager(64, 4), 2, 8, StateSlots(2), chunked_prefill=False)
+    with pytest.raises(ValueError, match="not chunked"):
+        unchunked.add(seq(9))
+
+
+def test_state_slots_are_held_while_running_and_given_back():
+    slots = StateSlots(2)
+    sch = Scheduler(BlockManager(64, 4), 4, 64, slots)
+    seqs = [seq(3, first=10 * i) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    step = sch.schedule()
+    assert len(step.work) == 2 and sorted(s.state_slot for s, _ in step.work) == [0, 1]
+    sch.finish(seqs[0])
+    assert seqs[0].state_slot is None
+    assert sch.schedule().work[-1][0] is seqs[2] and seqs[2].state_slot is not None
+
+
+def test_uniforms_depend_on_seed_and_position_only():
+    seeds = torch.tensor([1, 2, 1, 2**62 + 5])
+    pos = torch.tensor([7, 7, 8, 7])
+    u = uniforms(seeds, pos, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.equal(uniforms(seeds[[3, 0]], pos[[3, 0]], 1000), u[[3, 0]])  # batch-independent
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+
+
+def test_sample_rows_mixes_greedy_and_seeded_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    temp = torch.tensor([0.0, 1.0, 1.0, 0.7])
+    top_k, top_p = torch.tensor([0, 0, 5, 1]), torch.tensor([1.0, 1.0, 0.9, 1.0])
+    seeds, pos = torch.tensor([3, 3, 4, 5]), torch.tensor([10, 10, 10, 10])
+    out = sample_rows(logits, temp, top_k, top_p, seeds, pos, True, True)
+    assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()  # temperature 0, top_k 1
+    assert torch.equal(out, sample_rows(logits, temp, top_k, top_p, seeds, pos, True, True))
+    assert out[2] in logits[2].topk(5).indices
+
+
+def test_sample_rows_draws_the_softmax():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 8) * 2
+    temp, top_k, top_p = torch.tensor([0.8]), torch.tensor([0]), torch.tensor([0.9])
+    n = 4000
+    rng = random.Random(2)
+    seeds = torch.tensor([rng.getrandbits(63) for _ in range(n)])
+    draws = sample_rows(logits.expand(n, 8), temp.expand(n), top_k.expand(n), top_p.expand(n), seeds,
+                        torch.zeros(n, dtype=torch.int64), True, True)
+    freq = torch.bincount(draws, minlength=8).float() / n
+    want = sampling_probs(logits, temp, top_k, top_p)[0]
+    assert (freq - want).abs().max() < 0.03
+    assert freq[want == 0].sum() == 0
