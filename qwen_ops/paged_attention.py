@@ -1,8 +1,8 @@
 """qwen::kv_cache_store_slots and qwen::paged_attention: a paged KV cache's write and attention.
 
-The cache layout (per attention layer):
-- k_cache and v_cache: [num_blocks, block_size, Hk, D], contiguous, block_size a power of two
-  >= 16 (the engine picks it; the kernels take any such);
+The cache layout (fixed):
+- per attention layer, k_cache and v_cache: [num_blocks, block_size, Hk, D], contiguous,
+  block_size a power of two >= 16 (the engine picks it; kernels take any such);
 - a token's KV slot is block_id * block_size + offset_in_block (= its row in the
   [num_blocks * block_size, Hk, D] view);
 - a sequence's block table: block_table [num_seqs, max_blocks_per_seq] int32, entry j the block
