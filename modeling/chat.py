@@ -13,17 +13,25 @@ extension and a ``{% generation %}`` block (rendered as its body), the globals
 ``tojson`` filter as transformers defines it (``json.dumps``, no HTML escaping, ``ensure_ascii``
 false); the variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
 tokenizer's special tokens (``bos_token``, ``eos_token``, ... those that are set) and any extra
-keyword (``enable_thinking=False``). Messages are passed as plain dicts without their ``None``
-values, and a message's reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) is
-visible under ``reasoning_content`` and ``thinking``, as in transformers 5.
+keyword (``enable_thinking=False``). Everything the template sees is rebuilt from JSON types
+(dict, list, tuple, str, int, float, bool, None; anything else becomes the placeholder
+``"<TypeName>"``);
+messages are passed without their ``None`` values, and a message's reasoning
+(``reasoning_content``, ``thinking`` or ``reasoning``) is visible under ``reasoning_content`` and
+``thinking``, as in transformers 5.
+
+A template is untrusted code: the sandbox (``modeling.chat_sandbox``) holds each rendering, in any
+thread, to the template's ``RenderLimits`` (loop iterations, the size of every string, list and
+dict it makes and of its output, and time); passing one raises ``RenderLimitError`` naming the
+template and the bound.
 
 ``generation_defaults(path)`` reads ``generation_config.json`` into ``GenerationDefaults``
 (temperature, top-k, top-p, max_new_tokens) for the command line to use unless flags override.
 """
 
 import json
-from dataclasses import dataclass, replace
-from datetime import datetime
+import math
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -46,18 +54,47 @@ class ChatTemplateError(ValueError):
     in the template, a sandbox violation, an error in its logic)."""
 
 
+class RenderLimitError(ChatTemplateError):
+    """A chat template whose rendering passed one of its ``RenderLimits``."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """What one rendering of a chat template may cost. The defaults leave room for the longest
+    prompt a Qwen model takes (262,144 tokens, about a million characters) and stop a hostile
+    template within seconds; real Qwen templates use a tiny fraction of them."""
+
+    max_loop_iterations: int = 1_000_000
+    """Iterations of all ``{% for %}`` loops together, items drawn from lazy sequences included."""
+    max_chars: int = 4_000_000
+    """Characters of the output, of any string, and of the text in any list, tuple or dict."""
+    max_items: int = 1_000_000
+    """Values in any list, tuple or dict (nested ones included, a shared one at every place)."""
+    max_seconds: float = 5.0
+    """Wall-clock time of one rendering."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"RenderLimits.{f.name} must be a positive finite number, got {value!r}")
+
+
 class ChatTemplate:
     """A jinja chat template with the special tokens it may refer to.
 
     ``source`` is the template text; ``origin`` says where it came from (a file name, or
     ``"ChatML (default)"``); ``special_tokens`` maps ``bos_token``, ``eos_token``, ... to their text.
     ``named`` holds the other templates of a checkpoint that ships several (``tool_use``, ...).
+    ``limits`` bound each rendering (``RenderLimits``).
     """
 
     def __init__(self, source: str, special_tokens: Optional[Mapping[str, str]] = None,
-                 origin: str = "<string>", named: Optional[Mapping[str, str]] = None):
+                 origin: str = "<string>", named: Optional[Mapping[str, str]] = None,
+                 limits: RenderLimits = RenderLimits()):
         self.source = source
         self.origin = origin
+        self.limits = limits
         self.special_tokens: Dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.named: Dict[str, str] = dict(named or {})
         self._compiled: Dict[str, Any] = {}
@@ -69,34 +106,35 @@ class ChatTemplate:
         return self.origin == "ChatML (default)"
 
     @classmethod
-    def chatml(cls, special_tokens: Optional[Mapping[str, str]] = None) -> "ChatTemplate":
-        return cls(CHATML_TEMPLATE, special_tokens, origin="ChatML (default)")
+    def chatml(cls, special_tokens: Optional[Mapping[str, str]] = None,
+               limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
+        return cls(CHATML_TEMPLATE, special_tokens, origin="ChatML (default)", limits=limits)
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, Path]) -> "ChatTemplate":
+    def from_pretrained(cls, path: Union[str, Path], limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
         """The template of the checkpoint directory ``path`` (see the module docstring for the order)."""
         path = Path(path)
         tokenizer_config = _read_json(path / "tokenizer_config.json")
         special = _special_tokens(tokenizer_config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            return cls(_read_text(jinja_file), special, origin=jinja_file.name)
+            return cls(_read_text(jinja_file), special, origin=jinja_file.name, limits=limits)
         template = tokenizer_config.get("chat_template")
         origin = "tokenizer_config.json"
         if template is None:
             template = _read_json(path / "chat_template.json").get("chat_template")
             origin = "chat_template.json"
         if template is None:
-            return cls.chatml(special)
+            return cls.chatml(special, limits)
         if isinstance(template, str):
-            return cls(template, special, origin=origin)
+            return cls(template, special, origin=origin, limits=limits)
         if isinstance(template, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys()
                                               for t in template):
             named = {t["name"]: t["template"] for t in template}
             if "default" not in named:
                 raise ChatTemplateError(f"{origin}: several chat templates ({', '.join(sorted(named))}) "
                                         "and none named 'default'")
-            return cls(named["default"], special, origin=origin, named=named)
+            return cls(named["default"], special, origin=origin, named=named, limits=limits)
         raise ChatTemplateError(f"{origin}: chat_template must be a string or a list of "
                                 f"{{name, template}}, got {type(template).__name__}")
 
@@ -117,22 +155,29 @@ class ChatTemplate:
         if tools is not None and "tool_use" in self.named:
             source = self.named["tool_use"]
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
+        compiled = self._compile(source)
+        from .chat_sandbox import LimitExceeded, bounded
+
         try:
-            return self._compile(source).render(
-                messages=chat, tools=_plain(tools), documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt, **variables)
-        except ChatTemplateError:
-            raise
+            with bounded(self.limits):
+                return compiled.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                       add_generation_prompt=add_generation_prompt, **variables)
+        except LimitExceeded as e:
+            raise RenderLimitError(f"chat template ({self.origin}): {e}") from None
         except Exception as e:  # TemplateError from raise_exception, SecurityError, TypeError in the template...
             raise ChatTemplateError(f"chat template ({self.origin}): {_one_line(e)}") from e
 
     def _compile(self, source: str):
+        """``source`` compiled in the bounded sandbox (once; constant folding runs within ``limits``)."""
         compiled = self._compiled.get(source)
         if compiled is None:
             import jinja2
 
+            from .chat_sandbox import bounded, environment
+
             try:
-                compiled = _environment().from_string(source)
+                with bounded(self.limits):
+                    compiled = environment().from_string(source)
             except jinja2.TemplateSyntaxError as e:
                 raise ChatTemplateError(f"chat template ({self.origin}) line {e.lineno}: {e.message}") from None
             self._compiled[source] = compiled
@@ -140,83 +185,6 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(origin={self.origin!r}, {len(self.source)} chars)"
-
-
-_ENV = None
-
-
-def _environment():
-    """The jinja2 environment of transformers' chat templates (built once)."""
-    global _ENV
-    if _ENV is not None:
-        return _ENV
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationBlock(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}`` marks the assistant's text for training
-        masks in transformers; rendering keeps the body as is."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # transformers' filter: plain json.dumps (jinja's own escapes HTML characters)
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
-    class TemplateDict:
-        """``dict(...)`` in a template, without attribute access to the type itself."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """``namespace(...)`` that refuses underscore-prefixed attribute names."""
-
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a namespace: {name!r}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    _ENV = env
-    return env
 
 
 def _plain(value: Any) -> Any:
