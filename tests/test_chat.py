@@ -7,7 +7,7 @@ rendered by ChatTemplate and by transformers' PreTrainedTokenizerFast.apply_chat
 tokenize=False) from the same text: the strings must be identical.
 
 Hostile templates (endless loops, gigabyte strings) run in a separate process with a timeout and
-2 GiB of memory, so that a bound that no longer holds fails its test instead of hanging the run.
+512 MiB of data, so that a bound that no longer holds fails its test instead of hanging the run.
 """
 
 import importlib.metadata
@@ -431,7 +431,8 @@ ATTACKS = {  # name: (template, the bound it must hit, RenderLimits fields other
                                "{% endfor %}", "max_seconds", {"max_seconds": 0.3}),
 }
 ATTACK_RUNNER = """
-import json, sys, time
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_DATA, (512 << 20, 512 << 20))  # a gigabyte string fails to be made
 from modeling.chat import ChatTemplate, RenderLimitError, RenderLimits
 for name, source, limits in json.loads(sys.argv[1]):
     start = time.monotonic()
@@ -449,15 +450,16 @@ for name, source, limits in json.loads(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def attack_results():
-    """What rendering each of ATTACKS said and how long it took, in one separate process (with a
-    timeout and 2 GiB of memory): a bound that no longer holds leaves its attack out, not a hung run."""
+    """What rendering each of ATTACKS said and how long it took, in one separate process with a
+    timeout and 512 MiB of data: a bound that no longer holds leaves its attack out, or says
+    MemoryError (a check that runs only after the gigabyte string is made), not a hung run."""
     import subprocess
 
     from tests.test_loading_errors import isolated
 
     cases = [[name, source, limits] for name, (source, _, limits) in ATTACKS.items()]
     try:
-        out = isolated("-c", ATTACK_RUNNER, json.dumps(cases), timeout=120).stdout
+        out = isolated("-c", ATTACK_RUNNER, json.dumps(cases), timeout=60).stdout
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
     return {name: (said, seconds) for name, said, seconds in map(json.loads, out.splitlines())}
