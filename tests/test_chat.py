@@ -554,7 +554,7 @@ def test_bounds_cost_little_on_real_templates():
         best = {"bounded": float("inf"), "unbounded": float("inf")}
         gc.disable()
         try:
-            for _ in range(7):
+            for _ in range(11):
                 for kind, render in (("bounded", lambda: ours.render(messages, tools=TOOLS)),
                                      ("unbounded", lambda: plain.render(messages=prepared, tools=TOOLS,
                                                                         add_generation_prompt=True))):
