@@ -15,8 +15,7 @@ false); the variables ``messages``, ``tools``, ``documents``, ``add_generation_p
 tokenizer's special tokens (``bos_token``, ``eos_token``, ... those that are set) and any extra
 keyword (``enable_thinking=False``). Everything the template sees is rebuilt from JSON types
 (dict, list, tuple, str, int, float, bool, None; anything else becomes the placeholder
-``"<TypeName>"``);
-messages are passed without their ``None`` values, and a message's reasoning
+``"<TypeName>"``); messages are passed without their ``None`` values, and a message's reasoning
 (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under ``reasoning_content`` and
 ``thinking``, as in transformers 5.
 
@@ -143,7 +142,8 @@ class ChatTemplate:
                **kwargs: Any) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and ``content``, and whatever else the
         template reads: ``reasoning_content``, ``tool_calls`` ...). ``kwargs`` are template variables
-        (``enable_thinking=False``) and override the special tokens of the same name."""
+        (``enable_thinking=False``) and override the special tokens of the same name. Safe to call
+        from any thread; ``RenderLimitError`` when the rendering passes ``self.limits``."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         chat = []
