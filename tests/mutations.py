@@ -239,6 +239,20 @@ MUTATIONS = [
              'device = "cuda" if torch.cuda.is_available() else "cpu"', 'device = "cuda"', ("tests/test_generate_cli.py",)),
     Mutation("--help names no Qwen3.5", "modeling/generate.py", "Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint",
              "Qwen3/Qwen2 checkpoint", ("tests/test_generate_cli.py",)),
+    # Chat templates (tests/test_chat.py).
+    Mutation("chat templates see only JSON-like values", "modeling/chat.py", 'return f"<{type(value).__name__}>"',
+             "return value", ("tests/test_chat.py",)),
+    Mutation("a message's reasoning is not visible as thinking", "modeling/chat.py",
+             'return {"thinking": reasoning, **message, "reasoning_content": reasoning}',
+             'return {**message, "reasoning_content": reasoning}', ("tests/test_chat.py",)),
+    Mutation("chat template loops are not counted", "modeling/chat_sandbox.py", "        budget.iterate()\n        if lazy:",
+             "        if lazy:", ("tests/test_chat.py",)),
+    Mutation("'*' is not checked before it runs", "modeling/chat_sandbox.py", "            _check_repeat(left, right)",
+             "            pass", ("tests/test_chat.py",)),
+    Mutation("captured blocks grow unchecked", "modeling/chat_sandbox.py", "        self._grow(len(piece))\n", "",
+             ("tests/test_chat.py",)),
+    Mutation("center's width is not checked", "modeling/chat_sandbox.py", '        _check_chars(width, "center")',
+             "        pass", ("tests/test_chat.py",)),
 ]
 
 

@@ -6,9 +6,10 @@ Layout (the kernels and the persistent decode kernel address it this way):
   slot is ``block * block_size + offset``: its row in the [num_blocks * block_size, Hk, D] view.
   Block ids come from the sequence's block table (``modeling.engine.block_manager``), shared by
   all layers: block b of layer 0 and block b of layer 27 hold the same positions;
-- a Gated DeltaNet layer: ``conv`` [num_slots, C, K-1] (the model dtype) and ``state``
-  [num_slots, Hv, Dk, Dv] (fp32; float64 for float64 models), one slot per running sequence
-  (``Sequence.state_slot``), the same slot in every layer.
+- a Gated DeltaNet layer: ``conv`` [num_slots + 1, C, K-1] (the model dtype) and ``state``
+  [num_slots + 1, Hv, Dk, Dv] (fp32; float64 for float64 models), one slot per running sequence
+  (``Sequence.state_slot``), the same slot in every layer, and the padding slot (the last) that
+  the padding rows of a captured decode step read and write.
 
 The pool is sized from the memory the device has free (``size_for``) and never moves, as CUDA
 graph replay needs.
@@ -95,6 +96,7 @@ class CachePool:
     def __init__(self, model, size: PoolSize):
         c, dev, dtype = model.config, model.device, model.dtype
         self.size = size
+        self.padding_slot = size.num_state_slots
         qwen_ops.reserve_semaphores(dev)  # before any CUDA graph capture of a step
         layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.recurrent = tuple(i for i, layer in enumerate(model.layers) if not isinstance(layer, AttentionLayer))
@@ -104,7 +106,7 @@ class CachePool:
                 layers.append(tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in "kv"))
             else:
                 state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-                n = max(size.num_state_slots, 1)
+                n = size.num_state_slots + 1  # and the padding slot
                 conv = torch.zeros(n, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=dev)
                 state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                                     dtype=state_dtype, device=dev)

@@ -9,7 +9,8 @@ while engine.has_work():
 ```
 
 A step: the scheduler picks the work (``modeling.engine.scheduler``), ``step.build`` packs it
-into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``),
+into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``;
+a decode-only step in the CUDA graph of its batch bucket, ``runner.DecodeRunner``),
 the sequences whose tokens are all computed sample their next token (``sampler.sample_rows``,
 each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
@@ -24,6 +25,7 @@ import torch
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
+from .runner import DecodeRunner
 from .sampler import sample_rows
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
@@ -38,12 +40,13 @@ class Engine:
     in a step (prefill chunks share it with the decoding sequences), prompts and outputs of up to
     ``max_model_len`` tokens together; the pool takes ``memory_fraction`` of the device's free
     memory (on the CPU: what ``max_num_seqs`` full-length sequences need; ``num_blocks`` fixes the
-    number of KV blocks instead). Prefix caching is on for
+    number of KV blocks instead). Decode-only steps replay a CUDA graph per batch bucket
+    (``runner.DecodeRunner``; ``cuda_graphs=False``: eager). Prefix caching is on for
     models of attention layers only (a recurrent state cannot be rebuilt from cached blocks)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, memory_fraction: float = 0.9,
-                 prefix_caching: bool = True, num_blocks: Optional[int] = None):
+                 prefix_caching: bool = True, num_blocks: Optional[int] = None, cuda_graphs: bool = True):
         c = model.config
         self.model = model
         self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
@@ -56,6 +59,7 @@ class Engine:
         self.blocks = BlockManager(self.size.num_blocks, block_size, prefix_caching and not hybrid)
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
+        self.decode = DecodeRunner(model, self.pool, max_num_seqs, -(-self.max_model_len // block_size), cuda_graphs)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.steps = 0
@@ -96,7 +100,10 @@ class Engine:
         fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
         if fresh:
             self.pool.reset_state_slots(torch.tensor(fresh, dtype=torch.int64, device=dev))
-        logits = self.model.forward_step(batch, self.pool)
+        if scheduled.decode_only and not batch.chunks:
+            logits = self.decode.run(batch)
+        else:
+            logits = self.model.forward_step(batch, self.pool)
         done = batch.sampling
         tokens = self._sample(logits, [scheduled.work[i][0] for i in done]) if done else []
         self.steps += 1
