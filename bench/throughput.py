@@ -1,6 +1,6 @@
 """The engine's offline throughput and time to first token, beside transformers' continuous batching.
 
-    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 32] [--no-peer]
+    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer]
 
 On the GPU (bf16, random weights, one process):
 
@@ -86,7 +86,7 @@ def transformers_cb(config_dict: dict, requests) -> float:
             manager.add_request(ids, request_id=str(i), max_new_tokens=out)
         tokens = done = 0
         while done < len(requests):
-            result = manager.get_result(timeout=60)
+            result = manager.get_result(timeout=30)
             if result is None:
                 raise RuntimeError(f"transformers' manager stopped with {done} of {len(requests)} requests done")
             if result.is_finished():
@@ -101,7 +101,7 @@ def main():
     p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--peer-requests", type=int, default=32)
+    p.add_argument("--peer-requests", type=int, default=8)
     p.add_argument("--no-peer", action="store_true")
     a = p.parse_args()
     require_cuda("bench.throughput")
@@ -114,9 +114,15 @@ def main():
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                requests=a.requests)
 
+    os.makedirs(a.out, exist_ok=True)
+    slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    path = os.path.join(a.out, f"{out['date']}-{slug}-throughput.json")
+
     def report(key, value, unit):
         out[key] = value
         print(f"{key:32s} {value:10.3f} {unit}", flush=True)
+        with open(path, "w") as f:  # after every number: a run cut short keeps what it measured
+            json.dump(out, f, indent=1)
 
     model = random_model(QwenConfig.from_dict(QWEN3_0_6B), dtype=torch.bfloat16, device="cuda", std=0.02)
     requests = workload(a.requests, model.config.vocab_size)
@@ -156,11 +162,8 @@ def main():
         except Exception as e:  # the peer's API moves between releases: say why it did not run
             out["transformers_cb_error"] = f"{type(e).__name__}: {e}"
             print(f"transformers' continuous batching did not run: {out['transformers_cb_error']}", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    path = os.path.join(a.out, f"{out['date']}-{slug}-throughput.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
     print(f"wrote {path}")
 
 
