@@ -134,6 +134,15 @@ def test_requests_that_cannot_fit_are_refused():
         engine.add([], GREEDY, 10)
 
 
+def test_the_kernels_path_equals_the_generator():
+    """fp32: the Triton kernels (the interpreter on the CPU) in the engine's padded steps."""
+    model = model_of(QWEN3, dtype=torch.float32)
+    prompts = prompts_of([5, 37])
+    want = generator_tokens(model, prompts, 4)
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16)
+    assert engine.generate(prompts, GREEDY, 4) == want
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3_5"])
 def test_engine_on_cuda_equals_the_generator(config):

@@ -10,7 +10,7 @@ while engine.has_work():
 
 A step: the scheduler picks the work (``modeling.engine.scheduler``), ``step.build`` packs it
 into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``;
-a decode-only step in the CUDA graph of its batch bucket, ``runner.DecodeRunner``),
+in the CUDA graph of its padded shape where it has one, ``runner.StepRunner``),
 the sequences whose tokens are all computed sample their next token (``sampler.sample_rows``,
 each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
@@ -25,7 +25,7 @@ import torch
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
-from .runner import DecodeRunner
+from .runner import StepRunner
 from .sampler import sample_rows
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
@@ -40,8 +40,9 @@ class Engine:
     in a step (prefill chunks share it with the decoding sequences), prompts and outputs of up to
     ``max_model_len`` tokens together; the pool takes ``memory_fraction`` of the device's free
     memory (on the CPU: what ``max_num_seqs`` full-length sequences need; ``num_blocks`` fixes the
-    number of KV blocks instead). Decode-only steps replay a CUDA graph per batch bucket
-    (``runner.DecodeRunner``; ``cuda_graphs=False``: eager). Prefix caching is on for
+    number of KV blocks instead). Steps replay CUDA graphs of padded shapes (``runner.StepRunner``:
+    decode-only steps of every model, prefill and mixed steps of attention-only models;
+    ``cuda_graphs=False``: eager). Prefix caching is on for
     models of attention layers only (a recurrent state cannot be rebuilt from cached blocks)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -59,7 +60,8 @@ class Engine:
         self.blocks = BlockManager(self.size.num_blocks, block_size, prefix_caching and not hybrid)
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
-        self.decode = DecodeRunner(model, self.pool, max_num_seqs, -(-self.max_model_len // block_size), cuda_graphs)
+        self.runner = StepRunner(model, self.pool, max_num_seqs, max_num_batched_tokens,
+                                 -(-self.max_model_len // block_size), cuda_graphs, mixed_steps=not hybrid)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.steps = 0
@@ -100,10 +102,7 @@ class Engine:
         fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
         if fresh:
             self.pool.reset_state_slots(torch.tensor(fresh, dtype=torch.int64, device=dev))
-        if scheduled.decode_only and not batch.chunks:
-            logits = self.decode.run(batch)
-        else:
-            logits = self.model.forward_step(batch, self.pool)
+        logits = self.runner.run(batch, scheduled.decode_only)
         done = batch.sampling
         tokens = self._sample(logits, [scheduled.work[i][0] for i in done]) if done else []
         self.steps += 1

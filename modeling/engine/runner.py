@@ -1,18 +1,25 @@
-"""The engine's decode steps in CUDA graphs, one per batch bucket, on static buffers.
+"""The engine's steps in CUDA graphs on static buffers, one graph per padded shape.
 
 A decode-only step (every sequence computes one token) of S sequences runs in the graph of the
-smallest bucket b >= S (1, 2, 4, ..., ``max_num_seqs``): its tensors are copied into rows [0, S)
-of the static buffers, rows [S, b) are padding that touches nothing (KV slot -1: not written;
-length 0: no keys read; the pool's padding state slot for recurrent layers), and the graph's
-logits rows [0, S) are the step's. The block table is ``max_blocks`` wide for every bucket, so the
-attention kernels' split count, which depends on shapes only, is fixed per graph.
+smallest sequence bucket b >= S (1, 2, 4, ..., ``max_num_seqs``): rows [S, b) are padding
+sequences of one token that touch nothing (KV slot -1: not written; length 0: no keys read; the
+pool's padding state slot for recurrent layers).
 
-Prefill and mixed steps run eagerly (``QwenForCausalLM.forward_step`` on the step's own tensors).
-Without CUDA graphs (the CPU, or ``enabled=False``) a decode step runs the same padded body
-eagerly, so the CPU tests cover the padding.
+A prefill or mixed step of N tokens in S sequences (attention-only models; a hybrid model's
+recurrent layers run prefill chunks one by one, outside any graph) runs in the graph of the
+smallest token bucket t >= N and sequence bucket s >= S + 1 (powers of two, and the limits):
+sequence S is a padding sequence holding the t - N padding tokens (length 0: zeros out, slot -1),
+the rest of the s sequences are empty, and the logits of rows that do not sample are computed and
+dropped. The attention grid is sized for t queries a sequence, fixed per graph.
+
+The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count,
+which depends on shapes only, is fixed too. Graphs are captured the first time their shape
+occurs (a warm-up run of the workload captures what it needs) and share one memory pool.
+Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run eagerly, so the
+CPU tests cover the padding.
 """
 
-from typing import Dict
+from typing import Dict, Hashable, Optional
 
 import torch
 from torch import Tensor
@@ -22,6 +29,7 @@ from .step import StepBatch
 
 
 def buckets(limit: int) -> tuple:
+    """1, 2, 4, ... below ``limit``, then ``limit``."""
     out, b = [], 1
     while b < limit:
         out.append(b)
@@ -29,22 +37,27 @@ def buckets(limit: int) -> tuple:
     return tuple(out) + (limit,)
 
 
-class DecodeRunner:
-    def __init__(self, model, pool, max_num_seqs: int, max_blocks: int, enabled: bool):
+class StepRunner:
+    def __init__(self, model, pool, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
+                 enabled: bool, mixed_steps: bool):
         dev = model.device
-        self.model, self.pool = model, pool
-        self.buckets = buckets(max_num_seqs)
-        B = self.buckets[-1]
+        self.model, self.pool, self.mixed_steps = model, pool, mixed_steps
+        self.seq_buckets = buckets(max_num_seqs + 1)  # room for the padding sequence
+        self.token_buckets = buckets(max(max_num_batched_tokens, max_num_seqs))
+        T, S = self.token_buckets[-1], self.seq_buckets[-1]
         i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(B, **i64)
-        self.positions = torch.zeros(B, **i64)
-        self.slot_mapping = torch.full((B,), -1, **i64)
-        self.seq_lens = torch.zeros(B, **i32)
-        self.block_table = torch.zeros(B, max_blocks, **i32)
-        self.state_slots = torch.full((B,), pool.padding_slot, **i64)
-        self.rows = torch.arange(B, **i64)
-        self.cu_seqlens = torch.arange(B + 1, **i32)
-        self.logits: Dict[int, Tensor] = {}
+        self.input_ids = torch.zeros(T, **i64)
+        self.positions = torch.zeros(T, **i64)
+        self.slot_mapping = torch.full((T,), -1, **i64)
+        self.cu_seqlens = torch.zeros(S + 1, **i32)
+        self.seq_lens = torch.zeros(S, **i32)
+        self.block_table = torch.zeros(S, max_blocks, **i32)
+        self.state_slots = torch.full((S,), pool.padding_slot, **i64)
+        self.logits_rows = torch.zeros(S, **i64)
+        self.arange = torch.arange(S + 1, **i64)
+        self.arange32 = self.arange.int()
+        self.no_rows = torch.zeros(0, **i64)
+        self.logits: Dict[Hashable, Tensor] = {}
         self.graphs = GraphCache(dev, enabled and dev.type == "cuda", self._reset)
 
     def _reset(self) -> None:
@@ -53,34 +66,57 @@ class DecodeRunner:
         self.seq_lens.zero_()
         self.state_slots.fill_(self.pool.padding_slot)
 
-    def _batch(self, b: int) -> StepBatch:
+    def _batch(self, key) -> StepBatch:
+        kind, t, s = key
+        decode = kind == "decode"
+        rows = self.arange[:s]
         return StepBatch(
-            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-            cu_seqlens_q=self.cu_seqlens[:b + 1], seq_lens=self.seq_lens[:b], block_table=self.block_table[:b],
-            state_slots=self.state_slots[:b], logits_rows=self.rows[:b], decode_rows=self.rows[:b],
-            decode_slots=self.state_slots[:b], chunks=[], sampling=list(range(b)), query_lens=[1] * b,
-            starts=[0] * b, max_query_len=1)
+            input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
+            cu_seqlens_q=self.arange32[:s + 1] if decode else self.cu_seqlens[:s + 1],
+            seq_lens=self.seq_lens[:s], block_table=self.block_table[:s], state_slots=self.state_slots[:s],
+            logits_rows=rows if decode else self.logits_rows[:s], decode_rows=rows if decode else self.no_rows,
+            decode_slots=self.state_slots[:s] if decode else self.no_rows, chunks=[], sampling=list(range(s)),
+            query_lens=[], starts=[], max_query_len=1 if decode else t)
 
-    def _body(self, b: int):
+    def _body(self, key):
         def body():
-            self.logits[b] = self.model.forward_step(self._batch(b), self.pool)
+            self.logits[key] = self.model.forward_step(self._batch(key), self.pool)
         return body
 
-    def run(self, batch: StepBatch) -> Tensor:
-        """The logits [S, V] of a decode-only step."""
-        s = batch.num_seqs
-        b = next(x for x in self.buckets if x >= s)
+    def key(self, batch: StepBatch, decode_only: bool) -> Optional[tuple]:
+        """The graph a step runs in, or None: it runs eagerly on its own tensors."""
+        n, s = int(batch.input_ids.numel()), batch.num_seqs
+        if decode_only and not batch.chunks:
+            return "decode", next(b for b in self.seq_buckets if b >= s), next(b for b in self.seq_buckets if b >= s)
+        if not self.mixed_steps or batch.chunks or n > self.token_buckets[-1] or s + 1 > self.seq_buckets[-1]:
+            return None
+        return "mixed", next(b for b in self.token_buckets if b >= n), next(b for b in self.seq_buckets if b > s)
+
+    def run(self, batch: StepBatch, decode_only: bool) -> Tensor:
+        """The logits [Ss, V] of the step's sampling sequences (``batch.logits_rows``)."""
+        key = self.key(batch, decode_only)
+        if key is None:
+            return self.model.forward_step(batch, self.pool)
+        kind, t, s = key
+        n, m = int(batch.input_ids.numel()), batch.num_seqs
         width = batch.block_table.shape[1]
         if width > self.block_table.shape[1]:
-            raise ValueError(f"a sequence holds {width} KV blocks; the decode graphs take {self.block_table.shape[1]}")
-        replay = self.graphs.get(b, self._body(b))  # captured first: the capture resets the buffers
+            raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
+        replay = self.graphs.get(key, self._body(key))  # captured first: the capture resets the buffers
         self._reset()
-        self.input_ids[:s].copy_(batch.input_ids)
-        self.positions[:s].copy_(batch.positions)
-        self.slot_mapping[:s].copy_(batch.slot_mapping)
-        self.seq_lens[:s].copy_(batch.seq_lens)
-        self.block_table[:s, :width].copy_(batch.block_table)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:m].copy_(batch.seq_lens)
+        self.block_table[:m, :width].copy_(batch.block_table)
         if batch.decode_slots.numel():
-            self.state_slots[:s].copy_(batch.decode_slots)
+            self.state_slots[:m].copy_(batch.decode_slots)
+        sampled = batch.logits_rows.numel()
+        if kind == "mixed":
+            self.cu_seqlens[:m + 1].copy_(batch.cu_seqlens_q)
+            self.cu_seqlens[m + 1:s + 1] = t  # the padding sequence m holds tokens [n, t); the rest are empty
+            self.logits_rows[:sampled].copy_(batch.logits_rows)
+            self.logits_rows[sampled:s] = 0
         replay()
-        return self.logits[b][:s]
+        logits = self.logits[key]
+        return logits[:sampled] if kind == "mixed" else logits[:m]
