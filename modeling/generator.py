@@ -33,6 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .decode_state import MAX_STOP_IDS, DecodeState
+from .engine.runner import buckets
 from .graph_cache import GraphCache
 from .model import QwenForCausalLM
 from .readback import FinishCallback, Readback, TokenCallback, TokenSink
@@ -64,15 +65,6 @@ class GenerationResult:
     @property
     def decode_ms_per_step(self) -> float:
         return self.decode_ms / self.decode_steps if self.decode_steps else 0.0
-
-
-def _buckets(limit: int) -> Tuple[int, ...]:
-    """1, 2, 4, ... below ``limit``, then ``limit``."""
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
 
 
 class Generator:
@@ -111,7 +103,7 @@ class Generator:
         # without CUDA graphs (prefill_graph=True): the padded buckets, eagerly
         self.prefill_graph = self.use_cuda_graph if prefill_graph is None else bool(prefill_graph)
         self.prefill_buckets = tuple(sorted(b for b in set(prefill_buckets) if 0 < b <= self.max_seq_len))
-        self.batch_buckets = _buckets(max_batch_size)
+        self.batch_buckets = buckets(max_batch_size)
         prefill_len = self.prefill_buckets[-1] if self.prefill_graph and self.prefill_buckets else 0
         self.state = DecodeState(model, max_batch_size, self.max_seq_len, prefill_len)
         if not self.state.cache.supports_padded_prefill:  # recurrent layers: exact-length prefill only
