@@ -28,7 +28,7 @@ falls back to the exact-length prefill and ``gen.prefill_graph`` reads False. Se
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
