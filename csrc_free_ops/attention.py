@@ -58,22 +58,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents, pdl_options,
-                     pdl_wait, shared_memory_per_block, softmax_headroom)
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, head_block, head_mask, kernel, next_power_of_2,
+                     pdl_launch_dependents, pdl_options, pdl_wait, shared_memory_per_block, softmax_headroom)
 LN2: tl.constexpr = tl.constexpr(1.0 / LOG2E)
 
 
 @triton.jit
-def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta, qk_scale,
+def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, d_ok, stride_ks, stride_vs, SK, delta, qk_scale,
                   m_i, l_i, acc, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WRITE_O: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr):
     """One key block of the online softmax; MASKED blocks check the sequence end and the diagonal.
-    Without WRITE_O only the row statistics (m, l) are updated: v is never read."""
+    Without WRITE_O only the row statistics (m, l) are updated: v is never read. d_ok: the head
+    dim's mask (`head_mask`), all true for power-of-two head dims."""
     cols = n0 + offs_n
     if MASKED:
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=cols[None, :] < SK, other=0.0)
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=(cols[None, :] < SK) & d_ok[:, None],
+                     other=0.0)
     else:
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None])
+        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # raw q.k: m_i, m_new are raw maxima
     if MASKED:
         valid = cols[None, :] < SK
@@ -86,9 +88,10 @@ def _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stri
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if WRITE_O:
         if MASKED:
-            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=cols[:, None] < SK, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=(cols[:, None] < SK) & d_ok[None, :],
+                        other=0.0)
         else:
-            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -112,10 +115,11 @@ def _attention_kernel(
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
     pdl_wait(USE_PDL)
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=offs_m[:, None] < SQ, other=0.0)
+                mask=(offs_m[:, None] < SQ) & d_ok[None, :], other=0.0)
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
     delta = SK - SQ
@@ -128,14 +132,16 @@ def _attention_kernel(
         hi = SK
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, head_block(D)), dtype=tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
-                                      qk_scale, m_i, l_i, acc, False, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, d_ok, stride_ks, stride_vs, SK,
+                                      delta, qk_scale, m_i, l_i, acc, False, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM,
+                                      P_SCALE)
     # Every row sees key 0, so after the first block m_i is finite and no row divides by zero.
     for n0 in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, stride_ks, stride_vs, SK, delta,
-                                      qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0, offs_m, offs_n, offs_d, d_ok, stride_ks, stride_vs, SK,
+                                      delta, qk_scale, m_i, l_i, acc, True, CAUSAL, WRITE_O, BLOCK_M, BLOCK_N, HEADROOM,
+                                      P_SCALE)
     pdl_launch_dependents(USE_PDL)
     if WRITE_LSE:  # natural-log log-sum-exp of the scaled scores, for the backward
         tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, (m_i * qk_scale + HEADROOM + tl.log2(l_i)) * LN2,
@@ -143,20 +149,23 @@ def _attention_kernel(
     if WRITE_O:
         o = acc / l_i[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < SQ)
+                 o.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < SQ) & d_ok[None, :])
 
 
 FWD_TILES = {64: (64, 128, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 3)}
-"""head_dim -> the forward's (BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit operands; other
-head dims get (64, 32, 4, 2). From `python -m bench.ops --sweep-attn-fwd` (H200, causal, 256 and
-2048 tokens: bench/results/2026-11-30-h200-attn-fwd-sweep.md)."""
+"""The head dim's block (`head_block`: 128 for head dims 80 to 128) -> the forward's (BLOCK_M,
+BLOCK_N, num_warps, num_stages) for 16-bit operands; other blocks get (64, 32, 4, 2). From
+`python -m bench.ops --sweep-attn-fwd` (H200, causal, 256 and 2048 tokens:
+bench/results/2026-11-30-h200-attn-fwd-sweep.md)."""
 
 
 def forward_tiles(d: int, sq: int, itemsize: int, shared_memory: "int | None" = None) -> "Tiles":
     """The forward's tiles: FWD_TILES, BLOCK_M shrunk for short queries and halved for fp32 (twice
     the bytes per tile); with `shared_memory` (bytes per block), fewer stages and then narrower key
     blocks until the q tile and `num_stages` k and v tiles fit (head_dim 256 needs 224 KB as
-    stored, which Hopper has and most other GPUs do not)."""
+    stored, which Hopper has and most other GPUs do not). A head dim that is not a power of two
+    takes the tiles of its block, which is what the kernel holds."""
+    d = next_power_of_2(d)
     bm, bn, warps, stages = FWD_TILES.get(d, (64, 32, 4, 2))
     if itemsize == 4:
         bm, stages = bm // 2, 2
@@ -247,8 +256,8 @@ def _bwd_preprocess_kernel(
     b = (pid_bh // HQ).to(tl.int64)
     h = pid_bh % HQ
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    m = offs_m[:, None] < SQ
+    offs_d = tl.arange(0, head_block(D))
+    m = (offs_m[:, None] < SQ) & head_mask(offs_d, D)[None, :]
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=m, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :], mask=m, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -259,11 +268,12 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, m0, offs_mb, offs_n, offs_d,
+def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, m0, offs_mb, offs_n, offs_d, d_ok,
                stride_qb, stride_qs, stride_qh, stride_db, stride_ds, stride_dh, SQ, SK, HQ, delta_pos, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK, dV += what query rows m0 .. m0+BLOCK_M of head h give this key block. MASKED steps
-    check both sequence ends and the diagonal; the others are in range and fully visible."""
+    check both sequence ends and the diagonal; the others are in range and fully visible. d_ok:
+    the head dim's mask (`head_mask`)."""
     offs_m = m0 + offs_mb
     q_base = q_ptr + b * stride_qb + h * stride_qh
     do_base = do_ptr + b * stride_db + h * stride_dh
@@ -271,13 +281,15 @@ def _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, h, m0, offs_m
     delta_base = delta_ptr + (b * HQ + h) * SQ
     if MASKED:
         row_ok = offs_m < SQ
-        qt = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        qt = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=row_ok[None, :] & d_ok[:, None],
+                     other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                     other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         dlt = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
     else:
-        qt = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None])
-        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :])
+        qt = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m)
         dlt = tl.load(delta_base + offs_m)
     st = dot(k, qt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)) * qk_scale
@@ -308,15 +320,17 @@ def _bwd_dkdv_kernel(
     b = (pid_bh // HK).to(tl.int64)
     hk = pid_bh % HK
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
     offs_mb = tl.arange(0, BLOCK_M)
     col_ok = offs_n < SK
+    kv_ok = col_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
+                mask=kv_ok, other=0.0)
     v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    dk = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+                mask=kv_ok, other=0.0)
+    dk = tl.zeros((BLOCK_N, head_block(D)), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, head_block(D)), dtype=tl.float32)
     delta_pos = SK - SQ
     # Query blocks [lo, mid) cross the diagonal, [mid, hi) see every key of this block, [hi, SQ)
     # hold the query sequence's end; all are masked when this key block holds the key sequence's end.
@@ -337,34 +351,36 @@ def _bwd_dkdv_kernel(
         j = i - g * n_masked
         m0 = lo + j * BLOCK_M + tl.where(j < n_diag, 0, hi - mid)
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hk * GROUP + g, m0, offs_mb, offs_n,
-                            offs_d, stride_qb, stride_qs, stride_qh, stride_db, stride_ds, stride_dh,
+                            offs_d, d_ok, stride_qb, stride_qs, stride_qh, stride_db, stride_ds, stride_dh,
                             SQ, SK, HQ, delta_pos, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
     n_full = (hi - mid) // BLOCK_M
     for i in range(0, GROUP * n_full):
         g = i // n_full
         m0 = mid + (i - g * n_full) * BLOCK_M
         dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, b, hk * GROUP + g, m0, offs_mb, offs_n,
-                            offs_d, stride_qb, stride_qs, stride_qh, stride_db, stride_ds, stride_dh,
+                            offs_d, d_ok, stride_qb, stride_qs, stride_qh, stride_db, stride_ds, stride_dh,
                             SQ, SK, HQ, delta_pos, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
     out = b * SK * HK * D + hk * D + offs_n[:, None] * (HK * D) + offs_d[None, :]
-    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, stride_ks, stride_vs,
+def _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, d_ok, stride_ks, stride_vs,
              SQ, SK, delta_pos, qk_scale,
              MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ += what keys n0 .. n0+BLOCK_N give this query block (lse in base 2). MASKED steps check
-    both sequence ends and the diagonal; the others are in range and fully visible."""
+    both sequence ends and the diagonal; the others are in range and fully visible. d_ok: the
+    head dim's mask (`head_mask`)."""
     offs_n = n0 + offs_nb
     if MASKED:
         col_ok = offs_n < SK
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        kv_ok = col_ok[None, :] & d_ok[:, None]
+        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_ok, other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_ok, other=0.0)
     else:
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None])
-        vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None])
+        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
     p = tl.exp2(s - lse[:, None])
     if MASKED:
@@ -395,12 +411,14 @@ def _bwd_dq_kernel(
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_nb = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
     row_ok = offs_m < SQ
+    qd_ok = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=qd_ok, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+                 mask=qd_ok, other=0.0)
     stat = pid_bh.to(tl.int64) * SQ + offs_m
     lse = tl.load(lse_ptr + stat, mask=row_ok, other=0.0) * _LOG2E
     dlt = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
@@ -416,22 +434,23 @@ def _bwd_dq_kernel(
         hi = SK
         mid = SK // BLOCK_N * BLOCK_N
     mid = tl.where(m0 + BLOCK_M <= SQ, mid, 0)
-    dq = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    dq = tl.zeros((BLOCK_M, head_block(D)), dtype=tl.float32)
     for n0 in range(0, mid, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, stride_ks, stride_vs,
+        dq = _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, d_ok, stride_ks, stride_vs,
                       SQ, SK, delta_pos, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N)
     for n0 in range(mid, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, stride_ks, stride_vs,
+        dq = _dq_step(dq, q, do, lse, dlt, k_base, v_base, n0, offs_m, offs_nb, offs_d, d_ok, stride_ks, stride_vs,
                       SQ, SK, delta_pos, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N)
     out = b * SQ * HQ * D + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
-    tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(dq_ptr + out, (dq * scale).to(dq_ptr.dtype.element_ty), mask=qd_ok)
 
 
 def backward_blocks(d: int, itemsize: int) -> BwdBlocks:
     """Default tiles per head_dim. bf16/fp16 at head_dim 64 and 128: the fastest of
     `python -m bench.ops --sweep-attn-bwd` on the H200 (2026-11-29, triton 3.6; B=4, S=2048,
     causal): 0.54 ms for Qwen3's 16/8 heads x 128 against 1.43 ms with the earlier (32, 64, 8, 2) /
-    (64, 64, 8, 2) tiles and 0.48 ms for cuDNN. fp32 (ieee dots) needs much smaller tiles."""
+    (64, 64, 8, 2) tiles and 0.48 ms for cuDNN. fp32 (ieee dots) needs much smaller tiles. The
+    thresholds are powers of two, so a head dim takes its block's tiles (80 and 96 those of 128)."""
     if INTERPRET:
         t = Tiles(32, 32, 4, 1)
         return BwdBlocks(t, t)
@@ -454,7 +473,7 @@ def bwd_delta(o, do, dlse=None):
     """delta [B, Hq, Sq] fp32 = rowsum(dO * O) - dlse."""
     bsz, sq, hq, d = o.shape
     delta = torch.empty((bsz, hq, sq), dtype=torch.float32, device=o.device)
-    block = max(16, 4096 // d)
+    block = max(16, 4096 // next_power_of_2(d))
     _bwd_preprocess_kernel[(cdiv(sq, block), bsz * hq)](
         o, do, dlse if dlse is not None else o, delta, *_qstrides(o), *_qstrides(do),
         sq, hq, HAS_DLSE=dlse is not None, D=d, BLOCK_M=block, num_warps=4,

@@ -12,6 +12,7 @@ never from each other.
 - `semaphores`, `arrive`: per-tile arrival counters, so the last program of a split reduction
   finishes it in the same kernel (the fused decode GEMVs).
 - `cdiv`, `next_power_of_2`: host-side integer helpers (Triton's cost microseconds a call).
+- `head_block`, `head_mask`: a power-of-two block over a head dim and its mask (below).
 - `fp32`: float arguments as fp32 whoever launches the kernel.
 - `kernel`, `is_traced`, `INTERPRET` (from `launch`): how kernels are launched, whether the
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
@@ -61,6 +62,26 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host ints (as `cdiv`)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@triton.constexpr_function
+def head_block(d):
+    """The power-of-two block (tl.arange's width) a kernel lays over a head dim of `d` elements:
+    `d` itself when it is a power of two. Head dims are multiples of 16 up to 256
+    (qwen_ops.checks.HEAD_DIMS), so 48 takes a block of 64, 80 and 96 of 128, 160 of 256."""
+    return triton.next_power_of_2(d)
+
+
+@triton.jit
+def head_mask(offs, D: tl.constexpr):
+    """offs < D for offsets inside a head_block(D) block: the loads and stores of a head that is not
+    a power of two are masked (zeros read past D, so sums over the head are those of its D
+    elements). When D is a power of two the mask is a constant all-true tensor, which the compiler
+    drops from every load and store: those dims compile to the unmasked code."""
+    if D == head_block(D):
+        return tl.full(offs.shape, 1, tl.int1)
+    else:
+        return offs < D
 
 
 @triton.jit

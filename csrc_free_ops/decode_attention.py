@@ -22,8 +22,8 @@ and the combine lets the next kernel (the o_proj GEMV) launch at once.
 import torch
 import triton.language as tl
 
-from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, fp32, kernel, next_power_of_2,
-                    pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
+from .common import (LOG2E, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, fp32, head_block, head_mask, kernel,
+                    next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
 
 
 @kernel
@@ -46,10 +46,11 @@ def _decode_split_kernel(
     t = rows // GROUP
     h = hk * GROUP + rows % GROUP
     row_ok = rows < TQ * GROUP
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = seqlen - TQ + t
     lo = split * SPLIT_LEN
     hi = min(lo + SPLIT_LEN, seqlen)
@@ -57,11 +58,11 @@ def _decode_split_kernel(
     v_base = vc_ptr + b * stride_vb + hk * stride_vh
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, head_block(D)), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + offs_n
         kt = tl.load(k_base + cols[None, :].to(tl.int64) * stride_ks + offs_d[:, None],
-                     mask=cols[None, :] < hi, other=0.0)
+                     mask=(cols[None, :] < hi) & d_ok[:, None], other=0.0)
         s = dot(q, kt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * qk_scale
         s = tl.where((cols[None, :] < hi) & (cols[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -71,7 +72,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_safe[:, None]) * P_SCALE  # P_SCALE = 2^-HEADROOM: p <= 2^-HEADROOM, exactly (common.SOFTMAX_HEADROOM)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vs + offs_d[None, :],
-                    mask=cols[:, None] < hi, other=0.0)
+                    mask=(cols[:, None] < hi) & d_ok[None, :], other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     pdl_launch_dependents(USE_PDL)
@@ -79,7 +80,7 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part_row = ((b * TQ + t) * HQ + h) * NUM_SPLITS + split
-    tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(plse_ptr + part_row, lse, mask=row_ok)
 
 
@@ -90,15 +91,16 @@ def _decode_combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr,
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)  # the next kernel (o_proj) may start its launch now
     s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
     lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
-                    mask=s[:, None] < NUM_SPLITS, other=0.0)
+                    mask=(s[:, None] < NUM_SPLITS) & d_ok[None, :], other=0.0)
     w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, no overflow
     out = tl.sum(parts * w[:, None], axis=0)
-    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
 def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):

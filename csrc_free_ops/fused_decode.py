@@ -23,7 +23,8 @@ dtype's rounding; only the normed x is rounded at another point, see above):
 - `norm_linear`: y (+ bias);
 - `linear_residual`: residual + y (the residual stream's add, rounded once more);
 - `norm_gate_up_silu`: a tile holds gate rows n and up rows I + n: silu(gate) * up;
-- `norm_qkv_rope_store`: a tile is one head (BLOCK_N = head_dim) of the fused QKV projection:
+- `norm_qkv_rope_store`: a tile is one head of the fused QKV projection (head_dim rows, in a
+  power-of-two tile, `common.head_block`, whose rows past head_dim are neither read nor stored):
   query heads get the q RMSNorm and RoPE and go to the output, gate heads (Qwen3.5's gated
   attention) go to the output as they are, key heads get the k RMSNorm and RoPE and value heads
   nothing, and both are written into the KV cache at the row's position (outside [0, L): not
@@ -53,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, empty_contiguous_like, fp32, kernel,
-                    next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, empty_contiguous_like, fp32, head_block,
+                    head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
 from .rope import rotary_cos_sin
 
 class GemvConfig(NamedTuple):
@@ -96,11 +97,15 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
 
 
 @triton.jit
-def _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K: tl.constexpr):
-    """weight[rn, k_lo:k_lo + BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile, zero past k_hi."""
+def _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = None):
+    """weight[rn, k_lo:k_lo + BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile, zero past k_hi; with ROWS
+    (a head of ROWS rows in a head_block(ROWS) tile) also zero past the tile's first ROWS rows,
+    which are not read."""
     rk = k_lo + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None], mask=(rk < k_hi)[:, None],
-                   other=0.0)
+    mask = (rk < k_hi)[:, None]
+    if ROWS is not None:
+        mask = mask & head_mask(tl.arange(0, rn.shape[0]), ROWS)[None, :]
+    return tl.load(w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -130,14 +135,16 @@ def _dot_slice(a, b, acc, NORM: tl.constexpr):
 
 @triton.jit
 def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROWS: tl.constexpr = None):
     """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
     or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice;
-    BLOCK_K-deep steps, software-pipelined by Triton."""
+    BLOCK_K-deep steps, software-pipelined by Triton. With ROWS, weight rows past the tile's first
+    ROWS are not read (`_weight_slice`): their columns of acc are zero."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        b = _weight_slice(w_ptr, rn, N, k0, k_hi, stride_wn, BLOCK_K)
+        b = _weight_slice(w_ptr, rn, N, k0, k_hi, stride_wn, BLOCK_K, ROWS)
         a, s = _input_slice(x_ptr, nw_ptr, rm, M, k0, k_hi, stride_xm, offset, NORM, BLOCK_K)
         ss += s
         acc = _dot_slice(a, b, acc, NORM)
@@ -254,13 +261,14 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _head_values(part_ptr, b_ptr, rm, cols, mask, rstd, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
+def _head_values(part_ptr, b_ptr, rm, cols, mask, cols_ok, rstd, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
     """The projection's output at columns `cols` as the unfused linear stores it (scaled by the
-    input norm's rsqrt, bias added, rounded to the model dtype), in fp32."""
+    input norm's rsqrt, bias added, rounded to the model dtype), in fp32; zero outside `mask`
+    ([BLOCK_M, cols]) and `cols_ok` (the head's real dims, a mask over cols)."""
     y = _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K) * rstd[:, None]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
     return y.to(dtype).to(tl.float32)
 
 
@@ -268,17 +276,21 @@ def _head_values(part_ptr, b_ptr, rm, cols, mask, rstd, stride_ps, stride_pm, SP
 def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, rstd, stride_ps, stride_pm, eps, offset, log2_theta,
                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                   D: tl.constexpr, ROT: tl.constexpr, dtype: tl.constexpr):
-    """One head [BLOCK_M, D] of q or k after the per-head RMSNorm (HAS_NORM) and RoPE on its first
-    ROT dims, fp32; the math of csrc_free_ops/rope.py."""
+    """One head [BLOCK_M, head_block(D)] of q or k after the per-head RMSNorm (HAS_NORM) and RoPE on
+    its first ROT dims, fp32, zero past D (`mask` covers the real dims); the math of
+    csrc_free_ops/rope.py."""
     HALF: tl.constexpr = ROT // 2
-    d = tl.arange(0, D)
-    pd = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))  # RoPE's partner dim
-    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
-    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+    d = tl.arange(0, head_block(D))
+    d_ok = head_mask(d, D)
+    pd = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))  # RoPE's partner dim (past D: d itself)
+    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
+                     dtype)
+    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
+                      dtype)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(y * y, axis=1) / D + eps)[:, None]
-        y = y * rstd * (tl.load(nw_ptr + d).to(tl.float32) + offset)[None, :]
-        yp = yp * rstd * (tl.load(nw_ptr + pd).to(tl.float32) + offset)[None, :]
+        y = y * rstd * (tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
+        yp = yp * rstd * (tl.load(nw_ptr + pd, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
     i = tl.where(d < HALF, d, d - HALF)
     inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
     cos, sin = rotary_cos_sin(pos[:, None] * inv_freq[None, :])
@@ -298,28 +310,31 @@ def _qkv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Tile t of D rows of qkv = rms_norm(x) @ qkv_weight^T: t < QT a query (or, GATED, alternately
-    query and gate) head, then HK key heads, then HK value heads."""
+    query and gate) head, then HK key heads, then HK value heads. The tile is head_block(D) rows
+    wide, those past D masked (not read, not stored)."""
     eps, offset, log2_theta = fp32(eps), fp32(offset), fp32(log2_theta)
     QW: tl.constexpr = 2 if GATED else 1
     QT: tl.constexpr = HQ * QW
     N: tl.constexpr = (QT + 2 * HK) * D
+    BLOCK_D: tl.constexpr = head_block(D)
     tile = tl.program_id(0)
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
-    rn = tile * D + tl.arange(0, D)
+    rn = tile * D + tl.arange(0, BLOCK_D)
+    d_ok = head_mask(tl.arange(0, BLOCK_D), D)
     if PREFETCH:  # the whole weight slice is in flight before the program waits for its input
-        w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
+        w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K, D)
         pdl_launch_dependents(USE_PDL)  # the next kernel's programs may load their weights meanwhile
         pdl_wait(USE_PDL)
         a, ss = _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, True, BLOCK_K)
-        acc = _dot_slice(a, w, tl.zeros((BLOCK_M, D), dtype=tl.float32), True)
+        acc = _dot_slice(a, w, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), True)
     else:
         pdl_wait(USE_PDL)
         acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                              True, BLOCK_M, D, BLOCK_K)
+                              True, BLOCK_M, BLOCK_D, BLOCK_K, D)
     if not PREFETCH:
         pdl_launch_dependents(USE_PDL)
     row_ok = rm < M
-    mask = row_ok[:, None] & (rn[None, :] < N)
+    mask = row_ok[:, None] & (rn[None, :] < N) & d_ok[None, :]
     tl.store(part_ptr + pid_s * stride_ps + rm[:, None] * stride_pm + rn[None, :], acc, mask=mask)
     tile_id = pid_m * tl.num_programs(0) + tile
     arrived = SPLIT_K - 1
@@ -334,7 +349,7 @@ def _qkv_kernel(
             ss = _sum_row_slices(ss_ptr, rm, M, SPLIT_K)
         rstd = tl.rsqrt(ss / K + eps)
         dtype = q_ptr.dtype.element_ty
-        d = tl.arange(0, D)
+        d = tl.arange(0, BLOCK_D)
         if tile < QT:
             head = tile // QW
             q_ptrs = q_ptr + rm[:, None] * stride_qm + head * (QW * D) + d[None, :]
@@ -344,8 +359,8 @@ def _qkv_kernel(
                                   offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
                 tl.store(q_ptrs, q.to(dtype), mask=mask)
             else:
-                gate = _head_values(part_ptr, b_ptr, rm, rn, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
-                                    dtype)
+                gate = _head_values(part_ptr, b_ptr, rm, rn, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K,
+                                    HAS_BIAS, dtype)
                 tl.store(q_ptrs + D, gate.to(dtype), mask=mask)
         else:
             pos = tl.load(pos_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
@@ -359,7 +374,8 @@ def _qkv_kernel(
                 tl.store(dst, k.to(kc_ptr.dtype.element_ty), mask=in_cache)
             else:
                 hv = tile - QT - HK
-                v = _head_values(part_ptr, b_ptr, rm, rn, mask, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS, dtype)
+                v = _head_values(part_ptr, b_ptr, rm, rn, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
+                                 dtype)
                 dst = vc_ptr + b[:, None] * stride_vcb + pos[:, None] * stride_vct + hv * stride_vch + d[None, :]
                 tl.store(dst, v.to(vc_ptr.dtype.element_ty), mask=in_cache)
 
@@ -477,7 +493,8 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
     x2 = _rows(x)
     n = qkv_weight.shape[0]
     bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape("norm_qkv_rope_store", m, n, k,
-                                                                    qkv_weight.element_size(), cfg, block_n=d)
+                                                                    qkv_weight.element_size(), cfg,
+                                                                    block_n=next_power_of_2(d))
     tiles = n // d
     if split > 1 and tiles * m_blocks > MAX_TILES:
         raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")

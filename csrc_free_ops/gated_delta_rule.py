@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, flat_rows, fp32, kernel,
-                    next_power_of_2, row_warps)
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, dot, empty_contiguous_like, flat_rows, fp32, head_block,
+                    head_mask, kernel, next_power_of_2, row_warps)
 
 CHUNK = 64
 
@@ -106,10 +106,12 @@ def _wy_kernel(
     t = i_t * BT + rows
     tm = t < T
     t64 = t.to(tl.int64)
-    dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    dk = tl.arange(0, head_block(DK))
+    dv = tl.arange(0, head_block(DV))
+    k_ok = tm[:, None] & head_mask(dk, DK)[None, :]
+    v_ok = tm[:, None] & head_mask(dv, DV)[None, :]
 
-    k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=tm[:, None], other=0.0)
+    k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=k_ok, other=0.0)
     k = _l2norm_rows(k.to(tl.float32), NORM)
     beta = tl.load(beta_ptr + b * sbb + h * sbh + t64 * sbt, mask=tm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * sgb + h * sgh + t64 * sgt, mask=tm, other=0.0).to(tl.float32)
@@ -120,7 +122,7 @@ def _wy_kernel(
     if NORM:
         if h % GROUP == 0:
             bk_t = (b * (H // GROUP) + hk) * T + t64
-            tl.store(kn_ptr + bk_t[:, None] * DK + dk[None, :], kd, mask=tm[:, None])
+            tl.store(kn_ptr + bk_t[:, None] * DK + dk[None, :], kd, mask=k_ok)
     kb = (k * beta[:, None]).to(DT)
     kw = (k * (beta * tl.exp(gc))[:, None]).to(DT)
 
@@ -130,11 +132,11 @@ def _wy_kernel(
     a = tl.where(lower, a * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
     x = _unit_lower_inverse(a, BT, 16, DT != tl.float32)
     x = x.to(DT)
-    w = dot(x, kw, tl.zeros((BT, DK), dtype=tl.float32))
-    tl.store(w_ptr + bh_t[:, None] * DK + dk[None, :], w.to(DT), mask=tm[:, None])
-    v = tl.load(v_ptr + b * svb + h * svh + t64[:, None] * svt + dv[None, :], mask=tm[:, None], other=0.0)
-    u = dot(x, (v.to(tl.float32) * beta[:, None]).to(DT), tl.zeros((BT, DV), dtype=tl.float32))
-    tl.store(u_ptr + bh_t[:, None] * DV + dv[None, :], u.to(DT), mask=tm[:, None])
+    w = dot(x, kw, tl.zeros((BT, head_block(DK)), dtype=tl.float32))
+    tl.store(w_ptr + bh_t[:, None] * DK + dk[None, :], w.to(DT), mask=k_ok)
+    v = tl.load(v_ptr + b * svb + h * svh + t64[:, None] * svt + dv[None, :], mask=v_ok, other=0.0)
+    u = dot(x, (v.to(tl.float32) * beta[:, None]).to(DT), tl.zeros((BT, head_block(DV)), dtype=tl.float32))
+    tl.store(u_ptr + bh_t[:, None] * DV + dv[None, :], u.to(DT), mask=v_ok)
 
 
 @kernel
@@ -155,30 +157,36 @@ def _state_kernel(
     hk = h // GROUP
     DT = k_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
-    dk = tl.arange(0, DK)
+    dk = tl.arange(0, head_block(DK))
+    dk_ok = head_mask(dk, DK)
     cv = i_v * BV + tl.arange(0, BV)
     state_off = i_bh.to(tl.int64) * DK * DV + dk[:, None] * DV + cv[None, :]
+    cv_ok = head_mask(cv, DV)
+    s_ok = dk_ok[:, None] & cv_ok[None, :]
     if HAS_H0:
-        s = tl.load(h0_ptr + state_off).to(tl.float32)
+        s = tl.load(h0_ptr + state_off, mask=s_ok, other=0.0).to(tl.float32)
     else:
-        s = tl.zeros((DK, BV), dtype=tl.float32)
+        s = tl.zeros((head_block(DK), BV), dtype=tl.float32)
     for i_t in range(NT):
-        tl.store(h_ptr + (i_bh.to(tl.int64) * NT + i_t) * DK * DV + dk[:, None] * DV + cv[None, :], s.to(DT))
+        tl.store(h_ptr + (i_bh.to(tl.int64) * NT + i_t) * DK * DV + dk[:, None] * DV + cv[None, :], s.to(DT),
+                 mask=s_ok)
         t = i_t * BT + rows
         tm = t < T
         t64 = t.to(tl.int64)
         bh_t = i_bh.to(tl.int64) * T + t64
-        w = tl.load(w_ptr + bh_t[:, None] * DK + dk[None, :], mask=tm[:, None], other=0.0)
-        u = tl.load(u_ptr + bh_t[:, None] * DV + cv[None, :], mask=tm[:, None], other=0.0)
+        k_ok = tm[:, None] & dk_ok[None, :]
+        v_ok = tm[:, None] & cv_ok[None, :]
+        w = tl.load(w_ptr + bh_t[:, None] * DK + dk[None, :], mask=k_ok, other=0.0)
+        u = tl.load(u_ptr + bh_t[:, None] * DV + cv[None, :], mask=v_ok, other=0.0)
         vn = u.to(tl.float32) - dot(w, s.to(DT), tl.zeros((BT, BV), dtype=tl.float32))
         vn = vn.to(DT)
-        tl.store(vn_ptr + bh_t[:, None] * DV + cv[None, :], vn, mask=tm[:, None])
+        tl.store(vn_ptr + bh_t[:, None] * DV + cv[None, :], vn, mask=v_ok)
         gc = tl.load(gc_ptr + bh_t, mask=tm, other=0.0)
         g_last = tl.load(gc_ptr + i_bh.to(tl.int64) * T + min(i_t * BT + BT, T) - 1)
-        k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=tm[:, None], other=0.0)
+        k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=k_ok, other=0.0)
         vd = (vn.to(tl.float32) * tl.exp(g_last - gc)[:, None]).to(DT)
         s = dot(tl.trans(k), vd, s * tl.exp(g_last))
-    tl.store(ht_ptr + state_off, s)
+    tl.store(ht_ptr + state_off, s, mask=s_ok)
 
 
 @kernel
@@ -203,39 +211,45 @@ def _output_kernel(
     tm = t < T
     t64 = t.to(tl.int64)
     bh_t = i_bh.to(tl.int64) * T + t64
-    dk = tl.arange(0, DK)
+    dk = tl.arange(0, head_block(DK))
+    dk_ok = head_mask(dk, DK)
+    k_ok = tm[:, None] & dk_ok[None, :]
     cv = i_v * BV + tl.arange(0, BV)
 
-    q = tl.load(q_ptr + b * sqb + hk * sqh + t64[:, None] * sqt + dk[None, :], mask=tm[:, None], other=0.0)
+    q = tl.load(q_ptr + b * sqb + hk * sqh + t64[:, None] * sqt + dk[None, :], mask=k_ok, other=0.0)
     q = _l2norm_rows(q.to(tl.float32), NORM) * scale
-    k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=tm[:, None], other=0.0)
+    k = tl.load(k_ptr + b * skb + hk * skh + t64[:, None] * skt + dk[None, :], mask=k_ok, other=0.0)
     gc = tl.load(gc_ptr + bh_t, mask=tm, other=0.0)
-    s = tl.load(h_ptr + (i_bh.to(tl.int64) * NT + i_t) * DK * DV + dk[:, None] * DV + cv[None, :])
+    cv_ok = head_mask(cv, DV)
+    v_ok = tm[:, None] & cv_ok[None, :]
+    s = tl.load(h_ptr + (i_bh.to(tl.int64) * NT + i_t) * DK * DV + dk[:, None] * DV + cv[None, :],
+                mask=dk_ok[:, None] & cv_ok[None, :], other=0.0)
     o = dot((q * tl.exp(gc)[:, None]).to(DT), s, tl.zeros((BT, BV), dtype=tl.float32))
     a = dot(q.to(DT), tl.trans(k), tl.zeros((BT, BT), dtype=tl.float32))
     causal = rows[:, None] >= rows[None, :]
     a = tl.where(causal, a * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    vn = tl.load(vn_ptr + bh_t[:, None] * DV + cv[None, :], mask=tm[:, None], other=0.0)
+    vn = tl.load(vn_ptr + bh_t[:, None] * DV + cv[None, :], mask=v_ok, other=0.0)
     o = dot(a.to(DT), vn, o)
     tl.store(o_ptr + b * sob + h * soh + t64[:, None] * sot + cv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=tm[:, None])
+             mask=v_ok)
 
 
 def _value_block(dk: int, dv: int, programs_per_block: int) -> int:
-    """Value columns per program of the sequential kernels: the fp32 state tile [DK, BV] stays
-    in registers (DK * BV <= 8K), and narrower blocks when (batch x heads) is too small to
+    """Value columns per program of the sequential kernels (a power of two; cdiv(dv, block)
+    programs, the last one's columns past dv masked): the fp32 state tile [head_block(DK), BV]
+    stays in registers (<= 8K elements), and narrower blocks when (batch x heads) is too small to
     fill the GPU."""
     if INTERPRET:
-        return dv
-    bv = min(dv, 64 if dk <= 64 else 32 if dk <= 128 else 16)
-    while bv > 16 and programs_per_block * (dv // bv) < TARGET_PROGRAMS // 2:
+        return next_power_of_2(dv)
+    bv = min(next_power_of_2(dv), 64 if dk <= 64 else 32 if dk <= 128 else 16)
+    while bv > 16 and programs_per_block * cdiv(dv, bv) < TARGET_PROGRAMS // 2:
         bv //= 2
     return bv
 
 
 def _output_value_block(dv: int) -> int:
     """Value columns per program of `_output_kernel` (parallel over chunks: no state in registers)."""
-    return dv if INTERPRET else min(dv, 64)
+    return next_power_of_2(dv) if INTERPRET else min(next_power_of_2(dv), 64)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, use_qk_l2norm: bool = False):
@@ -250,6 +264,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, u
         return o, final
     nt = cdiv(t, CHUNK)
     group = hv // hk
+    block_k, block_v = next_power_of_2(dk), next_power_of_2(dv)  # the kernels' head blocks (common.head_block)
     gc = torch.empty((bsz, hv, t), dtype=torch.float32, device=dev)
     w = torch.empty((bsz, hv, t, dk), dtype=dt, device=dev)
     u = torch.empty((bsz, hv, t, dv), dtype=dt, device=dev)
@@ -264,23 +279,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, u
             k, v, g, beta, w, u, gc, kn, t, hv, group,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
-            NORM=norm, BT=CHUNK, DK=dk, DV=dv, num_warps=4 if dk + dv <= 128 else 8,
+            NORM=norm, BT=CHUNK, DK=dk, DV=dv, num_warps=4 if block_k + block_v <= 128 else 8,
         )
     bv = _value_block(dk, dv, bsz * hv)
     has_h0 = initial_state is not None
-    _state_kernel[(dv // bv, bsz * hv)](
+    _state_kernel[(cdiv(dv, bv), bsz * hv)](
         kn, w, u, gc, hs, vn, initial_state.contiguous() if has_h0 else gc, final, t, nt, hv, group,
         *kn_strides,
         HAS_H0=has_h0, BT=CHUNK, DK=dk, DV=dv, BV=bv,
-        num_warps=8 if dk * bv >= 4096 else 4, num_stages=2,  # no register spills on sm_90
+        num_warps=8 if block_k * bv >= 4096 else 4, num_stages=2,  # no register spills on sm_90
     )
     if nt:
         bv_o = _output_value_block(dv)
-        _output_kernel[(nt, bsz * hv, dv // bv_o)](
+        _output_kernel[(nt, bsz * hv, cdiv(dv, bv_o))](
             q, kn, vn, gc, hs, o, scale, t, nt, hv, group,
             q.stride(0), q.stride(1), q.stride(2), *kn_strides,
             o.stride(0), o.stride(1), o.stride(2),
-            NORM=norm, BT=CHUNK, DK=dk, DV=dv, BV=bv_o, num_warps=8 if dk >= 128 else 4,
+            NORM=norm, BT=CHUNK, DK=dk, DV=dv, BV=bv_o, num_warps=8 if block_k >= 128 else 4,
         )
     return o, final
 
@@ -300,7 +315,7 @@ def _recurrent_kernel(
     T, H, GROUP,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sab, sat, sah, sbb, sbt, sbh,
     ssb, ssh, ssk, sob, sot, soh,
-    NORM: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    NORM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):
     scale = fp32(scale)
     i_v = tl.program_id(0)
@@ -308,20 +323,23 @@ def _recurrent_kernel(
     b = (i_bh // H).to(tl.int64)
     h = i_bh % H
     hk = h // GROUP
-    dk = tl.arange(0, DK)
+    dk = tl.arange(0, head_block(DK))
+    dk_ok = head_mask(dk, DK)
     cv = i_v * BV + tl.arange(0, BV)
     s_ptrs = s_ptr + b * ssb + h * ssh + dk[:, None] * ssk + cv[None, :]
-    s = tl.load(s_ptrs)
+    cv_ok = head_mask(cv, DV)
+    s_ok = dk_ok[:, None] & cv_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_ok, other=0.0)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(T):
-        q = tl.load(q_ptr + b * sqb + t * sqt + hk * sqh + dk).to(tl.float32)
-        k = tl.load(k_ptr + b * skb + t * skt + hk * skh + dk).to(tl.float32)
+        q = tl.load(q_ptr + b * sqb + t * sqt + hk * sqh + dk, mask=dk_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * skb + t * skt + hk * skh + dk, mask=dk_ok, other=0.0).to(tl.float32)
         if NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
-        v = tl.load(v_ptr + b * svb + t * svt + h * svh + cv).to(tl.float32)
+        v = tl.load(v_ptr + b * svb + t * svt + h * svh + cv, mask=cv_ok, other=0.0).to(tl.float32)
         g = neg_a * _softplus(tl.load(a_ptr + b * sab + t * sat + h * sah).to(tl.float32) + dt_bias)
         braw = tl.load(b_ptr + b * sbb + t * sbt + h * sbh)
         beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)  # sigmoid in b's dtype
@@ -329,8 +347,8 @@ def _recurrent_kernel(
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
-        tl.store(o_ptr + b * sob + t * sot + h * soh + cv, o.to(o_ptr.dtype.element_ty))
-    tl.store(s_ptrs, s)
+        tl.store(o_ptr + b * sob + t * sot + h * soh + cv, o.to(o_ptr.dtype.element_ty), mask=cv_ok)
+    tl.store(s_ptrs, s, mask=s_ok)
 
 
 def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale: float, use_qk_l2norm: bool = True):
@@ -342,13 +360,13 @@ def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale: floa
     if bsz * hv == 0:
         return o
     bv = _value_block(dk, dv, bsz * hv)
-    _recurrent_kernel[(dv // bv, bsz * hv)](
+    _recurrent_kernel[(cdiv(dv, bv), bsz * hv)](
         q, k, v, a, b, A_log, dt_bias, state, o, scale, t, hv, hv // hk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2), state.stride(0), state.stride(1), state.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        NORM=bool(use_qk_l2norm), DK=dk, BV=bv, num_warps=4,
+        NORM=bool(use_qk_l2norm), DK=dk, DV=dv, BV=bv, num_warps=4,
     )
     return o
 

@@ -24,7 +24,7 @@ def _kv_cache_store_kernel(
     pdl_wait(USE_PDL)
     pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)  # BLOCK_D = D for the head dims attention takes
+    d = tl.arange(0, BLOCK_D)  # D rounded up to a power of two, masked past D
     heads_to_write = tl.where((pos >= 0) & (pos < L), HK, 0)
     mask = (heads[:, None] < heads_to_write) & (d[None, :] < D)
     head_off = heads[:, None] * D + d[None, :]

@@ -28,8 +28,9 @@ Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers
 sized from an absurd value; flags are JSON booleans (the string ``"false"`` is refused, not read as
 true); ``rope_theta``, ``rms_norm_eps`` and ``partial_rotary_factor`` are finite numbers. An absent
 or null field takes its default. Everything a kernel would refuse at the first forward is refused
-here too: a head_dim the attention kernels do not take (16, 32, 64, 128, 256), a rotary dim that is
-0 or odd, Gated DeltaNet head dims or conv kernel sizes the kernels do not take.
+here too: a head_dim the attention kernels do not take (``qwen_ops.checks.HEAD_DIMS``: multiples of 16
+up to 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims (the same rule) or conv kernel
+sizes the kernels do not take.
 ``QwenConfig.from_pretrained`` reads config.json with ``modeling.files.read_json`` (a regular file
 under ``SIDE_FILE_LIMIT``) and starts each error with ``config.json:``.
 """
@@ -38,6 +39,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from qwen_ops.checks import HEAD_DIMS, HEAD_DIMS_TEXT
 
 from .files import read_json
 
@@ -48,8 +51,6 @@ HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 MODEL_TYPES = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
 """Every ``model_type`` ``QwenConfig.from_dict`` reads."""
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
-"""Head dims the attention and gated delta rule kernels take (qwen_ops.checks.HEAD_DIMS)."""
 MAX_CONV_KERNEL = 16
 """Largest kernel the causal_conv1d kernels take (qwen_ops.causal_conv1d.MAX_KERNEL_SIZE)."""
 QWEN3_5_SKIPPED_WEIGHTS = ("mtp.", "model.visual.")
@@ -153,7 +154,7 @@ class QwenConfig:
         head_dim = _size(d, "head_dim", sizes["hidden_size"] // heads)
         if head_dim not in HEAD_DIMS and "full_attention" in layer_types:
             raise ConfigError(f"unsupported head_dim {head_dim} (head_dim, or hidden_size / num_attention_heads): "
-                              f"the attention kernels take {', '.join(map(str, HEAD_DIMS))}")
+                              f"the attention kernels take {HEAD_DIMS_TEXT}")
         rotary_dim = int(head_dim * rotary_factor)
         if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ConfigError(f"partial_rotary_factor {rotary_factor} gives a rotary dim of {rotary_dim} for head_dim "
@@ -295,8 +296,7 @@ def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
                           f"linear_num_key_heads={fields['linear_num_key_heads']}")
     for name in ("linear_key_head_dim", "linear_value_head_dim"):
         if fields[name] not in HEAD_DIMS:
-            raise ConfigError(f"unsupported {name} {fields[name]}: the gated delta rule kernels take "
-                              f"{', '.join(map(str, HEAD_DIMS))}")
+            raise ConfigError(f"unsupported {name} {fields[name]}: the gated delta rule kernels take {HEAD_DIMS_TEXT}")
     if not 2 <= fields["linear_conv_kernel_dim"] <= MAX_CONV_KERNEL:
         raise ConfigError(f"unsupported linear_conv_kernel_dim {fields['linear_conv_kernel_dim']}: the conv "
                           f"kernels take 2 to {MAX_CONV_KERNEL}")

@@ -5,7 +5,13 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes the Triton kernels take; float64 runs the PyTorch reference (for float64 checks)."""
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 INDEX_DTYPES = (torch.int32, torch.int64)
-HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = 256
+HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 16))
+"""Head dims the attention, decode attention, fused QKV and Gated DeltaNet kernels take (and
+modeling.config accepts): every multiple of 16 up to 256. A power of two is the kernels' block
+exactly; any other is masked inside the next power of two (csrc_free_ops.common.head_block)."""
+HEAD_DIMS_TEXT = f"multiples of 16 up to {MAX_HEAD_DIM}"
+"""HEAD_DIMS in words, for error messages."""
 
 
 class QwenOpError(ValueError):
@@ -46,9 +52,10 @@ def check_same(op: str, ref_name: str, ref: torch.Tensor, **others):
             fail(op, f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
 
 
-def check_head_dim(op: str, d: int):
+def check_head_dim(op: str, d: int, name: str = "head_dim"):
+    """d is in HEAD_DIMS; `name` is what the error calls it."""
     if d not in HEAD_DIMS:
-        fail(op, f"head_dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        fail(op, f"{name} {d} is not supported (supported: {HEAD_DIMS_TEXT})")
 
 
 def check_like(op: str, ref_name: str, ref: torch.Tensor, **others):

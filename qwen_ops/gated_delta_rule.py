@@ -3,7 +3,7 @@ the core of Qwen3.5's Gated DeltaNet layers (transformers' Qwen3_5GatedDeltaNet)
 
 Shapes: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with Hv a multiple of Hk (value head h reads
 key head h // (Hv / Hk), as transformers' repeat_interleave), g, beta [B, T, Hv], the state
-[B, Hv, Dk, Dv] in fp32 (float64 for float64 inputs). Dk, Dv in 16, 32, 64, 128, 256.
+[B, Hv, Dk, Dv] in fp32 (float64 for float64 inputs). Dk, Dv: multiples of 16 up to 256 (checks.HEAD_DIMS).
 Qwen3.5-0.8B: Hk = Hv = 16, Dk = Dv = 128 (the Qwen3_5TextConfig defaults have Hv = 32).
 
 Per value head, token by token (fp32 math; the l2 norm is optional, eps 1e-6 inside the sqrt):
@@ -40,7 +40,7 @@ from torch import Tensor
 from csrc_free_ops import gated_delta_rule as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
-from .checks import HEAD_DIMS, check_float, check_like, check_same, fail
+from .checks import check_float, check_head_dim, check_like, check_same, fail
 from .registry import acc_dtype, define
 
 CHUNK = kernels.CHUNK
@@ -155,8 +155,7 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor):
     if hk == 0 or hv % hk:
         fail(op, f"v's head count {hv} must be a multiple of k's {hk}")
     for name, d in (("k", dk), ("v", dv)):
-        if d not in HEAD_DIMS:
-            fail(op, f"{name} head dim {d} is not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        check_head_dim(op, d, f"{name} head dim")
     return bsz, t, hv, dk, dv
 
 

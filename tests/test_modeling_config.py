@@ -42,6 +42,13 @@ def test_rope_theta_locations(rope):
     assert QwenConfig.from_dict(dict(BASE, model_type="qwen2", **rope)).rope_theta == 5e5
 
 
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 256])
+def test_head_dims_that_are_multiples_of_16(head_dim):
+    """Every multiple of 16 up to 256 (qwen_ops.checks.HEAD_DIMS), powers of two or not."""
+    c = QwenConfig.from_dict(dict(BASE, model_type="qwen3", head_dim=head_dim))
+    assert (c.head_dim, c.rotary_dim, c.qkv_size) == (head_dim, head_dim, (4 + 2 * 4) * head_dim)
+
+
 def test_transformers_qwen2_config_round_trip():
     d = Qwen2Config(**BASE, num_key_value_heads=1, rope_theta=1e6).to_dict()
     c = QwenConfig.from_dict(d)
@@ -64,8 +71,9 @@ def test_transformers_qwen2_config_round_trip():
         ({"layer_types": ["full_attention", "linear_attention"]},
          "unsupported layer type 'linear_attention' in layer_types: implemented for qwen2 are full_attention"),
         # what a kernel would refuse only at the first forward
-        ({"head_dim": 8}, r"unsupported head_dim 8 .*take 16, 32, 64, 128, 256"),
-        ({"head_dim": 48}, "unsupported head_dim 48"),
+        ({"head_dim": 8}, r"unsupported head_dim 8 .*the attention kernels take multiples of 16 up to 256$"),
+        ({"head_dim": 40}, "unsupported head_dim 40"),
+        ({"head_dim": 272}, "unsupported head_dim 272"),
         ({"hidden_size": 80}, r"unsupported head_dim 20 \(head_dim, or hidden_size / num_attention_heads\)"),
         ({"partial_rotary_factor": 0.0}, "partial_rotary_factor 0.0 gives a rotary dim of 0 for head_dim 16"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5625}}, "rotary dim of 9"),
@@ -106,6 +114,12 @@ def test_qwen3_5_text_defaults():
     assert (dense.norm_offset, dense.attn_output_gate, dense.linear_conv_kernel_dim) == (0.0, False, 0)
 
 
+def test_qwen3_5_head_dims_that_are_multiples_of_16():
+    c = QwenConfig.from_dict(QWEN3_5 | {"linear_key_head_dim": 48, "linear_value_head_dim": 80, "head_dim": 80})
+    assert (c.linear_key_head_dim, c.linear_value_head_dim, c.head_dim, c.rotary_dim) == (48, 80, 80, 20)
+    assert c.linear_conv_dim == 2 * 2 * 48 + 4 * 80
+
+
 def test_qwen3_5_wrapper():
     c = QwenConfig.from_dict({"model_type": "qwen3_5", "text_config": QWEN3_5 | {"tie_word_embeddings": False},
                               "tie_word_embeddings": True, "vision_config": {"depth": 1}})
@@ -118,7 +132,8 @@ def test_qwen3_5_wrapper():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"linear_key_head_dim": 24}, "unsupported linear_key_head_dim 24: the gated delta rule kernels take"),
+        ({"linear_key_head_dim": 24}, "unsupported linear_key_head_dim 24: the gated delta rule kernels take "
+                                      "multiples of 16 up to 256$"),
         ({"linear_value_head_dim": 512}, "unsupported linear_value_head_dim 512"),
         ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
         ({"linear_num_key_heads": 0}, "linear_num_key_heads must be a positive integer, got 0"),

@@ -91,7 +91,7 @@ ERRORS = [
     ("linear", lambda: (torch.randn(2, 8), torch.randn(4, 8).half()), "weight has dtype torch.float16"),
     ("linear", lambda: (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5)), "bias has 5 elements"),
     ("silu_mul", lambda: (torch.randn(2, 7),), "must be even"),
-    ("attention", lambda: (torch.randn(1, 4, 2, 48), torch.randn(1, 4, 1, 48), torch.randn(1, 4, 1, 48), 0.1), "head_dim 48 is not supported"),
+    ("attention", lambda: (torch.randn(1, 4, 2, 40), torch.randn(1, 4, 1, 40), torch.randn(1, 4, 1, 40), 0.1), "head_dim 40 is not supported"),
     ("attention", lambda: (torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "multiple of kv heads"),
     ("attention", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "Sk >= Sq"),
     ("kv_cache_store", lambda: (torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.zeros(1, 4, 2, 16),
