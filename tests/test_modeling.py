@@ -78,6 +78,24 @@ def test_logits_and_greedy_match_transformers(tmp_path, spec):
     assert len(tokens.unique()) > 8  # not a trivial repetition
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["op-by-op-decode", "fused-decode"])
+@torch.no_grad()
+def test_head_dim_48_matches_transformers(tmp_path, fused):
+    """A head_dim that is not a power of two (the kernels mask a block of 64): prefill logits and
+    greedy tokens of one sequence as transformers gives them, through the op-by-op decode step and
+    the fused one (the QKV projection's head tiles, decode attention)."""
+    hf = random_hf_model("qwen3", True, 4, 2, 48)
+    model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
+    assert model.config.head_dim == 48
+    model.fused_decode = fused
+    ids = prompt(1, 12, hf.config.vocab_size)
+    logits = prefill(model, ids, model.new_cache(1, 12, torch.float32), all_logits=True)
+    assert rel_err(logits, hf(ids).logits) < 1e-5
+    tokens = greedy(model, ids, 16)
+    assert torch.equal(tokens, hf_greedy(hf, ids, 16))
+    assert len(tokens.unique()) > 4  # not a trivial repetition
+
+
 @torch.no_grad()
 def test_decode_steps_of_several_tokens(tmp_path):
     """A decode call with T=3 (e.g. a chunked prefill) gives the same logits as full prefill."""

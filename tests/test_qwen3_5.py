@@ -115,6 +115,26 @@ def test_logits_and_greedy_match_transformers(tmp_path, sizes):
     assert len(tokens.unique()) > 4  # not a trivial repetition
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["op-by-op-decode", "fused-decode"])
+@torch.no_grad()
+def test_head_dims_not_powers_of_two_match_transformers(tmp_path, fused):
+    """Gated DeltaNet key heads of 48 and value heads of 80, gated attention heads of 80 with a
+    rotary dim of 20 (the kernels mask blocks of 64 and 128): prefill logits and greedy tokens of
+    one sequence as transformers gives them, through the op-by-op decode step and the fused one."""
+    hf = random_hf_model(linear_key_head_dim=48, linear_value_head_dim=80, head_dim=80)
+    hf.save_pretrained(tmp_path)
+    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    c = model.config
+    assert (c.linear_key_head_dim, c.linear_value_head_dim, c.head_dim, c.rotary_dim) == (48, 80, 80, 20)
+    model.fused_decode = fused
+    ids = prompt(1, 12, hf.config.vocab_size)
+    logits = prefill(model, ids, model.new_cache(1, 12), all_logits=True)
+    assert rel_err(logits, hf(ids).logits) < 1e-5
+    tokens = greedy(model, ids, 8)
+    assert torch.equal(tokens, hf_greedy(hf, ids, 8))
+    assert len(tokens.unique()) > 3  # not a trivial repetition
+
+
 @torch.no_grad()
 def test_long_prompt_prefill_then_decode_continues_the_state(tmp_path):
     """A 70-token prompt (longer than the 64-token chunk) then three decode steps: logits match
