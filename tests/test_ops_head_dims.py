@@ -224,7 +224,7 @@ def test_norm_qkv_rope_store(device, nan_outputs):
 # (B, T, Hk, Hv, Dk, Dv): two chunks and a partial one, grouped value heads, Dk != Dv
 GDN_CHUNK = {"cpu": [(1, 70, 1, 2, 48, 80), (1, 65, 1, 1, 80, 48), (1, 20, 1, 1, 96, 160)],
              "cuda": [(1, 2048, 16, 16, 80, 80), (2, 1000, 16, 32, 96, 160), (1, 700, 4, 8, 48, 80)]}
-GDN_RECURRENT = {"cpu": [(2, 1, 1, 2, 48, 80), (1, 3, 2, 2, 80, 48), (1, 1, 1, 1, 160, 96)],
+GDN_RECURRENT = {"cpu": [(2, 1, 1, 2, 48, 48), (2, 1, 1, 2, 48, 80), (1, 3, 2, 2, 80, 48), (1, 1, 1, 1, 160, 96)],
                  "cuda": [(8, 1, 16, 32, 80, 80), (2, 3, 16, 16, 96, 160), (4, 1, 16, 16, 160, 96)]}
 GDN_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-5}
 """As test_ops_gated_delta_rule's CHUNK_TOL on CPU (bf16 products and intermediates)."""
