@@ -253,6 +253,20 @@ MUTATIONS = [
              ("tests/test_chat.py",)),
     Mutation("center's width is not checked", "modeling/chat_sandbox.py", '        _check_chars(width, "center")',
              "        pass", ("tests/test_chat.py",)),
+    # The engine (tests/test_engine.py, test_engine_scheduling.py).
+    Mutation("a graph capture's warm-up reads a previous step's logits rows", "modeling/engine/runner.py",
+             "        self.logits_rows.zero_()\n", "", ("tests/test_engine.py",)),
+    Mutation("step graphs captured after the step's batch is copied in (the capture resets it)",
+             "modeling/engine/runner.py", "        self._reset()\n        self.input_ids[:n]", "        self.input_ids[:n]",
+             ("tests/test_engine.py",), gpu_only=True),
+    Mutation("a prefill chunk that samples nothing is skipped", "modeling/engine/engine.py",
+             "        logits = self.runner.run(batch, scheduled.decode_only)\n",
+             "        logits = self.runner.run(batch, scheduled.decode_only) if batch.sampling else None\n",
+             ("tests/test_engine.py",)),
+    Mutation("preemption picks the oldest running sequence", "modeling/engine/scheduler.py",
+             "victim = self.running[-1]", "victim = self.running[0]", ("tests/test_engine_scheduling.py",)),
+    Mutation("sampling streams ignore the position", "modeling/engine/sampler.py",
+             "^ (positions & M32))", "^ 0)", ("tests/test_engine_scheduling.py",)),
 ]
 
 

@@ -93,6 +93,20 @@ def test_prefix_caching_reuses_blocks_with_the_same_tokens():
     assert second.output_ids == want[1]
 
 
+def test_a_graph_capture_warm_up_after_any_step_stays_in_bounds():
+    """A capture runs the step body on reset buffers before its first replay: after a large mixed
+    step, the reset state must be valid for every smaller shape (the CPU raises on a bad index)."""
+    engine = Engine(model_of(QWEN3), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    engine.generate(prompts_of([60, 3]), GREEDY, 2)
+    runner = engine.runner
+    for key in [("mixed", t, s) for t in runner.token_buckets for s in runner.seq_buckets[1:]] + \
+            [("decode", s, s) for s in runner.seq_buckets]:
+        runner.shape = key
+        runner._reset()
+        runner._body(key)()
+        assert torch.isfinite(runner.logits[key]).all()
+
+
 def test_hybrid_models_reuse_no_prefix():
     engine = Engine(model_of(QWEN3_5), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     assert not engine.blocks.prefix_caching

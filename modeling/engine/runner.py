@@ -58,13 +58,23 @@ class StepRunner:
         self.arange32 = self.arange.int()
         self.no_rows = torch.zeros(0, **i64)
         self.logits: Dict[Hashable, Tensor] = {}
+        self.shape: Optional[tuple] = None  # the key of the step being set up
         self.graphs = GraphCache(dev, enabled and dev.type == "cuda", self._reset)
 
     def _reset(self) -> None:
-        """Every row padding: a step on these buffers writes no KV and no state but the padding slot's."""
+        """Every row padding and every index in range for the step's shape (``self.shape``): a
+        step on these buffers (a capture's warm-up) writes no KV and no state but the padding
+        slot's, and reads nothing out of bounds (a previous step's logits rows could lie past a
+        smaller step's tokens). A mixed shape's tokens all belong to padding sequence 0."""
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         self.state_slots.fill_(self.pool.padding_slot)
+        self.logits_rows.zero_()
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.cu_seqlens.zero_()
+        if self.shape is not None and self.shape[0] == "mixed":
+            self.cu_seqlens[1:] = self.shape[1]
 
     def _batch(self, key) -> StepBatch:
         kind, t, s = key
@@ -102,6 +112,7 @@ class StepRunner:
         width = batch.block_table.shape[1]
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
+        self.shape = key
         replay = self.graphs.get(key, self._body(key))  # captured first: the capture resets the buffers
         self._reset()
         self.input_ids[:n].copy_(batch.input_ids)
