@@ -1,19 +1,24 @@
 """Train the shipped default model: a small Qwen3 on Tiny Shakespeare, on the torch.ops.qwen kernels.
 
-    python -m modeling.train --out DIR --device cuda --max-minutes 5   # the shipped recipe (H200)
+    python -m modeling.train --out DIR --device cuda --max-minutes 5   # the shipped recipe, stage 1 (H200)
+    python -m modeling.train --out DIR2 --init DIR --chat-fraction 0.75 ...  # stage 2 (docs/training.md)
     python -m modeling.train --out DIR --device cpu --preset tiny      # a smoke run in seconds
     python -m modeling.train --out DIR --resume                        # continue DIR's last run
     python -m modeling.train --plot DIR                                # DIR/loss_curve.png
 
 Data: ``modeling/data/tinyshakespeare.txt`` split by characters; the last ``--val-fraction``
 (10%) is the validation split, used for nothing but validation (not for the tokenizer either).
+With ``--chat-fraction F``, F of each batch's sequences are crops of the training split's
+dialogue as ChatML (``dialogue_chat``: each speech a user or an assistant turn, the reply to the
+one before, ended by ``<|im_end|>``), so that the model ends a chat reply by itself.
 
 Tokenizer: a byte-level BPE trained with the ``tokenizers`` library on the training split, with
 the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2; the same
 pipeline as ``modeling.random_checkpoint.build_tokenizer``).
 
 Model: a Qwen3 (q/k norm, GQA, tied embeddings) built as ``QwenForCausalLM(config)`` and
-initialised as transformers initialises Qwen3 (matrices ~ N(0, 0.02^2), norm weights 1); trained
+initialised as transformers initialises Qwen3 (matrices ~ N(0, 0.02^2), norm weights 1), or with
+``--init DIR`` from the weights, tokenizer and sizes of a checkpoint this trainer wrote; trained
 with ``model.loss(input_ids, cache)`` (the fused lm_head + cross-entropy) on random crops of the
 training tokens. On CUDA the weights and the compute are bf16 and AdamW keeps fp32 master
 weights and moments; on CPU everything is fp32. ``--dropout`` applies ``F.dropout`` to the
@@ -28,9 +33,11 @@ clock still ends annealed. Gradients are clipped to ``--grad-clip``.
 Validation: every ``--eval-every`` steps and at the end, the loss over the whole validation
 split (windows of ``--seq-len`` tokens overlapping by one, so every token but the first is
 predicted exactly once) and its bits per character:
-``nats per token * tokens in the split / characters in the split / ln 2``.
+``nats per token * tokens in the split / characters in the split / ln 2``; with
+``--chat-fraction F`` also the loss on the validation split's dialogue as ChatML.
 
-Output directory (the model is the checkpoint with the best validation loss):
+Output directory (the model is the checkpoint with the best validation loss, with
+``--chat-fraction F`` the best (1 - F) * validation loss + F * validation dialogue loss):
 
 - ``config.json``, ``model.safetensors`` (Hugging Face tensor names, un-fused, bf16),
   ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``: a checkpoint that
@@ -73,6 +80,12 @@ LOCK_FILE = ".train.lock"
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95}
 STATE_VERSION = 2  # 2: the state holds the best weights
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+MAX_SPEAKER = 40  # characters of a speaker line ("KING RICHARD III:")
+# --init DIR: these settings come from DIR/config.json (setting -> its config.json key)
+INIT_SETTINGS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_hidden_layers",
+                 "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                 "intermediate_size": "intermediate_size", "seq_len": "max_position_embeddings",
+                 "rope_theta": "rope_theta"}
 
 # Defaults: the shipped model (about 7.2M parameters, 14.4 MB in bf16). "tiny": a CPU smoke run.
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -104,6 +117,29 @@ def split_text(text: str, val_fraction: float) -> Tuple[str, str]:
     if not 0 < n_val < len(text):
         raise UsageError(f"--val-fraction {val_fraction} leaves an empty split of a {len(text)}-character text")
     return text[:-n_val], text[-n_val:]
+
+
+def speeches(text: str) -> List[str]:
+    """The speeches of a play's text, in order: each blank-line-separated block whose first line
+    names its speaker (``NAME:``), without that line. Blocks without a speaker line (the rest of a
+    speech after a blank line) and speaker lines with nothing under them are left out."""
+    out = []
+    for block in text.split("\n\n"):
+        head, sep, body = block.strip("\n").partition("\n")
+        if sep and head.endswith(":") and len(head) <= MAX_SPEAKER and body.strip():
+            out.append(body)
+    return out
+
+
+def dialogue_chat(text: str) -> str:
+    """``text``'s dialogue as ChatML (``modeling.tokenizer.format_chat``): its speeches in turn a
+    user and an assistant message, each speech the reply to the one before and each message ended
+    by ``<|im_end|>``, as ``--chat`` and ``--interactive`` put a conversation to the model."""
+    from .tokenizer import format_chat
+
+    roles = ("user", "assistant")
+    return format_chat([{"role": roles[i % 2], "content": c} for i, c in enumerate(speeches(text))],
+                       add_generation_prompt=False)
 
 
 def train_tokenizer(text: str, vocab_size: int):
@@ -166,6 +202,38 @@ def build_model(config, seed: int, std: float):
             else:
                 p.normal_(0.0, std, generator=g)
     return model
+
+
+def take_init_settings(a: argparse.Namespace) -> None:
+    """--init DIR: the model's settings (``INIT_SETTINGS``) from DIR/config.json, which must describe a
+    model this trainer builds (a tied-embedding qwen3); UsageError otherwise, or when one of them is
+    given on the command line too."""
+    from .config import QwenConfig
+
+    given = [f"--{k.replace('_', '-')}" for k in INIT_SETTINGS if k in a.given]
+    if given:
+        raise UsageError(f"--init {a.init}: the model's settings come from its config.json; drop {', '.join(given)}")
+    try:
+        cfg = QwenConfig.from_pretrained(a.init)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--init {a.init}: {e}") from None
+    for k, key in INIT_SETTINGS.items():
+        setattr(a, k, getattr(cfg, key))
+    if QwenConfig.from_dict(model_config_dict(a, cfg.vocab_size)) != cfg:
+        raise UsageError(f"--init {a.init}: not a model this trainer builds (a {cfg.model_type} with "
+                         f"tie_word_embeddings={cfg.tie_word_embeddings}; it builds tied-embedding qwen3 models)")
+
+
+def load_init_weights(model, path: str) -> None:
+    """``model``'s parameters set to those of the checkpoint ``path`` (fp32)."""
+    import torch
+
+    from .loader import load_state_dict
+
+    try:
+        model.load_state_dict(load_state_dict(path, model.config, dtype=torch.float32), strict=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UsageError(f"--init {path}: {' '.join(str(e).split())}") from None
 
 
 def count_parameters(model) -> int:
@@ -311,9 +379,8 @@ class Trainer:
 
         text = Path(a.data).read_text(encoding="utf-8")[:a.max_chars]
         train_text, val_text = split_text(text, a.val_fraction)
-        if a.resume:
-            from tokenizers import Tokenizer
-            tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        if a.resume or a.init:
+            tok = _read_tokenizer(out if a.resume else Path(a.init))
         else:
             tok = train_tokenizer(train_text, a.vocab_size)
         vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -327,6 +394,14 @@ class Trainer:
         if self.train_ids.numel() <= a.seq_len:
             raise UsageError(f"the training split has {self.train_ids.numel()} tokens, fewer than --seq-len + 1")
         self.val = Evaluator(val_ids, len(val_text), a.seq_len, a.eval_batch_size)
+        self.chat_rows = round(a.batch_size * a.chat_fraction)
+        self.chat_ids = self.val_chat = None
+        if self.chat_rows:
+            val_chat = dialogue_chat(val_text)
+            self.chat_ids, val_chat_ids = encode(dialogue_chat(train_text)), encode(val_chat)
+            if min(self.chat_ids.numel(), val_chat_ids.numel()) <= a.seq_len:
+                raise UsageError(f"--chat-fraction: the dialogue of {a.data} is too short for --seq-len {a.seq_len}")
+            self.val_chat = Evaluator(val_chat_ids, len(val_chat), a.seq_len, a.eval_batch_size)
         # the training loss in eval mode (no dropout) on the first tokens of the training split
         n = min(val_ids.numel() if a.train_eval_tokens is None else a.train_eval_tokens, self.train_ids.numel())
         self.train_eval = Evaluator(self.train_ids[:n], len(tok.decode(self.train_ids[:n].tolist())),
@@ -335,6 +410,8 @@ class Trainer:
         self.max_steps = a.steps or math.ceil(a.epochs * self.train_ids.numel() / self.tokens_per_step)
 
         cpu_model = build_model(self.config, a.seed, a.init_std)
+        if a.init and not a.resume:
+            load_init_weights(cpu_model, a.init)
         self.n_params = count_parameters(cpu_model)
         self.names = [name for name, _ in cpu_model.named_parameters()]
         fp32_params = [p.detach().clone() for p in cpu_model.parameters()]  # the init, before any bf16 rounding
@@ -366,7 +443,9 @@ class Trainer:
             "model": {"parameters": self.n_params, "vocab_size": vocab, "config": cfg},
             "data": {"file": Path(a.data).name, "chars_used": len(text), "train_chars": len(train_text), "val_chars": len(val_text),
                      "train_tokens": self.train_ids.numel(), "val_tokens": val_ids.numel(),
-                     "train_eval_tokens": n},
+                     "train_eval_tokens": n, "chat_rows": self.chat_rows,
+                     "chat_train_tokens": self.chat_ids.numel() if self.chat_rows else None,
+                     "chat_val_tokens": self.val_chat.n_tokens if self.chat_rows else None},
             "device": _device_name(self.device), "versions": _versions(),
             "train": [], "val": [], "runs": [],
         }
@@ -380,10 +459,19 @@ class Trainer:
     # ----- one step
 
     def batch(self):
+        """The step's sequences: random crops of the training tokens, then ``chat_rows`` crops of the
+        training split's dialogue as ChatML (``--chat-fraction``)."""
         import torch
-        starts = torch.randint(0, self.train_ids.numel() - self.a.seq_len + 1, (self.a.batch_size, 1),
-                               generator=self.data_gen, device=self.device)
-        return self.train_ids[starts + self.offsets]
+        rows = [self._crops(self.train_ids, self.a.batch_size - self.chat_rows)]
+        if self.chat_rows:
+            rows.append(self._crops(self.chat_ids, self.chat_rows))
+        return torch.cat(rows)
+
+    def _crops(self, ids, n: int):
+        """``n`` random windows of ``--seq-len`` tokens of ``ids`` (starts from the data generator)."""
+        import torch
+        starts = torch.randint(0, ids.numel() - self.a.seq_len + 1, (n, 1), generator=self.data_gen, device=self.device)
+        return ids[starts + self.offsets]
 
     def train_step(self, lr: float):
         import torch
@@ -407,12 +495,20 @@ class Trainer:
     # ----- evaluation, best checkpoint
 
     def evaluate(self, elapsed_s: float) -> Tuple[float, float]:
+        """Validation (and the training split in eval mode) at this step, logged; a new best (the
+        lowest validation loss, or with --chat-fraction f the lowest (1 - f) * validation loss + f *
+        the loss on the validation split's dialogue as ChatML) keeps a copy of the weights.
+        Returns (validation loss, bits per character)."""
         val_loss, val_bpc = self.val(self.model)
+        chat_loss = self.val_chat(self.model)[0] if self.val_chat is not None else None
         train_loss = self.train_eval(self.model)[0] if self.train_eval is not None else None
         self.log["val"].append({"step": self.step, "tokens": self.tokens_seen, "time_s": round(elapsed_s, 2),
-                                "val_loss": val_loss, "val_bits_per_char": val_bpc, "train_loss_eval": train_loss})
-        if val_loss < self.best_val:
-            self.best_val, self.best_step, self.evals_since_best = val_loss, self.step, 0
+                                "val_loss": val_loss, "val_bits_per_char": val_bpc, "val_chat_loss": chat_loss,
+                                "train_loss_eval": train_loss})
+        f = self.chat_rows / self.a.batch_size
+        score = val_loss if chat_loss is None else (1 - f) * val_loss + f * chat_loss
+        if score < self.best_val:
+            self.best_val, self.best_step, self.evals_since_best = score, self.step, 0
             self.best_weights = [m.detach().to(self.save_dtype, copy=True) for m in self.master]
         else:
             self.evals_since_best += 1
@@ -442,8 +538,9 @@ class Trainer:
             steps=self.step, max_steps=self.max_steps, tokens_seen=self.tokens_seen,
             epochs_seen=self.tokens_seen / self.train_ids.numel(), wall_time_s=round(elapsed_s, 2),
             tokens_per_s=round(self.tokens_seen / elapsed_s, 1) if elapsed_s > 0 else None, stopped=stopped,
-            best={"step": self.best_step, "val_loss": self.best_val if best else None,
-                  "val_bits_per_char": best["val_bits_per_char"] if best else None},
+            best={"step": self.best_step, "val_loss": best["val_loss"] if best else None,
+                  "val_bits_per_char": best["val_bits_per_char"] if best else None,
+                  "val_chat_loss": best["val_chat_loss"] if best else None},
         )
         _write_json(self.out / LOG_FILE, self.log)
 
@@ -511,10 +608,9 @@ class Trainer:
                     f"{self.tokens_per_step} tokens" + (f", at most {a.max_minutes:g} min" if a.max_minutes else "")
                     + f"; {self.device.type} {a.dtype}")
         self._flush(elapsed(), "running")
-        if not self.log["val"] and self.stop.signum is None:  # a fresh run, or one stopped before this
-            val_loss, val_bpc = self.evaluate(elapsed())
-            self.notice(f"step 0: val loss {val_loss:.4f}, {val_bpc:.3f} bits/char")
         bar = _progress_bar(self.max_steps, self.step, a.progress)
+        if not self.log["val"] and self.stop.signum is None:  # a fresh run, or one stopped before this
+            self._eval_and_report(elapsed(), bar)
         stop_at = min(self.max_steps, a.stop_at) if a.stop_at else self.max_steps
         loss_sum = torch.zeros((), device=self.device)
         window_steps, window_start, last_state_step = 0, time.perf_counter(), self.step
@@ -582,8 +678,9 @@ class Trainer:
 
     def _eval_and_report(self, elapsed_s: float, bar) -> None:
         val_loss, val_bpc = self.evaluate(elapsed_s)
-        train_loss = self.log["val"][-1]["train_loss_eval"]
+        train_loss, chat_loss = self.log["val"][-1]["train_loss_eval"], self.log["val"][-1]["val_chat_loss"]
         bar.write(f"step {self.step}: val loss {val_loss:.4f}, {val_bpc:.3f} bits/char"
+                  + (f", val dialogue loss {chat_loss:.4f}" if chat_loss is not None else "")
                   + (f", train loss (eval mode) {train_loss:.4f}" if train_loss is not None else "")
                   + (" (best)" if self.best_step == self.step else ""), file=sys.stderr)
 
@@ -628,6 +725,8 @@ def plot(path: Path) -> Path:
         if all(p.get("train_loss_eval") is not None for p in va):
             ax1.plot(steps, [p["train_loss_eval"] for p in va], label="train (eval mode)")
         ax1.plot(steps, [p["val_loss"] for p in va], label="validation")
+        if all(p.get("val_chat_loss") is not None for p in va):
+            ax1.plot(steps, [p["val_chat_loss"] for p in va], label="validation dialogue (ChatML)")
         ax2.plot(steps, [p["val_bits_per_char"] for p in va], color="C2", label="validation")
     best = log.get("best") or {}
     if best.get("val_bits_per_char") is not None:
@@ -676,6 +775,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     g.add_argument("--data", default=str(DATA_FILE), help="a UTF-8 text file (default: Tiny Shakespeare)")
     g.add_argument("--max-chars", type=int, help="use only the first N characters of --data (smoke runs)")
     g.add_argument("--val-fraction", type=float, default=0.1, help="the last fraction of characters: validation")
+    g.add_argument("--chat-fraction", type=float, default=0.0,
+                   help="the fraction of each batch's sequences cropped from the training split's dialogue "
+                        "as ChatML (each speech a user or assistant turn, the reply to the one before)")
     g.add_argument("--vocab-size", type=int, help="BPE vocabulary, special tokens and 256 bytes included")
     g = p.add_argument_group("model")
     g.add_argument("--hidden-size", type=int)
@@ -686,6 +788,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     g.add_argument("--intermediate-size", type=int)
     g.add_argument("--rope-theta", type=float, default=10000.0)
     g.add_argument("--init-std", type=float, default=0.02)
+    g.add_argument("--init", metavar="DIR", help="start from the weights and tokenizer of DIR (a checkpoint this "
+                                                 "trainer wrote); the model's settings come from DIR/config.json")
     g = p.add_argument_group("optimisation")
     g.add_argument("--seq-len", type=int, help="tokens per training sequence (also max_position_embeddings)")
     g.add_argument("--batch-size", type=int, help="sequences per step")
@@ -745,6 +849,10 @@ def check_args(a: argparse.Namespace) -> None:
         problems.append("--dropout must be in [0, 1)")
     if not 0 < a.val_fraction < 1:
         problems.append("--val-fraction must be in (0, 1)")
+    if not 0 <= a.chat_fraction <= 1:
+        problems.append("--chat-fraction must be in [0, 1]")
+    elif a.chat_fraction and a.batch_size and round(a.batch_size * a.chat_fraction) < 1:
+        problems.append(f"--chat-fraction {a.chat_fraction:g} of --batch-size {a.batch_size} is no sequence")
     if a.seq_len is not None and a.seq_len < 2:
         problems.append("--seq-len must be >= 2")
     if problems:
@@ -787,6 +895,8 @@ def prepare(a: argparse.Namespace) -> Tuple[Path, Path, "OutLock"]:
             if ours or (a.state not in (None, "none") and state_path.exists()):
                 raise UsageError(f"{out} already holds a training run ({', '.join(ours) or state_path.name}): "
                                  "continue it with --resume, or choose a new --out")
+            if a.init:
+                take_init_settings(a)
     except BaseException:
         lock.release()
         raise
@@ -939,6 +1049,17 @@ class _PlainProgress:
 
     def close(self) -> None:
         pass
+
+
+def _read_tokenizer(folder: Path):
+    """``folder/tokenizer.json`` as a ``tokenizers.Tokenizer``; UsageError naming it when it does not load."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise UsageError(f"cannot read {path}: {' '.join(str(e).split())}") from None
 
 
 def _write_json(path: Path, obj: Any) -> None:

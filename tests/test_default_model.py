@@ -1,14 +1,18 @@
-"""The shipped default model (modeling/default_model/): transformers and our decoder agree, and its
-validation bits per character, recomputed on held-out text, is the one docs/training.md reports."""
+"""The shipped default model (modeling/default_model/): transformers and our decoder agree, its
+validation bits per character, recomputed on held-out text, is the one docs/training.md reports,
+and `python -m modeling.generate --chat` replies end with EOS by themselves."""
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from modeling import QwenForCausalLM, QwenTokenizer
-from modeling.train import Evaluator, split_text
+from modeling.train import Evaluator, speeches, split_text
 from tests.helpers import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +61,24 @@ def test_validation_bits_per_char_matches_the_docs():
     ids = torch.tensor(QwenTokenizer.from_pretrained(MODEL).encode(text))
     _, bits = Evaluator(ids, len(text), seq_len=256, batch_size=8)(model)
     assert abs(bits - reported_slice) < 5e-3, bits
+
+
+def test_chat_replies_end_by_themselves(tmp_path):
+    """Four held-out speeches (the user turns of the validation split's dialogue, one line each)
+    through the command line's --chat, greedy: each reply ends with EOS (<|im_end|>) by itself,
+    well before 200 tokens. A subprocess on the PyTorch references (the interpreter would take
+    minutes); docs/training.md has the rate over 50 sampled replies."""
+    _, val = split_text(DATA.read_text(encoding="utf-8"), 0.1)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(s.split()) + "\n" for s in speeches(val)[:8:2]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "modeling.generate", "--model", str(MODEL), "--chat", "--batch-file",
+                        str(prompts), "--max-new-tokens", "200", "--temperature", "0", "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    replies = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(replies) == 4
+    for r in replies:
+        assert r["finish_reason"] == "stop" and r["stop_reason"] is None and r["text"].strip(), r
+        assert len(r["token_ids"]) < 100, r

@@ -8,6 +8,8 @@ sequences) and a slice of tests/data/tinyshakespeare_20k.txt, CPU (Triton interp
 - --stop-at then --resume reproduces an uninterrupted run (same losses, same weights);
 - the best weights are a copy, not the live weights (--save-dtype fp32 on CPU), and the learning
   rate follows whichever of the step and the time budget is further along;
+- the dialogue as ChatML (speeches in turn user and assistant messages) and --chat-fraction's
+  rows of it in each batch; --init starts from a checkpoint's weights, tokenizer and sizes;
 - bits per character by hand: the formula, the validation windows (every token but the first
   predicted once), a zero model (uniform: log2(V) bits per token), and the fused loss against
   log-softmax of the logits, window by window;
@@ -125,24 +127,29 @@ def test_refuses_to_overwrite_a_run(trained, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
-def test_best_weights_are_a_copy_of_the_live_ones(tmp_path):
-    """In fp32 with --save-dtype fp32, ``.to(dtype)`` alone returns the live tensor itself: the
-    checkpoint would follow every later step."""
-    a = train.parse_args([*TINY, "--out", str(tmp_path / "model"), "--save-dtype", "fp32", *STEPS])
+def trainer(out, *argv, base=TINY):
+    """A Trainer for ``base + argv`` into ``out``, as main builds it (fp32), before its run."""
+    a = train.parse_args([*base, "--out", str(out), *map(str, argv)])
     a.dtype = "fp32"
     out, state_path, lock = train.prepare(a)
     try:
-        trainer = train.Trainer(a, out, state_path, print, train.StopSignals())
+        return train.Trainer(a, out, state_path, print, train.StopSignals())
     finally:
         lock.release()
-    trainer.val = lambda model: (1.0, 1.0)  # a validation (the real one runs minutes in the interpreter)
-    before = [m.detach().clone() for m in trainer.master]
-    trainer.evaluate(0.0)
+
+
+def test_best_weights_are_a_copy_of_the_live_ones(tmp_path):
+    """In fp32 with --save-dtype fp32, ``.to(dtype)`` alone returns the live tensor itself: the
+    checkpoint would follow every later step."""
+    t = trainer(tmp_path / "model", "--save-dtype", "fp32")
+    t.val = lambda model: (1.0, 1.0)  # a validation (the real one runs minutes in the interpreter)
+    before = [m.detach().clone() for m in t.master]
+    t.evaluate(0.0)
     with torch.no_grad():
-        for m in trainer.master:
+        for m in t.master:
             m.add_(1.0)  # what later steps do to the live weights
-    assert trainer.best_step == 0
-    for best, init in zip(trainer.best_weights, before):
+    assert t.best_step == 0
+    for best, init in zip(t.best_weights, before):
         assert best.dtype == torch.float32 and torch.equal(best, init)
 
 
@@ -156,6 +163,46 @@ def test_learning_rate_follows_the_further_of_steps_and_time():
     assert train.lr_at(a, 60, 110, 500.0) == pytest.approx(1e-4)  # past the budget: fully annealed
     a.max_minutes = None
     assert train.lr_at(a, 60, 110, 500.0) == pytest.approx(half)
+
+
+def test_dialogue_as_chatml():
+    text = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+            "First Citizen:\nYou are all resolved\nrather to die?\n\nthe rest of a speech\n\nMENENIUS:\n\n"
+            "All:\nResolved.\n")
+    assert train.speeches(text) == ["Before we proceed any further, hear me speak.", "Speak, speak.",
+                                     "You are all resolved\nrather to die?", "Resolved."]
+    assert train.dialogue_chat(text) == (
+        "<|im_start|>user\nBefore we proceed any further, hear me speak.<|im_end|>\n"
+        "<|im_start|>assistant\nSpeak, speak.<|im_end|>\n"
+        "<|im_start|>user\nYou are all resolved\nrather to die?<|im_end|>\n"
+        "<|im_start|>assistant\nResolved.<|im_end|>\n")
+
+
+def test_chat_fraction_rows_are_crops_of_the_dialogue(tmp_path):
+    t = trainer(tmp_path / "model", "--batch-size", 4, "--chat-fraction", 0.5)
+    dialogue = t.chat_ids.tolist()
+    assert t.chat_rows == 2 and dialogue[0] == 1 and dialogue.count(2) > 10  # <|im_start|>, <|im_end|>
+    for _ in range(3):
+        x = t.batch().tolist()
+        plain, chat = x[:2], x[2:]
+        for row in chat:
+            assert any(dialogue[i:i + 32] == row for i in range(len(dialogue) - 31)), row
+        assert all(1 not in row and 2 not in row for row in plain)  # no special token in the plain text
+
+
+def test_init_starts_from_a_checkpoint(trained, tmp_path, capsys):
+    from modeling.model import QwenForCausalLM
+
+    base = [x for x in TINY if x not in ("--rope-theta", "1e6")]
+    t = trainer(tmp_path / "model", "--init", trained, base=base)
+    assert t.config.rope_theta == 1e6 and t.a.seq_len == 32  # the checkpoint's settings, not the preset's
+    init = QwenForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    for (name, p), q in zip(init.named_parameters(), t.master):
+        assert torch.equal(p, q), name
+    assert (t.out / "tokenizer.json").read_text() == (trained / "tokenizer.json").read_text()
+    assert train.main([*base, "--out", str(tmp_path / "other"), "--init", str(trained), "--layers", "2"]) == 2
+    assert capsys.readouterr().err == (f"error: --init {trained}: the model's settings come from its config.json; "
+                                       "drop --layers\n")
 
 
 def test_bits_per_char_formula():
