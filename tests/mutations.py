@@ -267,6 +267,11 @@ MUTATIONS = [
              "victim = self.running[-1]", "victim = self.running[0]", ("tests/test_engine_scheduling.py",)),
     Mutation("sampling streams ignore the position", "modeling/engine/sampler.py",
              "^ (positions & M32))", "^ 0)", ("tests/test_engine_scheduling.py",)),
+    # The trainer (tests/test_train.py, test_train_interrupt.py).
+    Mutation("the best weights alias the live ones (fp32 saves)", "modeling/train.py",
+             "m.detach().to(self.save_dtype, copy=True)", "m.detach().to(self.save_dtype)", ("tests/test_train.py",)),
+    Mutation("the time-budget schedule takes the smaller progress", "modeling/train.py",
+             "progress = max(progress, elapsed_s", "progress = min(progress, elapsed_s", ("tests/test_train.py",)),
 ]
 
 
