@@ -6,6 +6,8 @@ q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (any strides, last dim contiguous) -> o [B,
 
 With `causal`, query i sits at position Sk - Sq + i and sees keys 0..Sk-Sq+i, so
 Sk > Sq attends over a cached prefix (chunked prefill / prompt continuation).
+D is any multiple of 16 up to 256: every kernel here holds a head in a `head_block(D)` block,
+masked past D (`head_mask`, which compiles to nothing at powers of two).
 Online softmax in fp32 (base 2): the score matrix never leaves registers. GQA
 reads each kv head in place (no repeat in memory). Grid: (B*Hq, cdiv(Sq, BLOCK_M)).
 The running maximum is kept on the raw scores q.k and the scale applied after the subtraction,

@@ -2,7 +2,8 @@
 
 q [B, Tq, Hq, D], k_cache/v_cache [B, L, Hk, D], cache_seqlens [B] (valid entries,
 the Tq new tokens included) -> o [B, Tq, Hq, D]. Query t of sequence b sits at
-position cache_seqlens[b] - Tq + t and attends to cache[b, :position + 1].
+position cache_seqlens[b] - Tq + t and attends to cache[b, :position + 1]. A head of D (any
+multiple of 16 up to 256) is held in a `head_block(D)` block, masked past D.
 
 Pass 1, grid (B*Hk, NUM_SPLITS): program (b, kv head, s) takes the cache slice
 [s*SPLIT_LEN, (s+1)*SPLIT_LEN) and every query of that kv head's group (Tq x Hq/Hk

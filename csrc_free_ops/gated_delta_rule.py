@@ -23,7 +23,9 @@ dtype (bf16 tensor cores with fp32 accumulation; exact fp32 for fp32 inputs), so
 intermediates W, U, V', the normalised keys and the per-chunk states are stored in that dtype;
 the running state stays fp32. Tile and warp choices have no register spills on sm_90 for
 bf16 and Dk = Dv = 128 (checked with ptxas), except ~150 bytes in `_wy_kernel`; fp32 inputs
-take exact-fp32 FMA products, correct but slow.
+take exact-fp32 FMA products, correct but slow. Dk and Dv are any multiples of 16 up to 256: a
+head is held in a `head_block` block masked past its dim (value blocks are powers of two; the last
+one of a Dv that is not is partly masked).
 
 `_recurrent_kernel`: one program per (batch, head, value block) walks the T decode tokens with
 the state in registers, fusing the l2 norms, g = -exp(A_log) softplus(a + dt_bias) and
