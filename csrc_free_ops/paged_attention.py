@@ -64,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, kernel, next_power_of_2, pdl_launch_dependents, pdl_options,
-                     pdl_wait, softmax_headroom)
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, head_block, head_mask, kernel, next_power_of_2,
+                     pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
 from .decode_attention import _decode_combine_kernel, split_plan
 
 
@@ -123,9 +123,9 @@ def _find_tile(cu_ptr, stride_cu, tile, N, NUM_SEQS, SEARCH_STEPS, BLOCK_Q: tl.c
 
 
 @triton.jit
-def _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off, qk_scale, m_i, l_i,
-                 acc, NUM_BLOCKS, MASKED: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 WIDE_OFFSETS: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr):
+def _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, d_ok, head_off, qk_scale,
+                 m_i, l_i, acc, NUM_BLOCKS, MASKED: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr):
     """One key tile of the online softmax over positions n0 + offs_n, gathered through the block
     table (the paged loader: K and V rows share one offset tile, K transposed after the load).
     MASKED tiles load only positions < hi and mask the causal diagonal; the others lie wholly
@@ -141,9 +141,9 @@ def _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n,
     block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)  # a bad id never reads outside the cache
     offs = ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * (HK * D) + head_off)[:, None] + offs_d[None, :]
     if MASKED:
-        k = tl.load(kc_ptr + offs, mask=pos[:, None] < hi, other=0.0)
+        k = tl.load(kc_ptr + offs, mask=(pos[:, None] < hi) & d_ok[None, :], other=0.0)
     else:
-        k = tl.load(kc_ptr + offs)
+        k = tl.load(kc_ptr + offs, mask=d_ok[None, :], other=0.0)
     s = dot(q, tl.trans(k), tl.zeros((q.shape[0], offs_n.shape[0]), dtype=tl.float32))
     if MASKED:
         s = tl.where((pos[None, :] < hi) & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -156,9 +156,9 @@ def _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n,
     p = tl.exp2((s - m_new_safe[:, None]) * qk_scale) * P_SCALE  # p <= 2^-HEADROOM (common.SOFTMAX_HEADROOM)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if MASKED:
-        v = tl.load(vc_ptr + offs, mask=pos[:, None] < hi, other=0.0)
+        v = tl.load(vc_ptr + offs, mask=(pos[:, None] < hi) & d_ok[None, :], other=0.0)
     else:
-        v = tl.load(vc_ptr + offs)
+        v = tl.load(vc_ptr + offs, mask=d_ok[None, :], other=0.0)
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
@@ -193,9 +193,10 @@ def _paged_attention_kernel(
     h = hk * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (t < qlen)
     tok = (start + t).to(tl.int64)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, head_block(D))  # D not a power of two: the dims past it masked
+    d_ok = head_mask(offs_d, D)
     q = tl.load(q_ptr + tok[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = seq_len - qlen + t
     first_pos = seq_len - qlen + q_first  # the tile's first query; its last sees keys < kv_end
     kv_end = seq_len - qlen + min(q_first + BLOCK_Q, qlen)
@@ -207,15 +208,15 @@ def _paged_attention_kernel(
     head_off = hk * D
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, head_block(D)), dtype=tl.float32)
     for n0 in range(lo, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off,
-                                     qk_scale, m_i, l_i, acc, NUM_BLOCKS, False, HK, D, BLOCK_SIZE, WIDE_OFFSETS,
-                                     HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, d_ok,
+                                     head_off, qk_scale, m_i, l_i, acc, NUM_BLOCKS, False, HK, D, BLOCK_SIZE,
+                                     WIDE_OFFSETS, HEADROOM, P_SCALE)
     for n0 in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, head_off,
-                                     qk_scale, m_i, l_i, acc, NUM_BLOCKS, True, HK, D, BLOCK_SIZE, WIDE_OFFSETS,
-                                     HEADROOM, P_SCALE)
+        m_i, l_i, acc = _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n, offs_d, d_ok,
+                                     head_off, qk_scale, m_i, l_i, acc, NUM_BLOCKS, True, HK, D, BLOCK_SIZE,
+                                     WIDE_OFFSETS, HEADROOM, P_SCALE)
     pdl_launch_dependents(USE_PDL)
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # a row that sees no key: zeros
@@ -223,10 +224,11 @@ def _paged_attention_kernel(
     if SPLIT:
         lse = tl.where(has_keys, m_i * qk_scale + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         part_row = o_row * NUM_SPLITS + split
-        tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None])
+        tl.store(po_ptr + part_row[:, None] * D + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + part_row, lse, mask=row_ok)
     else:
-        tl.store(o_ptr + o_row[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr + o_row[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
 
 
 class Plan(NamedTuple):

@@ -90,6 +90,18 @@ def test_paged_attention_matches_reference(device, dtype, nan_empty):
                 assert not out[batch[3][i]:batch[3][i + 1]].any(), "rows of a length-0 sequence must be zeros"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [48, 80], ids=["d48", "d80"])
+def test_paged_attention_head_dims_not_powers_of_two(device, d, nan_empty):
+    """A head dim inside a wider power-of-two block: the dims past D are masked on every load and
+    store (decode rows and a chunk over a cached prefix; splits through the combine on CUDA)."""
+    cases = [(16, 4, 2, d, [1, 12, 1], [33, 40, 17])] if device == "cpu" else \
+        [(16, 16, 8, d, [1] * 31 + [512], _rng_lens(31, 100, 3000, d) + [1536])]
+    for bs, hq, hk, d_, qlens, lens in cases:
+        batch = paged_batch(bs, hq, hk, d_, qlens, lens, torch.bfloat16, device)
+        _check_batch(batch, f"head_dim {d}")
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [1, 2, 3])
