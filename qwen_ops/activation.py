@@ -13,12 +13,12 @@ from csrc_free_ops import activation as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_like, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd, to_dtype
 
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.to(acc_dtype(gate_up)).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+    gate, up = to_dtype(gate_up, acc_dtype(gate_up)).chunk(2, dim=-1)
+    return to_dtype(F.silu(gate) * up, gate_up.dtype)
 
 
 def silu_mul_split_reference(gate: Tensor, up: Tensor) -> Tensor:

@@ -18,7 +18,12 @@ from csrc_free_ops import attention as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_head_dim, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd, to_dtype
+
+
+QUERY_BLOCK = 128
+"""The prefill references take the queries this many positions at a time: a block's scores
+(Hq x QUERY_BLOCK x Sk per sequence) stay small, and a causal block reads only the keys it sees."""
 
 
 def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -26,60 +31,88 @@ def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
     return t.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
 
 
-def masked_scores(q: Tensor, k: Tensor, scale: float, keep: Tensor) -> Tensor:
-    """scale q k^T [B, Hq, Sq, Sk] in the reference dtype, -inf where keep (broadcastable) is False."""
-    dt = acc_dtype(q)
-    s = (heads_first(q, 1, dt) @ heads_first(k, q.shape[2] // k.shape[2], dt).transpose(-1, -2)) * scale
-    return s.masked_fill(~keep, float("-inf"))
+def query_rows(t: Tensor, hk: int, dtype: torch.dtype) -> Tensor:
+    """[B, S, Hq, D] -> [B, Hk, G * S, D] in dtype, G = Hq / Hk: kv head h's rows are its G query
+    heads' positions, head by head, so one product per kv head serves them all (k, v never copied)."""
+    return to_dtype(t, dtype).unflatten(2, (hk, t.shape[2] // hk)).permute(0, 2, 3, 1, 4).flatten(2, 3)
 
 
-def causal_keep(sq: int, sk: int, device) -> Tensor:
-    """[Sq, Sk] True where query i (at position Sk - Sq + i) sees key j."""
-    return torch.arange(sk, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (sk - sq)
+def heads_last(t: Tensor, g: int, s: int, dtype: torch.dtype) -> Tensor:
+    """query_rows' inverse: [B, Hk, G * S, D] -> [B, S, Hk * G, D], contiguous, in dtype."""
+    return to_dtype(t.unflatten(2, (g, s)).permute(0, 3, 1, 2, 4).flatten(2, 3).contiguous(), dtype)
+
+
+def grouped_scores(q: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """scale q k^T as [B, Hk, G, Sq, Sk] in keys' dtype (query_rows' layout); keys: k [B, Sk, Hk, D]
+    heads first, [B, Hk, Sk, D] (k.transpose(1, 2): a view, or a copy, which the products read faster)."""
+    rows = query_rows(q, keys.shape[1], keys.dtype) * scale
+    return (rows @ keys.transpose(-1, -2)).unflatten(2, (q.shape[2] // keys.shape[1], q.shape[1]))
+
+
+def grouped_output(p: Tensor, values: Tensor, dtype: torch.dtype) -> Tensor:
+    """p [B, Hk, G, Sq, Sk] @ values (v [B, Sk, Hk, D] heads first, [B, Hk, Sk, D]) -> o [B, Sq, Hk * G, D],
+    contiguous, in dtype."""
+    return heads_last(p.flatten(2, 3) @ values, p.shape[2], p.shape[3], dtype)
+
+
+def causal_mask(sq: int, sk: int, dtype: torch.dtype, device) -> Tensor:
+    """[Sq, Sk], added to the scores: 0 where query i (at position Sk - Sq + i) sees key j <= Sk - Sq + i,
+    -inf where it does not."""
+    sees = torch.arange(sk, device=device)[None, :] <= torch.arange(sq, device=device)[:, None] + (sk - sq)
+    return torch.zeros(sq, sk, dtype=dtype, device=device).masked_fill(~sees, float("-inf"))
+
+
+def _block_scores(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+    """For each block of QUERY_BLOCK queries: its masked scores [B, Hk, G, block, Sk'] and the
+    values they weigh ([B, Hk, Sk', D]), Sk' the keys its last query sees (all Sk without causal)."""
+    sq, sk, dt = q.shape[1], k.shape[1], acc_dtype(q)
+    keys, values = to_dtype(k, dt).transpose(1, 2).contiguous(), to_dtype(v, dt).transpose(1, 2)
+    for start in range(0, max(sq, 1), QUERY_BLOCK):  # Sq = 0: one empty block
+        stop = min(start + QUERY_BLOCK, sq)
+        seen = sk - sq + stop if causal else sk
+        s = grouped_scores(q[:, start:stop], keys[:, :, :seen], scale)
+        if causal:  # every query of the block sees all but the last stop - start keys
+            s[..., seen - (stop - start):] += causal_mask(stop - start, stop - start, dt, q.device)
+        yield s, values[:, :, :seen]
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
-    return attention_with_lse_reference(q, k, v, scale, causal)[0]
+    """softmax(scale q k^T + mask) v, QUERY_BLOCK queries at a time."""
+    return torch.cat([grouped_output(torch.softmax(s, dim=-1), vb, q.dtype)
+                      for s, vb in _block_scores(q, k, v, scale, causal)], dim=1)
 
 
 def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, scale: float,
                                  causal: bool = True) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, scale, causal)
-    o = torch.softmax(s, dim=-1) @ heads_first(v, q.shape[2] // k.shape[2], s.dtype)
-    return o.transpose(1, 2).contiguous().to(q.dtype), torch.logsumexp(s, dim=-1)
-
-
-def _scores(q, k, scale, causal):
-    """Masked scale q k^T [B, Hq, Sq, Sk] in the reference dtype."""
-    sq, sk = q.shape[1], k.shape[1]
-    keep = causal_keep(sq, sk, q.device) if causal else torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    return masked_scores(q, k, scale, keep)
+    """attention_reference's output and the logsumexp of each query's masked scores [B, Hq, Sq]."""
+    outs, lses = [], []
+    for s, vb in _block_scores(q, k, v, scale, causal):
+        outs.append(grouped_output(torch.softmax(s, dim=-1), vb, q.dtype))
+        lses.append(torch.logsumexp(s, dim=-1).flatten(1, 2))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
 
 
 def attention_backward_reference(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Optional[Tensor],
                                  scale: float, causal: bool = True,
                                  dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain math (o and lse are recomputed; the arguments only mirror the kernel's)."""
-    s = _scores(q, k, scale, causal)
-    dt, group = s.dtype, q.shape[2] // k.shape[2]
-    qf, kf, vf = heads_first(q, 1, dt), heads_first(k, group, dt), heads_first(v, group, dt)
-    p = torch.softmax(s, dim=-1)
-    dof = do.to(dt).transpose(1, 2)
-    of = p @ vf
-    dp = dof @ vf.transpose(-1, -2)
-    delta = (dof * of).sum(-1, keepdim=True)
+    """Plain math over the whole score matrix in query_rows' layout (dk, dv sum over the rows of
+    each kv head's query heads); o and lse are recomputed, the arguments only mirror the kernel's."""
+    sq, sk, hk, dt = q.shape[1], k.shape[1], k.shape[2], acc_dtype(q)
+    kf, vf = to_dtype(k, dt).transpose(1, 2), to_dtype(v, dt).transpose(1, 2)  # [B, Hk, Sk, D]
+    s = grouped_scores(q, kf, scale)
+    if causal:
+        s = s + causal_mask(sq, sk, s.dtype, q.device)
+    g = s.shape[2]
+    p = torch.softmax(s, dim=-1).flatten(2, 3)  # [B, Hk, G * Sq, Sk]
+    dof = query_rows(do, hk, dt)
+    delta = (dof * (p @ vf)).sum(-1, keepdim=True)
     if dlse is not None:
-        delta = delta - dlse.to(dt)[..., None]
-    ds = p * (dp - delta)
-    dq = (ds @ kf) * scale
-    dk = (ds.transpose(-1, -2) @ qf) * scale
+        delta = delta - dlse.to(dt).unflatten(1, (hk, g)).flatten(2, 3)[..., None]
+    ds = p * (dof @ vf.transpose(-1, -2) - delta)
+    dq = heads_last((ds @ kf) * scale, g, sq, q.dtype)
+    dk = (ds.transpose(-1, -2) @ query_rows(q, hk, dt)) * scale
     dv = p.transpose(-1, -2) @ dof
-    b, hk, sk, d = k.shape[0], k.shape[2], k.shape[1], k.shape[3]
-
-    def fold(t):  # [B, Hq, Sk, D] -> [B, Sk, Hk, D]: sum over the query heads of each group
-        return t.reshape(b, hk, group, sk, d).sum(2).transpose(1, 2).contiguous()
-
-    return (dq.transpose(1, 2).contiguous().to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype))
+    return dq, dk.transpose(1, 2).contiguous().to(k.dtype), dv.transpose(1, 2).contiguous().to(v.dtype)
 
 
 def check_heads(op, q, k, v, k_name, v_name):

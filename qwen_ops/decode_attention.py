@@ -13,29 +13,42 @@ from torch import Tensor
 
 from csrc_free_ops import decode_attention as kernels
 
-from .attention import check_heads, heads_first, masked_scores
+from .attention import check_heads, grouped_output, grouped_scores
 from .checks import check_index, fail
-from .registry import define
+from .registry import acc_dtype, define, to_dtype
 
 MAX_DECODE_ROWS = 128
 """decode_attention handles Tq * (Hq / Hk) <= 128 query rows per kv head: a few tokens, not a prefill."""
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, scale: float) -> Tensor:
-    """Lengths are clamped to [0, L] as the kernel does; a query that sees no key gives zeros. Cache
-    entries past a sequence's length are zeroed before the products (the kernel never reads them),
-    so whatever they hold (NaN included) cannot reach the output."""
-    tq, cache_len = q.shape[1], k_cache.shape[1]
-    seqlens = cache_seqlens.long().clamp(0, cache_len)
-    slots = torch.arange(cache_len, device=q.device)
-    stored = (slots[None, :] < seqlens[:, None])[:, :, None, None]  # [B, L, 1, 1]
-    k_cache, v_cache = k_cache.where(stored, 0.0), v_cache.where(stored, 0.0)
-    q_pos = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
-    keep = (slots[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Tq, L]
-    s = masked_scores(q, k_cache, scale, keep)
-    p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
-    o = p @ heads_first(v_cache, q.shape[2] // k_cache.shape[2], s.dtype)
-    return o.transpose(1, 2).contiguous().to(q.dtype)
+    """softmax(scale q k^T + mask) v over each sequence's cache[b, :cache_seqlens[b]], query t at
+    position cache_seqlens[b] - Tq + t seeing the slots up to its own. Lengths are clamped to
+    [0, L] as the kernel does; a query that sees no key gives zeros. Whatever a slot past a
+    sequence's length holds (NaN included) cannot reach the output: its scores are replaced by
+    -inf and its values by 0 (0 * NaN would be NaN). On the CPU only the slots some sequence
+    holds are read (held_slots)."""
+    tq, dt = q.shape[1], acc_dtype(q)
+    seqlens = cache_seqlens.clamp(0, k_cache.shape[1])
+    shortest, n = held_slots(seqlens, k_cache.shape[1])
+    slots = torch.arange(n, device=q.device)
+    keys, values = (to_dtype(c[:, :n], dt).transpose(1, 2) for c in (k_cache, v_cache))  # [B, Hk, n, D]
+    if shortest < n:  # a sequence ends before slot n: its values past its length become 0
+        values = values.where(slots[:, None] < seqlens[:, None, None, None], 0.0)
+    positions = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
+    unseen = slots > positions[:, None, None, :, None]  # [B, 1, 1, Tq, n]; includes every slot past the length
+    s = grouped_scores(q, keys, scale).masked_fill(unseen, float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(unseen.all(-1, keepdim=True), 0.0)
+    return grouped_output(p, values, q.dtype)
+
+
+def held_slots(seqlens: Tensor, cache_len: int) -> tuple[int, int]:
+    """(slots every sequence holds, slots some sequence holds): the shortest and the longest
+    length on the CPU, where reading them is free; (0, L) elsewhere, where it would cost a host sync."""
+    if seqlens.device.type != "cpu":
+        return 0, cache_len
+    lengths = seqlens.tolist()
+    return (min(lengths), max(lengths)) if lengths else (0, 0)
 
 
 def _check_decode(q, k_cache, v_cache, cache_seqlens):

@@ -35,7 +35,7 @@ from .checks import check_float, check_head_dim, check_index, check_same, fail
 from .kv_cache import kv_cache_store_reference
 from .linear import linear_reference
 from .norm import rms_norm_reference
-from .registry import acc_dtype, define
+from .registry import acc_dtype, define, to_dtype
 from .rope import rope_reference
 
 
@@ -46,7 +46,7 @@ def norm_linear_reference(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: 
 
 def linear_residual_reference(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     dt = acc_dtype(x)
-    return (linear_reference(x, weight).to(dt) + residual.to(dt)).to(residual.dtype)
+    return to_dtype(to_dtype(linear_reference(x, weight), dt) + to_dtype(residual, dt), residual.dtype)
 
 
 def norm_gate_up_silu_reference(x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, eps: float = 1e-6,

@@ -15,9 +15,9 @@ from .registry import define
 
 
 def kv_cache_store_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor) -> None:
-    batch = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
-    k_cache[batch, positions.long()] = k
-    v_cache[batch, positions.long()] = v
+    batch, slots = torch.arange(k.shape[0], device=k.device)[:, None], positions.long()  # [B, 1], [B, T]
+    k_cache[batch, slots] = k
+    v_cache[batch, slots] = v
 
 
 def _check(k, v, k_cache, v_cache, positions):

@@ -8,6 +8,7 @@ come back as empty tensors.
 """
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -15,12 +16,27 @@ from csrc_free_ops import linear as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd, to_dtype
+
+
+SLICE_FEATURES = 1024
+SLICED_ROWS = range(2, 512)
+"""linear_reference takes a weight of more than SLICE_FEATURES output features SLICE_FEATURES at a
+time when x has SLICED_ROWS rows: one thread of MKL's fp32 GEMM (PyTorch's CPU BLAS) runs such a
+product 10-20% slower whole than in slices (Qwen3-0.6B's fused 6144-feature gate/up and
+4096-feature QKV weights in a 128-token prefill; docs/performance.md, the CPU path). One row (a
+decode step) and longer prefills run faster whole. Every output feature is the same dot product."""
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     dt = acc_dtype(x)
-    return F.linear(x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)).to(x.dtype)
+    xf, n = to_dtype(x, dt), weight.shape[0]
+    if n <= SLICE_FEATURES or x.shape[:-1].numel() not in SLICED_ROWS:
+        return to_dtype(F.linear(xf, to_dtype(weight, dt), None if bias is None else to_dtype(bias, dt)), x.dtype)
+    pieces = [F.linear(xf, to_dtype(weight[i:i + SLICE_FEATURES], dt),
+                       None if bias is None else to_dtype(bias[i:i + SLICE_FEATURES], dt))
+              for i in range(0, n, SLICE_FEATURES)]
+    return to_dtype(torch.cat(pieces, dim=-1), x.dtype)
 
 
 def linear_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bool = True, need_dw: bool = True,

@@ -19,13 +19,13 @@ from csrc_free_ops import norm as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_like, check_same, fail
-from .registry import acc_dtype, define, last_dim_contiguous, register_autograd
+from .registry import acc_dtype, define, last_dim_contiguous, register_autograd, to_dtype
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
-    xf = x.to(acc_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(xf.dtype) + offset)
-    return y.to(x.dtype)
+    xf = to_dtype(x, acc_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (to_dtype(weight, xf.dtype) + offset)
+    return to_dtype(y, x.dtype)
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,

@@ -69,6 +69,12 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself when it already is (``Tensor.to`` costs a dispatcher call even then,
+    which the references on the CPU path pay for every operand)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def define(reference: Callable, kernel: Callable, check: Callable, fake: Callable,
            mutates_args: Iterable[str] = (), dispatch_arg: int = 0, check_values: Optional[Callable] = None,
            traceable: bool = True):

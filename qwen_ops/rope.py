@@ -27,7 +27,7 @@ from csrc_free_ops.rope import MAX_POSITION
 
 from .checks import check_float, check_index, check_same, fail
 from .norm import rms_norm_backward_reference, rms_norm_reference
-from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd
+from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd, to_dtype
 
 
 def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
@@ -35,7 +35,7 @@ def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.
     position outside [-MAX_POSITION, MAX_POSITION], as in the kernels."""
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim)
     in_range = (positions >= -MAX_POSITION) & (positions <= MAX_POSITION)
-    angle = positions.to(dtype).masked_fill(~in_range, float("nan"))[..., None, None] * inv_freq
+    angle = positions.to(dtype).where(in_range, float("nan"))[..., None, None] * inv_freq
     return angle.cos(), angle.sin()
 
 
@@ -47,11 +47,11 @@ def rope_reference(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary
     cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
 
     def rotate(x, w):
-        xf = x.to(dt)
+        xf = to_dtype(x, dt)
         if w is not None:
             xf = rms_norm_reference(xf, w, norm_eps, norm_offset)
         x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+        return to_dtype(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1), x.dtype)
 
     return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
 

@@ -2,10 +2,11 @@
 import math
 
 import torch
+import torch.nn.functional as F
 
-from qwen_ops import (add_rms_norm_reference, attention_reference, decode_attention_reference,
-                      kv_cache_store_reference, linear_reference, rms_norm_reference, rope_reference,
-                      silu_mul_reference)
+from qwen_ops import (add_rms_norm_reference, attention_reference, attention_with_lse_reference,
+                      decode_attention_reference, kv_cache_store_reference, linear_reference, rms_norm_reference,
+                      rope_reference, silu_mul_reference)
 from tests.helpers import assert_close
 
 
@@ -45,6 +46,19 @@ def test_linear_and_silu_mul_references():
     assert_close(silu_mul_reference(gu), g / (1 + torch.exp(-g)) * u)
 
 
+def test_linear_reference_in_slices():
+    """A few rows by a weight wider than SLICE_FEATURES (three slices, the last partial) with a bias:
+    the same product as x @ w.T + b; one row and many rows (taken whole) too."""
+    from qwen_ops.linear import SLICE_FEATURES, SLICED_ROWS
+
+    n = 2 * SLICE_FEATURES + 5
+    w, b = torch.randn(n, 8, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    for rows in (1, 3, SLICED_ROWS.stop):
+        x = torch.randn(rows, 8, dtype=torch.float64)
+        assert_close(linear_reference(x, w, b), torch.addmm(b, x, w.t()), what=f"{rows} rows")
+        assert_close(linear_reference(x, w), x @ w.t(), what=f"{rows} rows, no bias")
+
+
 def _naive_attention(q, k, v, scale, allowed):
     """Per (batch, head, query) loops; allowed(b, i, j) says whether query i sees key j."""
     bsz, sq, hq, d = q.shape
@@ -73,6 +87,67 @@ def test_decode_attention_reference_against_loops():
     lens = torch.tensor([3, 9], dtype=torch.int32)
     expected = _naive_attention(q, kc, vc, 0.3, lambda b, i, j: j <= int(lens[b]) - 2 + i)
     assert_close(decode_attention_reference(q, kc, vc, lens, 0.3), expected)
+
+
+def _sdpa64(q, k, v, scale, keep=None):
+    """float64 SDPA of q [Sq, Hq, D] over k, v [Sk, Hk, D]; keep [Sq, Sk] True where a query sees a key."""
+    q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=True).transpose(0, 1)
+
+
+def test_attention_reference_matches_float64_sdpa():
+    """Prefill over several query blocks (the last one partial), causal with a cached prefix (Sk > Sq) and
+    without, GQA: float64 in, float64 out, equal to SDPA to float64 rounding; lse is the logsumexp of
+    each query's masked scores. fp32 in: within fp32 rounding of the same float64 result."""
+    from qwen_ops.attention import QUERY_BLOCK
+
+    sq, sk, hq, hk, d = 2 * QUERY_BLOCK + 37, 2 * QUERY_BLOCK + 50, 4, 2, 16
+    q, k, v = torch.randn(1, sq, hq, d, dtype=torch.float64), *torch.randn(2, 1, sk, hk, d, dtype=torch.float64)
+    for causal in (True, False):
+        keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq) if causal else None
+        expected = _sdpa64(q[0], k[0], v[0], 0.3, keep)[None]
+        out, lse = attention_with_lse_reference(q, k, v, 0.3, causal)
+        assert out.dtype == lse.dtype == torch.float64
+        assert_close(out, expected, what=f"causal={causal}")
+        assert_close(attention_reference(q, k, v, 0.3, causal), expected, what=f"causal={causal}")
+        s = torch.einsum("qhd,khd->hqk", q[0], k[0].repeat_interleave(hq // hk, 1)) * 0.3
+        assert_close(lse[0], s.masked_fill(~keep, float("-inf")).logsumexp(-1) if causal else s.logsumexp(-1))
+        assert_close(attention_reference(q.float(), k.float(), v.float(), 0.3, causal), expected.float())
+
+
+def _decode_expected(q, k_cache, v_cache, lens, scale):
+    """Per sequence b: float64 SDPA of its Tq queries over cache[b, :lens[b]], query t seeing the slots up to
+    lens[b] - Tq + t."""
+    tq = q.shape[1]
+    outs = []
+    for b, n in enumerate(lens):
+        keep = torch.arange(n)[None, :] <= torch.arange(tq)[:, None] + (n - tq)
+        outs.append(_sdpa64(q[b], k_cache[b, :n], v_cache[b, :n], scale, keep))
+    return torch.stack(outs)
+
+
+def test_decode_attention_reference_matches_float64_sdpa_on_ragged_batches():
+    """Ragged lengths (one just Tq, one the whole cache) and equal ones, NaN in both caches past each
+    length: float64 stays float64 and equals float64 SDPA over each sequence's own slots; fp32 within
+    fp32 rounding of it. No NaN reaches the output, whatever the cache's capacity past the lengths."""
+    hq, hk, d, cache_len = 4, 2, 16, 90
+    for tq, lens in ((1, [1, 37, 64, 90]), (3, [3, 40, 41, 90]), (2, [50, 50])):
+        b = len(lens)
+        q = torch.randn(b, tq, hq, d, dtype=torch.float64)
+        k_cache, v_cache = torch.randn(2, b, cache_len, hk, d, dtype=torch.float64)
+        for i, n in enumerate(lens):
+            k_cache[i, n:] = v_cache[i, n:] = float("nan")
+        seqlens = torch.tensor(lens, dtype=torch.int32)
+        expected = _decode_expected(q, k_cache, v_cache, lens, 0.3)
+        out = decode_attention_reference(q, k_cache, v_cache, seqlens, 0.3)
+        assert out.dtype == torch.float64 and torch.isfinite(out).all(), f"Tq={tq} lengths {lens}"
+        assert_close(out, expected, what=f"float64 Tq={tq} lengths {lens}")
+        out32 = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), seqlens, 0.3)
+        assert out32.dtype == torch.float32 and torch.isfinite(out32).all()
+        assert_close(out32, expected.float(), what=f"fp32 Tq={tq} lengths {lens}")
+        nan_slots = torch.full((b, 4000, hk, d), float("nan"), dtype=torch.float64)
+        longer = [torch.cat([c, nan_slots], 1) for c in (k_cache, v_cache)]
+        assert torch.equal(decode_attention_reference(q, *longer, seqlens, 0.3), out), "the capacity changed the result"
 
 
 def test_kv_cache_store_reference():
