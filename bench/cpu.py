@@ -14,12 +14,16 @@ CUDA runs) and transformers' own CPU forward, on the same random Qwen3-shaped we
   ``model(ids, positions, cache)``; transformers with ``logits_to_keep=1``).
 
 The machine's cores may be shared, so each round measures every row back to back (drift reaches
-them alike) and the table gives the median and the best over ``--rounds``. On a busy machine
-``--threads 1`` gives steadier numbers: with several threads every parallel op waits for its
-slowest thread, and a thread that lost its core makes a microsecond op cost a scheduler slice.
-Before timing, the prefill logits of both are compared (max |ours - transformers|), so the rows
-compute the same thing. ``--profile K``: one decode step and one prefill of each under torch.profiler, the K ops
-with the most self CPU time and their input shapes, to see where the time goes.
+them alike; the odd rounds run the rows in reverse order). Each row is timed twice: wall time and
+this process's CPU time. On a busy machine ``--threads 1`` gives steadier numbers: with several
+threads every parallel op waits for its slowest thread, and a thread that lost its core makes a
+microsecond op cost a scheduler slice; with one thread the CPU time leaves out the slices other
+processes take of the core (not their share of the caches and memory bandwidth). The table gives
+each row's medians and best over ``--rounds`` and its ratio to transformers' row of the same
+round: the median over the rounds and the lowest and highest. Before timing, the prefill logits
+of both are compared (max |ours - transformers|), so the rows compute the same thing.
+``--profile K``: one decode step and one prefill of each under torch.profiler, the K ops with the
+most self CPU time and their input shapes, to see where the time goes.
 ``--shape small`` (a 4-layer, hidden-256 model) is a quick check of the plumbing. Run it without
 TRITON_INTERPRET: with it set, ours runs the Triton interpreter (the header names the path).
 """
@@ -72,10 +76,11 @@ def llm_cache_len(need: int) -> int:
     return max(MIN_AUTO_SEQ_LEN, 1 << (need - 1).bit_length())
 
 
-def seconds(fn) -> float:
-    t0 = time.perf_counter()
+def timed(fn, per: int = 1) -> tuple[float, float]:
+    """(wall, CPU time of this process) in seconds that fn() takes, divided by ``per``."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return (time.perf_counter() - wall) / per, (time.process_time() - cpu) / per
 
 
 class Ours:
@@ -88,15 +93,13 @@ class Ours:
             model(context_ids, torch.arange(self.context)[None], cache)
         self.prefill_cache = model.new_cache(1, prompt_len)
 
-    def decode(self, cache_len: int, steps: int) -> float:
-        """Seconds per token over ``steps`` steps after the context (the same positions every round)."""
+    def decode(self, cache_len: int, steps: int) -> None:
+        """``steps`` steps after the context (the same positions every round)."""
         token, cache = torch.zeros(1, 1, dtype=torch.int64), self.caches[cache_len]
-        t0 = time.perf_counter()
         for i in range(steps):
             pos = torch.full((1, 1), self.context + i)
             lens = torch.full((1,), self.context + i + 1, dtype=torch.int32)
             token = self.model(token, pos, cache, lens).argmax(-1, keepdim=True)
-        return (time.perf_counter() - t0) / steps
 
     def prefill(self, ids) -> torch.Tensor:
         return self.model(ids, torch.arange(ids.shape[1])[None], self.prefill_cache)
@@ -114,15 +117,15 @@ class Peer:
         self.cache = transformers.DynamicCache(config=model.config)
         model(context_ids, use_cache=True, logits_to_keep=1, **{self.cache_arg: self.cache})
 
-    def decode(self, steps: int) -> float:
+    def decode(self, steps: int) -> None:
+        """``steps`` steps after the context; ``crop`` takes the cache back to it."""
         token = torch.zeros(1, 1, dtype=torch.int64)
-        t0 = time.perf_counter()
         for _ in range(steps):
             logits = self.model(token, use_cache=True, **{self.cache_arg: self.cache}).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
-        elapsed = time.perf_counter() - t0
-        self.cache.crop(-steps)  # back to the context
-        return elapsed / steps
+
+    def crop(self, steps: int) -> None:
+        self.cache.crop(-steps)
 
     def prefill(self, ids) -> torch.Tensor:
         return self.model(ids, use_cache=False, logits_to_keep=1).logits[:, -1]
@@ -159,39 +162,54 @@ def parse_args():
 
 
 def measure(a, ours: Ours, peer: Peer, prompt_ids) -> dict:
-    """Seconds per row (per token for decode, per prefill), one entry per round; every row in each round."""
-    rows = {f"decode, ours, cache of {n}": [] for n in a.cache_lens}
-    rows.update({PEER_ROWS["decode"]: [], "prefill, ours": [], PEER_ROWS["prefill"]: []})
+    """(wall, CPU) seconds per row (per token for decode, per prefill), one entry per round; every
+    row in each round, the odd rounds in reverse order (no row always runs first or after another)."""
+    decode = [(f"decode, ours, cache of {n}", lambda n=n: ours.decode(n, a.steps)) for n in a.cache_lens]
+    decode.append((PEER_ROWS["decode"], lambda: peer.decode(a.steps)))
+    prefill = [("prefill, ours", lambda: ours.prefill(prompt_ids)),
+               (PEER_ROWS["prefill"], lambda: peer.prefill(prompt_ids))]
+    rows = {name: [] for name, _ in decode + prefill}
     for r in range(a.rounds):
-        for n in a.cache_lens:
-            rows[f"decode, ours, cache of {n}"].append(ours.decode(n, a.steps))
-        rows[PEER_ROWS["decode"]].append(peer.decode(a.steps))
-        rows["prefill, ours"].append(seconds(lambda: ours.prefill(prompt_ids)))
-        rows[PEER_ROWS["prefill"]].append(seconds(lambda: peer.prefill(prompt_ids)))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in rows.items()), flush=True)
+        order = -1 if r % 2 else 1
+        for name, fn in decode[::order]:
+            rows[name].append(timed(fn, a.steps))
+        peer.crop(a.steps)
+        for name, fn in prefill[::order]:
+            rows[name].append(timed(fn))
+        print(f"round {r + 1} (wall / CPU ms): " + ", ".join(f"{k} {v[-1][0] * 1e3:.0f} / {v[-1][1] * 1e3:.0f}"
+                                                             for k, v in rows.items()), flush=True)
     return rows
 
 
 def print_profiles(a, ours: Ours, peer: Peer, prompt_ids) -> None:
     n = a.cache_lens[0]
     for name, fn in [(f"ours, decode step, cache of {n}", lambda: ours.decode(n, 1)),
-                     ("transformers, decode step", lambda: peer.decode(1)),
+                     ("transformers, decode step", lambda: (peer.decode(1), peer.crop(1))),
                      ("ours, prefill", lambda: ours.prefill(prompt_ids)),
                      ("transformers, prefill", lambda: peer.prefill(prompt_ids))]:
         print(f"\n## {name}\n{profile_table(fn, a.profile)}", flush=True)
 
 
+def ratios(times: list, peer: list, clock: int) -> str:
+    """A row's time over transformers' row of the same round, on one clock (0 wall, 1 CPU): the
+    median over the rounds [lowest, highest]."""
+    r = [t[clock] / p[clock] for t, p in zip(times, peer)]
+    return f"{statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]"
+
+
 def render(a, rows: dict, path: str, diff: float) -> str:
-    """The markdown table: median and best of each row, and its median over transformers'."""
+    """The markdown table: each row's wall and CPU medians and best, and its ratios to transformers'."""
     shape = (a.shape + (f", {a.layers} layers" if a.layers else "") + f", fp32, batch 1, context {a.context}"
              f" + {a.steps} steps, prompt {a.prompt}")
     lines = [f"# bench/cpu.py, {datetime.date.today()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
              "", f"{shape}; ours: {path}; {a.rounds} rounds, every row in each round; max |logit diff| {diff:.1e}",
-             "", "| row | median ms | best ms | median / transformers |", "|---|---|---|---|"]
+             "", "| row | wall ms, median | CPU ms, median | CPU ms, best | CPU / transformers, median [range] "
+                 "| wall / transformers, median [range] |", "|---|---|---|---|---|---|"]
     for name, times in rows.items():
-        peer_median = statistics.median(rows[PEER_ROWS[name.split(",")[0]]])
-        lines.append(f"| {name} | {statistics.median(times) * 1e3:.1f} | {min(times) * 1e3:.1f} | "
-                     f"{statistics.median(times) / peer_median:.2f} |")
+        peer = rows[PEER_ROWS[name.split(",")[0]]]
+        lines.append(f"| {name} | {statistics.median(t[0] for t in times) * 1e3:.1f} | "
+                     f"{statistics.median(t[1] for t in times) * 1e3:.1f} | {min(t[1] for t in times) * 1e3:.1f} | "
+                     f"{ratios(times, peer, 1)} | {ratios(times, peer, 0)} |")
     return "\n".join(lines) + "\n"
 
 
