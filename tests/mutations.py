@@ -213,7 +213,7 @@ MUTATIONS = [
     Mutation("rope skips its CPU position check", "qwen_ops/rope.py", "if lo < -MAX_POSITION or hi > MAX_POSITION:",
              "if False:", ("tests/test_ops_rope.py",)),
     Mutation("decode_attention_reference lets the cache past a length reach the output", "qwen_ops/decode_attention.py",
-             "    k_cache, v_cache = k_cache.where(stored, 0.0), v_cache.where(stored, 0.0)\n", "",
+             "        values = values.where(slots[:, None] < seqlens[:, None, None, None], 0.0)\n", "        pass\n",
              ("tests/test_ops_attention.py",)),
     Mutation("fused decode weight prefetch issued after the wait", "csrc_free_ops/fused_decode.py",
              "    if PREFETCH:  # the whole weight slice is in flight before the program waits for its input\n"
