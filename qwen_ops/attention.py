@@ -34,12 +34,14 @@ def heads_first(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
 def query_rows(t: Tensor, hk: int, dtype: torch.dtype) -> Tensor:
     """[B, S, Hq, D] -> [B, Hk, G * S, D] in dtype, G = Hq / Hk: kv head h's rows are its G query
     heads' positions, head by head, so one product per kv head serves them all (k, v never copied)."""
-    return to_dtype(t, dtype).unflatten(2, (hk, t.shape[2] // hk)).permute(0, 2, 3, 1, 4).flatten(2, 3)
+    b, sq, hq, d = t.shape
+    return to_dtype(t, dtype).transpose(1, 2).reshape(b, hk, hq // hk * sq, d)
 
 
 def heads_last(t: Tensor, g: int, s: int, dtype: torch.dtype) -> Tensor:
     """query_rows' inverse: [B, Hk, G * S, D] -> [B, S, Hk * G, D], contiguous, in dtype."""
-    return to_dtype(t.unflatten(2, (g, s)).permute(0, 3, 1, 2, 4).flatten(2, 3).contiguous(), dtype)
+    b, hk, _, d = t.shape
+    return to_dtype(t.reshape(b, hk * g, s, d).transpose(1, 2).contiguous(), dtype)
 
 
 def grouped_scores(q: Tensor, keys: Tensor, scale: float) -> Tensor:

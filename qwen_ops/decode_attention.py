@@ -27,18 +27,20 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     [0, L] as the kernel does; a query that sees no key gives zeros. Whatever a slot past a
     sequence's length holds (NaN included) cannot reach the output: its scores are replaced by
     -inf and its values by 0 (0 * NaN would be NaN). On the CPU only the slots some sequence
-    holds are read (held_slots)."""
+    holds are read, and the masks are skipped where every query sees all of them (held_slots)."""
     tq, dt = q.shape[1], acc_dtype(q)
     seqlens = cache_seqlens.clamp(0, k_cache.shape[1])
     shortest, n = held_slots(seqlens, k_cache.shape[1])
-    slots = torch.arange(n, device=q.device)
     keys, values = (to_dtype(c[:, :n], dt).transpose(1, 2) for c in (k_cache, v_cache))  # [B, Hk, n, D]
-    if shortest < n:  # a sequence ends before slot n: its values past its length become 0
+    s = grouped_scores(q, keys, scale)  # [B, Hk, G, Tq, n]
+    if shortest - tq + 1 >= n:  # the first query of the shortest sequence sees all n slots: so does every query
+        return grouped_output(torch.softmax(s, dim=-1), values, q.dtype)
+    slots = torch.arange(n, device=q.device)
+    if shortest < n:  # a sequence ends before slot n
         values = values.where(slots[:, None] < seqlens[:, None, None, None], 0.0)
     positions = seqlens[:, None] - tq + torch.arange(tq, device=q.device)  # [B, Tq]
     unseen = slots > positions[:, None, None, :, None]  # [B, 1, 1, Tq, n]; includes every slot past the length
-    s = grouped_scores(q, keys, scale).masked_fill(unseen, float("-inf"))
-    p = torch.softmax(s, dim=-1).masked_fill(unseen.all(-1, keepdim=True), 0.0)
+    p = torch.softmax(s.masked_fill(unseen, float("-inf")), dim=-1).masked_fill(unseen.all(-1, keepdim=True), 0.0)
     return grouped_output(p, values, q.dtype)
 
 
@@ -67,8 +69,9 @@ def _check_decode(q, k_cache, v_cache, cache_seqlens):
 
 def _check_seqlens(cache_seqlens: Tensor, tq: int, cache_len: int):
     """Value check, CPU tensors only (free there; a host sync on CUDA, where the kernel clamps instead)."""
-    if cache_seqlens.numel():
-        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+    lengths = cache_seqlens.tolist()
+    if lengths:
+        lo, hi = min(lengths), max(lengths)
         if lo < tq or hi > cache_len:
             fail("decode_attention", f"cache_seqlens must lie in [Tq={tq}, L={cache_len}] (the new tokens are "
                                      f"already stored, the cache holds L), got values in [{lo}, {hi}]")
