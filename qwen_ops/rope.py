@@ -33,7 +33,8 @@ from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholde
 def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.dtype):
     """cos, sin of the angles [..., 1, R/2] (broadcast over heads) for positions [...]; NaN for a
     position outside [-MAX_POSITION, MAX_POSITION], as in the kernels."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim)
+    exponents = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim
+    inv_freq = (theta ** exponents).reciprocal()  # 1 / theta^(2i/R), rounded as transformers rounds it
     in_range = (positions >= -MAX_POSITION) & (positions <= MAX_POSITION)
     angle = positions.to(dtype).where(in_range, float("nan"))[..., None, None] * inv_freq
     return angle.cos(), angle.sin()
