@@ -141,8 +141,9 @@ class StopStrings:
         return out
 
 
-class _Row:
-    """One completion's text as its tokens arrive."""
+class TextRow:
+    """One completion's text as its tokens arrive: incremental detokenization, then ``StopStrings``
+    (public for ``modeling.serve``, which builds a completion's text the same way)."""
 
     def __init__(self, tokenizer: QwenTokenizer, params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -332,7 +333,7 @@ class LLM:
             params = replace(params, seed=(params.seed + index_offset) % INT64_LIMIT)
         with self._lock:
             gen, max_new = self._generator_for(len(prompts), max(map(len, prompts)), self.max_new_tokens(params))
-            rows = [_Row(self.tokenizer, params) for _ in prompts]
+            rows = [TextRow(self.tokenizer, params) for _ in prompts]
             outputs: List[Optional[RequestOutput]] = [None] * len(prompts)
 
             def on_token(i: int, token: int):
