@@ -14,41 +14,68 @@ read K times, from L1/L2. The program of the first t-range also writes the new s
 Prefill (`causal_conv1d`) splits T over programs; decode (`causal_conv1d_update`) gives
 each channel block one program that walks all T steps, reading the old state before it
 writes the new one in place (no other program touches those channels).
+
+Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence slots and
+"continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
+kernel over tiles of 64 rows that never cross a sequence boundary (gated_delta_rule_packing);
+the first tile of a sequence is the only one that reads its old state (positions < K - 1) and
+writes its new one, in place, after a barrier.
 """
 import torch
 import triton.language as tl
 
 from .common import INTERPRET, cdiv, kernel, next_power_of_2
+from .gated_delta_rule_packing import num_slots, packed_tile, seq_block
 
 
 @kernel
 def _conv_kernel(
-    x_ptr, w_ptr, s_in_ptr, y_ptr, s_out_ptr,
-    T, C, T_PER_PROG,
+    x_ptr, w_ptr, s_in_ptr, y_ptr, s_out_ptr, cu_ptr, slot_ptr, cont_ptr,
+    T, C, T_PER_PROG, S,
     stride_xb, stride_xt, stride_xc, stride_yb, stride_yt,
     stride_sib, stride_sic, stride_sik, stride_sob, stride_soc, stride_sok, stride_wc, stride_wk,
-    K: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    K: tl.constexpr, HAS_STATE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_SEQ: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    pid_t = tl.program_id(1)
+    """Fixed length: program (b, t-range, c-block), the state rows b. VARLEN: program (tile slot,
+    0, c-block) of packed sequences (gated_delta_rule_packing), the state rows slot[seq], read
+    only where cont[seq]; T_PER_PROG is the tile, so the first tile is the only reader of the old
+    state (its positions < K - 1) and the only writer of the new one."""
     cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    x_cols = x_ptr + b * stride_xb + cols.to(tl.int64)[None, :] * stride_xc
-    s_cols = s_in_ptr + b * stride_sib + cols.to(tl.int64)[None, :] * stride_sic
-    t_lo = pid_t * T_PER_PROG
-    t_hi = min(t_lo + T_PER_PROG, T)
+    if VARLEN:
+        seq, bos, eos, t0 = packed_tile(tl.program_id(0), cu_ptr, S, T_PER_PROG, BLOCK_SEQ)
+        srow = tl.load(slot_ptr + seq).to(tl.int64)
+        keep = tl.load(cont_ptr + seq) != 0
+        L = eos - bos
+        t_lo = t0 - bos
+        first = (t_lo == 0) & (L > 0)
+        x_rows = x_ptr + bos.to(tl.int64) * stride_xt
+        y_rows = y_ptr + bos.to(tl.int64) * stride_yt
+    else:
+        b = tl.program_id(0).to(tl.int64)
+        srow = b
+        keep = True
+        L = T
+        t_lo = tl.program_id(1) * T_PER_PROG
+        first = tl.program_id(1) == 0
+        x_rows = x_ptr + b * stride_xb
+        y_rows = y_ptr + b * stride_yb
+    t_hi = min(t_lo + T_PER_PROG, L)
+    x_cols = x_rows + cols.to(tl.int64)[None, :] * stride_xc
+    s_cols = s_in_ptr + srow * stride_sib + cols.to(tl.int64)[None, :] * stride_sic
 
-    # The new state [K-1, BLOCK_C]: column i is input position T - (K-1) + i (< 0: from the old
+    # The new state [K-1, BLOCK_C]: column i is input position L - (K-1) + i (< 0: from the old
     # state). Read before anything is stored: in place, s_in and s_out are the same memory.
     si = tl.arange(0, BLOCK_S)
-    sp = T - (K - 1) + si
-    smask = (si < K - 1)[:, None] & cmask[None, :]
+    sp = L - (K - 1) + si
+    smask = tl.where(first, (si < K - 1)[:, None] & cmask[None, :], False)  # (scalar flags via where: the
+    # interpreter refuses a mask that combines a block and a scalar with &)
     new_state = tl.load(x_cols + tl.maximum(sp, 0).to(tl.int64)[:, None] * stride_xt,
                         mask=smask & (sp >= 0)[:, None], other=0.0)
     if HAS_STATE:
         old = tl.load(s_cols + (K - 1 + tl.minimum(sp, 0))[:, None] * stride_sik,
-                      mask=smask & (sp < 0)[:, None], other=0.0)
+                      mask=tl.where(keep, smask & (sp < 0)[:, None], False), other=0.0)
         new_state = tl.where((sp >= 0)[:, None], new_state, old.to(new_state.dtype))
 
     rows = tl.arange(0, BLOCK_T)
@@ -64,17 +91,16 @@ def _conv_kernel(
             if HAS_STATE:
                 if j < K - 1:
                     xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
-                                  mask=m & (src < 0)[:, None], other=0.0).to(tl.float32)
+                                  mask=tl.where(keep, m & (src < 0)[:, None], False),
+                                  other=0.0).to(tl.float32)
             acc += xv * w[None, :]
         y = acc * tl.sigmoid(acc)
-        tl.store(y_ptr + b * stride_yb + t.to(tl.int64)[:, None] * stride_yt + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
     # In place, other warps of this program may still be reading the old state: wait for them.
     tl.debug_barrier()
-    if pid_t == 0:
-        so = s_out_ptr + b * stride_sob + cols.to(tl.int64)[None, :] * stride_soc + si[:, None] * stride_sok
-        tl.store(so, new_state.to(s_out_ptr.dtype.element_ty), mask=smask)
+    so = s_out_ptr + srow * stride_sob + cols.to(tl.int64)[None, :] * stride_soc + si[:, None] * stride_sok
+    tl.store(so, new_state.to(s_out_ptr.dtype.element_ty), mask=smask)
 
 
 def _blocks(c: int):
@@ -99,13 +125,13 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
     s_in_ = s_in if has_state else x
     grid = (bsz, n_t, cdiv(c, block_c))
     _conv_kernel[grid](
-        x, weight, s_in_, y, s_out,
-        t, c, per,
+        x, weight, s_in_, y, s_out, x, x, x,
+        t, c, per, 0,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
         s_in_.stride(0), s_in_.stride(1), s_in_.stride(2), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         weight.stride(0), weight.stride(1),
-        K=k, HAS_STATE=has_state, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_S=next_power_of_2(k - 1), num_warps=4,
+        K=k, HAS_STATE=has_state, VARLEN=False, BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=1, num_warps=4,
     )
 
 
@@ -125,4 +151,30 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     bsz, t, c = x.shape
     y = torch.empty((bsz, t, c), dtype=x.dtype, device=x.device)
     _launch(x, weight, conv_state, y, conv_state, split_t=False)
+    return y
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                         state_slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+    """x [N, C] (S packed sequences, rows cu_seqlens[i]:cu_seqlens[i + 1]), weight [C, K],
+    conv_states [P, C, K-1] (sequence i reads row state_slots[i] where continues[i], else zeros,
+    and writes its new state there; length-0 sequences touch nothing) -> y [N, C] in x.dtype."""
+    n, c = x.shape
+    k = weight.shape[1]
+    s = state_slots.shape[0]
+    y = torch.empty((n, c), dtype=x.dtype, device=x.device)
+    if s == 0 or c == 0:
+        return y
+    block_t, block_c = _blocks(c)
+    per = block_t * (4 if not INTERPRET else 1)  # the tile: >= K - 1 (first tiles hold the state reads)
+    _conv_kernel[(num_slots(n, s, per), 1, cdiv(c, block_c))](
+        x, weight, conv_states, y, conv_states, cu_seqlens, state_slots, continues,
+        n, c, per, s,
+        0, x.stride(0), x.stride(1), 0, y.stride(0),
+        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+        weight.stride(0), weight.stride(1),
+        K=k, HAS_STATE=True, VARLEN=True, BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=seq_block(s), num_warps=4,
+    )
     return y

@@ -12,7 +12,7 @@ from .activation import (sigmoid_mul, sigmoid_mul_reference, silu_mul, silu_mul_
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
 from .causal_conv1d import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update,
-                            causal_conv1d_update_reference)
+                            causal_conv1d_update_reference, causal_conv1d_varlen, causal_conv1d_varlen_reference)
 from .checks import QwenOpError
 from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
@@ -38,6 +38,7 @@ __all__ = [
     "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_backward",
     "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
     "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update", "causal_conv1d_update_reference",
+    "causal_conv1d_varlen", "causal_conv1d_varlen_reference",
     "chunk_gated_delta_rule", "chunk_gated_delta_rule_reference", "gated_rms_norm", "gated_rms_norm_reference",
     "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_reference",
     "decode_attention", "decode_attention_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",

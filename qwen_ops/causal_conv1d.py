@@ -14,6 +14,15 @@ causal_conv1d_update(x [B, T, C] (T small, usually 1), conv_state [B, C, K-1], w
     -> y [B, T, C]: decode; conv_state is updated in place to the new state, continuing
     exactly where causal_conv1d (or the previous update) stopped.
 
+causal_conv1d_varlen(x [N, C], weight [C, K], conv_states [P, C, K-1], cu_seqlens [S + 1] int32,
+                     state_slots [S] int64, continues [S] bool) -> y [N, C]: S packed sequences,
+    sequence i the rows cu_seqlens[i]:cu_seqlens[i + 1] (cu_seqlens[0] = 0, nondecreasing,
+    cu_seqlens[S] = N). Sequence i starts from conv_states[state_slots[i]] where continues[i]
+    (a later prompt chunk, a decode token: one token is a sequence of length 1), else from zeros,
+    and writes its new state back to that row in place; a length-0 sequence reads and writes
+    nothing (graph padding). Sequences sharing a slot leave it undefined (the engine's padding
+    slot). Grid from shapes only: CUDA-graph safe. One call serves a mixed engine step.
+
 This is transformers' `causal_conv1d_fn` / `causal_conv1d_update` (activation "silu") on
 [B, T, C] instead of [B, C, T], with the state of length K-1. fp32 math (float64 for float64);
 y and the state in x's dtype (the state holds inputs). The weight may have any float dtype.
@@ -27,7 +36,7 @@ from torch import Tensor
 from csrc_free_ops import causal_conv1d as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
-from .checks import check_float, check_same, fail
+from .checks import check_float, check_index, check_same, fail
 from .registry import acc_dtype, define
 
 MAX_KERNEL_SIZE = 16
@@ -58,6 +67,20 @@ def causal_conv1d_update_reference(x: Tensor, conv_state: Tensor, weight: Tensor
     return y.to(x.dtype).contiguous()
 
 
+def causal_conv1d_varlen_reference(x: Tensor, weight: Tensor, conv_states: Tensor, cu_seqlens: Tensor,
+                                   state_slots: Tensor, continues: Tensor) -> Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
+    for i, slot in enumerate(slots):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        yi, state = _conv(x[None, lo:hi], weight, conv_states[slot:slot + 1] if cont[i] else None)
+        y[lo:hi] = yi[0]
+        conv_states[slot] = state[0]
+    return y
+
+
 def _check(op: str, x: Tensor, weight: Tensor, state: Optional[Tensor], state_name: str):
     check_float(op, "x", x, ndim=3)
     check_float(op, "weight", weight, ndim=2)
@@ -84,6 +107,59 @@ def _check_update(x, conv_state, weight):
     _check("causal_conv1d_update", x, weight, conv_state, "conv_state")
 
 
+def check_packed(op: str, n: int, pool_rows: int, cu_seqlens: Tensor, state_slots: Tensor, continues: Tensor,
+                 device: torch.device):
+    """The packed-sequence arguments: cu_seqlens [S + 1] int32, state_slots [S] int64, continues [S] bool."""
+    s = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if state_slots.dim() != 1 or state_slots.dtype != torch.int64:
+        fail(op, f"state_slots must be a 1-d int64 tensor [S], got {state_slots.dtype} {tuple(state_slots.shape)}")
+    if cu_seqlens.dtype != torch.int32:
+        fail(op, f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    check_index(op, "cu_seqlens", cu_seqlens, (s + 1,))
+    if continues.dtype != torch.bool or tuple(continues.shape) != (s,):
+        fail(op, f"continues must be a bool tensor of shape ({s},), got {continues.dtype} {tuple(continues.shape)}")
+    for name, t in (("cu_seqlens", cu_seqlens), ("state_slots", state_slots), ("continues", continues)):
+        if t.device != device:
+            fail(op, f"{name} is on {t.device} but x is on {device}")
+        if t.stride(0) != 1 and t.shape[0] > 1:
+            fail(op, f"{name} must be contiguous")
+
+
+def check_packed_values(op: str, n: int, pool_rows: int, cu_seqlens: Tensor, state_slots: Tensor):
+    """CPU only (a host sync on CUDA): cu_seqlens starts at 0, never decreases and ends at N; slots in the pool."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+        fail(op, f"cu_seqlens must rise from 0 to the {n} rows, got {cu}")
+    if state_slots.numel() and not bool(((state_slots >= 0) & (state_slots < pool_rows)).all()):
+        fail(op, f"state_slots must lie in [0, {pool_rows}) (the pool's rows), got {state_slots.tolist()}")
+
+
+def _check_varlen(x, weight, conv_states, cu_seqlens, state_slots, continues):
+    op = "causal_conv1d_varlen"
+    check_float(op, "x", x, ndim=2)
+    check_float(op, "weight", weight, ndim=2)
+    if weight.device != x.device:
+        fail(op, f"weight is on {weight.device} but x is on {x.device}")
+    c, k = weight.shape
+    if c != x.shape[1]:
+        fail(op, f"weight has {c} channels (weight [C, K]) but x [N, C] has {x.shape[1]}")
+    if not 2 <= k <= MAX_KERNEL_SIZE:
+        fail(op, f"kernel size (weight.shape[1]) must be between 2 and {MAX_KERNEL_SIZE}, got {k}")
+    check_float(op, "conv_states", conv_states, ndim=3)
+    check_same(op, "x", x, conv_states=conv_states)
+    if tuple(conv_states.shape[1:]) != (c, k - 1):
+        fail(op, f"conv_states must have shape [P, C, K-1] = [P, {c}, {k - 1}], got {tuple(conv_states.shape)}")
+    check_packed(op, x.shape[0], conv_states.shape[0], cu_seqlens, state_slots, continues, x.device)
+
+
+def _check_varlen_values(x, weight, conv_states, cu_seqlens, state_slots, continues):
+    check_packed_values("causal_conv1d_varlen", x.shape[0], conv_states.shape[0], cu_seqlens, state_slots)
+
+
+def _fake_varlen(x, weight, conv_states, cu_seqlens, state_slots, continues):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _fake_conv(x, weight, initial_state=None):
     bsz, t, c = x.shape
     return (torch.empty((bsz, t, c), dtype=x.dtype, device=x.device),
@@ -97,3 +173,5 @@ def _fake_update(x, conv_state, weight):
 causal_conv1d = define(causal_conv1d_reference, kernels.causal_conv1d, _check_conv, _fake_conv)
 causal_conv1d_update = define(causal_conv1d_update_reference, kernels.causal_conv1d_update, _check_update,
                               _fake_update, mutates_args=("conv_state",))
+causal_conv1d_varlen = define(causal_conv1d_varlen_reference, kernels.causal_conv1d_varlen, _check_varlen,
+                              _fake_varlen, mutates_args=("conv_states",), check_values=_check_varlen_values)

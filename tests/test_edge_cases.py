@@ -46,6 +46,19 @@ def _rec(b, t, hk, hv, dt, dev, d=16):
             _r(b, hv, d, d, dev=dev), 0.25, True)
 
 
+def _packed(lens, dev):
+    """cu_seqlens, state_slots (the last of 3 pool rows: padding) and continues of packed sequences."""
+    cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    return cu, torch.full((len(lens),), 2, dtype=torch.long, device=dev), torch.ones(len(lens), dtype=torch.bool,
+                                                                                   device=dev)
+
+
+def _conv_varlen(lens, c, dt, dev):
+    """causal_conv1d_varlen arguments: sum(lens) rows of c channels, a pool of 3 states."""
+    return (_r(sum(lens), c, dt=dt, dev=dev), _r(c, 4, dt=dt, dev=dev), _r(3, c, 3, dt=dt, dev=dev),
+            *_packed(lens, dev))
+
+
 def _qkv(b, t, dt, dev):
     """norm_qkv_rope_store arguments: hidden 8, 2 q heads and 1 kv head of 16, a cache of 4."""
     return (_r(b, t, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(64, 8, dt=dt, dev=dev), None, _r(16, dt=dt, dev=dev),
@@ -218,6 +231,9 @@ CASES = [
                                                      _r(8, 4, dt=dt, dev=dev))),
     ("causal_conv1d_update", "C=0", lambda dt, dev: (_r(2, 1, 0, dt=dt, dev=dev), _r(2, 0, 3, dt=dt, dev=dev),
                                                      _r(0, 4, dt=dt, dev=dev))),
+    ("causal_conv1d_varlen", "S=0", lambda dt, dev: _conv_varlen([], 8, dt, dev)),
+    ("causal_conv1d_varlen", "N=0", lambda dt, dev: _conv_varlen([0, 0], 8, dt, dev)),
+    ("causal_conv1d_varlen", "C=0", lambda dt, dev: _conv_varlen([2, 1], 0, dt, dev)),
     ("chunk_gated_delta_rule", "B=0", lambda dt, dev: _gdr(0, 3, 1, 1, dt, dev)),
     ("chunk_gated_delta_rule", "T=0", lambda dt, dev: _gdr(1, 0, 1, 2, dt, dev)),
     ("chunk_gated_delta_rule", "T=0 state", lambda dt, dev: _gdr(2, 0, 1, 1, dt, dev, state=True)),
@@ -288,7 +304,7 @@ REFUSED = [
 ]
 
 MUTATED = {"kv_cache_store": (2, 3), "kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7),
-           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,)}
+           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,), "causal_conv1d_varlen": (2,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 
 KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}

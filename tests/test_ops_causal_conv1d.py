@@ -1,6 +1,7 @@
-"""qwen::causal_conv1d and qwen::causal_conv1d_update (Qwen3.5 Gated DeltaNet's short conv):
-the kernels against the reference, prefill-then-decode continuation, transformers as the oracle
-for the reference, opcheck and error messages."""
+"""qwen::causal_conv1d, qwen::causal_conv1d_update and qwen::causal_conv1d_varlen (Qwen3.5 Gated
+DeltaNet's short conv): the kernels against the reference, prefill-then-decode continuation,
+packed sequences (fresh and continuing, length 0 and 1, tile boundaries, the padding slot
+untouched), transformers as the oracle for the reference, opcheck and error messages."""
 import inspect
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 import qwen_ops  # noqa: F401
 from qwen_ops import QwenOpError
-from qwen_ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_update_reference
+from qwen_ops.causal_conv1d import (causal_conv1d_reference, causal_conv1d_update_reference,
+                                    causal_conv1d_varlen_reference)
 from qwen_ops.registry import kernel_calls
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
@@ -92,6 +94,68 @@ def test_strided_input(device):
     assert torch.equal(s, s2)
 
 
+# Packed sequence lengths: empty ones (graph padding), decode tokens (1), fewer than K - 1, the
+# varlen kernel's tile edges (64 rows), a sequence over three tiles; at full size a few thousand rows.
+VARLEN = {"cpu": (24, [0, 1, 2, 63, 64, 65, 130, 0, 1]),
+          "cuda": (6144, [1, 1, 2048, 0, 65, 1, 700, 3, 130, 1, 0])}
+
+
+def _packed(lens, c, dtype, device, seed=0):
+    """x (a channel slice of a wider activation, as the model's), weight, a pool of states with one
+    slot per sequence in random order and a padding slot (length-0 sequences point at it), the
+    continues flags (mixed; decode tokens continue)."""
+    torch.manual_seed(seed)
+    n, s = sum(lens), len(lens)
+    x = randn(n, c + 8, dtype=dtype, device=device)[:, 8:]
+    w = randn(c, K, dtype=dtype, device=device, scale=0.5)
+    pool = randn(s + 1, c, K - 1, dtype=dtype, device=device)
+    slots = torch.randperm(s, device=device)
+    slots[torch.tensor(lens, device=device) == 0] = s  # the padding slot
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    cont = (torch.arange(s, device=device) % 2 == 0) | (torch.tensor(lens, device=device) == 1)
+    return x, w, pool, cu, slots, cont
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_conv1d_varlen_matches_reference(device, dtype, nan_empty):
+    c, lens = VARLEN[device]
+    x, w, pool, cu, slots, cont = _packed(lens, c, dtype, device)
+    pool_ref, before = pool.clone(), pool.clone()
+    poison_allocator(device)
+    calls = kernel_calls["causal_conv1d_varlen"]
+    y = torch.ops.qwen.causal_conv1d_varlen(x, w, pool, cu, slots, cont)
+    assert kernel_calls["causal_conv1d_varlen"] == calls + 1, "the Triton kernel did not run"
+    ref = causal_conv1d_varlen_reference(x, w, pool_ref, cu, slots, cont)
+    assert y.shape == x.shape and y.is_contiguous()
+    assert_close(y, ref, what=f"causal_conv1d_varlen y, lengths {lens}")
+    assert torch.equal(pool, pool_ref), "the pool after the call (copies of inputs: must be exact)"
+    assert torch.equal(pool[-1], before[-1]), "the padding slot (length-0 sequences only) was written"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_causal_conv1d_varlen_equals_the_fixed_length_ops(device):
+    """Each packed sequence gives what causal_conv1d (fresh or from its slot's state) or, for one
+    token, causal_conv1d_update gives it alone; the padding slot (length-0 sequences) is untouched."""
+    c, lens = VARLEN[device]
+    x, w, pool, cu, slots, cont = _packed(lens, c, torch.float32, device, seed=1)
+    before = pool.clone()
+    y = torch.ops.qwen.causal_conv1d_varlen(x, w, pool, cu, slots, cont)
+    for i, n in enumerate(lens):
+        lo, slot = int(cu[i]), int(slots[i])
+        xi = x[None, lo:lo + n]
+        if n == 0:
+            continue
+        if n == 1 and cont[i]:
+            state = before[slot:slot + 1].clone()
+            want = torch.ops.qwen.causal_conv1d_update(xi, state, w)
+        else:
+            want, state = torch.ops.qwen.causal_conv1d(xi, w, before[slot:slot + 1] if cont[i] else None)
+        assert_close(y[lo:lo + n], want[0], 1e-6, what=f"sequence {i} (length {n}, continues {bool(cont[i])})")
+        assert torch.equal(pool[slot], state[0]), f"sequence {i}'s state"
+    assert torch.equal(pool[-1], before[-1]), "the padding slot was written"
+
+
 def test_float64_runs_the_reference():
     x, w, s = _inputs(1, 5, 8, torch.float64, "cpu")
     calls = kernel_calls["causal_conv1d"]
@@ -131,6 +195,8 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.qwen.causal_conv1d.default, (x, w, s))
     torch.library.opcheck(torch.ops.qwen.causal_conv1d.default, (x, w))
     torch.library.opcheck(torch.ops.qwen.causal_conv1d_update.default, (x[:, :1], s, w))
+    x, w, pool, cu, slots, cont = _packed([3, 0, 1, 5], 16, torch.float32, device)
+    torch.library.opcheck(torch.ops.qwen.causal_conv1d_varlen.default, (x, w, pool, cu, slots, cont))
 
 
 def test_compile_fullgraph():
@@ -158,7 +224,25 @@ ERRORS = [
      "conv_state must have shape"),
     ("causal_conv1d_update", lambda: (torch.randint(0, 3, (2, 1, 8)), torch.randn(2, 8, 3), torch.randn(8, 4)),
      "x must be bfloat16"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(pool=torch.randn(3, 8, 4)), r"conv_states must have shape \[P, C, K-1\]"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 2, 5])), "cu_seqlens must be int32"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 5], dtype=torch.int32)),
+     r"cu_seqlens must have shape \(3,\)"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 4, 3], dtype=torch.int32)),
+     "cu_seqlens must rise from 0 to the 5 rows"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(slots=torch.tensor([0, 1], dtype=torch.int32)),
+     "state_slots must be a 1-d int64"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cont=torch.ones(2, dtype=torch.int32)), "continues must be a bool"),
 ]
+
+
+def _bad_varlen(**over):
+    args = dict(x=torch.randn(5, 8), w=torch.randn(8, 4), pool=torch.randn(3, 8, 3),
+                cu=torch.tensor([0, 2, 5], dtype=torch.int32), slots=torch.tensor([0, 1]),
+                cont=torch.tensor([True, False]))
+    args.update(over)
+    return tuple(args.values())
 
 
 @pytest.mark.parametrize("name,make,match", ERRORS)
