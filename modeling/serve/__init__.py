@@ -1,0 +1,16 @@
+"""An OpenAI-compatible HTTP server on the continuous-batching engine: ``python -m modeling.serve``
+(``qwen-serve``; docs/serve.md).
+
+- ``__main__``: the command line (model, engine and HTTP flags), warm-up, uvicorn.
+- ``app``: the FastAPI routes, authentication, the body limit, error responses, the per-request
+  log line.
+- ``protocol``: request bodies validated into a ``Plan`` (prompts' token ids, each choice's
+  ``SamplingParams``).
+- ``generation``: one request's choices in the engine, their text (``modeling.llm.TextRow``) and
+  the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes.
+- ``chat_output``: Qwen3's ``<think>`` block and Qwen's ``<tool_call>`` blocks parsed out of a reply.
+- ``engine_loop``: the one thread that steps the engine and hands tokens to the handlers.
+- ``metrics``: Prometheus metrics; ``drain``: SIGTERM/SIGINT handling; ``errors``: OpenAI's error JSON.
+
+Needs the ``serve`` extra (FastAPI, uvicorn, prometheus_client): ``pip install 'qwen-triton-ops[serve]'``.
+"""

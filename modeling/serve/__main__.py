@@ -1,0 +1,161 @@
+"""Command line: ``python -m modeling.serve --model DIR_OR_ORG/NAME`` (``qwen-serve``), an
+OpenAI-compatible HTTP server on the continuous-batching engine. See docs/serve.md.
+
+SIGTERM or SIGINT drains: the listening socket closes (new connections are refused, requests on
+open connections get 503), running requests finish, for ``--drain-timeout`` seconds at most
+(then they are aborted), and the process exits 0. A second signal aborts at once. Exit status:
+0 after a drain, 2 bad input (one line ``error: ...``), 1 another failure, the engine unusable
+included.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from ..generate import DEVICE_PATTERN, DTYPES, UsageError, load_checkpoint, load_llm, say
+
+API_KEY_ENV = "QWEN_API_KEY"
+DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
+"""The served name of the shipped model (without ``--model`` or ``--served-model-name``)."""
+WARMUP_PROMPT_TOKENS = 8
+
+
+def prog_name() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m modeling.serve" if name in ("", "-c", "__main__.py") else name
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=prog_name(),
+        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint over an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the "
+                    "continuous-batching engine.",
+        epilog="SIGTERM/SIGINT drain the server and exit 0. See docs/serve.md.")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="a checkpoint directory or a Hugging Face Hub id ORG/NAME; default: the shipped "
+                                   "model, a small Qwen3 trained on Tiny Shakespeare")
+    m.add_argument("--revision", help="branch, tag or commit of a Hub id (default main)")
+    m.add_argument("--offline", action="store_true", help="use only the local Hub cache (as HF_HUB_OFFLINE=1 does)")
+    m.add_argument("--served-model-name", help="the model id clients name and /v1/models lists (default: --model "
+                                               f"as given, or {DEFAULT_MODEL_NAME!r} for the shipped model)")
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    h.add_argument("--port", type=int, default=8000, help="default 8000")
+    h.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if "
+                                     "set, else no key)")
+    h.add_argument("--max-waiting", type=int, default=1024,
+                   help="sequences that may wait for the engine; a request past it gets 429 (default 1024)")
+    h.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body; a larger one gets 413 (default 8 MiB)")
+    h.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM/SIGINT (default 30)")
+    h.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, help="prompt + new tokens per sequence at most (default: the "
+                                                      "model's max_position_embeddings)")
+    e.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one engine step (default 256)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="new tokens in one engine step (default 8192)")
+    e.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="fraction of the free device memory the KV cache pool takes (default 0.9; CUDA only)")
+    e.add_argument("--dtype", choices=sorted(DTYPES), help="weights and KV cache dtype (default bf16 on CUDA, "
+                                                           "fp32 on CPU)")
+    e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    e.add_argument("--no-cuda-graph", action="store_true", help="run every engine step eagerly")
+    return p.parse_args(argv)
+
+
+def check_args(a: argparse.Namespace) -> None:
+    import re
+
+    if not 0 <= a.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {a.port}")
+    for flag, value in (("--max-waiting", a.max_waiting), ("--max-num-seqs", a.max_num_seqs),
+                        ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--max-body-bytes", a.max_body_bytes)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if a.max_model_len is not None and a.max_model_len < 2:
+        raise UsageError(f"--max-model-len must be >= 2, got {a.max_model_len}")
+    if not 0 < a.memory_fraction <= 1:
+        raise UsageError(f"--memory-fraction must lie in (0, 1], got {a.memory_fraction}")
+    if a.drain_timeout < 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {a.drain_timeout}")
+    if a.device is not None and not re.fullmatch(DEVICE_PATTERN, a.device):
+        raise UsageError(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
+    if a.api_key is None:
+        a.api_key = os.environ.get(API_KEY_ENV) or None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        a = parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    try:
+        check_args(a)
+        return serve(a)
+    except UsageError as e:
+        say(f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+
+
+def serve(a: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import ServerState, Settings, create_app
+        from .drain import DrainingServer
+    except ImportError as e:
+        raise UsageError(f"the server needs the 'serve' extra (missing {e.name}): "
+                         "pip install 'qwen-triton-ops[serve]'") from None
+    import torch
+
+    from ..engine import Engine
+    from ..sampling import SamplingParams
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("modeling.serve")
+    ck = load_checkpoint(a)
+    llm = load_llm(ck, a.device, DTYPES[a.dtype] if a.dtype else None)
+    try:
+        engine = Engine(llm.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        max_model_len=a.max_model_len, memory_fraction=a.memory_fraction,
+                        cuda_graphs=not a.no_cuda_graph)
+    except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
+        raise UsageError(f"the engine does not fit: {e}") from None
+    engine.generate([[0] * WARMUP_PROMPT_TOKENS], SamplingParams(), 2)  # compile, capture: not on a client's time
+    name = a.served_model_name or a.model or DEFAULT_MODEL_NAME
+    log.info("serving %r (%s, %s, %s) on http://%s:%d: %d KV blocks of %d positions, max_model_len %d, "
+             "max_num_seqs %d%s", name, ck.path, llm.backend, str(llm.dtype).replace("torch.", ""), a.host, a.port,
+             engine.size.num_blocks, engine.size.block_size, engine.max_model_len, a.max_num_seqs,
+             ", API key required" if a.api_key else "")
+
+    server = None
+    failed = []
+
+    def on_dead(error: BaseException) -> None:
+        failed.append(error)
+        if server is not None:
+            server.should_exit = True
+
+    state = ServerState(llm, engine, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes), on_dead)
+    config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
+                            timeout_graceful_shutdown=a.drain_timeout, lifespan="on")
+    server = DrainingServer(config, state)
+    server.run()
+    if failed:
+        say(f"error: the engine failed: {failed[0]}")
+        return 1
+    if not server.started:
+        return 1  # uvicorn has logged why (the port taken, ...)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

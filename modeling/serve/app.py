@@ -1,0 +1,261 @@
+"""The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+A generation request is read (at most ``max_body_bytes``, else 413), validated into a ``Plan``
+(``protocol``), admitted (429 past ``max_waiting`` waiting sequences), submitted to the engine
+thread (``engine_loop``) and answered as one JSON object or as Server-Sent Events. A client that
+goes away (mid-stream, or while waiting for a whole response) has its sequences aborted, which
+frees their KV blocks. Every error is OpenAI's JSON shape (``errors``); one log line per request
+says its status, tokens and timings.
+"""
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import Engine
+from ..llm import LLM
+from .engine_loop import EngineLoop
+from .errors import APIError, error_body
+from .generation import EngineError, Generation, check_admission
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
+from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
+
+log = logging.getLogger("modeling.serve")
+
+
+@dataclass
+class Settings:
+    served_model_name: str
+    api_key: Optional[str] = None
+    max_waiting: int = 1024
+    max_body_bytes: int = 8 << 20
+
+
+class ServerState:
+    """What the routes share: the model (``llm``: tokenizer, chat template, EOS ids), the engine and
+    its thread (``loop``, made when the app starts), the metrics, and the draining flag."""
+
+    def __init__(self, llm: LLM, engine: Engine, settings: Settings,
+                 on_dead: Optional[Callable[[BaseException], None]] = None):
+        self.llm, self.engine, self.settings, self.on_dead = llm, engine, settings, on_dead
+        self.strings = TokenStrings(llm.tokenizer)
+        self.loop: Optional[EngineLoop] = None
+        self.metrics: Optional[Metrics] = None
+        self.draining = False
+        self.created = int(time.time())
+
+    def unavailable(self) -> Optional[str]:
+        if self.loop is not None and self.loop.dead is not None:
+            return f"the engine failed and the server is shutting down ({self.loop.dead})"
+        if self.draining:
+            return "the server is shutting down (draining) and takes no new requests"
+        return None
+
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body ({declared} bytes) is larger than this server takes ({limit} bytes)",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body is larger than this server takes ({limit} bytes)",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = EngineLoop(state.engine, asyncio.get_running_loop(), state.on_dead)
+        state.metrics = Metrics(state.loop)
+        state.loop.start()
+        try:
+            yield
+        finally:
+            state.loop.stop()
+
+    app = FastAPI(title="qwen-triton-ops", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    def error_response(request: Request, status: int, message: str, param=None, code=None) -> JSONResponse:
+        if state.metrics is not None:
+            state.metrics.errors.labels(str(status)).inc()
+        log.info("request %s %s %d: %s", request.method, request.url.path, status, message)
+        return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error_response(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"No route {request.url.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(request, e.status_code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return error_response(request, 400, str(e.errors()[0].get("msg", e)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return error_response(request, 500, "The server failed while handling this request (see its log)",
+                              code="internal_error")
+
+    def model_card() -> Dict[str, Any]:
+        return {"id": state.settings.served_model_name, "object": "model", "created": state.created,
+                "owned_by": "qwen-triton-ops", "root": str(state.llm.path), "max_model_len": state.engine.max_model_len}
+
+    @app.get("/health")
+    async def health():
+        problem = state.unavailable()
+        return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        state.authorize(request)
+        if model_id != state.settings.served_model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool):
+        arrival = time.perf_counter()
+        state.authorize(request)
+        problem = state.unavailable()
+        if problem:
+            raise APIError(503, problem, code="unavailable")
+        body = await read_body(request, state.settings.max_body_bytes)
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+        requested_model(req, state.settings.served_model_name)
+        planner = plan_chat if chat else plan_completion
+        plan = planner(req, state.llm, state.engine.max_model_len)
+        check_admission(state.loop, plan, state.settings.max_waiting)
+        gen = Generation(plan, chat, state.loop, state.strings, arrival)
+        gen.submit()
+        envelope = Envelope("chat" if chat else "completion", state.settings.served_model_name)
+        if plan.stream:
+            return StreamingResponse(stream(request, gen, envelope), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await collect(request, gen, envelope))
+
+    async def collect(request: Request, gen: Generation, envelope: Envelope) -> Dict[str, Any]:
+        status = 499  # the client went away, unless the loop ends
+        handler = asyncio.current_task()
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))
+        try:
+            while not gen.done:
+                await gen.next()
+            status = 200
+        except EngineError as e:
+            status = 500
+            raise APIError(500, f"The engine failed while running this request ({e}); see the server log",
+                           code="engine_error") from None
+        finally:
+            watcher.cancel()
+            gen.abort()
+            finish(request, gen, status)
+        choices = [gen.chat_choice(c) if gen.chat else gen.completion_choice(c) for c in gen.choices]
+        return envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+
+    async def stream(request: Request, gen: Generation, envelope: Envelope):
+        include = gen.plan.include_usage
+        status = 499
+        try:
+            for d in gen.first_deltas():
+                yield sse(envelope.chunk([d], include))
+            while not gen.done:
+                for c, piece in await gen.next():
+                    d = gen.delta(c, piece)
+                    if d is not None:
+                        yield sse(envelope.chunk([d], include))
+            if include:
+                yield sse(envelope.chunk([], True, usage(gen.prompt_tokens, gen.completion_tokens)))
+            status = 200
+            yield SSE_DONE
+        except EngineError as e:
+            status = 500
+            yield sse(error_body(500, f"The engine failed while running this request ({e}); see the server log",
+                                 code="engine_error"))
+            yield SSE_DONE
+        finally:
+            gen.abort()
+            finish(request, gen, status)
+
+    def finish(request: Request, gen: Generation, status: int) -> None:
+        """The request's log line and metrics (once, however it ended)."""
+        m = state.metrics
+        t = gen.timings()
+        m.prompt_tokens.inc(gen.prompt_tokens)
+        m.generation_tokens.inc(gen.completion_tokens)
+        m.e2e.observe(t["total"])
+        if t["queue"] is not None:
+            m.queue.observe(t["queue"])
+        if t["ttft"] is not None:
+            m.ttft.observe(t["ttft"])
+        for c in gen.choices:
+            m.finished.labels(c.finish_reason).inc()
+            if len(c.token_ids) > 1 and c.finished_at is not None:
+                m.tpot.observe((c.finished_at - c.first_token) / (len(c.token_ids) - 1))
+        if status >= 500:
+            m.errors.labels(str(status)).inc()
+        ms = {k: "-" if v is None else f"{v * 1e3:.1f}" for k, v in t.items()}
+        reasons = ",".join(sorted({c.finish_reason for c in gen.choices}))
+        log.info("request %s %s %d: %d prompt(s) x n=%d, tokens in %d out %d, queue %s ms, ttft %s ms, total %s ms, "
+                 "finish %s%s", request.method, request.url.path, status, len(gen.plan.prompts), gen.plan.n,
+                 gen.prompt_tokens, gen.completion_tokens, ms["queue"], ms["ttft"], ms["total"], reasons,
+                 " (stream)" if gen.plan.stream else "")
+
+    return app
+
+
+async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:
+    """Cancel ``handler`` when the client disconnects before its response is sent."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handler.cancel()
+            return

@@ -1,0 +1,258 @@
+"""One API request in the engine: its choices (``n`` per prompt) submitted together, their tokens
+turned into text as they arrive (``modeling.llm.TextRow``: incremental detokenization and stop
+strings, as ``LLM`` does; ``ChatOutput`` splits a chat reply into reasoning, content and tool
+calls), and the choices of the response or of each streamed chunk built from them."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..llm import TextRow
+from ..sampling import SamplingParams
+from .chat_output import ChatOutput
+from .engine_loop import EngineFailure, EngineLoop, Sink, TokenEvent
+from .errors import APIError, invalid
+from .protocol import Plan, Prompt
+from .responses import TokenStrings, chat_logprobs, completion_logprobs, tool_call
+
+
+class EngineError(Exception):
+    """The engine failed a step while this request was in it (a 500 for the client)."""
+
+
+@dataclass
+class Piece:
+    """What one update added to a choice: text (split for chat), token ids, logprobs, and the
+    finish reason when it was the last."""
+
+    text: str = ""
+    reasoning: str = ""
+    content: str = ""
+    calls: List[Dict[str, str]] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[tuple] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+class Choice:
+    """One sequence of a request: choice ``index`` of ``prompt``."""
+
+    def __init__(self, index: int, prompt: Prompt, params: SamplingParams, plan: Plan, chat: bool, strings: TokenStrings):
+        self.index, self.prompt, self.params = index, prompt, params
+        self.row = TextRow(strings.tokenizer, params)
+        self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text) if chat else None
+        self.seq = None
+        self.token_ids: List[int] = []
+        self.logprobs: List[tuple] = []
+        self.text = self.reasoning = self.content = ""
+        self.calls: List[Dict[str, str]] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None  # the stop string, or the stop token id (not EOS), that ended it
+        self.admitted: Optional[float] = None
+        self.first_token: Optional[float] = None
+        self.finished_at: Optional[float] = None
+        self.lp_offset = 0  # text_offset of the next streamed logprob (completions)
+
+    def consume(self, events: List[TokenEvent]) -> Optional[Piece]:
+        """Take this step's tokens; None once the choice has finished (tokens the engine sampled
+        after a stop string matched, before its abort landed, are dropped)."""
+        if self.finish_reason is not None:
+            return None
+        piece, text, reason = Piece(), "", None
+        now = time.perf_counter()
+        for ev in events:
+            if self.admitted is None:
+                self.admitted, self.first_token = ev.admitted, now
+            self.token_ids.append(ev.token)
+            piece.token_ids.append(ev.token)
+            if ev.logprobs is not None:
+                self.logprobs.append(ev.logprobs)
+                piece.logprobs.append(ev.logprobs)
+            if ev.finish_reason != "stop":  # a stop token (EOS, stop_token_ids) is not text
+                text += self.row.push(ev.token)
+            if self.row.stops.matched is not None:
+                reason, self.stop_reason = "stop", self.row.stops.matched
+            elif ev.finish_reason is not None:
+                reason = ev.finish_reason
+                if reason == "stop" and ev.token in self.params.stop_token_ids:
+                    self.stop_reason = ev.token
+            if reason is not None:
+                text += self.row.finish()
+                break
+        self.text += text
+        piece.text = text
+        if self.chat is not None:
+            piece.reasoning, piece.content, piece.calls = self._split(text, reason is not None)
+        else:
+            piece.content = text
+        if reason is not None:
+            self.finished_at = now
+            self.finish_reason = piece.finish_reason = (
+                "tool_calls" if reason == "stop" and self.chat is not None and self.chat.num_calls else reason)
+        return piece
+
+    def _split(self, text: str, final: bool) -> Tuple[str, str, List[Dict[str, str]]]:
+        reasoning, content, calls = self.chat.push(text)
+        if final:
+            r, c, more = self.chat.finish()
+            reasoning, content, calls = reasoning + r, content + c, calls + more
+        self.reasoning += reasoning
+        self.content += content
+        self.calls += calls
+        return reasoning, content, calls
+
+
+class Generation:
+    """The choices of one request (``plan``), their sequences in the engine and their sink."""
+
+    def __init__(self, plan: Plan, chat: bool, loop: EngineLoop, strings: TokenStrings, arrival: float):
+        self.plan, self.chat, self.loop, self.strings, self.arrival = plan, chat, loop, strings, arrival
+        self.sink = Sink()
+        self.choices = [Choice(i * plan.n + j, prompt, plan.params[i * plan.n + j], plan, chat, strings)
+                        for i, prompt in enumerate(plan.prompts) for j in range(plan.n)]
+        self.finished_at: Optional[float] = None
+
+    def submit(self) -> None:
+        """Every choice into the engine (a 400 if one cannot run: nothing is left running)."""
+        try:
+            for c in self.choices:
+                c.seq = self.loop.submit(self.sink, c.index, c.prompt.ids, c.params,
+                                         self.plan.max_tokens[c.index // self.plan.n], self.plan.stop_ids)
+        except ValueError as e:
+            self.abort()
+            raise invalid(str(e)) from None
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def next(self) -> List[Tuple[Choice, Piece]]:
+        """The pieces of the next engine step that reached this request (``EngineError`` if the
+        engine failed it)."""
+        item = await self.sink.queue.get()
+        if isinstance(item, EngineFailure):
+            for c in self.choices:
+                if c.finish_reason is None:
+                    c.finish_reason = "error"
+            raise EngineError(str(item.error))
+        by_choice: Dict[int, List[TokenEvent]] = {}
+        for ev in item:
+            by_choice.setdefault(ev.index, []).append(ev)
+        out = []
+        for index, events in by_choice.items():
+            c = self.choices[index]
+            piece = c.consume(events)
+            if piece is None:
+                continue
+            if c.row.stops.matched is not None:
+                self.loop.abort(c.seq)  # the engine stops it at once
+            out.append((c, piece))
+        if self.done and self.finished_at is None:
+            self.finished_at = time.perf_counter()
+        return out
+
+    def abort(self) -> None:
+        """Stop every unfinished choice (a client gone, a drain timeout, an error)."""
+        for c in self.choices:
+            if c.seq is not None and c.finish_reason is None:
+                self.loop.abort(c.seq)
+                c.finish_reason = "abort"
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.plan.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def timings(self) -> Dict[str, Optional[float]]:
+        """Seconds from arrival: ``queue`` (to the first admission), ``ttft`` (to the first token),
+        ``total`` (to the last)."""
+        admitted = [c.admitted for c in self.choices if c.admitted is not None]
+        first = [c.first_token for c in self.choices if c.first_token is not None]
+        end = self.finished_at or time.perf_counter()
+        return {"queue": min(admitted) - self.arrival if admitted else None,
+                "ttft": min(first) - self.arrival if first else None,
+                "total": end - self.arrival}
+
+    # ------------------------------------------------------------------ response choices
+    def _echo(self, c: Choice) -> str:
+        if not self.plan.echo:
+            return ""
+        return c.prompt.text if c.prompt.text is not None else self.strings.tokenizer.decode(c.prompt.ids)
+
+    def completion_choice(self, c: Choice) -> Dict[str, Any]:
+        out = {"index": c.index, "text": self._echo(c) + c.text, "logprobs": None,
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.plan.logprobs is not None:
+            out["logprobs"] = completion_logprobs(c.token_ids, c.logprobs, self.strings, 0)
+        if self.plan.return_token_ids:
+            out.update(prompt_token_ids=c.prompt.ids, token_ids=c.token_ids)
+        return out
+
+    def chat_choice(self, c: Choice) -> Dict[str, Any]:
+        message: Dict[str, Any] = {"role": "assistant", "content": c.content.strip() if c.calls else c.content}
+        if self.plan.tool_calls and c.calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [tool_call(call) for call in c.calls]
+        if self.plan.reasoning:
+            message["reasoning_content"] = c.reasoning or None
+        out = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}
+        if self.plan.logprobs is not None:
+            out["logprobs"] = chat_logprobs(c.token_ids, c.logprobs, self.strings)
+        if self.plan.return_token_ids:
+            out.update(prompt_token_ids=c.prompt.ids, token_ids=c.token_ids)
+        return out
+
+    def first_deltas(self) -> List[Dict[str, Any]]:
+        """The chunk choices sent before any token: the assistant role (chat), the prompt (echo)."""
+        if self.chat:
+            return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for c in self.choices]
+        if self.plan.echo:
+            return [{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}
+                    for c in self.choices]
+        return []
+
+    def delta(self, c: Choice, p: Piece) -> Optional[Dict[str, Any]]:
+        """A streamed chunk's choice for piece ``p`` of ``c``, or None when it carries nothing a
+        client would see."""
+        extra = self.plan.return_token_ids or self.plan.logprobs is not None
+        out: Dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": p.finish_reason}
+        if self.chat:
+            d: Dict[str, Any] = {}
+            if p.reasoning:
+                d["reasoning_content"] = p.reasoning
+            if p.content:
+                d["content"] = p.content
+            if p.calls:
+                first = len(c.calls) - len(p.calls)
+                d["tool_calls"] = [tool_call(call, first + k) for k, call in enumerate(p.calls)]
+            if not d and not extra and p.finish_reason is None:
+                return None
+            out["delta"] = d
+            if self.plan.logprobs is not None:
+                out["logprobs"] = chat_logprobs(p.token_ids, p.logprobs, self.strings)
+        else:
+            if not p.text and not extra and p.finish_reason is None:
+                return None
+            out["text"] = p.text
+            out["stop_reason"] = c.stop_reason if p.finish_reason else None
+            if self.plan.logprobs is not None:
+                out["logprobs"] = completion_logprobs(p.token_ids, p.logprobs, self.strings, c.lp_offset)
+                c.lp_offset += sum(len(self.strings(t)) for t in p.token_ids)
+        if self.plan.return_token_ids:
+            out["token_ids"] = p.token_ids
+        return out
+
+
+def check_admission(loop: EngineLoop, plan: Plan, max_waiting: int) -> None:
+    """A 429 when the request's sequences would take the waiting queue past ``max_waiting``."""
+    waiting = loop.counts()["waiting"]
+    if waiting + plan.num_choices > max_waiting:
+        raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds "
+                            f"{plan.num_choices} (at most {max_waiting} wait, --max-waiting). Retry later.",
+                       code="queue_full")

@@ -1,0 +1,397 @@
+"""Request bodies of /v1/completions and /v1/chat/completions: parsed and validated (pydantic,
+strict JSON types), then turned into a ``Plan``: each prompt's token ids, each choice's
+``SamplingParams``, the new-token budget, what to parse out of the text.
+
+Unknown fields are refused with OpenAI's own message ("Unrecognized request argument supplied"),
+and so are the OpenAI parameters this server does not implement (``REFUSED``) unless they hold
+their neutral value: nothing a client sends is silently ignored. Parameters left out take the
+checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, repetition
+penalty), as vLLM does by default.
+"""
+
+import hashlib
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..chat import ChatTemplateError
+from ..llm import LLM, checked_token_ids
+from ..sampling import INT64_LIMIT, SamplingParams
+from .errors import APIError, invalid, unsupported
+
+MAX_N = 16
+"""Choices per prompt at most."""
+DEFAULT_COMPLETION_TOKENS = 16
+"""max_tokens of /v1/completions when neither the request nor generation_config.json says (OpenAI's)."""
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
+    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids)."""
+
+    model_config = _STRICT
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    n: int = 1
+    stop: Union[str, List[str], None] = None
+    stop_token_ids: Optional[List[int]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    user: Optional[str] = None  # an end-user id for the caller's records: accepted, unused
+    logit_bias: Optional[Dict[str, Any]] = None  # refused unless empty
+
+
+class CompletionRequest(_Request):
+    prompt: Any  # a str, a list of str, a list of token ids, a list of such lists (``completion_prompts``)
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None  # refused
+    best_of: Optional[int] = None  # refused unless equal to n
+
+
+class ChatCompletionRequest(_Request):
+    messages: List[Dict[str, Any]]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Union[str, Dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    response_format: Optional[Dict[str, Any]] = None  # refused unless {"type": "text"}
+    # OpenAI parameters refused whenever set (see REFUSED)
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[Any] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    service_tier: Optional[Any] = None
+    store: Optional[Any] = None
+    metadata: Optional[Any] = None
+
+
+REFUSED = {
+    "logit_bias": "no logit bias is applied",
+    "suffix": "no insertion (fill-in-the-middle) completions",
+    "best_of": "no server-side best-of selection (use n)",
+    "response_format": "no structured (JSON) output; only {\"type\": \"text\"}",
+    "functions": "use 'tools'",
+    "function_call": "use 'tool_choice'",
+    "audio": "text only",
+    "modalities": "text only",
+    "prediction": "no predicted outputs",
+    "reasoning_effort": "use chat_template_kwargs {\"enable_thinking\": false} to turn Qwen3's thinking off",
+    "web_search_options": "no web search",
+    "service_tier": "one tier",
+    "store": "nothing is stored",
+    "metadata": "nothing is stored",
+}
+"""OpenAI parameters this server refuses (400) unless neutral, and why."""
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+_UNION_MESSAGES = {"stop": "must be a string or a list of strings",
+                   "tool_choice": "must be \"auto\", \"none\" or an object"}
+
+
+def parse(model: type, body: bytes) -> Any:
+    """``model`` validated from the JSON ``body``; a 400 naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
+        param = str(loc[0]) if loc else None
+        if err["type"] == "json_invalid":
+            raise invalid(f"the request body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type":
+            raise invalid("the request body must be a JSON object") from None
+        if err["type"] == "extra_forbidden" and len(loc) == 1:
+            raise invalid(f"Unrecognized request argument supplied: {param}", param) from None
+        if err["type"] == "missing":
+            raise invalid(f"'{_path(loc)}' is required", param) from None
+        message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
+        raise invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param) from None
+
+
+def _is_type_tag(x: Any) -> bool:
+    """pydantic's names for the members of a union in an error's location (``str``, ``list[int]``)."""
+    return isinstance(x, str) and bool(_TYPE_TAG.search(x))
+
+
+def _path(loc: List[Any]) -> str:
+    return "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else str(x)) for i, x in enumerate(loc))
+
+
+def _lower(msg: str) -> str:
+    return msg[:1].lower() + msg[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class Prompt:
+    text: Optional[str]  # None for a prompt given as token ids
+    ids: List[int]
+
+
+@dataclass
+class Plan:
+    """What one request runs: ``n`` choices per prompt, choice ``i * n + j`` of prompt i with
+    ``params[i * n + j]``, ``max_tokens[i]`` new tokens at most, finished by ``stop_ids``."""
+
+    prompts: List[Prompt]
+    n: int
+    params: List[SamplingParams]
+    max_tokens: List[int]
+    stop_ids: List[int]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    logprobs: Optional[int]  # top logprobs per token when asked for logprobs, else None
+    echo: bool = False
+    tool_calls: bool = False  # parse Qwen's <tool_call> blocks out of the reply
+    reasoning: bool = False  # parse Qwen3's <think> block out of the reply
+    prompt_text: str = ""  # the rendered chat prompt (where a <think> block may already be open)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
+    """The seed of choice ``i`` of a request seeded with ``seed``: the seed itself for choice 0 (so
+    n=1 samples as the engine does with that seed), a hash of (seed, i) for the others."""
+    if seed is None or i == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % INT64_LIMIT
+
+
+def _refuse_neutral(req: _Request) -> None:
+    for name, why in REFUSED.items():
+        if name not in type(req).model_fields:
+            continue
+        value = getattr(req, name)
+        neutral = (value is None or (name == "logit_bias" and value == {})
+                   or (name == "best_of" and value == req.n)
+                   or (name == "suffix" and value == "")
+                   or (name == "response_format" and value == {"type": "text"}))
+        if not neutral:
+            raise unsupported(name, why)
+
+
+def _sampling(req: _Request, llm: LLM, logprobs: Optional[int]) -> SamplingParams:
+    """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value)."""
+    if req.n < 1 or req.n > MAX_N:
+        raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                                   "frequency_penalty", "repetition_penalty", "seed")}
+    given["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 also means off
+    given = {k: v for k, v in given.items() if v is not None}
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return replace(llm.get_default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
+                       stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+    except ValueError as e:  # SamplingParams names each bad value: "temperature must be ..."
+        first = str(e).split("; ")[0]
+        name = re.match(r"(?:stop strings|(\w+))", first)
+        raise invalid(str(e), (name.group(1) or "stop") if name else None) from None
+
+
+def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[int], max_model_len: int,
+            field: str, what: str) -> List[int]:
+    """New tokens per prompt: ``requested`` (a 400 if a prompt and it exceed the context), else
+    ``default`` cut to the room left, else all the room left."""
+    if requested is not None and requested < 1:
+        raise invalid(f"'{field}' must be an integer >= 1, got {requested}", field)
+    out = []
+    for p in prompts:
+        room = max_model_len - len(p.ids)
+        if room < 1:
+            raise invalid(f"This model's maximum context length is {max_model_len} tokens; the {what} has "
+                          f"{len(p.ids)} tokens, which leaves no room for a new token. Shorten the {what}.",
+                          "messages" if what == "messages" else "prompt", "context_length_exceeded")
+        if requested is not None and requested > room:
+            raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{len(p.ids) + requested} tokens ({len(p.ids)} in the {what}, {requested} in the "
+                          f"completion). Reduce the {what} or '{field}'.", field, "context_length_exceeded")
+        out.append(requested if requested is not None else min(default or room, room))
+    return out
+
+
+def _stop_ids(llm: LLM, params: SamplingParams) -> List[int]:
+    try:
+        return llm.stop_ids(params)
+    except ValueError as e:
+        raise invalid(str(e), "stop_token_ids") from None
+
+
+def completion_prompts(prompt: Any, llm: LLM) -> List[Prompt]:
+    """``prompt`` as OpenAI takes it: a str, a list of str, a list of token ids, or a list of lists
+    of token ids (a token id is an integer in the vocabulary, never a float or a bool)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
+                      "token ids (not empty)", "prompt")
+    out = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 and item is prompt else f"prompt[{i}]"
+        if isinstance(item, str):
+            try:
+                ids = llm.tokenizer.encode(item)
+            except ValueError as e:
+                raise invalid(f"'{where}': {e}", "prompt") from None
+            if not ids:
+                raise invalid(f"'{where}' is empty", "prompt")
+            out.append(Prompt(item, ids))
+        elif isinstance(item, list):
+            try:
+                out.append(Prompt(None, checked_token_ids(item, where, llm.config.vocab_size)))
+            except ValueError as e:
+                raise invalid(str(e), "prompt") from None
+        else:
+            raise invalid(f"'{where}' must be a string or a list of token ids", "prompt")
+    return out
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def plan_completion(req: CompletionRequest, llm: LLM, max_model_len: int) -> Plan:
+    _refuse_neutral(req)
+    if req.logprobs is not None and req.echo:
+        raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
+    prompts = completion_prompts(req.prompt, llm)
+    base = _sampling(req, llm, req.logprobs)
+    default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
+    budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
+    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n), budget, _stop_ids(llm, base), req.stream,
+                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo)
+
+
+def _per_choice(base: SamplingParams, num_prompts: int, n: int) -> List[SamplingParams]:
+    return [replace(base, seed=choice_seed(base.seed, j)) for _ in range(num_prompts) for j in range(n)]
+
+
+def _include_usage(req: _Request) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The messages as the chat template takes them: content parts of type "text" joined into one
+    string, "developer" as "system"; other content parts are refused (text only)."""
+    if not messages:
+        raise invalid("'messages' must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise unsupported(f"messages[{i}].content[{j}]", f"only text parts "
+                                      f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid(f"'messages[{i}].content' must be a string, a list of text parts or null", "messages")
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise invalid(f"'messages[{i}].content' is required (null only for an assistant message with "
+                          "tool_calls)", "messages")
+        out.append({**m, "role": "system" if role == "developer" else role, "content": content or ""})
+    return out
+
+
+def _tools(req: ChatCompletionRequest) -> Optional[List[Dict[str, Any]]]:
+    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding."""
+    choice = req.tool_choice
+    if isinstance(choice, dict) or choice == "required":
+        raise unsupported("tool_choice", "only \"auto\" and \"none\" (no forced tool calls)")
+    if choice not in (None, "auto", "none"):
+        raise invalid(f"'tool_choice' must be \"auto\", \"none\" or an object, got {choice!r}", "tool_choice")
+    if req.parallel_tool_calls is False:
+        raise unsupported("parallel_tool_calls", "the model may make several calls in one reply")
+    for i, tool in enumerate(req.tools or []):
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+    return req.tools if req.tools and choice != "none" else None
+
+
+def thinking_on(llm: LLM, template_kwargs: Dict[str, Any]) -> bool:
+    """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
+    the request did not pass ``enable_thinking: false``."""
+    template = llm.chat_template
+    knows = any("<think>" in source for source in (template.source, *template.named.values()))
+    return knows and template_kwargs.get("enable_thinking", True) is not False
+
+
+def plan_chat(req: ChatCompletionRequest, llm: LLM, max_model_len: int) -> Plan:
+    _refuse_neutral(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise invalid("'max_tokens' and 'max_completion_tokens' differ: give one", "max_completion_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    messages = chat_messages(req.messages)
+    tools = _tools(req)
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        text = llm.render_chat(messages, req.add_generation_prompt, chat_template_kwargs=kwargs, tools=tools)
+        ids = llm.tokenizer.encode(text)
+    except (ChatTemplateError, ValueError) as e:
+        raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
+    if not ids:
+        raise invalid("the rendered conversation is empty", "messages")
+    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None)
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    prompts = [Prompt(text, ids)]
+    budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
+                     max_model_len, field, "messages")
+    return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
+                _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
+                reasoning=thinking_on(llm, kwargs), prompt_text=text)
+
+
+def requested_model(req: _Request, served: str) -> None:
+    """A 404 when the request names a model other than the one served (None means it)."""
+    if req.model is not None and req.model != served:
+        raise APIError(404, f"The model '{req.model}' does not exist (this server serves '{served}')", "model",
+                       "model_not_found")

@@ -1,0 +1,95 @@
+"""The JSON shapes of OpenAI's responses: completions, chat completions, their streamed chunks
+(Server-Sent Events, ``data: {...}`` then ``data: [DONE]``), usage and logprobs."""
+
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..engine.sequence import LogprobEntry
+from ..tokenizer import QwenTokenizer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenStrings:
+    """Each token id's own text (as the logprobs show it; a piece of a multi-byte character
+    decodes as U+FFFD), cached."""
+
+    def __init__(self, tokenizer: QwenTokenizer):
+        self.tokenizer = tokenizer
+        self._cache: Dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        s = self._cache.get(token)
+        if s is None:
+            s = self._cache[token] = self.tokenizer.decode([token])
+        return s
+
+
+def completion_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], strings: TokenStrings,
+                        offset: int) -> Dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs (the top tokens, and the
+    sampled one, as {text: logprob}), text_offset (from ``offset``, the text before them)."""
+    texts, offsets, tops = [], [], []
+    for token, (lp, top) in zip(tokens, entries):
+        texts.append(strings(token))
+        offsets.append(offset)
+        offset += len(texts[-1])
+        d = {strings(t): v for t, v in top}
+        d.setdefault(texts[-1], lp)
+        tops.append(d)
+    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], strings: TokenStrings) -> Dict[str, Any]:
+    """The chat shape: content, one {token, logprob, bytes, top_logprobs} per token."""
+    def one(token: int, lp: float) -> Dict[str, Any]:
+        s = strings(token)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, (lp, top) in zip(tokens, entries)]
+    return {"content": content, "refusal": None}
+
+
+def tool_call(call: Dict[str, str], index: Optional[int] = None) -> Dict[str, Any]:
+    """One parsed call in OpenAI's shape (``index`` in a streamed delta)."""
+    out: Dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return out if index is None else {"index": index, **out}
+
+
+class Envelope:
+    """What every response and chunk of one request shares: id, object, created, model."""
+
+    def __init__(self, kind: str, model: str):
+        self.chat = kind == "chat"
+        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = int(time.time())
+        self.model = model
+
+    def response(self, choices: List[Dict[str, Any]], use: Dict[str, int]) -> Dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": use}
+
+    def chunk(self, choices: List[Dict[str, Any]], include_usage: bool,
+              use: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if include_usage:
+            out["usage"] = use
+        return out
