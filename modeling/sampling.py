@@ -36,13 +36,15 @@ FLOAT32_MAX = 3.4028234663852886e38
 """The largest temperature the device's fp32 sampling values can hold."""
 INT64_LIMIT = 2**63
 """top_k and seeds live in int64 device tensors and generators: values must stay below this."""
+MAX_LOGPROBS = 20
+"""``SamplingParams.logprobs`` at most (OpenAI's limit)."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens, and (for the text API, ``modeling.llm.LLM``) when to stop.
 
-    Token level (``Generator`` reads these): temperature 0 means greedy; top_k 0 means no top-k
+    Token level (the ``Generator`` and the engine read these): temperature 0 means greedy; top_k 0 means no top-k
     (any k >= the vocabulary is the same); top_p 1.0 means no top-p; seed None draws from the
     generator's current state (not reproducible).
 
@@ -52,6 +54,21 @@ class SamplingParams:
     before the first match); ``stop_token_ids``: token ids that end it besides the tokenizer's EOS
     ids; ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of
     the text. Lists are stored as tuples (the params are hashable).
+
+    Engine only (``modeling.engine.Engine``, the server's; ``LLM`` on the ``Generator`` refuses
+    them, see ``modeling.llm``), in vLLM's order: penalties on the raw logits, then the
+    temperature, then min-p, top-k and top-p.
+
+    - ``repetition_penalty`` (> 0, 1.0 off; transformers' and vLLM's): each token that occurs in
+      the prompt or the output so far has its logit l replaced by l / r if l > 0, else l * r.
+    - ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0 off; OpenAI's): with c_t the
+      count of token t in the output so far, ``l_t -= presence * (c_t > 0) + frequency * c_t``.
+    - ``min_p`` (in [0, 1], 0 off; transformers' ``MinPLogitsWarper``): after the temperature,
+      drop the tokens whose probability is below ``min_p`` times the most likely token's.
+    - ``logprobs`` (None: none; k in [0, 20]): each output token comes with its log-probability
+      and the k most likely tokens' (id, log-probability), best first. These are of the raw
+      model distribution, ``log_softmax(logits)`` before penalties and temperature (vLLM's
+      default, "raw_logprobs"), whatever the sampling settings.
     """
 
     temperature: float = 0.0
@@ -63,9 +80,16 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
+        problems += penalty_errors(self.min_p, self.presence_penalty, self.frequency_penalty,
+                                   self.repetition_penalty, self.logprobs)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         try:
             stop = tuple(stop)
@@ -101,6 +125,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
+
+    @property
+    def has_penalty(self) -> bool:
+        """Some penalty is on (the engine then counts the sequence's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def mode(self) -> str:
@@ -136,6 +169,22 @@ def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional
         errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
     if seed is not None and not (is_int(seed) and 0 <= seed < INT64_LIMIT):
         errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return errors
+
+
+def penalty_errors(min_p: float, presence_penalty: float, frequency_penalty: float, repetition_penalty: float,
+                   logprobs: Optional[int]) -> list:
+    """Messages naming each invalid value of the engine's controls (empty when all are valid)."""
+    errors = []
+    if not (_is_real(min_p) and 0 <= min_p <= 1):
+        errors.append(f"min_p must lie in [0, 1] (0 disables it), got {min_p!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (_is_real(value) and -2 <= value <= 2):
+            errors.append(f"{name} must lie in [-2, 2] (0 disables it), got {value!r}")
+    if not (_is_real(repetition_penalty) and 0 < repetition_penalty <= FLOAT32_MAX):
+        errors.append(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition_penalty!r}")
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+        errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
     return errors
 
 

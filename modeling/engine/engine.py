@@ -11,14 +11,14 @@ while engine.has_work():
 A step: the scheduler picks the work (``modeling.engine.scheduler``), ``step.build`` packs it
 into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``;
 in the CUDA graph of its padded shape where it has one, ``runner.StepRunner``),
-the sequences whose tokens are all computed sample their next token (``sampler.sample_rows``,
+the sequences whose tokens are all computed sample their next token (``sampler.sample_sequences``,
 each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
 """
 
 import random
 import threading
-from typing import List, Optional, Sequence as Seq
+from typing import List, Optional, Sequence as Seq, Tuple
 
 import torch
 
@@ -26,9 +26,9 @@ from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
 from .runner import StepRunner
-from .sampler import sample_rows
+from .sampler import sample_sequences
 from .scheduler import Scheduler, StateSlots
-from .sequence import Sequence, Status
+from .sequence import LogprobEntry, Sequence, Status
 from .step import build
 
 BLOCK_SIZE = 64
@@ -111,29 +111,19 @@ class Engine:
             for seq, n in scheduled.work:
                 seq.num_computed += n
                 self.blocks.commit(seq.block_table, seq.tokens[:seq.num_computed], seq.block_hashes)
-            for i, token in zip(done, tokens):
+            for i, (token, logprobs) in zip(done, tokens):
                 seq = scheduled.work[i][0]
                 if seq.status is not Status.RUNNING:  # aborted while the step ran
                     continue
-                seq.append(token)
+                seq.append(token, logprobs)
                 sampled.append(seq)
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
         return sampled
 
-    def _sample(self, logits: torch.Tensor, seqs: List[Sequence]) -> List[int]:
-        dev = logits.device
-        params = [s.params for s in seqs]
-        f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
-        temperature = torch.tensor([p.temperature for p in params], **f32)
-        top_k = torch.tensor([p.top_k for p in params], **i64)
-        top_p = torch.tensor([p.top_p for p in params], **f32)
-        seeds = torch.tensor([s.seed for s in seqs], **i64)
-        positions = torch.tensor([len(s.tokens) for s in seqs], **i64)
-        modes = {p.mode for p in params}
-        out = sample_rows(logits, temperature, top_k, top_p, seeds, positions,
-                          any_random=bool(modes - {"greedy"}), any_top="top" in modes)
-        return out.tolist()
+    def _sample(self, logits: torch.Tensor, seqs: List[Sequence]) -> List[Tuple[int, Optional[LogprobEntry]]]:
+        """Each sequence's next token and its logprobs entry (``sampler.sample_sequences``)."""
+        return sample_sequences(logits, seqs)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, max_tokens: int,
                  stop_token_ids: Seq[int] = ()) -> List[List[int]]:

@@ -1,17 +1,24 @@
 """Per-request sampling for a batch of sequences with different settings, on the device.
 
-Every row has its own temperature, top-k, top-p and seed; one code path serves a batch that
-mixes them (greedy rows take the argmax). The randomness of row i is a counter-based stream: the
+Every row has its own temperature, top-k, top-p, min-p, penalties, seed and logprobs count
+(``SamplingParams``); one code path serves a batch that mixes them (greedy rows take the argmax),
+and the batch pays only for the controls some row uses. ``sample_sequences`` builds the per-row
+tensors from the sequences; ``sample_rows``, ``apply_penalties`` and ``token_logprobs`` are pure
+tensor functions. vLLM's order: penalties on the raw logits, then the temperature, then min-p,
+top-k and top-p; logprobs are of the raw logits. The randomness of row i is a counter-based stream: the
 uniform for vocabulary rank v is a hash of (seed_i, position_i, v), where position_i is the
 position of the token being sampled. So a request's tokens depend only on its own seed and
 logits, never on which other requests share its steps, and a seeded request is reproducible.
 The draw is the Gumbel-max race of ``modeling.sampling``: argmax(logits / T - log E), E = -log U.
 """
 
+from typing import List, NamedTuple, Optional, Tuple
+
 import torch
 from torch import Tensor
 
 from ..sampling import filtered_sorted_scores
+from .sequence import LogprobEntry, Sequence
 
 M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-5
@@ -36,20 +43,120 @@ def uniforms(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
     return (bits.float() + 0.5) * 2.0**-24
 
 
+class Penalties(NamedTuple):
+    """The penalised rows of a batch (P of its S rows): ``rows`` [P] int64, their indices in the
+    batch; ``ids`` [P, L] int64, each row's prompt then output token ids, padded with -1;
+    ``num_prompt`` [P] int64, how many of its ids are the prompt's; ``presence``, ``frequency``,
+    ``repetition`` [P] fp32, the penalties (0, 0 and 1 are off)."""
+
+    rows: Tensor
+    ids: Tensor
+    num_prompt: Tensor
+    presence: Tensor
+    frequency: Tensor
+    repetition: Tensor
+
+
+def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
+    """logits [S, V] with the penalised rows changed, in fp32 or wider (the other rows keep their
+    values exactly). For each penalised row, with c_t the count of token t among its output ids and
+    "seen" meaning t occurs among its prompt or output ids: l_t -> (l_t > 0 ? l_t / r : l_t * r)
+    where seen, then l_t -= frequency * c_t + presence * (c_t > 0)."""
+    out = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    rows = out.index_select(0, p.rows)
+    vocab = rows.shape[-1]
+    index = torch.where(p.ids >= 0, p.ids, vocab)  # padding counts into an extra column, dropped
+    is_output = torch.arange(p.ids.shape[1], device=p.ids.device)[None, :] >= p.num_prompt[:, None]
+    counts = torch.zeros(rows.shape[0], vocab + 1, dtype=rows.dtype, device=rows.device)
+    counts = counts.scatter_add_(1, index, is_output.to(rows.dtype))[:, :vocab]
+    seen = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.bool, device=rows.device)
+    seen = seen.scatter_(1, index, True)[:, :vocab]
+    r = p.repetition[:, None].to(rows.dtype)
+    rows = torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows)
+    rows = rows - p.frequency[:, None].to(rows.dtype) * counts - p.presence[:, None].to(rows.dtype) * (counts > 0)
+    return out.index_copy(0, p.rows, rows)
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,
-                positions: Tensor, any_random: bool, any_top: bool) -> Tensor:
+                positions: Tensor, any_random: bool, any_top: bool, min_p: Optional[Tensor] = None,
+                penalties: Optional[Penalties] = None) -> Tensor:
     """One token per row of logits [S, V]: temperature, top_p [S] fp32; top_k, seeds, positions [S]
-    int64. A row of temperature 0 or top_k 1 takes the argmax; the others draw from softmax(logits /
-    T) cut to the top-k ranks, then to the smallest prefix of mass >= top_p. ``any_random`` (some
-    row draws) and ``any_top`` (some row cuts) are host flags: the batch pays only for what it uses."""
+    int64; ``min_p`` [S] fp32 or None (no row uses it); ``penalties`` or None (no row has one).
+
+    The logits are penalised first (``apply_penalties``). A row of temperature 0 or top_k 1 then
+    takes the argmax; the others draw from softmax(logits / T) cut to the tokens of probability
+    >= min_p times the largest, then to the top-k ranks, then to the smallest prefix of mass >=
+    top_p of what is left (renormalized). ``any_random`` (some row draws) and ``any_top`` (some row
+    cuts by top-k or top-p) are host flags: the batch pays only for what it uses."""
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
     greedy = logits.argmax(dim=-1)
     if not any_random:
         return greedy
     scores = logits.float() / temperature.clamp_min(MIN_TEMPERATURE)[:, None]
+    if min_p is not None:  # p_t < min_p * p_max  <=>  s_t - s_max < log(min_p) (log 0 = -inf: no cut)
+        scores = scores.masked_fill(scores - scores.amax(dim=-1, keepdim=True) < min_p.log()[:, None],
+                                    float("-inf"))
     gumbel = uniforms(seeds, positions, scores.shape[-1]).log_().neg_().log_().neg_()
-    if any_top:
+    if any_top:  # the noise follows the token, not its rank: a row draws the same with or without the sort
         sorted_scores, order = filtered_sorted_scores(scores, top_k, top_p)
-        drawn = order.gather(-1, (sorted_scores + gumbel).argmax(dim=-1, keepdim=True))[:, 0]
+        drawn = order.gather(-1, (sorted_scores + gumbel.gather(-1, order)).argmax(dim=-1, keepdim=True))[:, 0]
     else:
         drawn = (scores + gumbel).argmax(dim=-1)
     return torch.where((temperature == 0) | (top_k == 1), greedy, drawn)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Of the raw distribution log_softmax(logits), logits [R, V], tokens [R] int64, 0 <= k <= V:
+    (each token's log-probability [R], the k largest log-probabilities [R, k] best first, their
+    token ids [R, k] int64), in fp32 or wider."""
+    logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
+
+
+def penalties_of(seqs: List[Sequence], device) -> Optional[Penalties]:
+    """The ``Penalties`` of the sequences that have one (``SamplingParams.has_penalty``), None if none."""
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalty]
+    if not rows:
+        return None
+    width = max(len(seqs[i].tokens) for i in rows)
+    f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+    params = [seqs[i].params for i in rows]
+    return Penalties(
+        rows=torch.tensor(rows, **i64),
+        ids=torch.tensor([seqs[i].tokens + [-1] * (width - len(seqs[i].tokens)) for i in rows], **i64),
+        num_prompt=torch.tensor([seqs[i].num_prompt for i in rows], **i64),
+        presence=torch.tensor([p.presence_penalty for p in params], **f32),
+        frequency=torch.tensor([p.frequency_penalty for p in params], **f32),
+        repetition=torch.tensor([p.repetition_penalty for p in params], **f32))
+
+
+def sample_sequences(logits: Tensor, seqs: List[Sequence]) -> List[Tuple[int, Optional[LogprobEntry]]]:
+    """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
+    ``params``, ``seed`` and position (``len(tokens)``), and its ``LogprobEntry`` (None unless its
+    ``params.logprobs`` is set): the sampled token's log-probability and the ``params.logprobs``
+    most likely tokens', of the raw logits (``token_logprobs``)."""
+    dev = logits.device
+    params = [s.params for s in seqs]
+    f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+    temperature = torch.tensor([p.temperature for p in params], **f32)
+    top_k = torch.tensor([p.top_k for p in params], **i64)
+    top_p = torch.tensor([p.top_p for p in params], **f32)
+    seeds = torch.tensor([s.seed for s in seqs], **i64)
+    positions = torch.tensor([len(s.tokens) for s in seqs], **i64)
+    modes = {p.mode for p in params}
+    any_min_p = any(p.min_p > 0 and p.mode != "greedy" for p in params)
+    min_p = torch.tensor([p.min_p for p in params], **f32) if any_min_p else None
+    tokens = sample_rows(logits, temperature, top_k, top_p, seeds, positions, any_random=bool(modes - {"greedy"}),
+                         any_top="top" in modes, min_p=min_p, penalties=penalties_of(seqs, dev))
+    entries: List[Optional[LogprobEntry]] = [None] * len(seqs)
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if asking:
+        rows = torch.tensor(asking, **i64)
+        k = min(max(params[i].logprobs for i in asking), logits.shape[-1])
+        chosen, top_values, top_ids = (t.tolist() for t in token_logprobs(logits[rows], tokens[rows], k))
+        for j, i in enumerate(asking):
+            n = params[i].logprobs
+            entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+    return list(zip(tokens.tolist(), entries))

@@ -9,6 +9,10 @@ from typing import List, Optional, Tuple
 from ..sampling import SamplingParams
 
 
+LogprobEntry = Tuple[float, List[Tuple[int, float]]]
+"""An output token's log-probability, then the top-k tokens' (id, log-probability), best first."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"    # not admitted, or preempted (its cache dropped: recomputed when readmitted)
     RUNNING = "running"    # admitted: holds blocks (and a state slot), computes tokens every step
@@ -26,7 +30,10 @@ class Sequence:
     ``state_slot`` are the pool entries it holds while running.
 
     ``max_tokens``: new tokens at most; ``stop_token_ids``: tokens that finish it (EOS included
-    unless the caller left it out); ``finish_reason``: "stop", "length" or "abort"."""
+    unless the caller left it out); ``finish_reason``: "stop", "length" or "abort".
+
+    ``logprobs``: None unless ``params.logprobs`` is set, then one ``LogprobEntry`` per output
+    token (of the raw model distribution, ``params.logprobs`` top tokens; see ``SamplingParams``)."""
 
     tokens: List[int]
     params: SamplingParams
@@ -44,10 +51,13 @@ class Sequence:
     finish_reason: Optional[str] = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
+    logprobs: Optional[List[LogprobEntry]] = None
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
         self.num_prompt = self.num_prompt or len(self.tokens)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_output(self) -> int:
@@ -57,10 +67,15 @@ class Sequence:
     def output_ids(self) -> List[int]:
         return self.tokens[self.num_prompt:]
 
-
-    def append(self, token: int) -> None:
-        """Record a sampled token and finish the sequence if it is a stop token or the last allowed."""
+    def append(self, token: int, logprobs: Optional[LogprobEntry] = None) -> None:
+        """Record a sampled token (with its ``LogprobEntry`` exactly when ``params.logprobs`` is set)
+        and finish the sequence if it is a stop token or the last allowed."""
+        if (logprobs is None) != (self.logprobs is None):
+            raise ValueError(f"request {self.request_id}: a logprobs entry is needed exactly when its params ask "
+                             f"for logprobs (logprobs={self.params.logprobs!r}), got {logprobs!r}")
         self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         if token in self.stop_token_ids:
