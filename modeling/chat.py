@@ -25,7 +25,8 @@ dict it makes and of its output, and time); passing one raises ``RenderLimitErro
 template and the bound.
 
 ``generation_defaults(path)`` reads ``generation_config.json`` into ``GenerationDefaults``
-(temperature, top-k, top-p, max_new_tokens) for the command line to use unless flags override.
+(temperature, top-k, top-p, max_new_tokens, repetition penalty, min-p) for the command line to use
+unless flags override, and for ``Checkpoint.default_sampling_params``.
 """
 
 import json
@@ -263,12 +264,15 @@ def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Sampling defaults of a checkpoint, in ``SamplingParams``' terms: temperature 0 is greedy,
-    top-k 0 and top-p 1 are off. ``max_new_tokens`` is None when the checkpoint sets none."""
+    top-k 0, top-p 1, repetition penalty 1 and min-p 0 are off. ``max_new_tokens`` is None when the
+    checkpoint sets none."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -290,16 +294,22 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
 
     As in transformers: ``do_sample`` false or absent means greedy decoding (temperature, top-k and
     top-p are then ignored); with ``do_sample`` true, a field the file leaves out takes
-    GenerationConfig's default (temperature 1.0, top-k 50, top-p 1.0). ``max_new_tokens`` is taken
-    when present. Raises ``ValueError`` naming the field for a value that is out of range.
+    GenerationConfig's default (temperature 1.0, top-k 50, top-p 1.0). ``min_p`` is a sampling
+    control too (taken with ``do_sample`` only; absent: off); ``repetition_penalty`` applies to
+    greedy decoding as well (absent: 1.0, off). ``max_new_tokens`` is taken when present. Raises
+    ``ValueError`` naming the field for a value that is out of range.
     """
     path = Path(path)
     config = _read_json(path / "generation_config.json") if path.is_dir() else _read_json(path)
     max_new = config.get("max_new_tokens")
     if max_new is not None and (not _is_int(max_new) or max_new < 1):
         raise ValueError(f"generation_config.json: max_new_tokens must be an integer >= 1, got {max_new!r}")
+    rep = config.get("repetition_penalty")
+    rep = 1.0 if rep is None else rep
+    if not _is_number(rep) or not 0 < rep < float("inf"):
+        raise ValueError(f"generation_config.json: repetition_penalty must be a finite number > 0, got {rep!r}")
     if not config.get("do_sample", False):
-        return GenerationDefaults(max_new_tokens=max_new)
+        return GenerationDefaults(max_new_tokens=max_new, repetition_penalty=float(rep))
     values = {k: config.get(k) if config.get(k) is not None else d for k, d in _HF_DEFAULTS.items()}
     t, k, p = values["temperature"], values["top_k"], values["top_p"]
     if not _is_number(t) or not 0 <= t < float("inf"):
@@ -308,7 +318,11 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
         raise ValueError(f"generation_config.json: top_k must be an integer >= 0, got {k!r}")
     if not _is_number(p) or not 0 < p <= 1:
         raise ValueError(f"generation_config.json: top_p must be in (0, 1], got {p!r}")
-    return GenerationDefaults(float(t), int(k), float(p), max_new)
+    min_p = config.get("min_p")
+    min_p = 0.0 if min_p is None else min_p
+    if not _is_number(min_p) or not 0 <= min_p <= 1:
+        raise ValueError(f"generation_config.json: min_p must be in [0, 1], got {min_p!r}")
+    return GenerationDefaults(float(t), int(k), float(p), max_new, float(rep), float(min_p))
 
 
 def _is_int(x: Any) -> bool:

@@ -80,6 +80,8 @@ class Checkpoint:
         return self._chat_template
 
     def default_sampling_params(self) -> SamplingParams:
-        """generation_config.json's sampling values and ``max_new_tokens`` as ``SamplingParams``."""
+        """generation_config.json's sampling values (repetition penalty and min-p included) and
+        ``max_new_tokens`` as ``SamplingParams``."""
         d = self.defaults
-        return SamplingParams(d.temperature, d.top_k, d.top_p, max_tokens=d.max_new_tokens)
+        return SamplingParams(d.temperature, d.top_k, d.top_p, max_tokens=d.max_new_tokens,
+                              repetition_penalty=d.repetition_penalty, min_p=d.min_p)

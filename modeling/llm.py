@@ -14,6 +14,12 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 - The checkpoint decides the format: ``chat`` renders the chat template it ships
   (``modeling.chat.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
   the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
+- The ``Generator`` lacks the engine's controls (``ENGINE_ONLY``: min-p, the penalties,
+  logprobs): a ``SamplingParams`` that sets one is refused with a ``ValueError`` pointing to
+  ``modeling.engine.Engine`` (the server's, ``python -m modeling.serve``), unless the value is the
+  checkpoint's own default (``repetition_penalty``, ``min_p`` from generation_config.json): that
+  one is left out with a ``UserWarning``, so a checkpoint such as Qwen2.5-Instruct (repetition
+  penalty 1.05) still generates with the rest of its defaults.
 - A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``
   (``generate_ids`` takes lists of token ids directly). Anything else is refused, and so is a
   token id that is not an integer (a float is never rounded).
@@ -32,6 +38,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -51,6 +58,8 @@ from .tokenizer import IncrementalDetokenizer, QwenTokenizer
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
+ENGINE_ONLY = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+"""``SamplingParams`` controls that the engine applies and the ``Generator`` (so ``LLM``) does not."""
 MIN_AUTO_SEQ_LEN = 256
 """With ``max_seq_len=None`` the cache holds at least this many positions (then powers of two)."""
 MAX_SEQ_LEN = 2**31 - 1
@@ -263,6 +272,7 @@ class LLM:
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params or self.get_default_sampling_params()] * len(texts)
+        per_prompt = [self._generator_params(p) for p in per_prompt]
         outputs: List[Optional[RequestOutput]] = [None] * len(texts)
         for params in dict.fromkeys(per_prompt):  # one Generator call per distinct params
             idx = [i for i, p in enumerate(per_prompt) if p == params]
@@ -288,7 +298,8 @@ class LLM:
         """An iterator over the completion's text pieces as the tokens arrive; its ``output`` is the
         ``RequestOutput`` once it is exhausted. Closing it (or dropping it) stops the generation."""
         text, ids = self._prompt(prompt, 0)
-        return TextStream(self, text, ids, sampling_params or self.get_default_sampling_params())
+        params = self._generator_params(sampling_params or self.get_default_sampling_params())
+        return TextStream(self, text, ids, params)
 
     def stream_chat(self, messages: Sequence[Message], sampling_params: Optional[SamplingParams] = None,
                     **chat_kwargs: Any) -> "TextStream":
@@ -296,6 +307,24 @@ class LLM:
         return self.stream(self.render_chat(messages, **chat_kwargs), sampling_params)
 
     # ------------------------------------------------------------------ token level (the command line uses these)
+    def _generator_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` as the ``Generator`` runs them: a control of ``ENGINE_ONLY`` set to the
+        checkpoint's default is turned off with a ``UserWarning``; one set otherwise is a ``ValueError``."""
+        off, default = SamplingParams(), self.get_default_sampling_params()
+        asked = [f for f in ENGINE_ONLY if getattr(params, f) != getattr(off, f)]
+        refused = [f"{f}={getattr(params, f)!r}" for f in asked if getattr(params, f) != getattr(default, f)]
+        if refused:
+            raise ValueError(f"LLM generates with the Generator, which does not implement {', '.join(refused)}: "
+                             "use the engine (modeling.engine.Engine; the server, python -m modeling.serve), "
+                             "which does")
+        if not asked:
+            return params
+        values = ", ".join(f"{f}={getattr(params, f)!r}" for f in asked)
+        warnings.warn(f"the checkpoint's generation_config.json sets {values}, which LLM's Generator does not "
+                      "implement: generating without it (the engine, modeling.engine.Engine, applies it)",
+                      UserWarning, stacklevel=3)
+        return replace(params, **{f: getattr(off, f) for f in asked})
+
     def max_new_tokens(self, params: SamplingParams) -> int:
         """``params.max_tokens``, else the checkpoint's ``max_new_tokens``, else ``DEFAULT_MAX_TOKENS``."""
         if params.max_tokens is not None:
@@ -320,7 +349,7 @@ class LLM:
         ``on_output(i, output)`` each completion when it ends (i counts from ``index_offset``, which
         also offsets the seed, so that consecutive calls on consecutive slices of a list sample as
         one call on the whole list would). ``cancel``: an event that ends every row when set."""
-        params = params or self.get_default_sampling_params()
+        params = self._generator_params(params or self.get_default_sampling_params())
         if isinstance(prompts, (str, Mapping)):
             raise ValueError("prompts must be a list of prompts (each a list of token ids), "
                              f"got a {type(prompts).__name__}")
