@@ -17,11 +17,27 @@ chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None, use_qk_l2nor
     -> (o [B, T, Hv, Dv] in q's dtype, final_state [B, Hv, Dk, Dv] fp32): prefill, computed in
     chunks of 64 tokens (WY / UT representation, see csrc_free_ops/gated_delta_rule.py); g is
     the log decay (<= 0, fp32 recommended). No initial state means zeros.
+chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale,
+                              use_qk_l2norm=False) -> o [N, Hv, Dv]: the same over S packed sequences,
+    q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], sequence i the rows cu_seqlens[i]:cu_seqlens[i + 1]
+    (int32 [S + 1]: 0, nondecreasing, N). Sequence i starts from state_pool[state_slots[i]] ([P, Hv,
+    Dk, Dv] fp32, contiguous; slots int64 [S]) where continues[i] (bool [S]), else from zeros, and
+    leaves its final state there, in place; length-0 sequences touch nothing. Chunks of 64 never
+    cross a sequence boundary; grids from shapes only (CUDA graphs). Flat [N, ...] rows, not
+    flash-linear-attention's [1, N, ...]: the engine's step tensors and paged_attention's q are flat,
+    and a leading 1 would only say "no batch". One call serves a mixed engine step (a decode token
+    is a sequence of length 1 that continues).
 recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True)
     -> o [B, T, Hv, Dv]: decode (T = 1, or a few tokens), state updated in place. The gates are
     computed inside the kernel from the raw projections exactly as transformers does:
         g = -exp(A_log) * softplus(a + dt_bias)   (fp32),   beta = sigmoid(b)  (in b's dtype)
     a, b [B, T, Hv]; A_log, dt_bias [Hv]. Graph-capture safe (no sync, fixed allocations).
+recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues,
+                                  scale, use_qk_l2norm=True) -> o [N, Hv, Dv]: the decode step over S
+    packed sequences (usually one token each; q, k [N, Hk, Dk], v [N, Hv, Dv], a, b [N, Hv]), each
+    reading its state from state_pool[state_slots[i]] where continues[i] (else zeros) and writing
+    it back in place, inside the kernel (no gather / scatter of the pool rows); length-0 sequences
+    touch nothing. The packed arguments as chunk_gated_delta_rule_varlen's.
 gated_rms_norm(x, z, weight, eps) -> rms_norm(x) * weight * silu(z), x, z [..., D], weight [D]:
     transformers' Qwen3_5RMSNormGated (a plain weight, no +1 offset). Like it, the normalised x
     is rounded to x's dtype before the weight, the weight product is rounded too when the weight
@@ -38,8 +54,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import gated_delta_rule as kernels
+from csrc_free_ops import gated_delta_rule_step as step_kernels
 from csrc_free_ops.common import empty_contiguous_like
 
+from .causal_conv1d import check_packed, check_packed_values
 from .checks import check_float, check_head_dim, check_like, check_same, fail
 from .registry import acc_dtype, define
 
@@ -122,12 +140,48 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     return out.transpose(1, 2).to(out_dtype).contiguous(), s.contiguous()
 
 
+def chunk_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                            state_pool: Tensor, cu_seqlens: Tensor, state_slots: Tensor,
+                                            continues: Tensor, scale: float, use_qk_l2norm: bool = False) -> Tensor:
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
+    for i, slot in enumerate(slots):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        rows = slice(lo, hi)
+        o, s = chunk_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
+                                                beta[None, rows], scale,
+                                                state_pool[slot:slot + 1] if cont[i] else None, use_qk_l2norm)
+        out[rows] = o[0]
+        state_pool[slot] = s[0]
+    return out
+
+
 def recurrent_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                                          dt_bias: Tensor, state: Tensor, scale: float,
                                          use_qk_l2norm: bool = True) -> Tensor:
     g, beta = gated_delta_gates_reference(a, b, A_log, dt_bias)
     out, s = gated_delta_recurrence(q, k, v, g, beta, scale, state, use_qk_l2norm)
     state.copy_(s)
+    return out
+
+
+def recurrent_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
+                                                dt_bias: Tensor, state_pool: Tensor, cu_seqlens: Tensor,
+                                                state_slots: Tensor, continues: Tensor, scale: float,
+                                                use_qk_l2norm: bool = True) -> Tensor:
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
+    for i, slot in enumerate(slots):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        rows = slice(lo, hi)
+        state = state_pool[slot:slot + 1].clone() if cont[i] else state_pool.new_zeros((1, *state_pool.shape[1:]))
+        out[rows] = recurrent_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], a[None, rows],
+                                                         b[None, rows], A_log, dt_bias, state, scale, use_qk_l2norm)[0]
+        state_pool[slot] = state[0]
     return out
 
 
@@ -186,12 +240,61 @@ def _check_chunk(q, k, v, g, beta, scale, initial_state=None, use_qk_l2norm=Fals
         _check_state(op, "initial_state", q, initial_state, (bsz, hv, dk, dv))
 
 
+def _check_qkv_packed(op: str, q: Tensor, k: Tensor, v: Tensor):
+    """q, k [N, Hk, Dk], v [N, Hv, Dv]: the fixed-length checks on their [1, N, ...] views."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(op, name, t, ndim=3)
+    return _check_qkv(op, q[None], k[None], v[None])[1:]
+
+
+def _check_pool(op: str, q: Tensor, state_pool: Tensor, shape: tuple):
+    check_float(op, "state_pool", state_pool, ndim=4)
+    if state_pool.device != q.device:
+        fail(op, f"state_pool is on {state_pool.device} but q is on {q.device}")
+    if state_pool.dtype != acc_dtype(q):
+        fail(op, f"state_pool must be {acc_dtype(q)} (the state is kept in {acc_dtype(q)}), got {state_pool.dtype}")
+    if tuple(state_pool.shape[1:]) != shape:
+        fail(op, f"state_pool must have shape [P, Hv, Dk, Dv] = [P, {', '.join(map(str, shape))}], "
+                 f"got {tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        fail(op, "state_pool must be contiguous")
+
+
+def _check_chunk_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale, use_qk_l2norm=False):
+    op = "chunk_gated_delta_rule_varlen"
+    n, hv, dk, dv = _check_qkv_packed(op, q, k, v)
+    _check_per_head(op, q, (n, hv), g=g, beta=beta)
+    _check_pool(op, q, state_pool, (hv, dk, dv))
+    check_packed(op, n, state_pool.shape[0], cu_seqlens, state_slots, continues, q.device)
+
+
+def _check_chunk_varlen_values(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale,
+                               use_qk_l2norm=False):
+    check_packed_values("chunk_gated_delta_rule_varlen", q.shape[0], state_pool.shape[0], cu_seqlens, state_slots)
+
+
 def _check_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True):
     op = "recurrent_gated_delta_rule"
     bsz, t, hv, dk, dv = _check_qkv(op, q, k, v)
     _check_per_head(op, q, (bsz, t, hv), a=a, b=b)
     _check_per_head(op, q, (hv,), A_log=A_log, dt_bias=dt_bias)
     _check_state(op, "state", q, state, (bsz, hv, dk, dv))
+
+
+def _check_recurrent_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues, scale,
+                            use_qk_l2norm=True):
+    op = "recurrent_gated_delta_rule_varlen"
+    n, hv, dk, dv = _check_qkv_packed(op, q, k, v)
+    _check_per_head(op, q, (n, hv), a=a, b=b)
+    _check_per_head(op, q, (hv,), A_log=A_log, dt_bias=dt_bias)
+    _check_pool(op, q, state_pool, (hv, dk, dv))
+    check_packed(op, n, state_pool.shape[0], cu_seqlens, state_slots, continues, q.device)
+
+
+def _check_recurrent_varlen_values(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues,
+                                   scale, use_qk_l2norm=True):
+    check_packed_values("recurrent_gated_delta_rule_varlen", q.shape[0], state_pool.shape[0], cu_seqlens,
+                        state_slots)
 
 
 def _check_norm(x, z, weight, eps):
@@ -214,7 +317,16 @@ def _fake_chunk(q, k, v, g, beta, scale, initial_state=None, use_qk_l2norm=False
             torch.empty((bsz, hv, k.shape[3], dv), dtype=acc_dtype(q), device=q.device))
 
 
+def _fake_chunk_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale, use_qk_l2norm=False):
+    return torch.empty(v.shape, dtype=q.dtype, device=q.device)
+
+
 def _fake_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True):
+    return torch.empty(v.shape, dtype=q.dtype, device=q.device)
+
+
+def _fake_recurrent_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues, scale,
+                           use_qk_l2norm=True):
     return torch.empty(v.shape, dtype=q.dtype, device=q.device)
 
 
@@ -224,9 +336,16 @@ def _fake_norm(x, z, weight, eps):
 
 chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_gated_delta_rule,
                                 _check_chunk, _fake_chunk)
-recurrent_gated_delta_rule = define(recurrent_gated_delta_rule_reference, kernels.recurrent_gated_delta_rule,
+chunk_gated_delta_rule_varlen = define(chunk_gated_delta_rule_varlen_reference, kernels.chunk_gated_delta_rule_varlen,
+                                       _check_chunk_varlen, _fake_chunk_varlen, mutates_args=("state_pool",),
+                                       check_values=_check_chunk_varlen_values)
+recurrent_gated_delta_rule = define(recurrent_gated_delta_rule_reference, step_kernels.recurrent_gated_delta_rule,
                                     _check_recurrent, _fake_recurrent, mutates_args=("state",))
-gated_rms_norm = define(gated_rms_norm_reference, kernels.gated_rms_norm, _check_norm, _fake_norm)
+recurrent_gated_delta_rule_varlen = define(recurrent_gated_delta_rule_varlen_reference,
+                                           step_kernels.recurrent_gated_delta_rule_varlen, _check_recurrent_varlen,
+                                           _fake_recurrent_varlen, mutates_args=("state_pool",),
+                                           check_values=_check_recurrent_varlen_values)
+gated_rms_norm = define(gated_rms_norm_reference, step_kernels.gated_rms_norm, _check_norm, _fake_norm)
 
 
 def _check_gates(a, b, A_log, dt_bias):
@@ -247,4 +366,4 @@ def _fake_gates(a, b, A_log, dt_bias):
             empty_contiguous_like(b))
 
 
-gated_delta_gates = define(gated_delta_gates_reference, kernels.gated_delta_gates, _check_gates, _fake_gates)
+gated_delta_gates = define(gated_delta_gates_reference, step_kernels.gated_delta_gates, _check_gates, _fake_gates)

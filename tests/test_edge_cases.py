@@ -59,6 +59,15 @@ def _conv_varlen(lens, c, dt, dev):
             *_packed(lens, dev))
 
 
+def _gdr_varlen(lens, hk, hv, dt, dev, recurrent=False, d=16):
+    """chunk_gated_delta_rule_varlen (or with `recurrent`, recurrent_gated_delta_rule_varlen) arguments."""
+    n = sum(lens)
+    q, k, v = _r(n, hk, d, dt=dt, dev=dev), _r(n, hk, d, dt=dt, dev=dev), _r(n, hv, d, dt=dt, dev=dev)
+    gates = ((_r(n, hv, dt=dt, dev=dev), _r(n, hv, dt=dt, dev=dev), _r(hv, dev=dev), _r(hv, dev=dev)) if recurrent
+             else (-torch.rand(n, hv, device=dev), torch.rand(n, hv, device=dev).to(dt)))
+    return (q, k, v, *gates, _r(3, hv, d, d, dev=dev), *_packed(lens, dev), 0.25, True)
+
+
 def _qkv(b, t, dt, dev):
     """norm_qkv_rope_store arguments: hidden 8, 2 q heads and 1 kv head of 16, a cache of 4."""
     return (_r(b, t, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(64, 8, dt=dt, dev=dev), None, _r(16, dt=dt, dev=dev),
@@ -238,6 +247,12 @@ CASES = [
     ("chunk_gated_delta_rule", "T=0", lambda dt, dev: _gdr(1, 0, 1, 2, dt, dev)),
     ("chunk_gated_delta_rule", "T=0 state", lambda dt, dev: _gdr(2, 0, 1, 1, dt, dev, state=True)),
     ("chunk_gated_delta_rule", "Hv=0", lambda dt, dev: _gdr(1, 3, 1, 0, dt, dev)),
+    ("chunk_gated_delta_rule_varlen", "S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev)),
+    ("chunk_gated_delta_rule_varlen", "N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev)),
+    ("chunk_gated_delta_rule_varlen", "Hv=0", lambda dt, dev: _gdr_varlen([2, 1], 1, 0, dt, dev)),
+    ("recurrent_gated_delta_rule_varlen", "S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev, True)),
+    ("recurrent_gated_delta_rule_varlen", "N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev, True)),
+    ("recurrent_gated_delta_rule_varlen", "Hv=0", lambda dt, dev: _gdr_varlen([1, 1], 1, 0, dt, dev, True)),
     ("recurrent_gated_delta_rule", "B=0", lambda dt, dev: _rec(0, 1, 1, 1, dt, dev)),
     ("recurrent_gated_delta_rule", "T=0", lambda dt, dev: _rec(2, 0, 1, 2, dt, dev)),
     ("recurrent_gated_delta_rule", "Hv=0", lambda dt, dev: _rec(1, 1, 1, 0, dt, dev)),
@@ -304,7 +319,8 @@ REFUSED = [
 ]
 
 MUTATED = {"kv_cache_store": (2, 3), "kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7),
-           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,), "causal_conv1d_varlen": (2,)}
+           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,), "causal_conv1d_varlen": (2,),
+           "chunk_gated_delta_rule_varlen": (5,), "recurrent_gated_delta_rule_varlen": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 
 KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}
