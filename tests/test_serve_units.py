@@ -1,0 +1,166 @@
+"""modeling.serve in process: the reply parsers (Qwen3 <think>, Qwen <tool_call>), a chat choice built
+from tokens, per-choice seeds, request parsing, the command line's checks, and an engine whose
+steps fail (the app stays up, then reports itself unusable). No model runs here."""
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from modeling.sampling import SamplingParams  # noqa: E402
+from modeling.serve.chat_output import ChatOutput, ReasoningSplitter, ToolCallParser  # noqa: E402
+from modeling.serve.engine_loop import TokenEvent  # noqa: E402
+from modeling.serve.errors import APIError  # noqa: E402
+from modeling.serve.generation import Generation  # noqa: E402
+from modeling.serve.protocol import CompletionRequest, Plan, Prompt, choice_seed, parse  # noqa: E402
+from modeling.serve.responses import TokenStrings  # noqa: E402
+
+
+def split_whole_and_streamed(make, text):
+    whole = make()
+    a = [x + y for x, y in zip(whole.push(text), whole.finish())]
+    streamed = make()
+    parts = [streamed.push(ch) for ch in text] + [streamed.finish()]
+    return a, ["".join(p[i] for p in parts) for i in range(2)]
+
+
+@pytest.mark.parametrize("opened, text, reasoning, content", [
+    (False, "<think>\nLet me think.\n</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
+    (True, "I should add.\n</think>\n\nFour.", "I should add.", "Four."),
+    (False, "  Plain reply <think> inside", "", "Plain reply <think> inside"),
+    (False, "<think>\ncut off by max_tokens", "cut off by max_tokens", ""),
+    (False, "<thin", "", "<thin"),
+    (False, "<think>\n\n</think>\n\nNo thoughts.", "", "No thoughts."),
+])
+def test_reasoning_splitter_whole_equals_streamed(opened, text, reasoning, content):
+    whole, streamed = split_whole_and_streamed(lambda: ReasoningSplitter(opened), text)
+    assert whole == streamed == [reasoning, content]
+
+
+def test_tool_call_parser_whole_equals_streamed():
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "time", "arguments": "{}"}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>'
+            '<tool_call>{"name": "unclosed"')
+    for pieces in ([text], list(text)):
+        p = ToolCallParser()
+        content, calls = "", []
+        for piece in pieces:
+            c, more = p.push(piece)
+            content, calls = content + c, calls + more
+        content += p.finish()[0]
+        assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "time", "arguments": "{}"}]
+        assert content == 'Checking.\n\n\n<tool_call>\nnot json\n</tool_call><tool_call>{"name": "unclosed"'
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from modeling.llm import LLM
+
+    return LLM(None, device="cpu", progress=False)
+
+
+def chat_plan(prompt_text: str, logprobs=None) -> Plan:
+    params = SamplingParams(stop_token_ids=(), logprobs=logprobs)
+    return Plan([Prompt(prompt_text, [1])], 1, [params], [200], [2], stream=False, include_usage=False,
+                return_token_ids=True, logprobs=logprobs, tool_calls=True, reasoning=True, prompt_text=prompt_text)
+
+
+def test_chat_choice_from_tokens_has_reasoning_and_tool_calls(llm):
+    reply = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>'
+    tokens = llm.tokenizer.encode(reply) + [2]  # then EOS
+    gen = Generation(chat_plan("<|im_start|>assistant\n"), True, None, TokenStrings(llm.tokenizer), 0.0)
+    c = gen.choices[0]
+    for i, t in enumerate(tokens):
+        c.consume([TokenEvent(0, t, None, "stop" if i == len(tokens) - 1 else None, 0.0)])
+    out = gen.chat_choice(c)
+    assert out["finish_reason"] == "tool_calls" and out["token_ids"] == tokens
+    msg = out["message"]
+    assert msg["reasoning_content"] == "The user wants weather." and msg["content"] is None
+    assert [(t["type"], t["function"]["name"], json.loads(t["function"]["arguments"])) for t in msg["tool_calls"]] \
+        == [("function", "w", {"c": 1})]
+    assert c.consume([TokenEvent(0, 5, None, None, 0.0)]) is None  # nothing after the end
+
+
+def test_stop_string_ends_a_choice_and_later_tokens_are_dropped(llm):
+    params = SamplingParams(stop=("light",))
+    plan = Plan([Prompt("x", [1])], 1, [params], [50], [2], False, False, True, None)
+    gen = Generation(plan, False, None, TokenStrings(llm.tokenizer), 0.0)
+    c = gen.choices[0]
+    tokens = llm.tokenizer.encode("What light through yonder")
+    pieces = [c.consume([TokenEvent(0, t, None, None, 0.0)]) for t in tokens]
+    assert c.finish_reason == "stop" and c.stop_reason == "light" and gen.completion_choice(c)["text"] == "What "
+    assert pieces[-1] is None  # sampled after the match, before the abort landed: dropped
+    assert gen.completion_tokens == len(c.token_ids) < len(tokens)
+
+
+def test_choice_seeds():
+    assert choice_seed(None, 3) is None and choice_seed(7, 0) == 7
+    seeds = [choice_seed(7, i) for i in range(8)]
+    assert seeds == [choice_seed(7, i) for i in range(8)] and len(set(seeds)) == 8
+    assert all(0 <= s < 2**63 for s in seeds) and choice_seed(8, 1) != seeds[1]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (b'{"prompt": "x", "stream_options": {"include_usage": 1}}', "stream_options",
+     "'stream_options.include_usage' input should be a valid boolean"),
+    (b'{"prompt": "x", "stream_options": {"x": 1}}', "stream_options", "'stream_options.x' extra inputs"),
+    (b'{"prompt": "x", "seed": 1.5}', "seed", "'seed' input should be a valid integer"),
+    (b'{"prompt": "x", "stream": "yes"}', "stream", "'stream' input should be a valid boolean"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "'temperature' input should be a finite number"),
+    (b'{"prompt": "x",}', None, "the request body is not valid JSON"),
+])
+def test_parse_names_the_field(body, param, message):
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, body)
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(message)
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--port", "70000"], "--port"), (["--max-waiting", "0"], "--max-waiting"),
+    (["--memory-fraction", "0"], "--memory-fraction"), (["--device", "tpu"], "--device"),
+    (["--model", "/no/such/dir"], "--model"),
+])
+def test_cli_refuses_bad_flags(argv, problem, capsys):
+    from modeling.serve.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and problem in err and "Traceback" not in err
+
+
+def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from modeling.engine import Engine
+    from modeling.serve.app import ServerState, Settings, create_app
+    from modeling.serve.engine_loop import MAX_CONSECUTIVE_FAILURES
+
+    engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, cuda_graphs=False)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "run", broken)  # after scheduling: the blocks are taken
+    dead = []
+    state = ServerState(llm, engine, Settings("m"), on_dead=dead.append)
+    body = {"prompt": "ROMEO:", "max_tokens": 4}
+    with TestClient(create_app(state)) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "device lost" in r.json()["error"]["message"] and engine.blocks.num_free == engine.blocks.num_blocks
+        assert client.get("/health").status_code == 200  # one failed step: still serving
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert s.status_code == 200 and '"engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        for _ in range(MAX_CONSECUTIVE_FAILURES - 2):
+            assert client.post("/v1/completions", json=body).status_code == 500
+        deadline = 100
+        while not dead and deadline:
+            deadline -= 1
+            __import__("time").sleep(0.01)
+        assert [str(e) for e in dead] == ["device lost"]
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
+        assert client.get("/metrics").status_code == 200
