@@ -1,6 +1,6 @@
 """The engine's offline throughput and time to first token, beside transformers' continuous batching.
 
-    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer]
+    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer] [--profile]
 
 On the GPU (bf16, random weights, one process):
 
@@ -16,6 +16,10 @@ On the GPU (bf16, random weights, one process):
 - the peer: transformers' continuous batching (``init_continuous_batching``, paged SDPA) on the
   first ``--peer-requests`` requests with their own output lengths, after ours has freed its pool
   (``transformers_cb_tokens_per_s``).
+
+The timed throughput run's engine counters (steps, host time by phase: ``EngineStats``) are printed
+and kept under ``throughput_stats``; ``--profile`` also runs the workload's first 64 requests under
+``torch.profiler`` and prints the kernels that took the most device time.
 
 Writes ``<date>-<gpu>-throughput.json`` with ``gpu`` and ``date``.
 """
@@ -63,6 +67,16 @@ def ttft_ms(engine, prompts, params) -> float:
     return ms
 
 
+def profile(engine, requests, params, rows: int = 15) -> None:
+    """The kernels of a run of ``requests`` by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_all(engine, requests, params)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+
+
 def best_ttft(engine, prompts, params, reps: int = 5) -> float:
     ttft_ms(engine, prompts, params)  # warm
     return min(ttft_ms(engine, prompts, params) for _ in range(reps))
@@ -103,6 +117,7 @@ def main():
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--peer-requests", type=int, default=8)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--profile", action="store_true", help="profile the kernels of 64 requests")
     a = p.parse_args()
     require_cuda("bench.throughput")
     from modeling import QwenConfig
@@ -129,7 +144,12 @@ def main():
     engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
     print(engine.size.describe(model), flush=True)
     run_all(engine, requests, greedy)  # warm: compile, capture every decode bucket
+    engine.stats = type(engine.stats)()
     report("throughput_tokens_per_s", run_all(engine, requests, greedy), "output tokens/s")
+    print(engine.stats.describe(), flush=True)
+    out["throughput_stats"] = dict(vars(engine.stats))
+    if a.profile:
+        profile(engine, requests[:64], greedy)
     rng = random.Random(1)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(256)] for _ in range(8)]
     report("qwen3_ttft_ms_256", best_ttft(engine, prompts[:1], greedy), "ms")

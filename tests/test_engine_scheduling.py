@@ -36,7 +36,7 @@ def test_prefix_cache_hits_full_blocks_only_and_never_the_last_token():
     bm = BlockManager(16, 4)
     prompt = list(range(10))
     table, _ = bm.allocate(prompt)
-    bm.commit(table, prompt, [])  # 2 full blocks registered
+    bm.commit(table, prompt, len(prompt), [])  # 2 full blocks registered
     same_start = prompt[:8] + [77, 78, 79]
     table2, hashes = bm.allocate(same_start)
     assert table2[:2] == table[:2] and len(hashes) == 2 and table2[2] not in table
@@ -49,18 +49,31 @@ def test_prefix_cache_hits_full_blocks_only_and_never_the_last_token():
     assert hashes4 == []
 
 
+def test_commit_registers_only_the_computed_full_blocks():
+    bm = BlockManager(16, 4)
+    prompt = list(range(10))
+    table, _ = bm.allocate(prompt)
+    hashes = []
+    bm.commit(table, prompt, 7, hashes)  # tokens 7.. not computed yet: one full block
+    assert len(hashes) == 1 and len(bm.cached) == 1
+    bm.commit(table, prompt, 7, hashes)  # nothing new
+    assert len(hashes) == 1
+    bm.commit(table, prompt, 10, hashes)
+    assert len(hashes) == 2 and bm.cached[hashes[1]] == table[1]
+
+
 def test_prefix_cache_survives_free_until_the_block_is_reused_least_recent_first():
     bm = BlockManager(4, 2)
     a = [1, 2, 3, 4, 5]
     table, hashes = bm.allocate(a)
-    bm.commit(table, a, hashes)
+    bm.commit(table, a, len(a), hashes)
     bm.free(table)
     assert bm.num_free == 4
     _, hit = bm.allocate(a)  # still cached after the free
     assert len(hit) == 2
     bm2 = BlockManager(4, 2)
     t1, h1 = bm2.allocate([1, 2, 3])
-    bm2.commit(t1, [1, 2, 3], h1)
+    bm2.commit(t1, [1, 2, 3], 3, h1)
     bm2.free(t1)
     t2, _ = bm2.allocate([9, 9, 9, 9, 9, 9, 9])  # needs all four blocks: the cached one is reused
     assert sorted(t2) == [0, 1, 2, 3]

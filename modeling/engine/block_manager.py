@@ -33,7 +33,8 @@ class BlockManager:
 
     ``allocate(tokens)`` returns (block table, hashes of the leading blocks already cached);
     ``append(table, num_tokens)`` grows a table to hold ``num_tokens`` positions;
-    ``commit(table, tokens, hashes)`` registers the full blocks of ``tokens`` for prefix reuse;
+    ``commit(table, tokens, num_tokens, hashes)`` registers the full blocks of ``tokens[:num_tokens]``
+    for prefix reuse;
     ``free(table)`` drops a sequence's references."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
@@ -114,13 +115,14 @@ class BlockManager:
         while len(table) < self.blocks_for(num_tokens):
             table.append(self._new_block())
 
-    def commit(self, table: Sequence[int], tokens: Sequence[int], hashes: List[bytes]) -> None:
-        """Register the full blocks of ``tokens`` (whose KV is now in the pool) for prefix reuse;
-        ``hashes``: the sequence's block hashes so far, extended in place (each block is hashed once)."""
+    def commit(self, table: Sequence[int], tokens: Sequence[int], num_tokens: int, hashes: List[bytes]) -> None:
+        """Register the full blocks of ``tokens[:num_tokens]`` (whose KV is now in the pool) for prefix
+        reuse; ``hashes``: the sequence's block hashes so far, extended in place (each block is hashed
+        once, when it fills: a step that fills no block costs nothing here)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), num_tokens // bs):
             h = block_hash(tokens[i * bs:(i + 1) * bs], hashes[-1] if hashes else None)
             hashes.append(h)
             block = table[i]

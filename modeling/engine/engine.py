@@ -18,8 +18,11 @@ from any thread; ``step`` from one thread at a time.
 
 import random
 import threading
+import time
+from dataclasses import dataclass
 from typing import List, Optional, Sequence as Seq, Tuple
 
+import numpy as np
 import torch
 
 from ..sampling import SamplingParams
@@ -29,10 +32,32 @@ from .runner import StepRunner
 from .sampler import sample_sequences
 from .scheduler import Scheduler, StateSlots
 from .sequence import LogprobEntry, Sequence, Status
-from .step import build
+from .step import build, to_device
 
 BLOCK_SIZE = 64
 """Positions per KV block."""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
+    (scheduling, packing the batch, committing its blocks), ``launch_s`` (launching the step or
+    replaying its graph), ``sample_s`` (sampling up to the tokens on the host: this absorbs the
+    wait for the device, so a device-bound engine shows it largest)."""
+
+    steps: int = 0
+    decode_steps: int = 0  # steps where every sequence computed one token
+    prompt_tokens: int = 0  # tokens computed in prefill chunks (prefix-cache hits not counted)
+    output_tokens: int = 0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    sample_s: float = 0.0
+
+    def describe(self) -> str:
+        busy = self.schedule_s + self.launch_s + self.sample_s
+        return (f"{self.steps} steps ({self.decode_steps} decode-only), {self.prompt_tokens} prompt and "
+                f"{self.output_tokens} output tokens; host {busy:.2f} s: schedule {self.schedule_s:.2f}, "
+                f"launch {self.launch_s:.2f}, sample and wait {self.sample_s:.2f}")
 
 
 class Engine:
@@ -64,7 +89,7 @@ class Engine:
                                  -(-self.max_model_len // block_size), cuda_graphs, mixed_steps=not hybrid)
         self._lock = threading.Lock()
         self._rng = random.Random()
-        self.steps = 0
+        self.stats = EngineStats()
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
@@ -93,6 +118,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> List[Sequence]:
         """Run one step; returns the sequences that sampled a token in it (finished ones included)."""
+        t0 = time.perf_counter()
         with self._lock:
             scheduled = self.scheduler.schedule()
         if not scheduled.work:
@@ -101,16 +127,20 @@ class Engine:
         batch = build(scheduled, self.size.block_size, dev)
         fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
         if fresh:
-            self.pool.reset_state_slots(torch.tensor(fresh, dtype=torch.int64, device=dev))
+            self.pool.reset_state_slots(to_device(np.array(fresh, np.int64), dev))
+        t1 = time.perf_counter()
         logits = self.runner.run(batch, scheduled.decode_only)
+        t2 = time.perf_counter()
         done = batch.sampling
         tokens = self._sample(logits, [scheduled.work[i][0] for i in done]) if done else []
-        self.steps += 1
+        t3 = time.perf_counter()
         sampled = []
         with self._lock:
             for seq, n in scheduled.work:
+                if seq.num_computed < seq.num_prompt:
+                    self.stats.prompt_tokens += min(n, seq.num_prompt - seq.num_computed)
                 seq.num_computed += n
-                self.blocks.commit(seq.block_table, seq.tokens[:seq.num_computed], seq.block_hashes)
+                self.blocks.commit(seq.block_table, seq.tokens, seq.num_computed, seq.block_hashes)
             for i, (token, logprobs) in zip(done, tokens):
                 seq = scheduled.work[i][0]
                 if seq.status is not Status.RUNNING:  # aborted while the step ran
@@ -119,6 +149,13 @@ class Engine:
                 sampled.append(seq)
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
+        st = self.stats
+        st.steps += 1
+        st.decode_steps += scheduled.decode_only
+        st.output_tokens += len(sampled)
+        st.schedule_s += (t1 - t0) + (time.perf_counter() - t3)
+        st.launch_s += t2 - t1
+        st.sample_s += t3 - t2
         return sampled
 
     def _sample(self, logits: torch.Tensor, seqs: List[Sequence]) -> List[Tuple[int, Optional[LogprobEntry]]]:

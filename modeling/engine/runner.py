@@ -114,14 +114,19 @@ class StepRunner:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
         self.shape = key
         replay = self.graphs.get(key, self._body(key))  # captured first: the capture resets the buffers
-        self._reset()
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.seq_lens[:m].copy_(batch.seq_lens)
         self.block_table[:m, :width].copy_(batch.block_table)
+        # rows past the step's are padding (see _reset): only these tails change between steps
+        self.input_ids[n:t].zero_()
+        self.positions[n:t].zero_()
+        self.slot_mapping[n:t].fill_(-1)
+        self.seq_lens[m:s].zero_()
         if batch.decode_slots.numel():
             self.state_slots[:m].copy_(batch.decode_slots)
+            self.state_slots[m:s].fill_(self.pool.padding_slot)
         sampled = batch.logits_rows.numel()
         if kind == "mixed":
             self.cu_seqlens[:m + 1].copy_(batch.cu_seqlens_q)

@@ -28,6 +28,7 @@ token) and ``max_query_len`` travel with it: the launchers size grids from them 
 from dataclasses import dataclass
 from typing import List, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,42 +57,68 @@ class StepBatch:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def continues(self) -> Tensor:
+        """[S] bool: the sequence has cached positions (its first new token's position > 0), so a
+        recurrent layer continues the state in its slot instead of starting from zeros. Computed on the
+        device from ``seq_lens`` and ``cu_seqlens_q`` on first use, once per batch: a padded step
+        graph's padding sequences (length 0 cached) come out False, and the capture records it."""
+        c = self.__dict__.get("_continues")
+        if c is None:
+            cu = self.cu_seqlens_q
+            c = self.__dict__["_continues"] = self.seq_lens > (cu[1:] - cu[:-1])
+        return c
+
+
+def to_device(array: np.ndarray, device) -> Tensor:
+    """``array`` on ``device``; to a GPU through pinned memory without blocking the host (a pageable
+    copy would wait for the device's queue: ~150 us a tensor on the H200 host)."""
+    host = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
 
 def build(step: ScheduledStep, block_size: int, device) -> StepBatch:
-    """The batch of a scheduled step (built on the host, copied to ``device`` in one transfer per
-    tensor)."""
-    ids, pos, slots, cu, lens, starts, qlens, tables, state = [], [], [], [0], [], [], [], [], []
-    decode_rows, decode_slots, chunks, sampling = [], [], [], []
-    for i, (seq, n) in enumerate(step.work):
-        start = seq.num_computed
+    """The batch of a scheduled step, packed on the host with numpy and copied to ``device`` in two
+    transfers (the int64 and the int32 fields are views of two tensors)."""
+    work = step.work
+    S = len(work)
+    qlens = np.fromiter((n for _, n in work), np.int64, S)
+    starts = np.fromiter((seq.num_computed for seq, _ in work), np.int64, S)
+    cu = np.zeros(S + 1, np.int64)
+    np.cumsum(qlens, out=cu[1:])
+    N = int(cu[-1])
+    width = max((len(seq.block_table) for seq, _ in work), default=1)
+    ints = np.zeros(2 * S + 1 + S * width, np.int32)  # cu_seqlens | seq_lens | block_table
+    ints[:S + 1], ints[S + 1:2 * S + 1] = cu, starts + qlens
+    table = ints[2 * S + 1:].reshape(S, width)
+    ids = np.empty(N, np.int64)
+    sampling, decode, chunks = [], [], []
+    for i, (seq, n) in enumerate(work):
+        start, row = int(starts[i]), int(cu[i])
+        table[i, :len(seq.block_table)] = seq.block_table
+        ids[row:row + n] = seq.tokens[start:start + n]
         if start + n == len(seq.tokens):
             sampling.append(i)
         if seq.state_slot is not None:
             if n == 1 and start > 0:
-                decode_rows.append(cu[-1])
-                decode_slots.append(seq.state_slot)
+                decode.append(i)
             else:
-                chunks.append((cu[-1], n, seq.state_slot, start))
-        ids += seq.tokens[start:start + n]
-        for p in range(start, start + n):
-            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
-        pos += range(start, start + n)
-        cu.append(cu[-1] + n)
-        lens.append(start + n)
-        starts.append(start)
-        qlens.append(n)
-        tables.append(seq.block_table)
-        state.append(-1 if seq.state_slot is None else seq.state_slot)
-    width = max((len(t) for t in tables), default=1)
-    table = [t + [0] * (width - len(t)) for t in tables]
-    i64 = dict(dtype=torch.int64, device=device)
-    i32 = dict(dtype=torch.int32, device=device)
+                chunks.append((row, n, seq.state_slot, start))
+    owner = np.repeat(np.arange(S), qlens)  # each token's sequence
+    positions = np.arange(N) - cu[owner] + starts[owner]
+    slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    state = np.fromiter((-1 if seq.state_slot is None else seq.state_slot for seq, _ in work), np.int64, S)
+    decode_rows = cu[decode]
+    longs = np.concatenate([ids, positions, slots, state, cu[np.array(sampling, np.int64) + 1] - 1, decode_rows,
+                            state[decode]])
+    ints_dev, longs_dev = to_device(ints, device), to_device(longs, device)
+    sizes = (N, N, N, S, len(sampling), len(decode), len(decode))
+    views = torch.split(longs_dev, sizes)
     return StepBatch(
-        input_ids=torch.tensor(ids, **i64), positions=torch.tensor(pos, **i64),
-        slot_mapping=torch.tensor(slots, **i64), cu_seqlens_q=torch.tensor(cu, **i32),
-        seq_lens=torch.tensor(lens, **i32), block_table=torch.tensor(table, **i32).reshape(len(tables), width),
-        state_slots=torch.tensor(state, **i64), logits_rows=torch.tensor([cu[i + 1] - 1 for i in sampling], **i64),
-        decode_rows=torch.tensor(decode_rows, **i64), decode_slots=torch.tensor(decode_slots, **i64),
-        chunks=chunks, sampling=sampling,
-        query_lens=qlens, starts=starts, max_query_len=max(qlens, default=0),
+        input_ids=views[0], positions=views[1], slot_mapping=views[2], cu_seqlens_q=ints_dev[:S + 1],
+        seq_lens=ints_dev[S + 1:2 * S + 1], block_table=ints_dev[2 * S + 1:].view(S, width), state_slots=views[3],
+        logits_rows=views[4], decode_rows=views[5], decode_slots=views[6], chunks=chunks, sampling=sampling,
+        query_lens=qlens.tolist(), starts=starts.tolist(), max_query_len=int(qlens.max(initial=0)),
     )
