@@ -312,23 +312,35 @@ class GatedDeltaNetLayer(DecoderLayer):
         return ops.linear_residual(self._delta_rule(proj, cache, cache_seqlens), self.out_weight, x)
 
     def mix_step(self, h: Tensor, batch, pool_entry: Tuple[Tensor, Tensor]) -> Tensor:
-        """The mixer over an engine step's flat tokens h [N, hidden], each sequence continuing the
-        state in its slot of the pool (conv [slots, C, K-1], state [slots, Hv, Dk, Dv]): the decoding
-        sequences (one token each) together, their states gathered from and written back to their
-        slots; each prefill chunk on its own, from a zero state at its first token."""
+        """The mixer over an engine step's flat tokens h [N, hidden]: every sequence of the step (prefill
+        chunks and decode tokens alike) in one packed call per op, each starting from its slot of the
+        pool (conv [slots, C, K-1], state [slots, Hv, Dk, Dv]) where ``batch.continues`` (its first
+        position > 0), else from zeros, and leaving its state there in place. Steps whose sequences
+        hold at most one token each (``max_query_len <= 1``: decode) take the recurrent rule (gates
+        inside); others the chunked one. Grids depend on shapes only: padded step graphs capture it."""
+        c = self.config
         conv_pool, state_pool = pool_entry
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        Dk, Dv, Kd, Vd, C = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim, c.linear_value_dim,
+                             c.linear_conv_dim)
         proj = ops.linear(h, self.in_proj_weight)  # [N, C + Vd + 2Hv]
-        o = proj.new_empty((proj.shape[0], self.config.linear_value_dim))
-        if batch.decode_rows.numel():
-            slots = batch.decode_slots
-            cache = GatedDeltaNetCache(conv_pool.index_select(0, slots), state_pool.index_select(0, slots))
-            o[batch.decode_rows] = self._delta_rule(proj[batch.decode_rows][:, None], cache, batch.seq_lens)[:, 0]
-            conv_pool.index_copy_(0, slots, cache.conv)
-            state_pool.index_copy_(0, slots, cache.state)
-        for row, n, slot, start in batch.chunks:
-            cache = GatedDeltaNetCache(conv_pool[slot:slot + 1], state_pool[slot:slot + 1])
-            o[row:row + n] = self._delta_rule(proj[None, row:row + n], cache, None, continues=start > 0)[0]
-        return ops.linear(o, self.out_weight)
+        N = proj.shape[0]
+        packed = (batch.cu_seqlens_q, batch.state_slots, batch.continues)
+        y = ops.causal_conv1d_varlen(proj[:, :C], self.conv_weight[:, 0], conv_pool, *packed)
+        q = y[:, :Kd].view(N, Hk, Dk)
+        k = y[:, Kd : 2 * Kd].view(N, Hk, Dk)
+        v = y[:, 2 * Kd :].view(N, Hv, Dv)
+        b = proj[:, C + Vd : C + Vd + Hv]
+        a = proj[:, C + Vd + Hv :]
+        scale = Dk**-0.5
+        if batch.max_query_len <= 1:
+            o = ops.recurrent_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, state_pool, *packed,
+                                                      scale, True)
+        else:
+            g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
+            o = ops.chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, *packed, scale, True)
+        o = ops.gated_rms_norm(o, proj[:, C : C + Vd].view(N, Hv, Dv), self.norm_weight, c.rms_norm_eps)
+        return ops.linear(o.view(N, Vd), self.out_weight)
 
     def _delta_rule(self, proj: Tensor, cache: GatedDeltaNetCache, cache_seqlens: Optional[Tensor],
                     continues: bool = False) -> Tensor:
