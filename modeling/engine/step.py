@@ -69,18 +69,6 @@ class StepBatch:
             c = self.__dict__["_continues"] = self.seq_lens > (cu[1:] - cu[:-1])
         return c
 
-    @property
-    def continues(self) -> Tensor:
-        """[S] bool: the sequence has cached positions (its first new token's position > 0), so a
-        recurrent layer continues the state in its slot instead of starting from zeros. Computed on the
-        device from ``seq_lens`` and ``cu_seqlens_q`` on first use, once per batch: a padded step
-        graph's padding sequences (length 0 cached) come out False, and the capture records it."""
-        c = self.__dict__.get("_continues")
-        if c is None:
-            cu = self.cu_seqlens_q
-            c = self.__dict__["_continues"] = self.seq_lens > (cu[1:] - cu[:-1])
-        return c
-
 
 def to_device(array: np.ndarray, device) -> Tensor:
     """``array`` on ``device``; to a GPU through pinned memory without blocking the host (a pageable
