@@ -65,19 +65,6 @@ def _conv_kernel(
     x_cols = x_rows + cols.to(tl.int64)[None, :] * stride_xc
     s_cols = s_in_ptr + srow * stride_sib + cols.to(tl.int64)[None, :] * stride_sic
 
-    # The new state [K-1, BLOCK_C]: column i is input position L - (K-1) + i (< 0: from the old
-    # state). Read before anything is stored: in place, s_in and s_out are the same memory.
-    si = tl.arange(0, BLOCK_S)
-    sp = L - (K - 1) + si
-    smask = tl.where(first, (si < K - 1)[:, None] & cmask[None, :], False)  # (scalar flags via where: the
-    # interpreter refuses a mask that combines a block and a scalar with &)
-    new_state = tl.load(x_cols + tl.maximum(sp, 0).to(tl.int64)[:, None] * stride_xt,
-                        mask=smask & (sp >= 0)[:, None], other=0.0)
-    if HAS_STATE:
-        old = tl.load(s_cols + (K - 1 + tl.minimum(sp, 0))[:, None] * stride_sik,
-                      mask=tl.where(keep, smask & (sp < 0)[:, None], False), other=0.0)
-        new_state = tl.where((sp >= 0)[:, None], new_state, old.to(new_state.dtype))
-
     rows = tl.arange(0, BLOCK_T)
     for t0 in range(t_lo, t_hi, BLOCK_T):
         t = t0 + rows
@@ -96,6 +83,20 @@ def _conv_kernel(
             acc += xv * w[None, :]
         y = acc * tl.sigmoid(acc)
         tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+    # The new state [K-1, BLOCK_C]: column i is input position L - (K-1) + i (< 0: from the old
+    # state). Read after the outputs (fewer live registers in the loop) and before it is stored: in
+    # place, s_in and s_out are the same memory, and only this program writes it.
+    si = tl.arange(0, BLOCK_S)
+    sp = L - (K - 1) + si
+    smask = tl.where(first, (si < K - 1)[:, None] & cmask[None, :], False)  # (scalar flags via where: the
+    # interpreter refuses a mask that combines a block and a scalar with &)
+    new_state = tl.load(x_cols + tl.maximum(sp, 0).to(tl.int64)[:, None] * stride_xt,
+                        mask=smask & (sp >= 0)[:, None], other=0.0)
+    if HAS_STATE:
+        old = tl.load(s_cols + (K - 1 + tl.minimum(sp, 0))[:, None] * stride_sik,
+                      mask=tl.where(keep, smask & (sp < 0)[:, None], False), other=0.0)
+        new_state = tl.where((sp >= 0)[:, None], new_state, old.to(new_state.dtype))
 
     # In place, other warps of this program may still be reading the old state: wait for them.
     tl.debug_barrier()
