@@ -4,6 +4,8 @@ in chunks, finds its prefix in the cache or is preempted and recomputed; seeded 
 depend on the batch. float64 models: the PyTorch reference ops, exact and fast on the CPU; the
 `cuda` cases run the kernels on a GPU."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -166,3 +168,25 @@ def test_engine_on_cuda_equals_the_generator(config):
     engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=96, max_model_len=512, block_size=16,
                     memory_fraction=0.2)
     assert engine.generate(prompts, GREEDY, 16) == want
+
+
+def test_hybrid_mixed_steps_in_the_padded_bodies(monkeypatch):
+    """A hybrid model's mixed steps (prefill chunks beside decode tokens) through the runner's padded
+    mixed bodies, as its step graphs would run them (eager on the CPU: a padding sequence holding the
+    padding tokens, empty ones after it, all on the padding state slot): the Generator's tokens."""
+    model = model_of(QWEN3_5)
+    prompts = prompts_of([5, 37, 1, 70, 16])
+    want = generator_tokens(model, prompts, 10)
+    engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=40, max_model_len=128, block_size=16)
+    runner, kinds = engine.runner, []
+    key = runner.key
+
+    def mixed_for_hybrid_too(batch, decode_only):
+        k = key(dataclasses.replace(batch, chunks=[]), decode_only)
+        kinds.append(k and k[0])
+        return k
+
+    runner.mixed_steps = True
+    monkeypatch.setattr(runner, "key", mixed_for_hybrid_too)
+    assert engine.generate(prompts, GREEDY, 10) == want
+    assert "mixed" in kinds and "decode" in kinds

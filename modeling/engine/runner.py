@@ -6,7 +6,8 @@ sequences of one token that touch nothing (KV slot -1: not written; length 0: no
 pool's padding state slot for recurrent layers).
 
 A prefill or mixed step of N tokens in S sequences (attention-only models; a hybrid model's
-recurrent layers run prefill chunks one by one, outside any graph) runs in the graph of the
+prefill steps run eagerly while ``mixed_steps`` is off for it, though its recurrent layers take the
+step's sequences in one packed call per op, padded bodies included) runs in the graph of the
 smallest token bucket t >= N and sequence bucket s >= S + 1 (powers of two, and the limits):
 sequence S is a padding sequence holding the t - N padding tokens (length 0: zeros out, slot -1),
 the rest of the s sequences are empty, and the logits of rows that do not sample are computed and
@@ -124,8 +125,8 @@ class StepRunner:
         self.positions[n:t].zero_()
         self.slot_mapping[n:t].fill_(-1)
         self.seq_lens[m:s].zero_()
-        if batch.decode_slots.numel():
-            self.state_slots[:m].copy_(batch.decode_slots)
+        if self.pool.recurrent:  # hybrid models: every sequence's state slot, in order (decodes and prefill chunks)
+            self.state_slots[:m].copy_(batch.state_slots)
             self.state_slots[m:s].fill_(self.pool.padding_slot)
         sampled = batch.logits_rows.numel()
         if kind == "mixed":
