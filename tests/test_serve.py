@@ -341,6 +341,8 @@ def test_completion_errors(server, body, param, match):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools", "does not render tools"),  # the shipped template is plain ChatML
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},
      "max_completion_tokens", "differ"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions", "not supported"),
@@ -380,7 +382,7 @@ def test_queue_full_is_429(guarded):
     """One sequence runs at a time and one may wait: a third request is refused with 429, and
     closing the two streams frees their blocks."""
     client = guarded.client(KEY)
-    long = dict(model=NAME, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    long = dict(model=NAME, prompt=PROMPT, max_tokens=500, temperature=0, stream=True, extra_body={"ignore_eos": True})
     running = client.completions.create(**long)
     next(iter(running))  # its first chunk: it runs
     waiting = client.completions.create(**long)  # the response starts (200) while it waits
@@ -394,7 +396,7 @@ def test_queue_full_is_429(guarded):
     assert e.value.body["code"] == "queue_full"
     running.close()
     waiting.close()
-    wait_idle(guarded)
+    wait_idle(guarded, timeout=5)
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
@@ -403,7 +405,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
             streams = []
             for i in range(8):
                 request = http.build_request("POST", server.url + "/v1/completions", json={
-                    "prompt": f"{PROMPT} {i}", "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True})
+                    "prompt": f"{PROMPT} {i}", "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True})
                 r = await http.send(request, stream=True)
                 lines = r.aiter_lines()  # kept: a collected line iterator closes its connection
                 while not (await lines.__anext__()).startswith("data: {"):
@@ -416,7 +418,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
     during = asyncio.run(run())
     assert during["qwen_serve_num_requests_running"] == 8 and during["qwen_serve_kv_cache_usage_perc"] > 0
-    after = wait_idle(server)
+    after = wait_idle(server, timeout=5)  # far less than the 500 tokens would take
     assert after['qwen_serve_request_success_total{finish_reason="abort"}'] >= 8
 
 
@@ -428,11 +430,10 @@ def test_load_32_streaming_clients(server):
     """32 clients x 4 streaming requests each (a round = one request per client, concurrently):
     every request completes once, its streamed token ids number usage.completion_tokens, the
     server's counters add up exactly, nothing is left in the engine, and the resident memory is
-    flat from round 2 to round 4. Tolerance 24 MiB: round 1 grows the allocator's arenas for the
-    batch shapes, and later rounds may still move a few MiB between glibc arenas (2 cores, a
-    thread per connection in the event loop's executor is not used: the noise is the allocator's).
-    A leak of what a request holds (its sequences, queue, text rows) is caught by the exact
-    counters and the idle engine below rather than by RSS."""
+    flat from round 2 on. Tolerance 8 MiB: round 1 grows the allocator's arenas to the batch
+    shapes; after it, 10 rounds moved VmRSS by about 1 MiB either way (glibc returning and
+    retaking pages). RSS cannot see a small per-request leak (a few KiB x 96 requests); the exact
+    counters and the idle engine below catch those."""
     clients, rounds, max_tokens = 32, 4, 6
     before = wait_idle(server)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -470,7 +471,7 @@ def test_load_32_streaming_clients(server):
     assert finished == clients * rounds
     assert delta("qwen_serve_generation_tokens_total") == sum(n for _, n in results)
     assert delta("qwen_serve_time_to_first_token_seconds_count") == clients * rounds
-    assert max(rss[1:]) - rss[1] < 24 * 1024, f"VmRSS per round (KiB): {rss}"
+    assert max(rss[1:]) - rss[1] < 8 * 1024, f"VmRSS per round (KiB): {rss}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def serve(a: argparse.Namespace) -> int:
                         cuda_graphs=not a.no_cuda_graph)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
-    engine.generate([[0] * WARMUP_PROMPT_TOKENS], SamplingParams(), 2)  # compile, capture: not on a client's time
+    if llm.device.type == "cuda":  # compile the kernels, capture the graphs: not on a client's time
+        engine.generate([[0] * WARMUP_PROMPT_TOKENS], SamplingParams(), 2)
     name = a.served_model_name or a.model or DEFAULT_MODEL_NAME
     log.info("serving %r (%s, %s, %s) on http://%s:%d: %d KV blocks of %d positions, max_model_len %d, "
              "max_num_seqs %d%s", name, ck.path, llm.backend, str(llm.dtype).replace("torch.", ""), a.host, a.port,

@@ -178,8 +178,7 @@ def create_app(state: ServerState) -> FastAPI:
         gen.submit()
         envelope = Envelope("chat" if chat else "completion", state.settings.served_model_name)
         if plan.stream:
-            return StreamingResponse(stream(request, gen, envelope), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return ClosingStream(stream(request, gen, envelope), lambda: finish(request, gen, 499))
         return JSONResponse(await collect(request, gen, envelope))
 
     async def collect(request: Request, gen: Generation, envelope: Envelope) -> Dict[str, Any]:
@@ -196,7 +195,6 @@ def create_app(state: ServerState) -> FastAPI:
                            code="engine_error") from None
         finally:
             watcher.cancel()
-            gen.abort()
             finish(request, gen, status)
         choices = [gen.chat_choice(c) if gen.chat else gen.completion_choice(c) for c in gen.choices]
         return envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens))
@@ -222,11 +220,14 @@ def create_app(state: ServerState) -> FastAPI:
                                  code="engine_error"))
             yield SSE_DONE
         finally:
-            gen.abort()
             finish(request, gen, status)
 
     def finish(request: Request, gen: Generation, status: int) -> None:
-        """The request's log line and metrics (once, however it ended)."""
+        """Abort what is left of the request; its log line and metrics (once, however it ended)."""
+        gen.abort()
+        if gen.closed:
+            return
+        gen.closed = True
         m = state.metrics
         t = gen.timings()
         m.prompt_tokens.inc(gen.prompt_tokens)
@@ -250,6 +251,21 @@ def create_app(state: ServerState) -> FastAPI:
                  " (stream)" if gen.plan.stream else "")
 
     return app
+
+
+class ClosingStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends, even when the client left before its
+    generator started (whose own ``finally`` then never runs)."""
+
+    def __init__(self, content, on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:

@@ -111,6 +111,7 @@ class Generation:
         self.choices = [Choice(i * plan.n + j, prompt, plan.params[i * plan.n + j], plan, chat, strings)
                         for i, prompt in enumerate(plan.prompts) for j in range(plan.n)]
         self.finished_at: Optional[float] = None
+        self.closed = False  # its log line and metrics are recorded
 
     def submit(self) -> None:
         """Every choice into the engine (a 400 if one cannot run: nothing is left running)."""
@@ -181,7 +182,9 @@ class Generation:
     def _echo(self, c: Choice) -> str:
         if not self.plan.echo:
             return ""
-        return c.prompt.text if c.prompt.text is not None else self.strings.tokenizer.decode(c.prompt.ids)
+        if c.prompt.text is not None:
+            return c.prompt.text
+        return self.strings.tokenizer.decode(c.prompt.ids, c.params.skip_special_tokens)
 
     def completion_choice(self, c: Choice) -> Dict[str, Any]:
         out = {"index": c.index, "text": self._echo(c) + c.text, "logprobs": None,

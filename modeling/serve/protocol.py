@@ -339,8 +339,9 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def _tools(req: ChatCompletionRequest) -> Optional[List[Dict[str, Any]]]:
-    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding."""
+def _tools(req: ChatCompletionRequest, llm: LLM) -> Optional[List[Dict[str, Any]]]:
+    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding, and for
+    tools given to a chat template that never reads them (they would be dropped unseen)."""
     choice = req.tool_choice
     if isinstance(choice, dict) or choice == "required":
         raise unsupported("tool_choice", "only \"auto\" and \"none\" (no forced tool calls)")
@@ -352,7 +353,12 @@ def _tools(req: ChatCompletionRequest) -> Optional[List[Dict[str, Any]]]:
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
-    return req.tools if req.tools and choice != "none" else None
+    if not req.tools or choice == "none":
+        return None
+    template = llm.chat_template
+    if not any("tools" in source for source in (template.source, *template.named.values())):
+        raise unsupported("tools", f"the checkpoint's chat template ({template.origin}) does not render tools")
+    return req.tools
 
 
 def thinking_on(llm: LLM, template_kwargs: Dict[str, Any]) -> bool:
@@ -371,7 +377,7 @@ def plan_chat(req: ChatCompletionRequest, llm: LLM, max_model_len: int) -> Plan:
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     messages = chat_messages(req.messages)
-    tools = _tools(req)
+    tools = _tools(req, llm)
     kwargs = dict(req.chat_template_kwargs or {})
     try:
         text = llm.render_chat(messages, req.add_generation_prompt, chat_template_kwargs=kwargs, tools=tools)
