@@ -164,3 +164,34 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]
         assert client.get("/metrics").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def qwen3_llm(tmp_path_factory):
+    """The shipped model behind Qwen3's own chat template (thinking, tools)."""
+    from pathlib import Path
+
+    from modeling.llm import LLM
+
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path_factory.mktemp("qwen3_template")
+    for f in (root / "modeling" / "default_model").iterdir():
+        (path / f.name).symlink_to(f)
+    (path / "chat_template.jinja").symlink_to(root / "tests" / "data" / "qwen3_chat_template.jinja")
+    return LLM(path, device="cpu", progress=False)
+
+
+def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
+    from modeling.serve.protocol import ChatCompletionRequest, plan_chat
+
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "max_tokens": 8}
+    plan = plan_chat(parse(ChatCompletionRequest, json.dumps(body).encode()), qwen3_llm, 512)
+    assert plan.tool_calls and plan.reasoning
+    assert "get_weather" in plan.prompt_text and plan.prompt_text.endswith("<|im_start|>assistant\n")
+    off = plan_chat(parse(ChatCompletionRequest, json.dumps(
+        {**body, "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "none"}).encode()), qwen3_llm, 512)
+    assert not off.reasoning and not off.tool_calls and "get_weather" not in off.prompt_text
+    assert off.prompt_text.endswith("<think>\n\n</think>\n\n")
+    assert plan.prompts[0].ids == qwen3_llm.tokenizer.encode(plan.prompt_text)
