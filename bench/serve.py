@@ -56,7 +56,8 @@ def start(cmd, log: Path, url: str):
     """Start a server; return the process once /health (or /v1/models) answers."""
     import httpx
 
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -123,7 +124,8 @@ async def level(url: str, model: str, prompts, c: int, extra: dict):
         wall = time.perf_counter() - t0
     ttft = sorted(r[0] for r in results)
     tpot = [(total - t) / (n - 1) for t, total, n in results if n > 1]
-    return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+    p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
+    return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * p99,
             "tpot_p50_ms": 1e3 * statistics.median(tpot), "requests_per_s": len(results) / wall,
             "tokens_per_s": sum(r[2] for r in results) / wall}
 
@@ -204,7 +206,8 @@ def main():
         stop(ours)
 
     if 64 in a.concurrency:
-        report("engine_tokens_per_s_c64", engine_alone(ckpt, [tok.encode(t) for t in prompts[:a.requests_per_level]], 64))
+        ids = [tok.encode(t) for t in prompts[:a.requests_per_level]]
+        report("engine_tokens_per_s_c64", engine_alone(ckpt, ids, 64))
 
     if not a.no_peer:
         port = free_port()

@@ -62,7 +62,8 @@ class Server:
 
     def metrics(self) -> dict:
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(qwen_serve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+        lines = re.finditer(r"^(qwen_serve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)
+        return {m.group(1): float(m.group(2)) for m in lines}
 
     def rss_kib(self) -> int:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -152,7 +153,8 @@ def test_greedy_completion_is_the_models_greedy(server):
     assert choice.model_extra["prompt_token_ids"] == ids
     assert choice.model_extra["token_ids"] == reference_greedy(ids, 10)
     assert choice.finish_reason == "length" and choice.text
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 10, len(ids) + 10)
+    use = out.usage
+    assert (use.prompt_tokens, use.completion_tokens, use.total_tokens) == (len(ids), 10, len(ids) + 10)
     same = server.client().completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0,
                                                extra_body={"ignore_eos": True})
     assert same.choices[0].text == choice.text  # a prompt as token ids

@@ -9,7 +9,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from modeling.sampling import SamplingParams  # noqa: E402
-from modeling.serve.chat_output import ChatOutput, ReasoningSplitter, ToolCallParser  # noqa: E402
+from modeling.serve.chat_output import ReasoningSplitter, ToolCallParser  # noqa: E402
 from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
 from modeling.serve.generation import Generation  # noqa: E402
@@ -67,7 +67,8 @@ def chat_plan(prompt_text: str, logprobs=None) -> Plan:
 
 
 def test_chat_choice_from_tokens_has_reasoning_and_tool_calls(llm):
-    reply = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>'
+    reply = ('<think>\nThe user wants weather.\n</think>\n\n'
+             '<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>')
     tokens = llm.tokenizer.encode(reply) + [2]  # then EOS
     gen = Generation(chat_plan("<|im_start|>assistant\n"), True, None, TokenStrings(llm.tokenizer), 0.0)
     c = gen.choices[0]
@@ -184,8 +185,9 @@ def qwen3_llm(tmp_path_factory):
 def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
     from modeling.serve.protocol import ChatCompletionRequest, plan_chat
 
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tool = {"type": "function",
+            "function": {"name": "get_weather", "description": "Weather of a city", "parameters": schema}}
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "max_tokens": 8}
     plan = plan_chat(parse(ChatCompletionRequest, json.dumps(body).encode()), qwen3_llm, 512)
     assert plan.tool_calls and plan.reasoning

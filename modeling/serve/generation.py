@@ -37,7 +37,8 @@ class Piece:
 class Choice:
     """One sequence of a request: choice ``index`` of ``prompt``."""
 
-    def __init__(self, index: int, prompt: Prompt, params: SamplingParams, plan: Plan, chat: bool, strings: TokenStrings):
+    def __init__(self, index: int, prompt: Prompt, params: SamplingParams, plan: Plan, chat: bool,
+                 strings: TokenStrings):
         self.index, self.prompt, self.params = index, prompt, params
         self.row = TextRow(strings.tokenizer, params)
         self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text) if chat else None

@@ -62,7 +62,8 @@ def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], string
         s = strings(token)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    content = [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]} for token, (lp, top) in zip(tokens, entries)]
+    content = [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
+               for token, (lp, top) in zip(tokens, entries)]
     return {"content": content, "refusal": None}
 
 
