@@ -204,6 +204,12 @@ def test_n_with_seed_is_reproducible(server):
     assert single == first[0]  # choice 0 uses the request's seed itself
     other = [c.text for c in client.completions.create(n=3, **{**args, "seed": 99}).choices]
     assert other != first
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in client.completions.create(n=3, stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == first and finishes == ["length"] * 3  # streamed choices sample the same
     chat = [c.message.content for c in client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=8, temperature=1.0, seed=5).choices]
     assert chat == [c.message.content for c in client.chat.completions.create(
@@ -422,6 +428,13 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert during["qwen_serve_num_requests_running"] == 8 and during["qwen_serve_kv_cache_usage_perc"] > 0
     after = wait_idle(server, timeout=5)  # far less than the 500 tokens would take
     assert after['qwen_serve_request_success_total{finish_reason="abort"}'] >= 8
+
+
+def test_disconnect_while_waiting_for_a_whole_response_frees_blocks(server):
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": PROMPT, "max_tokens": 500, "temperature": 0, "ignore_eos": True})
+    wait_idle(server, timeout=5)  # far less than the 500 tokens would take
 
 
 # ---------------------------------------------------------------------------------------------
