@@ -120,7 +120,7 @@ def test_parse_names_the_field(body, param, message):
 @pytest.mark.parametrize("argv, problem", [
     (["--port", "70000"], "--port"), (["--max-waiting", "0"], "--max-waiting"),
     (["--memory-fraction", "0"], "--memory-fraction"), (["--device", "tpu"], "--device"),
-    (["--model", "/no/such/dir"], "--model"),
+    (["--model", "/no/such/dir"], "--model"), (["--max-model-len", "513"], "max_position_embeddings (512)"),
 ])
 def test_cli_refuses_bad_flags(argv, problem, capsys):
     from modeling.serve.__main__ import main

@@ -85,8 +85,7 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--drain-timeout must be >= 0, got {a.drain_timeout}")
     if a.device is not None and not re.fullmatch(DEVICE_PATTERN, a.device):
         raise UsageError(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
-    if a.api_key is None:
-        a.api_key = os.environ.get(API_KEY_ENV) or None
+    a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None  # an empty key is no key
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,6 +102,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
+    except Exception as e:  # one line, no traceback (a request's failures are logged by the server)
+        say(f"error: {type(e).__name__}: {' '.join(str(e).split())}")
+        return 1
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -122,6 +124,9 @@ def serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("modeling.serve")
     ck = load_checkpoint(a)
+    limit = ck.config.max_position_embeddings
+    if a.max_model_len is not None and a.max_model_len > limit:
+        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
     llm = load_llm(ck, a.device, DTYPES[a.dtype] if a.dtype else None)
     try:
         engine = Engine(llm.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
