@@ -197,3 +197,47 @@ def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
     assert not off.reasoning and not off.tool_calls and "get_weather" not in off.prompt_text
     assert off.prompt_text.endswith("<think>\n\n</think>\n\n")
     assert plan.prompts[0].ids == qwen3_llm.tokenizer.encode(plan.prompt_text)
+
+
+def test_streamed_chat_deltas_add_up_to_the_whole_message(llm):
+    """Token by token through Generation.delta: the reasoning and content deltas concatenate to the
+    whole message's, and each tool call arrives once, whole, with its index."""
+    reply = ('<think>\nTwo calls.\n</think>\n\nCalling.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>')
+    tokens = llm.tokenizer.encode(reply) + [2]
+    gen = Generation(chat_plan("<|im_start|>assistant\n", logprobs=None), True, None, TokenStrings(llm.tokenizer), 0.0)
+    c = gen.choices[0]
+    reasoning = content = ""
+    calls, finishes = [], []
+    for i, t in enumerate(tokens):
+        piece = c.consume([TokenEvent(0, t, None, "stop" if i == len(tokens) - 1 else None, 0.0)])
+        d = gen.delta(c, piece)
+        if d is None:
+            continue
+        assert d["token_ids"] == [t]
+        reasoning += d["delta"].get("reasoning_content", "")
+        content += d["delta"].get("content", "")
+        calls += d["delta"].get("tool_calls", [])
+        finishes.append(d["finish_reason"])
+    whole = gen.chat_choice(c)["message"]
+    assert reasoning == whole["reasoning_content"] == "Two calls."
+    assert content.strip() == "Calling." == whole["content"]
+    assert [(k["index"], k["function"]["name"], k["function"]["arguments"]) for k in calls] \
+        == [(0, "a", "{}"), (1, "b", '{"x": [1, 2]}')]
+    assert [k["function"]["name"] for k in whole["tool_calls"]] == ["a", "b"]
+    assert finishes[-1] == "tool_calls" and finishes.count("tool_calls") == 1
+
+
+def test_bench_serve_says_it_needs_a_gpu(monkeypatch, capsys):
+    import sys
+
+    import torch
+
+    import bench.serve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench/serve.py"])
+    with pytest.raises(SystemExit) as e:
+        bench.serve.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: python -m bench.serve needs a CUDA GPU")
