@@ -402,6 +402,9 @@ def test_queue_full_is_429(guarded):
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4)
     assert e.value.body["code"] == "queue_full"
+    with pytest.raises(openai.BadRequestError) as e:  # more sequences than may ever wait: not worth a retry
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, n=2)
+    assert e.value.body["param"] == "n" and "--max-waiting" in e.value.body["message"]
     running.close()
     waiting.close()
     wait_idle(guarded, timeout=5)

@@ -254,7 +254,11 @@ class Generation:
 
 
 def check_admission(loop: EngineLoop, plan: Plan, max_waiting: int) -> None:
-    """A 429 when the request's sequences would take the waiting queue past ``max_waiting``."""
+    """A 429 when the request's sequences would take the waiting queue past ``max_waiting`` (a 400
+    when they alone pass it: retrying would never help)."""
+    if plan.num_choices > max_waiting:
+        raise invalid(f"This request makes {plan.num_choices} sequences (prompts x n); at most {max_waiting} may "
+                      "wait for the engine (--max-waiting)", "n")
     waiting = loop.counts()["waiting"]
     if waiting + plan.num_choices > max_waiting:
         raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds "
