@@ -80,7 +80,7 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     started = [Server(tmp, "server", "--max-num-seqs", "32"),
                Server(tmp, "guarded", "--api-key", KEY, "--max-num-seqs", "1", "--max-waiting", "1",
-                      "--max-body-bytes", "4096", "--drain-timeout", "20")]
+                      "--max-body-bytes", "4096", "--drain-timeout", "3")]
     try:
         yield [s.wait_ready() for s in started]
     finally:
@@ -497,11 +497,15 @@ def test_load_32_streaming_clients(server):
 
 
 def test_sigterm_drains_and_exits_0(guarded):
+    """SIGTERM with one request running and one waiting (one sequence a step): the listening socket
+    closes, the running one finishes; the waiting one starts, is cut at --drain-timeout (3 s,
+    far less than its 450 tokens take) and aborted; the process exits 0."""
     client = guarded.client(KEY)
-    stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=60, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
-    it = iter(stream)
-    got = len(next(it).choices[0].model_extra["token_ids"])
+    args = dict(model=NAME, prompt=PROMPT, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    running = iter(client.completions.create(max_tokens=30, **args))
+    got = len(next(running).choices[0].model_extra["token_ids"])
+    cut = iter(client.completions.create(max_tokens=450, **args))
     guarded.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     with pytest.raises(httpx.ConnectError):  # the listening socket closes
@@ -509,10 +513,17 @@ def test_sigterm_drains_and_exits_0(guarded):
             httpx.get(guarded.url + "/health", timeout=2)
             time.sleep(0.05)
     reasons = []
-    for chunk in it:  # the running request still finishes
+    for chunk in running:  # the running request still finishes
         got += len(chunk.choices[0].model_extra["token_ids"])
         reasons.append(chunk.choices[0].finish_reason)
-    assert got == 60 and reasons[-1] == "length"
+    assert got == 30 and reasons[-1] == "length"
+    cut_tokens, cut_reasons = 0, []
+    with pytest.raises((httpx.HTTPError, openai.APIError)):  # the stream ends without its last chunk
+        for chunk in cut:
+            cut_tokens += len(chunk.choices[0].model_extra["token_ids"])
+            cut_reasons.append(chunk.choices[0].finish_reason)
+    assert 0 < cut_tokens < 450 and set(cut_reasons) == {None}
     assert guarded.proc.wait(timeout=30) == 0
     log = guarded.log.read_text()
-    assert "SIGTERM: draining (1 running" in log and "Traceback" not in log
+    assert "SIGTERM: draining (1 running, 1 waiting" in log and "Traceback" not in log
+    assert re.search(r"request POST /v1/completions 499: .* out \d+, .* finish abort \(stream\)", log)

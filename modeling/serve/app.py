@@ -178,7 +178,8 @@ def create_app(state: ServerState) -> FastAPI:
         gen.submit()
         envelope = Envelope("chat" if chat else "completion", state.settings.served_model_name)
         if plan.stream:
-            return ClosingStream(stream(request, gen, envelope), lambda: finish(request, gen, 499))
+            return ClosingStream(stream(request, gen, envelope), lambda: finish(request, gen, 499),
+                                 lambda: state.draining)
         return JSONResponse(await collect(request, gen, envelope))
 
     async def collect(request: Request, gen: Generation, envelope: Envelope) -> Dict[str, Any]:
@@ -255,15 +256,19 @@ def create_app(state: ServerState) -> FastAPI:
 
 class ClosingStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends, even when the client left before its
-    generator started (whose own ``finally`` then never runs)."""
+    generator started (whose own ``finally`` then never runs). Cancelled while ``draining()`` (the
+    drain timeout passed), it ends quietly: the request is aborted and logged as such."""
 
-    def __init__(self, content, on_close: Callable[[], None]):
+    def __init__(self, content, on_close: Callable[[], None], draining: Callable[[], bool]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
+        self.on_close, self.draining = on_close, draining
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.draining():
+                raise
         finally:
             self.on_close()
 
