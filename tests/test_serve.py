@@ -349,6 +349,8 @@ def test_completion_errors(server, body, param, match):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     r"\[0, 20\]"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools", "does not render tools"),  # the shipped template is plain ChatML
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..chat import ChatTemplateError
 from ..llm import LLM, checked_token_ids
-from ..sampling import INT64_LIMIT, SamplingParams
+from ..sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
 from .errors import APIError, invalid, unsupported
 
 MAX_N = 16
@@ -376,6 +376,9 @@ def plan_chat(req: ChatCompletionRequest, llm: LLM, max_model_len: int) -> Plan:
         raise invalid("'max_tokens' and 'max_completion_tokens' differ: give one", "max_completion_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                      "top_logprobs")
     messages = chat_messages(req.messages)
     tools = _tools(req, llm)
     kwargs = dict(req.chat_template_kwargs or {})
