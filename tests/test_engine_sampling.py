@@ -98,7 +98,8 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
         top = int(logits[i].argmax())
         histories.append(([top, 5], [top, top, 7]))
     settings = [dict(repetition_penalty=3.0), dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict()]
-    tokens = [t for t, _ in sample_sequences(logits, [seq_of(p, o, **s) for (p, o), s in zip(histories, settings)])]
+    seqs = [seq_of(p, o, **s) for (p, o), s in zip(histories, settings)]
+    tokens = [t for t, _ in sample_sequences(logits, seqs).collect()]
     for i, ((prompt, output), s) in enumerate(zip(histories, settings)):
         want = ref_penalised(logits[i], prompt, output, s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0),
                              s.get("repetition_penalty", 1.0)).argmax().item()
@@ -119,7 +120,7 @@ def test_plain_rows_of_a_penalised_batch_draw_what_they_draw_without(dtype):
     rows = [plain[0], penalised[0], plain[1], penalised[1], plain[2]]
     def run(settings):
         return sample_sequences(logits, [seq_of(p, o, seed=i, **s) for i, ((p, o), s) in
-                                         enumerate(zip(histories, settings))])
+                                         enumerate(zip(histories, settings))]).collect()
 
     mixed = run(rows)
     without = run([{k: v for k, v in s.items() if not k.endswith("penalty")} for s in rows])
@@ -135,7 +136,7 @@ def draws(logits, settings, n):
     seqs = [seq_of([0], [], seed=random.Random(r * n + j).getrandbits(63), **s)
             for j in range(n) for r, s in enumerate(settings)]
     rows = logits.repeat(n, 1)
-    tokens = torch.tensor([t for t, _ in sample_sequences(rows, seqs)]).view(n, len(settings))
+    tokens = torch.tensor([t for t, _ in sample_sequences(rows, seqs).collect()]).view(n, len(settings))
     return torch.stack([torch.bincount(tokens[:, r], minlength=logits.shape[1]).double() / n
                         for r in range(len(settings))])
 
@@ -182,11 +183,13 @@ def test_seeded_draws_depend_on_the_seed_and_position_only():
             dict(temperature=1.2, repetition_penalty=1.2, logprobs=2), dict(temperature=1.0)]
     histories = [random_history(g, vocab, 3, 5) for _ in rows]
     seqs = [seq_of(p, o, seed=100 + i, **s) for i, ((p, o), s) in enumerate(zip(histories, rows))]
-    first = sample_sequences(logits, seqs)
-    assert sample_sequences(logits, seqs) == first
+    first = sample_sequences(logits, seqs).collect()
+    assert sample_sequences(logits, seqs).collect() == first
     for i in range(4):  # alone: no other row's top-k sort, penalties or min_p in its batch
-        assert sample_sequences(logits[i:i + 1], [seq_of(*histories[i], seed=100 + i, **rows[i])]) == [first[i]]
-    reseeded = [sample_sequences(logits[:1], [seq_of(*histories[0], seed=s, **rows[0])])[0][0] for s in range(20)]
+        alone = [seq_of(*histories[i], seed=100 + i, **rows[i])]
+        assert sample_sequences(logits[i:i + 1], alone).collect() == [first[i]]
+    reseeded = [sample_sequences(logits[:1], [seq_of(*histories[0], seed=s, **rows[0])]).collect()[0][0]
+                for s in range(20)]
     assert len(set(reseeded)) > 1
 
 
@@ -202,7 +205,7 @@ def test_logprobs_are_of_the_raw_logits(vocab):
             dict(logprobs=5, repetition_penalty=1.8)]
     histories = [random_history(g, vocab, 4, 6) for _ in rows]
     seqs = [seq_of(p, o, seed=i, **s) for i, ((p, o), s) in enumerate(zip(histories, rows))]
-    out = sample_sequences(logits, seqs)
+    out = sample_sequences(logits, seqs).collect()
     raw = logits.double().log_softmax(-1)
     assert out[2][1] is None
     for i, (token, entry) in enumerate(out):

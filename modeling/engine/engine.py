@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence as Seq, Tuple
+from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 import torch
@@ -29,9 +29,9 @@ from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
 from .runner import StepRunner
-from .sampler import sample_sequences
+from .sampler import SampledTokens, sample_sequences
 from .scheduler import Scheduler, StateSlots
-from .sequence import LogprobEntry, Sequence, Status
+from .sequence import Sequence, Status
 from .step import build, to_device
 
 BLOCK_SIZE = 64
@@ -60,14 +60,26 @@ class EngineStats:
                 f"launch {self.launch_s:.2f}, sample and wait {self.sample_s:.2f}")
 
 
+@dataclass
+class _Launched:
+    """A step on the device: the sequences that sample in it (in logits order), their rows of
+    ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
+    step may be launched before they arrive (a decode-only step, no penalties: the next step's
+    inputs are its tokens, and no penalty counts a token the host has not seen)."""
+
+    seqs: List[Sequence]
+    rows: Dict[int, int]
+    sampled: Optional[SampledTokens]
+    lookahead: bool
+
+
 class Engine:
     """``max_num_seqs`` sequences at most in a step, ``max_num_batched_tokens`` new tokens at most
     in a step (prefill chunks share it with the decoding sequences), prompts and outputs of up to
     ``max_model_len`` tokens together; the pool takes ``memory_fraction`` of the device's free
     memory (on the CPU: what ``max_num_seqs`` full-length sequences need; ``num_blocks`` fixes the
     number of KV blocks instead). Steps replay CUDA graphs of padded shapes (``runner.StepRunner``:
-    decode-only steps of every model, prefill and mixed steps of attention-only models;
-    ``cuda_graphs=False``: eager). Prefix caching is on for
+    decode-only, prefill and mixed steps of every model; ``cuda_graphs=False``: eager). Prefix caching is on for
     models of attention layers only (a recurrent state cannot be rebuilt from cached blocks)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -86,10 +98,11 @@ class Engine:
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
         self.runner = StepRunner(model, self.pool, max_num_seqs, max_num_batched_tokens,
-                                 -(-self.max_model_len // block_size), cuda_graphs, mixed_steps=not hybrid)
+                                 -(-self.max_model_len // block_size), cuda_graphs)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = EngineStats()
+        self._inflight: Optional[_Launched] = None  # a launched step whose tokens the host has not read
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
@@ -113,54 +126,85 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or self._inflight is not None
 
     @torch.inference_mode()
     def step(self) -> List[Sequence]:
-        """Run one step; returns the sequences that sampled a token in it (finished ones included)."""
+        """Run one step; returns the sequences that got a token (finished ones included).
+
+        Lookahead: after a decode-only step without penalties, the next step is scheduled and
+        launched before the host reads the tokens of the one before (each sequence's next input is
+        that token, written into the batch on the device), so the host's scheduling and launch
+        overlap the device's work. ``step`` then returns the tokens of the step before the one it
+        launched; a token a finished sequence gets after its last is dropped."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            prev = self._launch(None)
+            if prev is None:
+                return []
+        if prev.lookahead:
+            self._inflight = self._launch(prev)
+        return self._finish(prev)
+
+    def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
+        """Schedule, build and launch a step (after ``prev``, whose tokens may still be on the device)."""
         t0 = time.perf_counter()
         with self._lock:
             scheduled = self.scheduler.schedule()
         if not scheduled.work:
-            return []
+            return None
         dev = self.model.device
         batch = build(scheduled, self.size.block_size, dev)
+        if batch.pending:
+            cu = np.cumsum([0] + batch.query_lens)
+            index = np.array([[cu[i] for i in batch.pending],
+                              [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]], np.int64)
+            dst, src = to_device(index, dev)
+            batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
         fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
         if fresh:
             self.pool.reset_state_slots(to_device(np.array(fresh, np.int64), dev))
         t1 = time.perf_counter()
         logits = self.runner.run(batch, scheduled.decode_only)
         t2 = time.perf_counter()
-        done = batch.sampling
-        tokens = self._sample(logits, [scheduled.work[i][0] for i in done]) if done else []
-        t3 = time.perf_counter()
-        sampled = []
+        seqs = [scheduled.work[i][0] for i in batch.sampling]
+        sampled = sample_sequences(logits, seqs, [s.num_tokens for s in seqs]) if seqs else None
         with self._lock:
             for seq, n in scheduled.work:
                 if seq.num_computed < seq.num_prompt:
                     self.stats.prompt_tokens += min(n, seq.num_prompt - seq.num_computed)
                 seq.num_computed += n
-                self.blocks.commit(seq.block_table, seq.tokens, seq.num_computed, seq.block_hashes)
-            for i, (token, logprobs) in zip(done, tokens):
-                seq = scheduled.work[i][0]
-                if seq.status is not Status.RUNNING:  # aborted while the step ran
-                    continue
-                seq.append(token, logprobs)
-                sampled.append(seq)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
+                self.blocks.commit(seq.block_table, seq.tokens, min(seq.num_computed, len(seq.tokens)),
+                                   seq.block_hashes)
+            for seq in seqs:
+                seq.num_pending += 1
         st = self.stats
         st.steps += 1
         st.decode_steps += scheduled.decode_only
-        st.output_tokens += len(sampled)
-        st.schedule_s += (t1 - t0) + (time.perf_counter() - t3)
+        st.schedule_s += (t1 - t0) + (time.perf_counter() - t2)
         st.launch_s += t2 - t1
-        st.sample_s += t3 - t2
-        return sampled
+        lookahead = scheduled.decode_only and bool(seqs) and not any(s.params.has_penalty for s in seqs)
+        return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead)
 
-    def _sample(self, logits: torch.Tensor, seqs: List[Sequence]) -> List[Tuple[int, Optional[LogprobEntry]]]:
-        """Each sequence's next token and its logprobs entry (``sampler.sample_sequences``)."""
-        return sample_sequences(logits, seqs)
+    def _finish(self, launched: "_Launched") -> List[Sequence]:
+        """Read a launched step's tokens and give them to their sequences."""
+        t0 = time.perf_counter()
+        tokens = launched.sampled.collect() if launched.sampled is not None else []
+        t1 = time.perf_counter()
+        out = []
+        with self._lock:
+            for seq, (token, logprobs) in zip(launched.seqs, tokens):
+                seq.num_pending -= 1
+                if seq.status is Status.FINISHED:  # aborted, or finished by the token before this one
+                    continue
+                seq.append(token, logprobs)  # a preempted sequence keeps it: it was computed before
+                out.append(seq)
+                if seq.finish_reason is not None:
+                    self.scheduler.finish(seq)
+        self.stats.output_tokens += len(out)
+        self.stats.sample_s += t1 - t0
+        self.stats.schedule_s += time.perf_counter() - t1
+        return out
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, max_tokens: int,
                  stop_token_ids: Seq[int] = ()) -> List[List[int]]:

@@ -14,11 +14,13 @@ The draw is the Gumbel-max race of ``modeling.sampling``: argmax(logits / T - lo
 
 from typing import List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..sampling import filtered_sorted_scores
 from .sequence import LogprobEntry, Sequence
+from .step import to_device
 
 M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-5
@@ -132,31 +134,63 @@ def penalties_of(seqs: List[Sequence], device) -> Optional[Penalties]:
         repetition=torch.tensor([p.repetition_penalty for p in params], **f32))
 
 
-def sample_sequences(logits: Tensor, seqs: List[Sequence]) -> List[Tuple[int, Optional[LogprobEntry]]]:
+class SampledTokens:
+    """One step's sampled tokens (and logprobs) on their way to the host. ``tokens`` [S] int64 stays
+    on the device (the engine feeds it to the next step without waiting); the host copies are
+    issued without blocking, and ``collect`` waits for them only."""
+
+    def __init__(self, tokens: Tensor, logprobs: Optional[Tuple[Tensor, Tensor, Tensor]], asking: List[int],
+                 counts: List[int]):
+        self.tokens, self.asking, self.counts = tokens, asking, counts
+        self._host = [_to_host(t) for t in (tokens, *(logprobs or ()))]
+        self._event = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def collect(self) -> List[Tuple[int, Optional[LogprobEntry]]]:
+        """(token, ``LogprobEntry`` or None) of each row: the sampled token's log-probability and the
+        row's ``params.logprobs`` most likely tokens'."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, *logprobs = (t.tolist() for t in self._host)
+        entries: List[Optional[LogprobEntry]] = [None] * len(tokens)
+        if self.asking:
+            chosen, top_values, top_ids = logprobs
+            for j, (i, n) in enumerate(zip(self.asking, self.counts)):
+                entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+        return list(zip(tokens, entries))
+
+
+def _to_host(t: Tensor) -> Tensor:
+    if not t.is_cuda:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None) -> SampledTokens:
     """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
-    ``params``, ``seed`` and position (``len(tokens)``), and its ``LogprobEntry`` (None unless its
-    ``params.logprobs`` is set): the sampled token's log-probability and the ``params.logprobs``
-    most likely tokens', of the raw logits (``token_logprobs``)."""
+    ``params``, ``seed`` and position (``positions``, default ``len(tokens)``: the index of the token
+    being sampled), and the logprobs its ``params.logprobs`` asks for, of the raw logits
+    (``token_logprobs``). A batch of greedy rows without penalties or logprobs is one argmax."""
     dev = logits.device
     params = [s.params for s in seqs]
-    f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
-    temperature = torch.tensor([p.temperature for p in params], **f32)
-    top_k = torch.tensor([p.top_k for p in params], **i64)
-    top_p = torch.tensor([p.top_p for p in params], **f32)
-    seeds = torch.tensor([s.seed for s in seqs], **i64)
-    positions = torch.tensor([len(s.tokens) for s in seqs], **i64)
     modes = {p.mode for p in params}
-    any_min_p = any(p.min_p > 0 and p.mode != "greedy" for p in params)
-    min_p = torch.tensor([p.min_p for p in params], **f32) if any_min_p else None
-    tokens = sample_rows(logits, temperature, top_k, top_p, seeds, positions, any_random=bool(modes - {"greedy"}),
-                         any_top="top" in modes, min_p=min_p, penalties=penalties_of(seqs, dev))
-    entries: List[Optional[LogprobEntry]] = [None] * len(seqs)
+    penalties = penalties_of(seqs, dev)
+    if modes == {"greedy"} and penalties is None:
+        tokens = logits.argmax(dim=-1)
+    else:
+        positions = positions if positions is not None else [len(s.tokens) for s in seqs]
+        floats = to_device(np.array([[p.temperature, p.top_p, p.min_p] for p in params], np.float32).T.copy(), dev)
+        longs = to_device(np.array([[p.top_k for p in params], [s.seed for s in seqs], positions], np.int64), dev)
+        any_min_p = any(p.min_p > 0 and p.mode != "greedy" for p in params)
+        tokens = sample_rows(logits, floats[0], longs[0], floats[1], longs[1], longs[2],
+                             any_random=bool(modes - {"greedy"}), any_top="top" in modes,
+                             min_p=floats[2] if any_min_p else None, penalties=penalties)
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = None
     if asking:
-        rows = torch.tensor(asking, **i64)
+        rows = to_device(np.array(asking, np.int64), dev)
         k = min(max(params[i].logprobs for i in asking), logits.shape[-1])
-        chosen, top_values, top_ids = (t.tolist() for t in token_logprobs(logits[rows], tokens[rows], k))
-        for j, i in enumerate(asking):
-            n = params[i].logprobs
-            entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
-    return list(zip(tokens.tolist(), entries))
+        logprobs = token_logprobs(logits[rows], tokens[rows], k)
+    return SampledTokens(tokens, logprobs, asking, [params[i].logprobs for i in asking])

@@ -105,7 +105,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted by an older sequence in this loop, or no budget left
-            n = min(len(seq.tokens) - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_append(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -117,6 +117,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token still on its way to the host: next step
+                break
             prompt = seq.tokens
             if not self.chunked_prefill and len(prompt) > budget:
                 break

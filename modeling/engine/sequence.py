@@ -27,7 +27,9 @@ class Sequence:
     """``tokens``: the prompt, then every sampled token; ``num_computed``: the leading tokens whose
     KV (and recurrent state) is in the pool, so the next step computes ``tokens[num_computed:]``
     (all of the prompt's rest while prefilling, one token while decoding). ``block_table`` and
-    ``state_slot`` are the pool entries it holds while running.
+    ``state_slot`` are the pool entries it holds while running. ``num_pending``: tokens sampled on
+    the device that the host has not read yet (the engine's lookahead step feeds them to the next
+    step on the device); ``num_tokens`` counts them with ``tokens``.
 
     ``max_tokens``: new tokens at most; ``stop_token_ids``: tokens that finish it (EOS included
     unless the caller left it out); ``finish_reason``: "stop", "length" or "abort".
@@ -52,12 +54,17 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     logprobs: Optional[List[LogprobEntry]] = None
+    num_pending: int = 0
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
         self.num_prompt = self.num_prompt or len(self.tokens)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + self.num_pending
 
     @property
     def num_output(self) -> int:

@@ -13,20 +13,17 @@ seq_lens        [S] int32       cached positions after this step
 block_table     [S, W] int32    each sequence's KV blocks (W: the widest table of the step)
 state_slots     [S] int64       each sequence's recurrent-state slot (hybrid models)
 logits_rows     [Ss] int64      the last row of each sequence that samples (all its tokens computed)
-decode_rows     [Sd] int64      hybrid models: the rows of the sequences that decode (one token
-decode_slots    [Sd] int64      after cached ones) and their state slots, run together
 ==============  ==============  =================================================================
 
-``chunks``: hybrid models' other sequences (prefill chunks), (first row, tokens, state slot,
-first position) each, run one by one by the recurrent layers.
-
-``sampling``: the indices (into the step's work) of the sequences that sample, in logits order.
+``sampling``: the indices (into the step's work) of the sequences that sample, in logits order;
+``pending``: those whose input token (its id -1 here) is the previous step's sample, still on the
+device: the engine writes it into ``input_ids`` there.
 Host copies of the per-sequence sizes (``query_lens``, ``starts``: positions of the first new
 token) and ``max_query_len`` travel with it: the launchers size grids from them without a sync.
 """
 
-from dataclasses import dataclass
-from typing import List, Tuple
+from dataclasses import dataclass, field
+from typing import List
 
 import numpy as np
 import torch
@@ -45,13 +42,11 @@ class StepBatch:
     block_table: Tensor
     state_slots: Tensor
     logits_rows: Tensor
-    decode_rows: Tensor
-    decode_slots: Tensor
-    chunks: List[Tuple[int, int, int, int]]
     sampling: List[int]
     query_lens: List[int]
     starts: List[int]
     max_query_len: int
+    pending: List[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -94,31 +89,28 @@ def build(step: ScheduledStep, block_size: int, device) -> StepBatch:
     ints[:S + 1], ints[S + 1:2 * S + 1] = cu, starts + qlens
     table = ints[2 * S + 1:].reshape(S, width)
     ids = np.empty(N, np.int64)
-    sampling, decode, chunks = [], [], []
+    sampling, pending = [], []
     for i, (seq, n) in enumerate(work):
         start, row = int(starts[i]), int(cu[i])
         table[i, :len(seq.block_table)] = seq.block_table
-        ids[row:row + n] = seq.tokens[start:start + n]
-        if start + n == len(seq.tokens):
+        if start < len(seq.tokens):
+            ids[row:row + n] = seq.tokens[start:start + n]
+        else:  # its input is the token the step before sampled, not on the host yet
+            ids[row] = -1
+            pending.append(i)
+        if start + n == seq.num_tokens:
             sampling.append(i)
-        if seq.state_slot is not None:
-            if n == 1 and start > 0:
-                decode.append(i)
-            else:
-                chunks.append((row, n, seq.state_slot, start))
     owner = np.repeat(np.arange(S), qlens)  # each token's sequence
     positions = np.arange(N) - cu[owner] + starts[owner]
     slots = table[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     state = np.fromiter((-1 if seq.state_slot is None else seq.state_slot for seq, _ in work), np.int64, S)
-    decode_rows = cu[decode]
-    longs = np.concatenate([ids, positions, slots, state, cu[np.array(sampling, np.int64) + 1] - 1, decode_rows,
-                            state[decode]])
+    longs = np.concatenate([ids, positions, slots, state, cu[np.array(sampling, np.int64) + 1] - 1])
     ints_dev, longs_dev = to_device(ints, device), to_device(longs, device)
-    sizes = (N, N, N, S, len(sampling), len(decode), len(decode))
+    sizes = (N, N, N, S, len(sampling))
     views = torch.split(longs_dev, sizes)
     return StepBatch(
         input_ids=views[0], positions=views[1], slot_mapping=views[2], cu_seqlens_q=ints_dev[:S + 1],
         seq_lens=ints_dev[S + 1:2 * S + 1], block_table=ints_dev[2 * S + 1:].view(S, width), state_slots=views[3],
-        logits_rows=views[4], decode_rows=views[5], decode_slots=views[6], chunks=chunks, sampling=sampling,
-        query_lens=qlens.tolist(), starts=starts.tolist(), max_query_len=int(qlens.max(initial=0)),
+        logits_rows=views[4], sampling=sampling,
+        query_lens=qlens.tolist(), starts=starts.tolist(), max_query_len=int(qlens.max(initial=0)), pending=pending,
     )
