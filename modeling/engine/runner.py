@@ -5,10 +5,9 @@ smallest sequence bucket b >= S (1, 2, 4, ..., ``max_num_seqs``): rows [S, b) ar
 sequences of one token that touch nothing (KV slot -1: not written; length 0: no keys read; the
 pool's padding state slot for recurrent layers).
 
-A prefill or mixed step of N tokens in S sequences (attention-only models; a hybrid model's
-prefill steps run eagerly while ``mixed_steps`` is off for it, though its recurrent layers take the
-step's sequences in one packed call per op, padded bodies included) runs in the graph of the
-smallest token bucket t >= N and sequence bucket s >= S + 1 (powers of two, and the limits):
+A prefill or mixed step of N tokens in S sequences (a hybrid model's recurrent layers too: they
+take the step's sequences in one packed call per op) runs in the graph of the smallest token
+bucket t >= N and sequence bucket s >= S + 1 (powers of two, and the limits):
 sequence S is a padding sequence holding the t - N padding tokens (length 0: zeros out, slot -1),
 the rest of the s sequences are empty, and the logits of rows that do not sample are computed and
 dropped. The attention grid is sized for t queries a sequence, fixed per graph.
@@ -40,9 +39,9 @@ def buckets(limit: int) -> tuple:
 
 class StepRunner:
     def __init__(self, model, pool, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                 enabled: bool, mixed_steps: bool):
+                 enabled: bool):
         dev = model.device
-        self.model, self.pool, self.mixed_steps = model, pool, mixed_steps
+        self.model, self.pool = model, pool
         self.seq_buckets = buckets(max_num_seqs + 1)  # room for the padding sequence
         self.token_buckets = buckets(max(max_num_batched_tokens, max_num_seqs))
         T, S = self.token_buckets[-1], self.seq_buckets[-1]
@@ -57,7 +56,6 @@ class StepRunner:
         self.logits_rows = torch.zeros(S, **i64)
         self.arange = torch.arange(S + 1, **i64)
         self.arange32 = self.arange.int()
-        self.no_rows = torch.zeros(0, **i64)
         self.logits: Dict[Hashable, Tensor] = {}
         self.shape: Optional[tuple] = None  # the key of the step being set up
         self.graphs = GraphCache(dev, enabled and dev.type == "cuda", self._reset)
@@ -85,8 +83,7 @@ class StepRunner:
             input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
             cu_seqlens_q=self.arange32[:s + 1] if decode else self.cu_seqlens[:s + 1],
             seq_lens=self.seq_lens[:s], block_table=self.block_table[:s], state_slots=self.state_slots[:s],
-            logits_rows=rows if decode else self.logits_rows[:s], decode_rows=rows if decode else self.no_rows,
-            decode_slots=self.state_slots[:s] if decode else self.no_rows, chunks=[], sampling=list(range(s)),
+            logits_rows=rows if decode else self.logits_rows[:s], sampling=list(range(s)),
             query_lens=[], starts=[], max_query_len=1 if decode else t)
 
     def _body(self, key):
@@ -97,9 +94,9 @@ class StepRunner:
     def key(self, batch: StepBatch, decode_only: bool) -> Optional[tuple]:
         """The graph a step runs in, or None: it runs eagerly on its own tensors."""
         n, s = int(batch.input_ids.numel()), batch.num_seqs
-        if decode_only and not batch.chunks:
+        if decode_only:
             return "decode", next(b for b in self.seq_buckets if b >= s), next(b for b in self.seq_buckets if b >= s)
-        if not self.mixed_steps or batch.chunks or n > self.token_buckets[-1] or s + 1 > self.seq_buckets[-1]:
+        if n > self.token_buckets[-1] or s + 1 > self.seq_buckets[-1]:
             return None
         return "mixed", next(b for b in self.token_buckets if b >= n), next(b for b in self.seq_buckets if b > s)
 
