@@ -1,6 +1,6 @@
 """The engine's offline throughput and time to first token, beside transformers' continuous batching.
 
-    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer] [--profile]
+    python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer] [--profile] [--ttft-only]
 
 On the GPU (bf16, random weights, one process):
 
@@ -118,6 +118,7 @@ def main():
     p.add_argument("--peer-requests", type=int, default=8)
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--profile", action="store_true", help="profile the kernels of 64 requests")
+    p.add_argument("--ttft-only", action="store_true", help="skip the throughput run (and the peer)")
     a = p.parse_args()
     require_cuda("bench.throughput")
     from modeling import QwenConfig
@@ -143,13 +144,14 @@ def main():
     requests = workload(a.requests, model.config.vocab_size)
     engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
     print(engine.size.describe(model), flush=True)
-    run_all(engine, requests, greedy)  # warm: compile, capture every decode bucket
-    engine.stats = type(engine.stats)()
-    report("throughput_tokens_per_s", run_all(engine, requests, greedy), "output tokens/s")
-    print(engine.stats.describe(), flush=True)
-    out["throughput_stats"] = dict(vars(engine.stats))
-    if a.profile:
-        profile(engine, requests[:64], greedy)
+    if not a.ttft_only:
+        run_all(engine, requests, greedy)  # warm: compile, capture every decode bucket
+        engine.stats = type(engine.stats)()
+        report("throughput_tokens_per_s", run_all(engine, requests, greedy), "output tokens/s")
+        print(engine.stats.describe(), flush=True)
+        out["throughput_stats"] = dict(vars(engine.stats))
+        if a.profile:
+            profile(engine, requests[:64], greedy)
     rng = random.Random(1)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(256)] for _ in range(8)]
     report("qwen3_ttft_ms_256", best_ttft(engine, prompts[:1], greedy), "ms")
@@ -175,7 +177,7 @@ def main():
     del engine, model
     torch.cuda.empty_cache()
 
-    if not a.no_peer:
+    if not (a.no_peer or a.ttft_only):
         try:
             report("transformers_cb_tokens_per_s", transformers_cb(QWEN3_0_6B, requests[:a.peer_requests]),
                    f"output tokens/s ({a.peer_requests} requests)")

@@ -206,6 +206,8 @@ def test_norm_qkv_rope_store(device, nan_outputs):
     torch.manual_seed(3)
     for dtype in DTYPES[device]:
         tol = REL_TOL[dtype] * (3 if dtype == torch.bfloat16 and device == "cpu" else 1)  # as test_ops_fused_decode
+        if dtype == torch.float32 and device == "cuda":
+            tol = 3e-4  # positions to 4096: one ulp of inv_freq moves an angle ~2e-4 rad (test_ops_rope)
         for spec in QKV[device]:
             b, t, kdim, hq, hk, d, rot, gated, bias, qk_norm = spec
             rows = (hq * (2 if gated else 1) + 2 * hk) * d
