@@ -37,10 +37,10 @@ import time
 import torch
 
 from modeling import QwenConfig, QwenForCausalLM
-from modeling.llm import MIN_AUTO_SEQ_LEN
-from modeling.loader import load_plan
-from modeling.random_checkpoint import QWEN3_0_6B, config_dict
-from modeling.runtime import backend_name
+from modeling.api.llm import MIN_AUTO_SEQ_LEN
+from modeling.model.loader import load_plan
+from modeling.model.random_checkpoint import QWEN3_0_6B, config_dict
+from modeling.generation.runtime import backend_name
 
 PEER_ROWS = {"decode": "decode, transformers (DynamicCache)", "prefill": "prefill, transformers"}
 SHAPES = {

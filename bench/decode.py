@@ -5,7 +5,7 @@
 
 Rows (random weights, bf16, greedy, ms per decode step; one step decodes the whole batch):
 
-- ours, CUDA graph: the Generator's default path (`modeling.generator.Generator`), batch 1 at
+- ours, CUDA graph: the Generator's default path (`modeling.generation.generator.Generator`), batch 1 at
   context 256 and 2048, batch 8 and 32 at context 256; wall time of the decode loop over
   `--steps` steps (token readback included);
 - ours, eager: the same step without the graph (one Python launch per op);
@@ -118,7 +118,7 @@ def weight_bytes(model) -> int:
 
 
 def ours_ms(model, batch: int, context: int, steps: int, graph: bool, reps: int = 3) -> float:
-    from modeling.generator import Generator
+    from modeling.generation.generator import Generator
 
     gen = Generator(model, max_batch_size=batch, max_seq_len=context + steps + 2, use_cuda_graph=graph)
     g = torch.Generator().manual_seed(context)
@@ -177,7 +177,7 @@ def kernel_profile(model, steps: int = 8) -> dict:
     profiler: a run of 1 + steps tokens minus a run of 1 (the prefill and its first token)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from modeling.generator import Generator
+    from modeling.generation.generator import Generator
 
     gen = Generator(model, max_batch_size=1, max_seq_len=64, use_cuda_graph=True)
     gen.generate([[1, 2, 3]], steps + 1)  # compile, capture
@@ -208,7 +208,7 @@ def print_profile(title: str, table: dict) -> None:
 
 def measure(args) -> dict:
     from modeling import QwenConfig
-    from modeling.random_checkpoint import QWEN3_5_0_8B, random_model
+    from modeling.model.random_checkpoint import QWEN3_5_0_8B, random_model
 
     import triton
 

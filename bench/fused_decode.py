@@ -98,7 +98,7 @@ def step_rows():
     graph: fused and unfused, with and without PDL."""
     from csrc_free_ops import common
     from modeling import QwenConfig
-    from modeling.random_checkpoint import QWEN3_0_6B, config_dict, random_model
+    from modeling.model.random_checkpoint import QWEN3_0_6B, config_dict, random_model
 
     model = random_model(QwenConfig.from_dict(config_dict(**QWEN3_0_6B)), device="cuda")
     cache = model.new_cache(1, 512)

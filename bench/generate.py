@@ -29,9 +29,9 @@ import torch
 
 from bench import require_cuda
 from modeling import QwenConfig
-from modeling.generator import Generator
-from modeling.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
-from modeling.sampling import SamplingParams
+from modeling.generation.generator import Generator
+from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
+from modeling.generation.sampling import SamplingParams
 
 
 def prompt(length, vocab, seed):

@@ -126,7 +126,7 @@ for s in $expanded; do
     cmd=(python3 -m pytest -q -m cuda -p no:cacheprovider ${files} ${k:+-k "$k"})
   else
     if [ ! -f "$CKPT/.random-checkpoint" ]; then
-      python3 -c "from modeling.random_checkpoint import build_random_checkpoint as b; b('$CKPT')" || true
+      python3 -c "from modeling.model.random_checkpoint import build_random_checkpoint as b; b('$CKPT')" || true
     fi
     cmd=(python3 -m modeling.generate --model "$CKPT" --device cuda --prompt "The meaning of life is"
          --max-new-tokens 16 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 0)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from bench import require_cuda
 from modeling import QwenConfig
-from modeling.random_checkpoint import QWEN3_0_6B, random_model
+from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
 
 
 def torch_prefill(model, ids):

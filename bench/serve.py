@@ -145,7 +145,7 @@ def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> float:
 
     from modeling import QwenForCausalLM
     from modeling.engine import Engine
-    from modeling.sampling import SamplingParams
+    from modeling.generation.sampling import SamplingParams
 
     model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
     engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
@@ -172,7 +172,7 @@ def main():
     import torch
 
     from modeling import QwenTokenizer
-    from modeling.random_checkpoint import QWEN3_0_6B, build_random_checkpoint
+    from modeling.model.random_checkpoint import QWEN3_0_6B, build_random_checkpoint
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,28 +10,28 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 _EXPORTS = {
-    "Cache": ".model",
-    "ChatTemplate": ".chat",
-    "CheckpointError": ".loader",
-    "ConfigError": ".config",
-    "GenerationResult": ".generator",
-    "Generator": ".generator",
-    "IncrementalDetokenizer": ".tokenizer",
-    "KVCache": ".layers",
-    "LLM": ".llm",
-    "ModelNotFound": ".hub",
-    "QwenConfig": ".config",
-    "QwenForCausalLM": ".model",
-    "QwenTokenizer": ".tokenizer",
-    "RequestOutput": ".llm",
-    "SamplingParams": ".sampling",
-    "TextStream": ".llm",
-    "TransformersPatch": ".transformers_patch",
-    "format_chat": ".tokenizer",
-    "generation_defaults": ".chat",
-    "load_state_dict": ".loader",
-    "patch_transformers": ".transformers_patch",
-    "resolve_model": ".hub",
+    "Cache": ".model.causal_lm",
+    "ChatTemplate": ".chat.template",
+    "CheckpointError": ".model.loader",
+    "ConfigError": ".model.config",
+    "GenerationResult": ".generation.generator",
+    "Generator": ".generation.generator",
+    "IncrementalDetokenizer": ".api.tokenizer",
+    "KVCache": ".model.layers",
+    "LLM": ".api.llm",
+    "ModelNotFound": ".model.hub",
+    "QwenConfig": ".model.config",
+    "QwenForCausalLM": ".model.causal_lm",
+    "QwenTokenizer": ".api.tokenizer",
+    "RequestOutput": ".api.llm",
+    "SamplingParams": ".generation.sampling",
+    "TextStream": ".api.llm",
+    "TransformersPatch": ".model.transformers_patch",
+    "format_chat": ".api.tokenizer",
+    "generation_defaults": ".chat.template",
+    "load_state_dict": ".model.loader",
+    "patch_transformers": ".model.transformers_patch",
+    "resolve_model": ".model.hub",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,14 +51,14 @@ def __dir__() -> List[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .chat import ChatTemplate, generation_defaults  # noqa: F401
-    from .config import ConfigError, QwenConfig  # noqa: F401
-    from .generator import GenerationResult, Generator  # noqa: F401
-    from .hub import ModelNotFound, resolve_model  # noqa: F401
-    from .layers import KVCache  # noqa: F401
-    from .llm import LLM, RequestOutput, TextStream  # noqa: F401
-    from .loader import CheckpointError, load_state_dict  # noqa: F401
-    from .model import Cache, QwenForCausalLM  # noqa: F401
-    from .sampling import SamplingParams  # noqa: F401
-    from .tokenizer import IncrementalDetokenizer, QwenTokenizer, format_chat  # noqa: F401
-    from .transformers_patch import TransformersPatch, patch_transformers  # noqa: F401
+    from .chat.template import ChatTemplate, generation_defaults  # noqa: F401
+    from .model.config import ConfigError, QwenConfig  # noqa: F401
+    from .generation.generator import GenerationResult, Generator  # noqa: F401
+    from .model.hub import ModelNotFound, resolve_model  # noqa: F401
+    from .model.layers import KVCache  # noqa: F401
+    from .api.llm import LLM, RequestOutput, TextStream  # noqa: F401
+    from .model.loader import CheckpointError, load_state_dict  # noqa: F401
+    from .model.causal_lm import Cache, QwenForCausalLM  # noqa: F401
+    from .generation.sampling import SamplingParams  # noqa: F401
+    from .api.tokenizer import IncrementalDetokenizer, QwenTokenizer, format_chat  # noqa: F401
+    from .model.transformers_patch import TransformersPatch, patch_transformers  # noqa: F401

@@ -1,4 +1,4 @@
-"""modeling.chat: the checkpoint's chat template rendered like transformers' apply_chat_template,
+"""modeling.chat.template: the checkpoint's chat template rendered like transformers' apply_chat_template,
 within its RenderLimits, and generation_config.json defaults.
 
 tests/data holds Qwen3-, Qwen2.5- and Qwen3.5-style templates (tools, <think> handling,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling.chat import (CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, GenerationDefaults, RenderLimitError,
+from modeling.chat.template import (CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, GenerationDefaults, RenderLimitError,
                            RenderLimits, generation_defaults)
 
 DATA = Path(__file__).parent / "data"
@@ -433,7 +433,7 @@ ATTACKS = {  # name: (template, the bound it must hit, RenderLimits fields other
 ATTACK_RUNNER = """
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_DATA, (512 << 20, 512 << 20))  # a gigabyte string fails to be made
-from modeling.chat import ChatTemplate, RenderLimitError, RenderLimits
+from modeling.chat.template import ChatTemplate, RenderLimitError, RenderLimits
 for name, source, limits in json.loads(sys.argv[1]):
     start = time.monotonic()
     try:
@@ -540,7 +540,7 @@ def test_bounds_cost_little_on_real_templates():
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from modeling.chat import _alias_reasoning
+    from modeling.chat.template import _alias_reasoning
 
     plain_env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                               extensions=[jinja2.ext.loopcontrols])
@@ -583,7 +583,7 @@ def test_command_line_exits_2_on_a_template_past_its_limits(tmp_path, capsys):
 
 def test_rendered_chat_tokenizes_with_special_tokens():
     """The rendered text goes through QwenTokenizer.encode, which matches the special tokens."""
-    from modeling.random_checkpoint import build_tokenizer
+    from modeling.model.random_checkpoint import build_tokenizer
 
     tok = build_tokenizer()
     text = ChatTemplate(QWEN3).render(CONVERSATIONS["system_user"], enable_thinking=False)

@@ -10,9 +10,9 @@ import torch
 
 from modeling import QwenConfig
 from modeling.engine import Engine, Status
-from modeling.generator import Generator
-from modeling.random_checkpoint import random_model
-from modeling.sampling import SamplingParams
+from modeling.generation.generator import Generator
+from modeling.model.random_checkpoint import random_model
+from modeling.generation.sampling import SamplingParams
 
 QWEN3 = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)

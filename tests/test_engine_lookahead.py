@@ -5,7 +5,7 @@ aborted sequence a token, hold blocks after the last step, or run with penalties
 would miss the token still on the device)."""
 
 from modeling.engine import Engine
-from modeling.sampling import SamplingParams
+from modeling.generation.sampling import SamplingParams
 
 from tests.test_engine import GREEDY, QWEN3, generator_tokens, model_of, prompts_of
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from modeling import LLM, SamplingParams
-from modeling.chat import GenerationDefaults, generation_defaults
+from modeling.chat.template import GenerationDefaults, generation_defaults
 from modeling.engine import Engine
 from modeling.engine.sampler import apply_penalties, penalties_of, sample_rows, sample_sequences, token_logprobs
 from modeling.engine.sequence import Sequence

@@ -11,7 +11,7 @@ from modeling.engine.block_manager import BlockManager
 from modeling.engine.sampler import sample_rows, uniforms
 from modeling.engine.scheduler import Scheduler, StateSlots
 from modeling.engine.sequence import Sequence, Status
-from modeling.sampling import SamplingParams, sampling_probs
+from modeling.generation.sampling import SamplingParams, sampling_probs
 
 
 def seq(n_prompt, max_tokens=4, first=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from modeling import QwenConfig
-from modeling.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, config_dict, random_model
+from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, config_dict, random_model
 from tests.helpers import decode, greedy, prefill, prompt, rel_err
 
 TINY = {

@@ -1,4 +1,4 @@
-"""modeling.sampling and modeling.generator: sampling distributions, stopping, ragged batches,
+"""modeling.generation.sampling and modeling.generation.generator: sampling distributions, stopping, ragged batches,
 parity with transformers' greedy decoding, and (``cuda``) CUDA-graph decode vs eager.
 
 CPU cost: the transformers parity test runs the Triton kernels (fp32, 2 layers, hidden 64) in
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from modeling import QwenConfig
-from modeling.generator import Generator
-from modeling.random_checkpoint import QWEN3_0_6B, random_model
-from modeling.sampling import SamplingParams, sample, sampling_mode, sampling_probs
+from modeling.generation.generator import Generator
+from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
+from modeling.generation.sampling import SamplingParams, sample, sampling_mode, sampling_probs
 from tests.helpers import hf_greedy
 
 TINY = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -227,7 +227,7 @@ def hf_tiny_checkpoint(path, seed=0):
     """A transformers Qwen3 (fp32, std 0.2 weights) saved with save_pretrained, plus our tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from modeling.random_checkpoint import write_tokenizer
+    from modeling.model.random_checkpoint import write_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path).get_vocab_size(with_added_tokens=True)

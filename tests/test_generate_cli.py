@@ -1,4 +1,4 @@
-"""``python -m modeling.generate`` and ``modeling.random_checkpoint``: happy paths on a tiny random
+"""``python -m modeling.generate`` and ``modeling.model.random_checkpoint``: happy paths on a tiny random
 checkpoint with a real (Qwen3) chat template, streaming of multi-byte text, the batch file, chat,
 interactive chat, stop strings, JSON output, generation_config.json defaults, Hub ids, and every
 bad-input path (a one-line ``error:`` on stderr, exit status 2, no traceback); in subprocesses the
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from modeling import QwenForCausalLM, QwenTokenizer
-from modeling.chat import ChatTemplate
-from modeling.generate import escape_line, main, split_prompts
-from modeling.generator import Generator
-from modeling.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
+from modeling.chat.template import ChatTemplate
+from modeling.cli.generate import escape_line, main, split_prompts
+from modeling.generation.generator import Generator
+from modeling.model.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "tests" / "data" / "qwen3_chat_template.jinja"
@@ -98,14 +98,14 @@ def json_lines(out: str):
 
 
 def expected_path(device="cpu", dtype=torch.float32) -> str:
-    from modeling.runtime import backend_name
+    from modeling.generation.runtime import backend_name
 
     return backend_name(torch.device(device), dtype)
 
 
 def test_prefill_graph_flag_is_tri_state():
     """No flag leaves the generator's default (prefill graphs wherever decode is captured)."""
-    from modeling.generate import parse_args
+    from modeling.cli.generate import parse_args
 
     assert [parse_args(extra + ["--prompt", "x"]).prefill_graph
             for extra in ([], ["--prefill-graph"], ["--no-prefill-graph"])] == [None, True, False]
@@ -160,7 +160,7 @@ def test_batch_file_and_chat(ckpt, capsys, tmp_path):
     code2, out2, _ = run_main(capsys, *args)
     assert code2 == 0 and out2 == out  # same seed, same text
     # the command line runs one batch at a time; it samples as one Generator call over all prompts
-    from modeling.sampling import SamplingParams
+    from modeling.generation.sampling import SamplingParams
 
     tok = QwenTokenizer.from_pretrained(ckpt)
     template = ChatTemplate.from_pretrained(ckpt)
@@ -420,9 +420,9 @@ def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):
 def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
     """--max-seq-len 10**9 would be 64 GB of fp32 cache for this tiny model: refused before anything
     is allocated, with what fits."""
-    import modeling.runtime
+    import modeling.generation.runtime
 
-    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 2 * 10**9)
+    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 2 * 10**9)
     t0 = time.perf_counter()
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", 10**9, "--device", "cpu")
     assert code == 2 and out == "", err
@@ -440,10 +440,10 @@ def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch)
 def test_long_prompt_on_the_reference_path_says_what_fits(ckpt, capsys, monkeypatch):
     """The reference attention builds the full fp32 score matrix: a prompt too long for it is refused
     with the length that fits (here with 50 MB "free")."""
-    import modeling.runtime
+    import modeling.generation.runtime
 
-    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 50 * 10**6)
-    monkeypatch.setattr(modeling.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
+    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 50 * 10**6)
+    monkeypatch.setattr(modeling.generation.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
     prompt = "The quick brown fox jumps over the lazy dog. " * 120  # ~1200 tokens: 4 x 4 heads x T^2 x 4 B
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 1, "--device", "cpu")
     assert code == 2 and out == "", err

@@ -1,4 +1,4 @@
-"""modeling.hub.resolve_model: local directories and Hub ids, against a fake Hub cache (no network).
+"""modeling.model.hub.resolve_model: local directories and Hub ids, against a fake Hub cache (no network).
 
 The cache is laid out as huggingface_hub writes it: ``models--org--name/blobs/<sha256>``,
 ``snapshots/<commit>/<file>`` (symlinks to the blobs) and ``refs/<branch or tag>`` (the commit).
@@ -14,8 +14,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from modeling.hub import ALLOW_PATTERNS, ModelNotFound, hub_cache_dir, is_hub_id, resolve_model
-from modeling.random_checkpoint import build_random_checkpoint
+from modeling.model.hub import ALLOW_PATTERNS, ModelNotFound, hub_cache_dir, is_hub_id, resolve_model
+from modeling.model.random_checkpoint import build_random_checkpoint
 
 OLD = "1" * 40
 NEW = "a" * 40
@@ -83,7 +83,7 @@ def test_hub_id_from_the_offline_cache(cache, checkpoint, calls):
 
 
 def test_loads_like_a_local_checkpoint(cache, checkpoint, calls):
-    from modeling.tokenizer import QwenTokenizer
+    from modeling.api.tokenizer import QwenTokenizer
 
     add_snapshot(cache, "org/tiny", checkpoint, NEW)
     a = QwenTokenizer.from_pretrained(resolve_model("org/tiny"))

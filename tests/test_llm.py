@@ -1,4 +1,4 @@
-"""modeling.llm: the text API (``LLM(model).generate / chat / stream``) on tiny checkpoints with a real
+"""modeling.api.llm: the text API (``LLM(model).generate / chat / stream``) on tiny checkpoints with a real
 chat template, in float64 (the PyTorch reference ops: fast and exact on the CPU); stop strings,
 EOS, the cache sizing and the memory check; and ``import modeling`` staying light."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from modeling import LLM, QwenForCausalLM, QwenTokenizer, RequestOutput, SamplingParams, TextStream
-from modeling.chat import ChatTemplate
-from modeling.generator import Generator
-from modeling.checkpoint import Checkpoint, default_model_dir, load_config
-from modeling.llm import DEFAULT_MAX_TOKENS, ContextLengthError, StopStrings
-from modeling.runtime import DoesNotFit, check_fits, resolve_device, resolve_dtype
+from modeling.chat.template import ChatTemplate
+from modeling.generation.generator import Generator
+from modeling.api.checkpoint import Checkpoint, default_model_dir, load_config
+from modeling.api.llm import DEFAULT_MAX_TOKENS, ContextLengthError, StopStrings
+from modeling.generation.runtime import DoesNotFit, check_fits, resolve_device, resolve_dtype
 from tests.test_generate_cli import build_chat_checkpoint, build_steered_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,21 +227,21 @@ def test_cache_is_sized_per_call_and_grows(steered):
 
 
 def test_memory_check(steered, monkeypatch):
-    import modeling.runtime
+    import modeling.generation.runtime
 
     config = steered.config
-    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 10**9)
+    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 10**9)
     check_fits(config, torch.device("cpu"), torch.float32, 1, 10**5, 10)
     with pytest.raises(DoesNotFit, match=r"but cpu has 1.0 GB free: at most [\d,]+ positions") as e:
         check_fits(config, torch.device("cpu"), torch.float32, 4, 10**9, 10)
     assert 0 < e.value.max_seq_len < 10**9 / 4
     check_fits(config, torch.device("cpu"), torch.float32, 4, e.value.max_seq_len, 10)  # what it says fits, fits
-    monkeypatch.setattr(modeling.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
+    monkeypatch.setattr(modeling.generation.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
     with pytest.raises(DoesNotFit, match="prompts of at most ~") as e:
         check_fits(config, torch.device("cpu"), torch.float32, 1, 5000, 4000)
     check_fits(config, torch.device("cpu"), torch.float32, 1, 5000, e.value.max_prompt)
     fresh = LLM(steered.checkpoint, **F64)
-    monkeypatch.setattr(modeling.runtime, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 1000)
     with pytest.raises(DoesNotFit, match="KV cache of 1 x 256 positions"):  # checked before it is allocated
         fresh.generate("Hello", SamplingParams(max_tokens=2))
     assert fresh.generator is None
@@ -283,7 +283,7 @@ def test_hub_id_and_default_model(steered, tmp_path, monkeypatch):
     add_snapshot(tmp_path / "hub", "org/steered", steered.path, "c" * 40)
     llm = LLM.from_pretrained("org/steered", **F64)
     assert llm.generate("Hello", SamplingParams(max_tokens=3))[0].text == "\n世\n"
-    from modeling.hub import ModelNotFound
+    from modeling.model.hub import ModelNotFound
 
     with pytest.raises(ModelNotFound, match="org/absent: not in the local Hub cache"):
         LLM("org/absent", **F64)

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from modeling import CheckpointError, ConfigError, QwenConfig, QwenForCausalLM
-from modeling.checkpoint import load_config
-from modeling.files import SIDE_FILE_LIMIT, read_file
-from modeling.loader import INDEX_FILE, load_plan
-from modeling.random_checkpoint import MARKER, build_random_checkpoint
+from modeling.api.checkpoint import load_config
+from modeling.model.files import SIDE_FILE_LIMIT, read_file
+from modeling.model.loader import INDEX_FILE, load_plan
+from modeling.model.random_checkpoint import MARKER, build_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,10 +187,10 @@ READERS = {
 PROBE = """
 import contextlib, io, json, sys
 from modeling import QwenForCausalLM
-from modeling.checkpoint import Checkpoint
-from modeling.generate import main
-from modeling.hub import resolve_model
-from modeling.random_checkpoint import is_complete
+from modeling.api.checkpoint import Checkpoint
+from modeling.cli.generate import main
+from modeling.model.hub import resolve_model
+from modeling.model.random_checkpoint import is_complete
 
 out = {}
 for d in sys.argv[1:]:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from modeling import QwenConfig
-from modeling.generator import Generator
-from modeling.random_checkpoint import QWEN3_0_6B, random_model
-from modeling.sampling import MODES, SamplingParams
+from modeling.generation.generator import Generator
+from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
+from modeling.generation.sampling import MODES, SamplingParams
 
 pytestmark = pytest.mark.cuda
 

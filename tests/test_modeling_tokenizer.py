@@ -116,7 +116,7 @@ def test_side_files_must_be_regular_and_bounded(checkpoint):
     """A directory in place of tokenizer_config.json, a link to nowhere as generation_config.json
     (not taken for an absent file), a tokenizer.json over TOKENIZER_LIMIT (sparse: refused from its
     size, nothing read). FIFOs and /dev/zero: tests/test_loading_errors.py, in a subprocess."""
-    from modeling.files import TOKENIZER_LIMIT
+    from modeling.model.files import TOKENIZER_LIMIT
 
     (checkpoint / "tokenizer_config.json").unlink()
     (checkpoint / "tokenizer_config.json").mkdir()

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 from modeling import QwenConfig, QwenForCausalLM
-from modeling.generator import Generator
-from modeling.layers import GatedDeltaNetCache, KVCache
-from modeling.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
+from modeling.generation.generator import Generator
+from modeling.model.layers import GatedDeltaNetCache, KVCache
+from modeling.model.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
 from tests.helpers import decode, greedy, hf_greedy, prefill, prompt, rel_err
 
 # Two Gated DeltaNet layers (2 key heads of 16, 4 value heads of 32) and two gated attention layers

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from modeling import QwenForCausalLM
-from modeling.random_checkpoint import (MARKER, build_random_checkpoint, config_dict, ensure_random_checkpoint,
+from modeling.model.random_checkpoint import (MARKER, build_random_checkpoint, config_dict, ensure_random_checkpoint,
                                         is_complete)
 
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from modeling.sampling import SamplingParams  # noqa: E402
+from modeling.generation.sampling import SamplingParams  # noqa: E402
 from modeling.serve.chat_output import ReasoningSplitter, ToolCallParser  # noqa: E402
 from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
@@ -55,7 +55,7 @@ def test_tool_call_parser_whole_equals_streamed():
 
 @pytest.fixture(scope="module")
 def llm():
-    from modeling.llm import LLM
+    from modeling.api.llm import LLM
 
     return LLM(None, device="cpu", progress=False)
 
@@ -172,7 +172,7 @@ def qwen3_llm(tmp_path_factory):
     """The shipped model behind Qwen3's own chat template (thinking, tools)."""
     from pathlib import Path
 
-    from modeling.llm import LLM
+    from modeling.api.llm import LLM
 
     root = Path(__file__).resolve().parents[1]
     path = tmp_path_factory.mktemp("qwen3_template")

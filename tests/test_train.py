@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from modeling import train
-from modeling.config import QwenConfig
+from modeling.model.config import QwenConfig
 
 TEXT = Path(__file__).parent / "data" / "tinyshakespeare_20k.txt"
 # tiny preset (hidden 32, 1 layer, 2/1 heads x 16, seq 32, vocab 320) on 4000 characters, 200 of them
@@ -70,8 +70,8 @@ def test_a_few_steps_lower_the_loss(trained):
 
 def test_checkpoint_loads_in_transformers_with_the_same_logits(trained):
     transformers = pytest.importorskip("transformers")
-    from modeling.model import QwenForCausalLM
-    from modeling.tokenizer import QwenTokenizer
+    from modeling.model.causal_lm import QwenForCausalLM
+    from modeling.api.tokenizer import QwenTokenizer
 
     names = {p.name for p in trained.iterdir()}
     assert names == {*train.MODEL_FILES, train.LOG_FILE, train.STATE_FILE}
@@ -191,7 +191,7 @@ def test_chat_fraction_rows_are_crops_of_the_dialogue(tmp_path):
 
 
 def test_init_starts_from_a_checkpoint(trained, tmp_path, capsys):
-    from modeling.model import QwenForCausalLM
+    from modeling.model.causal_lm import QwenForCausalLM
 
     base = [x for x in TINY if x not in ("--rope-theta", "1e6")]
     t = trainer(tmp_path / "model", "--init", trained, base=base)
@@ -264,7 +264,7 @@ def test_shipped_sizes_fit_the_file_limit():
     assert (config.model_type, config.tie_word_embeddings, config.qk_norm) == ("qwen3", True, True)
     assert config.num_attention_heads > config.num_key_value_heads  # GQA
     with torch.device("meta"):
-        from modeling.model import QwenForCausalLM
+        from modeling.model.causal_lm import QwenForCausalLM
         n = train.count_parameters(QwenForCausalLM(config))
     assert 5e6 <= n <= 8e6, n
     assert 2 * n < 16e6  # bf16 model.safetensors

@@ -461,7 +461,7 @@ def _patched_layer_case():
     import transformers
 
     from modeling import patch_transformers
-    from modeling.random_checkpoint import QWEN3_0_6B
+    from modeling.model.random_checkpoint import QWEN3_0_6B
 
     fields = {k: v for k, v in QWEN3_0_6B.items() if k != "model_type"}
     config = transformers.Qwen3Config(**{**fields, "num_hidden_layers": 1}, attn_implementation="sdpa")

@@ -180,7 +180,7 @@ def test_patched_training_step_compiles_fullgraph(device):
 def test_own_decoder_trains_like_transformers(tmp_path):
     """modeling.QwenForCausalLM (torch.ops.qwen only) with requires_grad_(True): its fused loss and
     the gradients equal transformers' for the same weights (the logits path's loss too)."""
-    from modeling.model import QwenForCausalLM
+    from modeling.model.causal_lm import QwenForCausalLM
 
     hf = _model("qwen3", "cpu", use_cache=False)
     hf.save_pretrained(tmp_path)

@@ -22,7 +22,7 @@ import torch
 
 import qwen_ops
 
-from ..layers import AttentionLayer, GatedDeltaNetLayer
+from ..model.layers import AttentionLayer, GatedDeltaNetLayer
 
 
 @dataclass

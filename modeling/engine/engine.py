@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence as Seq
 import numpy as np
 import torch
 
-from ..sampling import SamplingParams
+from ..generation.sampling import SamplingParams
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
 from .runner import StepRunner

@@ -24,7 +24,7 @@ from typing import Dict, Hashable, Optional
 import torch
 from torch import Tensor
 
-from ..graph_cache import GraphCache
+from ..generation.graph_cache import GraphCache
 from .step import StepBatch
 
 

@@ -9,7 +9,7 @@ top-k and top-p; logprobs are of the raw logits. The randomness of row i is a co
 uniform for vocabulary rank v is a hash of (seed_i, position_i, v), where position_i is the
 position of the token being sampled. So a request's tokens depend only on its own seed and
 logits, never on which other requests share its steps, and a seeded request is reproducible.
-The draw is the Gumbel-max race of ``modeling.sampling``: argmax(logits / T - log E), E = -log U.
+The draw is the Gumbel-max race of ``modeling.generation.sampling``: argmax(logits / T - log E), E = -log U.
 """
 
 from typing import List, NamedTuple, Optional, Tuple
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..sampling import filtered_sorted_scores
+from ..generation.sampling import filtered_sorted_scores
 from .sequence import LogprobEntry, Sequence
 from .step import to_device
 

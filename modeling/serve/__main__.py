@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ..generate import DEVICE_PATTERN, DTYPES, UsageError, load_checkpoint, load_llm, say
+from ..cli.generate import DEVICE_PATTERN, DTYPES, UsageError, load_checkpoint, load_llm, say
 
 API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
@@ -119,7 +119,7 @@ def serve(a: argparse.Namespace) -> int:
     import torch
 
     from ..engine import Engine
-    from ..sampling import SamplingParams
+    from ..generation.sampling import SamplingParams
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("modeling.serve")

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine
-from ..llm import LLM
+from ..api.llm import LLM
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
 from .generation import EngineError, Generation, check_admission

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
 from ..engine import Engine, Sequence, Status
-from ..sampling import SamplingParams
+from ..generation.sampling import SamplingParams
 
 log = logging.getLogger("modeling.serve")
 

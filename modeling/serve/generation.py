@@ -1,5 +1,5 @@
 """One API request in the engine: its choices (``n`` per prompt) submitted together, their tokens
-turned into text as they arrive (``modeling.llm.TextRow``: incremental detokenization and stop
+turned into text as they arrive (``modeling.api.llm.TextRow``: incremental detokenization and stop
 strings, as ``LLM`` does; ``ChatOutput`` splits a chat reply into reasoning, content and tool
 calls), and the choices of the response or of each streamed chunk built from them."""
 
@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..llm import TextRow
-from ..sampling import SamplingParams
+from ..api.llm import TextRow
+from ..generation.sampling import SamplingParams
 from .chat_output import ChatOutput
 from .engine_loop import EngineFailure, EngineLoop, Sink, TokenEvent
 from .errors import APIError, invalid

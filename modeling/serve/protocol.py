@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..chat import ChatTemplateError
-from ..llm import LLM, checked_token_ids
-from ..sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..chat.template import ChatTemplateError
+from ..api.llm import LLM, checked_token_ids
+from ..generation.sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
 from .errors import APIError, invalid, unsupported
 
 MAX_N = 16

@@ -7,7 +7,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..engine.sequence import LogprobEntry
-from ..tokenizer import QwenTokenizer
+from ..api.tokenizer import QwenTokenizer
 
 
 def new_id(prefix: str) -> str:

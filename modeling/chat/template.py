@@ -3,7 +3,7 @@
 ``ChatTemplate.from_pretrained(path)`` loads the template a checkpoint ships:
 ``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
 named templates: ``default``, and ``tool_use`` when tools are given), else ``chat_template.json``,
-else ChatML (``CHATML_TEMPLATE``, the same text as ``modeling.tokenizer.format_chat``).
+else ChatML (``CHATML_TEMPLATE``, the same text as ``modeling.api.tokenizer.format_chat``).
 
 ``template.render(messages, add_generation_prompt=True, **kwargs)`` renders it the way
 transformers' ``apply_chat_template(..., tokenize=False)`` does: a jinja2
@@ -19,7 +19,7 @@ keyword (``enable_thinking=False``). Everything the template sees is rebuilt fro
 (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under ``reasoning_content`` and
 ``thinking``, as in transformers 5.
 
-A template is untrusted code: the sandbox (``modeling.chat_sandbox``) holds each rendering, in any
+A template is untrusted code: the sandbox (``modeling.chat.sandbox``) holds each rendering, in any
 thread, to the template's ``RenderLimits`` (loop iterations, the size of every string, list and
 dict it makes and of its output, and time); passing one raises ``RenderLimitError`` naming the
 template and the bound.
@@ -157,7 +157,7 @@ class ChatTemplate:
             source = self.named["tool_use"]
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
-        from .chat_sandbox import LimitExceeded, bounded
+        from .sandbox import LimitExceeded, bounded
 
         try:
             with bounded(self.limits):
@@ -174,7 +174,7 @@ class ChatTemplate:
         if compiled is None:
             import jinja2
 
-            from .chat_sandbox import bounded, environment
+            from .sandbox import bounded, environment
 
             try:
                 with bounded(self.limits):

@@ -32,7 +32,7 @@ and no cached tokens, so compiled training runs our attention too. With a mask (
 model's own attention function. A KV cache (generation) is updated as transformers does.
 Only the default RoPE (`rope_type` "default") and `hidden_act` "silu" are supported; other
 configurations raise ValueError. The model types and the RoPE settings are read as
-`modeling.config` reads a config.json.
+`modeling.model.config` reads a config.json.
 """
 import sys
 import types

@@ -12,7 +12,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 ```
 
 - The checkpoint decides the format: ``chat`` renders the chat template it ships
-  (``modeling.chat.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
+  (``modeling.chat.template.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
   the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
 - The ``Generator`` lacks the engine's controls (``ENGINE_ONLY``: min-p, the penalties,
   logprobs): a ``SamplingParams`` that sets one is refused with a ``ValueError`` pointing to
@@ -31,8 +31,8 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
   generator is built on first use for the batch and length a call needs (with ``max_seq_len=None``,
   rounded up to a power of two and rebuilt when a later call needs more) after checking that the
   cache fits the device's memory (``check_fits``; ``DoesNotFit`` says what fits).
-- ``modeling.checkpoint.Checkpoint`` is the part of a checkpoint that is not its weights, and
-  ``modeling.runtime`` decides the device, the dtype and whether a request fits.
+- ``modeling.api.checkpoint.Checkpoint`` is the part of a checkpoint that is not its weights, and
+  ``modeling.generation.runtime`` decides the device, the dtype and whether a request fits.
 """
 
 import queue
@@ -45,15 +45,15 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from .chat import ChatTemplate
+from ..chat.template import ChatTemplate
 from .checkpoint import Checkpoint
-from .config import QwenConfig
-from .decode_state import MAX_STOP_IDS
-from .generator import GenerationResult, Generator
-from .model import QwenForCausalLM
-from .runtime import backend_name, check_fits, resolve_device, resolve_dtype
-from .readback import STOP
-from .sampling import INT64_LIMIT, SamplingParams, is_int
+from ..model.config import QwenConfig
+from ..generation.decode_state import MAX_STOP_IDS
+from ..generation.generator import GenerationResult, Generator
+from ..model.causal_lm import QwenForCausalLM
+from ..generation.runtime import backend_name, check_fits, resolve_device, resolve_dtype
+from ..generation.readback import STOP
+from ..generation.sampling import INT64_LIMIT, SamplingParams, is_int
 from .tokenizer import IncrementalDetokenizer, QwenTokenizer
 
 DEFAULT_MAX_TOKENS = 64

@@ -3,7 +3,7 @@
 The buffers are allocated once, before any capture, and never move: a CUDA graph replays on
 fixed addresses. ``decode_step`` and ``prefill_bucket`` are plain functions of these buffers (no
 host sync, no Python branch on tensor values, no allocation that must outlive the step), so
-``modeling.graph_cache.GraphCache`` can capture them; run eagerly they launch the same kernels on
+``modeling.generation.graph_cache.GraphCache`` can capture them; run eagerly they launch the same kernels on
 the same shapes.
 """
 
@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .model import Cache, QwenForCausalLM
+from ..model.causal_lm import Cache, QwenForCausalLM
 from .sampling import SamplingParams, sample
 
 MAX_STOP_IDS = 16

@@ -18,7 +18,7 @@ FinishCallback = Callable[[int, List[int], str], None]  # (prompt index, new tok
 
 class _Stop:
     def __repr__(self) -> str:
-        return "modeling.readback.STOP"
+        return "modeling.generation.readback.STOP"
 
 
 STOP = _Stop()

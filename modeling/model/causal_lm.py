@@ -1,6 +1,6 @@
 """The Qwen decoder (qwen3, qwen2, and the Qwen3.5 hybrid of Gated DeltaNet and gated attention
 layers) built only from ``torch.ops.qwen.*`` and an embedding lookup: an embedding, the layers of
-``config.layer_types`` (``modeling.layers``), a final norm and the lm_head; ``Cache`` holds every
+``config.layer_types`` (``modeling.model.layers``), a final norm and the lm_head; ``Cache`` holds every
 layer's cache.
 
 Shapes: B batch, T new tokens, hidden = config.hidden_size, V vocab_size.

@@ -5,7 +5,7 @@
 ``QwenForCausalLM.from_pretrained`` read:
 
 - an existing local directory is returned as is, once it is checked to hold ``config.json`` and
-  ``tokenizer.json``, readable regular files (``modeling.files.open_file``: a FIFO or a link to a
+  ``tokenizer.json``, readable regular files (``modeling.model.files.open_file``: a FIFO or a link to a
   device is refused without blocking);
 - otherwise ``ORG/NAME`` is fetched with ``huggingface_hub.snapshot_download`` into the Hub cache
   (only the files a checkpoint needs: ``ALLOW_PATTERNS``), at ``revision`` (a branch, tag or commit

@@ -11,7 +11,7 @@ no download).
   among the sizes; vocab = the tokenizer's), ``tokenizer_config.json``,
   ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``);
 - ``model.safetensors``: Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``
-  ...) from ``modeling.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2)
+  ...) from ``modeling.model.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2)
   (Qwen3.5's zero-centred norms, which scale by 1 + weight: N(0, std^2)).
 
 ``default_random_model_dir()`` is where ``python -m modeling.generate`` keeps it when run
@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from .config import QwenConfig
 from .files import read_json
 from .loader import load_plan
-from .model import QwenForCausalLM
+from .causal_lm import QwenForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -268,7 +268,7 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
     (tmp / "README.md").write_text(
-        f"Random {family} weights written by modeling.random_checkpoint (seed "
+        f"Random {family} weights written by modeling.model.random_checkpoint (seed "
         f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
     (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
 

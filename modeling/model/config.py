@@ -20,8 +20,8 @@ reduce to plain 1-D RoPE for text, where the temporal, height and width position
 ``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; without it every
 layer is ``full_attention`` for qwen3 / qwen2, and for Qwen3.5 layer i is ``full_attention`` when
 (i + 1) % ``full_attention_interval`` (default 4) == 0, else ``linear_attention``); the kinds this
-package implements are the keys of ``modeling.layers.LAYER_TYPES``. ``rope_settings`` is shared
-with ``modeling.transformers_patch``.
+package implements are the keys of ``modeling.model.layers.LAYER_TYPES``. ``rope_settings`` is shared
+with ``modeling.model.transformers_patch``.
 
 Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers (not ``3.0``, not
 ``true``) between 1 and their limit in ``MAX_SIZES`` (``MAX_SIZE`` for the others), so nothing is
@@ -31,7 +31,7 @@ or null field takes its default. Everything a kernel would refuse at the first f
 here too: a head_dim the attention kernels do not take (``qwen_ops.checks.HEAD_DIMS``: multiples of 16
 up to 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims (the same rule) or conv kernel
 sizes the kernels do not take.
-``QwenConfig.from_pretrained`` reads config.json with ``modeling.files.read_json`` (a regular file
+``QwenConfig.from_pretrained`` reads config.json with ``modeling.model.files.read_json`` (a regular file
 under ``SIDE_FILE_LIMIT``) and starts each error with ``config.json:``.
 """
 
@@ -45,7 +45,7 @@ from qwen_ops.checks import HEAD_DIMS, HEAD_DIMS_TEXT
 from .files import read_json
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
-"""The dense families (also what ``modeling.transformers_patch`` patches)."""
+"""The dense families (also what ``modeling.model.transformers_patch`` patches)."""
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 """Qwen3.5: text-only checkpoints and the hub's multimodal wrapper."""
 MODEL_TYPES = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
@@ -182,7 +182,7 @@ class QwenConfig:
     @classmethod
     def from_pretrained(cls, path: Union[str, Path]) -> "QwenConfig":
         """Read ``config.json`` from a checkpoint directory (or the file itself): a regular file
-        (``modeling.files.read_json``); every error is a one-line ``ConfigError`` naming the file."""
+        (``modeling.model.files.read_json``); every error is a one-line ``ConfigError`` naming the file."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

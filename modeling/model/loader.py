@@ -1,11 +1,11 @@
-"""Load a Hugging Face Qwen checkpoint (safetensors) into the fused layout of ``modeling.model``.
+"""Load a Hugging Face Qwen checkpoint (safetensors) into the fused layout of ``modeling.model.causal_lm``.
 
 The checkpoint is ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
 Tensors are read one at a time with ``safe_open`` and copied straight into their target
 tensor on the target device and dtype, so the host never holds a second full copy.
 
 The plan (``load_plan``) names, for each model tensor, the checkpoint tensors concatenated along
-dim 0 to make it. Each layer's part comes from its class in ``modeling.layers.LAYER_TYPES``
+dim 0 to make it. Each layer's part comes from its class in ``modeling.model.layers.LAYER_TYPES``
 (``load_plan(config, "model.layers.{i}.")``); for an attention layer:
 
 - ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
@@ -21,7 +21,7 @@ Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down
 once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
 dtype) is a ``CheckpointError`` naming the tensor.
 
-Every file is opened through ``modeling.files`` (regular files only: a FIFO or a link to a device
+Every file is opened through ``modeling.model.files`` (regular files only: a FIFO or a link to a device
 is refused without blocking). Before anything is allocated, the weights files must be large enough
 for the config's parameters at 2 bytes each (``check_weights_size``), so a config.json whose sizes
 are far off the weights is refused from the files' sizes alone.
@@ -72,7 +72,7 @@ def checkpoint_files(path: Union[str, Path]) -> List[Path]:
     """The safetensors files of a checkpoint directory: one file, or the shards of the index.
 
     Shard names must be plain file names inside the directory (no absolute paths, no ``..``),
-    and every file must be a regular file (``modeling.files.open_file``: a FIFO or a device would
+    and every file must be a regular file (``modeling.model.files.open_file``: a FIFO or a device would
     block or mislead the reader).
     """
     path = Path(path)

@@ -5,7 +5,7 @@ rendering may cost.
 ``apply_chat_template`` configures it (``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols``
 extension, ``{% generation %}``, the globals ``raise_exception``, ``strftime_now``, ``dict`` and
 ``namespace``, ``tojson`` without HTML escaping), in a subclass, ``BoundedSandbox``, that holds every
-rendering to the ``RenderLimits`` (``modeling.chat``) it runs under (``with bounded(limits):``, a
+rendering to the ``RenderLimits`` (``modeling.chat.template``) it runs under (``with bounded(limits):``, a
 context variable, so renderings in other threads keep their own budgets):
 
 - loop iterations: every ``{% for %}`` iteration, and every item a filter, call or loop draws from
@@ -56,7 +56,7 @@ from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
 if TYPE_CHECKING:
-    from .chat import RenderLimits
+    from .template import RenderLimits
 
 MAX_INT_BITS = 1 << 16
 """The largest integer ``*`` and ``**`` may make, in bits (Python prints at most 4300 digits)."""

@@ -2,15 +2,15 @@
 
 It composes three pieces:
 
-- ``DecodeState`` (modeling/decode_state.py): the static device buffers (the model's cache,
+- ``DecodeState`` (modeling/generation/decode_state.py): the static device buffers (the model's cache,
   tokens, positions, the finished mask, the token history, sampling values) and the step bodies
   that read and write them. One decode step runs all layers, the final norm, the lm_head,
   sampling, and the bookkeeping that feeds the sampled token back: a replay needs no host input.
-- ``GraphCache`` (modeling/graph_cache.py): one CUDA graph per (decode, batch bucket, sampling
+- ``GraphCache`` (modeling/generation/graph_cache.py): one CUDA graph per (decode, batch bucket, sampling
   mode) or (prefill, length bucket, mode), captured on first use or by ``capture()``, in one
   shared memory pool. Without CUDA (or with ``use_cuda_graph=False``) the very same bodies run
   eagerly, so both paths launch the same kernels on the same shapes and give the same tokens.
-- ``Readback`` (modeling/readback.py): the decode loop, reading the tokens back in chunks one
+- ``Readback`` (modeling/generation/readback.py): the decode loop, reading the tokens back in chunks one
   chunk behind the GPU; ``TokenSink`` applies the stop / length rule and calls the callbacks.
 
 Prefill runs each prompt separately into its batch row of the cache. With the prefill graphs (on
@@ -33,9 +33,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from .decode_state import MAX_STOP_IDS, DecodeState
-from .engine.runner import buckets
+from ..engine.runner import buckets
 from .graph_cache import GraphCache
-from .model import QwenForCausalLM
+from ..model.causal_lm import QwenForCausalLM
 from .readback import FinishCallback, Readback, TokenCallback, TokenSink
 from .sampling import SamplingParams
 

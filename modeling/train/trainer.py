@@ -14,7 +14,7 @@ one before, ended by ``<|im_end|>``), so that the model ends a chat reply by its
 
 Tokenizer: a byte-level BPE trained with the ``tokenizers`` library on the training split, with
 the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2; the same
-pipeline as ``modeling.random_checkpoint.build_tokenizer``).
+pipeline as ``modeling.model.random_checkpoint.build_tokenizer``).
 
 Model: a Qwen3 (q/k norm, GQA, tied embeddings) built as ``QwenForCausalLM(config)`` and
 initialised as transformers initialises Qwen3 (matrices ~ N(0, 0.02^2), norm weights 1), or with
@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple
 
-DATA_FILE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+DATA_FILE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 LOG_FILE = "training_log.json"
@@ -132,10 +132,10 @@ def speeches(text: str) -> List[str]:
 
 
 def dialogue_chat(text: str) -> str:
-    """``text``'s dialogue as ChatML (``modeling.tokenizer.format_chat``): its speeches in turn a
+    """``text``'s dialogue as ChatML (``modeling.api.tokenizer.format_chat``): its speeches in turn a
     user and an assistant message, each speech the reply to the one before and each message ended
     by ``<|im_end|>``, as ``--chat`` and ``--interactive`` put a conversation to the model."""
-    from .tokenizer import format_chat
+    from ..api.tokenizer import format_chat
 
     roles = ("user", "assistant")
     return format_chat([{"role": roles[i % 2], "content": c} for i, c in enumerate(speeches(text))],
@@ -145,7 +145,7 @@ def dialogue_chat(text: str) -> str:
 def train_tokenizer(text: str, vocab_size: int):
     """``random_checkpoint.build_tokenizer`` trained on ``text`` (one document): a byte-level BPE with
     ``SPECIAL_TOKENS`` as ids 0, 1, 2 and all 256 byte symbols, so any UTF-8 text encodes."""
-    from .random_checkpoint import SPECIAL_TOKENS, build_tokenizer
+    from ..model.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UsageError(f"--vocab-size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} specials")
@@ -155,8 +155,8 @@ def train_tokenizer(text: str, vocab_size: int):
 def write_tokenizer_files(path: Path, tok, max_length: int) -> None:
     """The tokenizer files of ``random_checkpoint.write_tokenizer_files`` with a ChatML template and
     the sampling defaults ``GENERATION_DEFAULTS``."""
-    from .chat import CHATML_TEMPLATE
-    from .random_checkpoint import write_tokenizer_files as write
+    from ..chat.template import CHATML_TEMPLATE
+    from ..model.random_checkpoint import write_tokenizer_files as write
 
     write(path, tok, max_length, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
 
@@ -172,7 +172,7 @@ def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:
 
 def model_config_dict(a: argparse.Namespace, vocab_size: int) -> Dict[str, Any]:
     """config.json: ``random_checkpoint.config_dict`` with this run's sizes."""
-    from .random_checkpoint import config_dict
+    from ..model.random_checkpoint import config_dict
 
     cfg = config_dict(vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
                       num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
@@ -188,7 +188,7 @@ def build_model(config, seed: int, std: float):
     norm weight 1."""
     import torch
 
-    from .model import QwenForCausalLM
+    from ..model.causal_lm import QwenForCausalLM
 
     with torch.device("cpu"):
         model = QwenForCausalLM(config)
@@ -208,7 +208,7 @@ def take_init_settings(a: argparse.Namespace) -> None:
     """--init DIR: the model's settings (``INIT_SETTINGS``) from DIR/config.json, which must describe a
     model this trainer builds (a tied-embedding qwen3); UsageError otherwise, or when one of them is
     given on the command line too."""
-    from .config import QwenConfig
+    from ..model.config import QwenConfig
 
     given = [f"--{k.replace('_', '-')}" for k in INIT_SETTINGS if k in a.given]
     if given:
@@ -228,7 +228,7 @@ def load_init_weights(model, path: str) -> None:
     """``model``'s parameters set to those of the checkpoint ``path`` (fp32)."""
     import torch
 
-    from .loader import load_state_dict
+    from ..model.loader import load_state_dict
 
     try:
         model.load_state_dict(load_state_dict(path, model.config, dtype=torch.float32), strict=True)
@@ -243,7 +243,7 @@ def count_parameters(model) -> int:
 def hf_tensors(named: Dict[str, Any], config, dtype) -> Dict[str, Any]:
     """Our fused tensors (``name -> tensor`` as in the model's state_dict) split back into the
     Hugging Face tensors of ``loader.load_plan``, in ``dtype`` on the CPU, contiguous."""
-    from .loader import load_plan
+    from ..model.loader import load_plan
 
     out = {}
     for target, sources in load_plan(config).items():
@@ -370,7 +370,7 @@ class Trainer:
     def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice, stop: "StopSignals"):
         import torch
 
-        from .config import QwenConfig
+        from ..model.config import QwenConfig
 
         self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
         self.device = torch.device(a.device)

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from .config import QwenConfig
-from .model import QwenForCausalLM
+from ..model.config import QwenConfig
+from ..model.causal_lm import QwenForCausalLM
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}

@@ -17,7 +17,7 @@ layers and the loader its plan from it, and the config rejects any other name.
 
 A layer's cache is an object whose tensors have the batch row as dim 0, with ``rows(start, stop)``
 (a view of some rows, no copy) and ``prompt_state(row, length)`` (the tensors that hold a prompt
-of ``length`` tokens in that row, which ``modeling.model.Cache.copy_prompt_`` copies).
+of ``length`` tokens in that row, which ``modeling.model.causal_lm.Cache.copy_prompt_`` copies).
 
 A cache also says whether a prompt may be prefilled right-padded (``supports_padded_prefill``):
 true for attention, whose causal mask keeps padding after a prompt from touching it; false for a

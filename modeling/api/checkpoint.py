@@ -2,21 +2,21 @@
 chat template, generation defaults: cheap to load, so the command line checks its input against
 it before reading any weight), ``load_config`` (one-line errors), and ``default_model_dir``, the
 model used when none is named (the one shipped in ``modeling/default_model``). Every file is read
-through ``modeling.files``: regular files only, each under a size limit."""
+through ``modeling.model.files``: regular files only, each under a size limit."""
 
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from .chat import ChatTemplate, GenerationDefaults, generation_defaults
-from .config import QwenConfig
-from .decode_state import MAX_STOP_IDS
-from .hub import resolve_model
-from .loader import check_weights_size
-from .sampling import SamplingParams
+from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
+from ..model.config import QwenConfig
+from ..generation.decode_state import MAX_STOP_IDS
+from ..model.hub import resolve_model
+from ..model.loader import check_weights_size
+from ..generation.sampling import SamplingParams
 from .tokenizer import QwenTokenizer
 
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 """The model shipped with the package: a 7.2M-parameter Qwen3 this project trained on Tiny
 Shakespeare with its own kernels (``python -m modeling.train``; docs/training.md)."""
 
@@ -45,7 +45,7 @@ class Checkpoint:
     generation_config.json) and ``chat_template`` (loaded on first use). ``load`` raises a
     ``ValueError`` (``ModelNotFound``, ``ConfigError``, ``CheckpointError``, ...) with a one-line
     message; it also checks that the weights files are large enough for the config's sizes
-    (``modeling.loader.check_weights_size``, from their sizes alone)."""
+    (``modeling.model.loader.check_weights_size``, from their sizes alone)."""
 
     def __init__(self, path: Path, config: QwenConfig, tokenizer: QwenTokenizer, defaults: GenerationDefaults):
         self.path, self.config, self.tokenizer, self.defaults = Path(path), config, tokenizer, defaults
@@ -58,7 +58,7 @@ class Checkpoint:
     def load(cls, model: Union[str, Path, None] = None, revision: Optional[str] = None,
              offline: Optional[bool] = None, progress: bool = True,
              notice: Optional[Callable[[str], None]] = None) -> "Checkpoint":
-        """``model``: a checkpoint directory or a Hub id ``ORG/NAME`` (``modeling.hub.resolve_model``:
+        """``model``: a checkpoint directory or a Hub id ``ORG/NAME`` (``modeling.model.hub.resolve_model``:
         ``revision``, ``offline``, download ``progress`` on stderr); None: ``default_model_dir``."""
         if model is None:
             if revision is not None:

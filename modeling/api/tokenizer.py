@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer
 
-from .files import TOKENIZER_LIMIT, read_file, read_json
+from ..model.files import TOKENIZER_LIMIT, read_file, read_json
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -31,7 +31,7 @@ class QwenTokenizer:
     (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and config.json
     (``eos_token_id``), in that order, without repeats. ``pad_token_id`` comes from
     tokenizer_config.json's ``pad_token`` (None if absent). Every file is read with
-    ``modeling.files`` (regular files only, each under its size limit); all but tokenizer.json may
+    ``modeling.model.files`` (regular files only, each under its size limit); all but tokenizer.json may
     be absent.
     """
 

@@ -42,21 +42,21 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens, and (for the text API, ``modeling.llm.LLM``) when to stop.
+    """How to pick tokens, and (for the text API, ``modeling.api.llm.LLM``) when to stop.
 
     Token level (the ``Generator`` and the engine read these): temperature 0 means greedy; top_k 0 means no top-k
     (any k >= the vocabulary is the same); top_p 1.0 means no top-p; seed None draws from the
     generator's current state (not reproducible).
 
     Text level (``LLM`` reads these; ``Generator`` ignores them): ``max_tokens`` new tokens at
-    most (None: the checkpoint's ``max_new_tokens``, else ``modeling.llm.DEFAULT_MAX_TOKENS``);
+    most (None: the checkpoint's ``max_new_tokens``, else ``modeling.api.llm.DEFAULT_MAX_TOKENS``);
     ``stop``: strings that end a completion (a str or a sequence of them; the text returned stops
     before the first match); ``stop_token_ids``: token ids that end it besides the tokenizer's EOS
     ids; ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of
     the text. Lists are stored as tuples (the params are hashable).
 
     Engine only (``modeling.engine.Engine``, the server's; ``LLM`` on the ``Generator`` refuses
-    them, see ``modeling.llm``), in vLLM's order: penalties on the raw logits, then the
+    them, see ``modeling.api.llm``), in vLLM's order: penalties on the raw logits, then the
     temperature, then min-p, top-k and top-p.
 
     - ``repetition_penalty`` (> 0, 1.0 off; transformers' and vLLM's): each token that occurs in
