@@ -27,7 +27,7 @@ _EXPORTS = {
     "SamplingParams": ".generation.sampling",
     "TextStream": ".api.llm",
     "TransformersPatch": ".model.transformers_patch",
-    "format_chat": ".api.tokenizer",
+    "format_chat": ".chat.template",
     "generation_defaults": ".chat.template",
     "load_state_dict": ".model.loader",
     "patch_transformers": ".model.transformers_patch",
@@ -51,7 +51,7 @@ def __dir__() -> List[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from .chat.template import ChatTemplate, generation_defaults  # noqa: F401
+    from .chat.template import ChatTemplate, format_chat, generation_defaults  # noqa: F401
     from .model.config import ConfigError, QwenConfig  # noqa: F401
     from .generation.generator import GenerationResult, Generator  # noqa: F401
     from .model.hub import ModelNotFound, resolve_model  # noqa: F401
@@ -60,5 +60,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .model.loader import CheckpointError, load_state_dict  # noqa: F401
     from .model.causal_lm import Cache, QwenForCausalLM  # noqa: F401
     from .generation.sampling import SamplingParams  # noqa: F401
-    from .api.tokenizer import IncrementalDetokenizer, QwenTokenizer, format_chat  # noqa: F401
+    from .api.tokenizer import IncrementalDetokenizer, QwenTokenizer  # noqa: F401
     from .model.transformers_patch import TransformersPatch, patch_transformers  # noqa: F401

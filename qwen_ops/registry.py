@@ -75,6 +75,13 @@ def to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def runs_kernels(device_type: str, dtype: torch.dtype) -> bool:
+    """The dispatch rule: an op whose dispatch tensor has this device type and dtype runs its Triton
+    kernel (else its PyTorch reference): on CUDA for ``KERNEL_DTYPES``, on the CPU for those only
+    under TRITON_INTERPRET=1."""
+    return dtype in KERNEL_DTYPES and (device_type == "cuda" or INTERPRET)
+
+
 def define(reference: Callable, kernel: Callable, check: Callable, fake: Callable,
            mutates_args: Iterable[str] = (), dispatch_arg: int = 0, check_values: Optional[Callable] = None,
            traceable: bool = True):
@@ -95,7 +102,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
         check(*args)
         if check_values is not None:
             check_values(*args)
-        if INTERPRET and args[dispatch_arg].dtype in KERNEL_DTYPES:
+        if runs_kernels("cpu", args[dispatch_arg].dtype):
             kernel_calls[name] += 1
             return kernel(*args)
         return reference(*args)
@@ -116,7 +123,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
             signature = replay = None
         check(*args)
         t = args[dispatch_arg]
-        if t.dtype not in KERNEL_DTYPES:
+        if not runs_kernels("cuda", t.dtype):
             return reference(*args)
         kernel_calls[name] += 1
         if t.get_device() != torch._C._cuda_getDevice():

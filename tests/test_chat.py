@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from modeling.chat.template import (CHATML_TEMPLATE, ChatTemplate, ChatTemplateError, GenerationDefaults, RenderLimitError,
-                           RenderLimits, generation_defaults)
+                           RenderLimits, format_chat, generation_defaults)
 
 DATA = Path(__file__).parent / "data"
 # transformers 5 drops None-valued message keys and aliases reasoning fields before rendering, as
@@ -182,6 +182,8 @@ def test_no_template_falls_back_to_chatml(tmp_path, tokenizer_file):
     assert t.render(messages, add_generation_prompt=False) == expected
     assert t.render(messages) == expected + "<|im_start|>assistant\n"
     assert t.render(messages) == hf_render(tokenizer_file, CHATML_TEMPLATE, messages, add_generation_prompt=True)
+    for add in (True, False):  # format_chat (no jinja2: the trainer's dialogue) writes the same text
+        assert format_chat(messages, add_generation_prompt=add) == t.render(messages, add_generation_prompt=add)
 
 
 def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path, tokenizer_file):

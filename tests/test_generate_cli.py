@@ -24,7 +24,9 @@ import torch
 
 from modeling import QwenForCausalLM, QwenTokenizer
 from modeling.chat.template import ChatTemplate
-from modeling.cli.generate import escape_line, main, split_prompts
+from modeling.cli.args import split_prompts
+from modeling.cli.generate import main
+from modeling.cli.output import escape_line
 from modeling.generation.generator import Generator
 from modeling.model.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
 
@@ -105,7 +107,7 @@ def expected_path(device="cpu", dtype=torch.float32) -> str:
 
 def test_prefill_graph_flag_is_tri_state():
     """No flag leaves the generator's default (prefill graphs wherever decode is captured)."""
-    from modeling.cli.generate import parse_args
+    from modeling.cli.args import parse_args
 
     assert [parse_args(extra + ["--prompt", "x"]).prefill_graph
             for extra in ([], ["--prefill-graph"], ["--no-prefill-graph"])] == [None, True, False]
@@ -301,7 +303,7 @@ def test_hub_id(ckpt, capsys, tmp_path, monkeypatch):
 def test_prompt_longer_than_cache_lowers_or_fails(ckpt, capsys):
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "The quick brown fox jumps over the lazy dog",
                               "--max-seq-len", 4, "--device", "cpu")
-    assert code == 2 and "error: the prompt has" in err and "--max-seq-len" in err
+    assert code == 2 and "error: a prompt of" in err and "no room for a new token" in err and "--max-seq-len" in err
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "Hello", "--max-seq-len", 8,
                               "--max-new-tokens", 50, "--device", "cpu")
     assert code == 0 and "--max-new-tokens lowered to" in err

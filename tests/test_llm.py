@@ -14,7 +14,9 @@ from modeling import LLM, QwenForCausalLM, QwenTokenizer, RequestOutput, Samplin
 from modeling.chat.template import ChatTemplate
 from modeling.generation.generator import Generator
 from modeling.api.checkpoint import Checkpoint, default_model_dir, load_config
-from modeling.api.llm import DEFAULT_MAX_TOKENS, ContextLengthError, StopStrings
+from modeling.api.llm import DEFAULT_MAX_TOKENS
+from modeling.api.outputs import StopStrings
+from modeling.generation.prompts import ContextLengthError
 from modeling.generation.runtime import DoesNotFit, check_fits, resolve_device, resolve_dtype
 from tests.test_generate_cli import build_chat_checkpoint, build_steered_checkpoint
 

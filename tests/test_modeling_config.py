@@ -272,3 +272,12 @@ def test_any_json_value_in_any_field_is_a_config_error_or_a_config(base):
                     QwenConfig.from_dict(changed)
                 except ConfigError as e:
                     assert "\n" not in str(e) and len(str(e)) < 300, (field, value, str(e))
+
+
+def test_every_layer_kind_a_config_names_is_implemented():
+    """config.py names the layer kinds (``FAMILY_LAYER_TYPES``) without importing the layers (they
+    import it): each name must be a ``LAYER_TYPES`` class, and every class a name some family takes."""
+    from modeling.model.config import FAMILY_LAYER_TYPES
+    from modeling.model.layers import LAYER_TYPES
+
+    assert {t for kinds in FAMILY_LAYER_TYPES.values() for t in kinds} == set(LAYER_TYPES)

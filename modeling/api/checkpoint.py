@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
+from ..generation.sampling import MAX_STOP_IDS, SamplingParams
 from ..model.config import QwenConfig
-from ..generation.decode_state import MAX_STOP_IDS
 from ..model.hub import resolve_model
 from ..model.loader import check_weights_size
-from ..generation.sampling import SamplingParams
 from .tokenizer import QwenTokenizer
 
 

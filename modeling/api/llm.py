@@ -31,30 +31,33 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
   generator is built on first use for the batch and length a call needs (with ``max_seq_len=None``,
   rounded up to a power of two and rebuilt when a later call needs more) after checking that the
   cache fits the device's memory (``check_fits``; ``DoesNotFit`` says what fits).
+- Outputs and their text are in ``outputs``, the stream in ``stream``, the prompt checks in
+  ``modeling.generation.prompts``.
 - ``modeling.api.checkpoint.Checkpoint`` is the part of a checkpoint that is not its weights, and
   ``modeling.generation.runtime`` decides the device, the dtype and whether a request fits.
 """
 
-import queue
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..chat.template import ChatTemplate
-from .checkpoint import Checkpoint
-from ..model.config import QwenConfig
-from ..generation.decode_state import MAX_STOP_IDS
 from ..generation.generator import GenerationResult, Generator
-from ..model.causal_lm import QwenForCausalLM
-from ..generation.runtime import backend_name, check_fits, resolve_device, resolve_dtype
+from ..generation.prompts import MAX_SEQ_LEN, check_room, checked_token_ids
 from ..generation.readback import STOP
-from ..generation.sampling import INT64_LIMIT, SamplingParams, is_int
-from .tokenizer import IncrementalDetokenizer, QwenTokenizer
+from ..generation.runtime import backend_name, check_fits, resolve_device, resolve_dtype
+from ..generation.sampling import INT64_LIMIT, MAX_STOP_IDS, SamplingParams
+from ..model.causal_lm import QwenForCausalLM
+from ..model.config import QwenConfig
+from .checkpoint import Checkpoint
+from .outputs import RequestOutput, TextRow
+from .stream import TextStream
+from .tokenizer import QwenTokenizer
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
@@ -62,121 +65,12 @@ ENGINE_ONLY = ("min_p", "presence_penalty", "frequency_penalty", "repetition_pen
 """``SamplingParams`` controls that the engine applies and the ``Generator`` (so ``LLM``) does not."""
 MIN_AUTO_SEQ_LEN = 256
 """With ``max_seq_len=None`` the cache holds at least this many positions (then powers of two)."""
-MAX_SEQ_LEN = 2**31 - 1
-"""Positions and cache lengths are int32 on the device."""
-
 TOKEN_IDS_KEY = "prompt_token_ids"
 """The key of a prompt given as token ids, ``{"prompt_token_ids": [...]}`` (vLLM's ``TokensPrompt``)."""
 
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
 Message = Mapping[str, Any]
-
-
-class ContextLengthError(ValueError):
-    """A prompt that leaves no room for a new token in the cache (``max_seq_len``) or in the
-    model's ``max_position_embeddings``."""
-
-
-# ---------------------------------------------------------------------------------------------
-# outputs, stop strings
-
-
-@dataclass
-class RequestOutput:
-    """One completion. ``prompt``: the prompt's text (None for a prompt given as token ids);
-    ``text``: the new text (without the stop string that ended it); ``token_ids``: the new token
-    ids (without a stop token; with the token that completed a stop string); ``finish_reason``:
-    ``"stop"`` (EOS, a stop token id or a stop string), ``"length"`` (``max_tokens``, or the cache
-    full) or ``"abort"`` (the stream was closed, or ``cancel`` set, before the end);
-    ``stop_reason``: the stop string that ended it, else None. ``metrics``: the timings of the
-    ``Generator.generate`` call it ran in (``prefill_ms``, ``decode_ms``, ``decode_steps``,
-    ``setup_ms``: graph warm-up and capture, ``cuda_graph``). ``outputs`` is ``[self]``, so code
-    written for vLLM's ``RequestOutput.outputs[0].text`` works."""
-
-    index: int
-    prompt: Optional[str]
-    prompt_token_ids: List[int]
-    text: str
-    token_ids: List[int]
-    finish_reason: str
-    stop_reason: Optional[str] = None
-    metrics: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def outputs(self) -> List["RequestOutput"]:
-        return [self]
-
-    @property
-    def generated_tokens(self) -> int:
-        """Tokens the model produced for it, a stop token included."""
-        return len(self.token_ids) + (self.finish_reason == "stop" and self.stop_reason is None)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"index": self.index, "text": self.text, "token_ids": list(self.token_ids),
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "metrics": dict(self.metrics)}
-
-
-class StopStrings:
-    """Text pieces in, the text to emit out, up to the first stop string. What could still be the
-    start of a stop string is held back until the next piece shows it is not."""
-
-    def __init__(self, stop: Sequence[str]):
-        self.stop = tuple(stop)
-        self.pending = ""
-        self.matched: Optional[str] = None
-
-    def push(self, piece: str) -> str:
-        if self.matched is not None:
-            return ""
-        self.pending += piece
-        if not self.stop:
-            out, self.pending = self.pending, ""
-            return out
-        hits = [(i, s) for s in self.stop for i in [self.pending.find(s)] if i >= 0]
-        if hits:
-            i, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
-            out, self.pending = self.pending[:i], ""
-            return out
-        keep = max((k for s in self.stop for k in range(min(len(s) - 1, len(self.pending)), 0, -1)
-                    if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = ("" if self.matched is not None else self.pending), ""
-        return out
-
-
-class TextRow:
-    """One completion's text as its tokens arrive: incremental detokenization, then ``StopStrings``
-    (public for ``modeling.serve``, which builds a completion's text the same way)."""
-
-    def __init__(self, tokenizer: QwenTokenizer, params: SamplingParams):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopStrings(params.stop)
-        self.pieces: List[str] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def push(self, token: int) -> str:
-        out = self.stops.push(self.detok.push(token))
-        self.pieces.append(out)
-        return out
-
-    def finish(self) -> str:
-        out = self.stops.push(self.detok.flush())
-        out += self.stops.flush()
-        self.pieces.append(out)
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# the text API
 
 
 class LLM:
@@ -430,10 +324,7 @@ class LLM:
         """A generator for ``n`` prompts of up to ``longest`` tokens and up to ``max_new`` new tokens
         (lowered to what the cache holds), built or rebuilt if the current one is too small."""
         limit = self.max_seq_len or self.config.max_position_embeddings
-        if longest >= limit:
-            what = "max_seq_len" if self.max_seq_len else "the model's max_position_embeddings"
-            raise ContextLengthError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} "
-                                     f"positions ({what})")
+        check_room(longest, limit, "max_seq_len" if self.max_seq_len else "the model's max_position_embeddings")
         max_new = min(max_new, limit - longest)
         need = longest + max_new
         batch = min(self.max_batch_size, n)
@@ -455,119 +346,8 @@ class LLM:
         return self.generator, max_new
 
 
-def checked_token_ids(prompt: Any, where: str, vocab: int) -> List[int]:
-    """``prompt`` as a list of token ids: a sequence of integers (NumPy's too) or a 1-D integer
-    tensor, not empty, each in [0, ``vocab``). A float or a bool is refused, never rounded; the
-    error names the prompt (``where``) and the offending entry."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-            raise ValueError(f"{where} must be a 1-D integer tensor of token ids, got a {prompt.dim()}-D "
-                             f"{str(prompt.dtype).replace('torch.', '')} tensor")
-        ids = prompt.tolist()
-    else:
-        if isinstance(prompt, (str, bytes, Mapping)):
-            raise ValueError(f"{where} must be a sequence of token ids, got a {type(prompt).__name__}")
-        try:
-            ids = list(prompt)
-        except TypeError:
-            raise ValueError(f"{where} must be a sequence of token ids, got {prompt!r}") from None
-        for j, t in enumerate(ids):
-            if not is_int(t):
-                raise ValueError(f"{where}[{j}] must be an integer token id, got {t!r} ({type(t).__name__})")
-        ids = [int(t) for t in ids]
-    if not ids:
-        raise ValueError(f"{where} is empty")
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"{where} has token ids outside the model's vocabulary [0, {vocab})")
-    return ids
-
-
 def _offset(fn, offset: int):
     """The Generator numbers prompts from 0 within a call; the callbacks count from ``offset``."""
     if not offset:
         return fn
     return lambda i, *args: fn(i + offset, *args)
-
-
-class _StreamState:
-    """What a stream's worker thread shares with its consumer (not the ``TextStream`` itself, so
-    that dropping the iterator lets it be collected, which cancels the generation)."""
-
-    DONE = object()
-
-    def __init__(self):
-        self.queue: "queue.Queue" = queue.Queue()
-        self.cancel = threading.Event()
-        self.output: Optional[RequestOutput] = None
-        self.error: Optional[BaseException] = None
-
-
-def _stream_worker(llm: LLM, state: _StreamState, prompt: Optional[str], ids: List[int],
-                   params: SamplingParams) -> None:
-    try:
-        outputs, _ = llm.generate_ids([ids], params, on_text=lambda i, piece: state.queue.put(piece),
-                                      cancel=state.cancel)
-        outputs[0].prompt = prompt
-        state.output = outputs[0]
-    except BaseException as e:  # handed to the consumer
-        state.error = e
-    finally:
-        state.queue.put(_StreamState.DONE)
-
-
-class TextStream:
-    """``LLM.stream``'s iterator: text pieces as they are ready; ``output`` (a ``RequestOutput``)
-    once it is exhausted. The generation runs in a worker thread; ``close()`` (or leaving a
-    ``with`` block, or dropping the iterator) ends it at the next token."""
-
-    def __init__(self, llm: LLM, prompt: Optional[str], ids: List[int], params: SamplingParams):
-        self.prompt = prompt
-        self._state = _StreamState()
-        self._finished = False
-        self._thread = threading.Thread(target=_stream_worker, args=(llm, self._state, prompt, ids, params),
-                                        daemon=True, name="qwen-llm-stream")
-        self._thread.start()
-
-    @property
-    def output(self) -> Optional[RequestOutput]:
-        """The ``RequestOutput`` once the stream is exhausted (None before, or after ``close``)."""
-        return self._state.output
-
-    def __iter__(self) -> Iterator[str]:
-        return self
-
-    def __next__(self) -> str:
-        if self._finished:
-            raise StopIteration
-        item = self._state.queue.get()
-        if item is _StreamState.DONE:
-            self._finished = True
-            self._thread.join()
-            if self._state.error is not None:
-                raise self._state.error
-            raise StopIteration
-        return item
-
-    @property
-    def text(self) -> str:
-        """The whole completion (consumes what is left of the stream)."""
-        for _ in self:
-            pass
-        return self.output.text if self.output is not None else ""
-
-    def close(self) -> None:
-        """Stop the generation (at the next token) and wait for the worker."""
-        self._state.cancel.set()
-        self._thread.join()
-        self._finished = True
-
-    def __enter__(self) -> "TextStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        state = getattr(self, "_state", None)
-        if state is not None:
-            state.cancel.set()

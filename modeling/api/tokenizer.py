@@ -1,5 +1,5 @@
-"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML chat formatting,
-and an incremental detokenizer for streaming.
+"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML token ids (``encode_chat``,
+with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming.
 
 Why ``IncrementalDetokenizer`` and not ``tokenizers.decoders.DecodeStream``: DecodeStream first
 appeared in tokenizers 0.21 (this package supports >= 0.19), its API has changed across releases
@@ -12,16 +12,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tokenizers import Tokenizer
 
+from ..chat.template import format_chat
 from ..model.files import TOKENIZER_LIMIT, read_file, read_json
 
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
-
-
-def format_chat(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-    """Qwen's ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
-    ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
 
 
 class QwenTokenizer:

@@ -35,18 +35,28 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from ..common import is_int, one_line
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-"""Qwen's ChatML, used when the checkpoint ships no template."""
+"""Qwen's ChatML, used when the checkpoint ships no template (``format_chat`` writes the same text)."""
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 Message = Mapping[str, Any]
+
+
+def format_chat(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    """Qwen's ChatML as ``CHATML_TEMPLATE`` renders it, without jinja2 (the trainer formats its whole
+    dialogue with it): ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, then
+    ``<|im_start|>assistant\\n`` when ``add_generation_prompt``."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n" if add_generation_prompt else text
 
 
 class ChatTemplateError(ValueError):
@@ -157,7 +167,7 @@ class ChatTemplate:
             source = self.named["tool_use"]
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
-        from .sandbox import LimitExceeded, bounded
+        from .budget import LimitExceeded, bounded
 
         try:
             with bounded(self.limits):
@@ -166,7 +176,7 @@ class ChatTemplate:
         except LimitExceeded as e:
             raise RenderLimitError(f"chat template ({self.origin}): {e}") from None
         except Exception as e:  # TemplateError from raise_exception, SecurityError, TypeError in the template...
-            raise ChatTemplateError(f"chat template ({self.origin}): {_one_line(e)}") from e
+            raise ChatTemplateError(f"chat template ({self.origin}): {one_line(e)}") from e
 
     def _compile(self, source: str):
         """``source`` compiled in the bounded sandbox (once; constant folding runs within ``limits``)."""
@@ -174,7 +184,8 @@ class ChatTemplate:
         if compiled is None:
             import jinja2
 
-            from .sandbox import bounded, environment
+            from .budget import bounded
+            from .sandbox import environment
 
             try:
                 with bounded(self.limits):
@@ -219,11 +230,6 @@ def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -238,7 +244,7 @@ def _read_json(path: Path) -> Dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ChatTemplateError(f"cannot read {path.name}: {_one_line(e)}") from None
+        raise ChatTemplateError(f"cannot read {path.name}: {one_line(e)}") from None
     if not isinstance(data, dict):
         raise ChatTemplateError(f"{path.name} is not a JSON object")
     return data
@@ -302,7 +308,7 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     path = Path(path)
     config = _read_json(path / "generation_config.json") if path.is_dir() else _read_json(path)
     max_new = config.get("max_new_tokens")
-    if max_new is not None and (not _is_int(max_new) or max_new < 1):
+    if max_new is not None and (not is_int(max_new) or max_new < 1):
         raise ValueError(f"generation_config.json: max_new_tokens must be an integer >= 1, got {max_new!r}")
     rep = config.get("repetition_penalty")
     rep = 1.0 if rep is None else rep
@@ -314,7 +320,7 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     t, k, p = values["temperature"], values["top_k"], values["top_p"]
     if not _is_number(t) or not 0 <= t < float("inf"):
         raise ValueError(f"generation_config.json: temperature must be a finite number >= 0, got {t!r}")
-    if not _is_int(k) or k < 0:
+    if not is_int(k) or k < 0:
         raise ValueError(f"generation_config.json: top_k must be an integer >= 0, got {k!r}")
     if not _is_number(p) or not 0 < p <= 1:
         raise ValueError(f"generation_config.json: top_p must be in (0, 1], got {p!r}")
@@ -323,10 +329,6 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     if not _is_number(min_p) or not 0 <= min_p <= 1:
         raise ValueError(f"generation_config.json: min_p must be in [0, 1], got {min_p!r}")
     return GenerationDefaults(float(t), int(k), float(p), max_new, float(rep), float(min_p))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: Any) -> bool:

@@ -13,9 +13,8 @@ import torch
 from torch import Tensor
 
 from ..model.causal_lm import Cache, QwenForCausalLM
-from .sampling import SamplingParams, sample
+from .sampling import MAX_STOP_IDS, SamplingParams, sample
 
-MAX_STOP_IDS = 16
 MIN_TEMPERATURE = 1e-5  # sampling modes divide by the temperature
 
 

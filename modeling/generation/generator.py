@@ -32,12 +32,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .decode_state import MAX_STOP_IDS, DecodeState
 from ..engine.runner import buckets
-from .graph_cache import GraphCache
 from ..model.causal_lm import QwenForCausalLM
+from .decode_state import DecodeState
+from .graph_cache import GraphCache
+from .prompts import check_ids
 from .readback import FinishCallback, Readback, TokenCallback, TokenSink
-from .sampling import SamplingParams
+from .sampling import MAX_STOP_IDS, SamplingParams
 
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -156,12 +157,8 @@ class Generator:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        vocab = self.config.vocab_size
         for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            check_ids(p, f"prompt {i}", self.config.vocab_size)
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "

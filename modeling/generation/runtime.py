@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from ..model.config import QwenConfig
 from ..model.causal_lm import QwenForCausalLM
+from ..model.config import QwenConfig
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -66,13 +66,12 @@ def backend_name(device: torch.device, dtype: torch.dtype) -> str:
     """Where the ops run: "Triton kernels (CUDA)", "Triton interpreter (CPU)" (TRITON_INTERPRET=1)
     or "PyTorch reference ops (CPU)" (see qwen_ops.registry)."""
     from csrc_free_ops.common import INTERPRET
-    from qwen_ops.checks import KERNEL_DTYPES
+    from qwen_ops.registry import runs_kernels
 
-    if dtype not in KERNEL_DTYPES:
-        return f"PyTorch reference ops ({device.type.upper()})"
-    if device.type == "cuda":
-        return "Triton interpreter (CUDA)" if INTERPRET else "Triton kernels (CUDA)"
-    return "Triton interpreter (CPU)" if INTERPRET else "PyTorch reference ops (CPU)"
+    where = device.type.upper()
+    if not runs_kernels(device.type, dtype):
+        return f"PyTorch reference ops ({where})"
+    return f"Triton interpreter ({where})" if INTERPRET else f"Triton kernels ({where})"
 
 
 def available_memory(device: torch.device) -> Optional[int]:

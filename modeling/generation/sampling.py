@@ -29,6 +29,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..common import is_int
+
 MODES = ("greedy", "sample", "top")
 
 
@@ -38,6 +40,8 @@ INT64_LIMIT = 2**63
 """top_k and seeds live in int64 device tensors and generators: values must stay below this."""
 MAX_LOGPROBS = 20
 """``SamplingParams.logprobs`` at most (OpenAI's limit)."""
+MAX_STOP_IDS = 16
+"""Stop token ids (EOS and ``stop_token_ids``) a ``Generator`` row checks on the device, at most."""
 
 
 @dataclass(frozen=True)
@@ -138,11 +142,6 @@ class SamplingParams:
     @property
     def mode(self) -> str:
         return sampling_mode(self.temperature, self.top_k, self.top_p)
-
-
-def is_int(x) -> bool:
-    """An integer (Python, NumPy), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_real(x) -> bool:

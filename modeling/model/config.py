@@ -20,7 +20,8 @@ reduce to plain 1-D RoPE for text, where the temporal, height and width position
 ``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; without it every
 layer is ``full_attention`` for qwen3 / qwen2, and for Qwen3.5 layer i is ``full_attention`` when
 (i + 1) % ``full_attention_interval`` (default 4) == 0, else ``linear_attention``); the kinds this
-package implements are the keys of ``modeling.model.layers.LAYER_TYPES``. ``rope_settings`` is shared
+package implements are ``FAMILY_LAYER_TYPES`` (each a key of ``modeling.model.layers.LAYER_TYPES``, which imports
+this module: never the other way round). ``rope_settings`` is shared
 with ``modeling.model.transformers_patch``.
 
 Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers (not ``3.0``, not
@@ -307,12 +308,12 @@ def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
 
 
 FAMILY_LAYER_TYPES = {"dense": ("full_attention",), "hybrid": ("linear_attention", "full_attention")}
+"""The layer kinds each family may name: every one is a key of ``layers.LAYER_TYPES`` (the layers
+import this module, not the other way round; tests/test_modeling_config.py checks the two agree)."""
 
 
 def _layer_types(d: Mapping[str, Any], model_type: str, n: int) -> Tuple[str, ...]:
     """The kind of each of the ``n`` layers: ``layer_types`` (a list of names), or the family's default."""
-    from .layers import LAYER_TYPES  # the layer kinds this package implements (imported here: layers imports us)
-
     hybrid = model_type in HYBRID_MODEL_TYPES
     given = d.get("layer_types")
     if given is not None:
@@ -326,7 +327,7 @@ def _layer_types(d: Mapping[str, Any], model_type: str, n: int) -> Tuple[str, ..
         types = ("full_attention",) * n
     if len(types) != n:
         raise ConfigError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
-    allowed = [t for t in FAMILY_LAYER_TYPES["hybrid" if hybrid else "dense"] if t in LAYER_TYPES]
+    allowed = FAMILY_LAYER_TYPES["hybrid" if hybrid else "dense"]
     for t in types:
         if t not in allowed:
             raise ConfigError(f"unsupported layer type {_show(t)} in layer_types: implemented for {model_type} are "

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import List, Optional, Union
 
+from ..common import one_line
 from .files import open_file
 
 ALLOW_PATTERNS: List[str] = [
@@ -164,18 +165,10 @@ def _resolve_hub(repo_id: str, revision: Optional[str], offline: bool, why_offli
     except Exception as e:  # LocalEntryNotFoundError (FileNotFoundError), an incomplete snapshot, ...
         if not offline and isinstance(online_error, FileNotFoundError) and online_error.__cause__ is not None:
             online_error = online_error.__cause__  # huggingface_hub's own fallback: say why it went offline
-        why = why_offline if offline else f"the Hub could not be reached ({_one_line(online_error)})"
-        detail = "" if type(e).__name__ == "LocalEntryNotFoundError" else f": {_one_line(e)}"  # e.g. incomplete
+        why = why_offline if offline else f"the Hub could not be reached ({one_line(online_error, limit=200)})"
+        detail = "" if type(e).__name__ == "LocalEntryNotFoundError" else f": {one_line(e, limit=200)}"  # e.g. incomplete
         raise ModelNotFound(f"{at}: not in the local Hub cache {cache_dir} and {why}{detail}") from None
     return check_checkpoint_dir(path, at)
-
-
-def _one_line(e: Optional[BaseException]) -> str:
-    if e is None:
-        return "unknown error"
-    text = " ".join(str(e).split())
-    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _tqdm_class(progress: bool):

@@ -31,10 +31,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import torch
 from safetensors.torch import save_file
 
+from .causal_lm import QwenForCausalLM
 from .config import QwenConfig
 from .files import read_json
 from .loader import load_plan
-from .causal_lm import QwenForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

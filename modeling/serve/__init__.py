@@ -6,7 +6,7 @@
   log line.
 - ``protocol``: request bodies validated into a ``Plan`` (prompts' token ids, each choice's
   ``SamplingParams``).
-- ``generation``: one request's choices in the engine, their text (``modeling.api.llm.TextRow``) and
+- ``generation``: one request's choices in the engine, their text (``modeling.api.outputs.TextRow``) and
   the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes.
 - ``chat_output``: Qwen3's ``<think>`` block and Qwen's ``<tool_call>`` blocks parsed out of a reply.
 - ``engine_loop``: the one thread that steps the engine and hands tokens to the handlers.

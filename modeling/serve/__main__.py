@@ -14,7 +14,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ..cli.generate import DEVICE_PATTERN, DTYPES, UsageError, load_checkpoint, load_llm, say
+from ..cli.args import DEVICE_PATTERN, DTYPES, UsageError
+from ..cli.loading import load_checkpoint, load_llm
+from ..cli.output import say
 
 API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"

@@ -21,8 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import Engine
 from ..api.llm import LLM
+from ..engine import Engine
 from .engine_loop import EngineLoop
 from .errors import APIError, error_body
 from .generation import EngineError, Generation, check_admission

@@ -1,5 +1,5 @@
 """One API request in the engine: its choices (``n`` per prompt) submitted together, their tokens
-turned into text as they arrive (``modeling.api.llm.TextRow``: incremental detokenization and stop
+turned into text as they arrive (``modeling.api.outputs.TextRow``: incremental detokenization and stop
 strings, as ``LLM`` does; ``ChatOutput`` splits a chat reply into reasoning, content and tool
 calls), and the choices of the response or of each streamed chunk built from them."""
 
@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..api.llm import TextRow
+from ..api.outputs import TextRow
 from ..generation.sampling import SamplingParams
 from .chat_output import ChatOutput
 from .engine_loop import EngineFailure, EngineLoop, Sink, TokenEvent

@@ -16,8 +16,9 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..api.llm import LLM
 from ..chat.template import ChatTemplateError
-from ..api.llm import LLM, checked_token_ids
+from ..generation.prompts import checked_token_ids
 from ..generation.sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
 from .errors import APIError, invalid, unsupported
 

@@ -6,8 +6,8 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..engine.sequence import LogprobEntry
 from ..api.tokenizer import QwenTokenizer
+from ..engine.sequence import LogprobEntry
 
 
 def new_id(prefix: str) -> str:
