@@ -67,16 +67,21 @@ def causal_conv1d_update_reference(x: Tensor, conv_state: Tensor, weight: Tensor
     return y.to(x.dtype).contiguous()
 
 
+def packed_sequences(cu_seqlens: Tensor, state_slots: Tensor, continues: Tensor):
+    """(rows, state slot, continues) of each non-empty sequence of a packed batch, read on the host:
+    the varlen references run the fixed-length ones sequence by sequence."""
+    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
+    for i, slot in enumerate(slots):
+        if cu[i + 1] > cu[i]:
+            yield slice(cu[i], cu[i + 1]), slot, cont[i]
+
+
 def causal_conv1d_varlen_reference(x: Tensor, weight: Tensor, conv_states: Tensor, cu_seqlens: Tensor,
                                    state_slots: Tensor, continues: Tensor) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
-    for i, slot in enumerate(slots):
-        lo, hi = cu[i], cu[i + 1]
-        if hi == lo:
-            continue
-        yi, state = _conv(x[None, lo:hi], weight, conv_states[slot:slot + 1] if cont[i] else None)
-        y[lo:hi] = yi[0]
+    for rows, slot, cont in packed_sequences(cu_seqlens, state_slots, continues):
+        yi, state = _conv(x[None, rows], weight, conv_states[slot:slot + 1] if cont else None)
+        y[rows] = yi[0]
         conv_states[slot] = state[0]
     return y
 

@@ -57,7 +57,7 @@ from csrc_free_ops import gated_delta_rule as kernels
 from csrc_free_ops import gated_delta_rule_step as step_kernels
 from csrc_free_ops.common import empty_contiguous_like
 
-from .causal_conv1d import check_packed, check_packed_values
+from .causal_conv1d import check_packed, check_packed_values, packed_sequences
 from .checks import check_float, check_head_dim, check_like, check_same, fail
 from .registry import acc_dtype, define
 
@@ -144,15 +144,10 @@ def chunk_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, g: 
                                             state_pool: Tensor, cu_seqlens: Tensor, state_slots: Tensor,
                                             continues: Tensor, scale: float, use_qk_l2norm: bool = False) -> Tensor:
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
-    for i, slot in enumerate(slots):
-        lo, hi = cu[i], cu[i + 1]
-        if hi == lo:
-            continue
-        rows = slice(lo, hi)
+    for rows, slot, cont in packed_sequences(cu_seqlens, state_slots, continues):
         o, s = chunk_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
                                                 beta[None, rows], scale,
-                                                state_pool[slot:slot + 1] if cont[i] else None, use_qk_l2norm)
+                                                state_pool[slot:slot + 1] if cont else None, use_qk_l2norm)
         out[rows] = o[0]
         state_pool[slot] = s[0]
     return out
@@ -172,13 +167,8 @@ def recurrent_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor,
                                                 state_slots: Tensor, continues: Tensor, scale: float,
                                                 use_qk_l2norm: bool = True) -> Tensor:
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    cu, slots, cont = cu_seqlens.tolist(), state_slots.tolist(), continues.tolist()
-    for i, slot in enumerate(slots):
-        lo, hi = cu[i], cu[i + 1]
-        if hi == lo:
-            continue
-        rows = slice(lo, hi)
-        state = state_pool[slot:slot + 1].clone() if cont[i] else state_pool.new_zeros((1, *state_pool.shape[1:]))
+    for rows, slot, cont in packed_sequences(cu_seqlens, state_slots, continues):
+        state = state_pool[slot:slot + 1].clone() if cont else state_pool.new_zeros((1, *state_pool.shape[1:]))
         out[rows] = recurrent_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], a[None, rows],
                                                          b[None, rows], A_log, dt_bias, state, scale, use_qk_l2norm)[0]
         state_pool[slot] = state[0]
