@@ -2,7 +2,7 @@
 
     python -m bench.ops [--out DIR] [--sweep-splitk]
     python -m bench.ops [--out DIR] --sweep-attn-bwd
-    python -m bench.ops [--out DIR] --sweep-prefill [--tokens 256 2048]
+    python -m bench.ops [--out DIR] --sweep-prefill [--tokens 256 2048] [--shapes NAME ...] [--linears NAME ...]
     python -m bench.ops [--out DIR] --sweep-attn-fwd
 
 Shapes: Qwen3-0.6B (hidden 1024, 16 q / 8 kv heads, head_dim 128, intermediate 3072,
@@ -18,7 +18,8 @@ config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
 models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
 (checked against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
-keeps; writes prefill_sweep.md and prefill_configs.json.
+keeps; writes prefill_sweep.md and prefill_configs.json. `--shapes` (qwen3-0.6b, seed) and `--linears`
+(qkv, o_proj, gate_up, down, lm_head) narrow it to some models and projections.
 
 --sweep-attn-fwd runs only the attention-forward tile sweep (no ops table): causal bf16, batch 1,
 256 and 2048 tokens, for Qwen3 heads (16/8 x 128), Qwen2.5-0.5B heads (14/2 x 64) and Qwen3.5's
@@ -167,7 +168,8 @@ def bench_decode_attention(rows, cfg, cache_len, batch=1):
 def sweep_splitk(cfgs):
     """Time each decode GEMM at every (block_n, block_k, split_k); return the best per shape."""
     best, table = {}, []
-    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
+    shapes = sorted({nk for cfg in cfgs for name, nk in linear_cases(cfg).items()
+                     if linears is None or name in linears})
     for n, k in shapes:
         sets = copies(lambda: (rnd(1, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
         results = []
@@ -196,14 +198,16 @@ PREFILL_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of the T
 ]
 
 
-def sweep_prefill(cfgs, tokens=(256, 2048)):
-    """Time each prefill GEMM (M in `tokens`) through the TMA kernel at every tile config and split;
-    return the table lines (printed as they come) and the fastest eligible config per (M class, N, K)."""
+def sweep_prefill(cfgs, tokens=(256, 2048), linears=None):
+    """Time each prefill GEMM (M in `tokens`; the projections in `linears`, default all) through the
+    TMA kernel at every tile config and split; return the table lines (printed as they come) and the
+    fastest eligible config per (M class, N, K)."""
     lines, best = Report(), {}
 
     lines.add("| M | N | K | cuBLAS (us) | strided GEMM (us) | TMA best (us) | best config | vs cuBLAS | runner-up |",
         "|---|---|---|---|---|---|---|---|---|")
-    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
+    shapes = sorted({nk for cfg in cfgs for name, nk in linear_cases(cfg).items()
+                     if linears is None or name in linears})
     for n, k in shapes:
         for m in tokens:
             sets = copies(lambda: (rnd(m, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
@@ -425,6 +429,9 @@ def main():
     ap.add_argument("--sweep-prefill", action="store_true")
     ap.add_argument("--sweep-attn-fwd", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES), help="--sweep-prefill's models")
+    ap.add_argument("--linears", nargs="+", choices=("qkv", "o_proj", "gate_up", "down", "lm_head"), default=None,
+                    help="--sweep-prefill's projections (default: all)")
     args = ap.parse_args()
     require_cuda("bench.ops")
     os.makedirs(args.out, exist_ok=True)
@@ -433,7 +440,7 @@ def main():
     header = f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}"
     if args.sweep_prefill:
         print(header + ": --sweep-prefill\n", flush=True)
-        lines, best = sweep_prefill(SHAPES.values(), args.tokens)
+        lines, best = sweep_prefill([SHAPES[name] for name in args.shapes], args.tokens, args.linears)
         with open(os.path.join(args.out, "prefill_sweep.md"), "w") as f:
             f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
         with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:

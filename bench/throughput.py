@@ -18,8 +18,9 @@ On the GPU (bf16, random weights, one process):
   (``transformers_cb_tokens_per_s``).
 
 The timed throughput run's engine counters (steps, host time by phase: ``EngineStats``) are printed
-and kept under ``throughput_stats``; ``--profile`` also runs the workload's first 64 requests under
-``torch.profiler`` and prints the kernels that took the most device time.
+and kept under ``throughput_stats``; ``--profile`` also runs the workload's first 64 requests, one prefix hit and
+Qwen3.5's eight prompts under ``torch.profiler`` and prints the kernels that took the most device
+time in each.
 
 Writes ``<date>-<gpu>-throughput.json`` with ``gpu`` and ``date``.
 """
@@ -67,13 +68,14 @@ def ttft_ms(engine, prompts, params) -> float:
     return ms
 
 
-def profile(engine, requests, params, rows: int = 15) -> None:
-    """The kernels of a run of ``requests`` by device time."""
+def profile(title: str, run, rows: int = 15) -> None:
+    """The kernels of ``run()`` by device time, under a title."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_all(engine, requests, params)
+        run()
+    print(f"profile: {title}", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
 
 
@@ -117,7 +119,8 @@ def main():
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--peer-requests", type=int, default=8)
     p.add_argument("--no-peer", action="store_true")
-    p.add_argument("--profile", action="store_true", help="profile the kernels of 64 requests")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the kernels of 64 requests, a prefix hit and Qwen3.5's eight prompts")
     p.add_argument("--ttft-only", action="store_true", help="skip the throughput run (and the peer)")
     a = p.parse_args()
     require_cuda("bench.throughput")
@@ -151,7 +154,7 @@ def main():
         print(engine.stats.describe(), flush=True)
         out["throughput_stats"] = dict(vars(engine.stats))
         if a.profile:
-            profile(engine, requests[:64], greedy)
+            profile("the first 64 requests", lambda: run_all(engine, requests[:64], greedy))
     rng = random.Random(1)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(256)] for _ in range(8)]
     report("qwen3_ttft_ms_256", best_ttft(engine, prompts[:1], greedy), "ms")
@@ -165,6 +168,9 @@ def main():
     engine.stats = type(engine.stats)()
     hit = min(ttft_ms(engine, [prefix + [rng.randrange(1000) for _ in range(32)]], greedy) for _ in range(3))
     print(f"prefix hits, 3 runs: {engine.stats.describe()}", flush=True)
+    if a.profile:
+        profile("a prefix hit (2048 cached + 32 new)",
+                lambda: ttft_ms(engine, [prefix + [rng.randrange(1000) for _ in range(32)]], greedy))
     report("prefix_miss_ttft_ms", min(cold), "ms")
     report("prefix_hit_ttft_ms", hit, "ms")
     report("prefix_hit_ttft_ratio", hit / min(cold), "")
@@ -176,6 +182,8 @@ def main():
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(256)] for _ in range(8)]
     report("qwen3_5_ttft_ms_256", best_ttft(engine, prompts[:1], greedy), "ms")
     report("qwen3_5_ttft_ms_8x256", best_ttft(engine, prompts, greedy), "ms")
+    if a.profile:
+        profile("Qwen3.5, eight 256-token prompts", lambda: ttft_ms(engine, prompts, greedy))
     del engine, model
     torch.cuda.empty_cache()
 
