@@ -13,6 +13,7 @@ dweight = sum over rows of dy * xhat.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import norm as kernels
@@ -23,9 +24,12 @@ from .registry import acc_dtype, define, last_dim_contiguous, register_autograd,
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """x * rsqrt(mean(x^2, -1) + eps) * (weight + offset) in acc_dtype(x), rounded to x's dtype.
+    F.rms_norm's CPU decomposition is these very ops, in this order (the same bits as writing
+    them out), in one call from Python instead of seven."""
     xf = to_dtype(x, acc_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (to_dtype(weight, xf.dtype) + offset)
-    return to_dtype(y, x.dtype)
+    w = to_dtype(weight, xf.dtype)
+    return to_dtype(F.rms_norm(xf, x.shape[-1:], w + offset if offset else w, eps), x.dtype)
 
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
