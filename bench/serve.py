@@ -1,29 +1,60 @@
 """The HTTP server under load, beside ``transformers serve --continuous-batching`` and the engine alone.
 
-    python -m bench.serve [--out DIR] [--concurrency 1 16 64] [--requests-per-level 128] [--no-peer]
+    python -m bench.serve [--out DIR] [--concurrency 1 16 64] [--rounds 4] [--min-requests 8]
+                          [--only ours engine peer]
 
-On the GPU (bf16, random weights of the Qwen3-0.6B body with the random checkpoint's small
-tokenizer, so the lm_head has that tokenizer's vocabulary; both servers load the same directory):
+On the GPU, both servers load one checkpoint directory, built first in a temporary directory by
+``build_random_checkpoint(tokenizer="words", dtype=torch.bfloat16, **QWEN3_0_6B)``: bf16 random
+weights of the Qwen3-0.6B shape, its 151,936-entry vocabulary included, with
 
-- each server is started here as a subprocess on 127.0.0.1 (``python -m modeling.serve``, then
-  ``transformers serve DIR --continuous-batching``), waited for, warmed up with a few requests at
-  every concurrency, measured, and stopped before the next starts (one holds the GPU at a time);
-- a level of concurrency c: c clients (asyncio, raw httpx, SSE parsed with json.loads: the client
-  costs little host time), each sending streaming /v1/completions requests back to back until
-  ``--requests-per-level`` are done; prompts of ``PROMPT_TOKENS`` random tokens (as text),
-  ``MAX_TOKENS`` new tokens, greedy (our server also ignores EOS; the peer stops where it
-  samples EOS, which random weights rarely do: tokens are counted from each response's usage);
-- per level: time to first token (the first chunk with text) p50 and p99, time per output token
-  (per request: (total - ttft) / (tokens - 1)) p50, requests/s and output tokens/s over the
-  level's wall time;
-- the engine alone (no HTTP): the same requests through ``Engine`` in this process with at most
-  64 in flight (``engine_tokens_per_s_c64``), what the server's HTTP layer costs at c64.
+- a word-level tokenizer.json (``build_word_tokenizer``: ``<unk>`` and 151,935 pseudo-words,
+  split on whitespace), so a prompt of ``PROMPT_TOKENS`` random word ids, sent as text, encodes
+  back to exactly those ids on either server (every response's ``usage.prompt_tokens`` is checked);
+- no EOS in any file (``eos_token_id`` null in config.json and generation_config.json, no
+  ``eos_token`` in tokenizer_config.json), so both servers generate exactly ``MAX_TOKENS`` tokens
+  with the same request: transformers serve has no ``ignore_eos``, and its continuous batching
+  takes a missing EOS as -1, "disabled" (every response's ``usage.completion_tokens`` is checked).
+
+The parts, in this order (``--only`` picks some):
+
+- ``ours``: ``python -m modeling.serve`` started here as a subprocess on 127.0.0.1, waited for
+  (/health answers once the model is loaded and, on CUDA, its kernels compiled and graphs captured),
+  warmed up with one round (c requests) at every concurrency c, measured, stopped;
+- ``engine``: the engine alone (no HTTP): the requests of the c64 level through ``Engine`` in this
+  process with at most 64 in flight, once to warm up and once measured (``engine_tokens_per_s_c64``:
+  what the server's HTTP layer costs at c64);
+- ``peer``: ``transformers serve DIR --continuous-batching --dtype bfloat16`` the same way, run as
+  ``python -m transformers.cli.transformers`` (the ``transformers`` command's module) with this
+  interpreter (it preloads the model it is pinned to before /health answers; its continuous
+  batching starts on the first warm-up request). One server holds the GPU at a time.
+
+A level of concurrency c: c clients (asyncio, raw httpx, SSE parsed with json.loads: the client
+costs little host time), each sending streaming /v1/completions requests back to back until
+``max(--min-requests, --rounds * c)`` are done, the same bodies for both servers: ``model`` the
+checkpoint path as given on both command lines (a pinned transformers serve refuses any other
+name; ours serves the ``--model`` it was given), the prompt text, ``max_tokens`` ``MAX_TOKENS``,
+temperature 0 (greedy), ``stream_options.include_usage`` (transformers serve ignores it and sends
+usage in its last chunk anyway). Per level: time to first token (the first chunk with text) p50 and
+p99, time per output token (per request: (total - ttft) / (tokens - 1)) p50, requests/s and output
+tokens/s over the level's wall time.
 
 Keys: ``serve_tokens_per_s_c{c}``, ``serve_ttft_p50_ms_c{c}``, ``serve_ttft_p99_ms_c{c}``,
-``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, the same with ``transformers_`` for the
-peer, ``engine_tokens_per_s_c64``. Writes ``<date>-<gpu>-serve.json`` (and each server's log) under
-``--out``. The GPU machine needs bench/serve_requirements.txt installed (the server's and the
-client's packages).
+``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, ``serve_startup_s``, the same with
+``transformers_`` for the peer, ``engine_tokens_per_s_c64``; ``transformers_serve_error`` where the
+peer did not start or failed (its log says why). Required of a full run: ``serve_tokens_per_s_c64``,
+``transformers_serve_tokens_per_s_c64``, ``serve_ttft_p50_ms_c1``, ``engine_tokens_per_s_c64``.
+Writes ``<date>-<gpu>-serve.json`` under ``--out`` (``-serve-ours-engine.json`` and so on with
+``--only``: merge the files of a split run), after every number (a run cut short keeps what it
+has), and each server's log. The GPU machine needs bench/serve_requirements.txt installed (the
+server's and the client's packages, and transformers serve's openai), and accelerate (with psutil):
+transformers serve loads its model with a device_map, which needs it.
+
+Time: by default the levels c1, c16, c64 send 8, 64 and 256 requests (after warm-ups of 1, 16
+and 64), sized for one device call of about 7 minutes on an H200 (an estimate: the slowest part
+should be transformers serve at c1, 8 x 128 tokens one after another); ``total_s``,
+``checkpoint_build_s`` and each ``*_startup_s`` in the JSON say what it took. A request gets
+``REQUEST_TIMEOUT`` seconds, a server ``START_TIMEOUT`` to start. Under a 10-minute per-command
+limit the run can be split across calls: ``--only ours engine``, then ``--only peer``.
 """
 import argparse
 import asyncio
@@ -35,6 +66,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +75,10 @@ from bench import require_cuda
 PROMPT_TOKENS = 256
 MAX_TOKENS = 128
 MAX_MODEL_LEN = 1024
-START_TIMEOUT = 600
+START_TIMEOUT = 300
+REQUEST_TIMEOUT = 120
+PARTS = ("ours", "engine", "peer")
+METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "requests_per_s")
 
 
 def free_port() -> int:
@@ -52,25 +87,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd, log: Path, url: str):
-    """Start a server; return the process once /health (or /v1/models) answers."""
+def log_tail(log: Path) -> str:
+    """The last line of a server's log with text on it ('' if none)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def start(cmd, log: Path, url: str, timeout: float = START_TIMEOUT):
+    """Start a server; return the process once GET /health answers 200 (both servers have it)."""
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + START_TIMEOUT
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0:3]} exited with {proc.returncode}; see {log}")
-        for path in ("/health", "/v1/models"):
-            try:
-                if httpx.get(url + path, timeout=2).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
+            raise RuntimeError(f"{' '.join(cmd[:3])} exited with {proc.returncode} ({log_tail(log)}); see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
         time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{cmd[0:3]} did not start in {START_TIMEOUT} s; see {log}")
+    stop(proc)
+    raise RuntimeError(f"{' '.join(cmd[:3])} did not start in {timeout:.0f} s; see {log}")
 
 
 def stop(proc) -> None:
@@ -82,12 +122,42 @@ def stop(proc) -> None:
         proc.wait()
 
 
+def server_command(part: str, model: str, port: int, max_num_seqs: int):
+    """The command line of the server of ``part`` ("ours" or "peer") on 127.0.0.1:``port``."""
+    if part == "ours":
+        return [sys.executable, "-m", "modeling.serve", "--model", model, "--port", str(port),
+                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN)]
+    return [sys.executable, "-m", "transformers.cli.transformers", "serve", model, "--continuous-batching",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"]
+
+
+def requests_at(c: int, rounds: int, min_requests: int) -> int:
+    """Requests of the level of concurrency ``c``: ``rounds`` per client, at least ``min_requests``."""
+    return max(min_requests, rounds * c)
+
+
+def make_prompts(tokenizer, n: int, seed: int = 0):
+    """``n`` prompts of ``PROMPT_TOKENS`` random word ids (never id 0, ``<unk>``): (ids, texts)."""
+    rng = random.Random(seed)
+    ids = [[rng.randrange(1, tokenizer.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+    return ids, [tokenizer.decode(x) for x in ids]
+
+
+def request_body(model: str, prompt: str) -> dict:
+    """One streaming /v1/completions request, the same for both servers."""
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
 async def one(client, url: str, body: dict):
-    """One streaming completion: (ttft s, total s, output tokens)."""
+    """One streaming completion: (ttft s, total s, completion tokens, prompt tokens), the tokens from
+    the stream's usage (ours: a last chunk without choices, then [DONE]; transformers serve: usage
+    on its last chunk, no [DONE])."""
     t0 = time.perf_counter()
-    first, tokens = None, None
+    first, use = None, None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -95,47 +165,59 @@ async def one(client, url: str, body: dict):
             if data == "[DONE]":
                 break
             obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"the stream carried an error: {obj['error']}")
             if first is None and obj.get("choices") and obj["choices"][0].get("text"):
                 first = time.perf_counter()
             if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
+                use = obj["usage"]
     end = time.perf_counter()
-    if tokens is None:
-        raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
-    return (first or end) - t0, end - t0, tokens
+    if use is None:
+        raise RuntimeError("the stream carried no usage")
+    return (first or end) - t0, end - t0, use["completion_tokens"], use["prompt_tokens"]
 
 
-async def level(url: str, model: str, prompts, c: int, extra: dict):
-    import httpx
-
-    queue = list(prompts)
-    results = []
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def worker():
-            while queue:
-                prompt = queue.pop()
-                body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}, **extra}
-                results.append(await one(client, url, body))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(c)))
-        wall = time.perf_counter() - t0
+def summarize(results, wall: float) -> dict:
+    """A level's numbers from its (ttft, total, completion tokens, prompt tokens) results. A
+    ``ValueError`` unless every request had ``PROMPT_TOKENS`` prompt tokens (the text round trip)
+    and ``MAX_TOKENS`` new ones (no EOS)."""
+    prompts = sorted({r[3] for r in results})
+    outputs = sorted({r[2] for r in results})
+    if prompts != [PROMPT_TOKENS] or outputs != [MAX_TOKENS]:
+        raise ValueError(f"expected {PROMPT_TOKENS} prompt and {MAX_TOKENS} completion tokens in every response, "
+                         f"got prompt tokens {prompts}, completion tokens {outputs}")
     ttft = sorted(r[0] for r in results)
-    tpot = [(total - t) / (n - 1) for t, total, n in results if n > 1]
+    tpot = [(total - t) / (n - 1) for t, total, n, _ in results]
     p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
     return {"ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * p99,
             "tpot_p50_ms": 1e3 * statistics.median(tpot), "requests_per_s": len(results) / wall,
             "tokens_per_s": sum(r[2] for r in results) / wall}
 
 
-def measure(prefix: str, url: str, model: str, prompts, levels, per_level: int, extra: dict, report) -> None:
-    for c in levels:  # warm-up: captures the graphs of every batch size the level reaches
-        asyncio.run(level(url, model, prompts[:2 * c], c, extra))
-    for c in levels:
-        stats = asyncio.run(level(url, model, prompts[:per_level], c, extra))
-        for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "requests_per_s"):
+async def level(url: str, model: str, prompts, c: int) -> dict:
+    """``prompts`` sent by ``c`` clients back to back; ``summarize`` of the results."""
+    import httpx
+
+    queue = list(prompts)
+    results = []
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as client:
+        async def worker():
+            while queue:
+                results.append(await one(client, url, request_body(model, queue.pop())))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(c)))
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+def measure(prefix: str, url: str, model: str, prompts, levels, counts, report) -> None:
+    for c in levels:  # warm-up: one round reaches the batch sizes of the level (ours captures their graphs)
+        asyncio.run(level(url, model, prompts[:c], c))
+    for c, n in zip(levels, counts):
+        stats = asyncio.run(level(url, model, prompts[:n], c))
+        for key in METRICS:
             report(f"{prefix}_{key}_c{c}", stats[key])
 
 
@@ -149,7 +231,7 @@ def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> float:
 
     model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
     engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
-    for warm in (False, True):
+    for _ in ("warm-up", "measured"):
         t0 = time.perf_counter()
         seqs = [engine.add(ids, SamplingParams(), MAX_TOKENS) for ids in prompt_ids]
         while engine.has_work():
@@ -165,68 +247,80 @@ def main():
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--requests-per-level", type=int, default=128)
-    p.add_argument("--no-peer", action="store_true", help="skip transformers serve")
+    p.add_argument("--rounds", type=int, default=4, help="requests per client at a level (default 4)")
+    p.add_argument("--min-requests", type=int, default=8, help="requests of a level at least (default 8)")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="the parts to run (default all: ours engine peer)")
     a = p.parse_args()
     require_cuda("bench.serve")
+    from importlib.metadata import version
+
     import torch
 
     from modeling import QwenTokenizer
     from modeling.model.random_checkpoint import QWEN3_0_6B, build_random_checkpoint
 
+    t_start = time.perf_counter()
+    parts = [part for part in PARTS if part in a.only]
+    levels = a.concurrency
+    counts = [requests_at(c, a.rounds, a.min_requests) for c in levels]
+    engine_requests = requests_at(64, a.rounds, a.min_requests)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-               prompt_tokens=PROMPT_TOKENS, max_tokens=MAX_TOKENS, requests_per_level=a.requests_per_level)
+               transformers=version("transformers"), parts=parts, prompt_tokens=PROMPT_TOKENS,
+               max_tokens=MAX_TOKENS, requests=dict(zip(map(str, levels), counts)))
     slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    path = out_dir / f"{out['date']}-{slug}-serve.json"
+    name = "serve" if len(parts) == len(PARTS) else "-".join(["serve", *parts])
+    path = out_dir / f"{out['date']}-{slug}-{name}.json"
 
     def report(key, value):
         out[key] = value
-        print(f"{key:36s} {value:10.2f}", flush=True)
-        path.write_text(json.dumps(out, indent=1))  # after every number: a run cut short keeps what it has
+        print(f"{key:40s} {value:10.2f}", flush=True)
+        path.write_text(json.dumps(out, indent=1))
 
-    shape = {k: v for k, v in QWEN3_0_6B.items() if k != "vocab_size"}
-    ckpt = build_random_checkpoint(out_dir / "serve-qwen3-0.6b-random", std=0.02, **shape)
-    tok = QwenTokenizer.from_pretrained(ckpt)
-    rng = random.Random(0)
-    n = max(a.requests_per_level, 2 * max(a.concurrency))
-    prompt_ids = [[rng.randrange(3, tok.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
-    prompts = [tok.decode(ids) for ids in prompt_ids]
-    out["vocab_size"] = tok.vocab_size
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        t0 = time.perf_counter()
+        ckpt = build_random_checkpoint(Path(tmp) / "qwen3-0.6b-random", std=0.02, tokenizer="words",
+                                       dtype=torch.bfloat16, **QWEN3_0_6B)
+        report("checkpoint_build_s", time.perf_counter() - t0)
+        tok = QwenTokenizer.from_pretrained(ckpt)
+        prompt_ids, prompts = make_prompts(tok, max(counts + [engine_requests]))
+        model = str(ckpt)
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    ours = start([sys.executable, "-m", "modeling.serve", "--model", str(ckpt), "--port", str(port),
-                  "--max-num-seqs", str(max(a.concurrency)), "--max-model-len", str(MAX_MODEL_LEN),
-                  "--served-model-name", "bench"], out_dir / "serve-ours.log", url)
-    try:
-        measure("serve", url, "bench", prompts, a.concurrency, a.requests_per_level, {"ignore_eos": True}, report)
-    finally:
-        stop(ours)
-
-    if 64 in a.concurrency:
-        ids = [tok.encode(t) for t in prompts[:a.requests_per_level]]
-        report("engine_tokens_per_s_c64", engine_alone(ckpt, ids, 64))
-
-    if not a.no_peer:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            peer = start(["transformers", "serve", str(ckpt), "--continuous-batching", "--host", "127.0.0.1",
-                          "--port", str(port), "--dtype", "bfloat16"], out_dir / "serve-transformers.log", url)
-        except (RuntimeError, OSError) as e:  # its command line moves between releases: say why it did not run
-            out["transformers_serve_error"] = str(e)
-            print(f"transformers serve did not run: {e}", flush=True)
-        else:
+        if "ours" in parts:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            t0 = time.perf_counter()
+            ours = start(server_command("ours", model, port, max(levels)), out_dir / "serve-ours.log", url)
+            report("serve_startup_s", time.perf_counter() - t0)
             try:
-                measure("transformers_serve", url, str(ckpt), prompts, a.concurrency, a.requests_per_level, {}, report)
-            except Exception as e:
-                out["transformers_serve_error"] = f"{type(e).__name__}: {e}"
-                print(f"transformers serve failed: {out['transformers_serve_error']}", flush=True)
+                measure("serve", url, model, prompts, levels, counts, report)
             finally:
-                stop(peer)
-    path.write_text(json.dumps(out, indent=1))
+                stop(ours)
+
+        if "engine" in parts:
+            report("engine_tokens_per_s_c64", engine_alone(ckpt, prompt_ids[:engine_requests], 64))
+
+        if "peer" in parts:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            try:
+                t0 = time.perf_counter()
+                peer = start(server_command("peer", model, port, max(levels)), out_dir / "serve-transformers.log", url)
+            except (RuntimeError, OSError) as e:  # its command line moves between releases: say why it did not run
+                out["transformers_serve_error"] = str(e)
+                print(f"transformers serve did not run: {e}", flush=True)
+            else:
+                report("transformers_serve_startup_s", time.perf_counter() - t0)
+                try:
+                    measure("transformers_serve", url, model, prompts, levels, counts, report)
+                except Exception as e:
+                    out["transformers_serve_error"] = f"{type(e).__name__}: {e}"
+                    print(f"transformers serve failed: {out['transformers_serve_error']}", flush=True)
+                finally:
+                    stop(peer)
+    report("total_s", time.perf_counter() - t_start)
     print(f"wrote {path}")
 
 

@@ -1,19 +1,27 @@
 """The benchmarks' entry points without a GPU: each one that needs CUDA says so in one line
-(exit status 2, no traceback); ``bench.cpu`` measures on the CPU (a tiny shape here)."""
+(exit status 2, no traceback); ``bench.cpu`` measures on the CPU (a tiny shape here); ``bench.serve``'s
+client reads both servers' streams (canned ones, then our server and transformers serve on CPU)."""
 
+import asyncio
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
+from bench import serve as bench_serve
+from modeling import QwenTokenizer
+from modeling.model.random_checkpoint import build_random_checkpoint, build_word_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_ONLY = ("cuda_suite", "decode", "fused_decode", "gated_delta_rule", "generate", "host", "loss", "ops",
-             "prefill", "train")
+             "prefill", "serve", "train")
 
 
 @pytest.mark.parametrize("name", CUDA_ONLY)
@@ -44,3 +52,99 @@ def test_cpu_benchmark_runs_a_small_shape(tmp_path):
         assert f"| {row} |" in table
     diff = float(re.search(r"max \|logit diff\| ([0-9.e+-]+)", table).group(1))
     assert diff < 1e-3, table
+
+
+def _sse(*events: str) -> bytes:
+    return "".join(f"data: {e}\n\n" for e in events).encode()
+
+
+OURS_STREAM = _sse('{"choices":[{"index":0,"text":"bababa","finish_reason":null}],"usage":null}',
+                   '{"choices":[{"index":0,"text":" bababe","finish_reason":"length"}],"usage":null}',
+                   '{"choices":[],"usage":{"prompt_tokens":256,"completion_tokens":2,"total_tokens":258}}',
+                   "[DONE]")
+PEER_STREAM = _sse('{"choices":[{"index":0,"text":"bababa"}]}', '{"choices":[{"index":0,"text":" bababe"}]}',
+                   '{"choices":[{"finish_reason":"length","index":0,"text":""}],'
+                   '"usage":{"completion_tokens":2,"prompt_tokens":256,"total_tokens":258}}')
+
+
+def _one(status: int, body: bytes):
+    def handler(request):
+        assert request.url.path == "/v1/completions"
+        return httpx.Response(status, content=body)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await bench_serve.one(client, "http://server", bench_serve.request_body("m", "bababa"))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [OURS_STREAM, PEER_STREAM], ids=["ours", "transformers"])
+def test_serve_client_reads_usage_from_either_stream(stream):
+    ttft, total, completion, prompt = _one(200, stream)
+    assert 0 <= ttft <= total and (completion, prompt) == (2, 256)
+
+
+@pytest.mark.parametrize("status, body, match", [
+    (422, b'{"detail":"Unexpected fields in the request"}', "HTTP 422: .*Unexpected fields"),
+    (200, _sse('{"error": "CB worker died"}'), "carried an error: CB worker died"),
+    (200, _sse('{"choices":[{"index":0,"text":"x"}]}', "[DONE]"), "no usage"),
+])
+def test_serve_client_says_what_went_wrong(status, body, match):
+    with pytest.raises(RuntimeError, match=match):
+        _one(status, body)
+
+
+def test_serve_summary_checks_every_response_ran_to_max_tokens():
+    n, p = bench_serve.MAX_TOKENS, bench_serve.PROMPT_TOKENS
+    stats = bench_serve.summarize([(0.1, 1.37, n, p), (0.3, 1.57, n, p)], wall=2.0)
+    assert stats["ttft_p50_ms"] == pytest.approx(200) and stats["ttft_p99_ms"] == pytest.approx(300)
+    assert stats["tpot_p50_ms"] == pytest.approx(10) and stats["tokens_per_s"] == pytest.approx(n)
+    assert stats["requests_per_s"] == pytest.approx(1)
+    with pytest.raises(ValueError, match=r"completion tokens \[100, 128\]"):
+        bench_serve.summarize([(0.1, 1.0, n, p), (0.1, 1.0, 100, p)], wall=1.0)
+    with pytest.raises(ValueError, match=r"prompt tokens \[255\]"):
+        bench_serve.summarize([(0.1, 1.0, n, p - 1)], wall=1.0)
+
+
+def test_serve_prompts_survive_the_text_round_trip():
+    tok = QwenTokenizer(build_word_tokenizer(151936), [])
+    ids, texts = bench_serve.make_prompts(tok, 4)
+    assert [len(x) for x in ids] == [bench_serve.PROMPT_TOKENS] * 4 and min(min(x) for x in ids) >= 1
+    assert [tok.encode(t) for t in texts] == ids
+    assert [bench_serve.requests_at(c, 4, 8) for c in (1, 16, 64)] == [8, 64, 256]
+
+
+@pytest.fixture(scope="module")
+def words_checkpoint(tmp_path_factory):
+    return build_random_checkpoint(tmp_path_factory.mktemp("serve") / "words", std=0.02, tokenizer="words",
+                                   vocab_size=151936, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
+
+def _peer_missing():
+    """What transformers serve lacks here (its model loading needs accelerate), or None."""
+    missing = [m for m in ("accelerate", "fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+    return f"transformers serve needs {', '.join(missing)}" if missing else None
+
+
+@pytest.mark.parametrize("server", ["ours", "peer"])
+def test_serve_client_against_the_servers_on_cpu(server, words_checkpoint, tmp_path, monkeypatch):
+    """The benchmark's own command lines and requests, on CPU: both servers answer the prompt text
+    with PROMPT_TOKENS prompt and MAX_TOKENS completion tokens (the round trip, no EOS)."""
+    missing = _peer_missing() if server == "peer" else None
+    if missing:
+        pytest.skip(missing)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    model, port = str(words_checkpoint), bench_serve.free_port()
+    url = f"http://127.0.0.1:{port}"
+    _, prompts = bench_serve.make_prompts(QwenTokenizer.from_pretrained(words_checkpoint), 2)
+    proc = bench_serve.start(bench_serve.server_command(server, model, port, 2), tmp_path / "server.log", url,
+                             timeout=120)
+    try:
+        stats = asyncio.run(bench_serve.level(url, model, prompts, 2))
+    finally:
+        bench_serve.stop(proc)
+    assert stats["tokens_per_s"] > 0 and stats["ttft_p50_ms"] > 0

@@ -4,15 +4,19 @@ no download).
 ``build_random_checkpoint(path)`` writes a directory that ``QwenForCausalLM.from_pretrained`` and
 ``QwenTokenizer.from_pretrained`` load like a real one:
 
-- ``tokenizer.json``: a byte-level BPE trained with the ``tokenizers`` library on a few built-in
-  sentences, with the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
-  (ids 0, 1, 2), so any text (any UTF-8) encodes and decodes;
+- ``tokenizer.json``: by default a byte-level BPE trained with the ``tokenizers`` library on a few
+  built-in sentences, with the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
+  (ids 0, 1, 2), so any text (any UTF-8) encodes and decodes; with ``tokenizer="words"`` a
+  word-level vocabulary of exactly ``vocab_size`` entries (``build_word_tokenizer``: ``<unk>`` and
+  pseudo-words, any sequence of their ids survives decode then encode) and no EOS anywhere, so
+  generation runs to its token limit on any server (the benchmarks' fixture);
 - ``config.json`` (``model_type: qwen3``, or ``qwen3_5_text`` with ``model_type="qwen3_5_text"``
-  among the sizes; vocab = the tokenizer's), ``tokenizer_config.json``,
-  ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``);
+  among the sizes; vocab = the tokenizer's; ``torch_dtype`` = the weights'), ``tokenizer_config.json``,
+  ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``; none with ``"words"``);
 - ``model.safetensors``: Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``
   ...) from ``modeling.model.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2)
-  (Qwen3.5's zero-centred norms, which scale by 1 + weight: N(0, std^2)).
+  (Qwen3.5's zero-centred norms, which scale by 1 + weight: N(0, std^2)), float32 unless ``dtype``
+  says otherwise.
 
 ``default_random_model_dir()`` is where ``python -m modeling.generate`` keeps it when run
 without ``--model``. ``random_model(config, ...)`` builds a random ``QwenForCausalLM`` in memory
@@ -20,6 +24,7 @@ without ``--model``. ``random_model(config, ...)`` builds a random ``QwenForCaus
 ``QWEN3_5_0_8B`` are the config.json fields of those shapes.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -93,6 +98,32 @@ def build_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+UNK_TOKEN = "<unk>"
+"""Id 0 of ``build_word_tokenizer``: what any text outside its vocabulary encodes to."""
+SYLLABLES = [c + v for c in "bcdfghjklmnprstvz" for v in "aeiou"]
+"""The 85 syllables of the word-level tokenizer's pseudo-words."""
+
+
+def build_word_tokenizer(vocab_size: int):
+    """A word-level ``tokenizers.Tokenizer`` of exactly ``vocab_size`` entries: ``UNK_TOKEN`` (id 0)
+    then distinct lowercase pseudo-words of equally many ``SYLLABLES`` ("bababa", "bababe", ...),
+    split on whitespace. Without a decoder, decode joins the words with single spaces, so
+    ``encode(decode(ids)).ids == ids`` for any ids; no special tokens (no EOS to sample). Builds
+    Qwen3's 151,936 entries in well under a second."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if vocab_size < 2:
+        raise ValueError(f"a word-level vocabulary needs at least 2 entries (<unk> and a word), got {vocab_size}")
+    length = 1
+    while len(SYLLABLES) ** length < vocab_size - 1:
+        length += 1
+    words = ("".join(w) for w in itertools.product(SYLLABLES, repeat=length))
+    vocab = {UNK_TOKEN: 0, **{w: i for i, w in enumerate(itertools.islice(words, vocab_size - 1), 1)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return tok
 
 
@@ -212,11 +243,19 @@ def _is_ours(path: Path) -> bool:
     return MARKER in names and names <= set(FILES) | {MARKER, "README.md"}
 
 
+TOKENIZERS = ("bpe", "words")
+
+
 def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional[float] = None,
-                            vocab_size: int = 512, **sizes: Any) -> Path:
+                            vocab_size: int = 512, tokenizer: str = "bpe", dtype: torch.dtype = torch.float32,
+                            **sizes: Any) -> Path:
     """Write a random Qwen3 checkpoint to ``path`` (created; replaced atomically if it exists).
 
     ``std`` defaults to min(0.2, 2 / sqrt(hidden)), large enough for logits that are not flat.
+    ``tokenizer``: ``"bpe"`` (``build_tokenizer(vocab_size)``: at most ``vocab_size`` entries, as many
+    as its small corpus gives, EOS ``<|im_end|>``) or ``"words"`` (``build_word_tokenizer(vocab_size)``:
+    exactly ``vocab_size``, and no EOS in any file: config.json's ``eos_token_id`` and
+    ``bos_token_id`` are null). ``dtype``: of the weights (``torch_dtype`` in config.json).
     ``sizes`` override ``DEFAULT_SIZES`` (hidden_size, num_hidden_layers, ...). With
     ``model_type="qwen3_5_text"`` the checkpoint is a Qwen3.5 text model (``QWEN3_5_SIZES``
     overridden by the other sizes, e.g. ``linear_num_value_heads`` or ``full_attention_interval``).
@@ -226,14 +265,17 @@ def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional
     serialised by a lock file beside it; each finished build is complete (written to a temporary
     directory, then renamed into place).
     """
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
-        _build(path, seed, std, vocab_size, sizes)
+        _build(path, seed, std, vocab_size, sizes, tokenizer, dtype)
     return path
 
 
-def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any]) -> None:
+def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any],
+           tokenizer: str = "bpe", dtype: torch.dtype = torch.float32) -> None:
     """build_random_checkpoint's body; the caller holds the lock."""
     if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not _is_ours(path))):
         raise FileExistsError(f"{str(path)!r} exists and is not a random checkpoint built here; "
@@ -241,7 +283,7 @@ def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: 
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     os.chmod(tmp, 0o755)
     try:
-        _write_checkpoint(tmp, seed, std, vocab_size, sizes)
+        _write_checkpoint(tmp, seed, std, vocab_size, sizes, tokenizer, dtype)
         if path.exists():  # ours or empty: move it aside into a directory we own, then swap
             old = Path(tempfile.mkdtemp(prefix=path.name + ".old.", dir=path.parent))
             os.replace(path, old / "checkpoint")
@@ -254,9 +296,18 @@ def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: 
         raise
 
 
-def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any]) -> None:
-    tok = write_tokenizer(tmp, vocab_size)
-    cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **sizes)
+def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any],
+                      tokenizer: str, dtype: torch.dtype) -> None:
+    fields: Dict[str, Any] = {"torch_dtype": str(dtype).removeprefix("torch.")}
+    if tokenizer == "words":
+        tok = build_word_tokenizer(vocab_size)
+        write_tokenizer_files(tmp, tok, 4096, {"eos_token": None, "pad_token": None, "unk_token": UNK_TOKEN,
+                                               "clean_up_tokenization_spaces": False},
+                              {"eos_token_id": None, "pad_token_id": None})
+        fields.update(bos_token_id=None, eos_token_id=None)
+    else:
+        tok = write_tokenizer(tmp, vocab_size)
+    cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **{**fields, **sizes})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     config = QwenConfig.from_dict(cfg)
     std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
@@ -264,12 +315,12 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
     tensors = {}
     for sources in load_plan(config).values():
         for name, shape in sources:
-            tensors[name] = random_tensor(name, shape, std, g, norm_center=norm_center(config, name)).contiguous()
+            tensors[name] = random_tensor(name, shape, std, g, dtype, norm_center=norm_center(config, name))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
     (tmp / "README.md").write_text(
         f"Random {family} weights written by modeling.model.random_checkpoint (seed "
-        f"{seed}, std {std:.4g}): a test fixture, its text is gibberish.\n")
+        f"{seed}, std {std:.4g}, {tokenizer} tokenizer): a test fixture, its text is gibberish.\n")
     (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
 
 
