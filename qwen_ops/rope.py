@@ -35,26 +35,27 @@ def rope_cos_sin(positions: Tensor, theta: float, rotary_dim: int, dtype: torch.
     position outside [-MAX_POSITION, MAX_POSITION], as in the kernels."""
     exponents = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=dtype) / rotary_dim
     inv_freq = (theta ** exponents).reciprocal()  # 1 / theta^(2i/R), rounded as transformers rounds it
-    in_range = (positions >= -MAX_POSITION) & (positions <= MAX_POSITION)
-    angle = positions.to(dtype).where(in_range, float("nan"))[..., None, None] * inv_freq
+    outside = positions.clamp(-MAX_POSITION, MAX_POSITION) != positions
+    angle = (positions[..., None, None] * inv_freq).masked_fill_(outside[..., None, None], float("nan"))
     return angle.cos(), angle.sin()
 
 
 def rope_reference(q: Tensor, k: Tensor, positions: Tensor, theta: float, rotary_dim: int,
                    q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
                    norm_eps: float = 1e-6, norm_offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """q and k in one pass: each RMS-normed with its weight (when given), then joined over the
+    heads [..., Hq + Hk, D] and rotated by one set of products; the outputs are contiguous."""
     dt = acc_dtype(q)
-    half = rotary_dim // 2
+    half, hq = rotary_dim // 2, q.shape[-2]
     cos, sin = rope_cos_sin(positions, theta, rotary_dim, dt)
-
-    def rotate(x, w):
-        xf = to_dtype(x, dt)
-        if w is not None:
-            xf = rms_norm_reference(xf, w, norm_eps, norm_offset)
-        x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
-        return to_dtype(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1), x.dtype)
-
-    return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+    qf, kf = to_dtype(q, dt), to_dtype(k, dt)
+    if q_norm_weight is not None:
+        qf = rms_norm_reference(qf, q_norm_weight, norm_eps, norm_offset)
+        kf = rms_norm_reference(kf, k_norm_weight, norm_eps, norm_offset)
+    x = torch.cat([qf, kf], dim=-2)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return to_dtype(out[..., :hq, :], q.dtype).contiguous(), to_dtype(out[..., hq:, :], k.dtype).contiguous()
 
 
 def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
