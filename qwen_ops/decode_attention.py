@@ -9,6 +9,7 @@ check would cost a host sync, the kernel clamps it to [0, L] so it never reads o
 cache, and a query that sees no key outputs zeros (the reference does the same).
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import decode_attention as kernels
@@ -27,14 +28,16 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     [0, L] as the kernel does; a query that sees no key gives zeros. Whatever a slot past a
     sequence's length holds (NaN included) cannot reach the output: its scores are replaced by
     -inf and its values by 0 (0 * NaN would be NaN). On the CPU only the slots some sequence
-    holds are read, and the masks are skipped where every query sees all of them (held_slots)."""
+    holds are read, and where every query sees all of them (held_slots) there is no mask: one
+    F.scaled_dot_product_attention call over the grouped heads."""
     tq, dt = q.shape[1], acc_dtype(q)
     seqlens = cache_seqlens.clamp(0, k_cache.shape[1])
     shortest, n = held_slots(seqlens, k_cache.shape[1])
     keys, values = (to_dtype(c[:, :n], dt).transpose(1, 2) for c in (k_cache, v_cache))  # [B, Hk, n, D]
-    s = grouped_scores(q, keys, scale)  # [B, Hk, G, Tq, n]
     if shortest - tq + 1 >= n:  # the first query of the shortest sequence sees all n slots: so does every query
-        return grouped_output(torch.softmax(s, dim=-1), values, q.dtype)
+        o = F.scaled_dot_product_attention(to_dtype(q, dt).transpose(1, 2), keys, values, scale=scale, enable_gqa=True)
+        return to_dtype(o.transpose(1, 2), q.dtype).contiguous()
+    s = grouped_scores(q, keys, scale)  # [B, Hk, G, Tq, n]
     slots = torch.arange(n, device=q.device)
     if shortest < n:  # a sequence ends before slot n
         values = values.where(slots[:, None] < seqlens[:, None, None, None], 0.0)
