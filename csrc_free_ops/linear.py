@@ -149,9 +149,9 @@ class PrefillConfig(NamedTuple):
     split_k: int = 1
 
 
-PREFILL_M_CLASSES = (256, 512, 1024, 2048)
+PREFILL_M_CLASSES = (32, 64, 128, 256, 512, 1024, 2048)
 """The token counts the prefill configs were swept at; M takes the config of the smallest class
->= M (the largest past 2048)."""
+>= M (the largest past 2048) that lists its (N, K)."""
 
 
 def prefill_m_class(m: int) -> int:
@@ -162,9 +162,23 @@ def prefill_m_class(m: int) -> int:
 # (M class, N, K) -> config (prefill_m_class): the fastest of
 # `python -m bench.ops --sweep-prefill` on an H200 (bench/results/): 2026-11-29 for M class 2048,
 # 2026-12-01 for 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at
-# N = 1024) and for 512 and 1024 (`--tokens 512 1024`).
-# Shapes not listed use prefill_config's rule.
+# N = 1024) and for 512 and 1024 (`--tokens 512 1024`); 2026-12-02 for 32, 64 and 128, the batched
+# decode steps of the engine (`--tokens 32 64 128 --shapes qwen3-0.6b --linears qkv o_proj gate_up
+# down`: Qwen3-0.6B's layer GEMMs only; other shapes at M <= 128 take their 256 row).
+# Shapes not listed at any class >= M use prefill_config's rule.
 PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
+    (32, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 4),
+    (32, 1024, 3072): PrefillConfig(64, 32, 256, 4, 4, 4),
+    (32, 4096, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (32, 6144, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (64, 1024, 2048): PrefillConfig(64, 32, 256, 4, 3, 4),
+    (64, 1024, 3072): PrefillConfig(64, 32, 256, 4, 3, 4),
+    (64, 4096, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (64, 6144, 1024): PrefillConfig(64, 64, 64, 4, 8, 1),
+    (128, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 4),
+    (128, 1024, 3072): PrefillConfig(64, 64, 64, 4, 8, 4),
+    (128, 4096, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (128, 6144, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
     (256, 896, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
     (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 4),
     (256, 1024, 2048): PrefillConfig(64, 32, 256, 4, 4, 1),
@@ -209,12 +223,13 @@ PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
 
 
 def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
-    """The stored config for (M class, N, K), else the largest tile that still gives about
-    three quarters of a wave of programs, with the K axis split where even the smallest tile
-    leaves half the GPU idle."""
-    cfg = PREFILL_CONFIGS.get((prefill_m_class(m), n, k))
-    if cfg is not None:
-        return cfg
+    """The stored config for (N, K) at the smallest class >= M that lists it, else the largest tile
+    that still gives about three quarters of a wave of programs, with the K axis split where even
+    the smallest tile leaves half the GPU idle."""
+    for m_class in PREFILL_M_CLASSES[PREFILL_M_CLASSES.index(prefill_m_class(m)):]:
+        cfg = PREFILL_CONFIGS.get((m_class, n, k))
+        if cfg is not None:
+            return cfg
     if INTERPRET:  # every tile element costs numpy time there
         return PrefillConfig(32, 32, 32, 4, 1)
     for cfg in (PrefillConfig(128, 256, 64, 8, 3), PrefillConfig(128, 128, 64, 4, 4), PrefillConfig(64, 128, 64, 4, 4),

@@ -34,11 +34,16 @@ def test_linear_matches_reference(device, dtype, bias):
 
 
 def test_prefill_m_classes():
-    """M takes the configs swept at the smallest class >= M (the largest beyond it), and every stored
-    config belongs to a class."""
-    classes = [linear_kernels.prefill_m_class(m) for m in (17, 256, 257, 512, 513, 1024, 1025, 2048, 8192)]
-    assert classes == [256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
+    """M takes the configs swept at the smallest class >= M (the largest beyond it) that lists its
+    (N, K), and every stored config belongs to a class."""
+    classes = [linear_kernels.prefill_m_class(m) for m in (17, 33, 64, 65, 129, 256, 257, 512, 513, 1024, 1025, 2048,
+                                                            8192)]
+    assert classes == [32, 64, 64, 128, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
     assert {m for m, _, _ in linear_kernels.PREFILL_CONFIGS} == set(linear_kernels.PREFILL_M_CLASSES)
+    table = linear_kernels.PREFILL_CONFIGS
+    assert linear_kernels.prefill_config(40, 4096, 1024) == table[(64, 4096, 1024)]
+    # the seed's shapes have no rows below 256: M = 40 takes the 256 row, not the fallback rule
+    assert (64, 896, 4864) not in table and linear_kernels.prefill_config(40, 896, 4864) == table[(256, 896, 4864)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
