@@ -77,9 +77,10 @@ def _conv_kernel(
                          mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
             if HAS_STATE:
                 if j < K - 1:
-                    xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
-                                  mask=tl.where(keep, m & (src < 0)[:, None], False),
-                                  other=0.0).to(tl.float32)
+                    if t0 < K - 1:  # only the block holding positions < K - 1 reads the old state
+                        xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
+                                      mask=tl.where(keep, m & (src < 0)[:, None], False),
+                                      other=0.0).to(tl.float32)
             acc += xv * w[None, :]
         y = acc * tl.sigmoid(acc)
         tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
