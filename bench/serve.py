@@ -40,7 +40,9 @@ tokens/s over the level's wall time.
 
 Keys: ``serve_tokens_per_s_c{c}``, ``serve_ttft_p50_ms_c{c}``, ``serve_ttft_p99_ms_c{c}``,
 ``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, ``serve_startup_s``, the same with
-``transformers_`` for the peer, ``engine_tokens_per_s_c64``; ``transformers_serve_error`` where the
+``transformers_`` for the peer, ``engine_tokens_per_s_c64`` and ``engine_ttft_ms_c1`` (the engine's
+best time to first token of one prompt alone, what ``serve_ttft_p50_ms_c1`` is compared with);
+``transformers_serve_error`` where the
 peer did not start or failed (its log says why). Required of a full run: ``serve_tokens_per_s_c64``,
 ``transformers_serve_tokens_per_s_c64``, ``serve_ttft_p50_ms_c1``, ``engine_tokens_per_s_c64``.
 Writes ``<date>-<gpu>-serve.json`` under ``--out`` (``-serve-ours-engine.json`` and so on with
@@ -221,8 +223,9 @@ def measure(prefix: str, url: str, model: str, prompts, levels, counts, report) 
             report(f"{prefix}_{key}_c{c}", stats[key])
 
 
-def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> float:
-    """Output tokens/s of the engine with the same requests, at most ``max_num_seqs`` in flight."""
+def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> tuple[float, float]:
+    """The engine with the same requests, at most ``max_num_seqs`` in flight: (output tokens/s, the
+    best of five times to first token of the first prompt alone, ms)."""
     import torch
 
     from modeling import QwenForCausalLM
@@ -238,9 +241,18 @@ def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> float:
             engine.step()
         torch.cuda.synchronize()
         rate = sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
+    ttfts = []
+    for _ in range(6):  # the first warms the one-prompt step's graph
+        t0 = time.perf_counter()
+        seq = engine.add(prompt_ids[0], SamplingParams(), 1)
+        while seq.num_output == 0:
+            engine.step()
+        ttfts.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_work():
+            engine.step()
     del engine, model
     torch.cuda.empty_cache()
-    return rate
+    return rate, min(ttfts[1:])
 
 
 def main():
@@ -300,7 +312,9 @@ def main():
                 stop(ours)
 
         if "engine" in parts:
-            report("engine_tokens_per_s_c64", engine_alone(ckpt, prompt_ids[:engine_requests], 64))
+            rate, ttft = engine_alone(ckpt, prompt_ids[:engine_requests], 64)
+            report("engine_tokens_per_s_c64", rate)
+            report("engine_ttft_ms_c1", ttft)
 
         if "peer" in parts:
             port = free_port()
