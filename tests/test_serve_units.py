@@ -95,6 +95,29 @@ def test_stop_string_ends_a_choice_and_later_tokens_are_dropped(llm):
     assert gen.completion_tokens == len(c.token_ids) < len(tokens)
 
 
+def test_steps_queued_for_a_request_are_merged_into_one_piece(llm):
+    """A handler that fell behind the engine takes every queued step at once: one piece per choice
+    with all their tokens (and the same text as one step at a time), then waits for the next."""
+    import asyncio
+
+    tokens = llm.tokenizer.encode("What light through yonder window breaks")
+    plan = Plan([Prompt("x", [1])], 1, [SamplingParams()], [50], [2], False, False, True, None)
+
+    async def run():
+        gen = Generation(plan, False, None, TokenStrings(llm.tokenizer), 0.0)
+        for t in tokens[:-1]:
+            gen.sink.queue.put_nowait([TokenEvent(0, t, None, None, 0.0)])
+        merged = await gen.next()
+        gen.sink.queue.put_nowait([TokenEvent(0, tokens[-1], None, "length", 0.0)])
+        last = await gen.next()
+        return gen, merged, last
+
+    gen, merged, last = asyncio.run(run())
+    assert [(c.index, p.token_ids) for c, p in merged] == [(0, tokens[:-1])]
+    assert [p.finish_reason for _, p in last] == ["length"] and gen.done
+    assert merged[0][1].text + last[0][1].text == llm.tokenizer.decode(tokens) == gen.choices[0].text
+
+
 def test_choice_seeds():
     assert choice_seed(None, 3) is None and choice_seed(7, 0) == 7
     seeds = [choice_seed(7, i) for i in range(8)]

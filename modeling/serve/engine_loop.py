@@ -4,7 +4,8 @@ Handlers run on the server's asyncio event loop; the engine runs in ``EngineLoop
 which steps while the engine has work and sleeps on a condition variable when it has none
 (``submit`` wakes it). After each step the tokens sampled for each request are handed to that
 request's ``Sink`` (an ``asyncio.Queue``) in one ``loop.call_soon_threadsafe`` per step, so a
-handler awaits its tokens without polling and the engine never waits for a handler.
+handler awaits its tokens without polling and the engine never waits for a handler; a handler
+that finds several steps queued takes them together (``Generation.next``).
 
 A failing step fails every request in the engine at that moment (its sink gets the exception:
 a 500 or an error event), aborts their sequences (their blocks are freed) and the thread goes on
@@ -62,6 +63,7 @@ class _Entry:
     sink: Sink
     index: int
     logprobs: bool
+    submitted: float
     admitted: Optional[float] = None  # perf_counter at the start of the first step that ran it
 
 
@@ -83,7 +85,8 @@ class EngineLoop:
         """Add one sequence (``Engine.add``'s ValueError when it cannot run); its tokens go to ``sink``."""
         with self._cond:  # registered before the thread can look for it after a step
             seq = self.engine.add(prompt_ids, params, max_tokens, stop_ids)
-            self._entries[seq.request_id] = _Entry(seq, sink, index, params.logprobs is not None)
+            self._entries[seq.request_id] = _Entry(seq, sink, index, params.logprobs is not None,
+                                                   time.perf_counter())
             self._cond.notify()
         return seq
 
@@ -146,7 +149,8 @@ class EngineLoop:
         with self._cond:
             for entry in self._entries.values():
                 if entry.admitted is None and entry.seq.status is not Status.WAITING:
-                    entry.admitted = t0
+                    # a sequence submitted while the step ran was scheduled by its lookahead launch
+                    entry.admitted = max(t0, entry.submitted)
             for seq in sampled:
                 entry = self._entries.get(seq.request_id)
                 if entry is None:  # aborted by its handler meanwhile

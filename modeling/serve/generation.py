@@ -129,17 +129,23 @@ class Generation:
         return all(c.finish_reason is not None for c in self.choices)
 
     async def next(self) -> List[Tuple[Choice, Piece]]:
-        """The pieces of the next engine step that reached this request (``EngineError`` if the
-        engine failed it)."""
-        item = await self.sink.queue.get()
-        if isinstance(item, EngineFailure):
+        """The pieces of the engine steps that reached this request since the last call, one per
+        choice (``EngineError`` if the engine failed it). Waits for the next step when none did;
+        when several are queued (the event loop fell behind the engine), their tokens are merged,
+        so a busy server sends fewer, longer chunks instead of falling further behind."""
+        items = [await self.sink.queue.get()]
+        while not self.sink.queue.empty():
+            items.append(self.sink.queue.get_nowait())
+        failure = next((item for item in items if isinstance(item, EngineFailure)), None)
+        if failure is not None:
             for c in self.choices:
                 if c.finish_reason is None:
                     c.finish_reason = "error"
-            raise EngineError(str(item.error))
+            raise EngineError(str(failure.error))
         by_choice: Dict[int, List[TokenEvent]] = {}
-        for ev in item:
-            by_choice.setdefault(ev.index, []).append(ev)
+        for item in items:
+            for ev in item:
+                by_choice.setdefault(ev.index, []).append(ev)
         out = []
         for index, events in by_choice.items():
             c = self.choices[index]
