@@ -22,6 +22,9 @@ API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
 """The served name of the shipped model (without ``--model`` or ``--served-model-name``)."""
 WARMUP_PROMPT_TOKENS = 8
+SWITCH_INTERVAL_S = 1e-4
+"""sys.setswitchinterval while serving: how long the engine thread or the event loop may wait for the
+GIL while the other runs Python."""
 
 
 def prog_name() -> str:
@@ -156,6 +159,10 @@ def serve(a: argparse.Namespace) -> int:
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on")
     server = DrainingServer(config, state)
+    # The engine thread and the event loop share the GIL: a thread that wants it waits up to the
+    # switch interval (5 ms by default) while the other runs Python. At 0.1 ms the H200 served 8,838
+    # tokens/s at 64 streams, against 6,008 at the default (bench.serve, 2026-12-02).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.run()
     if failed:
         say(f"error: the engine failed: {failed[0]}")
