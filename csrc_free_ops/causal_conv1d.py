@@ -22,10 +22,33 @@ the first tile of a sequence is the only one that reads its old state (positions
 writes its new one, in place, after a barrier.
 """
 import torch
+import triton
 import triton.language as tl
 
 from .common import INTERPRET, cdiv, kernel, next_power_of_2
 from .gated_delta_rule_packing import num_slots, packed_tile, seq_block
+
+
+@triton.jit
+def _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt, stride_sik,
+                stride_wc, stride_wk, K: tl.constexpr, WITH_STATE: tl.constexpr):
+    """The outputs of rows [t0, t0 + BLOCK_T) (those < t_hi) for the program's channels; inputs at
+    positions < 0 come from the old state (WITH_STATE, where ``keep``), else are zeros."""
+    t = t0 + rows
+    m = (t < t_hi)[:, None] & cmask[None, :]
+    acc = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = t + (j - (K - 1))  # input position read by tap j
+        w = tl.load(w_ptr + cols.to(tl.int64) * stride_wc + j * stride_wk, mask=cmask, other=0.0).to(tl.float32)
+        xv = tl.load(x_cols + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_xt,
+                     mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
+        if WITH_STATE:
+            if j < K - 1:
+                xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
+                              mask=tl.where(keep, m & (src < 0)[:, None], False), other=0.0).to(tl.float32)
+        acc += xv * w[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_rows.dtype.element_ty), mask=m)
 
 
 @kernel
@@ -66,24 +89,17 @@ def _conv_kernel(
     s_cols = s_in_ptr + srow * stride_sib + cols.to(tl.int64)[None, :] * stride_sic
 
     rows = tl.arange(0, BLOCK_T)
-    for t0 in range(t_lo, t_hi, BLOCK_T):
-        t = t0 + rows
-        m = (t < t_hi)[:, None] & cmask[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(K):
-            src = t + (j - (K - 1))  # input position read by tap j
-            w = tl.load(w_ptr + cols.to(tl.int64) * stride_wc + j * stride_wk, mask=cmask, other=0.0).to(tl.float32)
-            xv = tl.load(x_cols + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_xt,
-                         mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
-            if HAS_STATE:
-                if j < K - 1:
-                    if t0 < K - 1:  # only the block holding positions < K - 1 reads the old state
-                        xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
-                                      mask=tl.where(keep, m & (src < 0)[:, None], False),
-                                      other=0.0).to(tl.float32)
-            acc += xv * w[None, :]
-        y = acc * tl.sigmoid(acc)
-        tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    # Blocks holding positions < K - 1 read the old state; the loop over the others has no state
+    # reads, so its taps' loads are free to overlap (a branch per tap in one loop serialised them).
+    t_plain = t_lo
+    if HAS_STATE:
+        t_plain = t_lo + (tl.maximum(K - 1 - t_lo, 0) + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+        for t0 in range(t_lo, min(t_plain, t_hi), BLOCK_T):
+            _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt,
+                        stride_sik, stride_wc, stride_wk, K, True)
+    for t0 in range(t_plain, t_hi, BLOCK_T):
+        _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt,
+                    stride_sik, stride_wc, stride_wk, K, False)
 
     # The new state [K-1, BLOCK_C]: column i is input position L - (K-1) + i (< 0: from the old
     # state). Read after the outputs (fewer live registers in the loop) and before it is stored: in
