@@ -12,6 +12,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import attention as kernels
@@ -79,9 +80,16 @@ def _block_scores(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
-    """softmax(scale q k^T + mask) v, QUERY_BLOCK queries at a time."""
-    return torch.cat([grouped_output(torch.softmax(s, dim=-1), vb, q.dtype)
-                      for s, vb in _block_scores(q, k, v, scale, causal)], dim=1)
+    """softmax(scale q k^T + mask) v. Without a cached prefix (Sq = Sk, where SDPA's causal mask is
+    ours) or without causal, one F.scaled_dot_product_attention call over the grouped heads; with
+    one, QUERY_BLOCK queries at a time."""
+    if causal and q.shape[1] != k.shape[1]:
+        return torch.cat([grouped_output(torch.softmax(s, dim=-1), vb, q.dtype)
+                          for s, vb in _block_scores(q, k, v, scale, causal)], dim=1)
+    dt = acc_dtype(q)
+    o = F.scaled_dot_product_attention(*(to_dtype(t, dt).transpose(1, 2) for t in (q, k, v)), scale=scale,
+                                       is_causal=causal, enable_gqa=True)
+    return to_dtype(o.transpose(1, 2), q.dtype).contiguous()
 
 
 def attention_with_lse_reference(q: Tensor, k: Tensor, v: Tensor, scale: float,
