@@ -3,7 +3,7 @@ shipped model, driven by the official openai client (and httpx for raw HTTP).
 
 Two servers start once for the module, side by side: ``server`` (no API key, 32 sequences a step)
 and ``guarded`` (an API key, one sequence a step, one waiting at most, a 4 KiB body limit: the
-429, 401 and 413 cases, and last the SIGTERM drain). The servers run without TRITON_INTERPRET
+429, 401 and 413 cases, and last the SIGTERM drain); a third starts for the engine process's death. The servers run without TRITON_INTERPRET
 (conftest.py sets it for this process): the PyTorch reference path is what a CPU server runs.
 """
 import asyncio
@@ -65,9 +65,22 @@ class Server:
         lines = re.finditer(r"^(qwen_serve_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)
         return {m.group(1): float(m.group(2)) for m in lines}
 
+    def engine_pid(self) -> int:
+        """The engine's process: the server's child that multiprocessing spawned (not its resource
+        tracker)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        engines = [int(c) for c in children
+                   if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(engines) == 1, f"children of the server: {children}"
+        return engines[0]
+
     def rss_kib(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1))
+        """VmRSS of the server's process and of its engine's, together."""
+        total = 0
+        for pid in (self.proc.pid, self.engine_pid()):
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1))
+        return total
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -492,6 +505,25 @@ def test_load_32_streaming_clients(server):
     assert delta("qwen_serve_generation_tokens_total") == sum(n for _, n in results)
     assert delta("qwen_serve_time_to_first_token_seconds_count") == clients * rounds
     assert max(rss[1:]) - rss[1] < 8 * 1024, f"VmRSS per round (KiB): {rss}"
+
+
+def test_engine_process_death_fails_the_requests_and_the_server(tmp_path):
+    """The engine's process killed mid-stream: the stream ends with an engine error event and
+    [DONE], the server answers 503, then exits 1 saying why."""
+    server = Server(tmp_path, "doomed", "--max-num-seqs", "2").wait_ready()
+    try:
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")
+            os.kill(server.engine_pid(), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert '"engine_error"' in rest[-2] and rest[-1] == "data: [DONE]"
+        assert server.proc.wait(timeout=30) == 1
+        log = server.log.read_text()
+        assert "error: the engine failed: the engine process exited (code -9)" in log
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,7 +158,8 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
 
     from modeling.engine import Engine
     from modeling.serve.app import ServerState, Settings, create_app
-    from modeling.serve.engine_loop import MAX_CONSECUTIVE_FAILURES
+    from modeling.serve.engine_core import MAX_CONSECUTIVE_FAILURES
+    from modeling.serve.engine_loop import EngineClient, ThreadTransport
 
     engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, cuda_graphs=False)
 
@@ -167,7 +168,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "run", broken)  # after scheduling: the blocks are taken
     dead = []
-    state = ServerState(llm, engine, Settings("m"), on_dead=dead.append)
+    state = ServerState(llm, EngineClient(ThreadTransport(engine), engine.max_model_len, dead.append), Settings("m"))
     body = {"prompt": "ROMEO:", "max_tokens": 4}
     with TestClient(create_app(state)) as client:
         r = client.post("/v1/completions", json=body)
@@ -183,7 +184,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
         while not dead and deadline:
             deadline -= 1
             __import__("time").sleep(0.01)
-        assert [str(e) for e in dead] == ["device lost"]
+        assert [str(e) for e in dead] == ["RuntimeError: device lost"]
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 503 and "engine failed" in r.json()["error"]["message"]

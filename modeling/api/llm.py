@@ -46,18 +46,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..chat.template import ChatTemplate
 from ..generation.generator import GenerationResult, Generator
 from ..generation.prompts import MAX_SEQ_LEN, check_room, checked_token_ids
 from ..generation.readback import STOP
 from ..generation.runtime import backend_name, check_fits, resolve_device, resolve_dtype
-from ..generation.sampling import INT64_LIMIT, MAX_STOP_IDS, SamplingParams
+from ..generation.sampling import INT64_LIMIT, SamplingParams
 from ..model.causal_lm import QwenForCausalLM
-from ..model.config import QwenConfig
 from .checkpoint import Checkpoint
+from .frontend import Frontend, Message
 from .outputs import RequestOutput, TextRow
 from .stream import TextStream
-from .tokenizer import QwenTokenizer
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
@@ -70,11 +68,11 @@ TOKEN_IDS_KEY = "prompt_token_ids"
 
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
-Message = Mapping[str, Any]
 
 
-class LLM:
-    """A checkpoint loaded for generation (see the module doc).
+class LLM(Frontend):
+    """A checkpoint loaded for generation (see the module doc); its text side (tokenizer, chat
+    template, stop ids, defaults) is ``Frontend``'s.
 
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
@@ -115,39 +113,9 @@ class LLM:
 
     # ------------------------------------------------------------------ what it is
     @property
-    def path(self) -> Path:
-        return self.checkpoint.path
-
-    @property
-    def config(self) -> QwenConfig:
-        return self.checkpoint.config
-
-    @property
-    def tokenizer(self) -> QwenTokenizer:
-        return self.checkpoint.tokenizer
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        return self.checkpoint.chat_template
-
-    @property
     def backend(self) -> str:
         """"Triton kernels (CUDA)", "Triton interpreter (CPU)" or "PyTorch reference ops (CPU)"."""
         return backend_name(self.device, self.dtype)
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """The checkpoint's generation_config.json defaults (greedy when it has none)."""
-        return self.checkpoint.default_sampling_params()
-
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
-                    tools: Optional[List[Dict[str, Any]]] = None) -> str:
-        """The prompt text of a conversation, rendered with the checkpoint's chat template."""
-        kwargs = dict(chat_template_kwargs or {})
-        if enable_thinking is not None:
-            kwargs["enable_thinking"] = enable_thinking
-        return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
-                                         **kwargs)
 
     # ------------------------------------------------------------------ text API
     def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -224,13 +192,6 @@ class LLM:
         if params.max_tokens is not None:
             return params.max_tokens
         return self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
-
-    def stop_ids(self, params: SamplingParams) -> List[int]:
-        ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
-                                 + list(params.stop_token_ids)))
-        if len(ids) > MAX_STOP_IDS:
-            raise ValueError(f"{len(ids)} stop token ids (EOS and stop_token_ids): at most {MAX_STOP_IDS}")
-        return ids
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None,
                      on_text: Optional[Callable[[int, str], None]] = None,

@@ -38,6 +38,15 @@ BLOCK_SIZE = 64
 """Positions per KV block."""
 
 
+def check_request(prompt_ids: Seq[int], max_tokens: int, max_model_len: int) -> None:
+    """The ValueError of a request that an engine of ``max_model_len`` cannot run."""
+    if not prompt_ids:
+        raise ValueError("a prompt needs at least one token")
+    if len(prompt_ids) + max_tokens > max_model_len:
+        raise ValueError(f"a prompt of {len(prompt_ids)} tokens and {max_tokens} new ones exceed the engine's "
+                         f"max_model_len ({max_model_len})")
+
+
 @dataclass
 class EngineStats:
     """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
@@ -107,11 +116,7 @@ class Engine:
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
         """Queue a request; it joins the next step that has room for it."""
-        if not prompt_ids:
-            raise ValueError("a prompt needs at least one token")
-        if len(prompt_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens and {max_tokens} new ones exceed the engine's "
-                             f"max_model_len ({self.max_model_len})")
+        check_request(prompt_ids, max_tokens, self.max_model_len)
         seq = Sequence(prompt_ids, params, max_tokens, tuple(stop_token_ids))
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         with self._lock:

@@ -15,16 +15,13 @@ import sys
 from typing import Optional, Sequence
 
 from ..cli.args import DEVICE_PATTERN, DTYPES, UsageError
-from ..cli.loading import load_checkpoint, load_llm
+from ..cli.loading import load_checkpoint
 from ..cli.output import say
 
 API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
 """The served name of the shipped model (without ``--model`` or ``--served-model-name``)."""
 WARMUP_PROMPT_TOKENS = 8
-SWITCH_INTERVAL_S = 1e-4
-"""sys.setswitchinterval while serving: how long the engine thread or the event loop may wait for the
-GIL while the other runs Python."""
 
 
 def prog_name() -> str:
@@ -121,10 +118,9 @@ def serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"the server needs the 'serve' extra (missing {e.name}): "
                          "pip install 'qwen-triton-ops[serve]'") from None
-    import torch
-
-    from ..engine import Engine
-    from ..generation.sampling import SamplingParams
+    from ..api.frontend import Frontend
+    from .engine_loop import EngineClient
+    from .engine_process import EngineSpec, EngineStartError, ProcessTransport
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("modeling.serve")
@@ -132,20 +128,21 @@ def serve(a: argparse.Namespace) -> int:
     limit = ck.config.max_position_embeddings
     if a.max_model_len is not None and a.max_model_len > limit:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
-    llm = load_llm(ck, a.device, DTYPES[a.dtype] if a.dtype else None)
+    spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+        memory_fraction=a.memory_fraction, cuda_graphs=not a.no_cuda_graph), WARMUP_PROMPT_TOKENS, a.log_level.upper())
     try:
-        engine = Engine(llm.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_model_len=a.max_model_len, memory_fraction=a.memory_fraction,
-                        cuda_graphs=not a.no_cuda_graph)
-    except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
-        raise UsageError(f"the engine does not fit: {e}") from None
-    if llm.device.type == "cuda":  # compile the kernels, capture the graphs: not on a client's time
-        engine.generate([[0] * WARMUP_PROMPT_TOKENS], SamplingParams(), 2)
+        transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
+    except EngineStartError as e:
+        if e.usage:
+            raise UsageError(str(e)) from None
+        say(f"error: {e}")
+        return 1
+    info = transport.info
     name = a.served_model_name or a.model or DEFAULT_MODEL_NAME
     log.info("serving %r (%s, %s, %s) on http://%s:%d: %d KV blocks of %d positions, max_model_len %d, "
-             "max_num_seqs %d%s", name, ck.path, llm.backend, str(llm.dtype).replace("torch.", ""), a.host, a.port,
-             engine.size.num_blocks, engine.size.block_size, engine.max_model_len, a.max_num_seqs,
-             ", API key required" if a.api_key else "")
+             "max_num_seqs %d%s", name, ck.path, info["backend"], info["dtype"], a.host, a.port, info["num_blocks"],
+             info["block_size"], info["max_model_len"], a.max_num_seqs, ", API key required" if a.api_key else "")
 
     server = None
     failed = []
@@ -155,15 +152,15 @@ def serve(a: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    state = ServerState(llm, engine, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes), on_dead)
+    client = EngineClient(transport, info["max_model_len"], on_dead)
+    state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on")
     server = DrainingServer(config, state)
-    # The engine thread and the event loop share the GIL: a thread that wants it waits up to the
-    # switch interval (5 ms by default) while the other runs Python. At 0.1 ms the H200 served 8,838
-    # tokens/s at 64 streams, against 6,008 at the default (bench.serve, 2026-12-02).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server.run()
+    try:
+        server.run()
+    finally:
+        transport.stop(a.drain_timeout)  # the app's shutdown stopped it, unless uvicorn never started
     if failed:
         say(f"error: the engine failed: {failed[0]}")
         return 1

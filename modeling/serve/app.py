@@ -2,7 +2,7 @@
 
 A generation request is read (at most ``max_body_bytes``, else 413), validated into a ``Plan``
 (``protocol``), admitted (429 past ``max_waiting`` waiting sequences), submitted to the engine
-thread (``engine_loop``) and answered as one JSON object or as Server-Sent Events. A client that
+(``engine_loop.EngineClient``) and answered as one JSON object or as Server-Sent Events. A client that
 goes away (mid-stream, or while waiting for a whole response) has its sequences aborted, which
 frees their KV blocks. Every error is OpenAI's JSON shape (``errors``); one log line per request
 says its status, tokens and timings.
@@ -21,9 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api.llm import LLM
-from ..engine import Engine
-from .engine_loop import EngineLoop
+from ..api.frontend import Frontend
+from .engine_loop import EngineClient
 from .errors import APIError, error_body
 from .generation import EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
@@ -42,20 +41,19 @@ class Settings:
 
 
 class ServerState:
-    """What the routes share: the model (``llm``: tokenizer, chat template, EOS ids), the engine and
-    its thread (``loop``, made when the app starts), the metrics, and the draining flag."""
+    """What the routes share: the model's text side (``llm``: tokenizer, chat template, EOS ids), the
+    engine's client (``loop``: started with the app, stopped after it), the metrics, and the
+    draining flag."""
 
-    def __init__(self, llm: LLM, engine: Engine, settings: Settings,
-                 on_dead: Optional[Callable[[BaseException], None]] = None):
-        self.llm, self.engine, self.settings, self.on_dead = llm, engine, settings, on_dead
+    def __init__(self, llm: Frontend, loop: EngineClient, settings: Settings):
+        self.llm, self.loop, self.settings = llm, loop, settings
         self.strings = TokenStrings(llm.tokenizer)
-        self.loop: Optional[EngineLoop] = None
-        self.metrics: Optional[Metrics] = None
+        self.metrics = Metrics(loop)
         self.draining = False
         self.created = int(time.time())
 
     def unavailable(self) -> Optional[str]:
-        if self.loop is not None and self.loop.dead is not None:
+        if self.loop.dead is not None:
             return f"the engine failed and the server is shutting down ({self.loop.dead})"
         if self.draining:
             return "the server is shutting down (draining) and takes no new requests"
@@ -92,9 +90,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop = EngineLoop(state.engine, asyncio.get_running_loop(), state.on_dead)
-        state.metrics = Metrics(state.loop)
-        state.loop.start()
+        state.loop.start(asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -104,8 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.server = state
 
     def error_response(request: Request, status: int, message: str, param=None, code=None) -> JSONResponse:
-        if state.metrics is not None:
-            state.metrics.errors.labels(str(status)).inc()
+        state.metrics.errors.labels(str(status)).inc()
         log.info("request %s %s %d: %s", request.method, request.url.path, status, message)
         return JSONResponse(error_body(status, message, param, code), status_code=status)
 
@@ -131,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def model_card() -> Dict[str, Any]:
         return {"id": state.settings.served_model_name, "object": "model", "created": state.created,
-                "owned_by": "qwen-triton-ops", "root": str(state.llm.path), "max_model_len": state.engine.max_model_len}
+                "owned_by": "qwen-triton-ops", "root": str(state.llm.path), "max_model_len": state.loop.max_model_len}
 
     @app.get("/health")
     async def health():
@@ -172,7 +167,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         requested_model(req, state.settings.served_model_name)
         planner = plan_chat if chat else plan_completion
-        plan = planner(req, state.llm, state.engine.max_model_len)
+        plan = planner(req, state.llm, state.loop.max_model_len)
         check_admission(state.loop, plan, state.settings.max_waiting)
         gen = Generation(plan, chat, state.loop, state.strings, arrival)
         gen.submit()

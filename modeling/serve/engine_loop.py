@@ -1,32 +1,32 @@
-"""The one thread that drives the engine, and how its tokens reach the request handlers.
+"""The server's side of the engine: ``EngineClient`` hands requests to the engine loop
+(``engine_core.EngineCore``) and its reports to the request handlers.
 
-Handlers run on the server's asyncio event loop; the engine runs in ``EngineLoop``'s thread,
-which steps while the engine has work and sleeps on a condition variable when it has none
-(``submit`` wakes it). After each step the tokens sampled for each request are handed to that
-request's ``Sink`` (an ``asyncio.Queue``) in one ``loop.call_soon_threadsafe`` per step, so a
-handler awaits its tokens without polling and the engine never waits for a handler; a handler
-that finds several steps queued takes them together (``Generation.next``).
+Handlers run on the server's asyncio event loop; the engine loop runs in a process of its own
+(``engine_process.ProcessTransport``, what ``python -m modeling.serve`` runs) or in a thread
+(``ThreadTransport``: an ``Engine`` of this process, as tests and embedders give ``create_app``).
+Either way the client gets the loop's messages on the event loop, one per step, and hands each
+request's tokens of that step to its ``Sink`` (an ``asyncio.Queue``) at once, so a handler awaits
+its tokens without polling and the engine never waits for a handler; a handler that finds several
+steps queued takes them together (``Generation.next``).
 
-A failing step fails every request in the engine at that moment (its sink gets the exception:
-a 500 or an error event), aborts their sequences (their blocks are freed) and the thread goes on
-with new requests. ``MAX_CONSECUTIVE_FAILURES`` failed steps in a row mean the engine is broken:
-``dead`` is set, ``on_dead`` is called (the server then answers 503 and shuts down, exit
-status 1), and the thread stops.
+A failed step fails the requests in the engine at that moment (their sinks get an
+``EngineFailure``: a 500 or an error event) and the loop goes on with new requests; when the engine
+is dead (``engine_core.MAX_CONSECUTIVE_FAILURES`` failed steps in a row, or its process exited)
+``dead`` is set, ``on_dead`` is called (the server then answers 503 and shuts down, exit status 1)
+and every request still in it fails.
 """
 
 import asyncio
-import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
-from ..engine import Engine, Sequence, Status
+from ..engine import Engine
+from ..engine.engine import check_request
 from ..generation.sampling import SamplingParams
-
-log = logging.getLogger("modeling.serve")
-
-MAX_CONSECUTIVE_FAILURES = 3
+from .engine_core import EngineCore
 
 
 @dataclass
@@ -43,15 +43,15 @@ class TokenEvent:
 
 
 class EngineFailure:
-    """Put in a sink when a step failed with ``error`` while the request was in the engine."""
+    """Put in a sink when a step failed (``message`` says why) while the request was in the engine."""
 
-    def __init__(self, error: BaseException):
-        self.error = error
+    def __init__(self, message: str):
+        self.message = message
 
 
 class Sink:
     """Where one HTTP request's sequences deliver: a queue of lists of ``TokenEvent`` (one list per
-    step), or an ``EngineFailure``. Lives on the event loop; filled through ``EngineLoop``."""
+    step), or an ``EngineFailure``. Lives on the event loop."""
 
     def __init__(self):
         self.queue: "asyncio.Queue" = asyncio.Queue()
@@ -59,119 +59,127 @@ class Sink:
 
 @dataclass
 class _Entry:
-    seq: Sequence
     sink: Sink
     index: int
-    logprobs: bool
     submitted: float
+    waiting: bool = True
     admitted: Optional[float] = None  # perf_counter at the start of the first step that ran it
 
 
-class EngineLoop:
-    """``submit`` and ``abort`` from the event loop, ``start``/``stop`` the thread."""
+class EngineClient:
+    """``submit``, ``abort``, ``counts`` and ``kv_cache_usage`` from the event loop; ``start(loop)``
+    and ``stop`` around the server's life. ``max_model_len``: the engine's, for ``submit``'s check."""
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+    def __init__(self, transport, max_model_len: int,
                  on_dead: Optional[Callable[[BaseException], None]] = None):
-        self.engine, self.loop, self.on_dead = engine, loop, on_dead
-        self._cond = threading.Condition()
-        self._entries: Dict[int, _Entry] = {}  # request_id -> entry, while the sequence runs
-        self._stopping = False
+        self.transport, self.max_model_len, self.on_dead = transport, max_model_len, on_dead
+        self._entries: Dict[int, _Entry] = {}  # rid -> entry, while the sequence runs
+        self._next_rid = 0
+        self._kv_usage = 0.0
         self.dead: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="qwen-serve-engine", daemon=True)
+        self.stopped = False
 
-    # ------------------------------------------------------------------ event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport.start(self.on_message, loop)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; later aborts (handlers cancelled after the app's shutdown) do nothing."""
+        self.stopped = True
+        self.transport.stop(timeout)
+
     def submit(self, sink: Sink, index: int, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
-               stop_ids: Seq[int]) -> Sequence:
-        """Add one sequence (``Engine.add``'s ValueError when it cannot run); its tokens go to ``sink``."""
-        with self._cond:  # registered before the thread can look for it after a step
-            seq = self.engine.add(prompt_ids, params, max_tokens, stop_ids)
-            self._entries[seq.request_id] = _Entry(seq, sink, index, params.logprobs is not None,
-                                                   time.perf_counter())
-            self._cond.notify()
-        return seq
+               stop_ids: Seq[int]) -> int:
+        """Add one sequence (the ValueError of ``Engine.add`` when it cannot run); its tokens go to
+        ``sink``. Returns its request id, for ``abort``."""
+        check_request(prompt_ids, max_tokens, self.max_model_len)
+        rid, self._next_rid = self._next_rid, self._next_rid + 1
+        self._entries[rid] = _Entry(sink, index, time.perf_counter())
+        self.transport.put(("add", rid, list(prompt_ids), params, max_tokens, tuple(stop_ids),
+                            params.logprobs is not None))
+        return rid
 
-    def abort(self, seq: Sequence) -> None:
-        """Stop ``seq`` (its blocks are freed); tokens it still gets are dropped."""
-        self.engine.abort(seq)
-        with self._cond:
-            self._entries.pop(seq.request_id, None)
+    def abort(self, rid: int) -> None:
+        """Stop the sequence (its blocks are freed); tokens it still gets are dropped."""
+        if self._entries.pop(rid, None) is not None and not self.stopped:
+            self.transport.put(("abort", rid))
 
     def counts(self) -> Dict[str, int]:
         """Sequences in the engine: ``running`` (admitted) and ``waiting`` (queued or preempted)."""
-        with self._cond:
-            statuses = [e.seq.status for e in self._entries.values()]
-        waiting = sum(s is Status.WAITING for s in statuses)
-        return {"running": len(statuses) - waiting, "waiting": waiting}
+        waiting = sum(e.waiting for e in self._entries.values())
+        return {"running": len(self._entries) - waiting, "waiting": waiting}
 
     def kv_cache_usage(self) -> float:
-        """The fraction of KV blocks some sequence holds (freed prefix-cache blocks count as free)."""
-        blocks = self.engine.blocks
-        return 1.0 - blocks.num_free / blocks.num_blocks
+        """The fraction of KV blocks some sequence holds, as of the engine's last report."""
+        return self._kv_usage
 
-    # ------------------------------------------------------------------ the thread
-    def start(self) -> None:
+    def on_message(self, msg: tuple) -> None:
+        """An ``engine_core`` report, on the event loop."""
+        kind = msg[0]
+        if kind in ("step", "status"):
+            t0 = msg[1] if kind == "step" else time.perf_counter()
+            changes, self._kv_usage = msg[-2], msg[-1]
+            for rid, waiting in changes:
+                e = self._entries.get(rid)
+                if e is not None:
+                    e.waiting = waiting
+                    if not waiting and e.admitted is None:
+                        # a sequence submitted while a step ran was scheduled by its lookahead launch
+                        e.admitted = max(t0, e.submitted)
+            if kind == "step":
+                self._deliver(msg[2], t0)
+        elif kind == "failed":
+            self._fail([rid for rid in msg[1] if rid in self._entries], msg[2])
+        elif kind == "dead" and self.dead is None:
+            self.dead = RuntimeError(msg[1])
+            self._fail(list(self._entries), msg[1])
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+
+    def _deliver(self, events, t0: float) -> None:
+        batches: Dict[Sink, List[TokenEvent]] = {}
+        for rid, token, logprobs, finish_reason in events:
+            e = self._entries.get(rid)
+            if e is None:  # aborted by its handler meanwhile
+                continue
+            batches.setdefault(e.sink, []).append(
+                TokenEvent(e.index, token, logprobs, finish_reason, e.admitted if e.admitted is not None else t0))
+            if finish_reason is not None:
+                del self._entries[rid]
+        for sink, batch in batches.items():
+            sink.queue.put_nowait(batch)
+
+    def _fail(self, rids: List[int], message: str) -> None:
+        sinks = {}
+        for rid in rids:
+            e = self._entries.pop(rid)
+            sinks[id(e.sink)] = e.sink
+        for sink in sinks.values():
+            sink.queue.put_nowait(EngineFailure(message))
+
+
+class ThreadTransport:
+    """The engine loop in a thread of this process, over ``engine``."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, callback: Callable[[tuple], None], loop: asyncio.AbstractEventLoop) -> None:
+        core = EngineCore(self.engine, lambda msg: loop.call_soon_threadsafe(callback, msg))
+        self._thread = threading.Thread(target=core.run, args=(self._get,), name="qwen-serve-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread.is_alive():
+    def _get(self, block: bool) -> Optional[tuple]:
+        try:
+            return self._inbox.get(block)
+        except queue.Empty:
+            return None
+
+    def put(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+
+    def stop(self, timeout: float) -> None:
+        self._inbox.put(("stop",))
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
-
-    def _run(self) -> None:
-        failures = 0
-        while True:
-            with self._cond:
-                while not self._stopping and not self.engine.has_work():
-                    self._cond.wait()
-                if self._stopping:
-                    return
-            t0 = time.perf_counter()
-            try:
-                sampled = self.engine.step()
-            except Exception as e:  # every request in the engine fails; the server stays up
-                failures += 1
-                log.exception("engine step failed (%d in a row); failing the requests in the engine", failures)
-                self._fail_all(e)
-                if failures >= MAX_CONSECUTIVE_FAILURES:
-                    self.dead = e
-                    log.error("the engine failed %d steps in a row: it is unusable", failures)
-                    if self.on_dead is not None:
-                        self.loop.call_soon_threadsafe(self.on_dead, e)
-                    return
-                continue
-            failures = 0
-            self._deliver(sampled, t0)
-
-    def _deliver(self, sampled: List[Sequence], t0: float) -> None:
-        batches: Dict[Sink, List[TokenEvent]] = {}
-        with self._cond:
-            for entry in self._entries.values():
-                if entry.admitted is None and entry.seq.status is not Status.WAITING:
-                    # a sequence submitted while the step ran was scheduled by its lookahead launch
-                    entry.admitted = max(t0, entry.submitted)
-            for seq in sampled:
-                entry = self._entries.get(seq.request_id)
-                if entry is None:  # aborted by its handler meanwhile
-                    continue
-                lp = seq.logprobs[-1] if entry.logprobs else None
-                batches.setdefault(entry.sink, []).append(
-                    TokenEvent(entry.index, seq.tokens[-1], lp, seq.finish_reason, entry.admitted))
-                if seq.finish_reason is not None:
-                    del self._entries[seq.request_id]
-        if batches:
-            self.loop.call_soon_threadsafe(_put_all, list(batches.items()))
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            self.engine.abort(entry.seq)
-        sinks = list({id(e.sink): e.sink for e in entries}.values())
-        self.loop.call_soon_threadsafe(_put_all, [(sink, EngineFailure(error)) for sink in sinks])
-
-
-def _put_all(items) -> None:
-    for sink, item in items:
-        sink.queue.put_nowait(item)

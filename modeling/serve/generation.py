@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..api.outputs import TextRow
 from ..generation.sampling import SamplingParams
 from .chat_output import ChatOutput
-from .engine_loop import EngineFailure, EngineLoop, Sink, TokenEvent
+from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
 from .responses import TokenStrings, chat_logprobs, completion_logprobs, tool_call
@@ -42,7 +42,7 @@ class Choice:
         self.index, self.prompt, self.params = index, prompt, params
         self.row = TextRow(strings.tokenizer, params)
         self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text) if chat else None
-        self.seq = None
+        self.rid: Optional[int] = None  # its request id in the engine, once submitted
         self.token_ids: List[int] = []
         self.logprobs: List[tuple] = []
         self.text = self.reasoning = self.content = ""
@@ -106,7 +106,7 @@ class Choice:
 class Generation:
     """The choices of one request (``plan``), their sequences in the engine and their sink."""
 
-    def __init__(self, plan: Plan, chat: bool, loop: EngineLoop, strings: TokenStrings, arrival: float):
+    def __init__(self, plan: Plan, chat: bool, loop: EngineClient, strings: TokenStrings, arrival: float):
         self.plan, self.chat, self.loop, self.strings, self.arrival = plan, chat, loop, strings, arrival
         self.sink = Sink()
         self.choices = [Choice(i * plan.n + j, prompt, plan.params[i * plan.n + j], plan, chat, strings)
@@ -118,7 +118,7 @@ class Generation:
         """Every choice into the engine (a 400 if one cannot run: nothing is left running)."""
         try:
             for c in self.choices:
-                c.seq = self.loop.submit(self.sink, c.index, c.prompt.ids, c.params,
+                c.rid = self.loop.submit(self.sink, c.index, c.prompt.ids, c.params,
                                          self.plan.max_tokens[c.index // self.plan.n], self.plan.stop_ids)
         except ValueError as e:
             self.abort()
@@ -141,7 +141,7 @@ class Generation:
             for c in self.choices:
                 if c.finish_reason is None:
                     c.finish_reason = "error"
-            raise EngineError(str(failure.error))
+            raise EngineError(failure.message)
         by_choice: Dict[int, List[TokenEvent]] = {}
         for item in items:
             for ev in item:
@@ -153,7 +153,7 @@ class Generation:
             if piece is None:
                 continue
             if c.row.stops.matched is not None:
-                self.loop.abort(c.seq)  # the engine stops it at once
+                self.loop.abort(c.rid)  # the engine stops it at once
             out.append((c, piece))
         if self.done and self.finished_at is None:
             self.finished_at = time.perf_counter()
@@ -162,8 +162,8 @@ class Generation:
     def abort(self) -> None:
         """Stop every unfinished choice (a client gone, a drain timeout, an error)."""
         for c in self.choices:
-            if c.seq is not None and c.finish_reason is None:
-                self.loop.abort(c.seq)
+            if c.rid is not None and c.finish_reason is None:
+                self.loop.abort(c.rid)
                 c.finish_reason = "abort"
 
     # ------------------------------------------------------------------ accounting
@@ -259,7 +259,7 @@ class Generation:
         return out
 
 
-def check_admission(loop: EngineLoop, plan: Plan, max_waiting: int) -> None:
+def check_admission(loop: EngineClient, plan: Plan, max_waiting: int) -> None:
     """A 429 when the request's sequences would take the waiting queue past ``max_waiting`` (a 400
     when they alone pass it: retrying would never help)."""
     if plan.num_choices > max_waiting:

@@ -6,7 +6,6 @@ finished requests by finish reason, refused or failed requests by HTTP status.""
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .engine_loop import EngineLoop
 
 PREFIX = "qwen_serve_"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -19,7 +18,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop):
         r = self.registry = CollectorRegistry()
         Gauge(PREFIX + "num_requests_running", "Sequences admitted to the engine (holding KV blocks).",
               registry=r).set_function(lambda: loop.counts()["running"])

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..api.llm import LLM
+from ..api.frontend import Frontend
 from ..chat.template import ChatTemplateError
 from ..generation.prompts import checked_token_ids
 from ..generation.sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
@@ -207,7 +207,7 @@ def _refuse_neutral(req: _Request) -> None:
             raise unsupported(name, why)
 
 
-def _sampling(req: _Request, llm: LLM, logprobs: Optional[int]) -> SamplingParams:
+def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> SamplingParams:
     """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value)."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
@@ -247,14 +247,14 @@ def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[i
     return out
 
 
-def _stop_ids(llm: LLM, params: SamplingParams) -> List[int]:
+def _stop_ids(llm: Frontend, params: SamplingParams) -> List[int]:
     try:
         return llm.stop_ids(params)
     except ValueError as e:
         raise invalid(str(e), "stop_token_ids") from None
 
 
-def completion_prompts(prompt: Any, llm: LLM) -> List[Prompt]:
+def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
     """``prompt`` as OpenAI takes it: a str, a list of str, a list of token ids, or a list of lists
     of token ids (a token id is an integer in the vocabulary, never a float or a bool)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
@@ -289,7 +289,7 @@ def _is_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def plan_completion(req: CompletionRequest, llm: LLM, max_model_len: int) -> Plan:
+def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
     _refuse_neutral(req)
     if req.logprobs is not None and req.echo:
         raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
@@ -340,7 +340,7 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def _tools(req: ChatCompletionRequest, llm: LLM) -> Optional[List[Dict[str, Any]]]:
+def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str, Any]]]:
     """The tools to render, or None; a 400 for a tool_choice that needs forced decoding, and for
     tools given to a chat template that never reads them (they would be dropped unseen)."""
     choice = req.tool_choice
@@ -362,7 +362,7 @@ def _tools(req: ChatCompletionRequest, llm: LLM) -> Optional[List[Dict[str, Any]
     return req.tools
 
 
-def thinking_on(llm: LLM, template_kwargs: Dict[str, Any]) -> bool:
+def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
     """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
     the request did not pass ``enable_thinking: false``."""
     template = llm.chat_template
@@ -370,7 +370,7 @@ def thinking_on(llm: LLM, template_kwargs: Dict[str, Any]) -> bool:
     return knows and template_kwargs.get("enable_thinking", True) is not False
 
 
-def plan_chat(req: ChatCompletionRequest, llm: LLM, max_model_len: int) -> Plan:
+def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
     _refuse_neutral(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:

@@ -1,0 +1,58 @@
+"""The text side of a checkpoint, without its weights: tokenizer, chat template, stop token ids and
+generation defaults. ``LLM`` is a ``Frontend`` with the model loaded; the server's HTTP process is
+one alone (its engine, with the weights, runs in a process of its own)."""
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from ..chat.template import ChatTemplate
+from ..generation.sampling import MAX_STOP_IDS, SamplingParams
+from ..model.config import QwenConfig
+from .checkpoint import Checkpoint
+from .tokenizer import QwenTokenizer
+
+Message = Mapping[str, Any]
+
+
+class Frontend:
+    """What a loaded ``Checkpoint`` says about text."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
+    @property
+    def config(self) -> QwenConfig:
+        return self.checkpoint.config
+
+    @property
+    def tokenizer(self) -> QwenTokenizer:
+        return self.checkpoint.tokenizer
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        return self.checkpoint.chat_template
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (greedy when it has none)."""
+        return self.checkpoint.default_sampling_params()
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                    tools: Optional[List[Dict[str, Any]]] = None) -> str:
+        """The prompt text of a conversation, rendered with the checkpoint's chat template."""
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **kwargs)
+
+    def stop_ids(self, params: SamplingParams) -> List[int]:
+        """EOS (unless ``ignore_eos``) and ``params.stop_token_ids``, each once."""
+        ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
+                                 + list(params.stop_token_ids)))
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(ids)} stop token ids (EOS and stop_token_ids): at most {MAX_STOP_IDS}")
+        return ids

@@ -1,0 +1,150 @@
+"""The engine in a process of its own: what ``python -m modeling.serve`` runs.
+
+The server process keeps the HTTP side (requests, tokenizer, chat templates, detokenization,
+streaming) and never loads the weights; a child process (``multiprocessing`` spawn: CUDA does not
+survive a fork) loads them, builds the ``Engine``, warms it up on CUDA, says it is ready, then
+runs ``engine_core.EngineCore``. The two share no interpreter: the event loop's Python never delays
+a step, and the engine's never delays a stream. Requests go to the child through a
+``multiprocessing`` queue (its feeder thread writes: a put never blocks the event loop); reports
+come back through a pipe the event loop reads when it is readable (``add_reader``).
+
+The child ignores SIGINT and SIGTERM (the server drains, then stops it) and exits by itself when
+the server process is gone. Its exit at any other time is the engine's death for the server.
+"""
+import logging
+import os
+import queue
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional
+
+START_POLL_S = 1.0
+"""How often the child's wait for messages and the server's wait for the child's start look up."""
+
+
+@dataclass
+class EngineSpec:
+    """What the child builds: the checkpoint directory, ``--device`` and ``--dtype`` as given, the
+    ``Engine`` keyword arguments, and the warm-up prompt's length (0: none)."""
+
+    checkpoint: str
+    device: Optional[str]
+    dtype: Optional[str]
+    engine: Dict[str, Any] = field(default_factory=dict)
+    warmup_tokens: int = 0
+    log_level: str = "INFO"
+
+
+class EngineStartError(Exception):
+    """The child could not build the engine; ``usage``: a problem with the flags or the model
+    (exit status 2), not a crash."""
+
+    def __init__(self, message: str, usage: bool):
+        super().__init__(message)
+        self.usage = usage
+
+
+class ProcessTransport:
+    """Starts the child and waits until its engine is ready (``info``: max_model_len, num_blocks,
+    block_size, backend, dtype), or raises ``EngineStartError``."""
+
+    def __init__(self, spec: EngineSpec):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._inbox = ctx.Queue()
+        self._conn, child_end = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_child_main, args=(spec, self._inbox, child_end, os.getpid()),
+                                name="qwen-serve-engine", daemon=True)
+        self.proc.start()
+        child_end.close()  # the child holds the only write end: its exit is our EOF
+        self._loop = None
+        self.info = self._wait_ready()
+
+    def _wait_ready(self) -> Dict[str, Any]:
+        while not self._conn.poll(START_POLL_S):
+            if not self.proc.is_alive():
+                break
+        try:
+            msg = self._conn.recv()
+        except EOFError:  # it exited without a word (killed, or crashed in the interpreter)
+            self.proc.join()
+            raise EngineStartError(f"the engine process exited with code {self.proc.exitcode} before it was ready "
+                                   "(see the log above)", False) from None
+        if msg[0] == "error":
+            self.proc.join()
+            raise EngineStartError(msg[2], msg[1] == "usage")
+        return msg[1]
+
+    def start(self, callback: Callable[[tuple], None], loop) -> None:
+        self._callback, self._loop = callback, loop
+        loop.add_reader(self._conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            while self._conn.poll():
+                self._callback(self._conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            self.proc.join(START_POLL_S)
+            self._callback(("dead", f"the engine process exited (code {self.proc.exitcode})"))
+
+    def put(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+
+    def stop(self, timeout: float) -> None:
+        if self.proc.is_alive():
+            self._inbox.put(("stop",))
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout)
+        if self._loop is not None and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+        self._conn.close()
+        self._inbox.close()
+
+
+def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..api.checkpoint import Checkpoint
+    from ..cli.args import DTYPES, UsageError
+    from ..cli.loading import load_llm
+    from ..engine import Engine
+    from ..generation.sampling import SamplingParams
+    from .engine_core import EngineCore
+
+    import torch
+
+    try:
+        llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device,
+                       DTYPES[spec.dtype] if spec.dtype else None)
+        try:
+            engine = Engine(llm.model, **spec.engine)
+        except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
+            raise UsageError(f"the engine does not fit: {e}") from None
+        if spec.warmup_tokens:  # compile the kernels, capture the graphs: not on a client's time
+            engine.generate([[0] * spec.warmup_tokens], SamplingParams(), 2)
+    except UsageError as e:
+        conn.send(("error", "usage", str(e)))
+        return
+    except Exception as e:  # one line, as the command line reports its own failures
+        conn.send(("error", "crash", f"{type(e).__name__}: {' '.join(str(e).split())}"))
+        return
+    conn.send(("ready", dict(max_model_len=engine.max_model_len, num_blocks=engine.size.num_blocks,
+                             block_size=engine.size.block_size, backend=llm.backend,
+                             dtype=str(llm.dtype).replace("torch.", ""))))
+
+    def get(block: bool) -> Optional[tuple]:
+        while True:
+            try:
+                return inbox.get(timeout=START_POLL_S) if block else inbox.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return None
+                if os.getppid() != parent_pid:  # the server is gone
+                    return ("stop",)
+
+    EngineCore(engine, conn.send).run(get)
