@@ -62,6 +62,32 @@ def test_commit_registers_only_the_computed_full_blocks():
     assert len(hashes) == 2 and bm.cached[hashes[1]] == table[1]
 
 
+def test_a_sequences_blocks_are_hashed_once_across_lookups_and_commits(monkeypatch):
+    """The scheduler asks can_allocate then allocate for a prompt (every step, while the pool is
+    full), and commit registers its blocks as they fill: with the sequence's hash chain (``known``)
+    each block is hashed once, and the chain equals the one commit builds without it."""
+    import modeling.engine.block_manager as bm_module
+
+    calls = []
+    real = bm_module.block_hash
+    monkeypatch.setattr(bm_module, "block_hash", lambda block, parent: calls.append(1) or real(block, parent))
+    bm = BlockManager(16, 4)
+    prompt = list(range(10))
+    known = []
+    for _ in range(3):
+        assert bm.can_allocate(prompt, known)
+    table, hit = bm.allocate(prompt, known)
+    assert hit == [] and len(known) == 2 and len(calls) == 2  # (10 - 1) // 4 blocks, hashed once
+    registered = []
+    bm.commit(table, prompt + [10, 11], 12, registered, known)
+    assert len(calls) == 3 and registered == known  # only the third block is new
+    plain = []
+    BlockManager(16, 4).commit(table, prompt + [10, 11], 12, plain)
+    assert plain == known
+    table2, hit2 = bm.allocate(prompt + [10, 11, 12], [])  # a new sequence, same prefix
+    assert hit2 == known and table2[:3] == table[:3]
+
+
 def test_prefix_cache_survives_free_until_the_block_is_reused_least_recent_first():
     bm = BlockManager(4, 2)
     a = [1, 2, 3, 4, 5]

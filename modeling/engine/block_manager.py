@@ -20,18 +20,31 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 
-def block_hash(tokens: Sequence[int], parent: Optional[bytes]) -> bytes:
+def block_hash(block: bytes, parent: Optional[bytes]) -> bytes:
     """The chained content hash of one full block: BLAKE2b-128 of the previous block's hash and the
-    block's token ids, so equal hashes mean equal prefixes (a collision has probability 2^-128)."""
+    block's token ids (``block``: their int64 bytes), so equal hashes mean equal prefixes (a
+    collision has probability 2^-128)."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(block)
     return h.digest()
+
+
+def extend_hashes(tokens: Sequence[int], hashes: List[bytes], num_blocks: int, block_size: int) -> None:
+    """Extend ``hashes`` in place to the ``block_hash`` chain of the first ``num_blocks`` full blocks
+    of ``tokens`` (the ones it already holds are kept: a prefix's hashes never change), converting
+    the new blocks' tokens once."""
+    start = len(hashes)
+    if num_blocks <= start:
+        return
+    ids = np.asarray(tokens[start * block_size:num_blocks * block_size], dtype=np.int64)
+    for i in range(num_blocks - start):
+        hashes.append(block_hash(ids[i * block_size:(i + 1) * block_size].tobytes(), hashes[-1] if hashes else None))
 
 
 class BlockManager:
     """Allocation and reference counts of ``num_blocks`` KV blocks of ``block_size`` positions.
 
-    ``allocate(tokens)`` returns (block table, hashes of the leading blocks already cached);
+    ``allocate(tokens, known)`` returns (block table, hashes of the leading blocks already cached);
     ``append(table, num_tokens)`` grows a table to hold ``num_tokens`` positions;
     ``commit(table, tokens, num_tokens, hashes)`` registers the full blocks of ``tokens[:num_tokens]``
     for prefix reuse;
@@ -70,35 +83,38 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def cached_prefix(self, tokens: Sequence[int]) -> Tuple[List[int], List[bytes]]:
+    def cached_prefix(self, tokens: Sequence[int], known: Optional[List[bytes]] = None
+                      ) -> Tuple[List[int], List[bytes]]:
         """(blocks, their hashes): the cached blocks that hold the leading full blocks of ``tokens``
-        (never the whole prompt: its last token must run to produce logits)."""
-        blocks: List[int] = []
-        hashes: List[bytes] = []
+        (never the whole prompt: its last token must run to produce logits). ``known``: the hash
+        chain of ``tokens``' leading blocks computed so far (``Sequence.prefix_hashes``), extended
+        in place, so a prompt is hashed once however often it is looked up."""
         if not self.prefix_caching:
-            return blocks, hashes
-        bs = self.block_size
-        for i in range((len(tokens) - 1) // bs):
-            h = block_hash(tokens[i * bs:(i + 1) * bs], hashes[-1] if hashes else None)
+            return [], []
+        known = [] if known is None else known
+        extend_hashes(tokens, known, (len(tokens) - 1) // self.block_size, self.block_size)
+        blocks: List[int] = []
+        for h in known[:(len(tokens) - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(h)
-        return blocks, hashes
+        return blocks, known[:len(blocks)]
 
-    def can_allocate(self, tokens: Sequence[int]) -> bool:
-        hit, _ = self.cached_prefix(tokens)
+    def _fits(self, num_tokens: int, hit: Sequence[int]) -> bool:
         held = sum(self.ref_count[b] > 0 for b in hit)
-        return self.blocks_for(len(tokens)) - held <= self.num_free
+        return self.blocks_for(num_tokens) - held <= self.num_free
 
-    def allocate(self, tokens: Sequence[int]) -> Tuple[List[int], List[bytes]]:
+    def can_allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None) -> bool:
+        return self._fits(len(tokens), self.cached_prefix(tokens, known)[0])
+
+    def allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None) -> Tuple[List[int], List[bytes]]:
         """(block table for ``tokens``, the hashes of its leading blocks found cached: those hold
         ``len(hashes) * block_size`` tokens already). Raises MemoryError when the blocks are not
-        there (check ``can_allocate`` first)."""
-        if not self.can_allocate(tokens):
+        there (check ``can_allocate`` first). ``known``: as for ``cached_prefix``."""
+        hit, hashes = self.cached_prefix(tokens, known)
+        if not self._fits(len(tokens), hit):
             raise MemoryError(f"{self.blocks_for(len(tokens))} KV blocks needed, {self.num_free} free")
-        hit, hashes = self.cached_prefix(tokens)
         table = [self._take(b) for b in hit]
         self.queries += self.blocks_for(len(tokens))
         self.hits += len(hit)
@@ -115,15 +131,21 @@ class BlockManager:
         while len(table) < self.blocks_for(num_tokens):
             table.append(self._new_block())
 
-    def commit(self, table: Sequence[int], tokens: Sequence[int], num_tokens: int, hashes: List[bytes]) -> None:
+    def commit(self, table: Sequence[int], tokens: Sequence[int], num_tokens: int, hashes: List[bytes],
+               known: Optional[List[bytes]] = None) -> None:
         """Register the full blocks of ``tokens[:num_tokens]`` (whose KV is now in the pool) for prefix
-        reuse; ``hashes``: the sequence's block hashes so far, extended in place (each block is hashed
-        once, when it fills: a step that fills no block costs nothing here)."""
+        reuse; ``hashes``: the hashes of the sequence's blocks registered so far, extended in place
+        (each block is registered once, when it fills: a step that fills no block costs nothing
+        here). ``known``: as for ``cached_prefix``, also extended; without it the new blocks are
+        hashed here."""
         if not self.prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(hashes), num_tokens // bs):
-            h = block_hash(tokens[i * bs:(i + 1) * bs], hashes[-1] if hashes else None)
+        chain = [] if known is None else known
+        if known is None:
+            chain += hashes
+        extend_hashes(tokens, chain, num_tokens // self.block_size, self.block_size)
+        for i in range(len(hashes), num_tokens // self.block_size):
+            h = chain[i]
             hashes.append(h)
             block = table[i]
             if h in self.cached:  # this block, or another one holding the same prefix

@@ -180,7 +180,7 @@ class Engine:
                     self.stats.prompt_tokens += min(n, seq.num_prompt - seq.num_computed)
                 seq.num_computed += n
                 self.blocks.commit(seq.block_table, seq.tokens, min(seq.num_computed, len(seq.tokens)),
-                                   seq.block_hashes)
+                                   seq.block_hashes, seq.prefix_hashes)
             for seq in seqs:
                 seq.num_pending += 1
         st = self.stats

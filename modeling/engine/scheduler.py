@@ -122,10 +122,11 @@ class Scheduler:
             prompt = seq.tokens
             if not self.chunked_prefill and len(prompt) > budget:
                 break
-            if not self.blocks.can_allocate(prompt) or (self.state_slots is not None and not self.state_slots.free):
+            if (not self.blocks.can_allocate(prompt, seq.prefix_hashes)
+                    or (self.state_slots is not None and not self.state_slots.free)):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt)
+            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt, seq.prefix_hashes)
             seq.num_computed = seq.num_cached = len(seq.block_hashes) * self.blocks.block_size
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()

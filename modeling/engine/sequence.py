@@ -46,7 +46,9 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     block_table: List[int] = field(default_factory=list)
-    block_hashes: List[bytes] = field(default_factory=list)  # of its full blocks, for prefix caching
+    block_hashes: List[bytes] = field(default_factory=list)  # of its blocks registered for prefix caching
+    prefix_hashes: List[bytes] = field(default_factory=list)  # the hash chain of its full blocks, as far as
+    # computed (tokens only grow, so it stays valid through preemption: each block is hashed once)
     state_slot: Optional[int] = None
     seed: int = 0  # the sampling stream's seed (the request's, or drawn when it was added)
     status: Status = Status.WAITING
