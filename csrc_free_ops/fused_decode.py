@@ -10,11 +10,11 @@ only count) and runs the epilogue, then sets the counter back to zero. One kerne
 
 Norm (NORM): rms_norm(x) @ W^T = rsqrt(mean(x^2) + eps) * ((x * (w + offset)) @ W^T), the rsqrt
 being one scalar per row. So the main loop multiplies by x * (w + offset), rounded to the weight
-dtype like the normed x of the unfused path (fp16 keeps it in fp32 and runs the product on TF32
-tensor cores instead: unnormalised, it could pass fp16's 65504), while it sums x^2 over its K
-slice from the same tiles; the row's rsqrt scales the sum at the end (with SPLIT_K > 1 the
-slices' sums of squares are stored beside the partials and added by the last program). No
-extra pass over x before the weights start streaming.
+dtype like the normed x of the unfused path (fp16 keeps it in fp32, for a TF32 product), while it
+sums x^2 over its K slice from the same tiles; the row's rsqrt scales the sum at the end (with
+SPLIT_K > 1 the slices' sums of squares are stored beside the partials and added by the last
+program). The main loop, the split sums and the QKV epilogue's per-head values (RMSNorm, RoPE)
+are fused_decode_blocks.py's.
 
 Epilogues (y = the fp32 sum over K, rounded to the model dtype wherever the unfused ops would
 have stored it, so the fused ops agree with the composition of their references to that
@@ -51,12 +51,13 @@ import os
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, dot, empty_contiguous_like, fp32, head_block,
-                    head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
-from .rope import rotary_cos_sin
+from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, empty_contiguous_like, fp32, head_block,
+                     head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
+from .fused_decode_blocks import (_dot_slice, _gemv_slice, _head_values, _input_slice, _program_slice, _rotated_head,
+                                  _sum_row_slices, _sum_slices, _weight_slice)
+
 
 class GemvConfig(NamedTuple):
     block_n: int
@@ -94,101 +95,6 @@ def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None 
     block_n = block_n or (64 if n >= 32768 else 32)
     tiles = cdiv(n, block_n) * m_blocks
     return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
-
-
-@triton.jit
-def _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = None):
-    """weight[rn, k_lo:k_lo + BLOCK_K]^T as a [BLOCK_K, BLOCK_N] tile, zero past k_hi; with ROWS
-    (a head of ROWS rows in a head_block(ROWS) tile) also zero past the tile's first ROWS rows,
-    which are not read."""
-    rk = k_lo + tl.arange(0, BLOCK_K)
-    mask = (rk < k_hi)[:, None]
-    if ROWS is not None:
-        mask = mask & head_mask(tl.arange(0, rn.shape[0]), ROWS)[None, :]
-    return tl.load(w_ptr + (rn % N).to(tl.int64)[None, :] * stride_wn + rk[:, None], mask=mask, other=0.0)
-
-
-@triton.jit
-def _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(a, ss): a [BLOCK_M, BLOCK_K] = x[rm, k_lo:k_lo + BLOCK_K] (zero outside), or with NORM
-    x * (norm weight + offset) in fp32 and ss [BLOCK_M] = the tile's sum of x^2."""
-    rk = k_lo + tl.arange(0, BLOCK_K)
-    k_ok = rk < k_hi
-    a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-    ss = tl.zeros((a.shape[0],), dtype=tl.float32)
-    if NORM:
-        a = a.to(tl.float32)
-        ss = tl.sum(a * a, axis=1)
-        a = a * (tl.load(nw_ptr + rk, mask=k_ok, other=0.0).to(tl.float32) + offset)[None, :]
-    return a, ss
-
-
-@triton.jit
-def _dot_slice(a, b, acc, NORM: tl.constexpr):
-    """acc + a @ b for an `_input_slice` a and a `_weight_slice` b."""
-    if NORM:
-        acc = _dot_widened(a, b, acc)
-    else:
-        acc = dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROWS: tl.constexpr = None):
-    """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
-    or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice;
-    BLOCK_K-deep steps, software-pipelined by Triton. With ROWS, weight rows past the tile's first
-    ROWS are not read (`_weight_slice`): their columns of acc are zero."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        b = _weight_slice(w_ptr, rn, N, k0, k_hi, stride_wn, BLOCK_K, ROWS)
-        a, s = _input_slice(x_ptr, nw_ptr, rm, M, k0, k_hi, stride_xm, offset, NORM, BLOCK_K)
-        ss += s
-        acc = _dot_slice(a, b, acc, NORM)
-    return acc, ss
-
-
-@triton.jit
-def _dot_widened(a, b, acc):
-    """acc + a @ b for fp32 a and b of the weight dtype: a rounded to bf16 for bf16 weights (the
-    same range as fp32), exact fp32 for fp32 weights, TF32 (b widened) for fp16."""
-    if b.dtype == tl.float16:
-        return tl.dot(a, b.to(tl.float32), acc, input_precision="tf32")
-    return dot(a.to(b.dtype), b, acc)
-
-
-@triton.jit
-def _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K: tl.constexpr):
-    """sum over s of part[s, rm, cols], in slice order (fp32); read through L2, where the other
-    programs' stores are."""
-    ptrs = part_ptr + rm[:, None] * stride_pm + cols[None, :]
-    y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):  # unrolled: the loads go out together, not one round trip each
-        y += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-    return y
-
-
-@triton.jit
-def _sum_row_slices(ss_ptr, rm, M, SPLIT_K: tl.constexpr):
-    """sum over s of ss[s, rm] (the slices' sums of squares), in slice order."""
-    ss = tl.zeros(rm.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        ss += tl.load(ss_ptr + s * M + rm, mask=rm < M, other=0.0, cache_modifier=".cg")
-    return ss
-
-
-@triton.jit
-def _program_slice(K, K_PER_SPLIT, BLOCK_M: tl.constexpr):
-    """(pid_s, pid_m, rm, k_lo, k_hi) of program (., s, m): its K slice [k_lo, k_hi) and its x rows
-    rm, in int64 (x may be a strided view)."""
-    pid_s = tl.program_id(1).to(tl.int64)
-    pid_m = tl.program_id(2)
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    k_lo = pid_s * K_PER_SPLIT
-    return pid_s, pid_m, rm, k_lo, min(k_lo + K_PER_SPLIT, K)
 
 
 @kernel
@@ -258,45 +164,6 @@ def _gemv_kernel(
         if RESIDUAL:
             y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _head_values(part_ptr, b_ptr, rm, cols, mask, cols_ok, rstd, stride_ps, stride_pm, SPLIT_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """The projection's output at columns `cols` as the unfused linear stores it (scaled by the
-    input norm's rsqrt, bias added, rounded to the model dtype), in fp32; zero outside `mask`
-    ([BLOCK_M, cols]) and `cols_ok` (the head's real dims, a mask over cols)."""
-    y = _sum_slices(part_ptr, rm, cols, mask, stride_ps, stride_pm, SPLIT_K) * rstd[:, None]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=cols_ok, other=0.0).to(tl.float32)[None, :]
-    return y.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _rotated_head(part_ptr, b_ptr, nw_ptr, rm, col0, pos, mask, rstd, stride_ps, stride_pm, eps, offset, log2_theta,
-                  SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-                  D: tl.constexpr, ROT: tl.constexpr, dtype: tl.constexpr):
-    """One head [BLOCK_M, head_block(D)] of q or k after the per-head RMSNorm (HAS_NORM) and RoPE on
-    its first ROT dims, fp32, zero past D (`mask` covers the real dims); the math of
-    csrc_free_ops/rope.py."""
-    HALF: tl.constexpr = ROT // 2
-    d = tl.arange(0, head_block(D))
-    d_ok = head_mask(d, D)
-    pd = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))  # RoPE's partner dim (past D: d itself)
-    y = _head_values(part_ptr, b_ptr, rm, col0 + d, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
-                     dtype)
-    yp = _head_values(part_ptr, b_ptr, rm, col0 + pd, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
-                      dtype)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(y * y, axis=1) / D + eps)[:, None]
-        y = y * rstd * (tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
-        yp = yp * rstd * (tl.load(nw_ptr + pd, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
-    i = tl.where(d < HALF, d, d - HALF)
-    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
-    cos, sin = rotary_cos_sin(pos[:, None] * inv_freq[None, :])
-    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
-    rotated = y * cos + sign * yp * sin
-    return tl.where((d < ROT)[None, :], rotated, y)
 
 
 @kernel
