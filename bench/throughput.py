@@ -1,6 +1,7 @@
 """The engine's offline throughput and time to first token, beside transformers' continuous batching.
 
     python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer] [--profile] [--ttft-only]
+                               [--block-sizes 16 32 64 128]
 
 On the GPU (bf16, random weights, one process):
 
@@ -21,6 +22,9 @@ The timed throughput run's engine counters (steps, host time by phase: ``EngineS
 and kept under ``throughput_stats``; ``--profile`` also runs the workload's first 64 requests, one prefix hit and
 Qwen3.5's eight prompts under ``torch.profiler`` and prints the kernels that took the most device
 time in each.
+
+``--block-sizes``: first the throughput run (warm-up, then timed) with an engine of each KV block
+size, keys ``throughput_tokens_per_s_block{B}``: the benchmark that picks ``engine.BLOCK_SIZE``.
 
 Writes ``<date>-<gpu>-throughput.json`` with ``gpu`` and ``date``.
 """
@@ -66,6 +70,18 @@ def ttft_ms(engine, prompts, params) -> float:
     while engine.has_work():
         engine.step()
     return ms
+
+
+def throughput_at(model, requests, params, block_size: int) -> float:
+    """The throughput run (warm, then timed) with an engine of ``block_size``-position KV blocks."""
+    from modeling.engine import Engine
+
+    engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176, block_size=block_size)
+    run_all(engine, requests, params)
+    rate = run_all(engine, requests, params)
+    del engine
+    torch.cuda.empty_cache()
+    return rate
 
 
 def profile(title: str, run, rows: int = 15) -> None:
@@ -122,6 +138,8 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="profile the kernels of 64 requests, a prefix hit and Qwen3.5's eight prompts")
     p.add_argument("--ttft-only", action="store_true", help="skip the throughput run (and the peer)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[],
+                   help="first, the throughput run at each of these KV block sizes")
     a = p.parse_args()
     require_cuda("bench.throughput")
     from modeling import QwenConfig
@@ -145,6 +163,9 @@ def main():
 
     model = random_model(QwenConfig.from_dict(QWEN3_0_6B), dtype=torch.bfloat16, device="cuda", std=0.02)
     requests = workload(a.requests, model.config.vocab_size)
+    for block_size in a.block_sizes:
+        report(f"throughput_tokens_per_s_block{block_size}", throughput_at(model, requests, greedy, block_size),
+               "output tokens/s")
     engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
     print(engine.size.describe(model), flush=True)
     if not a.ttft_only:
