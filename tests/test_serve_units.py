@@ -265,3 +265,235 @@ def test_bench_serve_says_it_needs_a_gpu(monkeypatch, capsys):
         bench.serve.main()
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: python -m bench.serve needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine loop and its transports, with fake engines (no model runs)
+
+
+class FakeEngine:
+    """What EngineCore uses of an Engine: a sequence holds one KV block from its first step on and
+    gets token 7 each step until ``max_tokens``; steps from number ``fail_from`` on raise."""
+
+    def __init__(self, num_blocks: int = 8, fail_from: int = 0):
+        from types import SimpleNamespace
+
+        self.blocks = SimpleNamespace(num_blocks=num_blocks, num_free=num_blocks)
+        self.seqs, self.steps, self.fail_from = [], 0, fail_from
+
+    def add(self, prompt_ids, params, max_tokens, stop_ids=()):
+        from types import SimpleNamespace
+
+        from modeling.engine import Status
+
+        seq = SimpleNamespace(request_id=1000 + len(self.seqs), status=Status.WAITING, tokens=list(prompt_ids),
+                              logprobs=None, finish_reason=None, max_tokens=max_tokens, num_output=0)
+        self.seqs.append(seq)
+        return seq
+
+    def _finish(self, seq, reason=None):
+        from modeling.engine import Status
+
+        if seq.status is Status.RUNNING:
+            self.blocks.num_free += 1
+        seq.status, seq.finish_reason = Status.FINISHED, reason or seq.finish_reason
+        self.seqs.remove(seq)
+
+    def abort(self, seq):
+        if seq in self.seqs:
+            self._finish(seq, "abort")
+
+    def has_work(self):
+        return bool(self.seqs)
+
+    def step(self):
+        from modeling.engine import Status
+
+        self.steps += 1
+        if self.fail_from and self.steps >= self.fail_from:
+            raise RuntimeError("device lost")
+        out = list(self.seqs)
+        for seq in out:
+            if seq.status is Status.WAITING:
+                seq.status = Status.RUNNING
+                self.blocks.num_free -= 1
+            seq.tokens.append(7)
+            seq.num_output += 1
+            if seq.num_output >= seq.max_tokens:
+                self._finish(seq, "length")
+        return out
+
+
+class ListTransport:
+    """Keeps what the client puts; ``run_core`` then runs an EngineCore on it, in this thread,
+    until it would wait for a message (its reports go straight to the client)."""
+
+    def __init__(self):
+        self.inbox = []
+
+    def put(self, msg):
+        self.inbox.append(msg)
+
+
+def run_core(engine, client):
+    from modeling.serve.engine_core import EngineCore
+
+    EngineCore(engine, client.on_message).run(
+        lambda block: client.transport.inbox.pop(0) if client.transport.inbox else (("stop",) if block else None))
+
+
+def drain_sink(sink):
+    items = []
+    while not sink.queue.empty():
+        items.append(sink.queue.get_nowait())
+    return items
+
+
+def test_engine_loop_add_abort_order_and_idle_state():
+    """An abort that reaches the engine right after its add (before any step) stops it without a
+    token; tokens go only to the sequences still running; once idle, counts and KV usage are 0
+    (what /metrics shows and tests/test_serve.py's wait_idle waits for)."""
+    from modeling.serve.engine_loop import EngineClient, Sink
+
+    engine, client = FakeEngine(), EngineClient(ListTransport(), 100)
+    a, b = Sink(), Sink()
+    ra = client.submit(a, 0, [1, 2], SamplingParams(), 3, ())
+    client.submit(b, 0, [1, 2], SamplingParams(), 2, ())
+    assert client.counts() == {"running": 0, "waiting": 2}
+    client.abort(ra)
+    run_core(engine, client)
+    assert drain_sink(a) == []
+    steps = drain_sink(b)
+    assert [[(e.token, e.finish_reason) for e in s] for s in steps] == [[(7, None)], [(7, "length")]]
+    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_cache_usage() == 0.0
+    assert engine.seqs == [] and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_failed_step_leaves_no_stale_kv_usage():
+    """A step that fails after one that ran frees the blocks of the requests it fails: the KV
+    usage the server reports goes back to 0 (it stayed at the last step's until the next request)."""
+    from modeling.serve.engine_loop import EngineClient, EngineFailure, Sink
+
+    engine, client = FakeEngine(fail_from=2), EngineClient(ListTransport(), 100)
+    sink = Sink()
+    client.submit(sink, 0, [1, 2], SamplingParams(), 5, ())
+    run_core(engine, client)
+    got = drain_sink(sink)
+    assert len(got) == 2 and [e.token for e in got[0]] == [7] and isinstance(got[1], EngineFailure)
+    assert "device lost" in got[1].message
+    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_cache_usage() == 0.0
+
+
+def test_submit_to_a_dead_engine_fails_at_once():
+    """A request whose handler was reading its body when the engine died: nothing is sent to the
+    dead engine and its sink fails at once (it waited for the drain timeout, then was cut)."""
+    from modeling.serve.engine_loop import EngineClient, EngineFailure, Sink
+
+    dead = []
+    client = EngineClient(ListTransport(), 100, dead.append)
+    client.on_message(("dead", "the engine process exited (code -9)"))
+    sink = Sink()
+    client.submit(sink, 0, [1, 2], SamplingParams(), 5, ())
+    got = drain_sink(sink)
+    assert len(got) == 1 and isinstance(got[0], EngineFailure) and "code -9" in got[0].message
+    assert client.transport.inbox == [] and client.counts() == {"running": 0, "waiting": 0} and len(dead) == 1
+
+
+def _engine_child_blocked_in_send(spec, inbox, conn, parent_pid):
+    """A fake engine process (ProcessTransport's target): ready, then a report larger than a pipe
+    holds (it blocks until the server reads), then it waits for "stop" as EngineCore does."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn.send(("ready", {}))
+    conn.send(("status", [], 0.0, b"x" * (1 << 20)))
+    while inbox.get() != ("stop",):
+        pass
+
+
+def _engine_child_hung(spec, inbox, conn, parent_pid):
+    """A fake engine process stuck in a step (a hung device): ready, then it reads nothing and
+    ignores SIGTERM, until its parent is gone."""
+    import os
+    import signal
+    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn.send(("ready", {}))
+    while os.getppid() == parent_pid:
+        time.sleep(0.1)
+
+
+def test_stop_reads_what_the_engine_is_blocked_sending(monkeypatch):
+    """The lifespan's stop blocks the event loop: an engine blocked sending a report larger than
+    the pipe holds must still get to its "stop" and exit cleanly (it was SIGTERMed, which it
+    ignores, then died of a broken pipe, after twice the timeout)."""
+    from modeling.serve import engine_process
+
+    monkeypatch.setattr(engine_process, "_child_main", _engine_child_blocked_in_send)
+    t = engine_process.ProcessTransport(engine_process.EngineSpec("unused", None, None))
+    t.stop(10.0)
+    assert t.proc.exitcode == 0 and t._conn.closed
+
+
+def test_interrupted_start_kills_the_engine_process(monkeypatch):
+    """Ctrl-C while the engine process loads: it ignores SIGINT and SIGTERM, so unless the server
+    kills it, it runs on and the server's exit waits for it for good."""
+    import multiprocessing
+
+    from modeling.serve import engine_process
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_process, "_child_main", _engine_child_hung)
+    monkeypatch.setattr(engine_process.ProcessTransport, "_wait_ready", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine_process.ProcessTransport(engine_process.EngineSpec("unused", None, None))
+        assert [p for p in multiprocessing.active_children() if p.name == "qwen-serve-engine"] == []
+    finally:
+        for p in multiprocessing.active_children():
+            if p.name == "qwen-serve-engine":
+                p.kill()
+                p.join()
+
+
+def test_a_hung_engine_is_killed_and_the_server_exits():
+    """An engine process stuck in a step, requests queued for it past what a pipe holds: stop
+    kills it (it ignores SIGTERM) and the server's process exits (it waited for good at exit, for
+    the child and for the queue's feeder thread blocked on the full pipe)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import test_serve_units as t\n"
+        "from modeling.serve import engine_process as ep\n"
+        "ep._child_main = t._engine_child_hung\n"
+        "tr = ep.ProcessTransport(ep.EngineSpec('unused', None, None))\n"
+        "tr.put(('add', 0, [1] * 100000, None, 1, (), False))\n"
+        "tr.stop(0.5)\n"
+        "print('exitcode', tr.proc.exitcode, flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "exitcode -9", r.stdout + r.stderr
+
+
+def test_stop_leaves_an_in_process_engine_empty():
+    """The loop stops with sequences in the engine (handlers cancelled after the app's shutdown
+    abort nothing): an Engine of this process, given to create_app, outlives it and must not keep
+    their blocks or step them for no one."""
+    from modeling.serve.engine_loop import EngineClient, Sink
+
+    engine, client = FakeEngine(), EngineClient(ListTransport(), 100)
+    for _ in range(2):
+        client.submit(Sink(), 0, [1, 2], SamplingParams(), 5, ())
+    client.transport.put(("stop",))
+    run_core(engine, client)
+    assert engine.seqs == [] and not engine.has_work()

@@ -9,7 +9,8 @@ Out: ("step", t0, events, changes, kv_usage): after each step, t0 its start (per
        clock for every process of the machine), events [(rid, token, logprob entry or None,
        finish reason or None)] of the sequences that got a token, changes [(rid, waiting)] of the
        sequences whose waiting state changed since the last report (admitted, or preempted);
-     ("status", changes, kv_usage): when adds or aborts changed the engine and no step followed;
+     ("status", changes, kv_usage): when adds or aborts changed the engine, or a step failed, and no
+       step followed;
      ("failed", rids, message): a step raised, these requests were failed (their blocks freed);
      ("dead", message): ``MAX_CONSECUTIVE_FAILURES`` steps failed in a row: the loop has stopped.
 """
@@ -39,18 +40,19 @@ class EngineCore:
 
     def run(self, get: Callable[[bool], Optional[tuple]]) -> None:
         while True:
+            if self.dirty and not self.engine.has_work():  # before blocking: the server's view is current
+                self.dirty = False
+                self.send(("status", self.changes(), self.kv_usage()))
             msg = get(not self.engine.has_work())
             while msg is not None:
-                if msg[0] == "stop":
+                if msg[0] == "stop":  # abort what is left: an Engine of the server's process outlives the loop
+                    for seq in self.seqs.values():
+                        self.engine.abort(seq)
                     return
                 self.handle(msg)
                 msg = get(False)
-            if self.engine.has_work():
-                if not self.step():
-                    return
-            elif self.dirty:
-                self.dirty = False
-                self.send(("status", self.changes(), self.kv_usage()))
+            if self.engine.has_work() and not self.step():
+                return
 
     def handle(self, msg: tuple) -> None:
         self.dirty = True
@@ -81,6 +83,7 @@ class EngineCore:
                 self.engine.abort(self.seqs[rid])
                 self.forget(rid)
             self.send(("failed", rids, f"{type(e).__name__}: {e}"))
+            self.dirty = True  # their blocks were freed: the KV usage the server last got is stale
             if self.failures >= MAX_CONSECUTIVE_FAILURES:
                 log.error("the engine failed %d steps in a row: it is unusable", self.failures)
                 self.send(("dead", f"{type(e).__name__}: {e}"))

@@ -90,9 +90,13 @@ class EngineClient:
     def submit(self, sink: Sink, index: int, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
                stop_ids: Seq[int]) -> int:
         """Add one sequence (the ValueError of ``Engine.add`` when it cannot run); its tokens go to
-        ``sink``. Returns its request id, for ``abort``."""
+        ``sink`` (an ``EngineFailure`` at once if the engine is dead: nothing would answer). Returns
+        its request id, for ``abort``."""
         check_request(prompt_ids, max_tokens, self.max_model_len)
         rid, self._next_rid = self._next_rid, self._next_rid + 1
+        if self.dead is not None:  # it died while the handler read the body
+            sink.queue.put_nowait(EngineFailure(str(self.dead)))
+            return rid
         self._entries[rid] = _Entry(sink, index, time.perf_counter())
         self.transport.put(("add", rid, list(prompt_ids), params, max_tokens, tuple(stop_ids),
                             params.logprobs is not None))

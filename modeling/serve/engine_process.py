@@ -8,14 +8,17 @@ a step, and the engine's never delays a stream. Requests go to the child through
 ``multiprocessing`` queue (its feeder thread writes: a put never blocks the event loop); reports
 come back through a pipe the event loop reads when it is readable (``add_reader``).
 
-The child ignores SIGINT and SIGTERM (the server drains, then stops it) and exits by itself when
-the server process is gone. Its exit at any other time is the engine's death for the server.
+The child ignores SIGINT and SIGTERM (the server drains, then stops it: SIGKILL if it does not stop
+in time, or if the server is interrupted while the child starts) and exits by itself when the
+server process is gone. Its exit at any other time is the engine's death for the server.
 """
 import logging
 import os
 import queue
 import signal
+import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, Optional
 
 START_POLL_S = 1.0
@@ -59,7 +62,11 @@ class ProcessTransport:
         self.proc.start()
         child_end.close()  # the child holds the only write end: its exit is our EOF
         self._loop = None
-        self.info = self._wait_ready()
+        try:
+            self.info = self._wait_ready()
+        except BaseException:  # Ctrl-C while it loads, or it failed: it ignores SIGINT and SIGTERM
+            self._kill()
+            raise
 
     def _wait_ready(self) -> Dict[str, Any]:
         while not self._conn.poll(START_POLL_S):
@@ -93,15 +100,31 @@ class ProcessTransport:
         self._inbox.put(msg)
 
     def stop(self, timeout: float) -> None:
-        if self.proc.is_alive():
-            self._inbox.put(("stop",))
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout)
+        """"stop" to the child, then SIGKILL after ``timeout`` seconds. Its reports meanwhile are
+        read and dropped: one larger than the pipe holds would block it before it reads "stop"."""
         if self._loop is not None and not self._conn.closed:
             self._loop.remove_reader(self._conn.fileno())
+        if self.proc.is_alive():
+            self._inbox.put(("stop",))
+            deadline = time.monotonic() + timeout
+            while self.proc.is_alive() and time.monotonic() < deadline:
+                if self._conn in wait([self._conn, self.proc.sentinel], max(0.0, deadline - time.monotonic())):
+                    try:
+                        self._conn.recv_bytes()
+                    except (EOFError, OSError):  # it is exiting
+                        self.proc.join(max(0.0, deadline - time.monotonic()))
+                        break
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the child if it still runs (it ignores SIGTERM), reap it, close the pipe and the
+        queue. What it did not read is dropped: exiting does not wait for the queue's feeder thread,
+        which blocks for good on a full pipe that no one reads."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
         self._conn.close()
+        self._inbox.cancel_join_thread()
         self._inbox.close()
 
 
