@@ -408,7 +408,7 @@ def _engine_child_blocked_in_send(spec, inbox, conn, parent_pid):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn.send(("ready", {}))
     conn.send(("status", [], 0.0, b"x" * (1 << 20)))
-    while inbox.get() != ("stop",):
+    while inbox.recv() != ("stop",):
         pass
 
 
@@ -424,6 +424,56 @@ def _engine_child_hung(spec, inbox, conn, parent_pid):
     conn.send(("ready", {}))
     while os.getppid() == parent_pid:
         time.sleep(0.1)
+
+
+def _engine_child_echo(spec, inbox, conn, parent_pid):
+    """A fake engine process: ready, then for every request it reads, a report of its kind and
+    size, until "stop"."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn.send(("ready", {}))
+    while True:
+        msg = inbox.recv()
+        if msg == ("stop",):
+            return
+        conn.send(("status", [(msg[1], len(msg[2]))], 0.0))
+
+
+def test_requests_larger_than_the_pipe_reach_the_engine_whole_and_in_order(monkeypatch):
+    """The event loop never blocks on the request pipe (test_a_hung_engine_... would hang): a request
+    larger than it holds is written as it drains (add_writer), and the ones after it arrive after
+    it, whole."""
+    from modeling.serve import engine_process
+
+    monkeypatch.setattr(engine_process, "_child_main", _engine_child_echo)
+    t = engine_process.ProcessTransport(engine_process.EngineSpec("unused", None, None))
+    sizes = [300_000, 3, 200_000, 1]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        got, done = [], asyncio.Event()
+
+        def on_report(msg):
+            got.append(msg[1][0])
+            if len(got) == len(sizes):
+                done.set()
+
+        t.start(on_report, loop)
+        for rid, n in enumerate(sizes):
+            t.put(("add", rid, [7] * n, None, 1, (), False))
+        assert t._pending  # the pipe did not take it all: the rest goes as it drains
+        await asyncio.wait_for(done.wait(), 60)
+        return got
+
+    import asyncio
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        t.stop(10.0)
+    assert got == list(enumerate(sizes)) and t.proc.exitcode == 0
 
 
 def test_stop_reads_what_the_engine_is_blocked_sending(monkeypatch):

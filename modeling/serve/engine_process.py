@@ -4,9 +4,13 @@ The server process keeps the HTTP side (requests, tokenizer, chat templates, det
 streaming) and never loads the weights; a child process (``multiprocessing`` spawn: CUDA does not
 survive a fork) loads them, builds the ``Engine``, warms it up on CUDA, says it is ready, then
 runs ``engine_core.EngineCore``. The two share no interpreter: the event loop's Python never delays
-a step, and the engine's never delays a stream. Requests go to the child through a
-``multiprocessing`` queue (its feeder thread writes: a put never blocks the event loop); reports
-come back through a pipe the event loop reads when it is readable (``add_reader``).
+a step, and the engine's never delays a stream. Requests go to the child through a pipe that the
+event loop writes without blocking (``put``: what the pipe does not take now is written when it
+is writable, ``add_writer``), in ``multiprocessing.Connection``'s framing, so the child reads
+them with ``recv``; reports come back through another pipe the event loop reads when it is
+readable (``add_reader``). Not a ``multiprocessing`` queue: its feeder thread needs the
+interpreter to write, so a request waited for whatever Python the event loop ran next (a whole
+step's streaming at load).
 
 The child ignores SIGINT and SIGTERM (the server drains, then stops it: SIGKILL if it does not stop
 in time, or if the server is interrupted while the child starts) and exits by itself when the
@@ -14,11 +18,12 @@ server process is gone. Its exit at any other time is the engine's death for the
 """
 import logging
 import os
-import queue
+import select
 import signal
+import struct
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional
 
 START_POLL_S = 1.0
@@ -55,12 +60,16 @@ class ProcessTransport:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        self._inbox = ctx.Queue()
-        self._conn, child_end = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_child_main, args=(spec, self._inbox, child_end, os.getpid()),
+        self._conn, child_end = ctx.Pipe(duplex=False)  # reports: the child writes
+        child_inbox, self._out = ctx.Pipe(duplex=False)  # requests: we write
+        self.proc = ctx.Process(target=_child_main, args=(spec, child_inbox, child_end, os.getpid()),
                                 name="qwen-serve-engine", daemon=True)
         self.proc.start()
         child_end.close()  # the child holds the only write end: its exit is our EOF
+        child_inbox.close()
+        os.set_blocking(self._out.fileno(), False)
+        self._pending = bytearray()  # framed requests the pipe has not taken yet
+        self._writing = False  # flush registered with the loop
         self._loop = None
         try:
             self.info = self._wait_ready()
@@ -86,6 +95,7 @@ class ProcessTransport:
     def start(self, callback: Callable[[tuple], None], loop) -> None:
         self._callback, self._loop = callback, loop
         loop.add_reader(self._conn.fileno(), self._readable)
+        self._flush()
 
     def _readable(self) -> None:
         try:
@@ -97,18 +107,46 @@ class ProcessTransport:
             self._callback(("dead", f"the engine process exited (code {self.proc.exitcode})"))
 
     def put(self, msg: tuple) -> None:
-        self._inbox.put(msg)
+        """Send ``msg`` now, as far as the pipe takes it; never blocks."""
+        if self._out.closed:
+            return
+        data = ForkingPickler.dumps(msg)
+        self._pending += struct.pack("!i", len(data)) + data  # Connection.send's framing
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._pending:
+                del self._pending[:os.write(self._out.fileno(), self._pending)]
+        except BlockingIOError:  # full: the rest when it is writable
+            pass
+        except OSError:  # the child is gone: its death reaches us through the report pipe
+            self._pending.clear()
+        if self._loop is not None and not self._loop.is_closed() and self._writing != bool(self._pending):
+            if self._pending:
+                self._loop.add_writer(self._out.fileno(), self._flush)
+            else:
+                self._loop.remove_writer(self._out.fileno())
+            self._writing = bool(self._pending)
 
     def stop(self, timeout: float) -> None:
         """"stop" to the child, then SIGKILL after ``timeout`` seconds. Its reports meanwhile are
         read and dropped: one larger than the pipe holds would block it before it reads "stop"."""
         if self._loop is not None and not self._conn.closed:
             self._loop.remove_reader(self._conn.fileno())
+            if self._writing:
+                self._loop.remove_writer(self._out.fileno())
+            self._loop = None  # from here on, this method writes what is pending
         if self.proc.is_alive():
-            self._inbox.put(("stop",))
+            self.put(("stop",))
             deadline = time.monotonic() + timeout
             while self.proc.is_alive() and time.monotonic() < deadline:
-                if self._conn in wait([self._conn, self.proc.sentinel], max(0.0, deadline - time.monotonic())):
+                writable = [self._out] if self._pending else []
+                readable, writable, _ = select.select([self._conn, self.proc.sentinel], writable, [],
+                                                      max(0.0, deadline - time.monotonic()))
+                if writable:
+                    self._flush()
+                if self._conn in readable:
                     try:
                         self._conn.recv_bytes()
                     except (EOFError, OSError):  # it is exiting
@@ -117,15 +155,14 @@ class ProcessTransport:
         self._kill()
 
     def _kill(self) -> None:
-        """SIGKILL the child if it still runs (it ignores SIGTERM), reap it, close the pipe and the
-        queue. What it did not read is dropped: exiting does not wait for the queue's feeder thread,
-        which blocks for good on a full pipe that no one reads."""
+        """SIGKILL the child if it still runs (it ignores SIGTERM), reap it, close both pipes (what
+        it did not read is dropped)."""
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
         self._conn.close()
-        self._inbox.cancel_join_thread()
-        self._inbox.close()
+        self._out.close()
+        self._pending.clear()
 
 
 def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
@@ -161,13 +198,14 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
                              dtype=str(llm.dtype).replace("torch.", ""))))
 
     def get(block: bool) -> Optional[tuple]:
-        while True:
-            try:
-                return inbox.get(timeout=START_POLL_S) if block else inbox.get_nowait()
-            except queue.Empty:
-                if not block:
-                    return None
-                if os.getppid() != parent_pid:  # the server is gone
-                    return ("stop",)
+        if not block and not inbox.poll():
+            return None
+        while block and not inbox.poll(START_POLL_S):
+            if os.getppid() != parent_pid:  # the server is gone
+                return ("stop",)
+        try:
+            return inbox.recv()
+        except (EOFError, OSError):  # the server closed its end
+            return ("stop",)
 
     EngineCore(engine, conn.send).run(get)
