@@ -40,6 +40,8 @@ import torch
 from bench import require_cuda
 
 INPUT_LENS = OUTPUT_LENS = (100, 1024)
+ENGINE = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
+"""The Qwen3 engine's settings (every run of the workload)."""
 
 
 def workload(n: int, vocab: int, seed: int = 0):
@@ -76,7 +78,7 @@ def throughput_at(model, requests, params, block_size: int) -> float:
     """The throughput run (warm, then timed) with an engine of ``block_size``-position KV blocks."""
     from modeling.engine import Engine
 
-    engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176, block_size=block_size)
+    engine = Engine(model, block_size=block_size, **ENGINE)
     run_all(engine, requests, params)
     rate = run_all(engine, requests, params)
     del engine
@@ -166,7 +168,7 @@ def main():
     for block_size in a.block_sizes:
         report(f"throughput_tokens_per_s_block{block_size}", throughput_at(model, requests, greedy, block_size),
                "output tokens/s")
-    engine = Engine(model, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
+    engine = Engine(model, **ENGINE)
     print(engine.size.describe(model), flush=True)
     if not a.ttft_only:
         run_all(engine, requests, greedy)  # warm: compile, capture every decode bucket
