@@ -18,6 +18,10 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
   the per-token time from two runs of different lengths;
 - the floor: the model's weight bytes / the device-to-device copy bandwidth measured here.
 
+- ours, persistent kernel: the same Generator with `model.persistent_decode = True`: every layer
+  of a decode step in one launch (`ops.decode_layers`, csrc_free_ops/decode_layers.py), then the
+  lm_head; batch 1 at context 256 and 2048, batch 8 at context 256 (key
+  `persistent_b1_ms_per_token`, its kernels per token `persistent_kernels_per_token`);
 - ours, weights after the PDL wait: the same graph with `fused_decode.PREFETCH` off (each
   program of a fused GEMV streams its weights only after the previous kernel has finished), the
   A/B of the weight prefetch in one run;
@@ -56,6 +60,7 @@ SHAPES = {
                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
 }
 AFTER_WAIT = "ours, CUDA graph, weights after the PDL wait"
+PERSISTENT = "ours, CUDA graph, persistent kernel"
 MARK_BEGIN, MARK_END = "<!-- bench.decode:begin -->", "<!-- bench.decode:end -->"
 
 
@@ -231,12 +236,23 @@ def measure(args) -> dict:
         if name == "qwen3-0.6b":
             out["floor_ms"] = floor
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+            model.persistent_decode = True
+            row(name, PERSISTENT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
+            out["persistent_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+            row(name, PERSISTENT, 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
+            row(name, PERSISTENT, 8, 256, ours_ms(model, 8, 256, args.steps, True))
+            persistent = kernel_profile(model)
+            out["persistent_kernels_per_token"] = round(sum(n for n, _ in persistent.values()))
+            print_profile("persistent decode step", persistent)
+            model.persistent_decode = None
             with weights_after_wait():
                 row(name, AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
             row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
             for batch in (8, 32):
                 row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
             out["ours_b8_ms_per_step"] = out["rows"][-2]["ms_per_step"]
+            if args.quick:
+                return out
             with weights_after_wait():
                 row(name, AFTER_WAIT, 8, 256, ours_ms(model, 8, 256, args.steps, True))
             row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
@@ -342,6 +358,8 @@ def main():
     p.add_argument("--all", action="store_true", help="also the seed and Qwen3-1.7B shapes")
     p.add_argument("--max-autotune", action="store_true", help="compile the torch peer with max-autotune")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--quick", action="store_true", help="only Qwen3-0.6B's rows of ours (no peers, no profiles "
+                   "of the op-by-op paths, no Qwen3.5)")
     p.add_argument("--render", metavar="JSON", help="only rewrite docs/performance.md from a result file")
     a = p.parse_args()
     if a.render:

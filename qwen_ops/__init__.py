@@ -18,6 +18,7 @@ from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
 from .decode_attention import decode_attention, decode_attention_reference
+from .decode_layers import decode_layers, decode_layers_reference
 from .fused_decode import (linear_residual, linear_residual_reference, norm_gate_up_silu,
                            norm_gate_up_silu_reference, norm_linear, norm_linear_reference, norm_qkv_rope_store,
                            norm_qkv_rope_store_reference, reserve_semaphores)
@@ -45,7 +46,7 @@ __all__ = [
     "chunk_gated_delta_rule_varlen", "chunk_gated_delta_rule_varlen_reference", "gated_rms_norm", "gated_rms_norm_reference",
     "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_reference", "recurrent_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_varlen_reference",
-    "decode_attention", "decode_attention_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",
+    "decode_attention", "decode_attention_reference", "decode_layers", "decode_layers_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",
     "linear_cross_entropy_with_lse_reference", "linear_reference", "rms_norm", "rms_norm_backward",

@@ -31,7 +31,21 @@ def _samples(device):
         "norm_qkv_rope_store": (randn(b, 1, n, **f32), randn(n, **f32), randn((hq + 2 * hk) * d, n, **f32), None,
                                 randn(d, **f32), randn(d, **f32), cache(), cache(), positions[:, :1], 1e-6, 0.0, 1e4, d,
                                 hq, False),
+        "decode_layers": _decode_layers_sample(device),
     }
+
+
+def _decode_layers_sample(device):
+    """Two layers of hidden 32 (2 q heads, 1 kv head of 16, I 24), two sequences in blocks of 16."""
+    f32 = dict(dtype=torch.float32, device=device)
+    layers, h, d, inter = 2, 32, 16, 24
+    table = torch.tensor([[2], [0]], dtype=torch.int32, device=device)
+    cache = lambda: randn(layers, 3, 16, 1, d, **f32)  # noqa: E731
+    return (randn(2, h, **f32), torch.tensor([4, 9], device=device), torch.tensor([5, 10], dtype=torch.int32,
+            device=device), table, randn(layers, h, **f32), randn(layers, 4 * d, h, **f32), None,
+            randn(layers, d, **f32), randn(layers, d, **f32), randn(layers, h, 2 * d, **f32), randn(layers, h, **f32),
+            randn(layers, 2 * inter, h, **f32), randn(layers, h, inter, **f32), cache(), cache(), 1e-6, 0.0, 1e4, d,
+            2, 2)
 
 
 OPS = list(_samples("cpu"))

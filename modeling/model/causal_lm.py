@@ -6,34 +6,53 @@ layer's cache.
 Shapes: B batch, T new tokens, hidden = config.hidden_size, V vocab_size.
 """
 
+import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import qwen_ops
+from csrc_free_ops.decode_layers import MAX_ROWS as DECODE_LAYERS_MAX_ROWS
+from csrc_free_ops.decode_layers import default_splits as decode_splits
+from csrc_free_ops.decode_layers import error_flag as decode_layers_error_flag
 
 from .config import QwenConfig
-from .layers import LAYER_TYPES
+from .layers import LAYER_TYPES, KVCache
 from .loader import load_state_dict
 
 ops = torch.ops.qwen
+
+PERSISTENT_DECODE = os.environ.get("QWEN_PERSISTENT_DECODE", "1") != "0"
+"""``QwenForCausalLM.persistent_decode``'s default (QWEN_PERSISTENT_DECODE=0: off): on for one
+sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions, where the H200 measures it
+faster than the fused ops (0.793 against 0.941 ms per Qwen3-0.6B token at context 256; at 2048,
+1.083 against 1.052; at batch 8, 3.81 against 1.28 ms per step)."""
+PERSISTENT_DECODE_MAX_LEN = 1024
 
 
 class Cache:
     """The state of a batch of sequences for every layer: ``layers[i]`` is layer i's cache (a
     ``KVCache`` for an attention layer, a ``GatedDeltaNetCache`` for a Gated DeltaNet layer). Build
     it with ``QwenForCausalLM.new_cache``; the caller owns it and reuses it (its tensors never
-    move, as CUDA graph replay needs)."""
+    move, as CUDA graph replay needs).
 
-    def __init__(self, layers: Sequence):
+    ``stacked``: for a model of attention layers only, (k, v) [NL, B, L, Hk, D], the layers' caches
+    as one tensor each (``layers[i]`` are views of them), and ``block_table`` [B, 1] int32 (row m's
+    positions are "block" m of length L): the layout ``ops.decode_layers`` reads; else None."""
+
+    def __init__(self, layers: Sequence, stacked: Optional[Tuple[Tensor, Tensor]] = None,
+                 block_table: Optional[Tensor] = None):
         self.layers = tuple(layers)
+        self.stacked, self.block_table = stacked, block_table
 
     def rows(self, start: int, stop: int) -> "Cache":
         """Batch rows [start, stop) of every layer's cache: views, no copy."""
-        return Cache(c.rows(start, stop) for c in self.layers)
+        stacked = None if self.stacked is None else tuple(t[:, start:stop] for t in self.stacked)
+        table = None if self.block_table is None else self.block_table[:stop - start]
+        return Cache((c.rows(start, stop) for c in self.layers), stacked, table)
 
     @property
     def supports_padded_prefill(self) -> bool:
@@ -68,6 +87,15 @@ class QwenForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.empty(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
 
+    persistent_decode: Optional[bool] = None
+    """Whether decode steps of one new token for each of at most 8 sequences run every layer in
+    one persistent kernel (``ops.decode_layers``, csrc_free_ops/decode_layers.py) instead of six
+    kernels a layer. Only models of attention layers without an output gate (Qwen3, Qwen2), with a
+    cache from ``new_cache``. None (the default): on CUDA where ``PERSISTENT_DECODE`` says so, unless
+    ``fused_decode`` is False (the op-by-op path stays op by op); True
+    or False forces it (True still needs such a model and cache; on the CPU the op runs its
+    reference, or the kernel under the interpreter)."""
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
@@ -82,7 +110,14 @@ class QwenForCausalLM(nn.Module):
         (default dtype and device: the model's)."""
         dtype, device = dtype or self.dtype, device or self.device
         qwen_ops.reserve_semaphores(device)  # before any CUDA graph capture of a decode step
-        return Cache(layer.new_cache(batch_size, max_len, dtype, device) for layer in self.layers)
+        c = self.config
+        if any(kind != "full_attention" for kind in c.layer_types):
+            return Cache(layer.new_cache(batch_size, max_len, dtype, device) for layer in self.layers)
+        shape = (len(self.layers), batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        table = torch.arange(batch_size, dtype=torch.int32, device=device).view(batch_size, 1)
+        decode_layers_error_flag(torch.device(device))  # before any CUDA graph capture of a decode step
+        return Cache((KVCache(k[i], v[i]) for i in range(len(self.layers))), (k, v), table)
 
     def forward(
         self,
@@ -106,6 +141,14 @@ class QwenForCausalLM(nn.Module):
         prefill's last real token; the final norm and the lm_head then run on those rows only).
         """
         c = self.config
+        if cache_seqlens is not None and self._runs_decode_layers(input_ids, cache):
+            b = input_ids.shape[0]
+            x = ops.decode_layers(F.embedding(input_ids.reshape(b), self.embed_tokens), positions.reshape(b),
+                                  cache_seqlens, cache.block_table, *self._stacked_weights(), *cache.stacked,
+                                  c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
+                                  decode_splits(cache.stacked[0].shape[2]))
+            return ops.norm_linear(x[:, None] if all_logits else x, self.norm, self._head(), None, c.rms_norm_eps,
+                                   c.norm_offset)
         fused = self.fused_decode if self.fused_decode is not None else input_ids.numel() == 1
         if cache_seqlens is not None and fused:
             x = F.embedding(input_ids, self.embed_tokens)  # the residual stream
@@ -145,6 +188,39 @@ class QwenForCausalLM(nn.Module):
         targets = (input_ids if labels is None else labels)[:, 1:]
         return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),
                                         ignore_index)
+
+    def _runs_decode_layers(self, input_ids: Tensor, cache: Cache) -> bool:
+        """A decode step through ``ops.decode_layers`` (see ``persistent_decode``)."""
+        on = self.persistent_decode
+        if on is None:  # where the H200 measured it faster than the fused ops (docs/performance.md)
+            on = (PERSISTENT_DECODE and self.fused_decode is not False and input_ids.is_cuda and input_ids.shape[0] == 1 and cache.stacked is not None
+                  and cache.stacked[0].shape[2] <= PERSISTENT_DECODE_MAX_LEN)
+        c = self.config
+        return (on and cache.stacked is not None and input_ids.dim() == 2
+                and input_ids.shape[1] == 1 and 0 < input_ids.shape[0] <= DECODE_LAYERS_MAX_ROWS
+                and not c.attn_output_gate and cache.stacked[0].dtype == self.dtype)
+
+    def _stacked_weights(self) -> Tuple:
+        """The layers' weights as ``ops.decode_layers`` takes them, each kind stacked [NL, ...]. Made
+        on first use: the stacks replace the layers' parameters, which become views of them (no
+        second copy of the weights); made again if a parameter was replaced since."""
+        names = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm",
+                 "gate_up_weight", "down_weight")
+        stacks = getattr(self, "_stacks", None)
+        if stacks is None or any(t is not None and getattr(self.layers[-1], n).data_ptr() !=
+                                 t[-1].data_ptr() for n, t in zip(names, stacks)):
+            stacks = []
+            for name in names:
+                params = [getattr(layer, name) for layer in self.layers]
+                if params[0] is None:
+                    stacks.append(None)
+                    continue
+                stack = torch.stack([p.detach() for p in params])
+                for layer, view in zip(self.layers, stack):
+                    setattr(layer, name, nn.Parameter(view, requires_grad=False))
+                stacks.append(stack)
+            self._stacks = tuple(stacks)
+        return self._stacks
 
     def _head(self) -> Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,0 +1,151 @@
+"""qwen::decode_layers: every layer of an attention-only Qwen decoder (Qwen3, Qwen2/2.5) for one
+decode step, in one persistent kernel (csrc_free_ops/decode_layers.py).
+
+    decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias,
+                  q_norm, k_norm, o_weight, post_norm, gate_up_weight, down_weight, k_cache, v_cache,
+                  eps, offset, theta, rotary_dim, num_heads, num_splits) -> x after the last layer
+
+x [M, H]: the new token of each of M <= 8 sequences (the embeddings); positions [M] int32/int64 its
+position; cache_seqlens [M] int32 the cached positions including it; the paged cache k_cache,
+v_cache [NL, NB, BS, Hk, D] with block_table [M, max_blocks] int32 (position p of sequence m at
+block block_table[m, p // BS], offset p % BS: the engine's layout, one block table for every
+layer; a contiguous [NL, B, L, Hk, D] cache is NB = B, BS = L, block_table[m] = [m]). The weights
+are the layers' stacked [NL, ...]: input_norm, post_norm [NL, H]; qkv_weight [NL, (Hq + 2Hk) D, H],
+qkv_bias [NL, (Hq + 2Hk) D] or None; q_norm, k_norm [NL, D] or None (both or neither); o_weight
+[NL, H, Hq D]; gate_up_weight [NL, 2I, H]; down_weight [NL, H, I]. num_splits (>= 1) splits each
+(sequence, kv head)'s attention; the result does not depend on it beyond fp32 rounding.
+
+By definition, per layer l (the reference composes the ops' references):
+
+    qkv = linear(rms_norm(x, input_norm[l]), qkv_weight[l], qkv_bias[l]); q, k, v = its heads
+    q, k = rope(q, k, positions, theta, rotary_dim, q_norm[l], k_norm[l], eps, offset)
+    kv_cache_store_slots(k, v, k_cache[l], v_cache[l], slots of positions)
+    x = linear_residual(paged_attention(q, k_cache[l], v_cache[l], ..., cache_seqlens, block_table), o_weight[l], x)
+    x = linear_residual(norm_gate_up_silu(x, post_norm[l], gate_up_weight[l]), down_weight[l], x)
+
+Mutates k_cache and v_cache (the new tokens' keys and values at their positions; a position
+outside the block table's reach is not written). No autograd: inference decode only.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from csrc_free_ops import decode_layers as kernels
+from csrc_free_ops.decode_layers import MAX_ROWS
+
+from .checks import check_float, check_head_dim, check_index, check_same, fail
+from .fused_decode import linear_residual_reference, norm_gate_up_silu_reference
+from .linear import linear_reference
+from .norm import rms_norm_reference
+from .paged_attention import kv_cache_store_slots_reference, paged_attention_reference
+from .registry import define
+from .rope import rope_reference
+
+
+def decode_layers_reference(
+    x: Tensor, positions: Tensor, cache_seqlens: Tensor, block_table: Tensor, input_norm: Tensor, qkv_weight: Tensor,
+    qkv_bias: Optional[Tensor], q_norm: Optional[Tensor], k_norm: Optional[Tensor], o_weight: Tensor,
+    post_norm: Tensor, gate_up_weight: Tensor, down_weight: Tensor, k_cache: Tensor, v_cache: Tensor, eps: float,
+    offset: float, theta: float, rotary_dim: int, num_heads: int, num_splits: int = 1,
+) -> Tensor:
+    m = x.shape[0]
+    bs, hk, d = k_cache.shape[2:]
+    pos = positions.long()
+    reach = (pos >= 0) & (pos < block_table.shape[1] * bs)
+    rows = torch.arange(m, device=x.device)
+    blocks = block_table[rows, pos.clamp(0, block_table.shape[1] * bs - 1) // bs].long()
+    slots = torch.where(reach, blocks * bs + pos % bs, -1)
+    cu = torch.arange(m + 1, dtype=torch.int32, device=x.device)
+    q_rows = num_heads * d
+    for layer in range(qkv_weight.shape[0]):
+        bias = qkv_bias[layer] if qkv_bias is not None else None
+        qkv = linear_reference(rms_norm_reference(x, input_norm[layer], eps, offset), qkv_weight[layer], bias)
+        q = qkv[:, :q_rows].reshape(m, 1, num_heads, d)
+        k = qkv[:, q_rows:q_rows + hk * d].reshape(m, 1, hk, d)
+        v = qkv[:, q_rows + hk * d:].reshape(m, hk, d)
+        q, k = rope_reference(q, k, pos[:, None], theta, rotary_dim, q_norm[layer] if q_norm is not None else None,
+                              k_norm[layer] if k_norm is not None else None, eps, offset)
+        kv_cache_store_slots_reference(k[:, 0], v, k_cache[layer], v_cache[layer], slots)
+        o = paged_attention_reference(q[:, 0], k_cache[layer], v_cache[layer], cu, cache_seqlens, block_table,
+                                      d ** -0.5, 1)
+        x = linear_residual_reference(o.reshape(m, q_rows), o_weight[layer], x)
+        h = norm_gate_up_silu_reference(x, post_norm[layer], gate_up_weight[layer], eps, offset)
+        x = linear_residual_reference(h, down_weight[layer], x)
+    return x
+
+
+def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias, q_norm, k_norm, o_weight,
+           post_norm, gate_up_weight, down_weight, k_cache, v_cache, eps, offset, theta, rotary_dim, num_heads,
+           num_splits=1):
+    op = "decode_layers"
+    check_float(op, "x", x, ndim=2)
+    m, hidden = x.shape
+    if not 0 < m <= MAX_ROWS:
+        fail(op, f"x must hold 1 to {MAX_ROWS} rows (one new token per sequence), got {m}")
+    if not x.is_contiguous():
+        fail(op, f"x must be contiguous, got strides {x.stride()}")
+    check_same(op, "x", x, input_norm=input_norm, qkv_weight=qkv_weight, qkv_bias=qkv_bias, q_norm=q_norm,
+               k_norm=k_norm, o_weight=o_weight, post_norm=post_norm, gate_up_weight=gate_up_weight,
+               down_weight=down_weight, k_cache=k_cache, v_cache=v_cache, positions=positions,
+               cache_seqlens=cache_seqlens, block_table=block_table)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float(op, name, t, ndim=5)
+        if t.shape != k_cache.shape or t.stride(3) != t.shape[4] or t.stride(2) != t.shape[3] * t.shape[4]:
+            fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                     f"[NL, NB, BS, Hk, D], contiguous over [BS, Hk, D] and with the same strides")
+    if k_cache.stride() != v_cache.stride():
+        fail(op, f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}")
+    nl, _, _, hk, d = k_cache.shape
+    check_head_dim(op, d)
+    if nl == 0:
+        fail(op, "the model has no layers (k_cache's dim 0 is 0)")
+    if num_heads <= 0 or hk == 0 or num_heads % hk:
+        fail(op, f"num_heads ({num_heads}) must be a positive multiple of the cache's kv heads ({hk})")
+    nqkv = (num_heads + 2 * hk) * d
+    inter = down_weight.shape[-1] if down_weight.dim() == 3 else 0
+    shapes = {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
+              "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
+              "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
+              "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)), "down_weight": (down_weight,
+                                                                                        (nl, hidden, inter))}
+    for name, (t, shape) in shapes.items():
+        if t is None:
+            continue
+        check_float(op, name, t)
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            fail(op, f"{name} must be contiguous with shape {shape} (layers stacked), got {tuple(t.shape)}")
+    if inter == 0:
+        fail(op, "down_weight's intermediate size is 0")
+    if (q_norm is None) != (k_norm is None):
+        fail(op, "give both q_norm and k_norm, or neither")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+        fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
+    if not 0.0 < theta < float("inf"):
+        fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
+    if not 1 <= num_splits <= 64:
+        fail(op, f"num_splits must be in [1, 64], got {num_splits}")
+    check_index(op, "positions", positions, (m,))
+    check_index(op, "cache_seqlens", cache_seqlens, (m,))
+    if cache_seqlens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        fail(op, f"cache_seqlens and block_table must be int32, got {cache_seqlens.dtype} and {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != m or block_table.shape[1] == 0 or block_table.stride(1) != 1:
+        fail(op, f"block_table must be [{m}, max_blocks] (max_blocks > 0) with unit stride over blocks, got "
+                 f"{tuple(block_table.shape)}")
+
+
+def _check_values(x, positions, cache_seqlens, block_table, *rest):
+    """CPU tensors only (on CUDA the kernel clamps lengths and skips writes outside the table)."""
+    k_cache = rest[9]
+    reach = block_table.shape[1] * k_cache.shape[2]
+    if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > reach:
+        fail("decode_layers", f"cache_seqlens must lie in [0, {reach}] (the block table's reach)")
+    read = torch.arange(block_table.shape[1])[None, :] * k_cache.shape[2] < cache_seqlens[:, None].long()
+    used = block_table[read]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[1]):
+        fail("decode_layers", f"block_table entries a sequence reads must lie in [0, {k_cache.shape[1]})")
+
+
+decode_layers = define(decode_layers_reference, kernels.decode_layers, check=_check,
+                       fake=lambda x, *rest: torch.empty_like(x), mutates_args=("k_cache", "v_cache"),
+                       check_values=_check_values, traceable=False)

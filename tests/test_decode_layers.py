@@ -1,0 +1,144 @@
+"""qwen::decode_layers (the persistent decode kernel) against its reference, the composition of
+the per-layer ops; and the model's decode step through it against the fused op-by-op step.
+
+On the CPU interpreter one program runs every task in order (its waits are met as it reaches
+them); on CUDA the grid is every co-resident program and the waits are real."""
+import pytest
+import torch
+
+import qwen_ops
+from csrc_free_ops import decode_layers as kernels
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, randn
+
+# (M, hidden, Hq, Hk, D, I, layers, block_size, blocks per sequence): awkward sizes on the CPU
+# (hidden and I not powers of two, a head dim of 48, GQA groups of 1 and 3); Qwen3-0.6B's layer
+# shape on CUDA
+CASES = {"cpu": [(1, 40, 4, 2, 16, 72, 2, 16, 3), (3, 64, 6, 2, 48, 96, 2, 16, 2), (2, 48, 2, 2, 16, 40, 3, 32, 2)],
+         "cuda": [(1, 1024, 16, 8, 128, 3072, 4, 16, 24), (5, 1024, 16, 8, 128, 3072, 3, 16, 150)]}
+
+
+def _args(m, hidden, hq, hk, d, inter, layers, bs, per_seq, dtype, device, bias=False, qk_norm=True, splits=3,
+          seed=0):
+    torch.manual_seed(seed)
+    f = dict(dtype=dtype, device=device)
+    nqkv = (hq + 2 * hk) * d
+    num_blocks = m * per_seq + 3
+    table = torch.randperm(num_blocks, device=device)[:m * per_seq].view(m, per_seq).to(torch.int32)
+    seqlens = torch.randint(1, per_seq * bs + 1, (m,), device=device, dtype=torch.int32)
+    seqlens[0] = 1  # a first token: nothing cached before it
+    return (randn(m, hidden, **f), (seqlens - 1).long(), seqlens, table,
+            1 + 0.1 * randn(layers, hidden, **f), randn(layers, nqkv, hidden, **f, scale=hidden ** -0.5),
+            0.1 * randn(layers, nqkv, **f) if bias else None,
+            1 + 0.1 * randn(layers, d, **f) if qk_norm else None, 1 + 0.1 * randn(layers, d, **f) if qk_norm else None,
+            randn(layers, hidden, hq * d, **f, scale=(hq * d) ** -0.5), 1 + 0.1 * randn(layers, hidden, **f),
+            randn(layers, 2 * inter, hidden, **f, scale=hidden ** -0.5),
+            randn(layers, hidden, inter, **f, scale=inter ** -0.5),
+            randn(layers, num_blocks, bs, hk, d, **f), randn(layers, num_blocks, bs, hk, d, **f),
+            1e-6, 0.0, 1e4, d, hq, splits)
+
+
+def _check(args, dtype, device, what):
+    ref_args = list(args)
+    ref_args[13], ref_args[14] = args[13].clone(), args[14].clone()
+    ref = qwen_ops.decode_layers_reference(*ref_args)
+    calls = qwen_ops.kernel_calls["decode_layers"]
+    out = torch.ops.qwen.decode_layers(*args)
+    assert qwen_ops.kernel_calls["decode_layers"] == calls + 1, "the kernel did not run"
+    # Every layer rounds to the model dtype a dozen times; the residual stream carries it on.
+    tol = REL_TOL[dtype] * (3 if dtype != torch.float32 else 5)
+    assert_close(out, ref, tol, what)
+    assert_close(args[13], ref_args[13], tol, what + " k_cache")
+    assert_close(args[14], ref_args[14], tol, what + " v_cache")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_layers(device, dtype):
+    for case in CASES[device]:
+        for splits in (1, 3):
+            _check(_args(*case, dtype, device, splits=splits), dtype, device, f"{case} S{splits}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_layers_bias_no_qk_norm(device):
+    """Qwen2's layer: a qkv bias, no per-head norms; a rotary dim below the head dim."""
+    case = CASES[device][0]
+    args = list(_args(*case, torch.float32, device, bias=True, qk_norm=False))
+    args[18] = case[4] // 2
+    _check(tuple(args), torch.float32, device, f"{case} bias")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_layers_reaches_every_position(device):
+    """Positions past the block table's reach are not written; a sequence of length 0 reads nothing."""
+    args = list(_args(*CASES[device][0], torch.float32, device))
+    args[2] = torch.zeros_like(args[2])
+    k_before = args[13].clone()
+    out = torch.ops.qwen.decode_layers(*args)
+    assert torch.isfinite(out).all()
+    assert not torch.equal(args[13], k_before)  # the new tokens' keys are written, with nothing to attend
+    args[1] = torch.full_like(args[1], args[3].shape[1] * args[13].shape[2])  # one past the reach
+    k_before = args[13].clone()
+    torch.ops.qwen.decode_layers(*args)
+    assert torch.equal(args[13], k_before)
+
+
+def test_decode_layers_errors():
+    args = _args(*CASES["cpu"][0], torch.float32, "cpu")
+    bad = {
+        "x must hold 1 to 8 rows": dict(x=randn(9, 40, dtype=torch.float32, device="cpu")),
+        "layers stacked": dict(qkv_weight=args[5][:, :-1]),
+        "num_heads": dict(num_heads=3),
+        "num_splits": dict(num_splits=0),
+        "block_table must be": dict(block_table=args[3][:, :0]),
+        "cache_seqlens must lie in": dict(cache_seqlens=args[2] + 1000),
+    }
+    names = ["x", "positions", "cache_seqlens", "block_table", "input_norm", "qkv_weight", "qkv_bias", "q_norm",
+             "k_norm", "o_weight", "post_norm", "gate_up_weight", "down_weight", "k_cache", "v_cache", "eps",
+             "offset", "theta", "rotary_dim", "num_heads", "num_splits"]
+    for message, change in bad.items():
+        a = list(args)
+        for name, value in change.items():
+            a[names.index(name)] = value
+        with pytest.raises(qwen_ops.QwenOpError, match=message):
+            torch.ops.qwen.decode_layers(*a)
+
+
+def test_tile_rows():
+    rows = lambda elems, k: max(1, elems // k)  # noqa: E731
+    assert kernels.tile_rows(4096, 1024, 2) == rows(kernels.TILE_ELEMS, 1024)
+    assert kernels.tile_rows(1024, 3072, 2) == rows(kernels.TILE_ELEMS, 4096)  # K padded to a power of two
+    assert kernels.tile_rows(4, 16, 2) == 4  # never more rows than the matrix
+    assert kernels.tile_rows(1024, 1024, 4) == rows(kernels.TILE_ELEMS // 2, 1024)  # fp32: half the elements
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_model_decode_layers(batch):
+    """The model's decode step through the persistent kernel against the fused op-by-op step
+    (Qwen3-0.6B's shape, 4 layers of random weights): fp32 greedy tokens of the Generator equal
+    over 48 steps; bf16 logits of one teacher-forced step within the fused path's bound; no wait
+    timed out."""
+    from modeling import QwenConfig
+    from modeling.generation.generator import Generator
+    from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
+    from tests.helpers import decode, prefill, prompt
+
+    config = QwenConfig.from_dict(dict(QWEN3_0_6B, num_hidden_layers=4))
+    model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
+    prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
+    tokens = {}
+    for flag in (False, True):
+        model.persistent_decode = flag
+        tokens[flag] = Generator(model, max_batch_size=batch, max_seq_len=128).generate(prompts, 48).tokens
+    assert tokens[True] == tokens[False]
+    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
+    ids = prompt(batch, 40, config.vocab_size).cuda()
+    logits = {}
+    for flag in (False, True):
+        model.persistent_decode = flag
+        cache = model.new_cache(batch, 64)
+        prefill(model, ids, cache)
+        logits[flag] = decode(model, torch.full((batch,), 7, device="cuda"), 40, cache).float()
+    assert_close(logits[True], logits[False], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
+    assert kernels.error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
