@@ -209,6 +209,9 @@ class QwenForCausalLM(nn.Module):
         stacks = getattr(self, "_stacks", None)
         if stacks is None or any(t is not None and getattr(self.layers[-1], n).data_ptr() !=
                                  t[-1].data_ptr() for n, t in zip(names, stacks)):
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the persistent decode step stacks the layers' weights on first use: run one decode "
+                                   "step before capturing it in a CUDA graph")
             stacks = []
             for name in names:
                 params = [getattr(layer, name) for layer in self.layers]
