@@ -5,7 +5,7 @@ decode step, in one persistent kernel (csrc_free_ops/decode_layers.py).
                   q_norm, k_norm, o_weight, post_norm, gate_up_weight, down_weight, k_cache, v_cache,
                   eps, offset, theta, rotary_dim, num_heads, num_splits) -> x after the last layer
 
-x [M, H]: the new token of each of M <= 8 sequences (the embeddings); positions [M] int32/int64 its
+x [M, H]: the new token of each of M <= 8 sequences (M = 0: nothing to do) (the embeddings); positions [M] int32/int64 its
 position; cache_seqlens [M] int32 the cached positions including it; the paged cache k_cache,
 v_cache [NL, NB, BS, Hk, D] with block_table [M, max_blocks] int32 (position p of sequence m at
 block block_table[m, p // BS], offset p % BS: the engine's layout, one block table for every
@@ -81,8 +81,8 @@ def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv
     op = "decode_layers"
     check_float(op, "x", x, ndim=2)
     m, hidden = x.shape
-    if not 0 < m <= MAX_ROWS:
-        fail(op, f"x must hold 1 to {MAX_ROWS} rows (one new token per sequence), got {m}")
+    if m > MAX_ROWS:
+        fail(op, f"x must hold at most {MAX_ROWS} rows (one new token per sequence), got {m}")
     if not x.is_contiguous():
         fail(op, f"x must be contiguous, got strides {x.stride()}")
     check_same(op, "x", x, input_norm=input_norm, qkv_weight=qkv_weight, qkv_bias=qkv_bias, q_norm=q_norm,
@@ -138,6 +138,8 @@ def _check_values(x, positions, cache_seqlens, block_table, *rest):
     """CPU tensors only (on CUDA the kernel clamps lengths and skips writes outside the table)."""
     k_cache = rest[9]
     reach = block_table.shape[1] * k_cache.shape[2]
+    if not cache_seqlens.numel():
+        return
     if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > reach:
         fail("decode_layers", f"cache_seqlens must lie in [0, {reach}] (the block table's reach)")
     read = torch.arange(block_table.shape[1])[None, :] * k_cache.shape[2] < cache_seqlens[:, None].long()

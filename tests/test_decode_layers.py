@@ -86,7 +86,7 @@ def test_decode_layers_reaches_every_position(device):
 def test_decode_layers_errors():
     args = _args(*CASES["cpu"][0], torch.float32, "cpu")
     bad = {
-        "x must hold 1 to 8 rows": dict(x=randn(9, 40, dtype=torch.float32, device="cpu")),
+        "x must hold at most 8 rows": dict(x=randn(9, 40, dtype=torch.float32, device="cpu")),
         "layers stacked": dict(qkv_weight=args[5][:, :-1]),
         "num_heads": dict(num_heads=3),
         "num_splits": dict(num_splits=0),

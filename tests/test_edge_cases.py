@@ -75,6 +75,17 @@ def _qkv(b, t, dt, dev):
             1e-6, 0.0, 1e4, 16, 2, False)
 
 
+def _layers(m, dt, dev):
+    """decode_layers arguments: m sequences, 2 layers of hidden 8 (2 q heads, 1 kv head of 16, I 8),
+    a cache of 2 blocks of 16."""
+    i32 = dict(dtype=torch.int32, device=dev)
+    return (_r(m, 8, dt=dt, dev=dev), torch.zeros(m, dtype=torch.long, device=dev), torch.ones(m, **i32),
+            torch.zeros(m, 1, **i32), _r(2, 8, dt=dt, dev=dev), _r(2, 64, 8, dt=dt, dev=dev), None,
+            _r(2, 16, dt=dt, dev=dev), _r(2, 16, dt=dt, dev=dev), _r(2, 8, 32, dt=dt, dev=dev), _r(2, 8, dt=dt, dev=dev),
+            _r(2, 16, 8, dt=dt, dev=dev), _r(2, 8, 8, dt=dt, dev=dev), _r(2, 2, 16, 1, 16, dt=dt, dev=dev),
+            _r(2, 2, 16, 1, 16, dt=dt, dev=dev), 1e-6, 0.0, 1e4, 16, 2, 1)
+
+
 def _slots(n, hk, d, dt, dev):
     """kv_cache_store_slots arguments: n <= 3 tokens into a cache of 2 blocks of 16, at slots 0, 17, -1."""
     slots = torch.tensor([0, 17, -1][:n], dtype=torch.int32, device=dev)
@@ -228,6 +239,7 @@ CASES = [
     ("norm_gate_up_silu", "I=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev),
                                                   _r(0, 8, dt=dt, dev=dev), 1e-6, 0.0)),
     ("norm_qkv_rope_store", "B=0", lambda dt, dev: _qkv(0, 1, dt, dev)),
+    ("decode_layers", "M=0", lambda dt, dev: _layers(0, dt, dev)),
     ("norm_qkv_rope_store", "T=0", lambda dt, dev: _qkv(2, 0, dt, dev)),
     ("causal_conv1d", "B=0", lambda dt, dev: (_r(0, 3, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
@@ -319,6 +331,7 @@ REFUSED = [
 ]
 
 MUTATED = {"kv_cache_store": (2, 3), "kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7),
+           "decode_layers": (13, 14),
            "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,), "causal_conv1d_varlen": (2,),
            "chunk_gated_delta_rule_varlen": (5,), "recurrent_gated_delta_rule_varlen": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
