@@ -157,7 +157,21 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
 MAX_TILES = 1 << 16
 """Arrival counters per device: output tiles x row blocks of one launch."""
 
-_semaphores: dict = {}
+_device_buffers: dict = {}
+
+
+def device_buffer(name: str, size: int, device: torch.device, before_capture: str) -> torch.Tensor:
+    """The device's int32 buffer `name` [size], created zeroed on first use and shared by every
+    call after. Creating it inside a CUDA graph capture raises (`before_capture` says what to call
+    first): a graph must replay the buffer that exists, never allocate one."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (name, str(device))
+    if key not in _device_buffers:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name}: {before_capture} before capturing a CUDA graph")
+        _device_buffers[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _device_buffers[key]
 
 
 def semaphores(device: torch.device) -> torch.Tensor:
@@ -165,15 +179,8 @@ def semaphores(device: torch.device) -> torch.Tensor:
     sets its counter back), created zeroed on first use. One buffer per device, so two kernels
     that count arrivals must not run at the same time on one device (concurrent streams are not
     supported). Create it before a CUDA graph capture (`reserve`), never inside one."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    if key not in _semaphores:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kernels that count arrivals: call qwen_ops.reserve_semaphores(device) before "
-                               "capturing a CUDA graph")
-        _semaphores[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _semaphores[key]
+    return device_buffer("kernels that count arrivals", MAX_TILES, device,
+                         "call qwen_ops.reserve_semaphores(device)")
 
 
 def reserve(device) -> None:
