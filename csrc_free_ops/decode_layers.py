@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, arrive, cdiv, cuda_properties, dot, fp32, head_block, head_mask, kernel,
-                     next_power_of_2, softmax_headroom)
+from .common import (INTERPRET, LOG2E, arrive, cdiv, cuda_properties, device_buffer, dot, fp32, head_block, head_mask,
+                     kernel, next_power_of_2, softmax_headroom)
 from .rope import rotary_cos_sin
 
 PHASES = tl.constexpr(5)
@@ -438,22 +438,14 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
 
 
 _grids: dict = {}  # (device, dtypes, constexprs) -> the launch grid
-_error_flags: dict = {}
 
 
 def error_flag(device: torch.device) -> torch.Tensor:
     """The device's watchdog flag, int32 [1]: 1 once a wait of the persistent kernel gave up
     (SPIN_LIMIT polls), which only a broken schedule causes; the kernel never clears it. Created on
     first use; create it before capturing a CUDA graph (the model's `new_cache` does)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    if key not in _error_flags:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_layers: create its error flag (csrc_free_ops.decode_layers.error_flag) "
-                               "before capturing a CUDA graph")
-        _error_flags[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _error_flags[key]
+    return device_buffer("decode_layers", 1, device,
+                         "create its error flag (csrc_free_ops.decode_layers.error_flag)")
 
 
 def default_splits(cache_len: int) -> int:
