@@ -1,7 +1,8 @@
 """Gated DeltaNet benchmark on the GPU: our chunked prefill op beside flash-linear-attention's,
 and the recurrent decode step inside a CUDA graph.
 
-    python -m bench.gated_delta_rule [--out DIR] [--tokens 2048 8192] [--decode-steps 32]
+    python -m bench.gated_delta_rule [--out DIR] [--tokens 2048 8192] [--varlen 8 256] [--decode-steps 32]
+                                     [--kernels]
 
 Shape: Qwen3.5-0.8B's linear-attention layer, B=1, H=16 key = value heads, Dk=Dv=128, bf16
 q/k/v and beta, fp32 g (from random gate projections through g = -exp(A_log) softplus(a + dt_bias)),
@@ -11,6 +12,12 @@ l2-normalised q and k in the kernel, scale Dk^-0.5, zero initial state.
   `fla.ops.gated_delta_rule.chunk_gated_delta_rule`, each timed as a CUDA graph replay
   (triton's do_bench_cudagraph, median), with the relative error ||x - ref|| / ||ref|| of the
   output and of the final state against a float64 token-by-token recurrence.
+- chunk varlen: `torch.ops.qwen.chunk_gated_delta_rule_varlen` over `--varlen S L` packed
+  sequences of L tokens each (default 8 x 256, the engine's prefill of 8 prompts; `--varlen 0 0`
+  skips it), each from a zero state, and FLA's `chunk_gated_delta_rule` with `cu_seqlens`; errors
+  against the fp64 recurrence of each sequence (states: all S final states).
+- `--kernels`: the device time of each kernel of one call of our chunk ops (torch.profiler, mean
+  of 20 eager calls): the three chunk kernels `_wy_kernel`, `_state_kernel`, `_output_kernel`.
 - decode: `torch.ops.qwen.recurrent_gated_delta_rule` (T=1, gates fused) captured in a CUDA
   graph; `--decode-steps` consecutive steps continue from the fp64 prefill state with fresh
   tokens copied into the graph's static inputs; errors against the fp64 recurrence over those
@@ -86,7 +93,7 @@ def bench_ms(fn):
         return do_bench(fn, rep=100, return_mode="median")
 
 
-def bench_chunk(rows, t, fla_chunk):
+def bench_chunk(rows, t, fla_chunk, kernels):
     x = make_inputs(t)
     ref_o, ref_s = recurrence_fp64(x)
     scale = D ** -0.5
@@ -94,6 +101,8 @@ def bench_chunk(rows, t, fla_chunk):
     o, s = torch.ops.qwen.chunk_gated_delta_rule(*args)
     ms = bench_ms(lambda: torch.ops.qwen.chunk_gated_delta_rule(*args))
     rows.append(("chunk", "qwen (ours)", t, ms, t / ms / 1e3, rel_error(o, ref_o), rel_error(s, ref_s)))
+    if kernels:
+        print_kernels(f"chunk {t} tokens (ours)", lambda: torch.ops.qwen.chunk_gated_delta_rule(*args))
     if fla_chunk is not None:
         call = lambda: fla_chunk(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=scale,  # noqa: E731
                                  initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -101,6 +110,64 @@ def bench_chunk(rows, t, fla_chunk):
         ms = bench_ms(call)
         rows.append(("chunk", "fla", t, ms, t / ms / 1e3, rel_error(o, ref_o), rel_error(s, ref_s)))
     return x, ref_s
+
+
+def kernel_us(fn, calls: int = 20) -> dict:
+    """Kernel name -> mean device microseconds per call of fn (torch.profiler, eager calls)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    table = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            table[e.key] = us / calls
+    return table
+
+
+def print_kernels(title: str, fn) -> None:
+    table = kernel_us(fn)
+    print(f"{title}: {sum(table.values()):.1f} us of kernel time per call")
+    for name, us in sorted(table.items(), key=lambda kv: -kv[1]):
+        print(f"  {name[:60]:60s} {us:9.1f} us")
+
+
+def bench_chunk_varlen(rows, seqs, length, fla_chunk, kernels):
+    """`seqs` packed sequences of `length` tokens, each from a zero state (continues = False)."""
+    t = seqs * length
+    x = make_inputs(t, seed=2)
+    refs = [recurrence_fp64({n: x[n][:, i * length:(i + 1) * length] for n in ("q", "k", "v", "g", "beta")})
+            for i in range(seqs)]
+    ref_o = torch.cat([o for o, _ in refs], 1)[0]
+    ref_s = torch.cat([s for _, s in refs], 0)
+    scale = D ** -0.5
+    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device="cuda")
+    pool = torch.zeros(seqs, H, D, D, device="cuda")
+    slots = torch.arange(seqs, device="cuda")
+    cont = torch.zeros(seqs, dtype=torch.bool, device="cuda")
+    flat = [x[n][0] for n in ("q", "k", "v", "g", "beta")]
+
+    def ours():
+        return torch.ops.qwen.chunk_gated_delta_rule_varlen(*flat, pool, cu, slots, cont, scale, True)
+
+    o = ours()
+    err = (rel_error(o, ref_o), rel_error(pool, ref_s))
+    what = f"chunk varlen {seqs}x{length}"
+    ms = bench_ms(ours)
+    rows.append((what, "qwen (ours)", t, ms, t / ms / 1e3, *err))
+    if kernels:
+        print_kernels(f"{what} (ours)", ours)
+    if fla_chunk is not None:
+        cu64 = cu.long()
+        call = lambda: fla_chunk(x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=scale,  # noqa: E731
+                                 initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                 cu_seqlens=cu64)
+        o, s = call()
+        ms = bench_ms(call)
+        rows.append((what, "fla", t, ms, t / ms / 1e3, rel_error(o[0], ref_o), rel_error(s, ref_s)))
 
 
 def bench_decode(rows, prefill_state, steps, fla_recurrent):
@@ -164,7 +231,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--varlen", type=int, nargs=2, default=[8, 256], metavar=("S", "L"),
+                   help="packed sequences and tokens per sequence of the varlen row (0 0: none)")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps of the recurrent row (0: none)")
+    p.add_argument("--kernels", action="store_true", help="print each chunk kernel's device time (profiler)")
     args = p.parse_args()
     require_cuda("bench.gated_delta_rule")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -172,9 +242,12 @@ def main():
     fla_chunk, fla_recurrent = fla_ops()
     rows, prefill_state = [], None
     for t in args.tokens:
-        _, s = bench_chunk(rows, t, fla_chunk)
+        _, s = bench_chunk(rows, t, fla_chunk, args.kernels)
         prefill_state = prefill_state if prefill_state is not None else s
-    bench_decode(rows, prefill_state, args.decode_steps, fla_recurrent)
+    if args.varlen[0] * args.varlen[1] > 0:
+        bench_chunk_varlen(rows, *args.varlen, fla_chunk, args.kernels)
+    if args.decode_steps > 0:
+        bench_decode(rows, prefill_state, args.decode_steps, fla_recurrent)
     text = (f"# Gated DeltaNet, {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
             f"B={B}, H={H}, Dk=Dv={D}, bf16 q/k/v, l2norm in kernel; errors against an fp64 recurrence.\n"
             f"decode: {args.decode_steps} graph replays from the {args.tokens[0]}-token prefill state; "

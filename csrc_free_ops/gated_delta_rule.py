@@ -8,8 +8,8 @@ unit-norm (optionally) keys k_t, queries q_t * scale, values v_t, log decay g_t 
 
 Chunked form (chunk C = 64 tokens, positions i, j inside a chunk, G = cumsum of g in the chunk):
     A[i, j]  = beta_i (k_i . k_j) exp(G_i - G_j)  for j < i, 0 otherwise
-    X        = (I + A)^{-1}                          (fp32: 16 x 16 diagonal blocks by forward
-                                                      substitution, then a Neumann series in tiles)
+    X        = (I + A)^{-1}                          (fp32: the 16 x 16 diagonal blocks by forward
+                                                      substitution, merged 16 -> 32 -> 64 by products)
     W        = X (beta k exp(G)),   U = X (beta v)    (the WY / UT representation)
     V'       = U - W S                                (v_new: what the state does not predict yet)
     O        = (q exp(G)) S + mask_{i>=j}(q_i . k_j exp(G_i - G_j)) V'
@@ -22,10 +22,13 @@ chunk; `_output_kernel` (parallel over chunks) computes O. Matrix products take 
 dtype (bf16 tensor cores with fp32 accumulation; exact fp32 for fp32 inputs), so the
 intermediates W, U, V', the normalised keys and the per-chunk states are stored in that dtype;
 the running state stays fp32. Tile and warp choices have no register spills on sm_90 for
-bf16 and Dk = Dv = 128 (checked with ptxas), except ~150 bytes in `_wy_kernel`; fp32 inputs
-take exact-fp32 FMA products, correct but slow. Dk and Dv are any multiples of 16 up to 256: a
-head is held in a `head_block` block masked past its dim (value blocks are powers of two; the last
-one of a Dv that is not is partly masked).
+bf16 and Dk = Dv = 128 (checked with ptxas); fp32 inputs take exact-fp32 FMA products, correct
+but slow. The inversion in `_wy_kernel` (`_unit_lower_inverse`) keeps its serial part inside
+warps: 14 forward-substitution steps over the four 16 x 16 diagonal blocks at once, each block
+in one warp, then four 64 x 64 tile products (sm_90, Dk = Dv = 128: no barrier in the loop, 32
+bar.sync in the whole kernel). Dk and Dv are any multiples of 16 up to 256: a head is held in a
+`head_block` block masked past its dim (value blocks are powers of two; the last one of a Dv that
+is not is partly masked).
 
 Packed sequences (`chunk_gated_delta_rule_varlen`: the rows of S sequences back to back, each
 starting from its slot of a state pool or from zeros and leaving its final state there; one call
@@ -67,31 +70,88 @@ def _dot_f32(a, b, TF32: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(a, BT: tl.constexpr, BLK: tl.constexpr, TF32: tl.constexpr):
-    """(I + a)^{-1} for a strictly lower triangular [BT, BT] fp32 tile, in fp32 (the tile
-    products in tf32 with TF32: for bf16 / fp16 inputs, whose W and U use X rounded to 16 bits).
+def _decayed_kkt(kl, kr, gc, UPPER: tl.constexpr):
+    """The strictly lower (UPPER: strictly upper) part of (kl kr^T) * exp(G_row - G_col) (UPPER:
+    exp(G_col - G_row)) [BT, BT] fp32, for kl, kr [BT, D] and gc = G [BT]: A for (beta k, k),
+    A^T for (k, beta k). A^T from its own product, not tl.trans(A), for the layout of a product
+    (rows across warps, 16 to a warp): a relabelled transpose has its columns across warps."""
+    rows = tl.arange(0, kl.shape[0])
+    if UPPER:
+        keep = rows[:, None] < rows[None, :]
+        dg = gc[None, :] - gc[:, None]
+    else:
+        keep = rows[:, None] > rows[None, :]
+        dg = gc[:, None] - gc[None, :]
+    kk = dot(kl, tl.trans(kr), tl.zeros((kl.shape[0], kr.shape[0]), dtype=tl.float32))
+    return tl.where(keep, kk * tl.exp(tl.where(keep, dg, 0.0)), 0.0)
 
-    With I + a = D + N (D: the unit lower BLK x BLK diagonal blocks, N: the blocks below them),
-    (D + N)^{-1} = (I + P)^{-1} D^{-1} with P = D^{-1} N strictly block lower, so P^(BT/BLK) = 0
-    and (I + P)^{-1} = I - P (I - P (I - P ...)). D^{-1} comes from forward substitution over the
-    BLK rows of every diagonal block at once (row i of each block in one step; the blocks use
-    disjoint columns, so one reduction serves all of them), then BT/BLK tile products (fp32).
-    """
-    rows = tl.arange(0, BT)
-    same = (rows // BLK)[:, None] == (rows // BLK)[None, :]
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    m = -tl.where(same, a, 0.0)  # D^{-1} - I, built row by row
-    for i in range(1, BLK):
-        sel = (rows % BLK == i)[:, None]
-        r = tl.sum(tl.where(sel, m, 0.0), axis=0)
-        r += tl.sum(r[:, None] * m, axis=0)
-        m = tl.where(sel & same, r[None, :], m)
-    d_inv = m + eye
-    p = _dot_f32(d_inv, tl.where(same, 0.0, a), TF32)
-    y = eye - p
-    for _ in tl.static_range(BT // BLK - 2):
-        y = eye - _dot_f32(p, y, TF32)
-    return _dot_f32(y, d_inv, TF32)
+
+@triton.jit
+def _diagonal_blocks(a, BLK: tl.constexpr):
+    """a [BT, BT] -> its BT/BLK diagonal BLK x BLK blocks [BT/BLK, BLK, BLK]. In a product's
+    layout (a warp holds 16 rows, each thread columns of every block) the sum over the block
+    columns stays inside a thread (with 8 warps, inside the two warp groups, which hold half of
+    the columns each, and one exchange between them) and each block lands in one warp."""
+    NB: tl.constexpr = a.shape[0] // BLK
+    nb = tl.arange(0, NB)
+    same = (nb[:, None] == nb[None, :])[:, None, :, None]
+    return tl.sum(tl.where(same, tl.reshape(a, (NB, BLK, NB, BLK)), 0.0), axis=2)
+
+
+@triton.jit
+def _diagonal_inverses(a, at, BLK: tl.constexpr):
+    """(I + a_b)^{-1} for strictly lower blocks a [NB, BLK, BLK] (at: each one transposed), in fp32
+    by forward substitution, every block at once -> [NB, BLK, BLK].
+
+    Row i of Z = (I + a_b)^{-1} - I is Z_i = -a_i - sum_{k<i} a[i, k] Z_k: Z starts as -a (rows 0
+    and 1 are final, row i is -a_i until step i), and step i (2 .. BLK-1) replaces row i. Its
+    product reduces over Z's rows; a_i, indexed along those rows, is column i of at (a reduction
+    that does not wait for the previous steps). With each block inside one warp (_diagonal_blocks)
+    the steps take warp shuffles only: no shared memory, no barrier."""
+    idx = tl.arange(0, BLK)
+    z = -a
+    for i in range(2, BLK):
+        a_i = tl.sum(tl.where((idx == i)[None, None, :], at, 0.0), axis=2)  # [NB, BLK]: a[b, i, :]
+        r = tl.sum(a_i[:, :, None] * z, axis=1)  # [NB, BLK]: sum_k a[b, i, k] Z[b, k, :]
+        z = tl.where((idx == i)[None, :, None], z - r[:, None, :], z)
+    eye = (idx[:, None] == idx[None, :]).to(tl.float32)
+    return z + eye[None, :, :]
+
+
+@triton.jit
+def _block_diagonal(d, BT: tl.constexpr):
+    """d [BT/BLK, BLK, BLK] -> the block-diagonal [BT, BT] tile with blocks d[0], d[1], ..."""
+    NB: tl.constexpr = d.shape[0]
+    nb = tl.arange(0, NB)
+    same = (nb[:, None] == nb[None, :])[:, None, :, None]
+    return tl.reshape(tl.where(same, d[:, :, None, :], 0.0), (BT, BT))
+
+
+@triton.jit
+def _merge_blocks(x, a, LO: tl.constexpr, TF32: tl.constexpr):
+    """x [BT, BT] block diagonal: the inverses of the LO x LO diagonal blocks of I + a (a strictly
+    lower) -> those of its 2LO x 2LO diagonal blocks. Each is [[P, 0], [C, Q]], whose inverse is
+    [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]: x - x c x, with c the C blocks of a (zero elsewhere). The
+    product is exactly zero on x's blocks, which keep their fp32 values."""
+    rows = tl.arange(0, x.shape[0])
+    pair = (rows // (2 * LO))[:, None] == (rows // (2 * LO))[None, :]
+    c = tl.where(pair & ((rows // LO)[:, None] != (rows // LO)[None, :]), a, 0.0)
+    return x - _dot_f32(_dot_f32(x, c, TF32), x, TF32)
+
+
+@triton.jit
+def _unit_lower_inverse(kb, kd, gc, BT: tl.constexpr, BLK: tl.constexpr, TF32: tl.constexpr):
+    """X = (I + A)^{-1} [BT, BT] fp32 for A = strictly lower(beta k k^T exp(G_i - G_j)), from
+    kb = beta k, kd = k [BT, D] (the dots' dtype) and gc = G [BT], as flash-linear-attention's
+    solve_tril: the BLK x BLK diagonal blocks inverted in fp32 arithmetic, then merged two by two
+    (BLK -> 2 BLK -> ... -> BT) with two tile products a level (tf32 with TF32: for bf16 / fp16
+    inputs, whose W and U take X rounded to 16 bits; exact fp32 otherwise)."""
+    a = _decayed_kkt(kb, kd, gc, False)
+    at = _decayed_kkt(kd, kb, gc, True)
+    x = _block_diagonal(_diagonal_inverses(_diagonal_blocks(a, BLK), _diagonal_blocks(at, BLK), BLK), BT)
+    for level in tl.static_range(BT.bit_length() - BLK.bit_length()):  # log2(BT / BLK) levels
+        x = _merge_blocks(x, a, BLK << level, TF32)
+    return x
 
 
 @triton.jit
@@ -148,12 +208,7 @@ def _wy_kernel(
     kb = (k * beta[:, None]).to(DT)
     kw = (k * (beta * tl.exp(gc))[:, None]).to(DT)
 
-    # A = strictly lower (beta k k^T * exp(G_i - G_j)); X = (I + A)^{-1}.
-    a = dot(kb, tl.trans(kd), tl.zeros((BT, BT), dtype=tl.float32))
-    lower = rows[:, None] > rows[None, :]
-    a = tl.where(lower, a * tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    x = _unit_lower_inverse(a, BT, 16, DT != tl.float32)
-    x = x.to(DT)
+    x = _unit_lower_inverse(kb, kd, gc, BT, 16, DT != tl.float32).to(DT)  # (I + A)^{-1}
     w = dot(x, kw, tl.zeros((BT, head_block(DK)), dtype=tl.float32))
     tl.store(w_ptr + bh_t[:, None] * DK + dk[None, :], w.to(DT), mask=k_ok)
     v = tl.load(v_ptr + b * svb + h * svh + t64[:, None] * svt + dv[None, :], mask=v_ok, other=0.0)
