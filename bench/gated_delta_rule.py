@@ -35,6 +35,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from bench import require_cuda
+from bench.kernels import kernel_table
 import qwen_ops  # noqa: F401
 from qwen_ops.gated_delta_rule import gated_delta_gates_reference
 
@@ -112,24 +113,8 @@ def bench_chunk(rows, t, fla_chunk, kernels):
     return x, ref_s
 
 
-def kernel_us(fn, calls: int = 20) -> dict:
-    """Kernel name -> mean device microseconds per call of fn (torch.profiler, eager calls)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    table = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            table[e.key] = us / calls
-    return table
-
-
 def print_kernels(title: str, fn) -> None:
-    table = kernel_us(fn)
+    table = {name: us for name, (_, us) in kernel_table(fn, calls=20).items()}
     print(f"{title}: {sum(table.values()):.1f} us of kernel time per call")
     for name, us in sorted(table.items(), key=lambda kv: -kv[1]):
         print(f"  {name[:60]:60s} {us:9.1f} us")

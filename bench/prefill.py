@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import require_cuda
+from bench.kernels import kernel_table
 from modeling import QwenConfig
 from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
 
@@ -68,21 +69,6 @@ def wall_ms(fn, reps: int) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def kernel_table(fn) -> dict:
-    """kernel name -> (launches, total us) of one call of fn."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    table = {}
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
-            table[e.key] = (e.count, us)
-    return table
 
 
 def main():

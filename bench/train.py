@@ -93,7 +93,7 @@ def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: in
             times.append((time.perf_counter() - t0) * 1e3)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
     if profile and cuda:
-        from bench.prefill import kernel_table
+        from bench.kernels import kernel_table
 
         def step():
             step_fn(data[-1]).backward()
