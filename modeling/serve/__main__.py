@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..cli.args import DEVICE_PATTERN, DTYPES, UsageError
 from ..cli.loading import load_checkpoint
@@ -90,14 +90,16 @@ def check_args(a: argparse.Namespace) -> None:
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None  # an empty key is no key
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, factory: Optional[Callable] = None) -> int:
+    """The command line's exit status. ``factory``: ``EngineSpec.factory``, a stand-in engine (the
+    server's host-path benchmark, ``bench.serve_paced``)."""
     try:
         a = parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
     try:
         check_args(a)
-        return serve(a)
+        return serve(a, factory)
     except UsageError as e:
         say(f"error: {e}")
         return 2
@@ -109,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
 
 
-def serve(a: argparse.Namespace) -> int:
+def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     try:
         import uvicorn
 
@@ -130,7 +132,8 @@ def serve(a: argparse.Namespace) -> int:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
     spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        memory_fraction=a.memory_fraction, cuda_graphs=not a.no_cuda_graph), WARMUP_PROMPT_TOKENS, a.log_level.upper())
+        memory_fraction=a.memory_fraction, cuda_graphs=not a.no_cuda_graph), WARMUP_PROMPT_TOKENS, a.log_level.upper(),
+        factory)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:

@@ -24,7 +24,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 START_POLL_S = 1.0
 """How often the child's wait for messages and the server's wait for the child's start look up."""
@@ -33,7 +33,9 @@ START_POLL_S = 1.0
 @dataclass
 class EngineSpec:
     """What the child builds: the checkpoint directory, ``--device`` and ``--dtype`` as given, the
-    ``Engine`` keyword arguments, and the warm-up prompt's length (0: none)."""
+    ``Engine`` keyword arguments, and the warm-up prompt's length (0: none). ``factory``, when
+    given, builds a stand-in instead (a picklable callable: benchmarks of the server's host path,
+    tests): ``factory(spec)`` returns what ``EngineCore`` drives and the "ready" info."""
 
     checkpoint: str
     device: Optional[str]
@@ -41,6 +43,7 @@ class EngineSpec:
     engine: Dict[str, Any] = field(default_factory=dict)
     warmup_tokens: int = 0
     log_level: str = "INFO"
+    factory: Optional[Callable[["EngineSpec"], Tuple[Any, Dict[str, Any]]]] = None
 
 
 class EngineStartError(Exception):
@@ -165,37 +168,45 @@ class ProcessTransport:
         self._pending.clear()
 
 
-def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
+    """The ``Engine`` of ``spec`` (weights loaded, warmed up) and its "ready" info."""
     from ..api.checkpoint import Checkpoint
     from ..cli.args import DTYPES, UsageError
     from ..cli.loading import load_llm
     from ..engine import Engine
     from ..generation.sampling import SamplingParams
-    from .engine_core import EngineCore
 
     import torch
 
+    llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device,
+                   DTYPES[spec.dtype] if spec.dtype else None)
     try:
-        llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device,
-                       DTYPES[spec.dtype] if spec.dtype else None)
-        try:
-            engine = Engine(llm.model, **spec.engine)
-        except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
-            raise UsageError(f"the engine does not fit: {e}") from None
-        if spec.warmup_tokens:  # compile the kernels, capture the graphs: not on a client's time
-            engine.generate([[0] * spec.warmup_tokens], SamplingParams(), 2)
+        engine = Engine(llm.model, **spec.engine)
+    except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
+        raise UsageError(f"the engine does not fit: {e}") from None
+    if spec.warmup_tokens:  # compile the kernels, capture the graphs: not on a client's time
+        engine.generate([[0] * spec.warmup_tokens], SamplingParams(), 2)
+    return engine, dict(max_model_len=engine.max_model_len, num_blocks=engine.size.num_blocks,
+                        block_size=engine.size.block_size, backend=llm.backend,
+                        dtype=str(llm.dtype).replace("torch.", ""))
+
+
+def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..cli.args import UsageError
+    from .engine_core import EngineCore
+
+    try:
+        engine, info = (spec.factory or _build)(spec)
     except UsageError as e:
         conn.send(("error", "usage", str(e)))
         return
     except Exception as e:  # one line, as the command line reports its own failures
         conn.send(("error", "crash", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
-    conn.send(("ready", dict(max_model_len=engine.max_model_len, num_blocks=engine.size.num_blocks,
-                             block_size=engine.size.block_size, backend=llm.backend,
-                             dtype=str(llm.dtype).replace("torch.", ""))))
+    conn.send(("ready", info))
 
     def get(block: bool) -> Optional[tuple]:
         if not block and not inbox.poll():
