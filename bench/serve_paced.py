@@ -32,18 +32,19 @@ NUM_BLOCKS = 1 << 20
 
 class PacedEngine:
     """What ``EngineCore`` uses of ``modeling.engine.Engine``, without a model: a step takes
-    ``step_ms`` of wall time (it sleeps until the previous step's planned end plus ``step_ms`` while
-    steps run back to back, so oversleeping one step does not slow the pace) and samples one token for each of up to
-    ``max_num_seqs`` sequences, admitted in arrival order. A prompt's first token comes from the
-    step that admits it (prefill costs one step too). The tokens are word ids ``1..997``, varied
-    per sequence and position; logprobs, when asked for, are 0.0 with the token as the top one.
-    ``counter``: a ``COUNTER`` file to update after each step, or None."""
+    ``step_ms`` of wall time and samples one token for each of up to ``max_num_seqs`` sequences,
+    admitted in arrival order. It sleeps until the previous step's planned end plus ``step_ms``
+    while steps run back to back (oversleeping one step does not slow the pace), for ``step_ms``
+    after the engine was idle. A prompt's first token comes from the step that admits it (prefill
+    costs one step too). The tokens are word ids ``1..997``, varied per sequence and position;
+    logprobs, when asked for, are 0.0 with the token as the top one. ``counter``: a ``COUNTER``
+    file to update after each step, or None."""
 
     def __init__(self, step_ms: float, max_num_seqs: int, max_model_len: int, counter: Optional[str] = None):
         self.step_s, self.max_num_seqs, self.max_model_len = step_ms / 1e3, max_num_seqs, max_model_len
         self.seqs: List[Sequence] = []  # in arrival order: the first max_num_seqs run
         self.blocks = SimpleNamespace(num_blocks=NUM_BLOCKS, num_free=NUM_BLOCKS)
-        self.next_end = 0.0
+        self.next_end, self.idle = 0.0, True
         self.steps = self.tokens = 0
         self.counter = None
         if counter is not None:
@@ -61,12 +62,15 @@ class PacedEngine:
             seq.status, seq.finish_reason = Status.FINISHED, "abort"
 
     def has_work(self) -> bool:
+        """``EngineCore`` asks before it waits for messages: without work, the next step starts a
+        new pace."""
+        self.idle = self.idle or not self.seqs
         return bool(self.seqs)
 
     def step(self) -> List[Sequence]:
         now = time.perf_counter()
-        if now - self.next_end > self.step_s:  # it was idle: this step starts now
-            self.next_end = now
+        if self.idle:  # this step starts now
+            self.next_end, self.idle = now, False
         self.next_end += self.step_s
         time.sleep(max(0.0, self.next_end - now))
         out = self.seqs[:self.max_num_seqs]
