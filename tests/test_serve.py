@@ -3,8 +3,9 @@ shipped model, driven by the official openai client (and httpx for raw HTTP).
 
 Two servers start once for the module, side by side: ``server`` (no API key, 32 sequences a step)
 and ``guarded`` (an API key, one sequence a step, one waiting at most, a 4 KiB body limit: the
-429, 401 and 413 cases, and last the SIGTERM drain); a third starts for the engine process's death. The servers run without TRITON_INTERPRET
-(conftest.py sets it for this process): the PyTorch reference path is what a CPU server runs.
+429, 401 and 413 cases); others start for the engine process's death and the SIGTERM drain. The
+servers run without TRITON_INTERPRET (conftest.py sets it for this process): the PyTorch
+reference path is what a CPU server runs.
 """
 import asyncio
 import json
@@ -93,7 +94,7 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     started = [Server(tmp, "server", "--max-num-seqs", "32"),
                Server(tmp, "guarded", "--api-key", KEY, "--max-num-seqs", "1", "--max-waiting", "1",
-                      "--max-body-bytes", "4096", "--drain-timeout", "3")]
+                      "--max-body-bytes", "4096")]
     try:
         yield [s.wait_ready() for s in started]
     finally:
@@ -527,37 +528,58 @@ def test_engine_process_death_fails_the_requests_and_the_server(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# drain (last: it stops the guarded server)
+# drain
+
+DRAIN_RUNNING_TOKENS, DRAIN_CUT_TOKENS = 100, 500
+DRAIN_TOKEN_TIMES = 220
+"""The drain test's --drain-timeout in token times of its server: the running request's rest
+(under 100 tokens) takes under half of it, the waiting one (500 more) ends more than twice after."""
 
 
-def test_sigterm_drains_and_exits_0(guarded):
+def token_seconds(server: Server, n: int = 40) -> float:
+    """Seconds between two streamed tokens of one request alone on ``server`` (client-side)."""
+    stream = server.client(KEY).completions.create(model=NAME, prompt=PROMPT, max_tokens=n, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+    times = [time.perf_counter() for _ in stream]
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def test_sigterm_drains_and_exits_0(tmp_path, guarded):
     """SIGTERM with one request running and one waiting (one sequence a step): the listening socket
-    closes, the running one finishes; the waiting one starts, is cut at --drain-timeout (3 s,
-    far less than its 450 tokens take) and aborted; the process exits 0."""
-    client = guarded.client(KEY)
-    args = dict(model=NAME, prompt=PROMPT, temperature=0, stream=True,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
-    running = iter(client.completions.create(max_tokens=30, **args))
-    got = len(next(running).choices[0].model_extra["token_ids"])
-    cut = iter(client.completions.create(max_tokens=450, **args))
-    guarded.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    with pytest.raises(httpx.ConnectError):  # the listening socket closes
-        while time.monotonic() < deadline:
-            httpx.get(guarded.url + "/health", timeout=2)
-            time.sleep(0.05)
-    reasons = []
-    for chunk in running:  # the running request still finishes
-        got += len(chunk.choices[0].model_extra["token_ids"])
-        reasons.append(chunk.choices[0].finish_reason)
-    assert got == 30 and reasons[-1] == "length"
-    cut_tokens, cut_reasons = 0, []
-    with pytest.raises((httpx.HTTPError, openai.APIError)):  # the stream ends without its last chunk
-        for chunk in cut:
-            cut_tokens += len(chunk.choices[0].model_extra["token_ids"])
-            cut_reasons.append(chunk.choices[0].finish_reason)
-    assert 0 < cut_tokens < 450 and set(cut_reasons) == {None}
-    assert guarded.proc.wait(timeout=30) == 0
-    log = guarded.log.read_text()
-    assert "SIGTERM: draining (1 running, 1 waiting" in log and "Traceback" not in log
-    assert re.search(r"request POST /v1/completions 499: .* out \d+, .* finish abort \(stream\)", log)
+    closes, the running one finishes; the waiting one starts, is cut at --drain-timeout and
+    aborted; the process exits 0. A server of its own (guarded's flags), whose --drain-timeout is
+    ``DRAIN_TOKEN_TIMES`` token times as measured on ``guarded`` (the same model and flags): a fixed
+    one is a race with this machine's speed (at 4 ms a token, 450 tokens ended within 3 s)."""
+    drain = DRAIN_TOKEN_TIMES * token_seconds(guarded)
+    server = Server(tmp_path, "drained", "--api-key", KEY, "--max-num-seqs", "1", "--max-waiting", "1",
+                    "--drain-timeout", f"{drain:.3f}").wait_ready()
+    try:
+        client = server.client(KEY)
+        args = dict(model=NAME, prompt=PROMPT, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        running = iter(client.completions.create(max_tokens=DRAIN_RUNNING_TOKENS, **args))
+        got = len(next(running).choices[0].model_extra["token_ids"])
+        cut = iter(client.completions.create(max_tokens=DRAIN_CUT_TOKENS, **args))
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        with pytest.raises(httpx.ConnectError):  # the listening socket closes
+            while time.monotonic() < deadline:
+                httpx.get(server.url + "/health", timeout=2)
+                time.sleep(0.05)
+        reasons = []
+        for chunk in running:  # the running request still finishes
+            got += len(chunk.choices[0].model_extra["token_ids"])
+            reasons.append(chunk.choices[0].finish_reason)
+        assert got == DRAIN_RUNNING_TOKENS and reasons[-1] == "length"
+        cut_tokens, cut_reasons = 0, []
+        with pytest.raises((httpx.HTTPError, openai.APIError)):  # the stream ends without its last chunk
+            for chunk in cut:
+                cut_tokens += len(chunk.choices[0].model_extra["token_ids"])
+                cut_reasons.append(chunk.choices[0].finish_reason)
+        assert 0 < cut_tokens < DRAIN_CUT_TOKENS and set(cut_reasons) == {None}
+        assert server.proc.wait(timeout=30) == 0
+        log = server.log.read_text()
+        assert "SIGTERM: draining (1 running, 1 waiting" in log and "Traceback" not in log
+        assert re.search(r"request POST /v1/completions 499: .* out \d+, .* finish abort \(stream\)", log)
+    finally:
+        server.stop()
