@@ -198,18 +198,17 @@ def create_app(state: ServerState) -> FastAPI:
     async def stream(request: Request, gen: Generation, envelope: Envelope):
         include = gen.plan.include_usage
         status = 499
-        try:
-            for d in gen.first_deltas():
-                yield sse(envelope.chunk([d], include))
+        try:  # one write per engine step: its chunks (one per choice) together, the last with [DONE]
+            events = [envelope.chunk([d], include) for d in gen.first_deltas()]
             while not gen.done:
-                for c, piece in await gen.next():
-                    d = gen.delta(c, piece)
-                    if d is not None:
-                        yield sse(envelope.chunk([d], include))
+                if events:
+                    yield "".join(events)
+                events = [envelope.chunk([d], include) for c, piece in await gen.next()
+                          if (d := gen.delta(c, piece)) is not None]
             if include:
-                yield sse(envelope.chunk([], True, usage(gen.prompt_tokens, gen.completion_tokens)))
+                events.append(envelope.chunk([], True, usage(gen.prompt_tokens, gen.completion_tokens)))
             status = 200
-            yield SSE_DONE
+            yield "".join(events) + SSE_DONE
         except EngineError as e:
             status = 500
             yield sse(error_body(500, f"The engine failed while running this request ({e}); see the server log",

@@ -14,8 +14,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""The encoder of every event (one for the server: ``json.dumps`` with arguments builds one a call)."""
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {JSON.encode(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -82,15 +86,17 @@ class Envelope:
         self.id = new_id("chatcmpl" if self.chat else "cmpl")
         self.created = int(time.time())
         self.model = model
+        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+        self._chunk_head = JSON.encode(head)[:-1] + ',"choices":['
 
     def response(self, choices: List[Dict[str, Any]], use: Dict[str, int]) -> Dict[str, Any]:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": use}
 
-    def chunk(self, choices: List[Dict[str, Any]], include_usage: bool,
-              use: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
-        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
-        if include_usage:
-            out["usage"] = use
-        return out
+    def chunk(self, choices: List[Dict[str, Any]], include_usage: bool, use: Optional[Dict[str, int]] = None) -> str:
+        """One streamed chunk as its SSE event (the text of ``sse`` of the chunk's object, its
+        fields in the same order, from a prefix encoded once)."""
+        body = ",".join(map(JSON.encode, choices))
+        tail = f'],"usage":{JSON.encode(use)}}}' if include_usage else "]}"
+        return f"data: {self._chunk_head}{body}{tail}\n\n"
