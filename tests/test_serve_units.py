@@ -106,9 +106,9 @@ def test_steps_queued_for_a_request_are_merged_into_one_piece(llm):
     async def run():
         gen = Generation(plan, False, None, TokenStrings(llm.tokenizer), 0.0)
         for t in tokens[:-1]:
-            gen.sink.queue.put_nowait([TokenEvent(0, t, None, None, 0.0)])
+            gen.sink.put([TokenEvent(0, t, None, None, 0.0)])
         merged = await gen.next()
-        gen.sink.queue.put_nowait([TokenEvent(0, tokens[-1], None, "length", 0.0)])
+        gen.sink.put([TokenEvent(0, tokens[-1], None, "length", 0.0)])
         last = await gen.next()
         return gen, merged, last
 
@@ -343,9 +343,7 @@ def run_core(engine, client):
 
 
 def drain_sink(sink):
-    items = []
-    while not sink.queue.empty():
-        items.append(sink.queue.get_nowait())
+    items, sink.items = sink.items, []
     return items
 
 

@@ -5,7 +5,7 @@ Handlers run on the server's asyncio event loop; the engine loop runs in a proce
 (``engine_process.ProcessTransport``, what ``python -m modeling.serve`` runs) or in a thread
 (``ThreadTransport``: an ``Engine`` of this process, as tests and embedders give ``create_app``).
 Either way the client gets the loop's messages on the event loop, one per step, and hands each
-request's tokens of that step to its ``Sink`` (an ``asyncio.Queue``) at once, so a handler awaits
+request's tokens of that step to its ``Sink`` at once, so a handler awaits
 its tokens without polling and the engine never waits for a handler; a handler that finds several
 steps queued takes them together (``Generation.next``).
 
@@ -50,11 +50,28 @@ class EngineFailure:
 
 
 class Sink:
-    """Where one HTTP request's sequences deliver: a queue of lists of ``TokenEvent`` (one list per
-    step), or an ``EngineFailure``. Lives on the event loop."""
+    """Where one HTTP request's sequences deliver, on the event loop: ``put`` a step's list of
+    ``TokenEvent`` (or an ``EngineFailure``); ``take`` waits until something came and returns all
+    that did, so a step costs one append and at most one wakeup."""
 
     def __init__(self):
-        self.queue: "asyncio.Queue" = asyncio.Queue()
+        self.items: list = []
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 @dataclass
@@ -95,7 +112,7 @@ class EngineClient:
         check_request(prompt_ids, max_tokens, self.max_model_len)
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         if self.dead is not None:  # it died while the handler read the body
-            sink.queue.put_nowait(EngineFailure(str(self.dead)))
+            sink.put(EngineFailure(str(self.dead)))
             return rid
         self._entries[rid] = _Entry(sink, index, time.perf_counter())
         self.transport.put(("add", rid, list(prompt_ids), params, max_tokens, tuple(stop_ids),
@@ -150,7 +167,7 @@ class EngineClient:
             if finish_reason is not None:
                 del self._entries[rid]
         for sink, batch in batches.items():
-            sink.queue.put_nowait(batch)
+            sink.put(batch)
 
     def _fail(self, rids: List[int], message: str) -> None:
         sinks = {}
@@ -158,7 +175,7 @@ class EngineClient:
             e = self._entries.pop(rid)
             sinks[id(e.sink)] = e.sink
         for sink in sinks.values():
-            sink.queue.put_nowait(EngineFailure(message))
+            sink.put(EngineFailure(message))
 
 
 class ThreadTransport:

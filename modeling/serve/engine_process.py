@@ -8,7 +8,7 @@ a step, and the engine's never delays a stream. Requests go to the child through
 event loop writes without blocking (``put``: what the pipe does not take now is written when it
 is writable, ``add_writer``), in ``multiprocessing.Connection``'s framing, so the child reads
 them with ``recv``; reports come back through another pipe the event loop reads when it is
-readable (``add_reader``). Not a ``multiprocessing`` queue: its feeder thread needs the
+readable (``add_reader``), all it holds in one read. Not a ``multiprocessing`` queue: its feeder thread needs the
 interpreter to write, so a request waited for whatever Python the event loop ran next (a whole
 step's streaming at load).
 
@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 START_POLL_S = 1.0
 """How often the child's wait for messages and the server's wait for the child's start look up."""
+READ_BYTES = 1 << 20
+"""The most one read of the report pipe takes."""
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ProcessTransport:
         child_inbox.close()
         os.set_blocking(self._out.fileno(), False)
         self._pending = bytearray()  # framed requests the pipe has not taken yet
+        self._received = bytearray()  # framed reports read, not handled yet (a report's start)
         self._writing = False  # flush registered with the loop
         self._loop = None
         try:
@@ -101,13 +104,27 @@ class ProcessTransport:
         self._flush()
 
     def _readable(self) -> None:
+        """Every report the pipe holds, in one read (``Connection.recv`` takes two and a poll a
+        report), unframed here; a report's end that has not come yet waits for the next read."""
         try:
-            while self._conn.poll():
-                self._callback(self._conn.recv())
-        except (EOFError, OSError):
+            data = os.read(self._conn.fileno(), READ_BYTES)
+        except OSError:
+            data = b""
+        if not data:  # EOF: the child holds the only write end
             self._loop.remove_reader(self._conn.fileno())
             self.proc.join(START_POLL_S)
             self._callback(("dead", f"the engine process exited (code {self.proc.exitcode})"))
+            return
+        self._received += data
+        start, end = 0, len(self._received)
+        while end - start >= 4:
+            size = struct.unpack_from("!i", self._received, start)[0]  # reports are far below 2 GiB
+            if end - start - 4 < size:
+                break
+            msg = ForkingPickler.loads(memoryview(self._received)[start + 4:start + 4 + size])
+            start += 4 + size
+            self._callback(msg)
+        del self._received[:start]
 
     def put(self, msg: tuple) -> None:
         """Send ``msg`` now, as far as the pipe takes it; never blocks."""
@@ -149,10 +166,12 @@ class ProcessTransport:
                                                       max(0.0, deadline - time.monotonic()))
                 if writable:
                     self._flush()
-                if self._conn in readable:
+                if self._conn in readable:  # dropped unframed: _readable may have read a report's start
                     try:
-                        self._conn.recv_bytes()
-                    except (EOFError, OSError):  # it is exiting
+                        data = os.read(self._conn.fileno(), READ_BYTES)
+                    except OSError:
+                        data = b""
+                    if not data:  # it is exiting
                         self.proc.join(max(0.0, deadline - time.monotonic()))
                         break
         self._kill()

@@ -133,9 +133,7 @@ class Generation:
         choice (``EngineError`` if the engine failed it). Waits for the next step when none did;
         when several are queued (the event loop fell behind the engine), their tokens are merged,
         so a busy server sends fewer, longer chunks instead of falling further behind."""
-        items = [await self.sink.queue.get()]
-        while not self.sink.queue.empty():
-            items.append(self.sink.queue.get_nowait())
+        items = await self.sink.take()
         failure = next((item for item in items if isinstance(item, EngineFailure)), None)
         if failure is not None:
             for c in self.choices:
