@@ -64,6 +64,9 @@ TILE_ELEMS = 1024 if INTERPRET else int(os.environ.get("QWEN_DECODE_LAYERS_TILE_
 """Weight elements per GEMV tile (32 KB of bf16: 64 registers a thread at four warps; small under
 the interpreter, so the tests' small layers still have several tiles per phase)."""
 
+BLOCK_T = 32
+"""Cached positions per step of an attention task's loop (one tensor-core block of keys)."""
+
 MAX_ROWS = 8
 """Sequences per launch at most (each tile loops over its rows with the weights in registers)."""
 
@@ -215,14 +218,28 @@ def _gate_up_task(h_ptr, nw_ptr, w_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phas
 
 
 @triton.jit
+def _kv_block(k_base, v_base, bt_row, cols, hi, pos, d, d_ok, stride_kb, stride_kt, BS):
+    """The cached keys [BLOCK_D, BLOCK_T] (transposed) and values [BLOCK_T, BLOCK_D] of positions
+    `cols` below `hi`, through the block table; zero at the new token's position `pos` (its k and v
+    come from registers: its cache write may still be in flight) and past `hi`."""
+    c_ok = (cols < hi) & (cols != pos)
+    slots = tl.load(bt_row + cols // BS, mask=c_ok, other=0).to(tl.int64) * stride_kb + (cols % BS) * stride_kt
+    kt = tl.load(k_base + slots[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    vt = tl.load(v_base + slots[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    return kt, vt
+
+
+@triton.jit
 def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_ptr, vc_ptr, attn_ptr, po_ptr, plse_ptr,
-                    arr_ptr, cnt_ptr, m, g, s, phase, stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
-                    eps, offset, log2_theta, qk_scale,
+                    arr_ptr, cnt_ptr, err_ptr, m, g, s, phase, target, done, stride_bt, stride_kb, stride_kt,
+                    stride_kh, CACHE_LEN, BS, eps, offset, log2_theta, qk_scale,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                     HAS_QK_NORM: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr,
-                    P_SCALE: tl.constexpr):
+                    P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr):
     """Split s of sequence m's kv head g (see the module doc); counts (m, g) in on `phase` once its
-    output is stored."""
+    output is stored. The split's first block of cached keys and values is loaded before the wait
+    for the qkv phase (`phase` - 1), as the GEMV tasks load their weights: only the new token's
+    column depends on that phase, and it comes from registers."""
     G: tl.constexpr = HQ // HK
     BLOCK_G: tl.constexpr = max(16, triton.next_power_of_2(G))
     BLOCK_D: tl.constexpr = head_block(D)
@@ -234,6 +251,15 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     r_ok = r < G
     d = tl.arange(0, BLOCK_D)
     d_ok = head_mask(d, D)
+    chunk = tl.cdiv(tl.cdiv(seqlen, S), BLOCK_T) * BLOCK_T
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    k_base = kc_ptr + g * stride_kh
+    v_base = vc_ptr + g * stride_kh
+    bt_row = bt_ptr + m * stride_bt
+    offs = tl.arange(0, BLOCK_T)
+    kt_first, vt_first = _kv_block(k_base, v_base, bt_row, lo + offs, hi, pos, d, d_ok, stride_kb, stride_kt, BS)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT)
     one = tl.zeros((1,), dtype=tl.int32)
     row = qkv_ptr + m * NQKV
     fpos = pos.to(tl.float32)
@@ -242,12 +268,6 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     k_new = tl.sum(_head(row + HQ * D, kn_ptr, g + one, d, d_ok[None, :], fpos, eps, offset, log2_theta,
                          HAS_QK_NORM, D, ROT), axis=0).to(kc_ptr.dtype.element_ty)
     v_new = tl.load(row + (HQ + HK) * D + g * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
-    chunk = tl.cdiv(tl.cdiv(seqlen, S), BLOCK_T) * BLOCK_T
-    lo = s * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    k_base = kc_ptr + g * stride_kh
-    v_base = vc_ptr + g * stride_kh
-    bt_row = bt_ptr + m * stride_bt
     if (s == 0) & (pos >= 0) & (pos < CACHE_LEN):  # the new token's k and v, written once
         slot = tl.load(bt_row + pos // BS).to(tl.int64) * stride_kb + (pos % BS) * stride_kt
         tl.store(k_base + slot + d, k_new, mask=d_ok)
@@ -255,13 +275,14 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    offs = tl.arange(0, BLOCK_T)
     for n0 in range(lo, hi, BLOCK_T):
         cols = n0 + offs
         c_ok = cols < hi
         is_new = cols == pos  # the new token's k/v from registers: its cache write may still be in flight
-        slots = tl.load(bt_row + cols // BS, mask=c_ok, other=0).to(tl.int64) * stride_kb + (cols % BS) * stride_kt
-        kt = tl.load(k_base + slots[None, :] + d[:, None], mask=(c_ok & ~is_new)[None, :] & d_ok[:, None], other=0.0)
+        if n0 == lo:
+            kt, vt = kt_first, vt_first
+        else:
+            kt, vt = _kv_block(k_base, v_base, bt_row, cols, hi, pos, d, d_ok, stride_kb, stride_kt, BS)
         kt = tl.where(is_new[None, :], k_new[:, None], kt)
         sc = dot(q, kt, tl.zeros((BLOCK_G, BLOCK_T), dtype=tl.float32)) * qk_scale
         sc = tl.where(c_ok[None, :], sc, float("-inf"))
@@ -270,7 +291,6 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None]) * P_SCALE
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + slots[:, None] + d[None, :], mask=(c_ok & ~is_new)[:, None] & d_ok[None, :], other=0.0)
         vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
         acc = dot(p.to(vt.dtype), vt, acc * alpha[:, None])
         m_i = m_new
@@ -298,6 +318,7 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
                 o = tl.sum(parts * w[:, None], axis=0)
                 tl.store(attn_ptr + m * (HQ * D) + (g * G + j) * D + d, o.to(dtype), mask=d_ok)
             _finish(cnt_ptr, phase)
+    return done
 
 
 @kernel
@@ -337,14 +358,13 @@ def _decode_layers_kernel(
                              offset, NQKV, H, HAS_BIAS, BLOCK_M, RQ, SPIN_LIMIT)
         elif j < N_QKV + n_attn:
             a_id = j - N_QKV  # (m, g, s), s fastest
-            done = _wait(cnt_ptr, err_ptr, ph, N_QKV, done, SPIN_LIMIT)
-            _attention_task(qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D, pos_ptr, seqlens_ptr, bt_ptr,
-                            kc_ptr + layer.to(tl.int64) * stride_kl, vc_ptr + layer.to(tl.int64) * stride_kl,
-                            attn_ptr, po_ptr, plse_ptr, arr_base + layer * (M * HK), cnt_ptr,
-                            a_id // (HK * S), (a_id // S) % HK, a_id % S, ph + 1,
-                            stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
-                            eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, S, BLOCK_T, HEADROOM,
-                            P_SCALE)
+            done = _attention_task(qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D, pos_ptr, seqlens_ptr, bt_ptr,
+                                   kc_ptr + layer.to(tl.int64) * stride_kl, vc_ptr + layer.to(tl.int64) * stride_kl,
+                                   attn_ptr, po_ptr, plse_ptr, arr_base + layer * (M * HK), cnt_ptr, err_ptr,
+                                   a_id // (HK * S), (a_id // S) % HK, a_id % S, ph + 1, N_QKV, done,
+                                   stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
+                                   eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, S, BLOCK_T,
+                                   HEADROOM, P_SCALE, SPIN_LIMIT)
         elif j < N_QKV + n_attn + N_O:
             done = _residual_task(attn_ptr, o_w_ptr + layer.to(tl.int64) * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,
                                   (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M, RO,
@@ -423,7 +443,7 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
                 HAS_QK_NORM=q_norm is not None, BLOCK_M=next_power_of_2(m),
                 RQ=tile_rows(nqkv, h, size), RO=tile_rows(h, num_heads * d, size),
                 RG=tile_rows(2 * inter, h, size) // 2 or 1, RD=tile_rows(h, inter, size), S=num_splits,
-                BLOCK_T=32, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
+                BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
                 num_warps=NUM_WARPS, num_stages=1)
     if INTERPRET:
         _decode_layers_kernel[(1,)](*args, **meta)
@@ -448,8 +468,12 @@ def error_flag(device: torch.device) -> torch.Tensor:
                          "create its error flag (csrc_free_ops.decode_layers.error_flag)")
 
 
-def default_splits(cache_len: int) -> int:
-    """Splits of each (sequence, kv head)'s attention: one per 32 cached positions, 1 to 16. The
-    count is fixed per cache (a graph replays it at every length); each split takes a share of the
-    sequence's current length."""
-    return max(1, min(16, cdiv(cache_len, 32)))
+def default_splits(cache_len: int, rows: int = 1) -> int:
+    """Splits of each (sequence, kv head)'s attention: one per 32 cached positions, at most 32 // rows
+    (so a layer has at most 32 x Hk attention tasks, about one per program: 256 at Hk = 8), 1 to 32.
+    The count is fixed per cache (a graph replays it at every length); each split takes a share of
+    the sequence's current length. On the H200 at Qwen3-0.6B's shape (`python -m bench.decode_layers`,
+    bench/results/2026-12-03-h200-decode-layers-splits.md): context 2048, one sequence, 32 splits
+    804.5 us a call against 880.5 with 16; context 256, eight sequences, 4 splits 3220 us against
+    3737 with 11."""
+    return max(1, min(cdiv(cache_len, 32), 32 // max(1, rows)))

@@ -20,8 +20,8 @@ from modeling import QwenTokenizer
 from modeling.model.random_checkpoint import build_random_checkpoint, build_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_ONLY = ("cuda_suite", "decode", "fused_decode", "gated_delta_rule", "generate", "host", "loss", "ops",
-             "prefill", "serve", "train")
+CUDA_ONLY = ("cuda_suite", "decode", "decode_layers", "fused_decode", "gated_delta_rule", "generate", "host",
+             "loss", "ops", "prefill", "serve", "train")
 
 
 @pytest.mark.parametrize("name", CUDA_ONLY)

@@ -146,7 +146,7 @@ class QwenForCausalLM(nn.Module):
             x = ops.decode_layers(F.embedding(input_ids.reshape(b), self.embed_tokens), positions.reshape(b),
                                   cache_seqlens, cache.block_table, *self._stacked_weights(), *cache.stacked,
                                   c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
-                                  decode_splits(cache.stacked[0].shape[2]))
+                                  decode_splits(cache.stacked[0].shape[2], b))
             return ops.norm_linear(x[:, None] if all_logits else x, self.norm, self._head(), None, c.rms_norm_eps,
                                    c.norm_offset)
         fused = self.fused_decode if self.fused_decode is not None else input_ids.numel() == 1
