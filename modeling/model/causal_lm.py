@@ -27,10 +27,11 @@ ops = torch.ops.qwen
 
 PERSISTENT_DECODE = os.environ.get("QWEN_PERSISTENT_DECODE", "1") != "0"
 """``QwenForCausalLM.persistent_decode``'s default (QWEN_PERSISTENT_DECODE=0: off): on for one
-sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions, where the H200 measures it
-faster than the fused ops (0.793 against 0.941 ms per Qwen3-0.6B token at context 256; at 2048,
-1.083 against 1.052; at batch 8, 3.81 against 1.28 ms per step)."""
-PERSISTENT_DECODE_MAX_LEN = 1024
+sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions (the Generator's default
+4096), where the H200 measures it faster than the fused ops (ms per Qwen3-0.6B token: 0.757
+against 0.941 at context 256; 0.954 against 1.055 at 2048; bench/results/2026-12-03-h200-decode-persistent.json);
+not at batch 8 (3.46 against 1.28 ms per step)."""
+PERSISTENT_DECODE_MAX_LEN = 4096
 
 
 class Cache:
