@@ -3,6 +3,7 @@ launch parameters, timed as a CUDA graph replay.
 
     python -m bench.decode_layers [--batch 1 8] [--context 256 2048] [--cache-len N]
                                   [--splits 0 4 8 16] [--block-t 32] [--tile-elems 16384] [--out DIR]
+                                  [--timeline]
 
 Shape: Qwen3-0.6B's 28 layers (hidden 1024, 16 / 8 heads of 128, intermediate 3072, q/k norms,
 tied embeddings not involved: the op ends before the final norm), bf16, random weights; a
@@ -16,11 +17,18 @@ csrc_free_ops/decode_layers.py, set here before the call), the median microsecon
 first row's output (the result does not depend on these settings beyond rounding) and the
 watchdog flag (must stay 0); `programs`: the co-resident grid the launcher chose (from the
 compiled kernel's registers). Prints a markdown table (and writes DIR/decode_layers.md with --out).
+
+`--timeline`: also, per row, one call of a build of the kernel whose tasks stamp %globaltimer at
+their start, when their wait is met and at their end (`csrc_free_ops.decode_layers.timeline`),
+and per phase the median over layers 2 .. NL-1 (us): span (the phase's last end after the phase
+before's last end), compute (end minus wait met: median and max over the phase's tasks),
+lastready and laststart (the last task's wait met and start, after the phase before's last end).
 """
 import argparse
 import datetime
 import itertools
 import os
+import statistics
 
 import torch
 from triton.testing import do_bench_cudagraph
@@ -52,6 +60,52 @@ def make_args(batch: int, context: int, cache_len: int, seed: int = 0) -> list:
             1e-6, 0.0, 1e6, D, HQ, 1]
 
 
+PHASE_NAMES = ("qkv", "attn", "o", "gate_up", "down")
+
+
+def timeline_table(args) -> list:
+    """One call with every task stamping its start, wait met and end, as `phase_table`'s lines."""
+    batch, hk = args[0].shape[0], args[13].shape[3]
+    counts = kernels.phase_tasks(batch, args[5].shape[1], HIDDEN, HQ * D, INTER, hk, args[-1], 2)
+    stamps = torch.zeros(3 * LAYERS * sum(counts), dtype=torch.int64, device="cuda")
+    kernels.timeline = stamps
+    try:
+        torch.ops.qwen.decode_layers(*args)
+        torch.cuda.synchronize()
+    finally:
+        kernels.timeline = None
+    return phase_table(stamps.cpu().view(LAYERS, sum(counts), 3), counts)
+
+
+def phase_table(stamps, counts) -> list:
+    """stamps [layers, tasks a layer, 3] (ns: start, wait met, end of each task, in the task list's
+    order), counts the tasks a layer of each phase -> markdown lines: per phase the medians over
+    layers 2 .. (see the module doc), us."""
+    t = (stamps.double() - stamps[:, :, 0].min().double()) / 1e3
+    bounds = [0] + list(itertools.accumulate(counts))
+    stats = {name: {k: [] for k in ("span", "med", "max", "ready", "start")} for name in PHASE_NAMES}
+    for layer in range(2, t.shape[0]):
+        prev_end = t[layer - 1, bounds[-2]:, 2].max()
+        for p, name in enumerate(PHASE_NAMES):
+            tasks = t[layer, bounds[p]:bounds[p + 1]]
+            compute = tasks[:, 2] - tasks[:, 1]
+            row = stats[name]
+            row["span"].append(float(tasks[:, 2].max() - prev_end))
+            row["med"].append(float(compute.median()))
+            row["max"].append(float(compute.max()))
+            row["ready"].append(float(tasks[:, 1].max() - prev_end))
+            row["start"].append(float(tasks[:, 0].max() - prev_end))
+            prev_end = tasks[:, 2].max()
+    med = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in stats.items()}
+    lines = [f"timeline: {sum(counts)} tasks a layer {list(counts)}, kernel span {float(t[:, :, 2].max()):.1f} us",
+             "", "| phase | span | compute median | compute max | lastready | laststart |", "|---|---|---|---|---|---|"]
+    for name, r in med.items():
+        lines.append(f"| {name} | {r['span']:.2f} | {r['med']:.2f} | {r['max']:.2f} | {r['ready']:.2f} | "
+                     f"{r['start']:.2f} |")
+    lines.append(f"| layer | {sum(r['span'] for r in med.values()):.2f} | | | | |")
+    return lines
+
+
 def weight_bytes(args) -> int:
     return sum(t.numel() * t.element_size() for t in args[4:13] if t is not None)
 
@@ -65,6 +119,7 @@ def main():
     p.add_argument("--block-t", type=int, nargs="+", default=[kernels.BLOCK_T])
     p.add_argument("--tile-elems", type=int, nargs="+", default=[kernels.TILE_ELEMS])
     p.add_argument("--out", default=None)
+    p.add_argument("--timeline", action="store_true", help="also a per-phase timeline of one call a row")
     a = p.parse_args()
     require_cuda("bench.decode_layers")
     flag = kernels.error_flag(torch.device("cuda"))
@@ -92,6 +147,10 @@ def main():
                    f"{(out.float() - first.float()).abs().max().item():.3g} | {int(flag.item())} |")
             lines.append(row)
             print(row, flush=True)
+            if a.timeline:
+                timeline = timeline_table(args)
+                print("\n".join(timeline), flush=True)
+                lines += [""] + timeline + [""]
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "decode_layers.md"), "w") as fh:

@@ -68,13 +68,20 @@ BLOCK_T = 32
 """Cached positions per step of an attention task's loop (one tensor-core block of keys)."""
 
 MAX_ROWS = 8
+
+timeline = None
+"""None, or an int64 CUDA tensor of 3 x (the call's tasks: `phase_tasks`) elements: then each task t
+stamps %globaltimer (ns) at timeline[3t] when it starts, [3t + 1] when its wait is met and
+[3t + 2] when it ends (`python -m bench.decode_layers --timeline`; a kernel compiled with the
+stamps, not the op's default)."""
 """Sequences per launch at most (each tile loops over its rows with the weights in registers)."""
 
 
 @triton.jit
-def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr):
+def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """Wait until counter[phase] >= target unless phase <= done (this program saw it complete
-    already, or phase < 0: nothing to wait for); returns the phases this program knows complete."""
+    already, or phase < 0: nothing to wait for); returns the phases this program knows complete.
+    TIMELINE: stamps the time the wait was met at stamp_ptr[1]."""
     if phase > done:
         seen = tl.atomic_add(cnt_ptr + phase, 0, sem="acquire", scope="gpu")
         spins = 0
@@ -83,7 +90,15 @@ def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr):
             spins += 1
         if seen < target:
             tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
+    if TIMELINE:
+        tl.store(stamp_ptr + 1, _now())
     return tl.maximum(done, phase)
+
+
+@triton.jit
+def _now():
+    """The SM's %globaltimer, ns (the timeline's clock; CUDA only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -158,12 +173,12 @@ def _head(ptr, nw_ptr, rows, cols, ok, pos, eps, offset, log2_theta, HAS_NORM: t
 @triton.jit
 def _qkv_task(x_ptr, nw_ptr, w_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
               N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-              SPIN_LIMIT: tl.constexpr):
+              SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """qkv[m, row0:row0 + ROWS] = rms_norm(x[m]) @ w[rows]^T (+ bias), rounded, for every row m;
     the weight tile is loaded before the wait for phase - 1 (the layer before)."""
     BK: tl.constexpr = triton.next_power_of_2(K)
     w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
     for m in tl.static_range(BLOCK_M):
         if m < M:
@@ -178,12 +193,13 @@ def _qkv_task(x_ptr, nw_ptr, w_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, p
 
 @triton.jit
 def _residual_task(a_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, N: tl.constexpr,
-                   K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                   K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                   stamp_ptr, TIMELINE: tl.constexpr):
     """out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T) (o_proj and down): the weight tile is
     loaded before the wait for `phase`; counts itself in on phase + 1."""
     BK: tl.constexpr = triton.next_power_of_2(K)
     w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(BLOCK_M):
@@ -198,13 +214,13 @@ def _residual_task(a_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, ph
 @triton.jit
 def _gate_up_task(h_ptr, nw_ptr, w_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
                   I: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                  SPIN_LIMIT: tl.constexpr):
+                  SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """act[m, rows] = silu(g) * u with g, u = rows and I + rows of rms_norm(h[m]) @ w^T, rounded
     as norm_gate_up_silu rounds them; the two weight tiles are loaded before the wait for `phase`."""
     BK: tl.constexpr = triton.next_power_of_2(K)
     wg = _weight_tile(w_ptr, row0, I, K, K, ROWS, BK)
     wu = _weight_tile(w_ptr + I * K, row0, I, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
     dtype = act_ptr.dtype.element_ty
     for m in tl.static_range(BLOCK_M):
@@ -235,7 +251,7 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
                     stride_kh, CACHE_LEN, BS, eps, offset, log2_theta, qk_scale,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                     HAS_QK_NORM: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr,
-                    P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                    P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """Split s of sequence m's kv head g (see the module doc); counts (m, g) in on `phase` once its
     output is stored. The split's first block of cached keys and values is loaded before the wait
     for the qkv phase (`phase` - 1), as the GEMV tasks load their weights: only the new token's
@@ -259,7 +275,7 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     bt_row = bt_ptr + m * stride_bt
     offs = tl.arange(0, BLOCK_T)
     kt_first, vt_first = _kv_block(k_base, v_base, bt_row, lo + offs, hi, pos, d, d_ok, stride_kb, stride_kt, BS)
-    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     one = tl.zeros((1,), dtype=tl.int32)
     row = qkv_ptr + m * NQKV
     fpos = pos.to(tl.float32)
@@ -325,13 +341,14 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
 def _decode_layers_kernel(
     x_ptr, out_ptr, pos_ptr, seqlens_ptr, bt_ptr,
     in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gu_w_ptr, down_w_ptr,
-    kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr,
+    kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
     M, NL, stride_bt, stride_kl, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
     eps, offset, log2_theta, qk_scale,
     H: tl.constexpr, I: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
     RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr, S: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    TIMELINE: tl.constexpr,
 ):
     eps, offset, log2_theta, qk_scale = fp32(eps), fp32(offset), fp32(log2_theta), fp32(qk_scale)
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
@@ -348,6 +365,9 @@ def _decode_layers_kernel(
         layer = t // per_layer
         j = t % per_layer
         ph = layer * PHASES
+        stamp = tl_ptr + t * 3
+        if TIMELINE:
+            tl.store(stamp, _now())
         if layer == 0:  # the layer's input: the embeddings, then the output of the layer before
             x_in = x_ptr
         else:
@@ -355,7 +375,7 @@ def _decode_layers_kernel(
         if j < N_QKV:
             done = _qkv_task(x_in, in_norm_ptr + layer * H, qkv_w_ptr + layer.to(tl.int64) * (NQKV * H),
                              qkv_b_ptr + layer * NQKV, qkv_ptr, cnt_ptr, err_ptr, j * RQ, M, ph, N_DN, done, eps,
-                             offset, NQKV, H, HAS_BIAS, BLOCK_M, RQ, SPIN_LIMIT)
+                             offset, NQKV, H, HAS_BIAS, BLOCK_M, RQ, SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn:
             a_id = j - N_QKV  # (m, g, s), s fastest
             done = _attention_task(qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D, pos_ptr, seqlens_ptr, bt_ptr,
@@ -364,19 +384,21 @@ def _decode_layers_kernel(
                                    a_id // (HK * S), (a_id // S) % HK, a_id % S, ph + 1, N_QKV, done,
                                    stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
                                    eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, S, BLOCK_T,
-                                   HEADROOM, P_SCALE, SPIN_LIMIT)
+                                   HEADROOM, P_SCALE, SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn + N_O:
             done = _residual_task(attn_ptr, o_w_ptr + layer.to(tl.int64) * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,
                                   (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M, RO,
-                                  SPIN_LIMIT)
+                                  SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn + N_O + N_GU:
             done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H), act_ptr,
                                  cnt_ptr, err_ptr, (j - N_QKV - n_attn - N_O) * RG, M, ph + 2, N_O, done, eps,
-                                 offset, I, H, BLOCK_M, RG, SPIN_LIMIT)
+                                 offset, I, H, BLOCK_M, RG, SPIN_LIMIT, stamp, TIMELINE)
         else:
             done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
                                   err_ptr, (j - N_QKV - n_attn - N_O - N_GU) * RD, M, ph + 3, N_GU, done, H, I,
-                                  BLOCK_M, RD, SPIN_LIMIT)
+                                  BLOCK_M, RD, SPIN_LIMIT, stamp, TIMELINE)
+        if TIMELINE:
+            tl.store(stamp + 2, _now())
 
 
 def tile_rows(n: int, k: int, itemsize: int) -> int:
@@ -385,6 +407,18 @@ def tile_rows(n: int, k: int, itemsize: int) -> int:
     budget = TILE_ELEMS // max(1, itemsize // 2)
     rows = max(1, budget // next_power_of_2(k))
     return min(1 << (rows.bit_length() - 1), next_power_of_2(n))
+
+
+def tile_plan(nqkv: int, h: int, attn_width: int, inter: int, itemsize: int) -> tuple:
+    """(RQ, RO, RG, RD): the weight rows of a qkv, o_proj, gate_up (of each half) and down task."""
+    return (tile_rows(nqkv, h, itemsize), tile_rows(h, attn_width, itemsize),
+            tile_rows(2 * inter, h, itemsize) // 2 or 1, tile_rows(h, inter, itemsize))
+
+
+def phase_tasks(m: int, nqkv: int, h: int, attn_width: int, inter: int, hk: int, splits: int, itemsize: int) -> list:
+    """Tasks a layer of each phase (qkv, attention, o, gate_up, down), in the task list's order."""
+    rq, ro, rg, rd = tile_plan(nqkv, h, attn_width, inter, itemsize)
+    return [cdiv(nqkv, rq), m * hk * splits, cdiv(h, ro), cdiv(inter, rg), cdiv(h, rd)]
 
 
 NUM_WARPS = 4
@@ -433,17 +467,24 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
     lse = torch.empty(parts.shape[:1], dtype=torch.float32, device=dev)
     counters = torch.zeros(nl * PHASES.value + nl * m * hk, dtype=torch.int32, device=dev)
     headroom = softmax_headroom(k_cache.dtype)
+    rq, ro, rg, rd = tile_plan(nqkv, h, num_heads * d, inter, size)
+    if timeline is not None:
+        need = 3 * nl * sum(phase_tasks(m, nqkv, h, num_heads * d, inter, hk, num_splits, size))
+        if timeline.dtype != torch.int64 or timeline.device != dev or timeline.numel() < need:
+            raise ValueError(f"decode_layers.timeline must be an int64 tensor of at least {need} elements on {dev}, "
+                             f"got {timeline.dtype} [{timeline.numel()}] on {timeline.device}")
     args = (x, out, positions, cache_seqlens, block_table, input_norm, qkv_weight,
             qkv_bias if qkv_bias is not None else qkv_weight, q_norm if q_norm is not None else input_norm,
             k_norm if k_norm is not None else input_norm, o_weight, post_norm, gate_up_weight, down_weight,
             k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
+            timeline if timeline is not None else counters,
             m, nl, block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E)
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
                 HAS_QK_NORM=q_norm is not None, BLOCK_M=next_power_of_2(m),
-                RQ=tile_rows(nqkv, h, size), RO=tile_rows(h, num_heads * d, size),
-                RG=tile_rows(2 * inter, h, size) // 2 or 1, RD=tile_rows(h, inter, size), S=num_splits,
+                RQ=rq, RO=ro, RG=rg, RD=rd, S=num_splits,
                 BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
+                TIMELINE=timeline is not None,
                 num_warps=NUM_WARPS, num_stages=1)
     if INTERPRET:
         _decode_layers_kernel[(1,)](*args, **meta)

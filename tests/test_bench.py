@@ -148,3 +148,24 @@ def test_serve_client_against_the_servers_on_cpu(server, words_checkpoint, tmp_p
     finally:
         bench_serve.stop(proc)
     assert stats["tokens_per_s"] > 0 and stats["ttft_p50_ms"] > 0
+
+
+def test_decode_layers_phase_table_reads_a_synthetic_timeline():
+    """bench.decode_layers --timeline's arithmetic on stamps whose answer is known: each phase's
+    tasks start when the phase before ends, wait 0.5 us, then compute 1 us (the second task 2 us)."""
+    from bench.decode_layers import phase_table
+
+    counts, layers, t = [2, 1, 1, 2, 1], 4, 0.0
+    stamps = torch.zeros(layers, sum(counts), 3, dtype=torch.int64)
+    for layer in range(layers):
+        i = 0
+        for n in counts:
+            for k in range(n):
+                stamps[layer, i] = torch.tensor([t, t + 0.5, t + 1.5 + k]) * 1000
+                i += 1
+            t += 1.5 + (n - 1)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in phase_table(stamps, counts) if line.startswith("| ") and "---" not in line}
+    assert rows["qkv"] == ["2.50", "1.00", "2.00", "0.50", "0.00"]
+    assert rows["attn"] == ["1.50", "1.00", "1.00", "0.50", "0.00"]
+    assert rows["layer"][0] == f"{t / layers:.2f}"
