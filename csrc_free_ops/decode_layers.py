@@ -27,7 +27,8 @@ occupancy from the compiled kernel's registers and shared memory), and the launc
 (`launch_cooperative_grid`), so a grid that cannot be co-resident fails instead of hanging. A
 task depends only on the phase before it, whose tasks come earlier in the list, so the tasks
 always complete. Each phase (layer, kind) has a completion counter: a task's program issues the
-loads of its whole weight tile, then waits until the counter of the phase before reaches that
+loads of its whole weight tile (an attention task: its split's first block of cached keys and
+values), then waits until the counter of the phase before reaches that
 phase's task count (an acquire load in a loop; skipped when the program already saw it), then
 reads its inputs, computes, stores, and counts itself in (a barrier, then a release add). So a
 program streams the weights of its next task while the phase before finishes. Activations are
@@ -68,13 +69,13 @@ BLOCK_T = 32
 """Cached positions per step of an attention task's loop (one tensor-core block of keys)."""
 
 MAX_ROWS = 8
+"""Sequences per launch at most (each tile loops over its rows with the weights in registers)."""
 
 timeline = None
 """None, or an int64 CUDA tensor of 3 x (the call's tasks: `phase_tasks`) elements: then each task t
 stamps %globaltimer (ns) at timeline[3t] when it starts, [3t + 1] when its wait is met and
 [3t + 2] when it ends (`python -m bench.decode_layers --timeline`; a kernel compiled with the
 stamps, not the op's default)."""
-"""Sequences per launch at most (each tile loops over its rows with the weights in registers)."""
 
 
 @triton.jit
