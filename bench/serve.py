@@ -40,8 +40,9 @@ tokens/s over the level's wall time.
 
 Keys: ``serve_tokens_per_s_c{c}``, ``serve_ttft_p50_ms_c{c}``, ``serve_ttft_p99_ms_c{c}``,
 ``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, ``serve_startup_s``, the same with
-``transformers_`` for the peer, ``engine_tokens_per_s_c64`` and ``engine_ttft_ms_c1`` (the engine's
-best time to first token of one prompt alone, what ``serve_ttft_p50_ms_c1`` is compared with);
+``transformers_`` for the peer, ``engine_tokens_per_s_c64``, ``engine_ttft_ms_c1`` (the engine's
+median time to first token of the c1 level's prompts, each alone: what ``serve_ttft_p50_ms_c1`` is
+compared with, median to median) and ``engine_ttft_min_ms_c1`` (the best of them);
 ``transformers_serve_error`` where the
 peer did not start or failed (its log says why). Required of a full run: ``serve_tokens_per_s_c64``,
 ``transformers_serve_tokens_per_s_c64``, ``serve_ttft_p50_ms_c1``, ``engine_tokens_per_s_c64``.
@@ -154,18 +155,24 @@ def request_body(model: str, prompt: str) -> dict:
 async def one(client, url: str, body: dict):
     """One streaming completion: (ttft s, total s, completion tokens, prompt tokens), the tokens from
     the stream's usage (ours: a last chunk without choices, then [DONE]; transformers serve: usage
-    on its last chunk, no [DONE])."""
+    on its last chunk, no [DONE]). The body is read to its end, past [DONE], as the openai client
+    reads a stream: a response left unread (its last chunk, which ends a chunked body, comes after
+    [DONE]) makes httpx close the connection, and the next request paid a new one (until
+    2026-12-03 every request to ours did, and none to transformers serve, which sends no [DONE]:
+    at c1 on the 2-core CPU VM that was ~0.9 ms of ours' TTFT, see
+    bench/results/2026-12-03-cpu-serve-ttft.md)."""
     t0 = time.perf_counter()
-    first, use = None, None
+    first, use, done = None, None, False
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
+        async for line in r.aiter_lines():  # to the body's end, past [DONE]: see ``one``'s docstring
+            if done or not line.startswith("data: "):
                 continue
             data = line[6:]
             if data == "[DONE]":
-                break
+                done = True
+                continue
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"the stream carried an error: {obj['error']}")
@@ -223,9 +230,17 @@ def measure(prefix: str, url: str, model: str, prompts, levels, counts, report) 
             report(f"{prefix}_{key}_c{c}", stats[key])
 
 
-def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> tuple[float, float]:
+def engine_alone(path: Path, prompt_ids, max_num_seqs: int, ttft_prompts: int) -> tuple[float, float, float]:
     """The engine with the same requests, at most ``max_num_seqs`` in flight: (output tokens/s, the
-    best of five times to first token of the first prompt alone, ms)."""
+    median and the best time to first token, ms, of the first ``ttft_prompts`` prompts each alone).
+
+    The times to first token are those of the server's c1 level: the same prompts (``prompts[:n]``
+    there, ``n`` of the level), one at a time, after the same requests ran before them (so as many
+    of their blocks are in the prefix cache), ``MAX_TOKENS`` asked for (the step that gives the first
+    token is a prefill either way), the clock from ``add`` to the step that returns the token; the
+    median is what ``serve_ttft_p50_ms_c1`` is compared with. Until 2026-12-03 this reported the
+    best of five runs of the first prompt (now ``engine_ttft_min_ms_c1``): a best-of beside the
+    server's median."""
     import torch
 
     from modeling import QwenForCausalLM
@@ -242,17 +257,18 @@ def engine_alone(path: Path, prompt_ids, max_num_seqs: int) -> tuple[float, floa
         torch.cuda.synchronize()
         rate = sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
     ttfts = []
-    for _ in range(6):  # the first warms the one-prompt step's graph
+    for ids in [prompt_ids[0]] + list(prompt_ids[:ttft_prompts]):  # the first warms the one-prompt step
         t0 = time.perf_counter()
-        seq = engine.add(prompt_ids[0], SamplingParams(), 1)
+        seq = engine.add(ids, SamplingParams(), MAX_TOKENS)
         while seq.num_output == 0:
             engine.step()
         ttfts.append((time.perf_counter() - t0) * 1e3)
+        engine.abort(seq)
         while engine.has_work():
             engine.step()
     del engine, model
     torch.cuda.empty_cache()
-    return rate, min(ttfts[1:])
+    return rate, statistics.median(ttfts[1:]), min(ttfts[1:])
 
 
 def main():
@@ -312,9 +328,11 @@ def main():
                 stop(ours)
 
         if "engine" in parts:
-            rate, ttft = engine_alone(ckpt, prompt_ids[:engine_requests], 64)
+            c1 = counts[levels.index(1)] if 1 in levels else requests_at(1, a.rounds, a.min_requests)
+            rate, ttft, best = engine_alone(ckpt, prompt_ids[:engine_requests], 64, c1)
             report("engine_tokens_per_s_c64", rate)
             report("engine_ttft_ms_c1", ttft)
+            report("engine_ttft_min_ms_c1", best)
 
         if "peer" in parts:
             port = free_port()

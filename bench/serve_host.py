@@ -25,11 +25,15 @@ transfer decoding, one ``json.loads`` per event), or ``httpx``, ``bench.serve``'
 ``--ceiling``: first, the client alone against a trivial SSE server (another process that answers
 every request at once with ``MAX_TOKENS`` canned events): the most that client can read.
 ``--profile``: cProfile the server's process (``bench.serve_paced --profile``) and print its top
-functions by own time.
+functions by own time. ``--trace``: stamp every request's first token along its path
+(``bench.serve_paced --trace``, the raw client's send and first chunk included, not httpx's) and print, per hop
+of ``bench.serve_paced.TRACE_HOPS``, the median over the measured requests of the time from the
+hop before (meaningful at c1 only: the stamps are matched in order).
 """
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import pstats
@@ -44,7 +48,7 @@ from pathlib import Path
 
 from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, free_port, make_prompts, one, request_body,
                          requests_at, start, summarize)
-from bench.serve_paced import read_counter
+from bench.serve_paced import TRACE_HOPS, read_counter
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL_NAME = "m"
@@ -75,6 +79,9 @@ def client_cpu_s() -> float:
 class RawClient:
     """One keep-alive HTTP/1.1 connection, requests one at a time; ``one`` reads a streamed
     completion as ``bench.serve.one`` does (same result tuple)."""
+
+    STAMPS: list = []
+    """(send, first chunk with text) perf_counter stamps of every request, all clients (``--trace``)."""
 
     def __init__(self, host: str, port: int):
         self.host, self.port = host, port
@@ -117,6 +124,7 @@ class RawClient:
         end = time.perf_counter()
         if use is None:
             raise RuntimeError("the stream carried no usage")
+        RawClient.STAMPS.append((t0, first or end))
         return (first or end) - t0, end - t0, use["completion_tokens"], use["prompt_tokens"]
 
     def close(self) -> None:
@@ -244,6 +252,34 @@ def print_level(kind: str, r: dict) -> None:
           f"{r['client_us_per_token']:5.1f} us/token", flush=True)
 
 
+def print_trace(trace: Path, skip: int) -> None:
+    """The median time of each hop of ``TRACE_HOPS`` from the one before, over the requests after
+    the first ``skip`` (warm-ups), from the server's and the engine's stamps and the client's."""
+    server = json.loads(trace.read_text())
+    engine = {}
+    for line in Path(str(trace) + ".engine").read_text().splitlines():
+        rec = json.loads(line)
+        engine[rec["rid"]] = rec
+    engine = [engine[rid] for rid in sorted(engine)]  # rids in submission order
+    if not RawClient.STAMPS:  # httpx: no client stamps
+        RawClient.STAMPS.extend([(math.nan, math.nan)] * len(server))
+    if not len(server) == len(engine) == len(RawClient.STAMPS):
+        raise RuntimeError(f"trace: {len(server)} server, {len(engine)} engine, {len(RawClient.STAMPS)} client records")
+    rows = [{**s, **e, "client_sent": c[0], "client_first": c[1]}
+            for s, e, c in zip(server, engine, RawClient.STAMPS)][skip:]
+    keys = [k for k, _ in TRACE_HOPS]
+    print(f"trace over {len(rows)} requests (median ms from the hop before; perf_counter of every process):")
+    for prev, (key, what) in zip([None] + keys, TRACE_HOPS):
+        if prev is None:
+            print(f"  {key:14s}  0.000  {what}")
+            continue
+        d = statistics.median((r[key] - r[prev]) * 1e3 for r in rows)
+        print(f"  {key:14s} {d:6.3f}  {what}")
+    total = statistics.median((r["client_first"] - r["client_sent"]) * 1e3 for r in rows)
+    print(f"  {'total':14s} {total:6.3f}  client_sent -> client_first (median of the sums)")
+    print(f"  connections the server accepted over them: {rows[-1]['connections'] - rows[0]['connections'] + 1}")
+
+
 def build_model(path: Path) -> Path:
     """A checkpoint with ``bench.serve``'s word-level tokenizer and a tiny body the stand-in never reads."""
     from modeling.model.random_checkpoint import build_random_checkpoint
@@ -262,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--client", choices=("raw", "httpx"), default="raw")
     p.add_argument("--ceiling", action="store_true", help="first measure the client alone on a trivial SSE server")
     p.add_argument("--profile", action="store_true", help="cProfile the server's process; print its top functions")
+    p.add_argument("--trace", action="store_true", help="stamp each request's first token along its path; print "
+                                                         "the hops (with --concurrency 1)")
     p.add_argument("--top", type=int, default=30, help="functions --profile prints (default 30)")
     p.add_argument("--model", help="a checkpoint directory for the server's text side (default: built here)")
     p.add_argument("--json", help="also write the levels' numbers to this file")
@@ -275,8 +313,11 @@ def main(argv=None) -> int:
         if a.ceiling:
             ceiling(a.client, prompts, a.concurrency, a.rounds, a.min_requests)
         port, counter, profile = free_port(), str(Path(tmp) / "counter"), str(Path(tmp) / "server.prof")
+        trace = str(Path(tmp) / "trace.json")
+        if a.trace and ( a.concurrency != [1] or a.ceiling):
+            p.error("--trace takes --concurrency 1 and no --ceiling")
         cmd = [sys.executable, "-m", "bench.serve_paced", "--step-ms", str(a.step_ms), "--counter", counter,
-               *(["--profile", profile] if a.profile else []), "--model", str(model), "--served-model-name",
+               *(["--profile", profile] if a.profile else []), *(["--trace", trace] if a.trace else []), "--model", str(model), "--served-model-name",
                MODEL_NAME, "--port", str(port), "--max-num-seqs", str(max(a.concurrency)), "--log-level", "warning"]
         log = Path(tmp) / "server.log"
         proc = start(cmd, log, f"http://127.0.0.1:{port}", timeout=120)
@@ -296,6 +337,8 @@ def main(argv=None) -> int:
                 print(f"the server exited with {code}:\n{log.read_text()[-3000:]}", file=sys.stderr)
         if a.json:
             Path(a.json).write_text(json.dumps(dict(step_ms=a.step_ms, client=a.client, levels=levels), indent=1))
+        if a.trace and code == 0:
+            print_trace(Path(trace), len(RawClient.STAMPS) - counts[0])
         if a.profile:
             pstats.Stats(profile).sort_stats("tottime").print_stats(a.top)
     return 0 if code == 0 else 1

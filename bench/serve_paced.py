@@ -9,10 +9,17 @@ process and pipes); only what its engine process builds differs (``EngineSpec.fa
 far, two int64 at the start of FILE, updated in place after every step (mmap: no system call in
 the engine's loop). ``--profile FILE``: cProfile the server's process (its event loop: HTTP,
 detokenization, JSON, the engine's reports), written to FILE when it exits (SIGTERM drains it).
+``--trace FILE``: perf_counter stamps (one clock for every process of the machine) of each
+request's first token along its path (``TRACE_HOPS``), the server's in FILE (JSON, at exit), the
+engine process's in FILE.engine (a line per request, written after its first token's report):
+what ``bench.serve_host --trace`` breaks a time to first token down with. The stamps come from
+wrappers around the server's functions (the same code runs inside them, a few microseconds
+more a request); a trace is for one stream at a time (c1): its stamps are matched in order.
 """
 import argparse
 import cProfile
 import functools
+import json
 import mmap
 import os
 import struct
@@ -46,6 +53,7 @@ class PacedEngine:
         self.blocks = SimpleNamespace(num_blocks=NUM_BLOCKS, num_free=NUM_BLOCKS)
         self.next_end, self.idle = 0.0, True
         self.steps = self.tokens = 0
+        self.last_step_end = 0.0
         self.counter = None
         if counter is not None:
             with open(counter, "r+b") as f:
@@ -84,13 +92,166 @@ class PacedEngine:
                 seq.status = Status.FINISHED
         self.blocks.num_free = NUM_BLOCKS - min(len(self.seqs), self.max_num_seqs)
         self.steps, self.tokens = self.steps + 1, self.tokens + len(out)
+        self.last_step_end = time.perf_counter()
         if self.counter is not None:
             COUNTER.pack_into(self.counter, 0, self.steps, self.tokens)
         return out
 
 
-def paced_engine(spec, step_ms: float, counter: Optional[str]):
-    """``EngineSpec.factory``: a ``PacedEngine`` with the spec's max_num_seqs and max_model_len."""
+TRACE_HOPS = (
+    ("client_sent", "the client's write of the request (bench.serve_host's raw client)"),
+    ("server_read", "the server's first read of its bytes (uvicorn's H11Protocol.data_received)"),
+    ("asgi", "uvicorn has parsed the request and calls the app (FastAPI.__call__)"),
+    ("handler", "the route's handler reads the body (read_body called)"),
+    ("body", "the body read"),
+    ("parsed", "validated (pydantic)"),
+    ("planned", "the Plan built: the prompt tokenized, the sampling params"),
+    ("submitted", "Generation.submit returned: the add written to the engine's pipe"),
+    ("engine_got", "the engine process handles the add (EngineCore.handle)"),
+    ("step_start", "the step that runs it starts (EngineCore.step)"),
+    ("step_end", "that step returned (the stand-in sleeps step_ms in it)"),
+    ("report_sent", "its report written to the report pipe"),
+    ("report_read", "the server handles the report (EngineClient.on_message)"),
+    ("chunk_write", "the first token's chunk reaches uvicorn's send (the stream's first yield)"),
+    ("chunk_written", "uvicorn's send returned (the bytes handed to the socket)"),
+    ("client_first", "the client has parsed the first chunk with text"),
+)
+"""Where a request's first token is stamped, in path order."""
+
+
+def trace_server(path: str) -> None:
+    """Wrap the server's functions to stamp each request (``TRACE_HOPS`` from server_read to
+    chunk_written, and the connections accepted so far); written to ``path`` at exit."""
+    import atexit
+
+    from fastapi import FastAPI
+    from uvicorn.protocols.http import h11_impl
+
+    from modeling.serve import app, engine_loop, generation
+
+    records, state = [], {"read": None, "current": None, "asgi": None, "connections": 0}
+    now = time.perf_counter
+
+    def wrap(owner, name, before=None, after=None):
+        fn = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before is not None:
+                before(*args)
+            out = fn(*args, **kwargs)
+            if after is not None:
+                after(*args)
+            return out
+        setattr(owner, name, wrapped)
+
+    def on_data(*_):
+        if state["read"] is None:
+            state["read"] = now()
+    wrap(h11_impl.H11Protocol, "data_received", before=on_data)
+
+    def on_connection(*_):
+        state["connections"] += 1
+    wrap(h11_impl.H11Protocol, "connection_made", before=on_connection)
+
+    asgi = FastAPI.__call__
+
+    async def traced_asgi(self, scope, receive, send):
+        if scope["type"] == "http":
+            state["asgi"] = now()
+        await asgi(self, scope, receive, send)
+    FastAPI.__call__ = traced_asgi
+
+    read_body = app.read_body
+
+    async def traced_read_body(request, limit):
+        rec = {"server_read": state["read"], "asgi": state["asgi"], "handler": now(),
+               "connections": state["connections"]}
+        state["read"], state["current"] = None, rec
+        records.append(rec)
+        body = await read_body(request, limit)
+        rec["body"] = now()
+        return body
+    app.read_body = traced_read_body
+
+    def stamp(key):
+        def f(*_):
+            if state["current"] is not None:
+                state["current"].setdefault(key, now())
+        return f
+    wrap(app, "parse", after=stamp("parsed"))
+    wrap(app, "plan_completion", after=stamp("planned"))
+    wrap(generation.Generation, "submit", after=stamp("submitted"))
+
+    def on_message(client, msg):
+        rec = state["current"]
+        if rec is not None and msg[0] == "step" and msg[2] and "report_read" not in rec:
+            rec["report_read"] = now()
+    wrap(engine_loop.EngineClient, "on_message", before=on_message)
+
+    call = app.ClosingStream.__call__
+
+    async def traced_call(self, scope, receive, send):
+        rec = state["current"]
+
+        async def traced_send(message):
+            first = (rec is not None and message["type"] == "http.response.body" and message.get("body")
+                     and "chunk_write" not in rec)
+            if first:
+                rec["chunk_write"] = now()
+            await send(message)
+            if first:
+                rec["chunk_written"] = now()
+        await call(self, scope, receive, traced_send)
+    app.ClosingStream.__call__ = traced_call
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(records, f)
+    atexit.register(dump)
+
+
+def trace_engine(path: str) -> None:
+    """In the engine's process: wrap ``EngineCore`` to stamp each request's add, the step that
+    gave its first token, and that step's report; a JSON line a request appended to ``path``."""
+    from modeling.serve import engine_core
+
+    got: dict = {}  # rid -> its add's stamp, until its first token
+    handle, step = engine_core.EngineCore.handle, engine_core.EngineCore.step
+
+    def traced_handle(core, msg):
+        if msg[0] == "add":
+            got[msg[1]] = time.perf_counter()
+        return handle(core, msg)
+
+    def traced_step(core):
+        send, sent = core.send, []
+
+        def traced_send(msg):
+            send(msg)
+            sent.append((msg, time.perf_counter()))
+        core.send = traced_send
+        try:
+            ok = step(core)
+        finally:
+            core.send = send
+        for msg, t in sent:
+            if msg[0] != "step":
+                continue
+            for rid, *_ in msg[2]:
+                if rid in got:
+                    line = dict(rid=rid, engine_got=got.pop(rid), step_start=msg[1], step_end=core.engine.last_step_end,
+                                report_sent=t)
+                    with open(path, "a") as f:
+                        f.write(json.dumps(line) + "\n")
+        return ok
+    engine_core.EngineCore.handle, engine_core.EngineCore.step = traced_handle, traced_step
+
+
+def paced_engine(spec, step_ms: float, counter: Optional[str], trace: Optional[str] = None):
+    """``EngineSpec.factory``: a ``PacedEngine`` with the spec's max_num_seqs and max_model_len
+    (``trace``: ``trace_engine`` to that file first)."""
+    if trace is not None:
+        trace_engine(trace)
     max_model_len = spec.engine.get("max_model_len") or DEFAULT_MAX_MODEL_LEN
     engine = PacedEngine(step_ms, spec.engine.get("max_num_seqs", 256), max_model_len, counter)
     return engine, dict(max_model_len=max_model_len, num_blocks=NUM_BLOCKS, block_size=16,
@@ -115,11 +276,16 @@ def main(argv=None) -> int:
     p.add_argument("--step-ms", type=float, default=2.0, help="wall time of one engine step (default 2)")
     p.add_argument("--counter", help="a file (created) the engine keeps its steps and tokens in")
     p.add_argument("--profile", help="write a cProfile of the server's process to this file at exit")
+    p.add_argument("--trace", help="stamp each request's first token on its path: the server's to this file at "
+                                   "exit, the engine's to this file + '.engine'")
     own, rest = p.parse_known_args(argv)
     if own.counter is not None:
         new_counter(own.counter)
     factory = functools.partial(paced_engine, step_ms=own.step_ms,
-                                counter=os.path.abspath(own.counter) if own.counter else None)
+                                counter=os.path.abspath(own.counter) if own.counter else None,
+                                trace=os.path.abspath(own.trace) + ".engine" if own.trace else None)
+    if own.trace is not None:
+        trace_server(os.path.abspath(own.trace))
     from modeling.serve.__main__ import main as serve_main
 
     if own.profile is None:
