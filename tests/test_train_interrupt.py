@@ -116,7 +116,7 @@ def test_stopped_at_random_moments_the_resumed_run_is_the_uninterrupted_one(tmp_
         sig = rng.choice([signal.SIGTERM, signal.SIGINT])
         p.send_signal(sig)
         rc, err = finish(p)
-        if rc == 0:  # it got to the end first
+        if rc == 0 or "done (" in err:  # it got to the end first (a signal during its exit may still kill it)
             break
         assert rc == 128 + sig and f"interrupted by {sig.name}" in err, (rc, err)
         stops.append(assert_whole(out)["step"])
