@@ -562,7 +562,9 @@ def test_sigterm_drains_and_exits_0(tmp_path, guarded):
         cut = iter(client.completions.create(max_tokens=DRAIN_CUT_TOKENS, **args))
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        with pytest.raises(httpx.ConnectError):  # the listening socket closes
+        # the listening socket closes: a connect is refused, or (a machine under load) a connection
+        # the kernel completed just before the close is reset without an answer
+        with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):
             while time.monotonic() < deadline:
                 httpx.get(server.url + "/health", timeout=2)
                 time.sleep(0.05)
