@@ -461,14 +461,17 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_blocks(server):
 
 
 def test_load_32_streaming_clients(server):
-    """32 clients x 4 streaming requests each (a round = one request per client, concurrently):
+    """32 clients x 5 streaming requests each (a round = one request per client, concurrently):
     every request completes once, its streamed token ids number usage.completion_tokens, the
     server's counters add up exactly, nothing is left in the engine, and the resident memory is
-    flat from round 2 on. Tolerance 8 MiB: round 1 grows the allocator's arenas to the batch
-    shapes; after it, 10 rounds moved VmRSS by about 1 MiB either way (glibc returning and
-    retaking pages). RSS cannot see a small per-request leak (a few KiB x 96 requests); the exact
-    counters and the idle engine below catch those."""
-    clients, rounds, max_tokens = 32, 4, 6
+    flat from round 2 on. Tolerance 16 MiB: round 1 grows the allocator's arenas to the batch
+    shapes; after it, since the server's young-generation collections run every
+    GC_GEN0_THRESHOLD = 20,000 allocations (modeling/serve/__main__.py; cyclic garbage waits that
+    long), VmRSS has moved by up to 9.9 MiB in a round, sometimes kept, sometimes returned (it was
+    about 1 MiB either way at Python's default of 700).
+    RSS cannot see a small per-request leak (a few KiB x 160 requests); the exact counters and
+    the idle engine below catch those."""
+    clients, rounds, max_tokens = 32, 5, 6
     before = wait_idle(server)
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -505,7 +508,7 @@ def test_load_32_streaming_clients(server):
     assert finished == clients * rounds
     assert delta("qwen_serve_generation_tokens_total") == sum(n for _, n in results)
     assert delta("qwen_serve_time_to_first_token_seconds_count") == clients * rounds
-    assert max(rss[1:]) - rss[1] < 8 * 1024, f"VmRSS per round (KiB): {rss}"
+    assert max(rss[1:]) - rss[1] < 16 * 1024, f"VmRSS per round (KiB): {rss}"
 
 
 def test_engine_process_death_fails_the_requests_and_the_server(tmp_path):
