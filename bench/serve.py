@@ -162,28 +162,45 @@ async def one(client, url: str, body: dict):
     at c1 on the 2-core CPU VM that was ~0.9 ms of ours' TTFT, see
     bench/results/2026-12-03-cpu-serve-ttft.md)."""
     t0 = time.perf_counter()
-    first, use, done = None, None, False
+    stream = StreamTally()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
         async for line in r.aiter_lines():  # to the body's end, past [DONE]: see ``one``'s docstring
-            if done or not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                done = True
-                continue
-            obj = json.loads(data)
-            if "error" in obj:
-                raise RuntimeError(f"the stream carried an error: {obj['error']}")
-            if first is None and obj.get("choices") and obj["choices"][0].get("text"):
-                first = time.perf_counter()
-            if obj.get("usage"):
-                use = obj["usage"]
-    end = time.perf_counter()
-    if use is None:
-        raise RuntimeError("the stream carried no usage")
-    return (first or end) - t0, end - t0, use["completion_tokens"], use["prompt_tokens"]
+            if line.startswith("data: "):
+                stream.add(line[6:])
+    return stream.result(t0)
+
+
+class StreamTally:
+    """One streamed completion's server-sent events, fed their ``data:`` payloads in order: when
+    the first text came, and the usage. Payloads after ``[DONE]`` are ignored."""
+
+    def __init__(self):
+        self.first, self.use, self.done = None, None, False
+
+    def add(self, payload) -> None:
+        """``payload``: str or bytes, the text after ``data: ``."""
+        if self.done:
+            return
+        if payload in ("[DONE]", b"[DONE]"):
+            self.done = True
+            return
+        obj = json.loads(payload)
+        if "error" in obj:
+            raise RuntimeError(f"the stream carried an error: {obj['error']}")
+        if self.first is None and obj.get("choices") and obj["choices"][0].get("text"):
+            self.first = time.perf_counter()
+        if obj.get("usage"):
+            self.use = obj["usage"]
+
+    def result(self, t0: float) -> tuple:
+        """(ttft, total, completion tokens, prompt tokens) of a request sent at ``t0``, now that its
+        stream has ended."""
+        end = time.perf_counter()
+        if self.use is None:
+            raise RuntimeError("the stream carried no usage")
+        return (self.first or end) - t0, end - t0, self.use["completion_tokens"], self.use["prompt_tokens"]
 
 
 def summarize(results, wall: float) -> dict:

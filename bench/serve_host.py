@@ -46,8 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, free_port, make_prompts, one, request_body,
-                         requests_at, start, summarize)
+from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, StreamTally, free_port, make_prompts, one,
+                         request_body, requests_at, start, summarize)
 from bench.serve_paced import TRACE_HOPS, read_counter
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -99,7 +99,7 @@ class RawClient:
         headers = head.lower()
         if status != 200 or b"transfer-encoding: chunked" not in headers:
             raise RuntimeError(f"HTTP {status}: {head.decode(errors='replace')[:300]}")
-        first, use, buf, done = None, None, b"", False
+        stream, buf = StreamTally(), b""
         while True:
             size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
             chunk = await self.reader.readexactly(size + 2)
@@ -108,24 +108,11 @@ class RawClient:
             buf += chunk[:-2]
             *events, buf = buf.split(b"\n\n")
             for event in events:
-                if not event.startswith(b"data: ") or done:
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                obj = json.loads(payload)
-                if "error" in obj:
-                    raise RuntimeError(f"the stream carried an error: {obj['error']}")
-                if first is None and obj.get("choices") and obj["choices"][0].get("text"):
-                    first = time.perf_counter()
-                if obj.get("usage"):
-                    use = obj["usage"]
-        end = time.perf_counter()
-        if use is None:
-            raise RuntimeError("the stream carried no usage")
-        RawClient.STAMPS.append((t0, first or end))
-        return (first or end) - t0, end - t0, use["completion_tokens"], use["prompt_tokens"]
+                if event.startswith(b"data: "):
+                    stream.add(event[6:])
+        result = stream.result(t0)
+        RawClient.STAMPS.append((t0, t0 + result[0]))
+        return result
 
     def close(self) -> None:
         if self.writer is not None:
