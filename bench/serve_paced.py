@@ -100,7 +100,7 @@ class PacedEngine:
 
 TRACE_HOPS = (
     ("client_sent", "the client's write of the request (bench.serve_host's raw client)"),
-    ("server_read", "the server's first read of its bytes (uvicorn's H11Protocol.data_received)"),
+    ("server_read", "the server's first read of its bytes (uvicorn's protocol's data_received)"),
     ("asgi", "uvicorn has parsed the request and calls the app (FastAPI.__call__)"),
     ("handler", "the route's handler reads the body (read_body called)"),
     ("body", "the body read"),
@@ -147,11 +147,18 @@ def trace_server(path: str) -> None:
     def on_data(*_):
         if state["read"] is None:
             state["read"] = now()
-    wrap(h11_impl.H11Protocol, "data_received", before=on_data)
-
     def on_connection(*_):
         state["connections"] += 1
-    wrap(h11_impl.H11Protocol, "connection_made", before=on_connection)
+
+    protocols = [h11_impl.H11Protocol]  # and httptools' protocol, which uvicorn takes when it is installed
+    try:
+        from uvicorn.protocols.http import httptools_impl
+        protocols.append(httptools_impl.HttpToolsProtocol)
+    except ImportError:
+        pass
+    for protocol in protocols:
+        wrap(protocol, "data_received", before=on_data)
+        wrap(protocol, "connection_made", before=on_connection)
 
     asgi = FastAPI.__call__
 
