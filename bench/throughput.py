@@ -20,7 +20,7 @@ On the GPU (bf16, random weights, one process):
 
 The timed throughput run's engine counters (steps, host time by phase: ``EngineStats``) are printed
 and kept under ``throughput_stats``; ``--profile`` also runs the workload's first 64 requests, one prefix hit and
-Qwen3.5's eight prompts under ``torch.profiler`` and prints the kernels that took the most device
+Qwen3.5's one and eight prompts under ``torch.profiler`` and prints the kernels that took the most device
 time in each.
 
 ``--block-sizes``: first the throughput run (warm-up, then timed) with an engine of each KV block
@@ -215,7 +215,8 @@ def main():
     report("qwen3_5_ttft_ms_256", best_ttft(engine, prompts[:1], greedy), "ms")
     report("qwen3_5_ttft_ms_8x256", best_ttft(engine, prompts, greedy), "ms")
     if a.profile:
-        profile("Qwen3.5, eight 256-token prompts", lambda: ttft_ms(engine, prompts, greedy))
+        profile("Qwen3.5, one 256-token prompt", lambda: ttft_ms(engine, prompts[:1], greedy), rows=25)
+        profile("Qwen3.5, eight 256-token prompts", lambda: ttft_ms(engine, prompts, greedy), rows=25)
     del engine, model
     free_device_memory()
 
