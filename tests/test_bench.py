@@ -113,6 +113,7 @@ def test_serve_prompts_survive_the_text_round_trip():
     assert [len(x) for x in ids] == [bench_serve.PROMPT_TOKENS] * 4 and min(min(x) for x in ids) >= 1
     assert [tok.encode(t) for t in texts] == ids
     assert [bench_serve.requests_at(c, 4, 8) for c in (1, 16, 64)] == [8, 64, 256]
+    assert [bench_serve.client_processes(c) for c in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 8]
 
 
 @pytest.fixture(scope="module")
@@ -131,20 +132,23 @@ def _peer_missing():
 @pytest.mark.parametrize("server", ["ours", "peer"])
 def test_serve_client_against_the_servers_on_cpu(server, words_checkpoint, tmp_path, monkeypatch):
     """The benchmark's own command lines and requests, on CPU: both servers answer the prompt text
-    with PROMPT_TOKENS prompt and MAX_TOKENS completion tokens (the round trip, no EOS)."""
+    with PROMPT_TOKENS prompt and MAX_TOKENS completion tokens (the round trip, no EOS); ours through
+    two client processes (one client each), the peer through one."""
     missing = _peer_missing() if server == "peer" else None
     if missing:
         pytest.skip(missing)
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if server == "ours":
+        monkeypatch.setattr(bench_serve, "CLIENTS_PER_PROCESS", 1)
     model, port = str(words_checkpoint), bench_serve.free_port()
     url = f"http://127.0.0.1:{port}"
     _, prompts = bench_serve.make_prompts(QwenTokenizer.from_pretrained(words_checkpoint), 2)
     proc = bench_serve.start(bench_serve.server_command(server, model, port, 2), tmp_path / "server.log", url,
                              timeout=120)
     try:
-        stats = asyncio.run(bench_serve.level(url, model, prompts, 2))
+        stats = bench_serve.level(url, model, prompts, 2)
     finally:
         bench_serve.stop(proc)
     assert stats["tokens_per_s"] > 0 and stats["ttft_p50_ms"] > 0

@@ -188,3 +188,23 @@ def test_hybrid_mixed_steps_in_the_padded_bodies(monkeypatch):
     monkeypatch.setattr(runner, "key", recorded)
     assert engine.generate(prompts, GREEDY, 10) == want
     assert "mixed" in kinds and "decode" in kinds
+
+
+@pytest.mark.parametrize("max_model_len", [2, 40, 128])
+def test_server_warm_up_reaches_every_decode_bucket_and_leaves_the_engine_idle(max_model_len):
+    """modeling.serve's warm-up (before the first client): decode steps of every batch size from
+    max_num_seqs down to 1 where max_model_len leaves room, and afterwards no work and no block held."""
+    from modeling.serve.engine_process import warm_up
+
+    engine = Engine(model_of(QWEN3), max_num_seqs=6, max_num_batched_tokens=64,
+                    max_model_len=max_model_len, block_size=16)
+    sizes, step = [], engine.step
+
+    def recording_step():
+        sizes.append(len(engine.scheduler.running))
+        return step()
+
+    engine.step = recording_step
+    warm_up(engine)
+    assert not engine.has_work() and engine.blocks.num_free == engine.blocks.num_blocks
+    assert set(range(1, 7) if max_model_len > 7 else ()) <= set(sizes)
