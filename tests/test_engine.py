@@ -52,6 +52,18 @@ def test_one_continuous_batch_equals_the_generator(setup):
     assert engine.blocks.num_free == engine.size.num_blocks  # every block given back
 
 
+def test_a_starting_sequence_ignores_what_its_state_slot_held():
+    """State slots are not cleared when a sequence takes one: every recurrent op must read zeros for
+    a sequence that starts (first position 0), so a pool full of huge values changes no token."""
+    model = model_of(QWEN3_5)
+    prompts = prompts_of([5, 37, 1, 70, 16])
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    for i in engine.pool.recurrent:
+        for t in engine.pool.layers[i]:
+            t.fill_(1e6)
+    assert engine.generate(prompts, GREEDY, 10) == generator_tokens(model, prompts, 10)
+
+
 def test_chunked_prefill_and_a_tiny_budget(setup):
     kind, model, prompts, want = setup
     engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=70 if kind == "qwen3_5" else 9, max_model_len=128,

@@ -112,9 +112,3 @@ class CachePool:
                                     dtype=state_dtype, device=dev)
                 layers.append((conv, state))
         self.layers = tuple(layers)
-
-    def reset_state_slots(self, slots: torch.Tensor) -> None:
-        """Zero the recurrent state of ``slots`` (a sequence starting from its first token)."""
-        for i in self.recurrent:
-            for t in self.layers[i]:
-                t.index_fill_(0, slots, 0)

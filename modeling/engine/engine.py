@@ -168,9 +168,6 @@ class Engine:
                               [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]], np.int64)
             dst, src = to_device(index, dev)
             batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
-        fresh = [s.state_slot for s, _ in scheduled.work if s.state_slot is not None and s.num_computed == 0]
-        if fresh:
-            self.pool.reset_state_slots(to_device(np.array(fresh, np.int64), dev))
         t1 = time.perf_counter()
         logits = self.runner.run(batch, scheduled.decode_only)
         t2 = time.perf_counter()
