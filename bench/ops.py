@@ -18,8 +18,9 @@ config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
 models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
 (checked against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
-keeps; writes prefill_sweep.md and prefill_configs.json. `--shapes` (qwen3-0.6b, seed) and `--linears`
-(qkv, o_proj, gate_up, down, lm_head) narrow it to some models and projections.
+keeps; writes prefill_sweep.md and prefill_configs.json. `--shapes` (qwen3-0.6b, seed; or qwen3.5-0.8b)
+and `--linears` (qkv, o_proj, gate_up, down, lm_head; Qwen3.5's in_proj, out_proj) narrow it to some
+models and projections.
 
 --sweep-attn-fwd runs only the attention-forward tile sweep (no ops table): causal bf16, batch 1,
 256 and 2048 tokens, for Qwen3 heads (16/8 x 128), Qwen2.5-0.5B heads (14/2 x 64) and Qwen3.5's
@@ -54,6 +55,10 @@ SHAPES = {
     "qwen3-0.6b": dict(hidden=1024, hq=16, hk=8, d=128, inter=3072, vocab=151936),
     "seed": dict(hidden=896, hq=8, hk=2, d=128, inter=4864, vocab=151936),
 }
+PREFILL_SHAPES = {**SHAPES, "qwen3.5-0.8b": dict(hidden=1024, hq=8, hk=2, d=256, inter=3584, vocab=248320, q_gate=True,
+                                                 in_proj=8224, value_dim=2048)}
+"""--sweep-prefill's models: also Qwen3.5-0.8B's (gated attention: q_proj holds the query and its
+gate; Gated DeltaNet's fused in_proj and its out_proj)."""
 L2_BYTES = 60 << 20
 BF16 = torch.bfloat16
 
@@ -92,8 +97,13 @@ def rnd(*shape, scale=1.0):
 
 
 def linear_cases(cfg):
+    """Projection name -> (N, K) of a model's linears."""
     h, hq, hk, d, i, v = (cfg[k] for k in ("hidden", "hq", "hk", "d", "inter", "vocab"))
-    return {"qkv": ((hq + 2 * hk) * d, h), "o_proj": (h, hq * d), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
+    q = hq * d * (2 if cfg.get("q_gate") else 1)
+    cases = {"qkv": (q + 2 * hk * d, h), "o_proj": (h, hq * d), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
+    if "in_proj" in cfg:
+        cases.update(in_proj=(cfg["in_proj"], h), out_proj=(h, cfg["value_dim"]))
+    return cases
 
 
 def bench_linear(rows, name, m, n, k, decode_cfg=None):
@@ -168,8 +178,7 @@ def bench_decode_attention(rows, cfg, cache_len, batch=1):
 def sweep_splitk(cfgs):
     """Time each decode GEMM at every (block_n, block_k, split_k); return the best per shape."""
     best, table = {}, []
-    shapes = sorted({nk for cfg in cfgs for name, nk in linear_cases(cfg).items()
-                     if linears is None or name in linears})
+    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
     for n, k in shapes:
         sets = copies(lambda: (rnd(1, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
         results = []
@@ -429,8 +438,10 @@ def main():
     ap.add_argument("--sweep-prefill", action="store_true")
     ap.add_argument("--sweep-attn-fwd", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
-    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES), help="--sweep-prefill's models")
-    ap.add_argument("--linears", nargs="+", choices=("qkv", "o_proj", "gate_up", "down", "lm_head"), default=None,
+    ap.add_argument("--shapes", nargs="+", choices=sorted(PREFILL_SHAPES), default=sorted(SHAPES),
+                    help="--sweep-prefill's models")
+    ap.add_argument("--linears", nargs="+", choices=("qkv", "o_proj", "gate_up", "down", "lm_head", "in_proj", "out_proj"),
+                    default=None,
                     help="--sweep-prefill's projections (default: all)")
     args = ap.parse_args()
     require_cuda("bench.ops")
@@ -440,7 +451,7 @@ def main():
     header = f"# bench/ops.py on {gpu}, {datetime.date.today()}, torch {torch.__version__}, triton {triton.__version__}"
     if args.sweep_prefill:
         print(header + ": --sweep-prefill\n", flush=True)
-        lines, best = sweep_prefill([SHAPES[name] for name in args.shapes], args.tokens, args.linears)
+        lines, best = sweep_prefill([PREFILL_SHAPES[name] for name in args.shapes], args.tokens, args.linears)
         with open(os.path.join(args.out, "prefill_sweep.md"), "w") as f:
             f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
         with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:
