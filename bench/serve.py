@@ -19,11 +19,13 @@ The parts, in this order (``--only`` picks some):
 
 - ``ours``: ``python -m modeling.serve`` started here as a subprocess on 127.0.0.1, waited for
   (/health answers once the model is loaded and, on CUDA, its kernels compiled and graphs captured),
-  warmed up with one round (c requests) at every concurrency c, measured, stopped;
+  warmed up with one round (c requests) at every concurrency c, measured, stopped. Warm-ups have
+  prompts of their own, and each level its own (``level_ranges``): no measured prompt was sent
+  before, so none is a prefix-cache hit;
 - ``engine``: the engine alone (no HTTP): the requests of the c64 level through ``Engine`` in this
-  process with at most 64 in flight, measured after a warm-up with the prompts the server had
-  before that level, so that as many hit the prefix cache (``engine_tokens_per_s_c64``: what the
-  server's HTTP layer costs at c64);
+  process with at most 64 in flight, and the c1 level's prompts each alone, after the server's
+  warm-ups (``engine_alone``) (``engine_tokens_per_s_c64``: what the server's HTTP layer costs at
+  c64);
 - ``peer``: ``transformers serve DIR --continuous-batching --dtype bfloat16`` the same way, run as
   ``python -m transformers.cli.transformers`` (the ``transformers`` command's module) with this
   interpreter (it preloads the model it is pinned to before /health answers; its continuous
@@ -286,56 +288,68 @@ def level(url: str, model: str, prompts, c: int) -> dict:
     return summarize(results, max(s[2] for s in shares) - min(s[1] for s in shares))
 
 
-def measure(prefix: str, url: str, model: str, prompts, levels, counts, report) -> None:
-    for c in levels:  # warm-up: one round reaches the batch sizes of the level (ours captures their graphs)
-        level(url, model, prompts[:c], c)
+def level_ranges(levels, counts) -> dict:
+    """Concurrency -> (first, end) of its prompts: each level its own, so no measured prompt was
+    sent before (none finds its blocks in the prefix cache; the warm-ups have prompts of their own)."""
+    ranges, start = {}, 0
     for c, n in zip(levels, counts):
-        stats = level(url, model, prompts[:n], c)
+        ranges[c], start = (start, start + n), start + n
+    return ranges
+
+
+def measure(prefix: str, url: str, model: str, prompts, warm, levels, counts, report) -> None:
+    """Warm-ups first (``warm[:c]`` at each level c: one round reaches the level's batch sizes; ours
+    captures their graphs), then each level on its ``level_ranges`` prompts."""
+    for c in levels:
+        level(url, model, warm[:c], c)
+    for c, (lo, hi) in level_ranges(levels, counts).items():
+        stats = level(url, model, prompts[lo:hi], c)
         for key in METRICS:
             report(f"{prefix}_{key}_c{c}", stats[key])
 
 
-def engine_alone(path: Path, seen_ids, prompt_ids, max_num_seqs: int, ttft_prompts: int) -> tuple[float, float, float]:
-    """The engine with the same requests, at most ``max_num_seqs`` in flight: (output tokens/s, the
-    median and the best time to first token, ms, of the first ``ttft_prompts`` prompts each alone).
-
-    The rate is measured after a warm-up run of ``seen_ids``, the prompts the server had been sent
-    before its c64 level (its warm-ups, its lower levels), so that as many of ``prompt_ids`` find
-    their blocks in the prefix cache as did on the server. (Until 2026-12-03's last H200 run the warm-up ran
-    ``prompt_ids`` themselves: every measured prompt was a hit, against a quarter on the server.)
-
-    The times to first token are those of the server's c1 level: the same prompts (``prompts[:n]``
-    there, ``n`` of the level), one at a time, after the same requests ran before them (so as many
-    of their blocks are in the prefix cache), ``MAX_TOKENS`` asked for (the step that gives the first
-    token is a prefill either way), the clock from ``add`` to the step that returns the token; the
-    median is what ``serve_ttft_p50_ms_c1`` is compared with. Until 2026-12-03 this reported the
-    best of five runs of the first prompt (now ``engine_ttft_min_ms_c1``): a best-of beside the
-    server's median."""
+def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) -> tuple[float, float, float]:
+    """The engine in this process as the server ran it: (output tokens/s over ``rate_ids`` at most
+    ``max_num_seqs`` in flight; the median and the best time to first token, ms, of each of
+    ``ttft_ids`` alone). Warmed up as the server was: its start-up routine
+    (``engine_process.warm_up``), then ``warm_ids[:max_num_seqs]`` (the server's largest warm-up
+    round) and one prompt alone (its c1 warm-up), ``warm_ids[max_num_seqs]``. The prompts measured
+    are the server's c1 and c64 levels': never run before, as there (until 2026-12-03's last H200 run
+    every measured prompt had run before on both sides, and the engine's rate was of a second pass
+    of the same requests: all prefix hits, against a quarter on the server). The clock of a time to
+    first token runs from ``add`` to the step that returns the token."""
     import torch
 
     from modeling import QwenForCausalLM
     from modeling.engine import Engine
     from modeling.generation.sampling import SamplingParams
+    from modeling.serve.engine_process import warm_up
 
     model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
     engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
-    for ids_run in (seen_ids, prompt_ids):  # the warm-up, then the measured run
+    warm_up(engine)
+    greedy = SamplingParams()
+
+    def run(prompts) -> float:
         t0 = time.perf_counter()
-        seqs = [engine.add(ids, SamplingParams(), MAX_TOKENS) for ids in ids_run]
+        seqs = [engine.add(ids, greedy, MAX_TOKENS) for ids in prompts]
         while engine.has_work():
             engine.step()
         torch.cuda.synchronize()
-        rate = sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
+        return sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
+
+    run(warm_ids[:max_num_seqs])
     ttfts = []
-    for ids in [prompt_ids[0]] + list(prompt_ids[:ttft_prompts]):  # the first warms the one-prompt step
+    for ids in [warm_ids[max_num_seqs]] + list(ttft_ids):  # the first warms the one-prompt step
         t0 = time.perf_counter()
-        seq = engine.add(ids, SamplingParams(), MAX_TOKENS)
+        seq = engine.add(ids, greedy, MAX_TOKENS)
         while seq.num_output == 0:
             engine.step()
         ttfts.append((time.perf_counter() - t0) * 1e3)
         engine.abort(seq)
         while engine.has_work():
             engine.step()
+    rate = run(rate_ids)
     del engine, model
     torch.cuda.empty_cache()
     return rate, statistics.median(ttfts[1:]), min(ttfts[1:])
@@ -362,7 +376,9 @@ def main():
     parts = [part for part in PARTS if part in a.only]
     levels = a.concurrency
     counts = [requests_at(c, a.rounds, a.min_requests) for c in levels]
-    engine_requests = requests_at(64, a.rounds, a.min_requests)
+    engine_levels = [c for c in (1, 64) if c not in levels]  # the engine's prompts, where no level has them
+    ranges = level_ranges(levels + engine_levels, counts + [requests_at(c, a.rounds, a.min_requests)
+                                                            for c in engine_levels])
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
@@ -383,7 +399,8 @@ def main():
                                        dtype=torch.bfloat16, **QWEN3_0_6B)
         report("checkpoint_build_s", time.perf_counter() - t0)
         tok = QwenTokenizer.from_pretrained(ckpt)
-        prompt_ids, prompts = make_prompts(tok, max(counts + [engine_requests]))
+        prompt_ids, prompts = make_prompts(tok, max(hi for _, hi in ranges.values()))
+        warm_ids, warm = make_prompts(tok, max(levels + [64]) + 1, seed=1)
         model = str(ckpt)
 
         if "ours" in parts:
@@ -393,14 +410,13 @@ def main():
             ours = start(server_command("ours", model, port, max(levels)), out_dir / "serve-ours.log", url)
             report("serve_startup_s", time.perf_counter() - t0)
             try:
-                measure("serve", url, model, prompts, levels, counts, report)
+                measure("serve", url, model, prompts, warm, levels, counts, report)
             finally:
                 stop(ours)
 
         if "engine" in parts:
-            c1 = counts[levels.index(1)] if 1 in levels else requests_at(1, a.rounds, a.min_requests)
-            seen = max(levels + [n for c, n in zip(levels, counts) if c < 64])  # before the server's c64
-            rate, ttft, best = engine_alone(ckpt, prompt_ids[:seen], prompt_ids[:engine_requests], 64, c1)
+            rate, ttft, best = engine_alone(ckpt, warm_ids, prompt_ids[slice(*ranges[1])],
+                                            prompt_ids[slice(*ranges[64])], 64)
             report("engine_tokens_per_s_c64", rate)
             report("engine_ttft_ms_c1", ttft)
             report("engine_ttft_min_ms_c1", best)
@@ -417,7 +433,7 @@ def main():
             else:
                 report("transformers_serve_startup_s", time.perf_counter() - t0)
                 try:
-                    measure("transformers_serve", url, model, prompts, levels, counts, report)
+                    measure("transformers_serve", url, model, prompts, warm, levels, counts, report)
                 except Exception as e:
                     out["transformers_serve_error"] = f"{type(e).__name__}: {e}"
                     print(f"transformers serve failed: {out['transformers_serve_error']}", flush=True)

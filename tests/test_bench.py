@@ -114,6 +114,7 @@ def test_serve_prompts_survive_the_text_round_trip():
     assert [tok.encode(t) for t in texts] == ids
     assert [bench_serve.requests_at(c, 4, 8) for c in (1, 16, 64)] == [8, 64, 256]
     assert [bench_serve.client_processes(c) for c in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 8]
+    assert bench_serve.level_ranges([1, 16, 64], [8, 64, 256]) == {1: (0, 8), 16: (8, 72), 64: (72, 328)}
 
 
 @pytest.fixture(scope="module")
