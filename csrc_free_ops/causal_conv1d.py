@@ -17,7 +17,8 @@ writes the new one in place (no other program touches those channels).
 
 Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
-kernel over tiles of 64 rows that never cross a sequence boundary (gated_delta_rule_packing);
+kernel over tiles of 64 rows (128 in steps of 1024 rows or more: `_blocks`) that never cross a
+sequence boundary (gated_delta_rule_packing);
 the first tile of a sequence is the only one that reads its old state (positions < K - 1) and
 writes its new one, in place, after a barrier.
 """
@@ -121,10 +122,16 @@ def _conv_kernel(
     tl.store(so, new_state.to(s_out_ptr.dtype.element_ty), mask=smask)
 
 
-def _blocks(c: int):
+def _blocks(c: int, rows: int):
+    """(BLOCK_T, BLOCK_C, rows of a program's tile) for ``rows`` input rows of ``c`` channels. On an
+    H200 (Qwen3.5-0.8B's 6144 channels, K = 4, 2026-12-03, bench/results/2026-12-03-h200-conv-tiles.md):
+    256 rows 7.1 us with 128 channels x 64 rows, 10.9 with 64 x 128; 2048 rows (8 sequences) 50.9
+    against 41.6; 8192 rows 172.8 against 132.5. No register spills at 4 warps (sm_90, K = 4)."""
     if INTERPRET:
-        return 64, min(256, next_power_of_2(c))
-    return 16, min(128, next_power_of_2(c))  # no register spills at 4 warps (sm_90, K = 4)
+        return 64, min(256, next_power_of_2(c)), 64
+    if rows >= 1024:
+        return 16, min(64, next_power_of_2(c)), 128
+    return 16, min(128, next_power_of_2(c)), 64
 
 
 def _launch(x, weight, s_in, y, s_out, split_t: bool):
@@ -132,9 +139,8 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
     k = weight.shape[1]
     if bsz == 0 or c == 0:
         return
-    block_t, block_c = _blocks(c)
+    block_t, block_c, per = _blocks(c, bsz * t)
     if split_t:
-        per = block_t * (4 if not INTERPRET else 1)
         n_t = max(1, cdiv(t, per))
     else:
         block_t = min(block_t, next_power_of_2(t))
@@ -183,8 +189,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     y = torch.empty((n, c), dtype=x.dtype, device=x.device)
     if s == 0 or c == 0:
         return y
-    block_t, block_c = _blocks(c)
-    per = block_t * (4 if not INTERPRET else 1)  # the tile: >= K - 1 (first tiles hold the state reads)
+    block_t, block_c, per = _blocks(c, n)  # the tile, per >= K - 1: first tiles hold the state reads
     _conv_kernel[(num_slots(n, s, per), 1, cdiv(c, block_c))](
         x, weight, conv_states, y, conv_states, cu_seqlens, state_slots, continues,
         n, c, per, s,

@@ -164,7 +164,8 @@ def prefill_m_class(m: int) -> int:
 # 2026-12-01 for 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at
 # N = 1024) and for 512 and 1024 (`--tokens 512 1024`); 2026-12-02 for 32, 64 and 128, the batched
 # decode steps of the engine (`--tokens 32 64 128 --shapes qwen3-0.6b --linears qkv o_proj gate_up
-# down`: Qwen3-0.6B's layer GEMMs only; other shapes at M <= 128 take their 256 row).
+# down`: Qwen3-0.6B's layer GEMMs only; other shapes at M <= 128 take their 256 row); 2026-12-03 for
+# Qwen3.5-0.8B's (`--tokens 256 2048 --shapes qwen3.5-0.8b --linears qkv gate_up down in_proj`).
 # Shapes not listed at any class >= M use prefill_config's rule.
 PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
     (32, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 4),
@@ -183,9 +184,13 @@ PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
     (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 4),
     (256, 1024, 2048): PrefillConfig(64, 32, 256, 4, 4, 1),
     (256, 1024, 3072): PrefillConfig(64, 32, 256, 4, 4, 1),
+    (256, 1024, 3584): PrefillConfig(64, 32, 256, 4, 4, 1),
     (256, 1536, 896): PrefillConfig(64, 128, 128, 4, 4, 1),
     (256, 4096, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
+    (256, 5120, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
     (256, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (256, 7168, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (256, 8224, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
     (256, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (256, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (256, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
@@ -213,9 +218,13 @@ PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
     (2048, 896, 4864): PrefillConfig(128, 128, 64, 4, 4, 1),
     (2048, 1024, 2048): PrefillConfig(128, 128, 64, 4, 4, 1),
     (2048, 1024, 3072): PrefillConfig(128, 128, 64, 4, 4, 1),
+    (2048, 1024, 3584): PrefillConfig(128, 128, 64, 8, 4, 1),
     (2048, 1536, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (2048, 4096, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 5120, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
     (2048, 6144, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 7168, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
+    (2048, 8224, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
     (2048, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (2048, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
     (2048, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
