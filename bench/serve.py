@@ -68,6 +68,7 @@ import asyncio
 import datetime
 import json
 import os
+import queue
 import random
 import socket
 import statistics
@@ -75,6 +76,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from bench import require_cuda
@@ -230,13 +232,13 @@ async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, f
     clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the machine)."""
     import httpx
 
-    queue = list(prompts)
+    todo = list(prompts)
     results = []
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as client:
         async def worker():
-            while queue:
-                results.append(await one(client, url, request_body(model, queue.pop())))
+            while todo:
+                results.append(await one(client, url, request_body(model, todo.pop())))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
@@ -245,12 +247,12 @@ async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, f
 
 def client_process(url: str, model: str, prompts, c: int, barrier, out) -> None:
     """One client process of ``level``: starts with the others (``barrier``), puts its ``clients``
-    triple (or the exception) on ``out``."""
-    barrier.wait()
+    triple on ``out``, or the traceback's text if it failed."""
     try:
+        barrier.wait()
         out.put(asyncio.run(clients(url, model, prompts, c)))
-    except Exception as e:
-        out.put(e)
+    except BaseException:
+        out.put(traceback.format_exc())
 
 
 def client_processes(c: int) -> int:
@@ -277,13 +279,24 @@ def level(url: str, model: str, prompts, c: int) -> dict:
                 for i in range(procs)]
     for child in children:
         child.start()
-    barrier.wait(timeout=START_TIMEOUT)
-    shares = [out.get(timeout=REQUEST_TIMEOUT * len(prompts)) for _ in children]
-    for child in children:
-        child.join()
+    try:
+        barrier.wait(timeout=START_TIMEOUT)
+        shares, deadline = [], time.monotonic() + REQUEST_TIMEOUT * -(-len(prompts) // c)
+        while len(shares) < procs:
+            try:
+                shares.append(out.get(timeout=1.0))
+            except queue.Empty:
+                if time.monotonic() > deadline or any(ch.exitcode not in (None, 0) for ch in children):
+                    raise RuntimeError(f"{procs - len(shares)} of {procs} client processes gave no result "
+                                       f"(exit codes {[ch.exitcode for ch in children]})") from None
+    finally:
+        for child in children:
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
     for share in shares:
-        if isinstance(share, Exception):
-            raise share
+        if isinstance(share, str):
+            raise RuntimeError(f"a client process failed:\n{share}")
     results = [r for share in shares for r in share[0]]
     return summarize(results, max(s[2] for s in shares) - min(s[1] for s in shares))
 

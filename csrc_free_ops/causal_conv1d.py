@@ -17,8 +17,8 @@ writes the new one in place (no other program touches those channels).
 
 Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
-kernel over tiles of 64 rows (128 in steps of 1024 rows or more: `_blocks`) that never cross a
-sequence boundary (gated_delta_rule_packing);
+kernel over tiles of 64 rows (128 in steps of 1024 rows or more, as for a fixed-length prefill of
+that many rows: `_blocks`) that never cross a sequence boundary (gated_delta_rule_packing);
 the first tile of a sequence is the only one that reads its old state (positions < K - 1) and
 writes its new one, in place, after a barrier.
 """
@@ -139,7 +139,7 @@ def _launch(x, weight, s_in, y, s_out, split_t: bool):
     k = weight.shape[1]
     if bsz == 0 or c == 0:
         return
-    block_t, block_c, per = _blocks(c, bsz * t)
+    block_t, block_c, per = _blocks(c, bsz * t if split_t else 0)  # decode: the small-step tiles
     if split_t:
         n_t = max(1, cdiv(t, per))
     else:

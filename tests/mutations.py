@@ -286,6 +286,8 @@ MUTATIONS = [
     Mutation("the host reads sampled tokens before their copy lands", "modeling/engine/sampler.py",
              "            self._event.synchronize()\n", "            pass\n", ("tests/test_engine.py",), gpu_only=True),
     # The trainer (tests/test_train.py, test_train_interrupt.py).
+    Mutation("a sequence starting at position 0 continues its state slot's stale state", "modeling/engine/step.py",
+             "self.seq_lens > (cu[1:] - cu[:-1])", "self.seq_lens >= (cu[1:] - cu[:-1])", ("tests/test_engine.py",)),
     Mutation("the best weights alias the live ones (fp32 saves)", "modeling/train/trainer.py",
              "m.detach().to(self.save_dtype, copy=True)", "m.detach().to(self.save_dtype)", ("tests/test_train.py",)),
     Mutation("the time-budget schedule takes the smaller progress", "modeling/train/trainer.py",

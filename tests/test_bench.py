@@ -95,6 +95,16 @@ def test_serve_client_says_what_went_wrong(status, body, match):
         _one(status, body)
 
 
+def test_serve_client_processes_report_a_failure(monkeypatch):
+    """A level spread over client processes says why one failed (here: nothing listens), at once."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(bench_serve, "CLIENTS_PER_PROCESS", 1)
+    url = f"http://127.0.0.1:{bench_serve.free_port()}"
+    with pytest.raises(RuntimeError, match="(?s)a client process failed:.*ConnectError"):
+        bench_serve.level(url, "m", ["a", "b"], 2)
+
+
 def test_serve_summary_checks_every_response_ran_to_max_tokens():
     n, p = bench_serve.MAX_TOKENS, bench_serve.PROMPT_TOKENS
     stats = bench_serve.summarize([(0.1, 1.37, n, p), (0.3, 1.57, n, p)], wall=2.0)

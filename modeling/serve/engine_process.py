@@ -204,7 +204,8 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
     if spec.warmup_tokens:  # compile the kernels, capture the graphs: not on a client's time
-        engine.generate([[0] * spec.warmup_tokens], SamplingParams(), 2)
+        n = min(spec.warmup_tokens, engine.max_model_len - 1)
+        engine.generate([[0] * n], SamplingParams(), min(2, engine.max_model_len - n))
         if engine.model.device.type == "cuda":
             warm_up(engine)
     return engine, dict(max_model_len=engine.max_model_len, num_blocks=engine.size.num_blocks,
@@ -216,10 +217,10 @@ def warm_up(engine) -> None:
     """Run, before the first client, the step shapes a server meets at once whose first occurrence
     compiles kernels or captures a graph (on the H200: a first prefix-cache hit took 1.6 s, a
     first step of 64 sequences ~2.9 s): prefix-cache hits of 1, 2, 4, ... block_size new tokens
-    after one cached block, prompts of ``max_model_len - 1`` tokens filling a step's token budget
-    (the largest prefill shape), then ``max_num_seqs`` one-token prompts finishing one step apart
+    after one cached block, prompts of up to a step's token budget filling that budget (the largest
+    prefill shape), then ``max_num_seqs`` one-token prompts finishing one step apart
     (every decode batch bucket from ``max_num_seqs`` down to 1). Its prompts are token ids 1 and up, left
-    in the prefix cache like any finished request's (the hits only where ``max_model_len`` holds
+    in the prefix cache like any finished request's (the hits only where ``max_model_len`` exceeds
     two blocks)."""
     from ..generation.sampling import SamplingParams
 
@@ -230,11 +231,12 @@ def warm_up(engine) -> None:
         while n <= bs:
             engine.generate([shared + [3] * n], greedy, 1)
             n *= 2
-    seqs, longest = engine.scheduler.max_num_seqs, engine.max_model_len - 1
-    engine.generate([[4] * longest] * min(seqs, -(-engine.scheduler.max_num_batched_tokens // longest)), greedy, 1)
+    seqs, budget = engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens
+    longest = min(engine.max_model_len - 1, budget)
+    engine.generate([[4] * longest] * min(seqs, -(-budget // longest)), greedy, 1)
     vocab = engine.model.config.vocab_size
     for i in range(seqs):
-        engine.add([(5 + i) % vocab], greedy, min(2 + i, longest))
+        engine.add([(5 + i) % vocab], greedy, min(2 + i, engine.max_model_len - 1))
     while engine.has_work():
         engine.step()
 
