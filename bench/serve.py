@@ -345,11 +345,9 @@ def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) ->
 
     def run(prompts) -> float:
         t0 = time.perf_counter()
-        seqs = [engine.add(ids, greedy, MAX_TOKENS) for ids in prompts]
-        while engine.has_work():
-            engine.step()
+        tokens = sum(map(len, engine.generate(prompts, greedy, MAX_TOKENS)))
         torch.cuda.synchronize()
-        return sum(s.num_output for s in seqs) / (time.perf_counter() - t0)
+        return tokens / (time.perf_counter() - t0)
 
     run(warm_ids[:max_num_seqs])
     ttfts = []
