@@ -262,7 +262,10 @@ MUTATIONS = [
              "        replay = self.graphs.get(key, self._body(key))  # captured first: the capture resets the buffers\n"
              "        self.input_ids[:n].copy_(batch.input_ids)\n",
              "        self.input_ids[:n].copy_(batch.input_ids)\n        replay = self.graphs.get(key, self._body(key))\n",
-             ("tests/test_engine.py",), gpu_only=True),
+             ("tests/test_engine.py",)),
+    Mutation("capture_all leaves out the mixed shapes of t sequences in t tokens", "modeling/engine/runner.py",
+             "for lower, s in zip(seq, seq[1:]) if lower <= t]", "for lower, s in zip(seq, seq[1:]) if lower < t]",
+             ("tests/test_engine.py",)),
     Mutation("a prefill chunk that samples nothing is skipped", "modeling/engine/engine.py",
              "        logits = self.runner.run(batch, scheduled.decode_only)\n",
              "        logits = self.runner.run(batch, scheduled.decode_only) if batch.sampling else None\n",

@@ -202,21 +202,71 @@ def test_hybrid_mixed_steps_in_the_padded_bodies(monkeypatch):
     assert "mixed" in kinds and "decode" in kinds
 
 
-@pytest.mark.parametrize("max_model_len", [2, 40, 128])
-def test_server_warm_up_reaches_every_decode_bucket_and_leaves_the_engine_idle(max_model_len):
-    """modeling.serve's warm-up (before the first client): decode steps of every batch size from
-    max_num_seqs down to 1 where max_model_len leaves room, and afterwards no work and no block held."""
+@pytest.mark.parametrize("max_num_seqs", [6, 8])
+def test_capture_all_takes_exactly_the_shapes_steps_run_in(max_num_seqs):
+    """``StepRunner.all_keys`` (what a server captures before its first client) is the set of graph
+    keys of every step the scheduler can make: S decoding sequences (1..max_num_seqs), or S
+    sequences sharing n tokens in a prefill or mixed step (S <= n <= the token budget)."""
+    from types import SimpleNamespace
+
+    engine = Engine(model_of(QWEN3), max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=128,
+                    block_size=16)
+    runner = engine.runner
+
+    def key(s, n, decode):
+        return runner.key(SimpleNamespace(input_ids=torch.zeros(n), num_seqs=s), decode)
+
+    steps = {key(s, s, True) for s in range(1, max_num_seqs + 1)}
+    steps |= {key(s, n, False) for s in range(1, max_num_seqs + 1) for n in range(s, 65)}
+    assert set(runner.all_keys()) == steps and len(runner.all_keys()) == len(steps)
+
+
+class RecordingGraphs:
+    """A stand-in for the runner's CUDA graph cache on the CPU: a "capture" resets the buffers and
+    runs the body once, as a capture's warm-up does; a "replay" runs the body."""
+
+    enabled = True
+
+    def __init__(self, reset):
+        self.reset, self.graphs = reset, {}
+
+    def keys(self):
+        return self.graphs.keys()
+
+    def get(self, key, body):
+        if key not in self.graphs:
+            self.reset()
+            body()
+            self.graphs[key] = body
+        return self.graphs[key]
+
+
+def test_steps_captured_at_their_first_occurrence_get_the_eager_tokens():
+    """A step whose shape is new captures its graph inside ``StepRunner.run`` (the capture resets
+    the static buffers, so the step's batch must be copied in after it): with the CPU stand-in
+    for the graph cache, every step's first occurrence is such a capture."""
+    model, prompts = model_of(QWEN3), prompts_of([5, 37, 1, 70, 16])
+    settings = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    want = Engine(model, **settings).generate(prompts, GREEDY, 6)
+    engine = Engine(model, **settings)
+    engine.runner.graphs = RecordingGraphs(engine.runner._reset)
+    assert engine.generate(prompts, GREEDY, 6) == want
+    assert len(engine.runner.graphs.keys()) > 3  # decode and mixed shapes were captured on the way
+
+
+def test_a_server_warm_up_captures_every_shape_and_changes_no_token():
+    """``engine_process.warm_up`` runs every shape's step body on the runner's reset buffers:
+    afterwards no block is held, nothing is left to capture, and requests get the tokens they get
+    from an engine that never warmed up."""
     from modeling.serve.engine_process import warm_up
 
-    engine = Engine(model_of(QWEN3), max_num_seqs=6, max_num_batched_tokens=64,
-                    max_model_len=max_model_len, block_size=16)
-    sizes, step = [], engine.step
-
-    def recording_step():
-        sizes.append(len(engine.scheduler.running))
-        return step()
-
-    engine.step = recording_step
+    model, prompts = model_of(QWEN3_5), prompts_of([5, 37, 1, 70, 16])
+    settings = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    want = Engine(model, **settings).generate(prompts, GREEDY, 6)
+    engine = Engine(model, **settings)
+    engine.runner.graphs = RecordingGraphs(engine.runner._reset)
     warm_up(engine)
-    assert not engine.has_work() and engine.blocks.num_free == engine.blocks.num_blocks
-    assert set(range(1, 7) if max_model_len > 7 else ()) <= set(sizes)
+    assert list(engine.runner.graphs.keys()) == engine.runner.all_keys()
+    assert engine.capture_graphs() == 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_work()
+    assert engine.generate(prompts, GREEDY, 6) == want

@@ -210,6 +210,12 @@ class Engine:
         self.stats.schedule_s += time.perf_counter() - t1
         return out
 
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture the CUDA graph of every step shape now (``runner.StepRunner.capture_all``)
+        instead of at each shape's first step; how many were captured (0 without CUDA graphs)."""
+        return self.runner.capture_all()
+
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, max_tokens: int,
                  stop_token_ids: Seq[int] = ()) -> List[List[int]]:
         """Run ``prompts`` (token ids) to completion as one continuous batch; the new token ids of each."""

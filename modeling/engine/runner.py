@@ -14,7 +14,11 @@ dropped. The attention grid is sized for t queries a sequence, fixed per graph.
 
 The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count,
 which depends on shapes only, is fixed too. Graphs are captured the first time their shape
-occurs (a warm-up run of the workload captures what it needs) and share one memory pool.
+occurs, or all at once (``capture_all``: a server does it before its first client, since a
+capture stalls every running sequence for tens of milliseconds), and share one memory pool.
+A decode graph keeps its own logits; the prefill and mixed graphs (about 80 shapes) write theirs
+into one shared [``max_num_seqs`` + 1, V] buffer, so that capturing every shape does not pin a
+logits tensor per shape (~1.8 GB at 256 sequences and Qwen3's vocabulary).
 Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run eagerly, so the
 CPU tests cover the padding.
 """
@@ -57,6 +61,7 @@ class StepRunner:
         self.arange = torch.arange(S + 1, **i64)
         self.arange32 = self.arange.int()
         self.logits: Dict[Hashable, Tensor] = {}
+        self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
         self.shape: Optional[tuple] = None  # the key of the step being set up
         self.graphs = GraphCache(dev, enabled and dev.type == "cuda", self._reset)
 
@@ -88,8 +93,29 @@ class StepRunner:
 
     def _body(self, key):
         def body():
-            self.logits[key] = self.model.forward_step(self._batch(key), self.pool)
+            logits = self.model.forward_step(self._batch(key), self.pool)
+            if key[0] == "mixed":
+                logits = self.mixed_logits[:key[2]].copy_(logits)
+            self.logits[key] = logits
         return body
+
+    def all_keys(self) -> list:
+        """Every key ``key`` can return: each sequence bucket that 1 to ``max_num_seqs`` decoding
+        sequences map to (the smallest bucket >= S), and each token bucket t with each sequence
+        bucket that S <= t sequences of a mixed step map to (the smallest bucket > S)."""
+        seq, most = self.seq_buckets, self.seq_buckets[-1] - 1
+        keys = [("decode", s, s) for lower, s in zip((0,) + seq, seq) if lower < most]
+        for t in self.token_buckets:
+            keys += [("mixed", t, s) for lower, s in zip(seq, seq[1:]) if lower <= t]
+        return keys
+
+    def capture_all(self) -> int:
+        """Capture the graph of every shape (``all_keys``) not captured yet; how many were."""
+        todo = [key for key in self.all_keys() if key not in self.graphs.keys()] if self.graphs.enabled else []
+        for key in todo:
+            self.shape = key
+            self.graphs.get(key, self._body(key))
+        return len(todo)
 
     def key(self, batch: StepBatch, decode_only: bool) -> Optional[tuple]:
         """The graph a step runs in, or None: it runs eagerly on its own tensors."""

@@ -203,42 +203,26 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
         engine = Engine(llm.model, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
-    if spec.warmup_tokens:  # compile the kernels, capture the graphs: not on a client's time
+    if spec.warmup_tokens:  # compile the kernels, capture the graphs, run a request: not on a client's time
+        warm_up(engine)
         n = min(spec.warmup_tokens, engine.max_model_len - 1)
         engine.generate([[0] * n], SamplingParams(), min(2, engine.max_model_len - n))
-        if engine.model.device.type == "cuda":
-            warm_up(engine)
     return engine, dict(max_model_len=engine.max_model_len, num_blocks=engine.size.num_blocks,
                         block_size=engine.size.block_size, backend=llm.backend,
                         dtype=str(llm.dtype).replace("torch.", ""))
 
 
 def warm_up(engine) -> None:
-    """Run, before the first client, the step shapes a server meets at once whose first occurrence
-    compiles kernels or captures a graph (on the H200: a first prefix-cache hit took 1.6 s, a
-    first step of 64 sequences ~2.9 s): prefix-cache hits of 1, 2, 4, ... block_size new tokens
-    after one cached block, prompts of up to a step's token budget filling that budget (the largest
-    prefill shape), then ``max_num_seqs`` one-token prompts finishing one step apart
-    (every decode batch bucket from ``max_num_seqs`` down to 1). Its prompts are token ids 1 and up, left
-    in the prefix cache like any finished request's (the hits only where ``max_model_len`` exceeds
-    two blocks)."""
-    from ..generation.sampling import SamplingParams
-
-    greedy, bs = SamplingParams(), engine.size.block_size
-    if engine.max_model_len > 2 * bs:
-        shared, n = [1] * bs, 1
-        engine.generate([shared + [2]], greedy, 1)
-        while n <= bs:
-            engine.generate([shared + [3] * n], greedy, 1)
-            n *= 2
-    seqs, budget = engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens
-    longest = min(engine.max_model_len - 1, budget)
-    engine.generate([[4] * longest] * min(seqs, -(-budget // longest)), greedy, 1)
-    vocab = engine.model.config.vocab_size
-    for i in range(seqs):
-        engine.add([(5 + i) % vocab], greedy, min(2 + i, engine.max_model_len - 1))
-    while engine.has_work():
-        engine.step()
+    """Before the first client (with CUDA graphs): capture the graph of every step shape
+    (``Engine.capture_graphs``: each decode batch bucket, each prefill and mixed token and sequence
+    bucket), compiling every kernel on the way. A shape's first occurrence otherwise stalls every
+    running sequence while it compiles or captures: on the H200 a first prefix-cache hit cost a
+    client 1.6 s, a first step of 64 sequences ~2.9 s, and a server at concurrency 64 met new mixed
+    shapes for its first few hundred requests."""
+    t0 = time.perf_counter()
+    n = engine.capture_graphs()
+    if n:
+        logging.getLogger("modeling.serve").info("captured %d step graphs in %.1f s", n, time.perf_counter() - t0)
 
 
 def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
