@@ -133,15 +133,19 @@ def recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool,
 
 @kernel
 def _gated_rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, y_ptr, ROWS, N, eps, stride_x, stride_z, stride_y,
+    x_ptr, z_ptr, w_ptr, y_ptr, ROWS, HEADS, N, eps, stride_x, stride_xh, stride_z, stride_zh, stride_y, stride_yh,
     ROUND_WEIGHT_PRODUCT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Row r of the flat [ROWS = R * HEADS, N] view is head r % HEADS of leading row r // HEADS,
+    each tensor with its own two strides: a gate that is a strided slice of a projection is read
+    in place."""
     eps = fp32(eps)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r64 = rows.to(tl.int64)[:, None]
+    r64 = rows.to(tl.int64)
+    lead, head = (r64 // HEADS)[:, None], (r64 % HEADS)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < ROWS)[:, None] & (cols < N)
-    xr = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0)
+    xr = tl.load(x_ptr + lead * stride_x + head * stride_xh + cols, mask=mask, other=0.0)
     x = xr.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     # transformers rounds the normalised x to x's dtype before the weight (and the product too
@@ -150,24 +154,32 @@ def _gated_rms_norm_kernel(
     y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     if ROUND_WEIGHT_PRODUCT:
         y = y.to(xr.dtype).to(tl.float32)
-    z = tl.load(z_ptr + r64 * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + lead * stride_z + head * stride_zh + cols, mask=mask, other=0.0).to(tl.float32)
     y = y * (z * tl.sigmoid(z))
-    tl.store(y_ptr + r64 * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + lead * stride_y + head * stride_yh + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """t [..., H, N] as [R, H, N] (a 1-d or 2-d t: H = 1), a view wherever the leading dims allow."""
+    if t.dim() <= 2:
+        return flat_rows(t)[:, None]
+    return t.flatten(0, -3) if t.dim() > 3 else t
 
 
 def gated_rms_norm(x, z, weight, eps: float):
-    """x, z [..., N], weight [N] -> rms_norm(x) * weight * silu(z) [..., N] in x.dtype (contiguous)."""
+    """x, z [..., N], weight [N] -> rms_norm(x) * weight * silu(z) [..., N] in x.dtype (contiguous).
+    x and z may be strided over their last two leading dims (heads, tokens) without a copy."""
     n = x.shape[-1]
     y = empty_contiguous_like(x)
-    x2, z2, y2 = flat_rows(x), flat_rows(z), flat_rows(y)
-    rows = x2.shape[0]
+    x3, z3, y3 = _heads(x), _heads(z), _heads(y)
+    rows = x3.shape[0] * x3.shape[1]
     if rows == 0 or n == 0:
         return y
     block_n = next_power_of_2(n)
     block_r = max(1, min((16384 if INTERPRET else 2048) // block_n, next_power_of_2(rows)))
     _gated_rms_norm_kernel[(cdiv(rows, block_r),)](
-        x2, z2, weight, y2, rows, n, eps, x2.stride(0), z2.stride(0), y2.stride(0),
-        ROUND_WEIGHT_PRODUCT=weight.dtype == x.dtype, BLOCK_R=block_r, BLOCK_N=block_n,
+        x3, z3, weight, y3, rows, x3.shape[1], n, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
+        y3.stride(0), y3.stride(1), ROUND_WEIGHT_PRODUCT=weight.dtype == x.dtype, BLOCK_R=block_r, BLOCK_N=block_n,
         num_warps=row_warps(block_r * block_n),
     )
     return y

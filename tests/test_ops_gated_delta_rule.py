@@ -263,13 +263,18 @@ def test_gated_rms_norm_matches_reference(device, dtype, fp32_weight, nan_empty)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gated_rms_norm_strided_gate(device):
-    """z as a head-reshaped slice of a wider projection; x [tokens * heads, D]."""
+    """z as a head-reshaped slice of a wider projection (read in place: token and head strides),
+    x [tokens, heads, D] contiguous; then both strided in 4-d [B, T, H, D] with heads padded."""
     zz = randn(6, 3 * 48, dtype=torch.float32, device=device)
-    z = zz[:, 16:].reshape(6, 4, 32)
+    z = zz[:, 16:].view(6, 4, 32)
     x = randn(6, 4, 32, dtype=torch.float32, device=device)
     w = randn(32, dtype=torch.float32, device=device)
     assert_close(torch.ops.qwen.gated_rms_norm(x, z, w, 1e-6), gated_rms_norm_reference(x, z, w, 1e-6),
                  what="strided gate")
+    x4 = randn(2, 3, 5, 40, dtype=torch.float32, device=device)[:, :, 1:, 8:]
+    z4 = randn(3, 2, 4, 32, dtype=torch.float32, device=device).transpose(0, 1)
+    assert_close(torch.ops.qwen.gated_rms_norm(x4, z4, w, 1e-6), gated_rms_norm_reference(x4, z4, w, 1e-6),
+                 what="strided 4-d x and z")
 
 
 # ----------------------------------------------------------------------------- transformers as the oracle
