@@ -14,15 +14,15 @@ recently-freed order, and reusing a cached one forgets its hash.
 """
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 
 
-def block_hash(block: bytes, parent: Optional[bytes]) -> bytes:
+def block_hash(block, parent: Optional[bytes]) -> bytes:
     """The chained content hash of one full block: BLAKE2b-128 of the previous block's hash and the
-    block's token ids (``block``: their int64 bytes), so equal hashes mean equal prefixes (a
+    block's token ids (``block``: their int64 bytes, any bytes-like object), so equal hashes mean equal prefixes (a
     collision has probability 2^-128)."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(block)
@@ -32,13 +32,15 @@ def block_hash(block: bytes, parent: Optional[bytes]) -> bytes:
 def extend_hashes(tokens: Sequence[int], hashes: List[bytes], num_blocks: int, block_size: int) -> None:
     """Extend ``hashes`` in place to the ``block_hash`` chain of the first ``num_blocks`` full blocks
     of ``tokens`` (the ones it already holds are kept: a prefix's hashes never change), converting
-    the new blocks' tokens once."""
+    the new blocks' tokens to int64 bytes once and hashing slices of them."""
     start = len(hashes)
     if num_blocks <= start:
         return
-    ids = np.asarray(tokens[start * block_size:num_blocks * block_size], dtype=np.int64)
+    data = memoryview(array("q", tokens[start * block_size:num_blocks * block_size])).cast("B")
+    step, parent = block_size * 8, hashes[-1] if hashes else None
     for i in range(num_blocks - start):
-        hashes.append(block_hash(ids[i * block_size:(i + 1) * block_size].tobytes(), hashes[-1] if hashes else None))
+        parent = block_hash(data[i * step:(i + 1) * step], parent)
+        hashes.append(parent)
 
 
 class BlockManager:
