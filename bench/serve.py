@@ -31,7 +31,9 @@ The parts, in this order (``--only`` picks some):
   interpreter (it preloads the model it is pinned to before /health answers; its continuous
   batching starts on the first warm-up request). One server holds the GPU at a time.
 
-A level of concurrency c: c clients (asyncio, raw httpx, SSE parsed with json.loads), up to
+A level of concurrency c: c clients (asyncio, a ``RawClient`` each: one keep-alive HTTP/1.1
+connection, chunked SSE parsed with json.loads; until 2026-12-03 they were httpx clients, which
+added 0.7-1.0 ms to a c1 time to first token on the 2-core VM: ``bench.serve_host --client``), up to
 ``CLIENTS_PER_PROCESS`` of them a process (one process reading 64 streams was the bottleneck: see
 ``client_processes``), each sending streaming /v1/completions requests back to back until
 ``max(--min-requests, --rounds * c)`` are done, the same bodies for both servers: ``model`` the
@@ -70,6 +72,7 @@ import json
 import os
 import queue
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -159,26 +162,6 @@ def request_body(model: str, prompt: str) -> dict:
             "stream_options": {"include_usage": True}}
 
 
-async def one(client, url: str, body: dict):
-    """One streaming completion: (ttft s, total s, completion tokens, prompt tokens), the tokens from
-    the stream's usage (ours: a last chunk without choices, then [DONE]; transformers serve: usage
-    on its last chunk, no [DONE]). The body is read to its end, past [DONE], as the openai client
-    reads a stream: a response left unread (its last chunk, which ends a chunked body, comes after
-    [DONE]) makes httpx close the connection, and the next request paid a new one (until
-    2026-12-03 every request to ours did, and none to transformers serve, which sends no [DONE]:
-    at c1 on the 2-core CPU VM that was ~0.9 ms of ours' TTFT, see
-    bench/results/2026-12-03-cpu-serve-ttft.md)."""
-    t0 = time.perf_counter()
-    stream = StreamTally()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
-        async for line in r.aiter_lines():  # to the body's end, past [DONE]: see ``one``'s docstring
-            if line.startswith("data: "):
-                stream.add(line[6:])
-    return stream.result(t0)
-
-
 class StreamTally:
     """One streamed completion's server-sent events, fed their ``data:`` payloads in order: when
     the first text came, and the usage. Payloads after ``[DONE]`` are ignored."""
@@ -210,6 +193,57 @@ class StreamTally:
         return (self.first or end) - t0, end - t0, self.use["completion_tokens"], self.use["prompt_tokens"]
 
 
+class RawClient:
+    """One keep-alive HTTP/1.1 connection (opened again after a response that closes it), requests
+    one at a time; ``one(body)`` posts a streaming /v1/completions request and reads the whole
+    chunked body, one ``json.loads`` per event (``StreamTally``): (ttft s, total s, completion
+    tokens, prompt tokens). Its clock starts once the body is encoded, right before the write."""
+
+    STAMPS: list = []
+    """(send, first chunk with text) perf_counter stamps of every request, all clients (``--trace``)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def one(self, body: dict):
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        t0 = time.perf_counter()
+        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(data), data))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        headers = head.lower()
+        if status != 200 or b"transfer-encoding: chunked" not in headers:
+            length = re.search(rb"content-length: *(\d+)", headers)
+            body = await self.reader.readexactly(int(length.group(1))) if length else b""
+            self.close()
+            raise RuntimeError(f"HTTP {status}: {(body or head).decode(errors='replace')[:300]}")
+        stream, buf = StreamTally(), b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buf += chunk[:-2]
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: "):
+                    stream.add(event[6:])
+        if b"connection: close" in headers:
+            self.close()
+        result = stream.result(t0)
+        RawClient.STAMPS.append((t0, t0 + result[0]))
+        return result
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 def summarize(results, wall: float) -> dict:
     """A level's numbers from its (ttft, total, completion tokens, prompt tokens) results. A
     ``ValueError`` unless every request had ``PROMPT_TOKENS`` prompt tokens (the text round trip)
@@ -228,21 +262,23 @@ def summarize(results, wall: float) -> dict:
 
 
 async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, float]:
-    """``prompts`` sent by ``c`` clients of this process back to back: (results, start, end), the
-    clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the machine)."""
-    import httpx
+    """``prompts`` sent by ``c`` clients of this process back to back, a ``RawClient`` connection
+    each: (results, start, end), the clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for
+    every process of the machine)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    todo, results = list(prompts), []
 
-    todo = list(prompts)
-    results = []
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT, limits=limits) as client:
-        async def worker():
+    async def worker():
+        client = RawClient(host, int(port))
+        try:
             while todo:
-                results.append(await one(client, url, request_body(model, todo.pop())))
+                results.append(await asyncio.wait_for(client.one(request_body(model, todo.pop())), REQUEST_TIMEOUT))
+        finally:
+            client.close()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(c)))
-        return results, t0, time.perf_counter()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return results, t0, time.perf_counter()
 
 
 def client_process(url: str, model: str, prompts, c: int, barrier, out) -> None:

@@ -19,9 +19,10 @@ kept its pace unless this is below 1000 / step_ms), and CPU time from /proc/PID/
 process per engine step and per streamed token (``server_us_per_token``: what the cuts of the host
 path are measured by), the engine process's (the stand-in: mostly asleep), the client's.
 
-``--client``: ``raw`` (default), a minimal asyncio socket client (HTTP/1.1 keep-alive, chunked
+``--client``: ``raw`` (default), ``bench.serve.RawClient``, a minimal asyncio socket client (HTTP/1.1 keep-alive, chunked
 transfer decoding, one ``json.loads`` per event), or ``httpx``, ``bench.serve``'s own client
-(``bench.serve.one``); an httpx client tops out below the server on a small machine.
+(``one``, what ``bench.serve`` used until 2026-12-03); an httpx client tops out below the server on a small machine,
+and at c1 it added 0.7-1.0 ms to the time to first token on the 2-core VM.
 ``--ceiling``: first, the client alone against a trivial SSE server (another process that answers
 every request at once with ``MAX_TOKENS`` canned events): the most that client can read.
 ``--profile``: cProfile the server's process (``bench.serve_paced --profile``) and print its top
@@ -46,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, StreamTally, free_port, make_prompts, one,
+from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, RawClient, StreamTally, free_port, make_prompts,
                          request_body, requests_at, start, summarize)
 from bench.serve_paced import TRACE_HOPS, read_counter
 
@@ -76,47 +77,24 @@ def client_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-class RawClient:
-    """One keep-alive HTTP/1.1 connection, requests one at a time; ``one`` reads a streamed
-    completion as ``bench.serve.one`` does (same result tuple)."""
-
-    STAMPS: list = []
-    """(send, first chunk with text) perf_counter stamps of every request, all clients (``--trace``)."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.reader = self.writer = None
-
-    async def one(self, body: dict):
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        data = json.dumps(body).encode()
-        t0 = time.perf_counter()
-        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), self.port, len(data), data))
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        headers = head.lower()
-        if status != 200 or b"transfer-encoding: chunked" not in headers:
-            raise RuntimeError(f"HTTP {status}: {head.decode(errors='replace')[:300]}")
-        stream, buf = StreamTally(), b""
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await self.reader.readexactly(size + 2)
-            if size == 0:
-                break
-            buf += chunk[:-2]
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                if event.startswith(b"data: "):
-                    stream.add(event[6:])
-        result = stream.result(t0)
-        RawClient.STAMPS.append((t0, t0 + result[0]))
-        return result
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+async def one(client, url: str, body: dict):
+    """One streaming completion: (ttft s, total s, completion tokens, prompt tokens), the tokens from
+    the stream's usage (ours: a last chunk without choices, then [DONE]; transformers serve: usage
+    on its last chunk, no [DONE]). The body is read to its end, past [DONE], as the openai client
+    reads a stream: a response left unread (its last chunk, which ends a chunked body, comes after
+    [DONE]) makes httpx close the connection, and the next request paid a new one (until
+    2026-12-03 every request to ours did, and none to transformers serve, which sends no [DONE]:
+    at c1 on the 2-core CPU VM that was ~0.9 ms of ours' TTFT, see
+    bench/results/2026-12-03-cpu-serve-ttft.md)."""
+    t0 = time.perf_counter()
+    stream = StreamTally()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
+        async for line in r.aiter_lines():  # to the body's end, past [DONE]: see ``one``'s docstring
+            if line.startswith("data: "):
+                stream.add(line[6:])
+    return stream.result(t0)
 
 
 async def run_level(kind: str, port: int, prompts, c: int):

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -68,13 +67,28 @@ PEER_STREAM = _sse('{"choices":[{"index":0,"text":"bababa"}]}', '{"choices":[{"i
 
 
 def _one(status: int, body: bytes):
-    def handler(request):
-        assert request.url.path == "/v1/completions"
-        return httpx.Response(status, content=body)
+    """``bench.serve.RawClient.one`` against a socket server that answers with ``body``: chunked in
+    two pieces split inside an event (status 200), or whole with a Content-Length."""
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"POST /v1/completions HTTP/1.1")
+        await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        if status == 200:
+            half = len(body) // 2
+            chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:half], body[half:]))
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 %d Error\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body))
+        await writer.drain()
 
     async def run():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await bench_serve.one(client, "http://server", bench_serve.request_body("m", "bababa"))
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        client = bench_serve.RawClient("127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            return await client.one(bench_serve.request_body("m", "bababa"))
+        finally:
+            client.close()
+            server.close()
 
     return asyncio.run(run())
 
@@ -101,7 +115,7 @@ def test_serve_client_processes_report_a_failure(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setattr(bench_serve, "CLIENTS_PER_PROCESS", 1)
     url = f"http://127.0.0.1:{bench_serve.free_port()}"
-    with pytest.raises(RuntimeError, match="(?s)a client process failed:.*ConnectError"):
+    with pytest.raises(RuntimeError, match="(?s)a client process failed:.*ConnectionRefusedError"):
         bench_serve.level(url, "m", ["a", "b"], 2)
 
 
