@@ -19,11 +19,10 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
-
 def block_hash(block, parent: Optional[bytes]) -> bytes:
     """The chained content hash of one full block: BLAKE2b-128 of the previous block's hash and the
-    block's token ids (``block``: their int64 bytes, any bytes-like object), so equal hashes mean equal prefixes (a
-    collision has probability 2^-128)."""
+    block's token ids (``block``: their int64 bytes, any bytes-like object), so equal hashes mean
+    equal prefixes (a collision has probability 2^-128)."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(block)
     return h.digest()
