@@ -196,9 +196,9 @@ def test_hybrid_mixed_steps_in_the_padded_bodies(monkeypatch):
     runner, kinds = engine.runner, []
     key = runner.key
 
-    def recorded(batch, decode_only):
-        k = key(batch, decode_only)
-        kinds.append(k and k[0])
+    def recorded(num_tokens, num_seqs, decode_only):
+        k = key(num_tokens, num_seqs, decode_only)
+        kinds.append(k[0])
         return k
 
     monkeypatch.setattr(runner, "key", recorded)
@@ -211,17 +211,12 @@ def test_capture_all_takes_exactly_the_shapes_steps_run_in(max_num_seqs):
     """``StepRunner.all_keys`` (what a server captures before its first client) is the set of graph
     keys of every step the scheduler can make: S decoding sequences (1..max_num_seqs), or S
     sequences sharing n tokens in a prefill or mixed step (S <= n <= the token budget)."""
-    from types import SimpleNamespace
-
     engine = Engine(model_of(QWEN3), max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=128,
                     block_size=16)
     runner = engine.runner
 
-    def key(s, n, decode):
-        return runner.key(SimpleNamespace(input_ids=torch.zeros(n), num_seqs=s), decode)
-
-    steps = {key(s, s, True) for s in range(1, max_num_seqs + 1)}
-    steps |= {key(s, n, False) for s in range(1, max_num_seqs + 1) for n in range(s, 65)}
+    steps = {runner.key(s, s, True) for s in range(1, max_num_seqs + 1)}
+    steps |= {runner.key(n, s, False) for s in range(1, max_num_seqs + 1) for n in range(s, 65)}
     assert set(runner.all_keys()) == steps and len(runner.all_keys()) == len(steps)
 
 

@@ -8,9 +8,9 @@ while engine.has_work():
         ...                                             # seq.output_ids, seq.finish_reason
 ```
 
-A step: the scheduler picks the work (``modeling.engine.scheduler``), ``step.build`` packs it
-into one flat-token batch, the model runs it over the cache pool (``QwenForCausalLM.forward_step``;
-in the CUDA graph of its padded shape where it has one, ``runner.StepRunner``),
+A step: the scheduler picks the work (``modeling.engine.scheduler``), the runner packs it into one
+flat-token batch padded to a graph shape (``step.pack``, ``runner.StepRunner.prepare``), the model
+runs it over the cache pool (``QwenForCausalLM.forward_step``, in the CUDA graph of that shape),
 the sequences whose tokens are all computed sample their next token (``sampler.sample_sequences``,
 each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
@@ -32,7 +32,7 @@ from .runner import StepRunner
 from .sampler import SampledTokens, sample_sequences
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
-from .step import build, to_device
+from .step import to_device
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
@@ -109,7 +109,7 @@ class Engine:
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
         self.runner = StepRunner(model, self.pool, max_num_seqs, max_num_batched_tokens,
-                                 -(-self.max_model_len // block_size), cuda_graphs)
+                                 -(-self.max_model_len // block_size), block_size, cuda_graphs)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = EngineStats()
@@ -161,7 +161,7 @@ class Engine:
         if not scheduled.work:
             return None
         dev = self.model.device
-        batch = build(scheduled, self.size.block_size, dev)
+        batch = self.runner.prepare(scheduled)
         if batch.pending:
             cu = np.cumsum([0] + batch.query_lens)
             index = np.array([[cu[i] for i in batch.pending],
@@ -169,7 +169,7 @@ class Engine:
             dst, src = to_device(index, dev)
             batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
         t1 = time.perf_counter()
-        logits = self.runner.run(batch, scheduled.decode_only)
+        logits = self.runner.run(batch)
         t2 = time.perf_counter()
         seqs = [scheduled.work[i][0] for i in batch.sampling]
         sampled = sample_sequences(logits, seqs, [s.num_tokens for s in seqs]) if seqs else None

@@ -13,7 +13,13 @@ the rest of the s sequences are empty, and the logits of rows that do not sample
 dropped. The attention grid is sized for t queries a sequence, fixed per graph.
 
 The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count,
-which depends on shapes only, is fixed too. Graphs are captured the first time their shape
+which depends on shapes only, is fixed too.
+
+A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a pinned
+host buffer laid out as the graph reads it (each shape's fields are views at the front of one
+device buffer, ``step.fields``), one transfer takes it over, and one copy puts its block table rows
+into the static table. Two host buffers take turns, each reused only once its last transfer has
+run (an event), since the engine packs the next step while the device still runs this one. Graphs are captured the first time their shape
 occurs, or all at once (``capture_all``: a server does it before its first client, since a
 capture stalls every running sequence for tens of milliseconds), and share one memory pool.
 A decode graph keeps its own logits; the prefill and mixed graphs (about 80 shapes) write theirs
@@ -23,13 +29,13 @@ Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run e
 CPU tests cover the padding.
 """
 
-from typing import Dict, Hashable, Optional
+from typing import Dict, Hashable
 
 import torch
 from torch import Tensor
 
 from ..generation.graph_cache import GraphCache
-from .step import StepBatch
+from .step import Fields, StepBatch, fields, pack, table_offset
 
 
 def buckets(limit: int) -> tuple:
@@ -43,53 +49,55 @@ def buckets(limit: int) -> tuple:
 
 class StepRunner:
     def __init__(self, model, pool, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                 enabled: bool):
+                 block_size: int, enabled: bool):
         dev = model.device
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.block_size = model, pool, block_size
         self.seq_buckets = buckets(max_num_seqs + 1)  # room for the padding sequence
         self.token_buckets = buckets(max(max_num_batched_tokens, max_num_seqs))
         T, S = self.token_buckets[-1], self.seq_buckets[-1]
-        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        self.input_ids = torch.zeros(T, **i64)
-        self.positions = torch.zeros(T, **i64)
-        self.slot_mapping = torch.full((T,), -1, **i64)
-        self.cu_seqlens = torch.zeros(S + 1, **i32)
-        self.seq_lens = torch.zeros(S, **i32)
-        self.block_table = torch.zeros(S, max_blocks, **i32)
-        self.state_slots = torch.full((S,), pool.padding_slot, **i64)
-        self.logits_rows = torch.zeros(S, **i64)
-        self.arange = torch.arange(S + 1, **i64)
-        self.arange32 = self.arange.int()
+        size = table_offset(T, S) + 4 * (S - 1) * max_blocks
+        self.inputs = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self.block_table = torch.zeros(S, max_blocks, dtype=torch.int32, device=dev)
+        cuda = dev.type == "cuda"
+        self.staging = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)] if cuda \
+            else [self.inputs]  # the CPU packs in place
+        self.staged = [torch.cuda.Event() for _ in self.staging] if cuda else []  # each one's last transfer
+        self.turn = 0
+        self.views: Dict[Hashable, Fields] = {}  # each shape's fields in ``inputs``
         self.logits: Dict[Hashable, Tensor] = {}
         self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
-        self.shape: Optional[tuple] = None  # the key of the step being set up
-        self.graphs = GraphCache(dev, enabled and dev.type == "cuda", self._reset)
+        self.shape = None  # the key of the graph being captured
+        self.graphs = GraphCache(dev, enabled and cuda, self._reset)
+
+    def _stage(self, work, key) -> "object":
+        """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device."""
+        i = self.turn
+        self.turn = (i + 1) % len(self.staging)
+        host = self.staging[i]
+        if self.staged:
+            self.staged[i].synchronize()
+        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
+        if self.staged:
+            self.inputs[:packed.nbytes].copy_(host[:packed.nbytes], non_blocking=True)
+            self.staged[i].record()
+        return packed
 
     def _reset(self) -> None:
-        """Every row padding and every index in range for the step's shape (``self.shape``): a
-        step on these buffers (a capture's warm-up) writes no KV and no state but the padding
-        slot's, and reads nothing out of bounds (a previous step's logits rows could lie past a
-        smaller step's tokens). A mixed shape's tokens all belong to padding sequence 0."""
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.zero_()
-        self.state_slots.fill_(self.pool.padding_slot)
-        self.logits_rows.zero_()
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.cu_seqlens.zero_()
-        if self.shape is not None and self.shape[0] == "mixed":
-            self.cu_seqlens[1:] = self.shape[1]
+        """The all-padding batch of the shape being captured (``self.shape``): a step on it (a
+        capture's warm-up) writes no KV and no state but the padding slot's, and reads nothing out of
+        bounds (a previous step's logits rows could lie past a smaller step's tokens)."""
+        self._stage([], self.shape)
 
     def _batch(self, key) -> StepBatch:
         kind, t, s = key
-        decode = kind == "decode"
-        rows = self.arange[:s]
+        f = self.views.get(key)
+        if f is None:
+            f = self.views[key] = fields(self.inputs, t, s)
         return StepBatch(
-            input_ids=self.input_ids[:t], positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
-            cu_seqlens_q=self.arange32[:s + 1] if decode else self.cu_seqlens[:s + 1],
-            seq_lens=self.seq_lens[:s], block_table=self.block_table[:s], state_slots=self.state_slots[:s],
-            logits_rows=rows if decode else self.logits_rows[:s], sampling=list(range(s)),
-            query_lens=[], starts=[], max_query_len=1 if decode else t)
+            input_ids=f.input_ids, positions=f.positions, slot_mapping=f.slot_mapping, cu_seqlens_q=f.cu_seqlens_q,
+            seq_lens=f.seq_lens, block_table=self.block_table[:s], state_slots=f.state_slots,
+            logits_rows=f.logits_rows, sampling=list(range(s)), query_lens=[], starts=[],
+            max_query_len=1 if kind == "decode" else t, key=key)
 
     def _body(self, key):
         def body():
@@ -117,46 +125,39 @@ class StepRunner:
             self.graphs.get(key, self._body(key))
         return len(todo)
 
-    def key(self, batch: StepBatch, decode_only: bool) -> Optional[tuple]:
-        """The graph a step runs in, or None: it runs eagerly on its own tensors."""
-        n, s = int(batch.input_ids.numel()), batch.num_seqs
+    def key(self, num_tokens: int, num_seqs: int, decode_only: bool) -> tuple:
+        """The graph shape a step of ``num_tokens`` tokens in ``num_seqs`` sequences runs in."""
+        if num_tokens > self.token_buckets[-1] or num_seqs + 1 > self.seq_buckets[-1]:
+            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences exceeds the step graphs' "
+                             f"{self.token_buckets[-1]} tokens in {self.seq_buckets[-1] - 1} sequences")
         if decode_only:
-            return "decode", next(b for b in self.seq_buckets if b >= s), next(b for b in self.seq_buckets if b >= s)
-        if n > self.token_buckets[-1] or s + 1 > self.seq_buckets[-1]:
-            return None
-        return "mixed", next(b for b in self.token_buckets if b >= n), next(b for b in self.seq_buckets if b > s)
+            s = next(b for b in self.seq_buckets if b >= num_seqs)
+            return "decode", s, s
+        return ("mixed", next(b for b in self.token_buckets if b >= num_tokens),
+                next(b for b in self.seq_buckets if b > num_seqs))
 
-    def run(self, batch: StepBatch, decode_only: bool) -> Tensor:
-        """The logits [Ss, V] of the step's sampling sequences (``batch.logits_rows``)."""
-        key = self.key(batch, decode_only)
-        if key is None:
-            return self.model.forward_step(batch, self.pool)
-        kind, t, s = key
-        n, m = int(batch.input_ids.numel()), batch.num_seqs
-        width = batch.block_table.shape[1]
+    def prepare(self, step) -> StepBatch:
+        """The batch of a scheduled step (``scheduler.ScheduledStep``) in the static buffers of its
+        graph shape, on its way to the device: the graph is captured first if the shape is new (the
+        capture stages its own all-padding batch), then the step's batch is staged."""
+        work = step.work
+        key = self.key(step.num_tokens, len(work), step.decode_only)
+        width = max(len(seq.block_table) for seq, _ in work)
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
         self.shape = key
-        replay = self.graphs.get(key, self._body(key))  # captured first: the capture resets the buffers
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.seq_lens[:m].copy_(batch.seq_lens)
-        self.block_table[:m, :width].copy_(batch.block_table)
-        # rows past the step's are padding (see _reset): only these tails change between steps
-        self.input_ids[n:t].zero_()
-        self.positions[n:t].zero_()
-        self.slot_mapping[n:t].fill_(-1)
-        self.seq_lens[m:s].zero_()
-        if self.pool.recurrent:  # hybrid models: every sequence's state slot, in order (decodes and prefill chunks)
-            self.state_slots[:m].copy_(batch.state_slots)
-            self.state_slots[m:s].fill_(self.pool.padding_slot)
-        sampled = batch.logits_rows.numel()
-        if kind == "mixed":
-            self.cu_seqlens[:m + 1].copy_(batch.cu_seqlens_q)
-            self.cu_seqlens[m + 1:s + 1] = t  # the padding sequence m holds tokens [n, t); the rest are empty
-            self.logits_rows[:sampled].copy_(batch.logits_rows)
-            self.logits_rows[sampled:s] = 0
-        replay()
+        self.graphs.get(key, self._body(key))
+        packed = self._stage(work, key)
+        batch = self._batch(key)
+        S, offset = len(work), self.views[key].table_offset
+        self.block_table[:S, :width].copy_(self.inputs[offset:packed.nbytes].view(torch.int32).view(S, width))
+        batch.sampling, batch.query_lens, batch.starts = packed.sampling, packed.query_lens, packed.starts
+        batch.pending = packed.pending
+        return batch
+
+    def run(self, batch: StepBatch) -> Tensor:
+        """Run a ``prepare``d step: the logits [Ss, V] of its sampling sequences, in order."""
+        key = batch.key
+        self.graphs.get(key, self._body(key))()
         logits = self.logits[key]
-        return logits[:sampled] if kind == "mixed" else logits[:m]
+        return logits[:len(batch.sampling)] if key[0] == "mixed" else logits[:batch.num_seqs]
