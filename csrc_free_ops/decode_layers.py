@@ -285,7 +285,7 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     k_new = tl.sum(_head(row + HQ * D, kn_ptr, g + one, d, d_ok[None, :], fpos, eps, offset, log2_theta,
                          HAS_QK_NORM, D, ROT), axis=0).to(kc_ptr.dtype.element_ty)
     v_new = tl.load(row + (HQ + HK) * D + g * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
-    if (s == 0) & (pos >= 0) & (pos < CACHE_LEN):  # the new token's k and v, written once
+    if (s == 0) & (pos >= 0) & (pos < seqlen):  # the new token's k and v, written once (not by a padding row)
         slot = tl.load(bt_row + pos // BS).to(tl.int64) * stride_kb + (pos % BS) * stride_kt
         tl.store(k_base + slot + d, k_new, mask=d_ok)
         tl.store(v_base + slot + d, v_new.to(vc_ptr.dtype.element_ty), mask=d_ok)

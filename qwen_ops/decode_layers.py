@@ -23,8 +23,10 @@ By definition, per layer l (the reference composes the ops' references):
     x = linear_residual(paged_attention(q, k_cache[l], v_cache[l], ..., cache_seqlens, block_table), o_weight[l], x)
     x = linear_residual(norm_gate_up_silu(x, post_norm[l], gate_up_weight[l]), down_weight[l], x)
 
-Mutates k_cache and v_cache (the new tokens' keys and values at their positions; a position
-outside the block table's reach is not written). No autograd: inference decode only.
+Mutates k_cache and v_cache (the new tokens' keys and values at their positions). A row writes
+only where its position is below its cache_seqlens and within the block table's reach, so a
+padding row of a captured step (cache_seqlens 0, whatever its block table row holds) writes
+nothing. No autograd: inference decode only.
 """
 from typing import Optional
 
@@ -52,7 +54,7 @@ def decode_layers_reference(
     m = x.shape[0]
     bs, hk, d = k_cache.shape[2:]
     pos = positions.long()
-    reach = (pos >= 0) & (pos < block_table.shape[1] * bs)
+    reach = (pos >= 0) & (pos < cache_seqlens.long()) & (pos < block_table.shape[1] * bs)
     rows = torch.arange(m, device=x.device)
     blocks = block_table[rows, pos.clamp(0, block_table.shape[1] * bs - 1) // bs].long()
     slots = torch.where(reach, blocks * bs + pos % bs, -1)

@@ -70,17 +70,22 @@ def test_decode_layers_bias_no_qk_norm(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_layers_reaches_every_position(device):
-    """Positions past the block table's reach are not written; a sequence of length 0 reads nothing."""
+    """A row writes its new key and value only at a position below its length and within the
+    block table's reach: a padding row (length 0, as a captured engine step pads with) and a
+    position past the reach write nothing; a padding row reads nothing either."""
     args = list(_args(*CASES[device][0], torch.float32, device))
+    k_before, v_before = args[13].clone(), args[14].clone()
+    torch.ops.qwen.decode_layers(*args)
+    assert not torch.equal(args[13], k_before)  # positions seq_len - 1: written
     args[2] = torch.zeros_like(args[2])
-    k_before = args[13].clone()
+    k_before, v_before = args[13].clone(), args[14].clone()
     out = torch.ops.qwen.decode_layers(*args)
     assert torch.isfinite(out).all()
-    assert not torch.equal(args[13], k_before)  # the new tokens' keys are written, with nothing to attend
+    assert torch.equal(args[13], k_before) and torch.equal(args[14], v_before)
     args[1] = torch.full_like(args[1], args[3].shape[1] * args[13].shape[2])  # one past the reach
-    k_before = args[13].clone()
+    args[2] = torch.full_like(args[2], args[3].shape[1] * args[13].shape[2])
     torch.ops.qwen.decode_layers(*args)
-    assert torch.equal(args[13], k_before)
+    assert torch.equal(args[13], k_before) and torch.equal(args[14], v_before)
 
 
 def test_decode_layers_errors():

@@ -170,6 +170,29 @@ def test_the_kernels_path_equals_the_generator():
     assert engine.generate(prompts, GREEDY, 4) == want
 
 
+def test_decode_steps_through_the_persistent_kernel_equal_the_generator():
+    """fp32, ``persistent_decode`` forced on: the engine's decode-only steps run every layer in
+    ``qwen::decode_layers`` over the pool's stacked caches (the kernel under the interpreter), three
+    sequences in the 4-row graph shape (a padding row, whose stale block table row it must not
+    write through), then fewer as they finish; the tokens are the op-by-op Generator's."""
+    import qwen_ops
+
+    model = model_of(QWEN3, dtype=torch.float32)
+    prompts = prompts_of([5, 37, 20])
+    want = generator_tokens(model, prompts, 4)
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16)
+    seqs = [engine.add(p, GREEDY, n) for p, n in zip(prompts, (4, 2, 3))]
+    calls = qwen_ops.kernel_calls["decode_layers"]
+    model.persistent_decode = True
+    try:
+        while engine.has_work():
+            engine.step()
+    finally:
+        model.persistent_decode = None
+    assert qwen_ops.kernel_calls["decode_layers"] > calls, "the persistent kernel did not run"
+    assert [s.output_ids for s in seqs] == [w[:n] for w, n in zip(want, (4, 2, 3))]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3_5"])
 def test_engine_on_cuda_equals_the_generator(config):

@@ -5,7 +5,9 @@ Layout (the kernels and the persistent decode kernel address it this way):
 - an attention layer: ``k``, ``v`` [num_blocks, block_size, Hk, D] (the model dtype). A token's KV
   slot is ``block * block_size + offset``: its row in the [num_blocks * block_size, Hk, D] view.
   Block ids come from the sequence's block table (``modeling.engine.block_manager``), shared by
-  all layers: block b of layer 0 and block b of layer 27 hold the same positions;
+  all layers: block b of layer 0 and block b of layer 27 hold the same positions. The attention
+  layers' entries are views of one k and one v tensor [NA, num_blocks, block_size, Hk, D], layer
+  by layer: what the persistent decode kernel reads for every layer at once;
 - a Gated DeltaNet layer: ``conv`` [num_slots + 1, C, K-1] (the model dtype) and ``state``
   [num_slots + 1, Hv, Dk, Dv] (fp32; float64 for float64 models), one slot per running sequence
   (``Sequence.state_slot``), the same slot in every layer, and the padding slot (the last) that
@@ -19,8 +21,6 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 import torch
-
-import qwen_ops
 
 from ..model.layers import AttentionLayer, GatedDeltaNetLayer
 
@@ -91,19 +91,24 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, memo
 
 
 class CachePool:
-    """``layers[i]``: layer i's pool entry, (k, v) for attention or (conv, state) for Gated DeltaNet."""
+    """``layers[i]``: layer i's pool entry, (k, v) for attention or (conv, state) for Gated DeltaNet.
+    ``kv``: the attention layers' k and v stacked [NA, num_blocks, block_size, Hk, D] (their entries
+    are views of them): the layout the persistent decode kernel reads (``ops.decode_layers``)."""
 
     def __init__(self, model, size: PoolSize):
         c, dev, dtype = model.config, model.device, model.dtype
         self.size = size
         self.padding_slot = size.num_state_slots
-        qwen_ops.reserve_semaphores(dev)  # before any CUDA graph capture of a step
+        model.reserve_device_buffers(dev)  # before any CUDA graph capture of a step
         layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.recurrent = tuple(i for i, layer in enumerate(model.layers) if not isinstance(layer, AttentionLayer))
+        shape = (len(_attention_layers(model)), max(size.num_blocks, 1), size.block_size, c.num_key_value_heads,
+                 c.head_dim)
+        self.kv = tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in "kv")
+        attention = iter(zip(*self.kv))
         for layer in model.layers:
             if isinstance(layer, AttentionLayer):
-                shape = (max(size.num_blocks, 1), size.block_size, c.num_key_value_heads, c.head_dim)
-                layers.append(tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in "kv"))
+                layers.append(next(attention))
             else:
                 state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
                 n = size.num_state_slots + 1  # and the padding slot

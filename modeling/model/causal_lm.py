@@ -28,7 +28,7 @@ ops = torch.ops.qwen
 PERSISTENT_DECODE = os.environ.get("QWEN_PERSISTENT_DECODE", "1") != "0"
 """``QwenForCausalLM.persistent_decode``'s default (QWEN_PERSISTENT_DECODE=0: off): on for one
 sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions (the Generator's default
-4096), where the H200 measures it faster than the fused ops (ms per Qwen3-0.6B token: 0.757
+4096; the engine's max_model_len), where the H200 measures it faster than the fused ops (ms per Qwen3-0.6B token: 0.757
 against 0.941 at context 256; 0.954 against 1.055 at 2048; bench/results/2026-12-03-h200-decode-persistent.json);
 not at batch 8 (3.46 against 1.28 ms per step)."""
 PERSISTENT_DECODE_MAX_LEN = 4096
@@ -92,7 +92,9 @@ class QwenForCausalLM(nn.Module):
     """Whether decode steps of one new token for each of at most 8 sequences run every layer in
     one persistent kernel (``ops.decode_layers``, csrc_free_ops/decode_layers.py) instead of six
     kernels a layer. Only models of attention layers without an output gate (Qwen3, Qwen2), with a
-    cache from ``new_cache``. None (the default): on CUDA where ``PERSISTENT_DECODE`` says so, unless
+    cache from ``new_cache`` or, in the engine's decode-only steps, over its pool (``forward_step``;
+    a padding row of the step's graph writes nothing). None (the default): on CUDA where
+    ``PERSISTENT_DECODE`` says so, unless
     ``fused_decode`` is False (the op-by-op path stays op by op); True
     or False forces it (True still needs such a model and cache; on the CPU the op runs its
     reference, or the kernel under the interpreter)."""
@@ -110,15 +112,22 @@ class QwenForCausalLM(nn.Module):
         """A zeroed cache for ``batch_size`` sequences of up to ``max_len`` positions, one per layer
         (default dtype and device: the model's)."""
         dtype, device = dtype or self.dtype, device or self.device
-        qwen_ops.reserve_semaphores(device)  # before any CUDA graph capture of a decode step
+        self.reserve_device_buffers(device)
         c = self.config
         if any(kind != "full_attention" for kind in c.layer_types):
             return Cache(layer.new_cache(batch_size, max_len, dtype, device) for layer in self.layers)
         shape = (len(self.layers), batch_size, max_len, c.num_key_value_heads, c.head_dim)
         k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         table = torch.arange(batch_size, dtype=torch.int32, device=device).view(batch_size, 1)
-        decode_layers_error_flag(torch.device(device))  # before any CUDA graph capture of a decode step
         return Cache((KVCache(k[i], v[i]) for i in range(len(self.layers))), (k, v), table)
+
+    @staticmethod
+    def reserve_device_buffers(device: Union[str, torch.device]) -> None:
+        """Create the decode kernels' per-device buffers (split-K arrival counters, the persistent
+        kernel's watchdog flag) now: before any CUDA graph capture of a decode step, which must
+        not allocate them. ``new_cache`` and the engine's pool call it."""
+        qwen_ops.reserve_semaphores(device)
+        decode_layers_error_flag(torch.device(device))
 
     def forward(
         self,
@@ -142,12 +151,12 @@ class QwenForCausalLM(nn.Module):
         prefill's last real token; the final norm and the lm_head then run on those rows only).
         """
         c = self.config
-        if cache_seqlens is not None and self._runs_decode_layers(input_ids, cache):
+        if (cache_seqlens is not None and input_ids.dim() == 2 and input_ids.shape[1] == 1
+                and self._runs_decode_layers(input_ids.shape[0], input_ids.is_cuda, cache.stacked,
+                                             cache.stacked[0].shape[2] if cache.stacked else 0)):
             b = input_ids.shape[0]
-            x = ops.decode_layers(F.embedding(input_ids.reshape(b), self.embed_tokens), positions.reshape(b),
-                                  cache_seqlens, cache.block_table, *self._stacked_weights(), *cache.stacked,
-                                  c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
-                                  decode_splits(cache.stacked[0].shape[2], b))
+            x = self._decode_layers(input_ids.reshape(b), positions.reshape(b), cache_seqlens, cache.block_table,
+                                    cache.stacked, cache.stacked[0].shape[2])
             return ops.norm_linear(x[:, None] if all_logits else x, self.norm, self._head(), None, c.rms_norm_eps,
                                    c.norm_offset)
         fused = self.fused_decode if self.fused_decode is not None else input_ids.numel() == 1
@@ -168,8 +177,16 @@ class QwenForCausalLM(nn.Module):
         """One engine step over flat tokens: ``batch`` a ``modeling.engine.step.StepBatch`` (input_ids,
         positions [N], the sequences' offsets, lengths, KV slots, block tables, state slots),
         ``pool`` the engine's ``CachePool``. Every layer reads and writes its pool entry; returns the
-        logits [Ss, V] of the rows ``batch.logits_rows`` (each sampling sequence's last token)."""
+        logits [Ss, V] of the rows ``batch.logits_rows`` (each sampling sequence's last token). A
+        decode-only step (``batch.key``: a decode graph's, every row one token and sampling) runs
+        the persistent kernel where ``persistent_decode`` says so."""
         c = self.config
+        rows = batch.input_ids.shape[0]
+        capacity = batch.block_table.shape[1] * pool.size.block_size
+        if batch.key[:1] == ("decode",) and self._runs_decode_layers(rows, batch.input_ids.is_cuda, pool.kv, capacity):
+            x = self._decode_layers(batch.input_ids, batch.positions, batch.seq_lens, batch.block_table, pool.kv,
+                                    capacity)
+            return ops.norm_linear(x, self.norm, self._head(), None, c.rms_norm_eps, c.norm_offset)
         x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
         for layer, entry in zip(self.layers, pool.layers):
             x, residual = layer.step(x, residual, batch, entry)
@@ -190,16 +207,25 @@ class QwenForCausalLM(nn.Module):
         return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),
                                         ignore_index)
 
-    def _runs_decode_layers(self, input_ids: Tensor, cache: Cache) -> bool:
-        """A decode step through ``ops.decode_layers`` (see ``persistent_decode``)."""
+    def _runs_decode_layers(self, rows: int, cuda: bool, kv: Optional[Tuple[Tensor, Tensor]], capacity: int) -> bool:
+        """Whether a decode step of one new token for each of ``rows`` sequences, over the stacked
+        caches ``kv`` [NL, NB, BS, Hk, D] of ``capacity`` positions a sequence, runs through
+        ``ops.decode_layers`` (see ``persistent_decode``)."""
         on = self.persistent_decode
         if on is None:  # where the H200 measured it faster than the fused ops (docs/performance.md)
-            on = (PERSISTENT_DECODE and self.fused_decode is not False and input_ids.is_cuda and input_ids.shape[0] == 1 and cache.stacked is not None
-                  and cache.stacked[0].shape[2] <= PERSISTENT_DECODE_MAX_LEN)
+            on = (PERSISTENT_DECODE and self.fused_decode is not False and cuda and rows == 1
+                  and capacity <= PERSISTENT_DECODE_MAX_LEN)
+        return (on and kv is not None and kv[0].shape[0] == len(self.layers) and 0 < rows <= DECODE_LAYERS_MAX_ROWS
+                and not self.config.attn_output_gate and kv[0].dtype == self.dtype)
+
+    def _decode_layers(self, input_ids: Tensor, positions: Tensor, seq_lens: Tensor, block_table: Tensor,
+                       kv: Tuple[Tensor, Tensor], capacity: int) -> Tensor:
+        """The hidden states [M, H] after every layer for input_ids [M] at ``positions`` [M], through
+        the persistent kernel over the paged caches ``kv`` (``block_table`` [M, W])."""
         c = self.config
-        return (on and cache.stacked is not None and input_ids.dim() == 2
-                and input_ids.shape[1] == 1 and 0 < input_ids.shape[0] <= DECODE_LAYERS_MAX_ROWS
-                and not c.attn_output_gate and cache.stacked[0].dtype == self.dtype)
+        return ops.decode_layers(F.embedding(input_ids, self.embed_tokens), positions, seq_lens, block_table,
+                                 *self._stacked_weights(), *kv, c.rms_norm_eps, c.norm_offset, c.rope_theta,
+                                 c.rotary_dim, c.num_attention_heads, decode_splits(capacity, input_ids.shape[0]))
 
     def _stacked_weights(self) -> Tuple:
         """The layers' weights as ``ops.decode_layers`` takes them, each kind stacked [NL, ...]. Made
