@@ -13,13 +13,7 @@ the rest of the s sequences are empty, and the logits of rows that do not sample
 dropped. The attention grid is sized for t queries a sequence, fixed per graph.
 
 The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count,
-which depends on shapes only, is fixed too.
-
-A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a pinned
-host buffer laid out as the graph reads it (each shape's fields are views at the front of one
-device buffer, ``step.fields``), one transfer takes it over, and one copy puts its block table rows
-into the static table. Two host buffers take turns, each reused only once its last transfer has
-run (an event), since the engine packs the next step while the device still runs this one. Graphs are captured the first time their shape
+which depends on shapes only, is fixed too. Graphs are captured the first time their shape
 occurs, or all at once (``capture_all``: a server does it before its first client, since a
 capture stalls every running sequence for tens of milliseconds), and share one memory pool.
 A decode graph keeps its own logits; the prefill and mixed graphs (about 80 shapes) write theirs
@@ -27,6 +21,12 @@ into one shared [``max_num_seqs`` + 1, V] buffer, so that capturing every shape 
 logits tensor per shape (~1.8 GB at 256 sequences and Qwen3's vocabulary).
 Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run eagerly, so the
 CPU tests cover the padding.
+
+A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a
+pinned host buffer laid out as the graph reads it (each shape's fields are views at the front of
+one device buffer, ``step.fields``), one transfer takes it over, and one copy puts its block table
+rows into the static table. Two host buffers take turns, each reused only once its last transfer
+has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
 from typing import Dict, Hashable

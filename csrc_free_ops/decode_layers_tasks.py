@@ -1,0 +1,282 @@
+"""The persistent decode kernel's building blocks (csrc_free_ops/decode_layers.py): the counter
+wait and release that order its tasks, the whole-K weight tiles and the GEMV over them, and the
+five task kinds of a layer, each loading its weights (an attention task: its split's first block
+of cached keys and values) before it waits on the phase before.
+
+    _qkv_task       qkv[m, rows] = rms_norm(x[m]) @ w[rows]^T (+ bias), rounded
+    _attention_task split s of (sequence m, kv head g): per-head RMSNorm and RoPE of the group's
+                    q heads and of k, the new k and v written at the token's position, the split's
+                    share of the cached positions attended; the last split to arrive combines
+    _residual_task  out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T)  (o_proj and down)
+    _gate_up_task   act[m, rows] = silu(g) * u of rms_norm(h[m]) @ w^T's gate and up rows
+
+A task counts itself in on its phase's completion counter (`_finish`: a barrier, then a release
+add); a wait (`_wait`) polls the counter of the phase it depends on with acquire loads, and gives
+up after SPIN_LIMIT polls by setting the device's error flag. Activations are read with `.cg`
+(through L2, where the other programs' stores are).
+"""
+import triton
+import triton.language as tl
+
+from .common import arrive, dot, head_block, head_mask
+from .rope import rotary_cos_sin
+
+
+@triton.jit
+def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """Wait until counter[phase] >= target unless phase <= done (this program saw it complete
+    already, or phase < 0: nothing to wait for); returns the phases this program knows complete.
+    TIMELINE: stamps the time the wait was met at stamp_ptr[1]."""
+    if phase > done:
+        seen = tl.atomic_add(cnt_ptr + phase, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < target) & (spins < SPIN_LIMIT):
+            seen = tl.atomic_add(cnt_ptr + phase, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
+    if TIMELINE:
+        tl.store(stamp_ptr + 1, _now())
+    return tl.maximum(done, phase)
+
+
+@triton.jit
+def _now():
+    """The SM's %globaltimer, ns (the timeline's clock; CUDA only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _finish(cnt_ptr, phase):
+    """Count a task of `phase` in once every thread's stores are done (barrier, then a release add)."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr + phase, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _weight_tile(w_ptr, row0, N, K, stride_n, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """weight[row0:row0 + ROWS, :K] as [ROWS, BLOCK_K], zero outside [N, K]."""
+    rn = row0 + tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_n + rk[None, :],
+                   mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _row(ptr, K, BLOCK_K: tl.constexpr):
+    """An activation row [BLOCK_K] in fp32 (zero past K), read through L2."""
+    rk = tl.arange(0, BLOCK_K)
+    return tl.load(ptr + rk, mask=rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _normed_row(ptr, nw_ptr, K, eps, offset, w_dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(a, rstd) of rms_norm(x) = rstd * a: a = x * (norm weight + offset), rounded to the weight
+    dtype for bf16 weights as fused_decode's main loop rounds it (fp16 and fp32 keep it fp32)."""
+    x = _row(ptr, K, BLOCK_K)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    rk = tl.arange(0, BLOCK_K)
+    a = x * (tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32) + offset)
+    if w_dtype == tl.bfloat16:
+        a = a.to(tl.bfloat16).to(tl.float32)
+    return a, rstd
+
+
+@triton.jit
+def _gemv(w, a):
+    """w [ROWS, BLOCK_K] (registers) times a [BLOCK_K] fp32 -> [ROWS] fp32."""
+    return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+
+
+@triton.jit
+def _rounded(y, dtype: tl.constexpr):
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _head(ptr, nw_ptr, rows, cols, ok, pos, eps, offset, log2_theta, HAS_NORM: tl.constexpr, D: tl.constexpr,
+          ROT: tl.constexpr):
+    """Heads [R, head_block(D)] at ptr + rows * D + cols after the per-head RMSNorm (HAS_NORM) and RoPE
+    at position `pos` on the first ROT dims, fp32 (the math of fused_decode_blocks._rotated_head:
+    the partner dim of RoPE is read a second time)."""
+    HALF: tl.constexpr = ROT // 2
+    pc = tl.where(cols < HALF, cols + HALF, tl.where(cols < ROT, cols - HALF, cols))
+    y = tl.load(ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    yp = tl.load(ptr + rows[:, None] * D + pc[None, :], mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if HAS_NORM:
+        d_ok = head_mask(cols, D)
+        rstd = tl.rsqrt(tl.sum(y * y, axis=1) / D + eps)[:, None]
+        y = y * rstd * (tl.load(nw_ptr + cols, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
+        yp = yp * rstd * (tl.load(nw_ptr + pc, mask=d_ok, other=0.0).to(tl.float32) + offset)[None, :]
+    i = tl.where(cols < HALF, cols, cols - HALF)
+    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / ROT) * log2_theta)
+    cos, sin = rotary_cos_sin(pos * inv_freq)
+    sign = tl.where(cols < HALF, -1.0, 1.0)
+    return tl.where((cols < ROT)[None, :], y * cos[None, :] + sign[None, :] * yp * sin[None, :], y)
+
+
+@triton.jit
+def _qkv_task(x_ptr, nw_ptr, w_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
+              N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+              SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """qkv[m, row0:row0 + ROWS] = rms_norm(x[m]) @ w[rows]^T (+ bias), rounded, for every row m;
+    the weight tile is loaded before the wait for phase - 1 (the layer before)."""
+    BK: tl.constexpr = triton.next_power_of_2(K)
+    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
+    rn = row0 + tl.arange(0, ROWS)
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            a, rstd = _normed_row(x_ptr + m * K, nw_ptr, K, eps, offset, w_ptr.dtype.element_ty, BK)
+            y = _gemv(w, a) * rstd
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            tl.store(qkv_ptr + m * N + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < N)
+    _finish(cnt_ptr, phase)
+    return done
+
+
+@triton.jit
+def _residual_task(a_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, N: tl.constexpr,
+                   K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+                   stamp_ptr, TIMELINE: tl.constexpr):
+    """out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T) (o_proj and down): the weight tile is
+    loaded before the wait for `phase`; counts itself in on phase + 1."""
+    BK: tl.constexpr = triton.next_power_of_2(K)
+    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
+    rn = row0 + tl.arange(0, ROWS)
+    dtype = out_ptr.dtype.element_ty
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            y = _rounded(_gemv(w, _row(a_ptr + m * K, K, BK)), dtype)
+            y += tl.load(res_ptr + m * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + m * N + rn, y.to(dtype), mask=rn < N)
+    _finish(cnt_ptr, phase + 1)
+    return done
+
+
+@triton.jit
+def _gate_up_task(h_ptr, nw_ptr, w_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
+                  I: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                  SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """act[m, rows] = silu(g) * u with g, u = rows and I + rows of rms_norm(h[m]) @ w^T, rounded
+    as norm_gate_up_silu rounds them; the two weight tiles are loaded before the wait for `phase`."""
+    BK: tl.constexpr = triton.next_power_of_2(K)
+    wg = _weight_tile(w_ptr, row0, I, K, K, ROWS, BK)
+    wu = _weight_tile(w_ptr + I * K, row0, I, K, K, ROWS, BK)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
+    rn = row0 + tl.arange(0, ROWS)
+    dtype = act_ptr.dtype.element_ty
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            a, rstd = _normed_row(h_ptr + m * K, nw_ptr, K, eps, offset, w_ptr.dtype.element_ty, BK)
+            gate = _rounded(_gemv(wg, a) * rstd, dtype)
+            up = _rounded(_gemv(wu, a) * rstd, dtype)
+            tl.store(act_ptr + m * I + rn, (gate * tl.sigmoid(gate) * up).to(dtype), mask=rn < I)
+    _finish(cnt_ptr, phase + 1)
+    return done
+
+
+@triton.jit
+def _kv_block(k_base, v_base, bt_row, cols, hi, pos, d, d_ok, stride_kb, stride_kt, BS):
+    """The cached keys [BLOCK_D, BLOCK_T] (transposed) and values [BLOCK_T, BLOCK_D] of positions
+    `cols` below `hi`, through the block table; zero at the new token's position `pos` (its k and v
+    come from registers: its cache write may still be in flight) and past `hi`."""
+    c_ok = (cols < hi) & (cols != pos)
+    slots = tl.load(bt_row + cols // BS, mask=c_ok, other=0).to(tl.int64) * stride_kb + (cols % BS) * stride_kt
+    kt = tl.load(k_base + slots[None, :] + d[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    vt = tl.load(v_base + slots[:, None] + d[None, :], mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    return kt, vt
+
+
+@triton.jit
+def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_ptr, vc_ptr, attn_ptr, po_ptr, plse_ptr,
+                    arr_ptr, cnt_ptr, err_ptr, m, g, s, phase, target, done, stride_bt, stride_kb, stride_kt,
+                    stride_kh, CACHE_LEN, BS, eps, offset, log2_theta, qk_scale,
+                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                    HAS_QK_NORM: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr,
+                    P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """Split s of sequence m's kv head g (see the module doc); counts (m, g) in on `phase` once its
+    output is stored. The split's first block of cached keys and values is loaded before the wait
+    for the qkv phase (`phase` - 1), as the GEMV tasks load their weights: only the new token's
+    column depends on that phase, and it comes from registers."""
+    G: tl.constexpr = HQ // HK
+    BLOCK_G: tl.constexpr = max(16, triton.next_power_of_2(G))
+    BLOCK_D: tl.constexpr = head_block(D)
+    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    dtype = attn_ptr.dtype.element_ty
+    seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + m), 0), CACHE_LEN)
+    pos = tl.load(pos_ptr + m).to(tl.int64)
+    r = tl.arange(0, BLOCK_G)
+    r_ok = r < G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = head_mask(d, D)
+    chunk = tl.cdiv(tl.cdiv(seqlen, S), BLOCK_T) * BLOCK_T
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    k_base = kc_ptr + g * stride_kh
+    v_base = vc_ptr + g * stride_kh
+    bt_row = bt_ptr + m * stride_bt
+    offs = tl.arange(0, BLOCK_T)
+    kt_first, vt_first = _kv_block(k_base, v_base, bt_row, lo + offs, hi, pos, d, d_ok, stride_kb, stride_kt, BS)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
+    one = tl.zeros((1,), dtype=tl.int32)
+    row = qkv_ptr + m * NQKV
+    fpos = pos.to(tl.float32)
+    q = _head(row, qn_ptr, g * G + r, d, r_ok[:, None] & d_ok[None, :], fpos, eps, offset, log2_theta,
+              HAS_QK_NORM, D, ROT).to(dtype)
+    k_new = tl.sum(_head(row + HQ * D, kn_ptr, g + one, d, d_ok[None, :], fpos, eps, offset, log2_theta,
+                         HAS_QK_NORM, D, ROT), axis=0).to(kc_ptr.dtype.element_ty)
+    v_new = tl.load(row + (HQ + HK) * D + g * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
+    if (s == 0) & (pos >= 0) & (pos < seqlen):  # the new token's k and v, written once (not by a padding row)
+        slot = tl.load(bt_row + pos // BS).to(tl.int64) * stride_kb + (pos % BS) * stride_kt
+        tl.store(k_base + slot + d, k_new, mask=d_ok)
+        tl.store(v_base + slot + d, v_new.to(vc_ptr.dtype.element_ty), mask=d_ok)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_T):
+        cols = n0 + offs
+        c_ok = cols < hi
+        is_new = cols == pos  # the new token's k/v from registers: its cache write may still be in flight
+        if n0 == lo:
+            kt, vt = kt_first, vt_first
+        else:
+            kt, vt = _kv_block(k_base, v_base, bt_row, cols, hi, pos, d, d_ok, stride_kb, stride_kt, BS)
+        kt = tl.where(is_new[None, :], k_new[:, None], kt)
+        sc = dot(q, kt, tl.zeros((BLOCK_G, BLOCK_T), dtype=tl.float32)) * qk_scale
+        sc = tl.where(c_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None]) * P_SCALE
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.where(is_new[:, None], v_new[None, :].to(vt.dtype), vt)
+        acc = dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o_ptrs = attn_ptr + m * (HQ * D) + (g * G + r)[:, None] * D + d[None, :]
+    if S == 1:
+        tl.store(o_ptrs, out.to(dtype), mask=r_ok[:, None] & d_ok[None, :])
+        _finish(cnt_ptr, phase)
+    else:
+        lse = tl.where(has_keys, m_i + HEADROOM + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        part = ((m * HK + g) * S + s) * G + r  # rows of po [M, HK, S, G, D] and plse [M, HK, S, G]
+        tl.store(po_ptr + part[:, None] * D + d[None, :], out, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(plse_ptr + part, lse, mask=r_ok)
+        if arrive(arr_ptr, m * HK + g) == S - 1:  # the last split of (m, g): combine the S parts
+            sp = tl.arange(0, triton.next_power_of_2(S))
+            for j in tl.static_range(G):
+                rows = ((m * HK + g) * S + sp) * G + j
+                lse_s = tl.load(plse_ptr + rows, mask=sp < S, other=float("-inf"), cache_modifier=".cg")
+                mx = tl.max(lse_s, axis=0)
+                w = tl.exp2(lse_s - tl.where(mx == float("-inf"), 0.0, mx))
+                w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+                parts = tl.load(po_ptr + rows[:, None] * D + d[None, :], mask=(sp < S)[:, None] & d_ok[None, :],
+                                other=0.0, cache_modifier=".cg")
+                o = tl.sum(parts * w[:, None], axis=0)
+                tl.store(attn_ptr + m * (HQ * D) + (g * G + j) * D + d, o.to(dtype), mask=d_ok)
+            _finish(cnt_ptr, phase)
+    return done
