@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..generation.graph_cache import GraphCache
-from .step import Fields, StepBatch, fields, pack, table_offset
+from .step import Fields, Packed, StepBatch, fields, pack, table_offset
 
 
 def buckets(limit: int) -> tuple:
@@ -69,7 +69,7 @@ class StepRunner:
         self.shape = None  # the key of the graph being captured
         self.graphs = GraphCache(dev, enabled and cuda, self._reset)
 
-    def _stage(self, work, key) -> "object":
+    def _stage(self, work, key) -> Packed:
         """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device."""
         i = self.turn
         self.turn = (i + 1) % len(self.staging)
@@ -79,7 +79,7 @@ class StepRunner:
         packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
         if self.staged:
             self.inputs[:packed.nbytes].copy_(host[:packed.nbytes], non_blocking=True)
-            self.staged[i].record()
+            self.staged[i].record(torch.cuda.current_stream(self.inputs.device))
         return packed
 
     def _reset(self) -> None:
