@@ -57,3 +57,14 @@ def test_penalties_turn_the_lookahead_off():
         engine.step()
         assert engine._inflight is None
     assert seq.num_output == 6
+
+
+def test_no_step_is_launched_after_every_token_is_sampled():
+    """A sequence whose last allowed token is in flight is not scheduled again: n tokens of a batch
+    take one prefill step and n - 1 decode steps, however the lookahead overlaps them."""
+    engine = engine_of(model_of(QWEN3))
+    seqs = [engine.add(p, GREEDY, 6) for p in prompts_of([9, 30, 17])]
+    while engine.has_work():
+        engine.step()
+    assert all(s.num_output == 6 for s in seqs)
+    assert (engine.stats.steps, engine.stats.decode_steps) == (6, 5)

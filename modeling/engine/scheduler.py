@@ -105,6 +105,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue  # preempted by an older sequence in this loop, or no budget left
+            if seq.num_tokens - seq.num_prompt >= seq.max_tokens:
+                continue  # its last token is on its way to the host (a lookahead step): nothing left to compute
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_append(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
