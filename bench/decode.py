@@ -22,6 +22,11 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
   of a decode step in one launch (`ops.decode_layers`, csrc_free_ops/decode_layers.py), then the
   lm_head; batch 1 at context 256 and 2048, batch 8 at context 256 (key
   `persistent_b1_ms_per_token`, its kernels per token `persistent_kernels_per_token`);
+- ours, engine decode step: the continuous-batching engine's decode-only steps
+  (`modeling.engine.Engine`, what `python -m modeling.serve` runs): `batch` prompts of `context`
+  tokens prefilled in one step, then `--steps` decode steps timed (graphs captured, lookahead on,
+  every token read back on the host); Qwen3-0.6B batch 1 and 8, Qwen3.5-0.8B batch 1 (keys
+  `engine_b1_ms_per_token`, `engine_b8_ms_per_step`, `qwen3_5_engine_b1_ms_per_token`);
 - ours, weights after the PDL wait: the same graph with `fused_decode.PREFETCH` off (each
   program of a fused GEMV streams its weights only after the previous kernel has finished), the
   A/B of the weight prefetch in one run;
@@ -61,6 +66,7 @@ SHAPES = {
 }
 AFTER_WAIT = "ours, CUDA graph, weights after the PDL wait"
 PERSISTENT = "ours, CUDA graph, persistent kernel"
+ENGINE = "ours, engine decode step"
 MARK_BEGIN, MARK_END = "<!-- bench.decode:begin -->", "<!-- bench.decode:end -->"
 
 
@@ -135,6 +141,36 @@ def ours_ms(model, batch: int, context: int, steps: int, graph: bool, reps: int 
         return r.decode_ms_per_step
 
     run()  # warm-up: compile, capture
+    return statistics.median(run() for _ in range(reps))
+
+
+def engine_ms(model, batch: int, context: int, steps: int, reps: int = 3) -> float:
+    """ms per decode-only step of the engine: ``batch`` prompts of ``context`` tokens (one prefill
+    step), then ``steps`` decode steps timed from their first token on; the median of ``reps`` runs
+    after a warm-up run (graph captures)."""
+    from modeling.engine import Engine
+    from modeling.generation.sampling import SamplingParams
+
+    engine = Engine(model, max_num_seqs=batch, max_num_batched_tokens=batch * context,
+                    max_model_len=context + steps + 1)
+    g = torch.Generator().manual_seed(context)
+    prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    def run():
+        seqs = [engine.add(p, SamplingParams(), steps + 1) for p in prompts]
+        while any(s.num_output == 0 for s in seqs):
+            engine.step()
+        sync()
+        t0 = time.perf_counter()
+        decode_steps = engine.stats.decode_steps
+        while engine.has_work():
+            engine.step()
+        sync()
+        assert engine.stats.decode_steps - decode_steps == steps and all(s.num_output == steps + 1 for s in seqs)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    run()
     return statistics.median(run() for _ in range(reps))
 
 
@@ -245,6 +281,10 @@ def measure(args) -> dict:
             out["persistent_kernels_per_token"] = round(sum(n for n, _ in persistent.values()))
             print_profile("persistent decode step", persistent)
             model.persistent_decode = None
+            row(name, ENGINE, 1, 256, engine_ms(model, 1, 256, args.steps))
+            out["engine_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+            row(name, ENGINE, 8, 256, engine_ms(model, 8, 256, args.steps))
+            out["engine_b8_ms_per_step"] = out["rows"][-1]["ms_per_step"]
             with weights_after_wait():
                 row(name, AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
             row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
@@ -278,6 +318,8 @@ def measure(args) -> dict:
     row("qwen3.5-0.8b", "floor (weights / copy bandwidth)", 1, 0, weight_bytes(model) / bandwidth * 1e3)
     row("qwen3.5-0.8b", "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
     out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+    row("qwen3.5-0.8b", ENGINE, 1, 256, engine_ms(model, 1, 256, args.steps))
+    out["qwen3_5_engine_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
     with weights_after_wait():
         row("qwen3.5-0.8b", AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
     return out
