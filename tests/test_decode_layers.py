@@ -147,3 +147,45 @@ def test_model_decode_layers(batch):
         logits[flag] = decode(model, torch.full((batch,), 7, device="cuda"), 40, cache).float()
     assert_close(logits[True], logits[False], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
     assert kernels.error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
+
+
+def test_inference_weights_are_stacked_before_any_step_is_captured():
+    """``new_cache`` (and the engine's pool) stack an inference model's layer weights at once: the
+    stacking frees the per-layer tensors, which graphs captured before it (a prefill's) would go
+    on reading. A model being trained (parameters requiring grad) and a hybrid one are left as
+    they are."""
+    from modeling import QwenConfig
+    from modeling.model.random_checkpoint import random_model
+    from tests.test_engine import QWEN3, QWEN3_5
+
+    model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2)
+    before = model.layers[0].qkv_weight.data_ptr()
+    model.new_cache(1, 16)
+    stacks = model._stacks
+    assert model.layers[0].qkv_weight.data_ptr() != before
+    assert all(layer.qkv_weight.data_ptr() == stacks[1][i].data_ptr() for i, layer in enumerate(model.layers))
+    trained = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2).requires_grad_()
+    trained.new_cache(1, 16)
+    assert getattr(trained, "_stacks", None) is None
+    hybrid = random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, device="cpu", std=0.2)
+    hybrid.new_cache(1, 16)
+    assert getattr(hybrid, "_stacks", None) is None
+
+
+@pytest.mark.cuda
+def test_a_prefill_graph_captured_before_the_first_decode_step_keeps_its_weights():
+    """The Generator captures a prompt's prefill graph before its first decode step (whose
+    persistent kernel reads the stacked weights): with fresh allocations reusing whatever memory
+    was freed between two generations, the second generation's tokens equal the first's."""
+    from modeling import QwenConfig
+    from modeling.generation.generator import Generator
+    from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
+
+    model = random_model(QwenConfig.from_dict(dict(QWEN3_0_6B, num_hidden_layers=4)), dtype=torch.bfloat16,
+                         device="cuda", std=0.05)
+    gen = Generator(model, max_batch_size=1, max_seq_len=256)
+    prompt = [list(range(5, 60))]
+    first = gen.generate(prompt, 24).tokens
+    junk = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 20, 1 << 21, 1 << 22, 1 << 23)]
+    assert gen.generate(prompt, 24).tokens == first
+    del junk

@@ -99,7 +99,7 @@ class CachePool:
         c, dev, dtype = model.config, model.device, model.dtype
         self.size = size
         self.padding_slot = size.num_state_slots
-        model.reserve_device_buffers(dev)  # before any CUDA graph capture of a step
+        model.prepare_for_graphs(dev)  # before any CUDA graph capture of a step
         layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.recurrent = tuple(i for i, layer in enumerate(model.layers) if not isinstance(layer, AttentionLayer))
         shape = (len(_attention_layers(model)), max(size.num_blocks, 1), size.block_size, c.num_key_value_heads,

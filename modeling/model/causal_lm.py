@@ -20,7 +20,7 @@ from csrc_free_ops.decode_layers import default_splits as decode_splits
 from csrc_free_ops.decode_layers import error_flag as decode_layers_error_flag
 
 from .config import QwenConfig
-from .layers import LAYER_TYPES, KVCache
+from .layers import LAYER_TYPES, AttentionLayer, KVCache
 from .loader import load_state_dict
 
 ops = torch.ops.qwen
@@ -112,7 +112,7 @@ class QwenForCausalLM(nn.Module):
         """A zeroed cache for ``batch_size`` sequences of up to ``max_len`` positions, one per layer
         (default dtype and device: the model's)."""
         dtype, device = dtype or self.dtype, device or self.device
-        self.reserve_device_buffers(device)
+        self.prepare_for_graphs(device)
         c = self.config
         if any(kind != "full_attention" for kind in c.layer_types):
             return Cache(layer.new_cache(batch_size, max_len, dtype, device) for layer in self.layers)
@@ -121,13 +121,19 @@ class QwenForCausalLM(nn.Module):
         table = torch.arange(batch_size, dtype=torch.int32, device=device).view(batch_size, 1)
         return Cache((KVCache(k[i], v[i]) for i in range(len(self.layers))), (k, v), table)
 
-    @staticmethod
-    def reserve_device_buffers(device: Union[str, torch.device]) -> None:
-        """Create the decode kernels' per-device buffers (split-K arrival counters, the persistent
-        kernel's watchdog flag) now: before any CUDA graph capture of a decode step, which must
-        not allocate them. ``new_cache`` and the engine's pool call it."""
+    def prepare_for_graphs(self, device: Union[str, torch.device]) -> None:
+        """What must exist before any CUDA graph capture of a step (``new_cache`` and the engine's
+        pool call it): the decode kernels' per-device buffers (split-K arrival counters, the
+        persistent kernel's watchdog flag), and, for an inference model the persistent decode
+        kernel can run (attention layers without an output gate, no parameter requiring grad),
+        its layer weights stacked (``_stacked_weights``). Stacked later, at the first decode step,
+        the per-layer weight tensors would be freed under the graphs captured before it (a
+        prefill's), which read them by address."""
         qwen_ops.reserve_semaphores(device)
         decode_layers_error_flag(torch.device(device))
+        if (not self.config.attn_output_gate and all(isinstance(layer, AttentionLayer) for layer in self.layers)
+                and not any(p.requires_grad for p in self.parameters())):
+            self._stacked_weights()
 
     def forward(
         self,
@@ -229,16 +235,17 @@ class QwenForCausalLM(nn.Module):
 
     def _stacked_weights(self) -> Tuple:
         """The layers' weights as ``ops.decode_layers`` takes them, each kind stacked [NL, ...]. Made
-        on first use: the stacks replace the layers' parameters, which become views of them (no
-        second copy of the weights); made again if a parameter was replaced since."""
+        by ``prepare_for_graphs`` (or on first use): the stacks replace the layers' parameters, which
+        become views of them (no second copy of the weights); made again if a parameter was replaced
+        since."""
         names = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm",
                  "gate_up_weight", "down_weight")
         stacks = getattr(self, "_stacks", None)
         if stacks is None or any(t is not None and getattr(self.layers[-1], n).data_ptr() !=
                                  t[-1].data_ptr() for n, t in zip(names, stacks)):
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the persistent decode step stacks the layers' weights on first use: run one decode "
-                                   "step before capturing it in a CUDA graph")
+                raise RuntimeError("the persistent decode step stacks the layers' weights on first use: make the "
+                                   "cache (new_cache) before capturing a step in a CUDA graph")
             stacks = []
             for name in names:
                 params = [getattr(layer, name) for layer in self.layers]
