@@ -27,10 +27,10 @@ ops = torch.ops.qwen
 
 PERSISTENT_DECODE = os.environ.get("QWEN_PERSISTENT_DECODE", "1") != "0"
 """``QwenForCausalLM.persistent_decode``'s default (QWEN_PERSISTENT_DECODE=0: off): on for one
-sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions (the Generator's default
-4096; the engine's max_model_len), where the H200 measures it faster than the fused ops (ms per Qwen3-0.6B token: 0.757
-against 0.941 at context 256; 0.954 against 1.055 at 2048; bench/results/2026-12-03-h200-decode-persistent.json);
-not at batch 8 (3.46 against 1.28 ms per step)."""
+sequence in a cache of at most PERSISTENT_DECODE_MAX_LEN positions (the Generator's default 4096;
+for the engine, its max_model_len), where the H200 measures it faster than the fused ops (ms per
+Qwen3-0.6B token: 0.757 against 0.941 at context 256; 0.954 against 1.055 at 2048;
+bench/results/2026-12-03-h200-decode-persistent.json); not at batch 8 (3.46 against 1.28 ms per step)."""
 PERSISTENT_DECODE_MAX_LEN = 4096
 
 
@@ -94,10 +94,9 @@ class QwenForCausalLM(nn.Module):
     kernels a layer. Only models of attention layers without an output gate (Qwen3, Qwen2), with a
     cache from ``new_cache`` or, in the engine's decode-only steps, over its pool (``forward_step``;
     a padding row of the step's graph writes nothing). None (the default): on CUDA where
-    ``PERSISTENT_DECODE`` says so, unless
-    ``fused_decode`` is False (the op-by-op path stays op by op); True
-    or False forces it (True still needs such a model and cache; on the CPU the op runs its
-    reference, or the kernel under the interpreter)."""
+    ``PERSISTENT_DECODE`` says so, unless ``fused_decode`` is False (the op-by-op path stays op by
+    op); True or False forces it (True still needs such a model and cache; on the CPU the op runs
+    its reference, or the kernel under the interpreter)."""
 
     @property
     def device(self) -> torch.device:
