@@ -259,8 +259,12 @@ MUTATIONS = [
              "        f.logits_rows[len(sampling):] = 0\n", "", ("tests/test_engine.py",)),
     Mutation("step graphs captured after the step's batch is staged (the capture stages its own)",
              "modeling/engine/runner.py",
-             "        self.graphs.get(key, self._body(key))\n        packed = self._stage(work, key)\n",
-             "        packed = self._stage(work, key)\n        self.graphs.get(key, self._body(key))\n",
+             "        if key not in self.replays:\n            self.shape = key\n"
+             "            self.replays[key] = self.graphs.get(key, self._body(key))\n"
+             "        packed = self._stage(work, key)\n",
+             "        packed = self._stage(work, key)\n"
+             "        if key not in self.replays:\n            self.shape = key\n"
+             "            self.replays[key] = self.graphs.get(key, self._body(key))\n",
              ("tests/test_engine.py",)),
     Mutation("a mixed step's padding tokens keep the KV slots of an earlier step", "modeling/engine/step.py",
              "    f.slot_mapping[N:] = -1\n", "", ("tests/test_engine.py",)),

@@ -29,7 +29,7 @@ rows into the static table. Two host buffers take turns, each reused only once i
 has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
-from typing import Dict, Hashable
+from typing import Callable, Dict, Hashable
 
 import torch
 from torch import Tensor
@@ -64,6 +64,7 @@ class StepRunner:
         self.staged = [torch.cuda.Event() for _ in self.staging] if cuda else []  # each one's last transfer
         self.turn = 0
         self.views: Dict[Hashable, Fields] = {}  # each shape's fields in ``inputs``
+        self.replays: Dict[Hashable, Callable[[], None]] = {}  # each shape's graph replay (or eager body)
         self.logits: Dict[Hashable, Tensor] = {}
         self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
         self.shape = None  # the key of the graph being captured
@@ -145,8 +146,9 @@ class StepRunner:
         width = max(len(seq.block_table) for seq, _ in work)
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
-        self.shape = key
-        self.graphs.get(key, self._body(key))
+        if key not in self.replays:
+            self.shape = key
+            self.replays[key] = self.graphs.get(key, self._body(key))
         packed = self._stage(work, key)
         batch = self._batch(key)
         S, offset = len(work), self.views[key].table_offset
@@ -158,6 +160,6 @@ class StepRunner:
     def run(self, batch: StepBatch) -> Tensor:
         """Run a ``prepare``d step: the logits [Ss, V] of its sampling sequences, in order."""
         key = batch.key
-        self.graphs.get(key, self._body(key))()
+        self.replays[key]()
         logits = self.logits[key]
         return logits[:len(batch.sampling)] if key[0] == "mixed" else logits[:batch.num_seqs]
