@@ -150,26 +150,30 @@ def test_model_decode_layers(batch):
 
 
 def test_inference_weights_are_stacked_before_any_step_is_captured():
-    """``new_cache`` (and the engine's pool) stack an inference model's layer weights at once: the
-    stacking frees the per-layer tensors, which graphs captured before it (a prefill's) would go
-    on reading. A model being trained (parameters requiring grad) and a hybrid one are left as
-    they are."""
+    """``new_cache`` (and the engine's pool) stack the layer weights of an inference model that will
+    run the persistent kernel (``persistent_decode`` on; by default only on CUDA) at once: the
+    stacking frees the per-layer tensors, which graphs captured before it (a prefill's) would go on
+    reading. A model without the kernel, one being trained (parameters requiring grad) and a hybrid
+    one are left as they are."""
     from modeling import QwenConfig
     from modeling.model.random_checkpoint import random_model
     from tests.test_engine import QWEN3, QWEN3_5
 
-    model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2)
-    before = model.layers[0].qkv_weight.data_ptr()
-    model.new_cache(1, 16)
-    stacks = model._stacks
-    assert model.layers[0].qkv_weight.data_ptr() != before
-    assert all(layer.qkv_weight.data_ptr() == stacks[1][i].data_ptr() for i, layer in enumerate(model.layers))
-    trained = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2).requires_grad_()
-    trained.new_cache(1, 16)
-    assert getattr(trained, "_stacks", None) is None
-    hybrid = random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, device="cpu", std=0.2)
-    hybrid.new_cache(1, 16)
-    assert getattr(hybrid, "_stacks", None) is None
+    def stacked(config, persistent, grad=False):
+        model = random_model(QwenConfig.from_dict(config), dtype=torch.float32, device="cpu", std=0.2)
+        model.persistent_decode = persistent
+        before = model.layers[0].qkv_weight.data_ptr() if config is QWEN3 else None
+        model.requires_grad_(grad).new_cache(1, 16)
+        stacks = getattr(model, "_stacks", None)
+        if stacks is not None:
+            assert model.layers[0].qkv_weight.data_ptr() != before
+            assert all(layer.qkv_weight.data_ptr() == stacks[1][i].data_ptr() for i, layer in enumerate(model.layers))
+        return stacks is not None
+
+    assert stacked(QWEN3, True)
+    assert not stacked(QWEN3, None)  # the CPU's default: no persistent kernel
+    assert not stacked(QWEN3, True, grad=True)
+    assert not stacked(QWEN3_5, True)
 
 
 @pytest.mark.cuda

@@ -124,13 +124,14 @@ class QwenForCausalLM(nn.Module):
         """What must exist before any CUDA graph capture of a step (``new_cache`` and the engine's
         pool call it): the decode kernels' per-device buffers (split-K arrival counters, the
         persistent kernel's watchdog flag), and, for an inference model the persistent decode
-        kernel can run (attention layers without an output gate, no parameter requiring grad),
-        its layer weights stacked (``_stacked_weights``). Stacked later, at the first decode step,
+        kernel will run (attention layers without an output gate, no parameter requiring grad,
+        ``persistent_decode`` on for its device), its layer weights stacked (``_stacked_weights``). Stacked later, at the first decode step,
         the per-layer weight tensors would be freed under the graphs captured before it (a
         prefill's), which read them by address."""
         qwen_ops.reserve_semaphores(device)
         decode_layers_error_flag(torch.device(device))
-        if (not self.config.attn_output_gate and all(isinstance(layer, AttentionLayer) for layer in self.layers)
+        if (self._persistent_on(self.device.type == "cuda") and not self.config.attn_output_gate
+                and all(isinstance(layer, AttentionLayer) for layer in self.layers)
                 and not any(p.requires_grad for p in self.parameters())):
             self._stacked_weights()
 
@@ -218,10 +219,15 @@ class QwenForCausalLM(nn.Module):
         ``ops.decode_layers`` (see ``persistent_decode``)."""
         on = self.persistent_decode
         if on is None:  # where the H200 measured it faster than the fused ops (docs/performance.md)
-            on = (PERSISTENT_DECODE and self.fused_decode is not False and cuda and rows == 1
-                  and capacity <= PERSISTENT_DECODE_MAX_LEN)
+            on = self._persistent_on(cuda) and rows == 1 and capacity <= PERSISTENT_DECODE_MAX_LEN
         return (on and kv is not None and kv[0].shape[0] == len(self.layers) and 0 < rows <= DECODE_LAYERS_MAX_ROWS
                 and not self.config.attn_output_gate and kv[0].dtype == self.dtype)
+
+    def _persistent_on(self, cuda: bool) -> bool:
+        """Whether ``persistent_decode`` lets the persistent kernel run at all (the shape rules aside)."""
+        if self.persistent_decode is not None:
+            return self.persistent_decode
+        return PERSISTENT_DECODE and self.fused_decode is not False and cuda
 
     def _decode_layers(self, input_ids: Tensor, positions: Tensor, seq_lens: Tensor, block_table: Tensor,
                        kv: Tuple[Tensor, Tensor], capacity: int) -> Tensor:
