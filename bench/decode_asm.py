@@ -62,9 +62,10 @@ SHAPES = [  # Qwen3-0.6B
 PREFETCHED = {"norm + qkv + rope + store", "o_proj + residual", "norm + gate_up + silu", "down + residual"}
 """The kernels that must prefetch (the lm_head's 2374 tiles stream in waves: the loop serves it)."""
 POINTERS = {"_gemv_kernel": {"part_ptr": "*fp32", "ss_ptr": "*fp32", "sem_ptr": "*i32"},
-            "_qkv_kernel": {"part_ptr": "*fp32", "ss_ptr": "*fp32", "sem_ptr": "*i32", "pos_ptr": "*i64"}}
+            "_qkv_kernel": {"part_ptr": "*fp32", "ss_ptr": "*fp32", "sem_ptr": "*i32", "pos_ptr": "*i64",
+                            "slot_ptr": "*i64"}}
 FLOATS = ("eps", "offset", "log2_theta")
-UNALIGNED = ("M", "T")  # row counts: not divisible by 16 at decode
+UNALIGNED = ("M",)  # the row count: not divisible by 16 at decode
 
 
 def compile_shape(shape: Shape):

@@ -18,11 +18,12 @@ l2-normalised q and k in the kernel, scale Dk^-0.5, zero initial state.
   against the fp64 recurrence of each sequence (states: all S final states).
 - `--kernels`: the device time of each kernel of one call of our chunk ops (torch.profiler, mean
   of 20 eager calls): the three chunk kernels `_wy_kernel`, `_state_kernel`, `_output_kernel`.
-- decode: `torch.ops.qwen.recurrent_gated_delta_rule` (T=1, gates fused) captured in a CUDA
-  graph; `--decode-steps` consecutive steps continue from the fp64 prefill state with fresh
-  tokens copied into the graph's static inputs; errors against the fp64 recurrence over those
-  steps, time of one replay (median). FLA's fused_recurrent_gated_delta_rule beside it when
-  it imports (gates computed outside, as FLA takes g and beta).
+- decode: `torch.ops.qwen.recurrent_gated_delta_rule_varlen` (one sequence of one token continuing
+  its state slot, gates fused) captured in a CUDA graph; `--decode-steps` consecutive steps
+  continue from the fp64 prefill state with fresh tokens copied into the graph's static inputs;
+  errors against the fp64 recurrence over those steps, time of one replay (median).
+  FLA's fused_recurrent_gated_delta_rule beside it when it imports (gates computed outside, as
+  FLA takes g and beta).
 
 Prints a markdown table (and writes it to DIR/gated_delta_rule.md with --out).
 """
@@ -160,12 +161,15 @@ def bench_decode(rows, prefill_state, steps, fla_recurrent):
     x = make_inputs(steps, seed=1)
     scale = D ** -0.5
     ref_o, ref_s = recurrence_fp64(x, prefill_state)
-    static = {n: x[n][:, :1].clone() for n in ("q", "k", "v", "a", "b")}
-    state = prefill_state.float().clone()
+    static = {n: x[n][0, :1].clone() for n in ("q", "k", "v", "a", "b")}  # one packed token: [1, H, ...]
+    state = prefill_state.float().clone()  # the state pool: one slot
+    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    slots, cont = torch.zeros(1, dtype=torch.long, device="cuda"), torch.ones(1, dtype=torch.bool, device="cuda")
 
     def step():
-        return torch.ops.qwen.recurrent_gated_delta_rule(static["q"], static["k"], static["v"], static["a"],
-                                                         static["b"], x["A_log"], x["dt_bias"], state, scale)
+        return torch.ops.qwen.recurrent_gated_delta_rule_varlen(static["q"], static["k"], static["v"], static["a"],
+                                                                static["b"], x["A_log"], x["dt_bias"], state, cu,
+                                                                slots, cont, scale)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -179,10 +183,10 @@ def bench_decode(rows, prefill_state, steps, fla_recurrent):
     outs = []
     for i in range(steps):
         for n, buf in static.items():
-            buf.copy_(x[n][:, i:i + 1])
+            buf.copy_(x[n][0, i:i + 1])
         graph.replay()
         outs.append(out.clone())
-    o = torch.cat(outs, 1)
+    o = torch.cat(outs)[None]
     err_o, err_s = rel_error(o, ref_o), rel_error(state, ref_s)
     ms = do_bench(graph.replay, rep=100, return_mode="median")  # the state keeps evolving: it stays bounded
     rows.append(("decode step (graph)", "qwen (ours)", 1, ms, None, err_o, err_s))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from bench import require_cuda
 import qwen_ops  # noqa: F401
 from qwen_ops import plans
-from csrc_free_ops import activation, decode_attention, kv_cache, launch, linear, norm, rope
+from csrc_free_ops import activation, launch, linear, norm, paged_attention, rope
 
 ops = torch.ops.qwen
 
@@ -106,10 +106,14 @@ def cases():
     v = torch.randn(1, 1, hk, d, device=dev, dtype=bf)
     qn, kn = torch.randn(d, device=dev, dtype=bf), torch.randn(d, device=dev, dtype=bf)
     pos = torch.tensor([[cache_len - 1]], device=dev)
-    k_cache = torch.randn(1, cache_len, hk, d, device=dev, dtype=bf)
+    k_cache = torch.randn(cache_len // 16, 16, hk, d, device=dev, dtype=bf)  # paged: one sequence's blocks of 16
     v_cache = torch.randn_like(k_cache)
+    table = torch.arange(cache_len // 16, dtype=torch.int32, device=dev)[None]
+    slots = pos[0]  # the table is the identity: position p is slot p
+    q1, k1, v1 = q[0], k[0], v[0]  # the paged ops' rows [N, H, D]
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     lens = torch.tensor([cache_len], dtype=torch.int32, device=dev)
-    qs, ks, vs = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    qs, ks, vs = q.transpose(1, 2), *(c.view(1, cache_len, hk, d).transpose(1, 2) for c in (k_cache, v_cache))
     rms_peer = ("F.rms_norm", lambda: F.rms_norm(x, (hidden,), w, 1e-6))
     return [
         ("rms_norm", lambda: ops.rms_norm(x, w, 1e-6), lambda: norm.rms_norm(x, w, 1e-6, 0.0), rms_peer),
@@ -120,10 +124,10 @@ def cases():
         ("silu_mul", lambda: ops.silu_mul(gate_up), lambda: activation.silu_mul(gate_up), rms_peer),
         ("rope + qk norm", lambda: ops.rope(q, k, pos, 1e6, d, qn, kn),
          lambda: rope.rope(q, k, pos, 1e6, d, qn, kn, 1e-6, 0.0), rms_peer),
-        ("kv_cache_store", lambda: ops.kv_cache_store(k, v, k_cache, v_cache, pos),
-         lambda: kv_cache.kv_cache_store(k, v, k_cache, v_cache, pos), rms_peer),
-        ("decode_attention L=1024", lambda: ops.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
-         lambda: decode_attention.decode_attention(q, k_cache, v_cache, lens, d ** -0.5),
+        ("kv_cache_store_slots", lambda: ops.kv_cache_store_slots(k1, v1, k_cache, v_cache, slots),
+         lambda: paged_attention.kv_cache_store_slots(k1, v1, k_cache, v_cache, slots), rms_peer),
+        ("paged_attention L=1024", lambda: ops.paged_attention(q1, k_cache, v_cache, cu, lens, table, d ** -0.5, 1),
+         lambda: paged_attention.paged_attention(q1, k_cache, v_cache, cu, lens, table, d ** -0.5, 1),
          ("F.sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))),
     ]
 

@@ -151,27 +151,38 @@ def bench_attention(rows, cfg, s):
     rows.append(("attention", f"S={s} {hq}/{hk}x{d} causal", ours, "SDPA", peer, s * (2 * hq + 2 * hk) * d * 2))
 
 
-def bench_decode_attention(rows, cfg, cache_len, batch=1):
+def bench_paged_decode(rows, cfg, cache_len, batch=1):
+    """A decode step over the paged cache (blocks of 16; each sequence's cache_len positions in
+    blocks of its own): paged_attention of one new token per sequence against SDPA over the same
+    keys laid out [B, H, L, D], and the slot store of one token per sequence against index_put."""
     hq, hk, d = cfg["hq"], cfg["hk"], cfg["d"]
     cache_bytes = 2 * batch * cache_len * hk * d * 2
+    blocks = cache_len // 16
+    i32 = dict(dtype=torch.int32, device="cuda")
+    cu, lens = torch.arange(batch + 1, **i32), torch.full((batch,), cache_len, **i32)
+    table = torch.arange(batch * blocks, **i32).view(batch, blocks)
 
     def make():
-        kc, vc = rnd(batch, cache_len, hk, d), rnd(batch, cache_len, hk, d)
-        return (rnd(batch, 1, hq, d), kc, vc, torch.full((batch,), cache_len, dtype=torch.int32, device="cuda"),
-                kc.permute(0, 2, 1, 3).contiguous(), vc.permute(0, 2, 1, 3).contiguous())
+        kc, vc = rnd(batch * blocks, 16, hk, d), rnd(batch * blocks, 16, hk, d)
+        kt, vt = (c.view(batch, cache_len, hk, d).transpose(1, 2).contiguous() for c in (kc, vc))
+        return rnd(batch, hq, d), kc, vc, kt, vt
     sets = copies(make, 2 * cache_bytes)
-    ours = bench_us(lambda q, kc, vc, lens, kt, vt: torch.ops.qwen.decode_attention(q, kc, vc, lens, d ** -0.5), sets)
-    peer = bench_us(lambda q, kc, vc, lens, kt, vt: F.scaled_dot_product_attention(
-        q.transpose(1, 2), kt, vt, enable_gqa=True), sets)
-    rows.append(("decode_attention", f"B={batch} L={cache_len} {hq}/{hk}x{d}", ours, "SDPA [B,H,L,D]", peer, cache_bytes))
+    ours = bench_us(lambda q, kc, vc, kt, vt: torch.ops.qwen.paged_attention(q, kc, vc, cu, lens, table, d ** -0.5, 1),
+                    sets)
+    peer = bench_us(lambda q, kc, vc, kt, vt: F.scaled_dot_product_attention(q[:, :, None], kt, vt, enable_gqa=True),
+                    sets)
+    rows.append(("paged_attention", f"decode B={batch} L={cache_len} {hq}/{hk}x{d}", ours, "SDPA [B,H,L,D]", peer,
+                 cache_bytes))
+
+    slots = (table[:, cache_len // 32] * 16 + cache_len // 2 % 16).long()  # each sequence's position cache_len // 2
 
     def store_set():
-        kc, vc = rnd(batch, cache_len, hk, d), rnd(batch, cache_len, hk, d)
-        return rnd(batch, 1, hk, d), rnd(batch, 1, hk, d), kc, vc, torch.full((batch, 1), cache_len // 2, device="cuda")
+        return rnd(batch, hk, d), rnd(batch, hk, d), rnd(batch * blocks, 16, hk, d), rnd(batch * blocks, 16, hk, d)
     sets = copies(store_set, 64 << 20)[:8]
-    rows.append(("kv_cache_store", f"B={batch} T=1 {hk}x{d}",
-                 bench_us(lambda k, v, kc, vc, p: torch.ops.qwen.kv_cache_store(k, v, kc, vc, p), sets), "index_put",
-                 bench_us(lambda k, v, kc, vc, p: qwen_ops.kv_cache_store_reference(k, v, kc, vc, p), sets),
+    rows.append(("kv_cache_store_slots", f"B={batch} {hk}x{d}",
+                 bench_us(lambda k, v, kc, vc: torch.ops.qwen.kv_cache_store_slots(k, v, kc, vc, slots), sets),
+                 "index_put",
+                 bench_us(lambda k, v, kc, vc: qwen_ops.kv_cache_store_slots_reference(k, v, kc, vc, slots), sets),
                  4 * batch * hk * d * 2))
 
 
@@ -496,7 +507,7 @@ def main():
         for s in (256, 2048):
             bench_attention(rows, cfg, s)
         for cache_len in (1024, 4096):
-            bench_decode_attention(rows, cfg, cache_len)
+            bench_paged_decode(rows, cfg, cache_len)
     lines += ["## ops (bf16)", "", "| op | shape | ours (us) | peer | peer (us) | speedup | ours GB/s | %copy |",
               "|---|---|---|---|---|---|---|---|"]
     for name, shape, ours, peer_name, peer, nbytes in rows:

@@ -7,13 +7,11 @@ x [B, T, C] (last dim contiguous, other strides free), weight [C, K], state [B, 
 (zeros when absent). The new state is the last K-1 columns of xs, in x's dtype.
 fp32 math, y in x's dtype.
 
-One kernel serves prefill and decode. Program (b, t-range, c-block) computes the outputs of
-its T range for BLOCK_C channels: for each of the K taps it loads the [BLOCK_T, BLOCK_C]
-input tile shifted by the tap (rows before t = 0 come from the state), so each input is
-read K times, from L1/L2. The program of the first t-range also writes the new state.
-Prefill (`causal_conv1d`) splits T over programs; decode (`causal_conv1d_update`) gives
-each channel block one program that walks all T steps, reading the old state before it
-writes the new one in place (no other program touches those channels).
+One kernel serves fixed-length and packed sequences. Program (b, t-range, c-block) of
+`causal_conv1d` computes the outputs of its T range for BLOCK_C channels: for each of the K
+taps it loads the [BLOCK_T, BLOCK_C] input tile shifted by the tap (rows before t = 0 come
+from the state), so each input is read K times, from L1/L2. The program of the first t-range
+also writes the new state.
 
 Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
@@ -134,17 +132,13 @@ def _blocks(c: int, rows: int):
     return 16, min(128, next_power_of_2(c)), 64
 
 
-def _launch(x, weight, s_in, y, s_out, split_t: bool):
+def _launch(x, weight, s_in, y, s_out):
     bsz, t, c = x.shape
     k = weight.shape[1]
     if bsz == 0 or c == 0:
         return
-    block_t, block_c, per = _blocks(c, bsz * t if split_t else 0)  # decode: the small-step tiles
-    if split_t:
-        n_t = max(1, cdiv(t, per))
-    else:
-        block_t = min(block_t, next_power_of_2(t))
-        per, n_t = max(t, 1), 1
+    block_t, block_c, per = _blocks(c, bsz * t)
+    n_t = max(1, cdiv(t, per))
     has_state = s_in is not None
     s_in_ = s_in if has_state else x
     grid = (bsz, n_t, cdiv(c, block_c))
@@ -166,16 +160,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
     k = weight.shape[1]
     y = torch.empty((bsz, t, c), dtype=x.dtype, device=x.device)
     final = torch.empty((bsz, c, k - 1), dtype=x.dtype, device=x.device)
-    _launch(x, weight, initial_state, y, final, split_t=True)
+    _launch(x, weight, initial_state, y, final)
     return y, final
-
-
-def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [B, T, C] (T small), conv_state [B, C, K-1] updated in place, weight [C, K] -> y [B, T, C]."""
-    bsz, t, c = x.shape
-    y = torch.empty((bsz, t, c), dtype=x.dtype, device=x.device)
-    _launch(x, weight, conv_state, y, conv_state, split_t=False)
-    return y
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -38,7 +38,7 @@ LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
 
 SOFTMAX_HEADROOM = 20.0
-"""Online softmax (attention, decode_attention): every probability exp2(s - max) is scaled by
+"""Online softmax (attention, paged_attention): every probability exp2(s - max) is scaled by
 2^-SOFTMAX_HEADROOM (exact: a power of two, applied after the exp2, so the exponent's argument
 keeps its precision), so each is at most 2^-20 and the unnormalised accumulator sum_j p_j v_j
 stays within max|v| for up to 2^20 keys: values near the bf16/fp32 maximum cannot overflow it

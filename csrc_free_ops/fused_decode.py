@@ -27,8 +27,8 @@ dtype's rounding; only the normed x is rounded at another point, see above):
   power-of-two tile, `common.head_block`, whose rows past head_dim are neither read nor stored):
   query heads get the q RMSNorm and RoPE and go to the output, gate heads (Qwen3.5's gated
   attention) go to the output as they are, key heads get the k RMSNorm and RoPE and value heads
-  nothing, and both are written into the KV cache at the row's position (outside [0, L): not
-  written). RoPE pairs dimension i with i +- R/2, which another thread holds: the epilogue reads
+  nothing, and both are written into the paged KV cache at the row's slot (outside the cache:
+  not written). RoPE pairs dimension i with i +- R/2, which another thread holds: the epilogue reads
   the summed head from `part` twice, once in each order (so even SPLIT_K = 1 goes through `part`).
 
 The arrival counters are `common.semaphores`.
@@ -168,9 +168,9 @@ def _gemv_kernel(
 
 @kernel
 def _qkv_kernel(
-    x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, ss_ptr, sem_ptr,
-    M, T, L, K, K_PER_SPLIT, stride_xm, stride_wn, stride_qm, stride_ps, stride_pm,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, eps, offset, log2_theta,
+    x_ptr, nw_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, part_ptr, ss_ptr, sem_ptr,
+    M, SLOTS, K, K_PER_SPLIT, stride_xm, stride_wn, stride_qm, stride_ps, stride_pm, stride_ks, stride_kh,
+    stride_vs, stride_vh, eps, offset, log2_theta,
     HQ: tl.constexpr, HK: tl.constexpr, GATED: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
@@ -230,20 +230,20 @@ def _qkv_kernel(
                                     HAS_BIAS, dtype)
                 tl.store(q_ptrs + D, gate.to(dtype), mask=mask)
         else:
-            pos = tl.load(pos_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
-            b = (rm // T).to(tl.int64)
-            in_cache = mask & ((pos >= 0) & (pos < L))[:, None]
+            slot = tl.load(slot_ptr + rm, mask=row_ok, other=-1).to(tl.int64)
+            in_cache = mask & ((slot >= 0) & (slot < SLOTS))[:, None]
             if tile < QT + HK:
                 hk = tile - QT
-                k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos.to(tl.float32), mask, rstd, stride_ps,
+                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.float32)
+                k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos, mask, rstd, stride_ps,
                                   stride_pm, eps, offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
-                dst = kc_ptr + b[:, None] * stride_kcb + pos[:, None] * stride_kct + hk * stride_kch + d[None, :]
+                dst = kc_ptr + slot[:, None] * stride_ks + hk * stride_kh + d[None, :]
                 tl.store(dst, k.to(kc_ptr.dtype.element_ty), mask=in_cache)
             else:
                 hv = tile - QT - HK
                 v = _head_values(part_ptr, b_ptr, rm, rn, mask, d_ok, rstd, stride_ps, stride_pm, SPLIT_K, HAS_BIAS,
                                  dtype)
-                dst = vc_ptr + b[:, None] * stride_vcb + pos[:, None] * stride_vct + hv * stride_vch + d[None, :]
+                dst = vc_ptr + slot[:, None] * stride_vs + hv * stride_vh + d[None, :]
                 tl.store(dst, v.to(vc_ptr.dtype.element_ty), mask=in_cache)
 
 
@@ -346,15 +346,15 @@ def norm_gate_up_silu(x, norm_weight, gate_up_weight, eps: float, offset: float,
 
 
 def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache,
-                        positions, eps: float, offset: float, theta: float, rotary_dim: int, num_heads: int,
-                        gated: bool, cfg=None):
-    """x [B, T, K] -> q [B, T, Hq, D] rotated (with `gated`, [B, T, Hq, 2D]: per head query then
-    gate); the rotated keys and the values go into k_cache/v_cache [B, L, Hk, D] at `positions`."""
-    bsz, t, k = x.shape
-    _, cache_len, hk, d = k_cache.shape
+                        positions, slot_mapping, eps: float, offset: float, theta: float, rotary_dim: int,
+                        num_heads: int, gated: bool, cfg=None):
+    """x [N, K] -> q [N, Hq, D] rotated at `positions` (with `gated`, [N, Hq, 2D]: per head query
+    then gate); the rotated keys and the values go into the paged k_cache/v_cache [num_blocks,
+    block_size, Hk, D] at `slot_mapping` (a slot outside the cache: not written)."""
+    m, k = x.shape
+    num_blocks, block_size, hk, d = k_cache.shape
     qw = 2 if gated else 1
-    q = x.new_empty((bsz, t, num_heads, qw * d))
-    m = bsz * t
+    q = x.new_empty((m, num_heads, qw * d))
     if m == 0:
         return q
     x2 = _rows(x)
@@ -367,15 +367,14 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
         raise ValueError(f"norm_qkv_rope_store: {tiles * m_blocks} tiles exceed the {MAX_TILES} arrival counters")
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)  # even unsplit: RoPE reads it back
     ss = torch.empty((split, m) if split > 1 else (0,), dtype=torch.float32, device=x.device)
-    pos = positions.reshape(-1).contiguous()
     has_norm = q_norm_weight is not None
     _qkv_kernel[(tiles, split, m_blocks)](
         x2, norm_weight, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight,
-        q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, pos, q, k_cache, v_cache, part, ss,
-        semaphores(x.device),
-        m, t, cache_len, k, k_per_split, x2.stride(0), qkv_weight.stride(0), num_heads * qw * d,
-        part.stride(0), part.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), eps, offset, math.log2(theta),
+        q_norm_weight if has_norm else x2, k_norm_weight if has_norm else x2, positions.contiguous(),
+        slot_mapping.contiguous(), q, k_cache, v_cache, part, ss, semaphores(x.device),
+        m, num_blocks * block_size, k, k_per_split, x2.stride(0), qkv_weight.stride(0), num_heads * qw * d,
+        part.stride(0), part.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        eps, offset, math.log2(theta),
         HQ=num_heads, HK=hk, GATED=gated, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
         HAS_QK_NORM=has_norm, SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(x),

@@ -3,11 +3,11 @@ gates of the chunked prefill and the gated RMSNorm of the layer's output.
 
 `_recurrent_kernel`: one program per (sequence, head, value block) walks the sequence's tokens
 with the state in registers, fusing the l2 norms, g = -exp(A_log) softplus(a + dt_bias) and
-beta = sigmoid(b); it updates the state in place. Fixed length: B sequences of T tokens, state
-row b. Packed (VARLEN): sequence i holds rows cu_seqlens[i]:cu_seqlens[i + 1] of q, k, v, a, b
-and its state is row state_slots[i] of a pool, read where continues[i] (else zeros) and written
-back in place (a length-0 sequence touches nothing): the engine's decode tokens straight from and
-to their pool slots. No host sync, no value-dependent allocation.
+beta = sigmoid(b); it updates the state in place. Packed sequences: sequence i holds rows
+cu_seqlens[i]:cu_seqlens[i + 1] of q, k, v, a, b and its state is row state_slots[i] of a pool,
+read where continues[i] (else zeros) and written back in place (a length-0 sequence touches
+nothing): the engine's decode tokens straight from and to their pool slots. No host sync, no
+value-dependent allocation.
 
 `_gated_rms_norm_kernel`: y = rms_norm(x) * weight * silu(z) over the last dim, with the
 roundings of transformers' Qwen3_5RMSNormGated (see qwen_ops/gated_delta_rule.py).
@@ -33,90 +33,49 @@ def _softplus(x):
 @kernel
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, cu_ptr, slot_ptr, cont_ptr, scale,
-    T, H, GROUP,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sab, sat, sah, sbb, sbt, sbh,
-    ssb, ssh, ssk, sob, sot, soh,
-    NORM: tl.constexpr, VARLEN: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    H, GROUP,
+    sqt, sqh, skt, skh, svt, svh, sat, sah, sbt, sbh,
+    ssb, ssh, ssk, sot, soh,
+    NORM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):
-    """Program (value block, sequence * H + head). Fixed length: tokens [0, T) of batch row b, state
-    row b. VARLEN (one batch row of packed tokens): rows [cu[seq], cu[seq + 1]), state row
+    """Program (value block, sequence * H + head): the packed rows [cu[seq], cu[seq + 1]), state row
     slot[seq] of the pool, read where cont[seq] (else zeros), written unless the sequence is empty."""
     scale = fp32(scale)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     h = i_bh % H
     hk = h // GROUP
-    if VARLEN:
-        seq = i_bh // H
-        b = (seq * 0).to(tl.int64)
-        bos = tl.load(cu_ptr + seq)
-        eos = tl.load(cu_ptr + seq + 1)
-        srow = tl.load(slot_ptr + seq).to(tl.int64)
-    else:
-        b = (i_bh // H).to(tl.int64)
-        bos = 0
-        eos = T
-        srow = b
+    seq = i_bh // H
+    bos = tl.load(cu_ptr + seq)
+    eos = tl.load(cu_ptr + seq + 1)
+    srow = tl.load(slot_ptr + seq).to(tl.int64)
     dk = tl.arange(0, head_block(DK))
     dk_ok = head_mask(dk, DK)
     cv = i_v * BV + tl.arange(0, BV)
     s_ptrs = s_ptr + srow * ssb + h * ssh + dk[:, None] * ssk + cv[None, :]
     cv_ok = head_mask(cv, DV)
     s_ok = dk_ok[:, None] & cv_ok[None, :]
-    if VARLEN:
-        s = tl.load(s_ptrs, mask=tl.where(tl.load(cont_ptr + seq) != 0, s_ok, False), other=0.0)
-        s_out_ok = tl.where(eos > bos, s_ok, False)
-    else:
-        s = tl.load(s_ptrs, mask=s_ok, other=0.0)
-        s_out_ok = s_ok
+    s = tl.load(s_ptrs, mask=tl.where(tl.load(cont_ptr + seq) != 0, s_ok, False), other=0.0)
+    s_out_ok = tl.where(eos > bos, s_ok, False)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(bos, eos):
-        q = tl.load(q_ptr + b * sqb + t * sqt + hk * sqh + dk, mask=dk_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * skb + t * skt + hk * skh + dk, mask=dk_ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + t * sqt + hk * sqh + dk, mask=dk_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * skt + hk * skh + dk, mask=dk_ok, other=0.0).to(tl.float32)
         if NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         q = q * scale
-        v = tl.load(v_ptr + b * svb + t * svt + h * svh + cv, mask=cv_ok, other=0.0).to(tl.float32)
-        g = neg_a * _softplus(tl.load(a_ptr + b * sab + t * sat + h * sah).to(tl.float32) + dt_bias)
-        braw = tl.load(b_ptr + b * sbb + t * sbt + h * sbh)
+        v = tl.load(v_ptr + t * svt + h * svh + cv, mask=cv_ok, other=0.0).to(tl.float32)
+        g = neg_a * _softplus(tl.load(a_ptr + t * sat + h * sah).to(tl.float32) + dt_bias)
+        braw = tl.load(b_ptr + t * sbt + h * sbh)
         beta = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)  # sigmoid in b's dtype
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
-        tl.store(o_ptr + b * sob + t * sot + h * soh + cv, o.to(o_ptr.dtype.element_ty), mask=cv_ok)
+        tl.store(o_ptr + t * sot + h * soh + cv, o.to(o_ptr.dtype.element_ty), mask=cv_ok)
     tl.store(s_ptrs, s, mask=s_out_ok)
-
-
-def _recurrent(q, k, v, a, b, A_log, dt_bias, state, o, scale, norm, packed=None):
-    """q, k [B, T, Hk, Dk], v, o [B, T, Hv, Dv], a, b [B, T, Hv]; state [B, Hv, Dk, Dv], or with
-    packed = (cu_seqlens, state_slots, continues) and B = 1 the pool [P, Hv, Dk, Dv]."""
-    bsz, t, hk, dk = k.shape
-    hv, dv = v.shape[2], v.shape[3]
-    seqs = packed[1].shape[0] if packed is not None else bsz
-    if seqs * hv == 0:
-        return
-    cu, slots, cont = packed if packed is not None else (q, q, q)  # (unread pointers when not varlen)
-    bv = chunked._value_block(dk, dv, seqs * hv)  # (its module's: tests patch it)
-    _recurrent_kernel[(cdiv(dv, bv), seqs * hv)](
-        q, k, v, a, b, A_log, dt_bias, state, o, cu, slots, cont, scale, t, hv, hv // hk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2), state.stride(0), state.stride(1), state.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        NORM=norm, VARLEN=packed is not None, DK=dk, DV=dv, BV=bv, num_warps=4,
-    )
-
-
-def recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale: float, use_qk_l2norm: bool = True):
-    """q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], a, b [B, T, Hv], A_log, dt_bias [Hv],
-    state [B, Hv, Dk, Dv] fp32 (updated in place) -> o [B, T, Hv, Dv] in q.dtype."""
-    bsz, t, hv, dv = v.shape
-    o = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
-    _recurrent(q, k, v, a, b, A_log, dt_bias, state, o, scale, bool(use_qk_l2norm))
-    return o
 
 
 def recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues,
@@ -125,9 +84,19 @@ def recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool,
     state_pool [P, Hv, Dk, Dv] fp32 (row state_slots[i] read where continues[i], written back in
     place) -> o [N, Hv, Dv] in q.dtype."""
     n, hv, dv = v.shape
+    hk, dk = k.shape[1], k.shape[2]
     o = torch.empty((n, hv, dv), dtype=q.dtype, device=q.device)
-    _recurrent(q[None], k[None], v[None], a[None], b[None], A_log, dt_bias, state_pool, o[None], scale,
-               bool(use_qk_l2norm), (cu_seqlens, state_slots, continues))
+    seqs = state_slots.shape[0]
+    if seqs * hv == 0:
+        return o
+    bv = chunked._value_block(dk, dv, seqs * hv)  # (its module's: tests patch it)
+    _recurrent_kernel[(cdiv(dv, bv), seqs * hv)](
+        q, k, v, a, b, A_log, dt_bias, state_pool, o, cu_seqlens, state_slots, continues, scale, hv, hv // hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        o.stride(0), o.stride(1),
+        NORM=bool(use_qk_l2norm), DK=dk, DV=dv, BV=bv, num_warps=4,
+    )
     return o
 
 

@@ -26,7 +26,7 @@ gathered per key position, so the key tile (BLOCK_N) does not depend on block_si
 One kernel serves decode and prefill. A program owns a query tile of one sequence and one kv
 head: BLOCK_Q consecutive tokens x the GROUP = Hq / Hk query heads that read that kv head, in
 BLOCK_M rows (row r: token r // GROUP, head r % GROUP; BLOCK_Q = BLOCK_M // GROUP), so each
-gathered key is read once for the whole group, as decode_attention.py does. Decode and prefill
+gathered key is read once for the whole group. Decode and prefill
 differ only in the tile shape and in how a program finds its rows, not in the loop over keys
 (paged gather, online softmax in fp32 base 2 with the softmax headroom, as attention.py's
 forward), so that loop exists once. `plan` picks the mode from the host int max_query_len:
@@ -46,7 +46,7 @@ Grid (tiles, Hk, NUM_SPLITS). Flash-decoding's KV splits: split s takes the key 
 count, Hk and the table's reach max_blocks_per_seq * block_size), never from device values, so
 one CUDA graph serves every length. With one split the kernel writes o; with several, each
 program writes its rows' normalised partial output and base-2 log-sum-exp, and
-decode_attention.py's combine pass (grid (N * Hq,)) weights and sums them.
+the combine pass (`_combine_kernel`, grid (N * Hq,)) weights and sums them.
 
 Device values are clamped, never checked (a check would cost a host sync; qwen_ops checks them
 on CPU tensors): cu_seqlens_q to [0, N], seq_lens to [0, max_blocks_per_seq * block_size], block
@@ -64,9 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, head_block, head_mask, kernel, next_power_of_2,
-                     pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
-from .decode_attention import _decode_combine_kernel, split_plan
+from .common import (INTERPRET, LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, head_block, head_mask, kernel,
+                     next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
 
 
 @kernel
@@ -231,6 +230,32 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
+
+@kernel
+def _combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # n * HQ + h: o is contiguous [N, HQ, D]
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)  # the next kernel (o_proj) may start its launch now
+    s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, head_block(D))
+    d_ok = head_mask(offs_d, D)
+    lse = tl.load(plse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(po_ptr + (row * NUM_SPLITS + s)[:, None] * D + offs_d[None, :],
+                    mask=(s[:, None] < NUM_SPLITS) & d_ok[None, :], other=0.0)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)  # normalised before the sum: |out| <= max |part|, no overflow
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
+    """(num_splits, split_len): about two waves of programs, each split a whole number of key blocks."""
+    splits = min(cdiv(cache_len, block_n), max(1, cdiv(TARGET_PROGRAMS, bsz * hk)))
+    split_len = cdiv(cdiv(cache_len, splits), block_n) * block_n
+    return cdiv(cache_len, split_len), split_len
+
 class Plan(NamedTuple):
     """One paged_attention launch: the mode, the tile (BLOCK_Q tokens x GROUP heads in BLOCK_M
     rows, BLOCK_N keys), the grid's tile count, the KV splits and the warps."""
@@ -301,6 +326,6 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
         num_warps=p.num_warps, num_stages=2, **pdl,
     )
     if p.num_splits > 1:
-        _decode_combine_kernel[(n * hq,)](part_out, part_lse, o, p.num_splits, D=d,
+        _combine_kernel[(n * hq,)](part_out, part_lse, o, p.num_splits, D=d,
                                           BLOCK_S=next_power_of_2(p.num_splits), num_warps=4, **pdl)
     return o

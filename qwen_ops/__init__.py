@@ -11,24 +11,21 @@ from .activation import (sigmoid_mul, sigmoid_mul_reference, silu_mul, silu_mul_
                          silu_mul_split_reference)
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
-from .causal_conv1d import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update,
-                            causal_conv1d_update_reference, causal_conv1d_varlen, causal_conv1d_varlen_reference)
+from .causal_conv1d import causal_conv1d, causal_conv1d_reference, causal_conv1d_varlen, causal_conv1d_varlen_reference
 from .checks import QwenOpError
 from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
-from .decode_attention import decode_attention, decode_attention_reference
-from .decode_layers import decode_layers, decode_layers_reference
+from .decode_layers import MAX_ROWS as DECODE_LAYERS_MAX_ROWS
+from .decode_layers import decode_layers, decode_layers_reference, decode_layers_splits, reserve_decode_buffers
 from .fused_decode import (linear_residual, linear_residual_reference, norm_gate_up_silu,
                            norm_gate_up_silu_reference, norm_linear, norm_linear_reference, norm_qkv_rope_store,
                            norm_qkv_rope_store_reference, reserve_semaphores)
 from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, chunk_gated_delta_rule_varlen,
                                chunk_gated_delta_rule_varlen_reference, gated_delta_gates,
                                gated_delta_gates_reference, gated_rms_norm,
-                               gated_rms_norm_reference, recurrent_gated_delta_rule,
-                               recurrent_gated_delta_rule_reference, recurrent_gated_delta_rule_varlen,
+                               gated_rms_norm_reference, recurrent_gated_delta_rule_varlen,
                                recurrent_gated_delta_rule_varlen_reference)
-from .kv_cache import kv_cache_store, kv_cache_store_reference
 from .linear import linear, linear_backward, linear_backward_reference, linear_reference
 from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
                    rms_norm_reference)
@@ -40,13 +37,13 @@ from .rope import rope, rope_backward, rope_backward_reference, rope_reference
 __all__ = [
     "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_backward",
     "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
-    "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update", "causal_conv1d_update_reference",
+    "causal_conv1d", "causal_conv1d_reference",
     "causal_conv1d_varlen", "causal_conv1d_varlen_reference",
     "chunk_gated_delta_rule", "chunk_gated_delta_rule_reference",
     "chunk_gated_delta_rule_varlen", "chunk_gated_delta_rule_varlen_reference", "gated_rms_norm", "gated_rms_norm_reference",
-    "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_reference", "recurrent_gated_delta_rule_varlen",
+    "recurrent_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_varlen_reference",
-    "decode_attention", "decode_attention_reference", "decode_layers", "decode_layers_reference", "kernel_calls", "kv_cache_store", "kv_cache_store_reference",
+    "DECODE_LAYERS_MAX_ROWS", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",
     "linear_cross_entropy_with_lse_reference", "linear_reference", "rms_norm", "rms_norm_backward",

@@ -1,4 +1,4 @@
-"""qwen::causal_conv1d and qwen::causal_conv1d_update: Qwen3.5 Gated DeltaNet's short convolution.
+"""qwen::causal_conv1d and qwen::causal_conv1d_varlen: Qwen3.5 Gated DeltaNet's short convolution.
 
 A depthwise causal conv1d over channels (kernel size K = 4 in Qwen3.5, no bias) followed by
 SiLU, on channels-last activations x [B, T, C] (C = 2 * key_dim + value_dim, the fused
@@ -10,9 +10,6 @@ in_proj_qkv output). With xs = [state[b, :, 0:K-1], x[b, 0:T, :]^T] along time:
 causal_conv1d(x [B, T, C], weight [C, K], initial_state [B, C, K-1] or None)
     -> (y [B, T, C], final_state [B, C, K-1]): prefill. Without an initial state the inputs
     before t = 0 are zeros (so with T < K-1 the final state is zero-padded on the left).
-causal_conv1d_update(x [B, T, C] (T small, usually 1), conv_state [B, C, K-1], weight [C, K])
-    -> y [B, T, C]: decode; conv_state is updated in place to the new state, continuing
-    exactly where causal_conv1d (or the previous update) stopped.
 
 causal_conv1d_varlen(x [N, C], weight [C, K], conv_states [P, C, K-1], cu_seqlens [S + 1] int32,
                      state_slots [S] int64, continues [S] bool) -> y [N, C]: S packed sequences,
@@ -23,7 +20,8 @@ causal_conv1d_varlen(x [N, C], weight [C, K], conv_states [P, C, K-1], cu_seqlen
     nothing (graph padding). Sequences sharing a slot leave it undefined (the engine's padding
     slot). Grid from shapes only: CUDA-graph safe. One call serves a mixed engine step.
 
-This is transformers' `causal_conv1d_fn` / `causal_conv1d_update` (activation "silu") on
+This is transformers' `causal_conv1d_fn` / `causal_conv1d_update` (activation "silu"; the varlen op
+covers both) on
 [B, T, C] instead of [B, C, T], with the state of length K-1. fp32 math (float64 for float64);
 y and the state in x's dtype (the state holds inputs). The weight may have any float dtype.
 """
@@ -34,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import causal_conv1d as kernels
-from csrc_free_ops.common import empty_contiguous_like
 
 from .checks import check_float, check_index, check_same, fail
 from .registry import acc_dtype, define
@@ -59,12 +56,6 @@ def causal_conv1d_reference(x: Tensor, weight: Tensor,
                             initial_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     y, state = _conv(x, weight, initial_state)
     return y.to(x.dtype).contiguous(), state.to(x.dtype).contiguous()
-
-
-def causal_conv1d_update_reference(x: Tensor, conv_state: Tensor, weight: Tensor) -> Tensor:
-    y, state = _conv(x, weight, conv_state)
-    conv_state.copy_(state)
-    return y.to(x.dtype).contiguous()
 
 
 def packed_sequences(cu_seqlens: Tensor, state_slots: Tensor, continues: Tensor):
@@ -106,10 +97,6 @@ def _check(op: str, x: Tensor, weight: Tensor, state: Optional[Tensor], state_na
 
 def _check_conv(x, weight, initial_state=None):
     _check("causal_conv1d", x, weight, initial_state, "initial_state")
-
-
-def _check_update(x, conv_state, weight):
-    _check("causal_conv1d_update", x, weight, conv_state, "conv_state")
 
 
 def check_packed(op: str, n: int, pool_rows: int, cu_seqlens: Tensor, state_slots: Tensor, continues: Tensor,
@@ -171,12 +158,6 @@ def _fake_conv(x, weight, initial_state=None):
             torch.empty((bsz, c, weight.shape[1] - 1), dtype=x.dtype, device=x.device))
 
 
-def _fake_update(x, conv_state, weight):
-    return empty_contiguous_like(x)
-
-
 causal_conv1d = define(causal_conv1d_reference, kernels.causal_conv1d, _check_conv, _fake_conv)
-causal_conv1d_update = define(causal_conv1d_update_reference, kernels.causal_conv1d_update, _check_update,
-                              _fake_update, mutates_args=("conv_state",))
 causal_conv1d_varlen = define(causal_conv1d_varlen_reference, kernels.causal_conv1d_varlen, _check_varlen,
                               _fake_varlen, mutates_args=("conv_states",), check_values=_check_varlen_values)

@@ -35,9 +35,10 @@ from torch import Tensor
 
 from csrc_free_ops import decode_layers as kernels
 from csrc_free_ops.decode_layers import MAX_ROWS
+from csrc_free_ops.decode_layers import default_splits as decode_layers_splits  # noqa: F401  (exported)
 
 from .checks import check_float, check_head_dim, check_index, check_same, fail
-from .fused_decode import linear_residual_reference, norm_gate_up_silu_reference
+from .fused_decode import linear_residual_reference, norm_gate_up_silu_reference, reserve_semaphores
 from .linear import linear_reference
 from .norm import rms_norm_reference
 from .paged_attention import kv_cache_store_slots_reference, paged_attention_reference
@@ -153,3 +154,11 @@ def _check_values(x, positions, cache_seqlens, block_table, *rest):
 decode_layers = define(decode_layers_reference, kernels.decode_layers, check=_check,
                        fake=lambda x, *rest: torch.empty_like(x), mutates_args=("k_cache", "v_cache"),
                        check_values=_check_values, traceable=False)
+
+
+def reserve_decode_buffers(device) -> None:
+    """Create the decode kernels' per-device buffers (the split-K arrival counters of the fused
+    decode ops, the persistent kernel's watchdog flag): before capturing a CUDA graph of a step
+    that runs them, never inside one."""
+    reserve_semaphores(device)
+    kernels.error_flag(torch.device(device))

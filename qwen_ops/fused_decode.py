@@ -10,15 +10,17 @@ references, with the same rounding to the model dtype between them):
     norm_gate_up_silu(x, norm_weight, gate_up_weight, eps, offset)
         = silu_mul(linear(rms_norm(x, norm_weight, eps, offset), gate_up_weight))   -> [..., I]
     norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight,
-                        k_cache, v_cache, positions, eps, offset, theta, rotary_dim, num_heads, gated)
+                        k_cache, v_cache, positions, slot_mapping, eps, offset, theta, rotary_dim,
+                        num_heads, gated)
         = qkv = linear(rms_norm(x), qkv_weight, qkv_bias); q, k, v = the heads of qkv;
           q, k = rope(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, eps, offset);
-          kv_cache_store(k, v, k_cache, v_cache, positions); returns q [B, T, Hq, D]
+          kv_cache_store_slots(k, v, k_cache, v_cache, slot_mapping); returns q [N, Hq, D]
+          x [N, K], positions and slot_mapping [N], the paged caches [num_blocks, block_size, Hk, D]
           (with `gated`, qkv's query rows hold per head [query | gate] and the result is
-          [B, T, Hq, 2D]: the rotated query, then the gate as the projection gave it).
+          [N, Hq, 2D]: the rotated query, then the gate as the projection gave it).
 
 The kernels count arrivals in a per-device buffer (`reserve_semaphores(device)` creates it; do
-that before capturing a CUDA graph of these ops: the model does it in `new_cache`). They are built for decode (a few rows of x; the kernels in csrc_free_ops/fused_decode.py are
+that before capturing a CUDA graph of these ops: the engine's step runner does). They are built for decode (a few rows of x; the kernels in csrc_free_ops/fused_decode.py are
 split-K GEMVs) but correct for any number of rows. No autograd: the model uses them only for
 inference decode steps.
 """
@@ -32,9 +34,9 @@ from csrc_free_ops.common import reserve as reserve_semaphores  # noqa: F401  (e
 
 from .activation import silu_mul_reference
 from .checks import check_float, check_head_dim, check_index, check_same, fail
-from .kv_cache import kv_cache_store_reference
 from .linear import linear_reference
 from .norm import rms_norm_reference
+from .paged_attention import kv_cache_store_slots_reference
 from .registry import acc_dtype, define, to_dtype
 from .rope import rope_reference
 
@@ -56,18 +58,18 @@ def norm_gate_up_silu_reference(x: Tensor, norm_weight: Tensor, gate_up_weight: 
 
 def norm_qkv_rope_store_reference(
     x: Tensor, norm_weight: Tensor, qkv_weight: Tensor, qkv_bias: Optional[Tensor], q_norm_weight: Optional[Tensor],
-    k_norm_weight: Optional[Tensor], k_cache: Tensor, v_cache: Tensor, positions: Tensor, eps: float, offset: float,
-    theta: float, rotary_dim: int, num_heads: int, gated: bool = False,
+    k_norm_weight: Optional[Tensor], k_cache: Tensor, v_cache: Tensor, positions: Tensor, slot_mapping: Tensor,
+    eps: float, offset: float, theta: float, rotary_dim: int, num_heads: int, gated: bool = False,
 ) -> Tensor:
-    b, t, _ = x.shape
+    n = x.shape[0]
     hk, d = k_cache.shape[2:]
     q_rows = num_heads * d * (2 if gated else 1)
     qkv = linear_reference(rms_norm_reference(x, norm_weight, eps, offset), qkv_weight, qkv_bias)
-    qg = qkv[..., :q_rows].reshape(b, t, num_heads, q_rows // num_heads)
-    k = qkv[..., q_rows : q_rows + hk * d].reshape(b, t, hk, d)
-    v = qkv[..., q_rows + hk * d :].reshape(b, t, hk, d)
+    qg = qkv[..., :q_rows].reshape(n, num_heads, q_rows // num_heads)
+    k = qkv[..., q_rows : q_rows + hk * d].reshape(n, hk, d)
+    v = qkv[..., q_rows + hk * d :].reshape(n, hk, d)
     q, k = rope_reference(qg[..., :d], k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, eps, offset)
-    kv_cache_store_reference(k, v, k_cache, v_cache, positions)
+    kv_cache_store_slots_reference(k, v, k_cache, v_cache, slot_mapping)
     return torch.cat([q, qg[..., d:]], dim=-1) if gated else q
 
 
@@ -112,17 +114,17 @@ def _check_gate_up(x, norm_weight, gate_up_weight, eps, offset):
 
 
 def _check_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
-               eps, offset, theta, rotary_dim, num_heads, gated):
+               slot_mapping, eps, offset, theta, rotary_dim, num_heads, gated):
     op = "norm_qkv_rope_store"
-    check_float(op, "x", x, ndim=3)
+    check_float(op, "x", x, ndim=2)
     _check_weight(op, x, "qkv_weight", qkv_weight, norm_weight=norm_weight, qkv_bias=qkv_bias,
                   q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache)
     _check_norm_weight(op, x, norm_weight)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_float(op, name, c, ndim=4)
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] != x.shape[0]:
-        fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                 f"[B={x.shape[0]}, L, Hk, D]")
+    if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be contiguous "
+                 "[num_blocks, block_size, Hk, D]")
     hk, d = k_cache.shape[2:]
     check_head_dim(op, d)
     if num_heads <= 0 or hk == 0 or num_heads % hk:
@@ -145,22 +147,15 @@ def _check_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weigh
         fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
     if not 0.0 < theta < float("inf"):
         fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
-    check_index(op, "positions", positions, x.shape[:2])
-    if positions.device != x.device:
-        fail(op, f"positions is on {positions.device} but x is on {x.device}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_index(op, name, t, x.shape[:1])
+        if t.device != x.device:
+            fail(op, f"{name} is on {t.device} but x is on {x.device}")
 
 
-def _check_positions(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache,
-                     positions, *rest):
-    """Value check, CPU tensors only (on CUDA the kernel skips positions outside the cache)."""
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= k_cache.shape[1]):
-        fail("norm_qkv_rope_store", f"positions must lie in [0, {k_cache.shape[1]}) (cache length), got "
-                                    f"[{int(positions.min())}, {int(positions.max())}]")
-
-
-def _fake_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache, positions, eps,
-              offset, theta, rotary_dim, num_heads, gated):
-    return x.new_empty((*x.shape[:2], num_heads, (2 if gated else 1) * k_cache.shape[3]))
+def _fake_qkv(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, k_cache, v_cache, positions,
+              slot_mapping, eps, offset, theta, rotary_dim, num_heads, gated):
+    return x.new_empty((x.shape[0], num_heads, (2 if gated else 1) * k_cache.shape[3]))
 
 
 # The launchers count arrivals in a per-device buffer outside the op's arguments
@@ -179,5 +174,4 @@ norm_gate_up_silu = define(norm_gate_up_silu_reference, kernels.norm_gate_up_sil
                            traceable=False)
 
 norm_qkv_rope_store = define(norm_qkv_rope_store_reference, kernels.norm_qkv_rope_store, check=_check_qkv,
-                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), check_values=_check_positions,
-                             traceable=False)
+                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), traceable=False)

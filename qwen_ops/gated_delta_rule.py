@@ -1,4 +1,4 @@
-"""qwen::chunk_gated_delta_rule, qwen::recurrent_gated_delta_rule, qwen::gated_rms_norm:
+"""qwen::chunk_gated_delta_rule(_varlen), qwen::recurrent_gated_delta_rule_varlen, qwen::gated_rms_norm:
 the core of Qwen3.5's Gated DeltaNet layers (transformers' Qwen3_5GatedDeltaNet).
 
 Shapes: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with Hv a multiple of Hk (value head h reads
@@ -27,17 +27,15 @@ chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_sl
     flash-linear-attention's [1, N, ...]: the engine's step tensors and paged_attention's q are flat,
     and a leading 1 would only say "no batch". One call serves a mixed engine step (a decode token
     is a sequence of length 1 that continues).
-recurrent_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True)
-    -> o [B, T, Hv, Dv]: decode (T = 1, or a few tokens), state updated in place. The gates are
-    computed inside the kernel from the raw projections exactly as transformers does:
-        g = -exp(A_log) * softplus(a + dt_bias)   (fp32),   beta = sigmoid(b)  (in b's dtype)
-    a, b [B, T, Hv]; A_log, dt_bias [Hv]. Graph-capture safe (no sync, fixed allocations).
 recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues,
                                   scale, use_qk_l2norm=True) -> o [N, Hv, Dv]: the decode step over S
     packed sequences (usually one token each; q, k [N, Hk, Dk], v [N, Hv, Dv], a, b [N, Hv]), each
     reading its state from state_pool[state_slots[i]] where continues[i] (else zeros) and writing
     it back in place, inside the kernel (no gather / scatter of the pool rows); length-0 sequences
-    touch nothing. The packed arguments as chunk_gated_delta_rule_varlen's.
+    touch nothing. The packed arguments as chunk_gated_delta_rule_varlen's. The gates are computed
+    inside the kernel from the raw projections exactly as transformers does:
+        g = -exp(A_log) * softplus(a + dt_bias)   (fp32),   beta = sigmoid(b)  (in b's dtype)
+    a, b [N, Hv]; A_log, dt_bias [Hv]. Graph-capture safe (no sync, fixed allocations).
 gated_rms_norm(x, z, weight, eps) -> rms_norm(x) * weight * silu(z), x, z [..., D], weight [D]:
     transformers' Qwen3_5RMSNormGated (a plain weight, no +1 offset). Like it, the normalised x
     is rounded to x's dtype before the weight, the weight product is rounded too when the weight
@@ -153,25 +151,17 @@ def chunk_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, g: 
     return out
 
 
-def recurrent_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
-                                         dt_bias: Tensor, state: Tensor, scale: float,
-                                         use_qk_l2norm: bool = True) -> Tensor:
-    g, beta = gated_delta_gates_reference(a, b, A_log, dt_bias)
-    out, s = gated_delta_recurrence(q, k, v, g, beta, scale, state, use_qk_l2norm)
-    state.copy_(s)
-    return out
-
-
 def recurrent_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor,
                                                 dt_bias: Tensor, state_pool: Tensor, cu_seqlens: Tensor,
                                                 state_slots: Tensor, continues: Tensor, scale: float,
                                                 use_qk_l2norm: bool = True) -> Tensor:
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     for rows, slot, cont in packed_sequences(cu_seqlens, state_slots, continues):
-        state = state_pool[slot:slot + 1].clone() if cont else state_pool.new_zeros((1, *state_pool.shape[1:]))
-        out[rows] = recurrent_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], a[None, rows],
-                                                         b[None, rows], A_log, dt_bias, state, scale, use_qk_l2norm)[0]
-        state_pool[slot] = state[0]
+        state = state_pool[slot:slot + 1] if cont else state_pool.new_zeros((1, *state_pool.shape[1:]))
+        g, beta = gated_delta_gates_reference(a[None, rows], b[None, rows], A_log, dt_bias)
+        o, s = gated_delta_recurrence(q[None, rows], k[None, rows], v[None, rows], g, beta, scale, state, use_qk_l2norm)
+        out[rows] = o[0]
+        state_pool[slot] = s[0]
     return out
 
 
@@ -263,14 +253,6 @@ def _check_chunk_varlen_values(q, k, v, g, beta, state_pool, cu_seqlens, state_s
     check_packed_values("chunk_gated_delta_rule_varlen", q.shape[0], state_pool.shape[0], cu_seqlens, state_slots)
 
 
-def _check_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True):
-    op = "recurrent_gated_delta_rule"
-    bsz, t, hv, dk, dv = _check_qkv(op, q, k, v)
-    _check_per_head(op, q, (bsz, t, hv), a=a, b=b)
-    _check_per_head(op, q, (hv,), A_log=A_log, dt_bias=dt_bias)
-    _check_state(op, "state", q, state, (bsz, hv, dk, dv))
-
-
 def _check_recurrent_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues, scale,
                             use_qk_l2norm=True):
     op = "recurrent_gated_delta_rule_varlen"
@@ -311,10 +293,6 @@ def _fake_chunk_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, co
     return torch.empty(v.shape, dtype=q.dtype, device=q.device)
 
 
-def _fake_recurrent(q, k, v, a, b, A_log, dt_bias, state, scale, use_qk_l2norm=True):
-    return torch.empty(v.shape, dtype=q.dtype, device=q.device)
-
-
 def _fake_recurrent_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues, scale,
                            use_qk_l2norm=True):
     return torch.empty(v.shape, dtype=q.dtype, device=q.device)
@@ -329,8 +307,6 @@ chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_
 chunk_gated_delta_rule_varlen = define(chunk_gated_delta_rule_varlen_reference, kernels.chunk_gated_delta_rule_varlen,
                                        _check_chunk_varlen, _fake_chunk_varlen, mutates_args=("state_pool",),
                                        check_values=_check_chunk_varlen_values)
-recurrent_gated_delta_rule = define(recurrent_gated_delta_rule_reference, step_kernels.recurrent_gated_delta_rule,
-                                    _check_recurrent, _fake_recurrent, mutates_args=("state",))
 recurrent_gated_delta_rule_varlen = define(recurrent_gated_delta_rule_varlen_reference,
                                            step_kernels.recurrent_gated_delta_rule_varlen, _check_recurrent_varlen,
                                            _fake_recurrent_varlen, mutates_args=("state_pool",),

@@ -35,7 +35,6 @@ from torch import Tensor
 
 from csrc_free_ops import paged_attention as kernels
 
-from .attention import heads_first
 from .checks import check_float, check_head_dim, check_index, check_same, fail
 from .registry import acc_dtype, define
 
@@ -48,29 +47,44 @@ def kv_cache_store_slots_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cach
     v_cache.flatten(0, 1)[slots[keep]] = v[keep]
 
 
+REFERENCE_CHUNK = 1 << 24
+"""Elements of the gathered keys (tokens x visible positions x heads x head_dim) the reference
+takes at a time: it runs over the tokens in chunks that keep its memory bounded."""
+
+
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
                               block_table: Tensor, scale: float, max_query_len: int) -> Tensor:
-    """Per sequence: gather its cached positions through the block table, causal softmax in fp32
-    (float64 for float64 q). seq_lens are clamped to the table's reach as the kernel does; a
-    query that sees no key gives zeros. max_query_len only sizes the kernel's grid."""
-    block_size, hk, d = k_cache.shape[1:]
-    group = q.shape[1] // hk
+    """Every token's cached positions gathered through its sequence's block table, causal
+    softmax in fp32 (float64 for float64 q), all sequences at once, in chunks of tokens
+    (``REFERENCE_CHUNK``). seq_lens are clamped to the table's reach as the kernel does; a query
+    that sees no key gives zeros. max_query_len only sizes the kernel's grid."""
+    num_blocks, block_size, hk, d = k_cache.shape
+    n, hq = q.shape[0], q.shape[1]
     dt = acc_dtype(q)
-    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     o = torch.zeros(q.shape, dtype=dt, device=q.device)
-    max_context = block_table.shape[1] * block_size
-    for i in range(seq_lens.shape[0]):
-        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        seq_len = min(max(int(seq_lens[i]), 0), max_context)
-        pos = torch.arange(seq_len, device=q.device)
-        slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
-        k = heads_first(keys[slots][None], group, dt)[0]  # [Hq, seq_len, D]
-        v = heads_first(values[slots][None], group, dt)[0]
-        q_pos = seq_len - (end - start) + torch.arange(end - start, device=q.device)
-        keep = pos[None, :] <= q_pos[:, None]  # [qlen, seq_len]
-        s = (heads_first(q[None, start:end], 1, dt)[0] @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
-        p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
-        o[start:end] = (p @ v).transpose(0, 1)
+    lens = seq_lens.long().clamp(0, block_table.shape[1] * block_size)
+    if n == 0 or lens.numel() == 0 or int(lens.max()) == 0:
+        return o.to(q.dtype)
+    cu = cu_seqlens_q.long()
+    qlens = cu[1:] - cu[:-1]
+    owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=q.device), qlens)  # each token's sequence
+    q_pos = lens[owner] - qlens[owner] + torch.arange(n, device=q.device) - cu[owner]
+    pos = torch.arange(int(lens.max()), device=q.device)
+    slots = block_table[:, pos // block_size].long().clamp(0, num_blocks - 1) * block_size + pos % block_size
+    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_blocks * block_size, Hk, D]
+    step = max(1, REFERENCE_CHUNK // (pos.numel() * hk * d))
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        seq = owner[rows]
+        cached = pos[None, :] < lens[seq, None]  # [t, L]: the gather's other rows hold anything, NaN too
+        k = keys[slots[seq]].to(dt).masked_fill(~cached[..., None, None], 0.0)  # [t, L, Hk, D]
+        v = values[slots[seq]].to(dt).masked_fill(~cached[..., None, None], 0.0)
+        qg = q[rows].to(dt).view(-1, hk, hq // hk, d)  # [t, Hk, G, D]: a kv head's query heads together
+        s = torch.einsum("tkgd,tlkd->tkgl", qg, k) * scale
+        keep = cached & (pos[None, :] <= q_pos[rows, None])
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        p = torch.where(keep.any(-1)[:, None, None, None], torch.softmax(s, dim=-1), 0.0)
+        o[rows] = torch.einsum("tkgl,tlkd->tkgd", p, v).reshape(-1, hq, d)
     return o.to(q.dtype)
 
 

@@ -6,9 +6,9 @@
    both refuse it with a `QwenOpError` naming the op: never `cannot reshape tensor of 0 elements`,
    a Triton compile error or a division by zero. The fake kernel (torch.compile's view of the op)
    agrees on every output's shape and dtype, and raises the same error.
-2. Inputs near the top of the bf16 range keep attention, decode_attention and the fused
-   lm_head + cross-entropy loss finite wherever the fp32 reference is finite (rms_norm's case is
-   tests/test_ops_norm.py::test_large_activations_stay_finite).
+2. Inputs near the top of the bf16 range keep attention, paged_attention (decode rows over several
+   KV splits) and the fused lm_head + cross-entropy loss finite wherever the fp32 reference is
+   finite (rms_norm's case is tests/test_ops_norm.py::test_large_activations_stay_finite).
 
 CPU cases run under the Triton interpreter (tests/conftest.py); `cuda` cases on a GPU.
 """
@@ -39,13 +39,6 @@ def _gdr(b, t, hk, hv, dt, dev, state=False, d=16):
     return (q, k, v, g, beta, 0.25, _r(b, hv, d, d, dev=dev) if state else None, True)
 
 
-def _rec(b, t, hk, hv, dt, dev, d=16):
-    """Arguments of recurrent_gated_delta_rule (the state is fp32)."""
-    q, k, v = _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hv, d, dt=dt, dev=dev)
-    return (q, k, v, _r(b, t, hv, dt=dt, dev=dev), _r(b, t, hv, dt=dt, dev=dev), _r(hv, dev=dev), _r(hv, dev=dev),
-            _r(b, hv, d, d, dev=dev), 0.25, True)
-
-
 def _packed(lens, dev):
     """cu_seqlens, state_slots (the last of 3 pool rows: padding) and continues of packed sequences."""
     cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -68,11 +61,13 @@ def _gdr_varlen(lens, hk, hv, dt, dev, recurrent=False, d=16):
     return (q, k, v, *gates, _r(3, hv, d, d, dev=dev), *_packed(lens, dev), 0.25, True)
 
 
-def _qkv(b, t, dt, dev):
-    """norm_qkv_rope_store arguments: hidden 8, 2 q heads and 1 kv head of 16, a cache of 4."""
-    return (_r(b, t, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(64, 8, dt=dt, dev=dev), None, _r(16, dt=dt, dev=dev),
-            _r(16, dt=dt, dev=dev), _r(b, 4, 1, 16, dt=dt, dev=dev), _r(b, 4, 1, 16, dt=dt, dev=dev), _pos(b, t, dev=dev),
-            1e-6, 0.0, 1e4, 16, 2, False)
+def _qkv(n, dt, dev, num_blocks=2):
+    """norm_qkv_rope_store arguments: n rows of hidden 8, 2 q heads and 1 kv head of 16, paged caches
+    of num_blocks blocks of 16, the rows at positions 3, 4, ... and slots 0, 2, ..."""
+    cache = lambda: _r(num_blocks, 16, 1, 16, dt=dt, dev=dev)  # noqa: E731
+    return (_r(n, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev), _r(64, 8, dt=dt, dev=dev), None, _r(16, dt=dt, dev=dev),
+            _r(16, dt=dt, dev=dev), cache(), cache(), torch.arange(3, 3 + n, device=dev),
+            torch.arange(0, 2 * n, 2, device=dev), 1e-6, 0.0, 1e4, 16, 2, False)
 
 
 def _layers(m, dt, dev):
@@ -86,11 +81,12 @@ def _layers(m, dt, dev):
             _r(2, 2, 16, 1, 16, dt=dt, dev=dev), 1e-6, 0.0, 1e4, 16, 2, 1)
 
 
-def _slots(n, hk, d, dt, dev):
-    """kv_cache_store_slots arguments: n <= 3 tokens into a cache of 2 blocks of 16, at slots 0, 17, -1."""
+def _slots(n, hk, d, dt, dev, num_blocks=2):
+    """kv_cache_store_slots arguments: n <= 3 tokens into a cache of num_blocks blocks of 16, at
+    slots 0, 17, -1."""
     slots = torch.tensor([0, 17, -1][:n], dtype=torch.int32, device=dev)
-    return (_r(n, hk, d, dt=dt, dev=dev), _r(n, hk, d, dt=dt, dev=dev), _r(2, 16, hk, d, dt=dt, dev=dev),
-            _r(2, 16, hk, d, dt=dt, dev=dev), slots)
+    return (_r(n, hk, d, dt=dt, dev=dev), _r(n, hk, d, dt=dt, dev=dev), _r(num_blocks, 16, hk, d, dt=dt, dev=dev),
+            _r(num_blocks, 16, hk, d, dt=dt, dev=dev), slots)
 
 
 def _paged(n, hq, qlens, seq_lens, max_blocks, dt, dev):
@@ -189,33 +185,6 @@ CASES = [
     ("attention_backward", "Hq=0", lambda dt, dev: (_r(1, 4, 0, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev),
                                                     _r(1, 4, 2, 16, dt=dt, dev=dev), _r(1, 4, 2, 16, dt=dt, dev=dev),
                                                     _r(1, 4, 0, 16, dt=dt, dev=dev), None, 0.25, True, None)),
-    ("decode_attention", "B=0", lambda dt, dev: (_r(0, 1, 2, 16, dt=dt, dev=dev), _r(0, 8, 2, 16, dt=dt, dev=dev),
-                                                 _r(0, 8, 2, 16, dt=dt, dev=dev),
-                                                 torch.zeros(0, dtype=torch.int32, device=dev), 0.25)),
-    ("decode_attention", "Tq=0", lambda dt, dev: (_r(2, 0, 2, 16, dt=dt, dev=dev), _r(2, 8, 2, 16, dt=dt, dev=dev),
-                                                  _r(2, 8, 2, 16, dt=dt, dev=dev),
-                                                  torch.tensor([3, 8], dtype=torch.int32, device=dev), 0.25)),
-    ("decode_attention", "Tq=0 L=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
-                                                      _r(1, 0, 2, 16, dt=dt, dev=dev),
-                                                      torch.zeros(1, dtype=torch.int32, device=dev), 0.25)),
-    ("decode_attention", "Hq=0", lambda dt, dev: (_r(1, 1, 0, 16, dt=dt, dev=dev), _r(1, 8, 2, 16, dt=dt, dev=dev),
-                                                  _r(1, 8, 2, 16, dt=dt, dev=dev),
-                                                  torch.tensor([5], dtype=torch.int32, device=dev), 0.25)),
-    ("kv_cache_store", "T=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
-                                               _r(1, 8, 2, 16, dt=dt, dev=dev), _r(1, 8, 2, 16, dt=dt, dev=dev),
-                                               _pos(1, 0, dev=dev))),
-    ("kv_cache_store", "B=0", lambda dt, dev: (_r(0, 2, 2, 16, dt=dt, dev=dev), _r(0, 2, 2, 16, dt=dt, dev=dev),
-                                               _r(0, 8, 2, 16, dt=dt, dev=dev), _r(0, 8, 2, 16, dt=dt, dev=dev),
-                                               _pos(0, 2, dev=dev))),
-    ("kv_cache_store", "Hk=0", lambda dt, dev: (_r(1, 2, 0, 16, dt=dt, dev=dev), _r(1, 2, 0, 16, dt=dt, dev=dev),
-                                                _r(1, 8, 0, 16, dt=dt, dev=dev), _r(1, 8, 0, 16, dt=dt, dev=dev),
-                                                torch.tensor([[1, 5]], device=dev))),
-    ("kv_cache_store", "D=0", lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev),
-                                               _r(1, 8, 2, 0, dt=dt, dev=dev), _r(1, 8, 2, 0, dt=dt, dev=dev),
-                                               torch.tensor([[1, 5]], device=dev))),
-    ("kv_cache_store", "T=0 L=0", lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
-                                                   _r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
-                                                   _pos(1, 0, dev=dev))),
     ("linear_cross_entropy", "N=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(5, 8, dt=dt, dev=dev),
                                                      _pos(0, dev=dev))),
     ("linear_cross_entropy", "H=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(5, 0, dt=dt, dev=dev),
@@ -238,20 +207,14 @@ CASES = [
                                                   _r(6, 8, dt=dt, dev=dev), 1e-6, 0.0)),
     ("norm_gate_up_silu", "I=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(8, dt=dt, dev=dev),
                                                   _r(0, 8, dt=dt, dev=dev), 1e-6, 0.0)),
-    ("norm_qkv_rope_store", "B=0", lambda dt, dev: _qkv(0, 1, dt, dev)),
+    ("norm_qkv_rope_store", "N=0", lambda dt, dev: _qkv(0, dt, dev)),
+    ("norm_qkv_rope_store", "num_blocks=0", lambda dt, dev: _qkv(2, dt, dev, num_blocks=0)),
     ("decode_layers", "M=0", lambda dt, dev: _layers(0, dt, dev)),
-    ("norm_qkv_rope_store", "T=0", lambda dt, dev: _qkv(2, 0, dt, dev)),
     ("causal_conv1d", "B=0", lambda dt, dev: (_r(0, 3, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0 state", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev),
                                                     _r(2, 8, 3, dt=dt, dev=dev))),
     ("causal_conv1d", "C=0", lambda dt, dev: (_r(2, 3, 0, dt=dt, dev=dev), _r(0, 4, dt=dt, dev=dev), None)),
-    ("causal_conv1d_update", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(2, 8, 3, dt=dt, dev=dev),
-                                                     _r(8, 4, dt=dt, dev=dev))),
-    ("causal_conv1d_update", "B=0", lambda dt, dev: (_r(0, 1, 8, dt=dt, dev=dev), _r(0, 8, 3, dt=dt, dev=dev),
-                                                     _r(8, 4, dt=dt, dev=dev))),
-    ("causal_conv1d_update", "C=0", lambda dt, dev: (_r(2, 1, 0, dt=dt, dev=dev), _r(2, 0, 3, dt=dt, dev=dev),
-                                                     _r(0, 4, dt=dt, dev=dev))),
     ("causal_conv1d_varlen", "S=0", lambda dt, dev: _conv_varlen([], 8, dt, dev)),
     ("causal_conv1d_varlen", "N=0", lambda dt, dev: _conv_varlen([0, 0], 8, dt, dev)),
     ("causal_conv1d_varlen", "C=0", lambda dt, dev: _conv_varlen([2, 1], 0, dt, dev)),
@@ -265,9 +228,6 @@ CASES = [
     ("recurrent_gated_delta_rule_varlen", "S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev, True)),
     ("recurrent_gated_delta_rule_varlen", "N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev, True)),
     ("recurrent_gated_delta_rule_varlen", "Hv=0", lambda dt, dev: _gdr_varlen([1, 1], 1, 0, dt, dev, True)),
-    ("recurrent_gated_delta_rule", "B=0", lambda dt, dev: _rec(0, 1, 1, 1, dt, dev)),
-    ("recurrent_gated_delta_rule", "T=0", lambda dt, dev: _rec(2, 0, 1, 2, dt, dev)),
-    ("recurrent_gated_delta_rule", "Hv=0", lambda dt, dev: _rec(1, 1, 1, 0, dt, dev)),
     ("gated_rms_norm", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 0, dt=dt, dev=dev),
                                                _r(0, dt=dt, dev=dev), 1e-6)),
     ("gated_rms_norm", "rows=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
@@ -275,6 +235,7 @@ CASES = [
     ("kv_cache_store_slots", "N=0", lambda dt, dev: _slots(0, 2, 16, dt, dev)),
     ("kv_cache_store_slots", "Hk=0", lambda dt, dev: _slots(3, 0, 16, dt, dev)),
     ("kv_cache_store_slots", "D=0", lambda dt, dev: _slots(3, 2, 0, dt, dev)),
+    ("kv_cache_store_slots", "num_blocks=0", lambda dt, dev: _slots(3, 2, 16, dt, dev, num_blocks=0)),
     ("paged_attention", "N=0", lambda dt, dev: _paged(0, 2, [0, 0], [5, 0], 1, dt, dev)),
     ("paged_attention", "seqs=0", lambda dt, dev: _paged(0, 2, [], [], 1, dt, dev)),
     ("paged_attention", "Hq=0", lambda dt, dev: _paged(2, 0, [1, 1], [1, 2], 1, dt, dev)),
@@ -315,9 +276,6 @@ REFUSED = [
     ("attention", "D=0", "head_dim 0 is not supported",
      lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 2, 0, dt=dt, dev=dev),
                       0.25, True)),
-    ("decode_attention", "Hk=0", r"must be a multiple of kv heads \(0\)",
-     lambda dt, dev: (_r(1, 1, 2, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev), _r(1, 4, 0, 16, dt=dt, dev=dev),
-                      torch.ones(1, dtype=torch.int32, device=dev), 0.25)),
     ("linear_cross_entropy", "V=0", r"vocab size V > 0",
      lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev), _pos(3, dev=dev))),
     ("chunk_gated_delta_rule", "Hk=0", "v's head count 0 must be a multiple of k's 0",
@@ -330,10 +288,9 @@ REFUSED = [
      lambda dt, dev: (_r(1, 3, 8, dt=dt, dev=dev), _r(8, 1, dt=dt, dev=dev), None)),
 ]
 
-MUTATED = {"kv_cache_store": (2, 3), "kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7),
-           "decode_layers": (13, 14),
-           "causal_conv1d_update": (1,), "recurrent_gated_delta_rule": (7,), "causal_conv1d_varlen": (2,),
-           "chunk_gated_delta_rule_varlen": (5,), "recurrent_gated_delta_rule_varlen": (7,)}
+MUTATED = {"kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7), "decode_layers": (13, 14),
+           "causal_conv1d_varlen": (2,), "chunk_gated_delta_rule_varlen": (5,),
+           "recurrent_gated_delta_rule_varlen": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 
 KERNEL_NAME = {"linear_cross_entropy": "linear_cross_entropy_with_lse"}
@@ -422,18 +379,6 @@ def test_every_op_has_edge_cases():
     assert not missing, f"ops without zero-size cases in tests/test_edge_cases.py: {missing}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_kv_cache_store_any_head_dim(device):
-    """A head_dim that is not a power of two (the kernel's block is rounded up and masked)."""
-    k, v = _r(2, 3, 2, 48, dev=device), _r(2, 3, 2, 48, dev=device)
-    caches = [_r(2, 8, 2, 48, dev=device) for _ in range(2)]
-    ref = [c.clone() for c in caches]
-    positions = torch.tensor([[0, 3, 7], [5, 1, 2]], device=device)
-    torch.ops.qwen.kv_cache_store(k, v, *caches, positions)
-    qwen_ops.kv_cache_store_reference(k, v, *ref, positions)
-    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
-
-
 # ------------------------------------------------------------------------------------------ large values
 
 BF16_MAX = torch.finfo(torch.bfloat16).max  # 3.39e38, as fp32's
@@ -480,16 +425,19 @@ def test_attention_large_values_stay_finite(qk, vb, positive, causal, dtype, dev
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("qk,vb,positive", LARGE)
-def test_decode_attention_large_values_stay_finite(qk, vb, positive, dtype, device):
-    """Several splits (cache of 300: the combine step sums split outputs near the bf16 maximum)."""
+def test_paged_attention_large_values_stay_finite(qk, vb, positive, dtype, device):
+    """Decode rows (2 per sequence) over several KV splits (tables of 19 blocks of 16, lengths 300
+    and 77: the combine step sums split outputs near the bf16 maximum)."""
     torch.manual_seed(2)
-    b, tq, hq, hk, d, cache_len = 2, 2, 4, 2, 64, 300
-    q = _uniform(b, tq, hq, d, bound=qk, device=device, dtype=dtype)
-    kc = _uniform(b, cache_len, hk, d, bound=qk, device=device, dtype=dtype)
-    vc = _uniform(b, cache_len, hk, d, bound=vb, device=device, dtype=dtype, positive=positive)
-    seqlens = torch.tensor([cache_len, 77], dtype=torch.int32, device=device)
-    out = torch.ops.qwen.decode_attention(q, kc, vc, seqlens, d**-0.5)
-    _finite_and_close(out, qwen_ops.decode_attention_reference(q, kc, vc, seqlens, d**-0.5), "decode_attention")
+    seqs, tq, hq, hk, d, blocks = 2, 2, 4, 2, 64, 19
+    q = _uniform(seqs * tq, hq, d, bound=qk, device=device, dtype=dtype)
+    kc = _uniform(seqs * blocks, 16, hk, d, bound=qk, device=device, dtype=dtype)
+    vc = _uniform(seqs * blocks, 16, hk, d, bound=vb, device=device, dtype=dtype, positive=positive)
+    i32 = dict(dtype=torch.int32, device=device)
+    args = (q, kc, vc, torch.tensor([0, tq, 2 * tq], **i32), torch.tensor([300, 77], **i32),
+            torch.arange(seqs * blocks, **i32).view(seqs, blocks), d**-0.5, tq)
+    _finite_and_close(torch.ops.qwen.paged_attention(*args), qwen_ops.paged_attention_reference(*args),
+                      "paged_attention")
 
 
 @pytest.mark.parametrize("device", DEVICES)

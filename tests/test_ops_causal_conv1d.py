@@ -1,7 +1,8 @@
-"""qwen::causal_conv1d, qwen::causal_conv1d_update and qwen::causal_conv1d_varlen (Qwen3.5 Gated
-DeltaNet's short conv): the kernels against the reference, prefill-then-decode continuation,
-packed sequences (fresh and continuing, length 0 and 1, tile boundaries, the padding slot
-untouched), transformers as the oracle for the reference, opcheck and error messages."""
+"""qwen::causal_conv1d and qwen::causal_conv1d_varlen (Qwen3.5 Gated DeltaNet's short conv): the
+kernels against the reference, a prefill continued by decode tokens (packed sequences of length 1
+that continue their state slot), packed sequences (fresh and continuing, length 0 and 1, tile
+boundaries, the padding slot untouched), transformers as the oracle for the references, opcheck
+and error messages."""
 import inspect
 
 import pytest
@@ -9,8 +10,7 @@ import torch
 
 import qwen_ops  # noqa: F401
 from qwen_ops import QwenOpError
-from qwen_ops.causal_conv1d import (causal_conv1d_reference, causal_conv1d_update_reference,
-                                    causal_conv1d_varlen_reference)
+from qwen_ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_varlen_reference
 from qwen_ops.registry import kernel_calls
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
@@ -45,36 +45,27 @@ def test_causal_conv1d_matches_reference(device, dtype, with_state, nan_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 3])
-def test_causal_conv1d_update_matches_reference(device, dtype, t, nan_empty):
-    b, c = (2, 40) if device == "cpu" else (2, 6144)
-    x, w, s = _inputs(b, t, c, dtype, device)
-    s_ref = s.clone()
-    calls = kernel_calls["causal_conv1d_update"]
-    y = torch.ops.qwen.causal_conv1d_update(x, s, w)
-    assert kernel_calls["causal_conv1d_update"] == calls + 1, "the Triton kernel did not run"
-    ref_y = causal_conv1d_update_reference(x, s_ref, w)
-    assert_close(y, ref_y, what=f"causal_conv1d_update y T={t}")
-    assert torch.equal(s, s_ref), "conv_state after the update"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prefix", [0, 1, 2, 5])
-def test_prefill_then_updates_equals_whole(device, dtype, prefix):
-    """causal_conv1d on the first `prefix` tokens, then causal_conv1d_update token by token (and
-    once with 2 tokens) continues exactly: same outputs and state as causal_conv1d on the whole."""
+def test_prefill_then_decode_tokens_equals_whole(device, dtype, prefix):
+    """causal_conv1d on the first `prefix` tokens, then causal_conv1d_varlen with the B sequences
+    packed, continuing their state slots (the prefill's final state as the pool), token by token
+    (and once with 2 tokens each), continues exactly: same outputs and state as causal_conv1d on
+    the whole."""
     b, t, c = (2, 9, 24) if device == "cpu" else (2, 9, 6144)
     x, w, s0 = _inputs(b, t, c, dtype, device)
     y_all, s_all = torch.ops.qwen.causal_conv1d(x, w, s0)
-    y0, state = torch.ops.qwen.causal_conv1d(x[:, :prefix], w, s0)
+    y0, pool = torch.ops.qwen.causal_conv1d(x[:, :prefix], w, s0)
+    slots = torch.arange(b, device=device)
+    cont = torch.ones(b, dtype=torch.bool, device=device)
     ys, i = [y0], prefix
     while i < t:
         n = 2 if i == prefix + 1 else 1
-        ys.append(torch.ops.qwen.causal_conv1d_update(x[:, i:i + n], state, w))
+        cu = torch.arange(0, b * n + 1, n, dtype=torch.int32, device=device)
+        y = torch.ops.qwen.causal_conv1d_varlen(x[:, i:i + n].flatten(0, 1), w, pool, cu, slots, cont)
+        ys.append(y.view(b, n, c))
         i += n
-    assert_close(torch.cat(ys, 1), y_all, what=f"prefill {prefix} + updates")
-    assert torch.equal(state, s_all)
+    assert_close(torch.cat(ys, 1), y_all, what=f"prefill {prefix} + decode tokens")
+    assert torch.equal(pool, s_all)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -88,10 +79,6 @@ def test_strided_input(device):
     ref_y, ref_final = causal_conv1d_reference(x, w, s)
     assert_close(y, ref_y, what="strided causal_conv1d")
     assert torch.equal(final, ref_final)
-    s2 = s.clone()
-    assert_close(torch.ops.qwen.causal_conv1d_update(x[:, :2], s, w),
-                 causal_conv1d_update_reference(x[:, :2], s2, w), what="strided update")
-    assert torch.equal(s, s2)
 
 
 # Packed sequence lengths: empty ones (graph padding), decode tokens (1), fewer than K - 1, the
@@ -135,8 +122,8 @@ def test_causal_conv1d_varlen_matches_reference(device, dtype, nan_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_causal_conv1d_varlen_equals_the_fixed_length_ops(device):
-    """Each packed sequence gives what causal_conv1d (fresh or from its slot's state) or, for one
-    token, causal_conv1d_update gives it alone; the padding slot (length-0 sequences) is untouched."""
+    """Each packed sequence gives what causal_conv1d (fresh or from its slot's state) gives it alone;
+    the padding slot (length-0 sequences) is untouched."""
     c, lens = VARLEN[device]
     x, w, pool, cu, slots, cont = _packed(lens, c, torch.float32, device, seed=1)
     before = pool.clone()
@@ -146,11 +133,7 @@ def test_causal_conv1d_varlen_equals_the_fixed_length_ops(device):
         xi = x[None, lo:lo + n]
         if n == 0:
             continue
-        if n == 1 and cont[i]:
-            state = before[slot:slot + 1].clone()
-            want = torch.ops.qwen.causal_conv1d_update(xi, state, w)
-        else:
-            want, state = torch.ops.qwen.causal_conv1d(xi, w, before[slot:slot + 1] if cont[i] else None)
+        want, state = torch.ops.qwen.causal_conv1d(xi, w, before[slot:slot + 1] if cont[i] else None)
         assert_close(y[lo:lo + n], want[0], 1e-6, what=f"sequence {i} (length {n}, continues {bool(cont[i])})")
         assert torch.equal(pool[slot], state[0]), f"sequence {i}'s state"
     assert torch.equal(pool[-1], before[-1]), "the padding slot was written"
@@ -171,8 +154,9 @@ def _transformers():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_reference_matches_transformers(dtype):
-    """transformers' causal_conv1d_fn / causal_conv1d_update (activation silu, [B, C, T] layout)
-    are the oracle of the references."""
+    """transformers' causal_conv1d_fn (activation silu, [B, C, T] layout) is the oracle of
+    causal_conv1d's reference, its causal_conv1d_update (the decode step) that of the varlen
+    reference's sequences that continue their state slot."""
     conv_fn, conv_update = _transformers()
     torch.manual_seed(0)
     for t in (1, 2, 7):
@@ -182,11 +166,13 @@ def test_reference_matches_transformers(dtype):
         assert_close(y, hf, what=f"causal_conv1d vs transformers T={t}")
         padded = torch.cat([torch.zeros(2, 12, K - 1, dtype=dtype), x.transpose(1, 2)], -1)
         assert torch.equal(final, padded[..., -(K - 1):])
-        s_ours, s_hf = s.clone(), s.clone()
-        y = causal_conv1d_update_reference(x, s_ours, w)
+        pool, s_hf = s.clone(), s.clone()
+        cu = torch.tensor([0, t, 2 * t], dtype=torch.int32)
+        y = causal_conv1d_varlen_reference(x.flatten(0, 1), w, pool, cu, torch.arange(2),
+                                           torch.ones(2, dtype=torch.bool))
         hf = conv_update(x.transpose(1, 2), s_hf, w, None, "silu").transpose(1, 2)
-        assert_close(y, hf, what=f"causal_conv1d_update vs transformers T={t}")
-        assert torch.equal(s_ours, s_hf)
+        assert_close(y.view(2, t, 12), hf, what=f"causal_conv1d_varlen (continuing) vs transformers T={t}")
+        assert torch.equal(pool, s_hf)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -194,20 +180,22 @@ def test_opcheck(device):
     x, w, s = _inputs(2, 5, 16, torch.float32, device)
     torch.library.opcheck(torch.ops.qwen.causal_conv1d.default, (x, w, s))
     torch.library.opcheck(torch.ops.qwen.causal_conv1d.default, (x, w))
-    torch.library.opcheck(torch.ops.qwen.causal_conv1d_update.default, (x[:, :1], s, w))
     x, w, pool, cu, slots, cont = _packed([3, 0, 1, 5], 16, torch.float32, device)
     torch.library.opcheck(torch.ops.qwen.causal_conv1d_varlen.default, (x, w, pool, cu, slots, cont))
 
 
 def test_compile_fullgraph():
-    x, w, s = _inputs(2, 5, 16, torch.float32, "cpu")
+    """A prefill, then a decode token per sequence continuing the prefill's final state in place."""
+    x, w, _ = _inputs(2, 5, 16, torch.float32, "cpu")
+    cu, slots, cont = torch.tensor([0, 1, 2], dtype=torch.int32), torch.arange(2), torch.ones(2, dtype=torch.bool)
 
-    def f(x, w, s):
+    def f(x, w):
         y, st = torch.ops.qwen.causal_conv1d(x[:, :4], w, None)
-        return torch.cat([y, torch.ops.qwen.causal_conv1d_update(x[:, 4:], st, w)], 1), st
+        y_new = torch.ops.qwen.causal_conv1d_varlen(x[:, 4], w, st, cu, slots, cont)
+        return torch.cat([y, y_new[:, None]], 1), st
 
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, s)
-    want = f(x, w, s)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
+    want = f(x, w)
     assert_close(got[0], want[0], what="compiled")
     assert torch.equal(got[1], want[1])
 
@@ -220,10 +208,7 @@ ERRORS = [
      "initial_state must have shape"),
     ("causal_conv1d", lambda: (torch.randn(2, 5, 8), torch.randn(8, 4), torch.randn(2, 8, 3, dtype=torch.float64)),
      "initial_state has dtype"),
-    ("causal_conv1d_update", lambda: (torch.randn(2, 1, 8), torch.randn(1, 8, 3), torch.randn(8, 4)),
-     "conv_state must have shape"),
-    ("causal_conv1d_update", lambda: (torch.randint(0, 3, (2, 1, 8)), torch.randn(2, 8, 3), torch.randn(8, 4)),
-     "x must be bfloat16"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(x=torch.randint(0, 3, (5, 8))), "x must be bfloat16"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(pool=torch.randn(3, 8, 4)), r"conv_states must have shape \[P, C, K-1\]"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 2, 5])), "cu_seqlens must be int32"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 5], dtype=torch.int32)),

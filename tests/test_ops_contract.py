@@ -14,8 +14,11 @@ def _samples(device):
     q = qkv[..., : hq * d].view(b, t, hq, d)
     k = qkv[..., hq * d : (hq + hk) * d].view(b, t, hk, d)
     v = qkv[..., (hq + hk) * d :].view(b, t, hk, d)
-    cache = lambda: randn(b, 8, hk, d, **f32)  # noqa: E731
+    cache = lambda: randn(4, 16, hk, d, **f32)  # noqa: E731  (paged: 4 blocks of 16)
     positions = torch.tensor([[0, 1, 2], [4, 5, 6]], device=device)
+    table = torch.tensor([[0], [2]], dtype=torch.int32, device=device)  # sequence i's block
+    slots = (table * 16 + positions).flatten()  # the tokens' KV slots
+    i32 = dict(dtype=torch.int32, device=device)
     return {
         "rms_norm": (randn(b, n, **f32), randn(n, **f32), 1e-6),
         "add_rms_norm": (randn(b, n, **f32), randn(b, n, **f32), randn(n, **f32), 1e-6, 1.0),
@@ -23,14 +26,15 @@ def _samples(device):
         "linear": (randn(b, n, **f32), randn(24, n, **f32), randn(24, **f32)),
         "silu_mul": (randn(b, 2 * n, **f32),),
         "attention": (q, k, v, 0.25, True),
-        "kv_cache_store": (k, v, cache(), cache(), positions),
-        "decode_attention": (q[:, :1], cache(), cache(), torch.tensor([3, 7], dtype=torch.int32, device=device), 0.25),
+        "kv_cache_store_slots": (k.flatten(0, 1), v.flatten(0, 1), cache(), cache(), slots),
+        "paged_attention": (q[:, -1], cache(), cache(), torch.tensor([0, 1, 2], **i32), torch.tensor([3, 7], **i32),
+                            table, 0.25, 1),
         "norm_linear": (randn(b, n, **f32), randn(n, **f32), randn(24, n, **f32), randn(24, **f32), 1e-6, 1.0),
         "linear_residual": (randn(b, n, **f32), randn(24, n, **f32), randn(b, 24, **f32)),
         "norm_gate_up_silu": (randn(b, n, **f32), randn(n, **f32), randn(24, n, **f32), 1e-6, 0.0),
-        "norm_qkv_rope_store": (randn(b, 1, n, **f32), randn(n, **f32), randn((hq + 2 * hk) * d, n, **f32), None,
-                                randn(d, **f32), randn(d, **f32), cache(), cache(), positions[:, :1], 1e-6, 0.0, 1e4, d,
-                                hq, False),
+        "norm_qkv_rope_store": (randn(b, n, **f32), randn(n, **f32), randn((hq + 2 * hk) * d, n, **f32), None,
+                                randn(d, **f32), randn(d, **f32), cache(), cache(), positions[:, 0], slots[::t], 1e-6,
+                                0.0, 1e4, d, hq, False),
         "decode_layers": _decode_layers_sample(device),
     }
 
@@ -69,20 +73,23 @@ def test_compile_fullgraph_whole_chain(device):
     """Every op in one compiled function, no graph break, same result as eager."""
     s = _samples(device)
 
+    _, _, _, cu, _, table, _, _ = s["paged_attention"]
+    slots = s["kv_cache_store_slots"][4]
+
     def chain(x, res, w, q, k, positions, k_cache, v_cache, lw, gu):
         h, res2 = torch.ops.qwen.add_rms_norm(x, res, w, 1e-6)
         h = torch.ops.qwen.rms_norm(h, w, 1e-6)
         qr, kr = torch.ops.qwen.rope(q, k, positions, 1e4, q.shape[-1])
-        torch.ops.qwen.kv_cache_store(kr, kr, k_cache, v_cache, positions)
+        torch.ops.qwen.kv_cache_store_slots(kr.flatten(0, 1), kr.flatten(0, 1), k_cache, v_cache, slots)
         a = torch.ops.qwen.attention(qr, kr, kr, 0.25)
         lens = (positions[:, -1] + 1).to(torch.int32)
-        dq = torch.ops.qwen.decode_attention(qr[:, -1:], k_cache, v_cache, lens, 0.25)
+        dq = torch.ops.qwen.paged_attention(qr[:, -1], k_cache, v_cache, cu, lens, table, 0.25, 1)
         y = torch.ops.qwen.linear(h, lw) + torch.ops.qwen.silu_mul(gu)
         return res2, y, a, dq
 
     x, res, w = s["add_rms_norm"][:3]
     q, k, positions = s["rope"][0], s["rope"][1], s["rope"][2]
-    caches = [s["kv_cache_store"][2], s["kv_cache_store"][3]]
+    caches = [s["kv_cache_store_slots"][2], s["kv_cache_store_slots"][3]]
     lw, gu = randn(24, 48, dtype=torch.float32, device=device), randn(2, 48, dtype=torch.float32, device=device)
     eager_caches = [c.clone() for c in caches]
     expected = chain(x, res, w, q, k, positions, *eager_caches, lw, gu)
@@ -108,14 +115,6 @@ ERRORS = [
     ("attention", lambda: (torch.randn(1, 4, 2, 40), torch.randn(1, 4, 1, 40), torch.randn(1, 4, 1, 40), 0.1), "head_dim 40 is not supported"),
     ("attention", lambda: (torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "multiple of kv heads"),
     ("attention", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "Sk >= Sq"),
-    ("kv_cache_store", lambda: (torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), torch.zeros(1, 4, 2, 16),
-                                torch.zeros(1, 4, 2, 16), torch.tensor([[3, 4]])), "positions must lie in [0, 4)"),
-    ("kv_cache_store", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16), torch.zeros(1, 4, 2, 16),
-                                torch.zeros(1, 4, 2, 16), torch.zeros(1, 5, dtype=torch.long)), "do not fit a cache of length 4"),
-    ("decode_attention", lambda: (torch.randn(2, 1, 2, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
-                                  torch.tensor([1, 2, 3], dtype=torch.int32), 0.1), "cache_seqlens must have shape (2,)"),
-    ("decode_attention", lambda: (torch.randn(1, 9, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16),
-                                  torch.tensor([8], dtype=torch.int32), 0.1), "do not fit a cache of length 8"),
 ]
 
 
@@ -138,7 +137,7 @@ def test_register_autograd_refuses_mutating_ops():
     from qwen_ops.registry import register_autograd
 
     with pytest.raises(ValueError, match="mutates an input"):
-        register_autograd(torch.ops.qwen.kv_cache_store.default, lambda ctx, *g: g, lambda ctx, i, o: None)
+        register_autograd(torch.ops.qwen.kv_cache_store_slots.default, lambda ctx, *g: g, lambda ctx, i, o: None)
 
 
 _probe_libs: dict = {}

@@ -1,4 +1,5 @@
-"""Each decode-shape op captured once in a CUDA graph, replayed with new inputs, compared with eager."""
+"""Each decode-shape op captured once in a CUDA graph, replayed with new inputs (a new position, its
+KV slot in the paged cache and the sequence's length), compared with eager."""
 import pytest
 import torch
 
@@ -11,13 +12,14 @@ def _decode_step(s):
     """One Qwen3-0.6B-shaped decode step through every op, reading the static inputs in `s`."""
     h, res = torch.ops.qwen.add_rms_norm(s["x"], s["res"], s["norm_w"], 1e-6)
     qkv = torch.ops.qwen.linear(torch.ops.qwen.rms_norm(h, s["norm_w"], 1e-6), s["w_qkv"])
-    q = qkv[..., : 16 * 128].view(1, 1, 16, 128)
-    k = qkv[..., 16 * 128 : 24 * 128].view(1, 1, 8, 128)
-    v = qkv[..., 24 * 128 :].view(1, 1, 8, 128)
+    q = qkv[..., : 16 * 128].view(1, 16, 128)
+    k = qkv[..., 16 * 128 : 24 * 128].view(1, 8, 128)
+    v = qkv[..., 24 * 128 :].view(1, 8, 128)
     q, k = torch.ops.qwen.rope(q, k, s["positions"], 1e6, 128, s["qn"], s["kn"])
-    torch.ops.qwen.kv_cache_store(k, v, s["k_cache"], s["v_cache"], s["positions"])
-    a = torch.ops.qwen.decode_attention(q, s["k_cache"], s["v_cache"], s["seqlens"], 128 ** -0.5)
-    prefill = torch.ops.qwen.attention(q, k, v, 128 ** -0.5)
+    torch.ops.qwen.kv_cache_store_slots(k, v, s["k_cache"], s["v_cache"], s["slots"])
+    a = torch.ops.qwen.paged_attention(q, s["k_cache"], s["v_cache"], s["cu_seqlens"], s["seqlens"], s["table"],
+                                       128 ** -0.5, 1)
+    prefill = torch.ops.qwen.attention(q[None], k[None], v[None], 128 ** -0.5)
     mlp = torch.ops.qwen.silu_mul(torch.ops.qwen.linear(h, s["w_gu"]))
     return a, prefill, mlp, res
 
@@ -28,6 +30,7 @@ def _fill(s, step):
         s[name].copy_(torch.randn(s[name].shape, generator=g, device="cuda"))
     pos = 100 + 37 * step
     s["positions"].fill_(pos)
+    s["slots"].copy_(s["table"][0, pos // 16] * 16 + pos % 16)
     s["seqlens"].fill_(pos + 1)
 
 
@@ -37,8 +40,11 @@ def test_decode_ops_replay_in_cuda_graph():
         "x": torch.empty(1, 1, 1024, **bf), "res": torch.empty(1, 1, 1024, **bf),
         "norm_w": torch.randn(1024, **bf), "w_qkv": torch.randn(4096, 1024, **bf) * 0.03,
         "qn": torch.randn(128, **bf), "kn": torch.randn(128, **bf), "w_gu": torch.randn(6144, 1024, **bf) * 0.03,
-        "k_cache": torch.randn(1, 4096, 8, 128, **bf), "v_cache": torch.randn(1, 4096, 8, 128, **bf),
-        "positions": torch.zeros(1, 1, dtype=torch.long, device="cuda"),
+        "k_cache": torch.randn(256, 16, 8, 128, **bf), "v_cache": torch.randn(256, 16, 8, 128, **bf),
+        "table": torch.randperm(256, device="cuda").to(torch.int32)[None],  # one sequence's blocks, shuffled
+        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        "positions": torch.zeros(1, dtype=torch.long, device="cuda"),
+        "slots": torch.zeros(1, dtype=torch.long, device="cuda"),
         "seqlens": torch.zeros(1, dtype=torch.int32, device="cuda"),
     }
     _fill(s, 0)

@@ -58,36 +58,58 @@ def test_norm_gate_up_silu(device, dtype):
                      f"norm_gate_up_silu M{m} K{k} I{n}")
 
 
-# (B, T, K, Hq, Hk, D, rotary_dim, gated, bias, qk_norm): qwen3, qwen2, Qwen3.5's gated attention
-QKV = {"cpu": [(2, 1, 40, 4, 2, 16, 16, False, False, True), (1, 3, 72, 2, 2, 32, 32, False, True, False),
-               (3, 1, 48, 4, 1, 32, 8, True, False, True)],
-       "cuda": [(1, 1, 1024, 16, 8, 128, 128, False, False, True), (8, 1, 896, 14, 2, 64, 64, False, True, False),
-                (2, 1, 1024, 8, 2, 256, 64, True, False, True), (32, 1, 1024, 16, 8, 128, 128, False, False, True)]}
+# (N, K, Hq, Hk, D, rotary_dim, gated, bias, qk_norm): qwen3, qwen2, Qwen3.5's gated attention
+QKV = {"cpu": [(2, 40, 4, 2, 16, 16, False, False, True), (3, 72, 2, 2, 32, 32, False, True, False),
+               (3, 48, 4, 1, 32, 8, True, False, True)],
+       "cuda": [(1, 1024, 16, 8, 128, 128, False, False, True), (8, 896, 14, 2, 64, 64, False, True, False),
+                (2, 1024, 8, 2, 256, 64, True, False, True), (32, 1024, 16, 8, 128, 128, False, False, True)]}
+QKV_SLOTS = 4 * 16
+"""The paged caches of qkv_args: 4 blocks of 16 slots."""
 
 
-def _qkv_args(b, t, k, hq, hk, d, rot, gated, bias, qk_norm, dtype, device, cache_len=9):
+def qkv_args(n, k, hq, hk, d, rot, gated, bias, qk_norm, dtype, device):
+    """norm_qkv_rope_store's arguments for n rows. The paged caches are NaN, views of NaN storage one
+    block longer at each end; each row's RoPE position (in [0, 64)) and KV slot are drawn apart. The
+    slots are distinct and even, so the slot after each written one stays NaN (a store past the
+    last head's D shows there); row 1 is a padding row (slot -1), row 2 one whose slot lies just
+    past the cache."""
     rows = (hq * (2 if gated else 1) + 2 * hk) * d
     r = lambda *s, **kw: randn(*s, dtype=dtype, device=device, **kw)  # noqa: E731
-    positions = torch.randint(0, cache_len, (b, t), device=device)
-    return [r(b, t, k), r(k), r(rows, k, scale=k**-0.5), r(rows) if bias else None, r(d) if qk_norm else None,
-            r(d) if qk_norm else None, r(b, cache_len, hk, d), r(b, cache_len, hk, d), positions, 1e-6, 1.0, 1e4, rot,
-            hq, gated]
+    storage = torch.full((2, QKV_SLOTS // 16 + 2, 16, hk, d), float("nan"), dtype=dtype, device=device)
+    slots = 2 * torch.randperm(QKV_SLOTS // 2, device=device)[:n]
+    slots[1:3] = torch.tensor([-1, QKV_SLOTS], device=device)[:n - 1]
+    return [r(n, k), r(k), r(rows, k, scale=k**-0.5), r(rows) if bias else None, r(d) if qk_norm else None,
+            r(d) if qk_norm else None, storage[0, 1:-1], storage[1, 1:-1], torch.randint(0, 64, (n,), device=device),
+            slots, 1e-6, 1.0, 1e4, rot, hq, gated]
+
+
+def check_qkv(q, args, tol=None, what="norm_qkv_rope_store"):
+    """q (and the gate) as the reference gives them, and the cache rows of the slots inside the
+    cache as the reference writes them into NaN caches; every other element of the caches' storage
+    (the padding rows' slots, the slot after each written one, the blocks around) still NaN."""
+    storage = args[6]._base
+    expected = torch.full_like(storage, float("nan"))
+    ref = qwen_ops.norm_qkv_rope_store_reference(*args[:6], expected[0, 1:-1], expected[1, 1:-1], *args[8:])
+    assert_close(q, ref, tol, f"{what} q")
+    written = ~expected.isnan()
+    slots = args[9]
+    in_cache = int(((slots >= 0) & (slots < QKV_SLOTS)).sum())
+    assert int(written.sum()) == 2 * in_cache * storage[0, 0, 0].numel(), f"{what}: the reference's cache rows"
+    assert_close(storage[written], expected[written], tol, f"{what} cache rows")
+    assert storage[~written].isnan().all(), f"{what}: written outside the rows' slots"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_qkv_rope_store(device, dtype):
-    """q (and the gate) and the cache rows written match; every other cache row is untouched."""
+    """q (and the gate) rotated at the rows' positions, their keys and values stored at their slots
+    (the paged cache), nothing else of the cache written, padding rows (slot -1, a slot past the
+    cache) included."""
     torch.manual_seed(0)
     for spec in QKV[device]:
-        args = _qkv_args(*spec, dtype, device)
-        ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        args = qkv_args(*spec, dtype, device)
         poison_allocator(device)
-        q = torch.ops.qwen.norm_qkv_rope_store(*args)
-        ref = qwen_ops.norm_qkv_rope_store_reference(*ref_args)
-        assert_close(q, ref, _tol(dtype, device), f"norm_qkv_rope_store q {spec}")
-        for i, name in ((6, "k_cache"), (7, "v_cache")):
-            assert_close(args[i], ref_args[i], _tol(dtype, device), f"norm_qkv_rope_store {name} {spec}")
+        check_qkv(torch.ops.qwen.norm_qkv_rope_store(*args), args, _tol(dtype, device), f"norm_qkv_rope_store {spec}")
 
 
 @pytest.mark.launcher
@@ -106,11 +128,8 @@ def test_every_split_factor(device, split_k):
                  what=f"linear_residual split {split_k}")
     assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
                  qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"gate_up split {split_k}")
-    args = _qkv_args(3, 1, 160, 2, 1, 16, 16, False, True, True, torch.float32, device)
-    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    assert_close(kernels.norm_qkv_rope_store(*args, cfg=cfg), qwen_ops.norm_qkv_rope_store_reference(*ref_args),
-                 what=f"qkv split {split_k}")
-    assert_close(args[6], ref_args[6], what=f"qkv k_cache split {split_k}")
+    args = qkv_args(3, 160, 2, 1, 16, 16, False, True, True, torch.float32, device)
+    check_qkv(kernels.norm_qkv_rope_store(*args, cfg=cfg), args, what=f"qkv split {split_k}")
     assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
 
 
@@ -132,34 +151,29 @@ def test_split_k_with_several_row_blocks(device, m):
     assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
 
 
-@pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
-def test_qkv_positions_outside_the_cache_are_not_written(device):
-    """On the device a bad position is skipped (a check would cost a sync); q is still computed."""
-    args = _qkv_args(2, 1, 40, 2, 1, 16, 16, False, False, True, torch.float32, device, cache_len=4)
-    args[8] = torch.tensor([[4], [-1]], device=device)
-    k_cache, v_cache = args[6].clone(), args[7].clone()
-    kernels.norm_qkv_rope_store(*args)
-    assert torch.equal(args[6], k_cache) and torch.equal(args[7], v_cache)
-
-
-def test_qkv_positions_are_checked_on_cpu():
-    args = _qkv_args(1, 1, 40, 2, 1, 16, 16, False, False, True, torch.float32, "cpu", cache_len=4)
-    args[8] = torch.tensor([[4]])
-    with pytest.raises(qwen_ops.QwenOpError, match=r"positions must lie in \[0, 4\)"):
-        torch.ops.qwen.norm_qkv_rope_store(*args)
+def test_qkv_slots_outside_the_cache_are_not_written(device):
+    """Slots outside the cache (padding rows: negative, past it, an int64 one that int32 would wrap
+    into it) are skipped on every device, as kv_cache_store_slots skips them; q is still computed."""
+    args = qkv_args(3, 40, 2, 1, 16, 16, False, False, True, torch.float32, device)
+    args[9] = torch.tensor([QKV_SLOTS, -1, 2**32 + 2], device=device)
+    check_qkv(torch.ops.qwen.norm_qkv_rope_store(*args), args)
 
 
 @pytest.mark.parametrize("bad, message", [
     (lambda a: a.__setitem__(2, a[2][:-16]), "qkv_weight has 112 rows"),
-    (lambda a: a.__setitem__(13, 3), r"num_heads \(3\) must be a positive multiple"),
-    (lambda a: a.__setitem__(12, 18), "rotary_dim must be even"),
+    (lambda a: a.__setitem__(14, 3), r"num_heads \(3\) must be a positive multiple"),
+    (lambda a: a.__setitem__(13, 18), "rotary_dim must be even"),
     (lambda a: a.__setitem__(5, None), "give both q_norm_weight and k_norm_weight"),
     (lambda a: a.__setitem__(4, torch.randn(32)[::2]), "q_norm_weight must be contiguous"),
     (lambda a: a.__setitem__(3, torch.tensor([1.0]).expand(128)), "qkv_bias must be contiguous"),
+    (lambda a: a.__setitem__(0, a[0][None]), "x must have 2 dims"),
+    (lambda a: a.__setitem__(7, a[7][:, :8]), "must both be contiguous"),
+    (lambda a: a.__setitem__(9, a[9][:1]), r"slot_mapping must have shape \(2,\)"),
+    (lambda a: a.__setitem__(8, a[8].float()), "positions must be int32 or int64"),
 ])
 def test_qkv_bad_input(bad, message):
-    args = _qkv_args(2, 1, 40, 4, 2, 16, 16, False, False, True, torch.float32, "cpu")
+    args = qkv_args(2, 40, 4, 2, 16, 16, False, False, True, torch.float32, "cpu")
     bad(args)
     with pytest.raises(qwen_ops.QwenOpError, match=message):
         torch.ops.qwen.norm_qkv_rope_store(*args)

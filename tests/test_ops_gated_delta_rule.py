@@ -1,8 +1,8 @@
-"""qwen::chunk_gated_delta_rule, qwen::recurrent_gated_delta_rule and qwen::gated_rms_norm
-(Qwen3.5 Gated DeltaNet): the chunked kernel against a float64 token-by-token recurrence, chunk
-boundaries (T = 63, 64, 65, 130), grouped value heads, initial states, prefill-then-decode
-continuation, transformers as the oracle for the references, opcheck, CUDA graph capture of the
-decode step and error messages."""
+"""qwen::chunk_gated_delta_rule and qwen::gated_rms_norm (Qwen3.5 Gated DeltaNet): the chunked
+kernel against a float64 token-by-token recurrence, chunk boundaries (T = 63, 64, 65, 130), grouped
+value heads, initial states, a prefill continued by qwen::recurrent_gated_delta_rule_varlen's decode
+tokens, transformers as the oracle for the references, opcheck, CUDA graph capture of the decode
+step and error messages. The packed ops' own tests: tests/test_ops_gated_delta_rule_varlen.py."""
 import inspect
 
 import pytest
@@ -13,7 +13,7 @@ import qwen_ops  # noqa: F401
 from csrc_free_ops import gated_delta_rule as gdr_kernels
 from qwen_ops import QwenOpError
 from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_reference, gated_delta_gates_reference, gated_delta_recurrence,
-                                       gated_rms_norm_reference, recurrent_gated_delta_rule_reference)
+                                       gated_rms_norm_reference, recurrent_gated_delta_rule_varlen_reference)
 from qwen_ops.registry import kernel_calls
 from tests.helpers import DEVICES, DTYPES, REL_TOL, SANITIZING, assert_close, poison_allocator, randn
 
@@ -143,40 +143,21 @@ def test_chunk_reference_is_the_recurrence_in_float64():
     assert_close(rec_s, ref_s, 1e-12, what="gated_delta_recurrence state")
 
 
-RECURRENT_SHAPES = {"cpu": [(2, 1, 1, 2, 16, 32), (1, 3, 2, 2, 32, 16)],
-                    "cuda": [(1, 1, 16, 16, 128, 128), (4, 1, 16, 32, 128, 128), (2, 3, 16, 16, 128, 128)]}
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("use_qk_l2norm", [True, False])
-def test_recurrent_matches_reference(device, dtype, use_qk_l2norm, nan_empty):
-    torch.manual_seed(4)
-    for shape in RECURRENT_SHAPES[device]:
-        b, t, hk, hv, dk, dv = shape
-        q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, dtype, device, normalized_keys=use_qk_l2norm)
-        state = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
-        state_ref = state.clone()
-        calls = kernel_calls["recurrent_gated_delta_rule"]
-        o = torch.ops.qwen.recurrent_gated_delta_rule(q, k, v, a, braw, a_log, dt_bias, state, dk ** -0.5,
-                                                      use_qk_l2norm)
-        assert kernel_calls["recurrent_gated_delta_rule"] == calls + 1, "the Triton kernel did not run"
-        ref = recurrent_gated_delta_rule_reference(q, k, v, a, braw, a_log, dt_bias, state_ref, dk ** -0.5,
-                                                   use_qk_l2norm)
-        assert o.dtype == dtype
-        # The gates and the recurrence are fp32 in both; bf16 beta and o roundings differ on CPU
-        # (the interpreter truncates), so bf16 gets its usual tolerance there.
-        assert_close(o, ref, what=f"recurrent o {shape}")
-        assert_close(state, state_ref, 2e-3 if dtype == torch.bfloat16 else 2e-5, what=f"recurrent state {shape}")
+def decode_step(b, n, device, continues=True):
+    """(cu_seqlens, state_slots, continues) of B packed sequences of n tokens each, sequence i on
+    state slot i: a decode step of the batch rows of a fixed-length op's [B, ...] state."""
+    return (torch.arange(0, b * n + 1, n, dtype=torch.int32, device=device), torch.arange(b, device=device),
+            torch.full((b,), continues, dtype=torch.bool, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prefix", [64, 65])
 def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, prefix):
-    """Prefill the first `prefix` tokens with the chunked op, decode the rest with the recurrent
-    op (one token, then two, then one at a time): the outputs and the final state match the
-    chunked op over the whole sequence."""
+    """Prefill the first `prefix` tokens with the chunked op, decode the rest with the packed
+    recurrent op continuing the prefill's final state (the B sequences packed, one token each, then
+    two, then one at a time): the outputs and the final state match the chunked op over the whole
+    sequence."""
     torch.manual_seed(5)
     shape = (1, 69, 1, 2, 16, 32) if device == "cpu" else (2, 69, 16, 16, 128, 128)
     b, t, hk, hv, dk, dv = shape
@@ -190,9 +171,10 @@ def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, 
     outs, i = [o_pre], prefix
     while i < t:
         n = 2 if i == prefix + 1 else 1
-        sl = slice(i, i + n)
-        outs.append(torch.ops.qwen.recurrent_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], a[:, sl], braw[:, sl],
-                                                              a_log, dt_bias, state, scale))
+        rows = [x[:, i:i + n].flatten(0, 1) for x in (q, k, v, a, braw)]
+        o = torch.ops.qwen.recurrent_gated_delta_rule_varlen(*rows, a_log, dt_bias, state, *decode_step(b, n, device),
+                                                             scale)
+        outs.append(o.view(b, n, hv, dv))
         i += n
     tol = CHUNK_TOL[device][dtype]
     ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, scale, h0)
@@ -206,7 +188,8 @@ def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, 
 def test_several_value_blocks(device, monkeypatch, nan_empty):
     """Value columns split over four programs of 16 (the interpreter otherwise gives one program all
     of Dv): the state, recurrent and output kernels each read and write their own block's columns
-    of v, the state and o, prefill (two chunks, an initial state) then a decode step."""
+    of v, the state and o, prefill (two chunks, an initial state) then a decode step (the packed
+    recurrent op continuing the prefill's state)."""
     monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: 16)
     monkeypatch.setattr(gdr_kernels, "_output_value_block", lambda dv: 16)
     torch.manual_seed(7)
@@ -218,11 +201,12 @@ def test_several_value_blocks(device, monkeypatch, nan_empty):
     pre = slice(0, t - 1)
     o, state = torch.ops.qwen.chunk_gated_delta_rule(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre],
                                                      dk ** -0.5, h0, True)
-    o_step = torch.ops.qwen.recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], a[:, -1:], braw[:, -1:],
-                                                       a_log, dt_bias, state, dk ** -0.5)
+    o_step = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q[:, -1], k[:, -1], v[:, -1], a[:, -1], braw[:, -1],
+                                                              a_log, dt_bias, state, *decode_step(b, 1, device),
+                                                              dk ** -0.5)
     ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, dk ** -0.5, h0)
     tol = CHUNK_TOL[device][torch.float32]
-    assert_close(torch.cat([o, o_step], 1), ref_o, tol, what="o over four value blocks")
+    assert_close(torch.cat([o, o_step[:, None]], 1), ref_o, tol, what="o over four value blocks")
     assert_close(state, ref_s, tol, what="state over four value blocks")
 
 
@@ -288,7 +272,8 @@ def _hf():
 @pytest.mark.parametrize("with_state", [False, True])
 def test_references_match_transformers(use_qk_l2norm, with_state):
     """transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule (which scale q
-    by Dk^-0.5) against our references, fp32, grouped value heads, T across chunk boundaries."""
+    by Dk^-0.5) against our references (the recurrent one: the packed op's, the B sequences packed),
+    fp32, grouped value heads, T across chunk boundaries."""
     m = _hf()
     hf_chunk = inspect.unwrap(m.torch_chunk_gated_delta_rule)
     hf_recurrent = inspect.unwrap(m.torch_recurrent_gated_delta_rule)
@@ -304,12 +289,14 @@ def test_references_match_transformers(use_qk_l2norm, with_state):
                       use_qk_l2norm_in_kernel=use_qk_l2norm)
         assert_close(ours[0], hf[0], 1e-5, what=f"chunk reference o vs transformers {shape}")
         assert_close(ours[1], hf[1], 1e-5, what=f"chunk reference state vs transformers {shape}")
-        state = h0.clone() if with_state else torch.zeros(b, hv, dk, dv)
-        o = recurrent_gated_delta_rule_reference(q, k, v, a, braw, a_log, dt_bias, state, scale, use_qk_l2norm)
+        pool = h0.clone() if with_state else torch.full((b, hv, dk, dv), float("nan"))  # not read: fresh
+        o = recurrent_gated_delta_rule_varlen_reference(*(x.flatten(0, 1) for x in (q, k, v, a, braw)), a_log, dt_bias,
+                                                        pool, *decode_step(b, t, "cpu", with_state), scale,
+                                                        use_qk_l2norm)
         hf = hf_recurrent(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                           use_qk_l2norm_in_kernel=use_qk_l2norm)
-        assert_close(o, hf[0], 1e-5, what=f"recurrent reference o vs transformers {shape}")
-        assert_close(state, hf[1], 1e-5, what=f"recurrent reference state vs transformers {shape}")
+        assert_close(o.view(b, t, hv, dv), hf[0], 1e-5, what=f"recurrent reference o vs transformers {shape}")
+        assert_close(pool, hf[1], 1e-5, what=f"recurrent reference state vs transformers {shape}")
 
 
 def test_kernel_matches_transformers_chunk():
@@ -366,31 +353,33 @@ def _samples(device):
     x = randn(2, 5, 2, 16, dtype=torch.float32, device=device)
     return {
         "chunk_gated_delta_rule": [(q, k, v, g, beta, 0.25, state, True), (q, k, v, g, beta, 0.25)],
-        "recurrent_gated_delta_rule": [(q[:, :1], k[:, :1], v[:, :1], a[:, :1], braw[:, :1], a_log, dt_bias,
-                                        state, 0.25)],
+        "gates": (a, braw, a_log, dt_bias),
         "gated_rms_norm": [(x, randn(2, 5, 2, 16, dtype=torch.float32, device=device),
                             randn(16, dtype=torch.float32, device=device), 1e-6)],
     }
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "gated_rms_norm"])
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "gated_rms_norm"])
 def test_opcheck(device, name):
     for args in _samples(device)[name]:
         torch.library.opcheck(getattr(torch.ops.qwen, name).default, args)
 
 
 def test_compile_fullgraph_prefill_then_decode():
+    """A prefill, then a decode token per sequence (the packed recurrent op) continuing the
+    prefill's final state in place, then the gated norm."""
     s = _samples("cpu")
     q, k, v, g, beta = s["chunk_gated_delta_rule"][1][:5]
-    _, _, _, a, braw, a_log, dt_bias, state, _ = s["recurrent_gated_delta_rule"][0]
+    a, braw, a_log, dt_bias = s["gates"]
     z, w = s["gated_rms_norm"][0][1:3]
+    step = decode_step(2, 1, "cpu")
 
     def f(q, k, v, g, beta, a, braw):
         o, st = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, None, True)
-        o1 = torch.ops.qwen.recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], a, braw, a_log, dt_bias,
-                                                       st, 0.25)
-        return torch.ops.qwen.gated_rms_norm(o + o1, z, w, 1e-6), st
+        o1 = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q[:, -1], k[:, -1], v[:, -1], a[:, -1], braw[:, -1],
+                                                              a_log, dt_bias, st, *step, 0.25)
+        return torch.ops.qwen.gated_rms_norm(o + o1[:, None], z, w, 1e-6), st
 
     want = f(q, k, v, g, beta, a, braw)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, a, braw)
@@ -401,14 +390,6 @@ def test_compile_fullgraph_prefill_then_decode():
 def _bad_chunk(**over):
     args = dict(q=torch.randn(1, 4, 2, 16), k=torch.randn(1, 4, 2, 16), v=torch.randn(1, 4, 4, 16),
                 g=torch.randn(1, 4, 4), beta=torch.rand(1, 4, 4), scale=0.25, initial_state=None)
-    args.update(over)
-    return tuple(args.values())
-
-
-def _bad_recurrent(**over):
-    args = dict(q=torch.randn(1, 1, 2, 16), k=torch.randn(1, 1, 2, 16), v=torch.randn(1, 1, 2, 16),
-                a=torch.randn(1, 1, 2), b=torch.randn(1, 1, 2), A_log=torch.randn(2), dt_bias=torch.randn(2),
-                state=torch.zeros(1, 2, 16, 16), scale=0.25)
     args.update(over)
     return tuple(args.values())
 
@@ -424,11 +405,6 @@ ERRORS = [
      "initial_state must be torch.float32"),
     ("chunk_gated_delta_rule", lambda: _bad_chunk(initial_state=torch.randn(1, 2, 16, 16)),
      "initial_state must have shape"),
-    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(A_log=torch.randn(3)), "A_log must have shape"),
-    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(state=torch.zeros(1, 2, 16, 8)), "state must have shape"),
-    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(state=torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16)),
-     "state must be torch.float32"),
-    ("recurrent_gated_delta_rule", lambda: _bad_recurrent(b=torch.randn(1, 2, 2)), "b must have shape"),
     ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 7), torch.randn(8), 1e-6), "z has shape"),
     ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 8), torch.randn(7), 1e-6), "weight has 7"),
 ]
@@ -445,25 +421,27 @@ def test_errors_name_the_argument(name, make, match):
 
 @pytest.mark.cuda
 def test_recurrent_step_replays_in_cuda_graph():
-    """The decode step (conv update + recurrent rule + gated norm) captured once, replayed with new
-    inputs and states, equals eager."""
+    """The decode step (the packed conv and recurrent rule, one token per sequence continuing its
+    state slots, then the gated norm) captured once, replayed with new inputs and states, equals
+    eager."""
     torch.manual_seed(10)
     dev, bf = "cuda", torch.bfloat16
     b, hk, hv, d, c = 2, 16, 16, 128, 3 * 16 * 128
-    st = {"x": torch.empty(b, 1, c, device=dev, dtype=bf), "a": torch.empty(b, 1, hv, device=dev, dtype=bf),
-          "b": torch.empty(b, 1, hv, device=dev, dtype=bf), "z": torch.empty(b, 1, hv, d, device=dev, dtype=bf),
+    st = {"x": torch.empty(b, c, device=dev, dtype=bf), "a": torch.empty(b, hv, device=dev, dtype=bf),
+          "b": torch.empty(b, hv, device=dev, dtype=bf), "z": torch.empty(b, hv, d, device=dev, dtype=bf),
           "conv": torch.empty(b, c, 3, device=dev, dtype=bf), "state": torch.empty(b, hv, d, d, device=dev)}
     conv_w = torch.randn(c, 4, device=dev, dtype=bf) * 0.5
     a_log, dt_bias = torch.rand(hv, device=dev).log(), torch.randn(hv, device=dev)
     norm_w = torch.randn(d, device=dev, dtype=bf)
+    packed = decode_step(b, 1, dev)
 
     def step():
-        mixed = torch.ops.qwen.causal_conv1d_update(st["x"], st["conv"], conv_w)
-        q = mixed[..., :hk * d].view(b, 1, hk, d)
-        k = mixed[..., hk * d:2 * hk * d].view(b, 1, hk, d)
-        v = mixed[..., 2 * hk * d:].view(b, 1, hv, d)
-        o = torch.ops.qwen.recurrent_gated_delta_rule(q, k, v, st["a"], st["b"], a_log, dt_bias, st["state"],
-                                                      d ** -0.5)
+        mixed = torch.ops.qwen.causal_conv1d_varlen(st["x"], conv_w, st["conv"], *packed)
+        q = mixed[:, :hk * d].view(b, hk, d)
+        k = mixed[:, hk * d:2 * hk * d].view(b, hk, d)
+        v = mixed[:, 2 * hk * d:].view(b, hv, d)
+        o = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q, k, v, st["a"], st["b"], a_log, dt_bias, st["state"],
+                                                             *packed, d ** -0.5)
         return torch.ops.qwen.gated_rms_norm(o, st["z"], norm_w, 1e-6)
 
     def fill(seed):

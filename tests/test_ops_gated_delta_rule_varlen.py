@@ -2,9 +2,9 @@
 over packed sequences with a state pool (an engine step's prefill chunks and decode tokens in one
 call). Sequence lengths 0 (graph padding: its padding slot untouched), 1, 63, 64, 65, 130 (chunk
 edges, a sequence over three chunks), fresh and continuing states, grouped value heads, Dk != Dv
-and head dims that are not powers of two, against a float64 token-by-token recurrence per
-sequence, the ops' references and the fixed-length ops; opcheck, errors, CUDA graph replay with
-new lengths."""
+and head dims that are not powers of two, with and without the q/k l2 norm, against a float64
+token-by-token recurrence per sequence, the ops' references and the fixed-length chunked op;
+opcheck, errors, CUDA graph replay with new lengths."""
 import pytest
 import torch
 
@@ -24,14 +24,16 @@ CHUNK_CASES = {
 }
 
 
-def _packed(lens, hk, hv, dk, dv, dtype, device, seed=0):
+def _packed(lens, hk, hv, dk, dv, dtype, device, seed=0, normalized_keys=True):
     """Inputs of S packed sequences as the model makes them (q, k, v slices of one activation), the
     gates, a pool of S + 1 states (the last one the padding slot, where the length-0 sequences
     point), slots in random order and continues flags (every other sequence, and every length-1 one:
-    decode tokens)."""
+    decode tokens). Keys of norm about 1 without `normalized_keys` (for use_qk_l2norm=False)."""
     torch.manual_seed(seed)
     n, s = sum(lens), len(lens)
     qkv = randn(n, 2 * hk * dk + hv * dv, dtype=dtype, device=device)
+    if not normalized_keys:
+        qkv[:, hk * dk:2 * hk * dk] *= dk ** -0.5
     q = qkv[:, :hk * dk].view(n, hk, dk)
     k = qkv[:, hk * dk:2 * hk * dk].view(n, hk, dk)
     v = qkv[:, 2 * hk * dk:].view(n, hv, dv)
@@ -47,7 +49,7 @@ def _packed(lens, hk, hv, dk, dv, dtype, device, seed=0):
     return q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont
 
 
-def _per_sequence_fp64(q, k, v, g, beta, scale, pool, cu, slots, cont):
+def _per_sequence_fp64(q, k, v, g, beta, scale, pool, cu, slots, cont, use_qk_l2norm=True):
     """(o [N, Hv, Dv], final states {slot: state}) in float64, sequence by sequence."""
     outs, finals = [], {}
     for i in range(slots.shape[0]):
@@ -56,7 +58,7 @@ def _per_sequence_fp64(q, k, v, g, beta, scale, pool, cu, slots, cont):
             continue
         h0 = pool[slot:slot + 1] if cont[i] else None
         o, s = recurrence_fp64(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi],
-                               scale, h0)
+                               scale, h0, use_qk_l2norm)
         outs.append(o[0])
         finals[slot] = s[0]
     return torch.cat(outs), finals
@@ -130,30 +132,38 @@ def test_chunk_varlen_several_value_blocks(device, monkeypatch, nan_empty):
         assert_close(pool[slot], s, tol, what=f"state of slot {slot} over four value blocks")
 
 
+# Decode steps (one token per sequence) with a padding sequence, and a few tokens per sequence.
 RECURRENT_CASES = {"cpu": [([1, 1, 0, 1, 3], 1, 2, 16, 32), ([1, 0, 2], 2, 2, 48, 16)],
-                   "cuda": [([1] * 8, 16, 32, 128, 128), ([1, 0, 1, 1, 2, 0, 1], 16, 16, 128, 128)]}
+                   "cuda": [([1] * 8, 16, 32, 128, 128), ([1, 0, 1, 1, 2, 0, 1], 16, 16, 128, 128),
+                            ([3, 3], 16, 16, 128, 128)]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_recurrent_varlen_matches_reference(device, dtype, nan_empty):
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_recurrent_varlen_matches_reference(device, dtype, use_qk_l2norm, nan_empty):
     for lens, hk, hv, dk, dv in RECURRENT_CASES[device]:
-        q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont = _packed(lens, hk, hv, dk, dv, dtype, device, 3)
+        q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont = _packed(lens, hk, hv, dk, dv, dtype, device, 3,
+                                                                          normalized_keys=use_qk_l2norm)
         before, ref_pool = pool.clone(), pool.clone()
         calls = kernel_calls["recurrent_gated_delta_rule_varlen"]
         o = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont,
-                                                             dk ** -0.5, True)
+                                                             dk ** -0.5, use_qk_l2norm)
         assert kernel_calls["recurrent_gated_delta_rule_varlen"] == calls + 1, "the Triton kernel did not run"
         ref = recurrent_gated_delta_rule_varlen_reference(q, k, v, a, braw, a_log, dt_bias, ref_pool, cu, slots, cont,
-                                                          dk ** -0.5, True)
-        what = f"lengths {lens}, heads {hk}/{hv}, dims {dk}/{dv}"
+                                                          dk ** -0.5, use_qk_l2norm)
+        what = f"lengths {lens}, heads {hk}/{hv}, dims {dk}/{dv}, l2norm {use_qk_l2norm}"
         assert o.dtype == dtype and o.shape == v.shape
+        # The gates and the recurrence are fp32 in both; bf16 beta and o roundings differ on CPU
+        # (the interpreter truncates), so bf16 gets its usual tolerance there.
         assert_close(o, ref, what=f"recurrent varlen o, {what}")
         assert_close(pool, ref_pool, 2e-3 if dtype == torch.bfloat16 else 2e-5, what=f"recurrent varlen pool, {what}")
         assert torch.equal(pool[-1], before[-1]), f"{what}: the padding slot was written"
         g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
-        ref_o, finals = _per_sequence_fp64(q, k, v, g, beta, dk ** -0.5, before, cu, slots, cont)
+        ref_o, finals = _per_sequence_fp64(q, k, v, g, beta, dk ** -0.5, before, cu, slots, cont, use_qk_l2norm)
         assert_close(o, ref_o, CHUNK_TOL[device][dtype], what=f"recurrent varlen o vs fp64, {what}")
+        for slot, state in finals.items():
+            assert_close(pool[slot], state, CHUNK_TOL[device][dtype], what=f"state of slot {slot} vs fp64, {what}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -236,6 +246,9 @@ ERRORS = [
     ("chunk_gated_delta_rule_varlen", dict(cont=torch.tensor([True])), r"continues must be a bool tensor of shape"),
     ("recurrent_gated_delta_rule_varlen", dict(A_log=torch.randn(3)), "A_log must have shape"),
     ("recurrent_gated_delta_rule_varlen", dict(b=torch.randn(4, 2)), "b must have shape"),
+    ("recurrent_gated_delta_rule_varlen", dict(state_pool=torch.zeros(3, 2, 16, 8)), "state_pool must have shape"),
+    ("recurrent_gated_delta_rule_varlen", dict(state_pool=torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16)),
+     "state_pool must be torch.float32"),
     ("recurrent_gated_delta_rule_varlen", dict(cu=torch.tensor([0, 2, 5])), "cu_seqlens must be int32"),
 ]
 

@@ -4,8 +4,10 @@ and masks the rest. Every such op against its reference, with two traps for the 
 
 - inputs are views into storage whose elements past each head's D are NaN, so a load that reads past
   D, or a padded element that reaches a sum (a norm, q.k), makes the output NaN;
-- outputs and scratch buffers start as NaN (`nan_outputs`), so an element left unwritten fails, and
-  in-place outputs (caches, the recurrent state) are checked to leave the NaN padding alone.
+- outputs and scratch buffers start as NaN (`nan_outputs`), so an element left unwritten fails;
+  the in-place outputs (the paged KV caches, the recurrent state pool: contiguous, so not views of
+  padding) are checked in the slots between those written, where a store past the last head's D
+  lands: NaN there stays NaN, and finite values there never take the inputs' NaN padding.
 
 CPU: small shapes under the interpreter. `cuda`: full-size shapes at head dims 80, 96 and 160."""
 import pytest
@@ -14,12 +16,14 @@ import torch
 import qwen_ops
 from csrc_free_ops import attention as attention_kernels
 from csrc_free_ops import gated_delta_rule as gdr_kernels
-from qwen_ops import (attention_backward_reference, attention_with_lse_reference, decode_attention_reference,
-                      gated_delta_gates_reference, gated_rms_norm_reference, kv_cache_store_reference,
-                      norm_qkv_rope_store_reference, recurrent_gated_delta_rule_reference, rope_backward_reference,
-                      rope_reference)
+from qwen_ops import (attention_backward_reference, attention_with_lse_reference, gated_delta_gates_reference,
+                      gated_rms_norm_reference, kv_cache_store_slots_reference, paged_attention_reference,
+                      recurrent_gated_delta_rule_varlen_reference, rope_backward_reference, rope_reference)
 from qwen_ops.gated_delta_rule import gated_delta_recurrence
 from tests.helpers import DEVICES, REL_TOL, assert_close, randn
+from tests.test_ops_fused_decode import check_qkv, qkv_args
+from tests.test_ops_gated_delta_rule import decode_step
+from tests.test_ops_paged_attention import paged_batch
 
 ops = torch.ops.qwen
 PAD = 16
@@ -47,12 +51,6 @@ def padded(t: torch.Tensor, dims: int = 1) -> torch.Tensor:
     view = storage[(..., *(slice(0, n) for n in t.shape[-dims:]))]
     view.copy_(t)
     return view
-
-
-def padding_is_nan(view: torch.Tensor, dims: int = 1) -> bool:
-    """The padding `padded` put around view is still NaN (nothing was stored past its dims)."""
-    base = view._base
-    return all(base.narrow(base.dim() - i, view.shape[-i], PAD).isnan().all() for i in range(1, dims + 1))
 
 
 def prand(*shape, dtype, device, scale=1.0):
@@ -123,38 +121,42 @@ def test_attention_unmasked_steps(device, d, nan_outputs):
             assert_close(a, r, what=f"backward {name} d{d} causal={causal}")
 
 
-# (batch, Tq, cache length, q heads, kv heads, head_dim): two or more KV splits, so the combine runs
-DECODE = {"cpu": [(3, 2, 70, 4, 2, 48), (2, 1, 70, 2, 1, 80), (1, 1, 40, 2, 2, 96), (1, 3, 40, 2, 1, 160)],
-          "cuda": [(4, 1, 4096, 16, 8, 80), (2, 4, 777, 16, 8, 96), (2, 1, 2048, 8, 2, 160)]}
+# (q heads, kv heads, head_dim, new tokens per sequence, cached lengths): decode rows (one tile per
+# sequence) over a block table reaching two or more KV splits, so the combine runs
+DECODE = {"cpu": [(4, 2, 48, [2, 2, 2], [70, 2, 33]), (2, 1, 80, [1, 1], [70, 41]), (2, 2, 96, [1], [70]),
+                  (2, 1, 160, [3], [40])],
+          "cuda": [(16, 8, 80, [1] * 4, [4096, 1000, 17, 3000]), (16, 8, 96, [4, 4], [777, 500]),
+                   (8, 2, 160, [1, 1], [2048, 1500])]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_attention(device, nan_outputs):
+def test_paged_attention_decode(device, nan_outputs):
+    """Decode rows of q in padded storage over paged caches whose slots outside the sequences are NaN."""
     torch.manual_seed(1)
     for dtype in DTYPES[device]:
-        for b, tq, cache_len, hq, hk, d in DECODE[device]:
-            q = prand(b, tq, hq, d, dtype=dtype, device=device)
-            k_cache, v_cache = (prand(b, cache_len, hk, d, dtype=dtype, device=device) for _ in range(2))
-            seqlens = torch.randint(tq, cache_len + 1, (b,), dtype=torch.int32, device=device)
-            seqlens[-1] = cache_len
-            out = ops.decode_attention(q, k_cache, v_cache, seqlens, d ** -0.5)
-            assert_close(out, decode_attention_reference(q, k_cache, v_cache, seqlens, d ** -0.5),
-                         what=f"decode_attention {dtype} b{b} tq{tq} L{cache_len} hq{hq} hk{hk} d{d}")
+        for hq, hk, d, qlens, lens in DECODE[device]:
+            q, *rest = paged_batch(16, hq, hk, d, qlens, lens, dtype, device)
+            q = padded(q)
+            out = ops.paged_attention(q, *rest, d ** -0.5, max(qlens))
+            assert_close(out, paged_attention_reference(q, *rest, d ** -0.5, max(qlens)),
+                         what=f"paged_attention {dtype} heads {hq}/{hk} d{d} qlens {qlens} lens {lens}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("d", [48, 80])
-def test_kv_cache_store(device, d, nan_outputs):
-    b, t, cache_len, hk = (2, 3, 9, 2) if device == "cpu" else (4, 255, 4096, 8)
-    k, v = (prand(b, t, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
-    positions = torch.stack([torch.randperm(cache_len, device=device)[:t] for _ in range(b)])
-    k_cache = torch.full((b, cache_len, hk, d), float("nan"), dtype=torch.bfloat16, device=device)
-    v_cache = torch.full_like(k_cache, float("nan"))
+def test_kv_cache_store_slots(device, d, nan_outputs):
+    """Keys and values in NaN-padded storage into finite caches at every other slot, a padding row
+    (slot -1) among them: a store past the last head's D (of the NaN padding or anything else)
+    shows in the slot after a written one."""
+    n, num_blocks, hk = (5, 1, 2) if device == "cpu" else (1024, 256, 8)
+    k, v = (prand(n, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+    slots = 2 * torch.randperm(num_blocks * 8, device=device)[:n]
+    slots[1] = -1
+    k_cache, v_cache = (randn(num_blocks, 16, hk, d, dtype=torch.bfloat16, device=device) for _ in range(2))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    ops.kv_cache_store(k, v, k_cache, v_cache, positions)
-    kv_cache_store_reference(k, v, k_ref, v_ref, positions)
-    for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
-        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    ops.kv_cache_store_slots(k, v, k_cache, v_cache, slots)
+    kv_cache_store_slots_reference(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
 # (batch, tokens, q heads, kv heads, head_dim, rotary_dim): Qwen3.5's partial rotary is a quarter
@@ -190,40 +192,26 @@ def test_rope_forward_and_backward(device, qk_norm, nan_outputs):
                              what=f"rope_backward {name} {what}")
 
 
-# (B, T, K, Hq, Hk, D, rotary_dim, gated, bias, qk_norm)
-QKV = {"cpu": [(2, 1, 72, 2, 1, 48, 48, False, True, True), (1, 2, 32, 2, 1, 80, 20, True, False, True),
-               (1, 1, 48, 2, 2, 96, 96, False, True, False), (1, 1, 130, 2, 1, 160, 40, True, False, True)],
-       "cuda": [(1, 1, 1024, 16, 8, 80, 80, False, False, True), (8, 1, 896, 14, 2, 96, 96, False, True, False),
-                (2, 1, 1024, 8, 2, 160, 40, True, False, True), (32, 1, 1024, 16, 8, 80, 20, True, False, True)]}
+# (N, K, Hq, Hk, D, rotary_dim, gated, bias, qk_norm)
+QKV = {"cpu": [(2, 72, 2, 1, 48, 48, False, True, True), (2, 32, 2, 1, 80, 20, True, False, True),
+               (1, 48, 2, 2, 96, 96, False, True, False), (1, 130, 2, 1, 160, 40, True, False, True)],
+       "cuda": [(1, 1024, 16, 8, 80, 80, False, False, True), (8, 896, 14, 2, 96, 96, False, True, False),
+                (2, 1024, 8, 2, 160, 40, True, False, True), (32, 1024, 16, 8, 80, 20, True, False, True)]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_norm_qkv_rope_store(device, nan_outputs):
     """The fused decode QKV: a tile of head_block(D) rows per head, those past D neither read nor
     stored; q (and the gate) and the cache rows it writes match the references, nothing else of the
-    caches (their padding included) changes. On CPU K = 72 and 130 split K in two, and the 160-dim
-    heads (a 256-row tile) take the pipelined loop instead of the weight prefetch."""
+    NaN caches (the slot after each written one included) changes. On CPU K = 72 and 130 split K in
+    two, and the 160-dim heads (a 256-row tile) take the pipelined loop instead of the weight
+    prefetch."""
     torch.manual_seed(3)
     for dtype in DTYPES[device]:
         tol = REL_TOL[dtype] * (3 if dtype == torch.bfloat16 and device == "cpu" else 1)  # as test_ops_fused_decode
-        if dtype == torch.float32 and device == "cuda":
-            tol = 3e-4  # positions to 4096: one ulp of inv_freq moves an angle ~2e-4 rad (test_ops_rope)
         for spec in QKV[device]:
-            b, t, kdim, hq, hk, d, rot, gated, bias, qk_norm = spec
-            rows = (hq * (2 if gated else 1) + 2 * hk) * d
-            cache_len = 9 if device == "cpu" else 4096
-            r = lambda *s, **kw: randn(*s, dtype=dtype, device=device, **kw)  # noqa: E731
-            caches = [prand(b, cache_len, hk, d, dtype=dtype, device=device) for _ in range(2)]
-            positions = torch.stack([torch.randperm(cache_len, device=device)[:t] for _ in range(b)])
-            args = [r(b, t, kdim), r(kdim), r(rows, kdim, scale=kdim ** -0.5), r(rows) if bias else None,
-                    r(d) if qk_norm else None, r(d) if qk_norm else None, *caches, positions, 1e-6, 1.0, 1e4, rot,
-                    hq, gated]
-            ref_args = args[:6] + [c.clone() for c in caches] + args[8:]
-            q = ops.norm_qkv_rope_store(*args)
-            assert_close(q, norm_qkv_rope_store_reference(*ref_args), tol, f"norm_qkv_rope_store q {spec} {dtype}")
-            for name, got, want in zip(("k_cache", "v_cache"), caches, ref_args[6:8]):
-                assert_close(got, want, tol, f"norm_qkv_rope_store {name} {spec} {dtype}")
-                assert padding_is_nan(got), f"norm_qkv_rope_store stored past D in {name} {spec}"
+            args = qkv_args(*spec, dtype, device)
+            check_qkv(ops.norm_qkv_rope_store(*args), args, tol, f"norm_qkv_rope_store {spec} {dtype}")
 
 
 # (B, T, Hk, Hv, Dk, Dv): two chunks and a partial one, grouped value heads, Dk != Dv
@@ -231,6 +219,7 @@ GDN_CHUNK = {"cpu": [(1, 70, 1, 2, 48, 80), (1, 65, 1, 1, 80, 48), (1, 20, 1, 1,
              "cuda": [(1, 2048, 16, 16, 80, 80), (2, 1000, 16, 32, 96, 160), (1, 700, 4, 8, 48, 80)]}
 GDN_RECURRENT = {"cpu": [(2, 1, 1, 2, 48, 48), (2, 1, 1, 2, 48, 80), (1, 3, 2, 2, 80, 48), (1, 1, 1, 1, 160, 96)],
                  "cuda": [(8, 1, 16, 32, 80, 80), (2, 3, 16, 16, 96, 160), (4, 1, 16, 16, 160, 96)]}
+"""The packed recurrent op's: B sequences of T tokens."""
 GDN_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-5}
 """As test_ops_gated_delta_rule's CHUNK_TOL on CPU (bf16 products and intermediates)."""
 
@@ -270,9 +259,10 @@ def test_chunk_gated_delta_rule(device, value_block, monkeypatch, nan_outputs):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("value_block", [None, 32], ids=["default-blocks", "value-blocks-of-32"])
-def test_recurrent_gated_delta_rule(device, value_block, monkeypatch, nan_outputs):
-    """The decode step updates the state in place: a view into NaN padding along both Dk and Dv,
-    which it must neither read nor write."""
+def test_recurrent_gated_delta_rule_varlen(device, value_block, monkeypatch, nan_outputs):
+    """The packed decode step updates its pool slots in place. The pool is contiguous, so between
+    the slots it uses lie slots of NaN, which a read or a store past the last head's Dk or Dv
+    reaches."""
     if value_block:
         monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: value_block)
     torch.manual_seed(5)
@@ -280,13 +270,20 @@ def test_recurrent_gated_delta_rule(device, value_block, monkeypatch, nan_output
         for shape in GDN_RECURRENT[device]:
             b, t, hk, hv, dk, dv = shape
             q, k, v, a, braw, a_log, dt_bias, _ = _gdn_inputs(*shape, dtype, device)
-            state = padded(randn(b, hv, dk, dv, dtype=torch.float32, device=device), 2)
-            state_ref = state.clone()
-            o = ops.recurrent_gated_delta_rule(q, k, v, a, braw, a_log, dt_bias, state, dk ** -0.5, True)
-            ref = recurrent_gated_delta_rule_reference(q, k, v, a, braw, a_log, dt_bias, state_ref, dk ** -0.5, True)
+            q, k, v, a, braw = (x.flatten(0, 1) for x in (q, k, v, a, braw))
+            pool = torch.full((2 * b + 1, hv, dk, dv), float("nan"), device=device)
+            pool[1::2] = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
+            cu, _, cont = decode_step(b, t, device)
+            slots = 2 * torch.arange(b, device=device) + 1
+            pool_ref = pool.clone()
+            o = ops.recurrent_gated_delta_rule_varlen(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont,
+                                                      dk ** -0.5, True)
+            ref = recurrent_gated_delta_rule_varlen_reference(q, k, v, a, braw, a_log, dt_bias, pool_ref, cu, slots,
+                                                              cont, dk ** -0.5, True)
             assert_close(o, ref, what=f"recurrent o {shape} {dtype}")
-            assert_close(state, state_ref, 2e-3 if dtype == torch.bfloat16 else 2e-5, what=f"recurrent state {shape}")
-            assert padding_is_nan(state, 2), f"the recurrent step stored past Dk or Dv {shape}"
+            assert_close(pool[1::2], pool_ref[1::2], 2e-3 if dtype == torch.bfloat16 else 2e-5,
+                         what=f"recurrent state {shape}")
+            assert pool[0::2].isnan().all(), f"the recurrent step stored past Dk or Dv {shape}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,9 +1,10 @@
 """qwen::kv_cache_store_slots and qwen::paged_attention (a paged KV cache): against their references
 on mixed batches of decode rows and prefill chunks (shuffled block ids, every cache slot outside a
-sequence NaN, outputs poisoned), each KV split and tile mode, the kernel's clamping of bad device
-values, agreement with decode_attention and attention on the equivalent contiguous caches,
-opcheck and clear errors; `cuda`: Qwen3-0.6B and Qwen3.5 shapes, and one CUDA graph replayed at
-other lengths."""
+sequence NaN, outputs poisoned), each KV split and tile mode, decode steps over lengths on every
+block and split edge, index tensors read through their strides, the kernel's clamping of bad
+device values, agreement with attention on the equivalent contiguous caches (decode rows sequence
+by sequence, prompts and chunks), opcheck and clear errors; `cuda`: Qwen3-0.6B and Qwen3.5 shapes,
+and one CUDA graph replayed at other lengths."""
 import pytest
 import torch
 
@@ -122,6 +123,25 @@ def test_paged_attention_every_split_count(device, splits, nan_empty):
                      what=f"{splits} splits, one tile per sequence={p.one_tile_per_seq}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tq", [1, 2])
+def test_paged_attention_decode_length_boundaries(device, dtype, tq, nan_empty):
+    """One decode step (tq new tokens per sequence: one tile per sequence, two or more KV splits)
+    over lengths on every edge the key loop has: 1 and tq, the table's blocks (16), the key blocks
+    and splits (16 or 64) and one past them, the table's reach; every slot past each length is NaN
+    and must not reach the output. At length 65 with tq = 2 the first query sees no key of the split
+    from 64: its row stays masked through that split (shifted by 0, not by -inf, which would make
+    NaN) and weighs nothing in the combine."""
+    from csrc_free_ops.paged_attention import plan
+
+    lens = [n for n in (1, 2, 15, 16, 17, 63, 64, 65, 66, 95, 96) if n >= tq]
+    batch = paged_batch(16, 4, 2, 16, [tq] * len(lens), lens, dtype, device)
+    p = plan(batch[0].shape[0], len(lens), 2, 2, 16, tq, batch[5].shape[1] * 16, batch[0].element_size())
+    assert p.one_tile_per_seq and p.num_splits >= 2, p
+    _check_batch(batch, f"decode rows of {tq}, lengths {lens}")
+
+
 def test_plan_modes_and_splits_depend_on_shapes_only():
     """Decode batches get one tile per sequence (the grid is the sequence count), longer chunks
     query tiles covering any batch of N tokens; the split count is a function of the shapes and
@@ -150,32 +170,52 @@ def test_paged_attention_kernel_clamps_bad_values(device):
     storage = torch.full((2, nb + 2, bs, hk, d), NAN, device=device)
     storage[:, 1:nb + 1] = randn(2, nb, bs, hk, d, dtype=torch.float32, device=device)
     k_cache, v_cache = storage[0, 1:nb + 1], storage[1, 1:nb + 1]
-    q = randn(5, hq, d, dtype=torch.float32, device=device)
-    table = torch.tensor([[0, 1], [2, -1], [4, 10**6], [5, 3]], dtype=torch.int32, device=device)
-    lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 20], dtype=torch.int64, device=device)
-    cu = torch.tensor([0, 1, 2, 3, 9], dtype=torch.int32, device=device)  # the last sequence claims rows past N=5
+    q = randn(7, hq, d, dtype=torch.float32, device=device)
+    table = torch.tensor([[0, 1], [2, -1], [4, 10**6], [1, 0], [5, 3]], dtype=torch.int32, device=device)
+    lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 1, 20], dtype=torch.int64, device=device)
+    cu = torch.tensor([0, 1, 2, 3, 5, 11], dtype=torch.int32, device=device)  # the last sequence claims rows past N=7
     out = kernel(q, k_cache, v_cache, cu, lens, table, 0.25, 2)
-    clamped = (torch.tensor([0, 1, 2, 3, 5], device=device), torch.tensor([2 * bs, 0, 2 * bs, 20], device=device),
+    clamped = (torch.tensor([0, 1, 2, 3, 5, 7], device=device), torch.tensor([2 * bs, 0, 2 * bs, 1, 20], device=device),
                table.clamp(0, nb - 1))
     ref = paged_attention_reference(q, k_cache, v_cache, clamped[0], clamped[1], clamped[2], 0.25, 2)
-    assert_close(out[:5], ref[:5], what="clamped values")
+    assert_close(out, ref, what="clamped values")
     assert not out[1].any(), "a negative length sees no key"
+    assert not out[3].any() and out[4].any(), "a query before position 0 (length 1 < 2 new tokens) sees no key"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tq", [1, 2])
-def test_paged_attention_equals_decode_attention(device, tq):
-    """One block per sequence of block_size = L and table [[0], [1], ...] is decode_attention's
-    contiguous cache [B, L, Hk, D] as it is."""
+def test_paged_attention_decode_rows_equal_attention(device, tq):
+    """A contiguous cache [B, L, Hk, D] is a paged one with one block of L per sequence and the table
+    [[0], [1], ...]: decode rows over it give, sequence by sequence, causal attention of the tq
+    queries over the sequence's first seq_len keys (Sk > Sq, the queries last), ragged lengths
+    from tq to L."""
     b, cache_len, hq, hk, d = 3, 64, 4, 2, 32
     k_cache, v_cache = (randn(b, cache_len, hk, d, dtype=torch.float32, device=device) for _ in range(2))
     q = randn(b, tq, hq, d, dtype=torch.float32, device=device)
-    lens = torch.tensor([tq, 37, cache_len], dtype=torch.int32, device=device)
-    expected = torch.ops.qwen.decode_attention(q, k_cache, v_cache, lens, 0.2)
+    lens = [tq, 37, cache_len]
     cu = torch.arange(0, b * tq + 1, tq, dtype=torch.int32, device=device)
     table = torch.arange(b, dtype=torch.int32, device=device)[:, None]
-    out = torch.ops.qwen.paged_attention(q.reshape(b * tq, hq, d), k_cache, v_cache, cu, lens, table, 0.2, tq)
-    assert_close(out.view(b, tq, hq, d), expected, what="paged vs decode_attention")
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = torch.ops.qwen.paged_attention(q.flatten(0, 1), k_cache, v_cache, cu, seq_lens, table, 0.2, tq)
+    for i, n in enumerate(lens):
+        expected = torch.ops.qwen.attention(q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n], 0.2)
+        assert_close(out.view(b, tq, hq, d)[i], expected[0], what=f"paged vs attention, sequence of length {n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_strided_index_tensors(device):
+    """cu_seqlens_q and seq_lens as every other element of a wider tensor (the others values that
+    would break the result if read), the block table column-major: read through their strides."""
+    q, kc, vc, cu, lens, table = paged_batch(16, 4, 2, 16, [1, 3, 1], [5, 20, 40], torch.float32, device)
+
+    def every_other(t):
+        return torch.stack([t, torch.full_like(t, 10**6)], 1)[:, 0]
+
+    strided = (every_other(cu), every_other(lens), table.t().contiguous().t())
+    assert strided[0].stride() == strided[1].stride() == (2,) and strided[2].stride() == (1, 3)
+    assert_close(torch.ops.qwen.paged_attention(q, kc, vc, *strided, 0.25, 3),
+                 paged_attention_reference(q, kc, vc, cu, lens, table, 0.25, 3), what="strided index tensors")
 
 
 @pytest.mark.parametrize("device", DEVICES)

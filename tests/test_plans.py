@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import qwen_ops  # noqa: F401
-from qwen_ops import (add_rms_norm_reference, decode_attention_reference, kv_cache_store_reference, linear_reference,
-                      rms_norm_reference, rope_reference, silu_mul_reference)
+from qwen_ops import (add_rms_norm_reference, kv_cache_store_slots_reference, linear_reference,
+                      paged_attention_reference, rms_norm_reference, rope_reference, silu_mul_reference)
 from qwen_ops import plans
 from qwen_ops.registry import plan_tables
 from tests.helpers import assert_close, randn
@@ -49,7 +49,10 @@ def r(*shape, dtype=bf):
     return torch.randn(*shape).to(dtype)
 
 
-L = 64
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
 CASES = {  # op -> (make fresh arguments of one signature, whether a plan must be made)
     "rms_norm": (lambda: (r(3, 96), r(96), 1e-6, 0.0), True),
     # x 2 bytes past a 16-byte boundary: another signature, and another compiled kernel
@@ -59,10 +62,13 @@ CASES = {  # op -> (make fresh arguments of one signature, whether a plan must b
     "silu_mul": (lambda: (r(2, 1, 128),), True),
     "rope": (lambda: (r(1, 2, 4, 32), r(1, 2, 2, 32), torch.tensor([[5, 6]]), 1e6, 32, r(32), r(32), 1e-6, 0.0),
              True),
-    "kv_cache_store": (lambda: (r(1, 1, 2, 32), r(1, 1, 2, 32), r(1, L, 2, 32), r(1, L, 2, 32), torch.tensor([[9]])),
-                       True),
-    "decode_attention": (lambda: (r(2, 1, 4, 32), r(2, L, 2, 32), r(2, L, 2, 32), torch.tensor([7, 40], dtype=torch.int32),
-                                  0.2), True),
+    "kv_cache_store_slots": (lambda: (r(1, 2, 32), r(1, 2, 32), r(4, 16, 2, 32), r(4, 16, 2, 32), torch.tensor([9])),
+                             True),
+    # two decode rows over paged caches of 6 blocks of 16, tables reaching 80 positions: two KV
+    # splits, then the combine
+    "paged_attention": (lambda: (r(2, 4, 32), r(6, 16, 2, 32), r(6, 16, 2, 32), i32(0, 1, 2), i32(7, 70),
+                                 torch.tensor([[2, 0, 0, 0, 0], [3, 1, 5, 4, 0]], dtype=torch.int32), 0.2, 1),
+                        True),
     "rms_norm_backward": (lambda: (r(3, 96), r(3, 96), r(96), 1e-6, 0.0, None), True),
     # positions expanded over the batch: the launcher copies them to one stride (an aten copy), so no plan
     "rope, expanded positions": (lambda: (r(2, 1, 4, 32), r(2, 1, 2, 32), torch.tensor([[5]]).expand(2, 1), 1e6, 32,
@@ -282,14 +288,16 @@ def test_replayed_calls_match_the_references():
         pos = torch.randint(0, 300, (1, 1), device=dev)
         for got, want in zip(ops.rope(q, k, pos, 1e6, 128, qn, kn), rope_reference(q, k, pos, 1e6, 128, qn, kn)):
             assert_close(got, want, what="rope")
-        caches = [randn(1, 300, 8, 128, dtype=bf, device=dev) for _ in range(2)]
+        caches = [randn(19, 16, 8, 128, dtype=bf, device=dev) for _ in range(2)]  # paged: 19 blocks of 16
+        table = torch.randperm(19, device=dev).to(torch.int32)[None]
+        slots = table[0, pos[0] // 16] * 16 + pos[0] % 16
         expected = [c.clone() for c in caches]
-        ops.kv_cache_store(k, v, *caches, pos)
-        kv_cache_store_reference(k, v, *expected, pos)
+        ops.kv_cache_store_slots(k[0], v[0], *caches, slots)
+        kv_cache_store_slots_reference(k[0], v[0], *expected, slots)
         for got, want in zip(caches, expected):
-            assert torch.equal(got, want), "kv_cache_store"
-        lens = torch.randint(1, 301, (1,), device=dev, dtype=torch.int32)
-        assert_close(ops.decode_attention(q, *caches, lens, 128 ** -0.5),
-                     decode_attention_reference(q, *caches, lens, 128 ** -0.5), what="decode_attention")
-    for op in ("rms_norm", "add_rms_norm", "linear", "silu_mul", "rope", "kv_cache_store", "decode_attention"):
+            assert torch.equal(got, want), "kv_cache_store_slots"
+        cu, lens = torch.tensor([0, 1], dtype=torch.int32, device=dev), pos[0].to(torch.int32) + 1
+        assert_close(ops.paged_attention(q[0], *caches, cu, lens, table, 128 ** -0.5, 1),
+                     paged_attention_reference(q[0], *caches, cu, lens, table, 128 ** -0.5, 1), what="paged_attention")
+    for op in ("rms_norm", "add_rms_norm", "linear", "silu_mul", "rope", "kv_cache_store_slots", "paged_attention"):
         assert any(map(callable, plan_tables[op].values())), f"{op}: no plan was made"

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qwen_ops
-from qwen_ops import (add_rms_norm_reference, attention_reference, decode_attention_reference,
-                      kv_cache_store_reference, linear_reference, linear_residual_reference,
-                      norm_gate_up_silu_reference, norm_linear_reference, norm_qkv_rope_store_reference,
-                      rms_norm_reference, rope_reference, silu_mul_reference)
+from csrc_free_ops.common import cdiv
+from qwen_ops import (add_rms_norm_reference, attention_reference, kv_cache_store_slots_reference, linear_reference,
+                      linear_residual_reference, norm_gate_up_silu_reference, norm_linear_reference,
+                      norm_qkv_rope_store_reference, paged_attention_reference, rms_norm_reference, rope_reference,
+                      silu_mul_reference)
 from tests.helpers import REL_TOL, assert_close
 
 ON_GPU = torch.cuda.is_available()
@@ -125,18 +126,23 @@ def test_fused_decode_gemv_property(data, m, k, n, dtype, eps, offset, bias, str
 
 
 @PROPERTY
-@given(data=st.data(), b=small, t=st.integers(1, 3), hk=st.integers(1, 2), group=st.integers(1, 3),
+@given(data=st.data(), n=st.integers(1, 9), hk=st.integers(1, 2), group=st.integers(1, 3),
        d=st.sampled_from([16, 32]), k=st.integers(1, 96), dtype=dtypes, gated=st.booleans(), bias=st.booleans(),
        norm=st.booleans(), offset=st.sampled_from([0.0, 1.0]))
-def test_norm_qkv_rope_store_property(data, b, t, hk, group, d, k, dtype, gated, bias, norm, offset):
+def test_norm_qkv_rope_store_property(data, n, hk, group, d, k, dtype, gated, bias, norm, offset):
+    """n rows at drawn positions, stored at drawn distinct slots of a paged cache (padding rows: -1)."""
     hq = hk * group
     rows = (hq * (2 if gated else 1) + 2 * hk) * d
     rot = data.draw(st.sampled_from([r for r in range(2, d + 1, 2)]), label="rotary_dim")
-    cache_len = data.draw(st.integers(t, 12), label="cache_len")
+    num_blocks = data.draw(st.integers(1, 2), label="num_blocks")
+    slots = data.draw(st.lists(st.integers(0, num_blocks * 16 - 1), min_size=n, max_size=n, unique=True), label="slots")
+    padding = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="padding rows")
+    slots = torch.tensor([-1 if pad else slot for slot, pad in zip(slots, padding)], device=DEVICE)
+    positions = torch.tensor(data.draw(st.lists(st.integers(0, 63), min_size=n, max_size=n), label="positions"),
+                             device=DEVICE)
     r = lambda *shape: torch.randn(*shape, device=DEVICE).to(dtype)  # noqa: E731
-    positions = torch.stack([torch.randperm(cache_len, device=DEVICE)[:t] for _ in range(b)])
-    args = [r(b, t, k), r(k), r(rows, k), r(rows) if bias else None, r(d) if norm else None, r(d) if norm else None,
-            r(b, cache_len, hk, d), r(b, cache_len, hk, d), positions, 1e-6, offset, 1e4, rot, hq, gated]
+    args = [r(n, k), r(k), r(rows, k), r(rows) if bias else None, r(d) if norm else None, r(d) if norm else None,
+            r(num_blocks, 16, hk, d), r(num_blocks, 16, hk, d), positions, slots, 1e-6, offset, 1e4, rot, hq, gated]
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     assert_close(torch.ops.qwen.norm_qkv_rope_store(*args), norm_qkv_rope_store_reference(*ref_args),
                  fused_tol(dtype))
@@ -182,22 +188,33 @@ def test_attention_property(b, sq, extra, hk, group, d, dtype, causal):
 
 
 @PROPERTY
-@given(data=st.data(), b=small, tq=st.integers(1, 3), cache_len=st.integers(3, 150), hk=st.integers(1, 2),
-       group=st.integers(1, 3), d=st.sampled_from([16, 32]), dtype=dtypes)
-def test_decode_attention_and_cache_store_property(data, b, tq, cache_len, hk, group, d, dtype):
-    tq = min(tq, cache_len)
-    lengths = data.draw(st.lists(st.integers(tq, cache_len), min_size=b, max_size=b), label="cache_seqlens")
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    k_cache, v_cache = (torch.randn(b, cache_len, hk, d, device=DEVICE).to(dtype) for _ in range(2))
-    k_new, v_new = (torch.randn(b, tq, hk, d, device=DEVICE).to(dtype) for _ in range(2))
-    positions = seqlens[:, None].long() - tq + torch.arange(tq, device=DEVICE)
+@given(data=st.data(), b=small, hk=st.integers(1, 2), group=st.integers(1, 3), d=st.sampled_from([16, 32]),
+       dtype=dtypes)
+def test_paged_cache_store_and_attention_property(data, b, hk, group, d, dtype):
+    """A decode step: a few new tokens per sequence (none for some), stored at their slots in
+    drawn, shuffled blocks of 16, then attention over the cache; both against their references."""
+    qlens = data.draw(st.lists(st.integers(0, 3), min_size=b, max_size=b), label="new tokens")
+    lengths = [data.draw(st.integers(max(q, 1), 150), label="seq_len") for q in qlens]
+    blocks = [cdiv(n, 16) for n in lengths]
+    num_blocks = sum(blocks) + data.draw(st.integers(0, 3), label="spare blocks")
+    ids = data.draw(st.permutations(range(num_blocks)), label="block ids")
+    table = torch.zeros(b, max(blocks), dtype=torch.int32)
+    for i, count in enumerate(blocks):
+        table[i, :count] = torch.tensor(ids[sum(blocks[:i]):sum(blocks[:i + 1])])
+    seq = torch.repeat_interleave(torch.arange(b), torch.tensor(qlens))
+    pos = torch.cat([torch.arange(n - q, n) for q, n in zip(qlens, lengths)])
+    slots = (table[seq, pos // 16].long() * 16 + pos % 16).to(DEVICE)
+    k_cache, v_cache = (torch.randn(num_blocks, 16, hk, d, device=DEVICE).to(dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(len(pos), hk, d, device=DEVICE).to(dtype) for _ in range(2))
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    torch.ops.qwen.kv_cache_store(k_new, v_new, k_cache, v_cache, positions)
-    kv_cache_store_reference(k_new, v_new, ref_k, ref_v, positions)
+    torch.ops.qwen.kv_cache_store_slots(k_new, v_new, k_cache, v_cache, slots)
+    kv_cache_store_slots_reference(k_new, v_new, ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    q = torch.randn(b, tq, hk * group, d, device=DEVICE).to(dtype)
-    assert_close(torch.ops.qwen.decode_attention(q, k_cache, v_cache, seqlens, 0.3),
-                 decode_attention_reference(q, k_cache, v_cache, seqlens, 0.3), tol(dtype))
+    q = torch.randn(len(pos), hk * group, d, device=DEVICE).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, cu, torch.tensor(lengths, dtype=torch.int32, device=DEVICE), table.to(DEVICE), 0.3,
+            max(qlens))
+    assert_close(torch.ops.qwen.paged_attention(*args), paged_attention_reference(*args), tol(dtype))
 
 
 @pytest.mark.parametrize("op,make", [

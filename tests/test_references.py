@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_ops import (add_rms_norm_reference, attention_reference, attention_with_lse_reference,
-                      decode_attention_reference, kv_cache_store_reference, linear_reference, rms_norm_reference,
+                      kv_cache_store_slots_reference, linear_reference, paged_attention_reference, rms_norm_reference,
                       rope_reference, silu_mul_reference)
 from tests.helpers import assert_close
 
@@ -81,12 +81,30 @@ def test_attention_reference_against_loops():
     assert_close(attention_reference(q, k, v, 0.4, causal=False), _naive_attention(q, k, v, 0.4, lambda b, i, j: True))
 
 
-def test_decode_attention_reference_against_loops():
+def _paged(caches, block_size, spare):
+    """Contiguous caches [B, L, Hk, D] (L a multiple of block_size) as paged ones: each sequence's
+    blocks at shuffled ids of a pool with `spare` more blocks, of NaN -> (pools, block_table)."""
+    b, length, hk, d = caches[0].shape
+    per = length // block_size
+    table = torch.randperm(b * per + spare)[:b * per].view(b, per)
+    pools = []
+    for c in caches:
+        pool = torch.full((b * per + spare, block_size, hk, d), float("nan"), dtype=c.dtype)
+        pool[table.flatten()] = c.reshape(b * per, block_size, hk, d)
+        pools.append(pool)
+    return pools, table.to(torch.int32)
+
+
+def test_paged_attention_reference_against_loops():
+    """Two new tokens per sequence, lengths ending inside the first block and in the second."""
     q = torch.randn(2, 2, 4, 8, dtype=torch.float64)
-    kc, vc = torch.randn(2, 9, 2, 8, dtype=torch.float64), torch.randn(2, 9, 2, 8, dtype=torch.float64)
-    lens = torch.tensor([3, 9], dtype=torch.int32)
+    kc, vc = torch.randn(2, 32, 2, 8, dtype=torch.float64), torch.randn(2, 32, 2, 8, dtype=torch.float64)
+    lens = torch.tensor([3, 25], dtype=torch.int32)
     expected = _naive_attention(q, kc, vc, 0.3, lambda b, i, j: j <= int(lens[b]) - 2 + i)
-    assert_close(decode_attention_reference(q, kc, vc, lens, 0.3), expected)
+    (k_pool, v_pool), table = _paged((kc, vc), 16, spare=2)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    assert_close(paged_attention_reference(q.flatten(0, 1), k_pool, v_pool, cu, lens, table, 0.3, 2),
+                 expected.flatten(0, 1))
 
 
 def _sdpa64(q, k, v, scale, keep=None):
@@ -115,47 +133,48 @@ def test_attention_reference_matches_float64_sdpa():
         assert_close(attention_reference(q.float(), k.float(), v.float(), 0.3, causal), expected.float())
 
 
-def _decode_expected(q, k_cache, v_cache, lens, scale):
-    """Per sequence b: float64 SDPA of its Tq queries over cache[b, :lens[b]], query t seeing the slots up to
-    lens[b] - Tq + t."""
-    tq = q.shape[1]
-    outs = []
-    for b, n in enumerate(lens):
-        keep = torch.arange(n)[None, :] <= torch.arange(tq)[:, None] + (n - tq)
-        outs.append(_sdpa64(q[b], k_cache[b, :n], v_cache[b, :n], scale, keep))
-    return torch.stack(outs)
-
-
-def test_decode_attention_reference_matches_float64_sdpa_on_ragged_batches():
-    """Ragged lengths (one just Tq, one the whole cache) and equal ones, NaN in both caches past each
-    length: float64 stays float64 and equals float64 SDPA over each sequence's own slots; fp32 within
-    fp32 rounding of it. No NaN reaches the output, whatever the cache's capacity past the lengths."""
-    hq, hk, d, cache_len = 4, 2, 16, 90
-    for tq, lens in ((1, [1, 37, 64, 90]), (3, [3, 40, 41, 90]), (2, [50, 50])):
-        b = len(lens)
-        q = torch.randn(b, tq, hq, d, dtype=torch.float64)
-        k_cache, v_cache = torch.randn(2, b, cache_len, hk, d, dtype=torch.float64)
+def test_paged_attention_reference_matches_float64_sdpa_on_ragged_batches():
+    """Ragged lengths (one just its new tokens, one the table's whole reach) and equal ones, decode
+    rows and chunks, NaN past each length (in its last block, and the pool's spare blocks):
+    float64 stays float64 and equals float64 SDPA over each sequence's own positions; fp32 within
+    fp32 rounding of it. No NaN reaches the output, and a wider table (its extra entries into NaN
+    blocks) does not change the result."""
+    hq, hk, d, length = 4, 2, 16, 96
+    for qlens, lens in (([1, 1, 1, 1], [1, 37, 64, 96]), ([3, 1, 3, 3], [3, 40, 41, 96]), ([2, 2], [50, 50]),
+                        ([20, 1], [20, 77])):
+        b, what = len(lens), f"new tokens {qlens} lengths {lens}"
+        k_cache, v_cache = torch.randn(2, b, length, hk, d, dtype=torch.float64)
         for i, n in enumerate(lens):
             k_cache[i, n:] = v_cache[i, n:] = float("nan")
-        seqlens = torch.tensor(lens, dtype=torch.int32)
-        expected = _decode_expected(q, k_cache, v_cache, lens, 0.3)
-        out = decode_attention_reference(q, k_cache, v_cache, seqlens, 0.3)
-        assert out.dtype == torch.float64 and torch.isfinite(out).all(), f"Tq={tq} lengths {lens}"
-        assert_close(out, expected, what=f"float64 Tq={tq} lengths {lens}")
-        out32 = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), seqlens, 0.3)
+        (k_pool, v_pool), table = _paged((k_cache, v_cache), 16, spare=3)
+        cu = [0] + torch.tensor(qlens).cumsum(0).tolist()
+        q = torch.randn(cu[-1], hq, d, dtype=torch.float64)
+        expected = torch.cat([_sdpa64(q[cu[i]:cu[i + 1]], k_cache[i, :n], v_cache[i, :n], 0.3,
+                                      torch.arange(n)[None, :] <= torch.arange(qlens[i])[:, None] + (n - qlens[i]))
+                              for i, n in enumerate(lens)])
+        args = (torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+        out = paged_attention_reference(q, k_pool, v_pool, *args, table, 0.3, max(qlens))
+        assert out.dtype == torch.float64 and torch.isfinite(out).all(), what
+        assert_close(out, expected, what=f"float64 {what}")
+        out32 = paged_attention_reference(q.float(), k_pool.float(), v_pool.float(), *args, table, 0.3, max(qlens))
         assert out32.dtype == torch.float32 and torch.isfinite(out32).all()
-        assert_close(out32, expected.float(), what=f"fp32 Tq={tq} lengths {lens}")
-        nan_slots = torch.full((b, 4000, hk, d), float("nan"), dtype=torch.float64)
-        longer = [torch.cat([c, nan_slots], 1) for c in (k_cache, v_cache)]
-        assert torch.equal(decode_attention_reference(q, *longer, seqlens, 0.3), out), "the capacity changed the result"
+        assert_close(out32, expected.float(), what=f"fp32 {what}")
+        spare = [j for j in range(k_pool.shape[0]) if j not in table]
+        wider = torch.cat([table, torch.tensor(spare, dtype=torch.int32).expand(b, -1)], 1)
+        assert torch.equal(paged_attention_reference(q, k_pool, v_pool, *args, wider, 0.3, max(qlens)), out), \
+            f"the table's width changed the result ({what})"
 
 
-def test_kv_cache_store_reference():
-    k, v = torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)
-    kc, vc = torch.zeros(2, 6, 1, 4), torch.zeros(2, 6, 1, 4)
-    pos = torch.tensor([[0, 2, 4], [5, 1, 3]])
-    kv_cache_store_reference(k, v, kc, vc, pos)
-    for b in range(2):
-        for t in range(3):
-            assert torch.equal(kc[b, pos[b, t]], k[b, t]) and torch.equal(vc[b, pos[b, t]], v[b, t])
-    assert kc[0, 1].abs().sum() == 0 and kc[1, 0].abs().sum() == 0
+def test_kv_cache_store_slots_reference():
+    """Row slot_mapping[i] of the [num_blocks * block_size, Hk, D] views gets token i; a slot < 0 or
+    past the cache is not written."""
+    k, v = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
+    kc, vc = torch.zeros(2, 16, 1, 4), torch.zeros(2, 16, 1, 4)
+    slots = torch.tensor([0, 17, -1, 31, 32])
+    kv_cache_store_slots_reference(k, v, kc, vc, slots)
+    for i, slot in ((0, 0), (1, 17), (3, 31)):
+        block, offset = divmod(slot, 16)
+        assert torch.equal(kc[block, offset], k[i]) and torch.equal(vc[block, offset], v[i])
+    written = torch.zeros(32, dtype=torch.bool)
+    written[[0, 17, 31]] = True
+    assert not kc.flatten(0, 1)[~written].any() and not vc.flatten(0, 1)[~written].any()

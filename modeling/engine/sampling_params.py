@@ -1,0 +1,189 @@
+"""``SamplingParams``: how a request picks its tokens and when it stops, vLLM's fields and names;
+every value checked when the params are made (a ``ValueError`` naming each bad one).
+
+The engine applies them per sequence (``modeling.engine.sampler``); ``LLM`` and the server read
+the text-level ones (``stop``, ``skip_special_tokens``) as they build a completion's text.
+"""
+
+import hashlib
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..common import is_int
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest temperature the device's fp32 sampling values can hold."""
+INT64_LIMIT = 2**63
+"""top_k and seeds live in int64 device tensors and generators: values must stay below this."""
+MAX_LOGPROBS = 20
+"""``SamplingParams.logprobs`` at most (OpenAI's limit)."""
+MAX_STOP_IDS = 16
+"""Stop token ids (EOS and ``stop_token_ids``) a request may name, at most."""
+MAX_N = 128
+"""``SamplingParams.n`` at most (OpenAI's limit)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (vLLM's ``SamplingParams``, the fields below).
+
+    Tokens, in vLLM's order: penalties on the raw logits, then the temperature, then min-p, top-k
+    and top-p; each request draws from its own counter-based stream (``modeling.engine.sampler``).
+
+    - ``temperature`` 0 means greedy; ``top_k`` 0 means no top-k (any k >= the vocabulary is the
+      same); ``top_p`` 1.0 means no top-p; ``seed`` None draws a fresh seed for the request.
+    - ``repetition_penalty`` (> 0, 1.0 off; transformers' and vLLM's): each token that occurs in
+      the prompt or the output so far has its logit l replaced by l / r if l > 0, else l * r.
+    - ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0 off; OpenAI's): with c_t the
+      count of token t in the output so far, ``l_t -= presence * (c_t > 0) + frequency * c_t``.
+    - ``min_p`` (in [0, 1], 0 off; transformers' ``MinPLogitsWarper``): after the temperature,
+      drop the tokens whose probability is below ``min_p`` times the most likely token's.
+    - ``logprobs`` (None: none; k in [0, 20]): each output token comes with its log-probability
+      and the k most likely tokens' (id, log-probability), best first. These are of the raw
+      model distribution, ``log_softmax(logits)`` before penalties and temperature (vLLM's
+      default, "raw_logprobs"), whatever the sampling settings.
+    - ``n``: completions of the prompt; completion i draws with ``choice_seed(seed, i)``, so the
+      first is the one ``n=1`` gives and a seeded request's completions are reproducible.
+
+    Stopping: ``max_tokens`` new tokens at most (None: the caller's default; ``LLM`` takes the
+    checkpoint's ``max_new_tokens``, else ``modeling.api.llm.DEFAULT_MAX_TOKENS``); ``stop``:
+    strings that end a completion (a str or a sequence of them; the text returned stops before the
+    first match); ``stop_token_ids``: token ids that end it besides the tokenizer's EOS ids;
+    ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of the
+    text. Lists are stored as tuples (the params are hashable).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = None
+    stop: Tuple[str, ...] = ()
+    stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+    n: int = 1
+
+    def __post_init__(self):
+        problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
+        problems += penalty_errors(self.min_p, self.presence_penalty, self.frequency_penalty,
+                                   self.repetition_penalty, self.logprobs)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            problems.append(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+            stop = ()
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                problems.append(f"stop strings must be non-empty strings, got {s!r}")
+            elif not _is_unicode(s):
+                problems.append(f"stop string {s!r} is not valid Unicode (a lone surrogate)")
+        try:
+            stop_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            problems.append(f"stop_token_ids must be a sequence of integers, got {self.stop_token_ids!r}")
+            stop_ids = ()
+        for t in stop_ids:
+            if not (is_int(t) and 0 <= t < INT64_LIMIT):
+                problems.append(f"stop_token_ids must be integers >= 0, got {t!r}")
+        if not (is_int(self.n) and 1 <= self.n <= MAX_N):
+            problems.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        # plain Python values (numpy / torch scalars in, ints and floats out) and tuples
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+        if self.max_tokens is not None:
+            object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", int(self.logprobs))
+        object.__setattr__(self, "n", int(self.n))
+
+    @property
+    def has_penalty(self) -> bool:
+        """Some penalty is on (the engine then counts the sequence's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def mode(self) -> str:
+        return sampling_mode(self.temperature, self.top_k, self.top_p)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional[int] = None) -> list:
+    """Messages naming each invalid value (empty when all are valid)."""
+    errors = []
+    if not (_is_real(temperature) and 0 <= temperature <= FLOAT32_MAX):
+        errors.append(f"temperature must be a finite number >= 0 (at most 3.4e38, float32's largest), "
+                      f"got {temperature!r}")
+    if not (is_int(top_k) and 0 <= top_k < INT64_LIMIT):
+        errors.append(f"top_k must be an integer in [0, 2**63) (0 disables it), got {top_k!r}")
+    if not (_is_real(top_p) and 0 < top_p <= 1):
+        errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
+    if seed is not None and not (is_int(seed) and 0 <= seed < INT64_LIMIT):
+        errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return errors
+
+
+def penalty_errors(min_p: float, presence_penalty: float, frequency_penalty: float, repetition_penalty: float,
+                   logprobs: Optional[int]) -> list:
+    """Messages naming each invalid value of min-p, the penalties and logprobs (empty when all are valid)."""
+    errors = []
+    if not (_is_real(min_p) and 0 <= min_p <= 1):
+        errors.append(f"min_p must lie in [0, 1] (0 disables it), got {min_p!r}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (_is_real(value) and -2 <= value <= 2):
+            errors.append(f"{name} must lie in [-2, 2] (0 disables it), got {value!r}")
+    if not (_is_real(repetition_penalty) and 0 < repetition_penalty <= FLOAT32_MAX):
+        errors.append(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition_penalty!r}")
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+        errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
+    return errors
+
+
+def sampling_mode(temperature: float, top_k: int, top_p: float) -> str:
+    """What the sampler must compute for these values: ``greedy`` (temperature 0 or top-k 1: the
+    argmax), ``sample`` (the temperature alone) or ``top`` (a top-k or top-p cut: a sort)."""
+    if temperature == 0 or top_k == 1:
+        return "greedy"
+    if top_k == 0 and top_p >= 1:
+        return "sample"
+    return "top"
+
+
+def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
+    """The seed of completion ``i`` of a request seeded with ``seed``: the seed itself for the first
+    (so it samples as ``n=1`` does), a hash of (seed, i) for the others (None stays None)."""
+    if seed is None or i == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % INT64_LIMIT
