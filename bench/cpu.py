@@ -4,14 +4,14 @@ CUDA runs) and transformers' own CPU forward, on the same random Qwen3-shaped we
     python -m bench.cpu [--shape qwen3-0.6b|small] [--layers N] [--context 256] [--steps 4]
                         [--prompt 128] [--cache-lens 512 4096] [--rounds 3] [--threads N] [--profile K] [--out DIR]
 
-- decode: ms per token, batch 1, greedy input, continuing a prefill of ``--context`` tokens for
-  ``--steps`` steps. Ours: the model's decode step (``model(token, position, cache, seqlens)``,
-  what ``Generator`` runs without CUDA: the fused decode ops' references at batch 1) with a cache
-  of each ``--cache-lens`` capacity (default: what ``LLM`` allocates for the call, at least 256
-  positions, then powers of two; and 4096, ``Generator``'s default); transformers: ``model(token,
+- decode: ms per token, batch 1, greedy, continuing a prefill of ``--context`` tokens for
+  ``--steps`` steps. Ours: the engine's decode steps (what ``LLM`` runs without CUDA: the fused
+  decode ops' references at batch 1, the engine's host work and sampling included) in an engine
+  of each ``--cache-lens`` ``max_model_len`` (default: what ``LLM`` sizes for the call, at least
+  256 positions, then powers of two; and 4096); transformers: ``model(token,
   past_key_values=DynamicCache)``, its cache cropped back to the context after each round.
-- prefill: one forward of a ``--prompt``-token prompt to the last position's logits (ours:
-  ``model(ids, positions, cache)``; transformers with ``logits_to_keep=1``).
+- prefill: a ``--prompt``-token prompt to its first token (ours: the engine's prefill step and
+  sampling; transformers: a forward with ``logits_to_keep=1``).
 
 The machine's cores may be shared, so each round measures every row back to back (drift reaches
 them alike; the odd rounds run the rows in reverse order). Each row is timed twice: wall time and
@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from modeling import QwenConfig, QwenForCausalLM
-from modeling.api.llm import MIN_AUTO_SEQ_LEN
+from modeling import Engine, QwenConfig, QwenForCausalLM, SamplingParams
+from modeling.api.llm import MIN_AUTO_MODEL_LEN
+from modeling.model.device import backend_name
 from modeling.model.loader import load_plan
 from modeling.model.random_checkpoint import QWEN3_0_6B, config_dict
-from modeling.generation.runtime import backend_name
 
 PEER_ROWS = {"decode": "decode, transformers (DynamicCache)", "prefill": "prefill, transformers"}
 SHAPES = {
@@ -72,8 +72,8 @@ def build_models(fields: dict, seed: int = 0):
 
 
 def llm_cache_len(need: int) -> int:
-    """The cache ``LLM`` allocates for ``need`` positions (``max_seq_len=None``)."""
-    return max(MIN_AUTO_SEQ_LEN, 1 << (need - 1).bit_length())
+    """The ``max_model_len`` ``LLM`` sizes its engine to for ``need`` positions (``max_model_len=None``)."""
+    return max(MIN_AUTO_MODEL_LEN, 1 << (need - 1).bit_length())
 
 
 def timed(fn, per: int = 1) -> tuple[float, float]:
@@ -84,25 +84,31 @@ def timed(fn, per: int = 1) -> tuple[float, float]:
 
 
 class Ours:
-    """Our model's decode steps on caches of the given capacities, and its prefill (a cache of its own)."""
+    """The engine's decode steps in engines of the given ``max_model_len``s, and its prefill step."""
 
     def __init__(self, model: QwenForCausalLM, context_ids, cache_lens, prompt_len: int):
-        self.model, self.context = model, context_ids.shape[1]
-        self.caches = {n: model.new_cache(1, n) for n in cache_lens}
-        for cache in self.caches.values():  # the context each decode step continues
-            model(context_ids, torch.arange(self.context)[None], cache)
-        self.prefill_cache = model.new_cache(1, prompt_len)
+        self.context = context_ids[0].tolist()
+        self.engines = {n: Engine(model, max_num_seqs=1, max_model_len=n, prefix_caching=False) for n in cache_lens}
+        self.prefill_engine = Engine(model, max_num_seqs=1, max_model_len=prompt_len + 1, prefix_caching=False,
+                                     max_num_batched_tokens=max(prompt_len, 8192))
+        self.seq = None
 
-    def decode(self, cache_len: int, steps: int) -> None:
-        """``steps`` steps after the context (the same positions every round)."""
-        token, cache = torch.zeros(1, 1, dtype=torch.int64), self.caches[cache_len]
-        for i in range(steps):
-            pos = torch.full((1, 1), self.context + i)
-            lens = torch.full((1,), self.context + i + 1, dtype=torch.int32)
-            token = self.model(token, pos, cache, lens).argmax(-1, keepdim=True)
+    def start(self, cache_len: int, steps: int) -> None:
+        """The context prefilled (not timed): its first token sampled, ``steps`` more to go."""
+        engine = self.engines[cache_len]
+        self.seq = engine.add(self.context, SamplingParams(), steps + 1)
+        while self.seq.num_output == 0:
+            engine.step()
 
-    def prefill(self, ids) -> torch.Tensor:
-        return self.model(ids, torch.arange(ids.shape[1])[None], self.prefill_cache)
+    def decode(self, cache_len: int) -> None:
+        """The started sequence's remaining steps (the same positions every round)."""
+        engine = self.engines[cache_len]
+        while engine.has_work():
+            engine.step()
+
+    def prefill(self, ids) -> None:
+        engine = self.prefill_engine
+        engine.generate([ids[0].tolist()], SamplingParams(), 1)
 
 
 class Peer:
@@ -148,7 +154,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=4, help="decode steps per round")
     p.add_argument("--prompt", type=int, default=128, help="prefill tokens")
     p.add_argument("--cache-lens", type=int, nargs="+", default=None,
-                   help="our cache capacities (default: LLM's for context + steps, and 4096)")
+                   help="our engines' max_model_len (default: LLM's for context + steps, and 4096)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None,
                    help="torch's CPU threads (default: torch's own; 1 is steadier on a shared machine)")
@@ -164,14 +170,16 @@ def parse_args():
 def measure(a, ours: Ours, peer: Peer, prompt_ids) -> dict:
     """(wall, CPU) seconds per row (per token for decode, per prefill), one entry per round; every
     row in each round, the odd rounds in reverse order (no row always runs first or after another)."""
-    decode = [(f"decode, ours, cache of {n}", lambda n=n: ours.decode(n, a.steps)) for n in a.cache_lens]
-    decode.append((PEER_ROWS["decode"], lambda: peer.decode(a.steps)))
+    decode = [(f"decode, ours, max_model_len {n}", lambda n=n: ours.start(n, a.steps), lambda n=n: ours.decode(n))
+              for n in a.cache_lens]
+    decode.append((PEER_ROWS["decode"], lambda: None, lambda: peer.decode(a.steps)))
     prefill = [("prefill, ours", lambda: ours.prefill(prompt_ids)),
                (PEER_ROWS["prefill"], lambda: peer.prefill(prompt_ids))]
-    rows = {name: [] for name, _ in decode + prefill}
+    rows = {row[0]: [] for row in decode + prefill}
     for r in range(a.rounds):
         order = -1 if r % 2 else 1
-        for name, fn in decode[::order]:
+        for name, start, fn in decode[::order]:
+            start()
             rows[name].append(timed(fn, a.steps))
         peer.crop(a.steps)
         for name, fn in prefill[::order]:
@@ -183,7 +191,8 @@ def measure(a, ours: Ours, peer: Peer, prompt_ids) -> dict:
 
 def print_profiles(a, ours: Ours, peer: Peer, prompt_ids) -> None:
     n = a.cache_lens[0]
-    for name, fn in [(f"ours, decode step, cache of {n}", lambda: ours.decode(n, 1)),
+    ours.start(n, 1)
+    for name, fn in [(f"ours, decode step, max_model_len {n}", lambda: ours.decode(n)),
                      ("transformers, decode step", lambda: (peer.decode(1), peer.crop(1))),
                      ("ours, prefill", lambda: ours.prefill(prompt_ids)),
                      ("transformers, prefill", lambda: peer.prefill(prompt_ids))]:
@@ -228,7 +237,7 @@ def main():
           f"{torch.get_num_threads()} threads", flush=True)
     with torch.inference_mode():
         ours, peer = Ours(model, context_ids, a.cache_lens, a.prompt), Peer(hf, context_ids)
-        diff = (ours.prefill(prompt_ids) - peer.prefill(prompt_ids)).abs().max().item()
+        diff = (model(prompt_ids)[:, -1] - peer.prefill(prompt_ids)).abs().max().item()
         print(f"max |logit ours - transformers|, prefill of {a.prompt} tokens: {diff:.2e}", flush=True)
         rows = measure(a, ours, peer, prompt_ids)
         if a.profile:

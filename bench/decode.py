@@ -5,40 +5,32 @@
 
 Rows (random weights, bf16, greedy, ms per decode step; one step decodes the whole batch):
 
-- ours, CUDA graph: the Generator's default path (`modeling.generation.generator.Generator`), batch 1 at
-  context 256 and 2048, batch 8 and 32 at context 256; wall time of the decode loop over
-  `--steps` steps (token readback included);
-- ours, eager: the same step without the graph (one Python launch per op);
-- ours unfused, CUDA graph: the op-by-op decode step (`model.fused_decode = False`);
-- torch eager / torch.compile: a plain PyTorch model of the same architecture (bf16 `F.linear`,
-  `F.rms_norm`, rotate-half RoPE, SDPA over a static KV cache of exactly context + steps
+- ours: the engine's decode-only steps (``modeling.engine.Engine``: what ``LLM``, the command
+  line and the server run), ``batch`` prompts of ``context`` tokens prefilled, then ``--steps``
+  decode steps timed from their first token on (CUDA graphs captured, lookahead on, every token
+  read back on the host); with the decode kernels the step runner picks (``ours``: the
+  persistent kernel at batch 1 for Qwen3, the fused decode ops for Qwen3.5, op by op at batch
+  8) and each forced (``ours, persistent kernel`` / ``fused ops`` / ``op by op``:
+  ``Engine(decode_kernels=...)``), batch 1 at context 256 and 2048, batch 8 at context 256;
+- ours, eager: the same steps without CUDA graphs (one Python launch per op);
+- ours, weights after the PDL wait: the fused step with ``fused_decode.PREFETCH`` off (each
+  program of a fused GEMV streams its weights only after the previous kernel has finished);
+- torch eager / torch.compile: a plain PyTorch model of the same architecture (bf16 ``F.linear``,
+  ``F.rms_norm``, rotate-half RoPE, SDPA over a static KV cache of exactly context + steps
   positions so masked attention over unused slots costs little), gpt-fast style, compiled with
-  mode="reduce-overhead" (`--max-autotune` for max-autotune, which compiles for minutes);
-- transformers, static cache (when importable): `generate(cache_implementation="static")`,
+  mode="reduce-overhead" (``--max-autotune`` for max-autotune, which compiles for minutes);
+- transformers, static cache (when importable): ``generate(cache_implementation="static")``,
   the per-token time from two runs of different lengths;
 - the floor: the model's weight bytes / the device-to-device copy bandwidth measured here.
 
-- ours, persistent kernel: the same Generator with `model.persistent_decode = True`: every layer
-  of a decode step in one launch (`ops.decode_layers`, csrc_free_ops/decode_layers.py), then the
-  lm_head; batch 1 at context 256 and 2048, batch 8 at context 256 (key
-  `persistent_b1_ms_per_token`, its kernels per token `persistent_kernels_per_token`);
-- ours, engine decode step: the continuous-batching engine's decode-only steps
-  (`modeling.engine.Engine`, what `python -m modeling.serve` runs): `batch` prompts of `context`
-  tokens prefilled in one step, then `--steps` decode steps timed (graphs captured, lookahead on,
-  every token read back on the host); Qwen3-0.6B batch 1 and 8, Qwen3.5-0.8B batch 1 (keys
-  `engine_b1_ms_per_token`, `engine_b8_ms_per_step`, `qwen3_5_engine_b1_ms_per_token`);
-- ours, weights after the PDL wait: the same graph with `fused_decode.PREFETCH` off (each
-  program of a fused GEMV streams its weights only after the previous kernel has finished), the
-  A/B of the weight prefetch in one run;
+JSON keys for the headline numbers: ``ours_b1_ms_per_token`` (Qwen3-0.6B, batch 1, context 256),
+``ours_b8_ms_per_step``, ``qwen3_5_b1_ms_per_token`` (Qwen3.5-0.8B, batch 1, context 256),
+``floor_ms``, ``qwen3_5_floor_ms``, ``kernels_per_token`` and ``qwen3_5_kernels_per_token`` (the
+default decode step's kernels, from the profiler).
 
-JSON keys for the headline numbers: `ours_b1_ms_per_token` (Qwen3-0.6B, batch 1, context 256),
-`ours_b8_ms_per_step`, `qwen3_5_b1_ms_per_token` (Qwen3.5-0.8B, batch 1, context 256), `floor_ms`.
-
-Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B (the graph and the floor, batch 1); with `--all`
-also the seed's shape (hidden 896, 8/2 heads of 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8 heads of 128,
-intermediate 6144, tied), ours with the graph, torch.compile and the floor at batch 1, context 256.
-Kernels per decoded token and the time of each come from the profiler (captured steps of the
-fused and the unfused path, batch 1).
+Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B; with ``--all`` also the seed's shape (hidden 896,
+8/2 heads of 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8
+heads of 128, intermediate 6144, tied), ours, torch.compile and the floor at batch 1, context 256.
 """
 import argparse
 import contextlib
@@ -64,9 +56,9 @@ SHAPES = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
 }
-AFTER_WAIT = "ours, CUDA graph, weights after the PDL wait"
-PERSISTENT = "ours, CUDA graph, persistent kernel"
-ENGINE = "ours, engine decode step"
+OURS = "ours"
+KERNEL_ROWS = {"persistent": "persistent kernel", "fused": "fused ops", "ops": "op by op"}
+AFTER_WAIT = "ours, fused ops, weights after the PDL wait"
 MARK_BEGIN, MARK_END = "<!-- bench.decode:begin -->", "<!-- bench.decode:end -->"
 
 
@@ -128,37 +120,24 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def ours_ms(model, batch: int, context: int, steps: int, graph: bool, reps: int = 3) -> float:
-    from modeling.generation.generator import Generator
-
-    gen = Generator(model, max_batch_size=batch, max_seq_len=context + steps + 2, use_cuda_graph=graph)
-    g = torch.Generator().manual_seed(context)
-    prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
-
-    def run():
-        r = gen.generate(prompts, steps + 1)
-        assert r.decode_steps == steps and r.cuda_graph == graph, (r.decode_steps, r.cuda_graph)
-        return r.decode_ms_per_step
-
-    run()  # warm-up: compile, capture
-    return statistics.median(run() for _ in range(reps))
-
-
-def engine_ms(model, batch: int, context: int, steps: int, reps: int = 3) -> float:
+def ours_ms(model, batch: int, context: int, steps: int, kernels=None, eager: bool = False, reps: int = 3,
+            params=None) -> float:
     """ms per decode-only step of the engine: ``batch`` prompts of ``context`` tokens (one prefill
     step), then ``steps`` decode steps timed from their first token on; the median of ``reps`` runs
-    after a warm-up run (graph captures)."""
-    from modeling.engine import Engine
-    from modeling.generation.sampling import SamplingParams
+    after a warm-up run (graph captures). ``kernels``: ``Engine(decode_kernels=...)``; ``params``:
+    the ``SamplingParams`` (default greedy)."""
+    from modeling import Engine, SamplingParams
 
+    params = params or SamplingParams()
     engine = Engine(model, max_num_seqs=batch, max_num_batched_tokens=batch * context,
-                    max_model_len=context + steps + 1)
+                    max_model_len=context + steps + 1, decode_kernels=kernels, enforce_eager=eager)
     g = torch.Generator().manual_seed(context)
     prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
+
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
     def run():
-        seqs = [engine.add(p, SamplingParams(), steps + 1) for p in prompts]
+        seqs = [engine.add(p, params, steps + 1) for p in prompts]
         while any(s.num_output == 0 for s in seqs):
             engine.step()
         sync()
@@ -213,19 +192,20 @@ def transformers_ms(config_dict: dict, context: int, steps: int):
     return (long - short) / steps * 1e3
 
 
-def kernel_profile(model, steps: int = 8) -> dict:
-    """Kernel name -> [launches, microseconds] per decoded token (batch 1, CUDA graph), from the
-    profiler: a run of 1 + steps tokens minus a run of 1 (the prefill and its first token)."""
+def kernel_profile(model, kernels=None, steps: int = 8) -> dict:
+    """Kernel name -> [launches, microseconds] per decoded token (batch 1, the engine's CUDA graph
+    steps with ``kernels``), from the profiler: a run of 1 + steps tokens minus a run of 1 (the
+    prefill and its first token)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from modeling.generation.generator import Generator
+    from modeling import Engine, SamplingParams
 
-    gen = Generator(model, max_batch_size=1, max_seq_len=64, use_cuda_graph=True)
-    gen.generate([[1, 2, 3]], steps + 1)  # compile, capture
+    engine = Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=kernels)
+    engine.generate([[1, 2, 3]], SamplingParams(), steps + 1)  # compile, capture
 
-    def kernels(n):
+    def kernels_of(n):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            gen.generate([[1, 2, 3]], n)
+            engine.generate([[1, 2, 3]], SamplingParams(), n)
         stats = {}
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA and \
@@ -235,7 +215,7 @@ def kernel_profile(model, steps: int = 8) -> dict:
                 count_us[1] += e.time_range.elapsed_us()
         return stats
 
-    decode, prefill = kernels(steps + 1), kernels(1)
+    decode, prefill = kernels_of(steps + 1), kernels_of(1)
     return {name: [(n - prefill.get(name, [0, 0.0])[0]) / steps, (us - prefill.get(name, [0, 0.0])[1]) / steps]
             for name, (n, us) in decode.items() if n > prefill.get(name, [0, 0.0])[0]}
 
@@ -268,44 +248,33 @@ def measure(args) -> dict:
         model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
         floor = weight_bytes(model) / bandwidth * 1e3
         row(name, "floor (weights / copy bandwidth)", 1, 0, floor)
-        row(name, "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+        row(name, OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
         if name == "qwen3-0.6b":
             out["floor_ms"] = floor
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-            model.persistent_decode = True
-            row(name, PERSISTENT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
-            out["persistent_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-            row(name, PERSISTENT, 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
-            row(name, PERSISTENT, 8, 256, ours_ms(model, 8, 256, args.steps, True))
-            persistent = kernel_profile(model)
-            out["persistent_kernels_per_token"] = round(sum(n for n, _ in persistent.values()))
-            print_profile("persistent decode step", persistent)
-            model.persistent_decode = None
-            row(name, ENGINE, 1, 256, engine_ms(model, 1, 256, args.steps))
-            out["engine_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-            row(name, ENGINE, 8, 256, engine_ms(model, 8, 256, args.steps))
-            out["engine_b8_ms_per_step"] = out["rows"][-1]["ms_per_step"]
-            with weights_after_wait():
-                row(name, AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
-            row(name, "ours, CUDA graph", 1, 2048, ours_ms(model, 1, 2048, args.steps, True))
-            for batch in (8, 32):
-                row(name, "ours, CUDA graph", batch, 256, ours_ms(model, batch, 256, args.steps, True))
-            out["ours_b8_ms_per_step"] = out["rows"][-2]["ms_per_step"]
+            for kernels in ("persistent", "fused", "ops"):
+                row(name, f"{OURS}, {KERNEL_ROWS[kernels]}", 1, 256, ours_ms(model, 1, 256, args.steps, kernels))
+            out["persistent_b1_ms_per_token"] = out["rows"][-3]["ms_per_step"]
+            row(name, OURS, 1, 2048, ours_ms(model, 1, 2048, args.steps))
+            row(name, f"{OURS}, {KERNEL_ROWS['fused']}", 1, 2048, ours_ms(model, 1, 2048, args.steps, "fused"))
+            row(name, OURS, 8, 256, ours_ms(model, 8, 256, args.steps))
+            out["ours_b8_ms_per_step"] = out["rows"][-1]["ms_per_step"]
+            row(name, f"{OURS}, {KERNEL_ROWS['persistent']}", 8, 256, ours_ms(model, 8, 256, args.steps, "persistent"))
+            row(name, OURS, 32, 256, ours_ms(model, 32, 256, args.steps))
+            default = kernel_profile(model)
+            out["kernels_per_token"] = round(sum(n for n, _ in default.values()))
+            print_profile("the default decode step", default)
             if args.quick:
                 return out
             with weights_after_wait():
-                row(name, AFTER_WAIT, 8, 256, ours_ms(model, 8, 256, args.steps, True))
-            row(name, "ours, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), False, reps=1))
-            fused = kernel_profile(model)
-            model.fused_decode = False
-            row(name, "ours unfused, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
-            unfused = kernel_profile(model)
-            model.fused_decode = True
-            out["kernels_per_token"] = round(sum(n for n, _ in fused.values()))
+                row(name, AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, "fused"))
+            row(name, f"{OURS}, eager", 1, 256, ours_ms(model, 1, 256, min(args.steps, 32), eager=True, reps=1))
+            fused, unfused = kernel_profile(model, "fused"), kernel_profile(model, "ops")
+            out["fused_kernels_per_token"] = round(sum(n for n, _ in fused.values()))
             out["unfused_kernels_per_token"] = round(sum(n for n, _ in unfused.values()))
-            out["profile"] = dict(fused=fused, unfused=unfused)
+            out["profile"] = dict(default=default, fused=fused, unfused=unfused)
             print_profile("fused decode step", fused)
-            print_profile("unfused decode step", unfused)
+            print_profile("op-by-op decode step", unfused)
             row(name, "torch eager", 1, 256, torch_ms(model, 1, 256, 32, None))
         row(name, f"torch.compile {compile_mode}", 1, 256, torch_ms(model, 1, 256, args.steps, compile_mode))
         if name == "qwen3-0.6b" and not args.no_transformers:
@@ -315,13 +284,16 @@ def measure(args) -> dict:
         del model
         torch.cuda.empty_cache()
     model = random_model(QwenConfig.from_dict(QWEN3_5_0_8B), dtype=torch.bfloat16, device="cuda", std=0.02)
-    row("qwen3.5-0.8b", "floor (weights / copy bandwidth)", 1, 0, weight_bytes(model) / bandwidth * 1e3)
-    row("qwen3.5-0.8b", "ours, CUDA graph", 1, 256, ours_ms(model, 1, 256, args.steps, True))
+    out["qwen3_5_floor_ms"] = weight_bytes(model) / bandwidth * 1e3
+    row("qwen3.5-0.8b", "floor (weights / copy bandwidth)", 1, 0, out["qwen3_5_floor_ms"])
+    row("qwen3.5-0.8b", OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
     out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-    row("qwen3.5-0.8b", ENGINE, 1, 256, engine_ms(model, 1, 256, args.steps))
-    out["qwen3_5_engine_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+    row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['ops']}", 1, 256, ours_ms(model, 1, 256, args.steps, "ops"))
+    hybrid = kernel_profile(model)
+    out["qwen3_5_kernels_per_token"] = round(sum(n for n, _ in hybrid.values()))
+    print_profile("Qwen3.5 default decode step", hybrid)
     with weights_after_wait():
-        row("qwen3.5-0.8b", AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, True))
+        row("qwen3.5-0.8b", AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, "fused"))
     return out
 
 
@@ -346,8 +318,9 @@ def render(path: str, doc: str = "docs/performance.md", plot: str = "docs/decode
     lines = [MARK_BEGIN, "",
              f"`python -m bench.decode` on {res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}; "
              f"random weights, bf16, greedy, {res['steps']} steps; copy bandwidth {res['copy_bandwidth_tb_s']:.2f} TB/s. "
-             f"Kernels per decoded token (ours, batch 1): {res.get('kernels_per_token', 'n/a')} fused, "
-             f"{res.get('unfused_kernels_per_token', 'n/a')} unfused. "
+             f"Kernels per decoded token (ours, batch 1): {res.get('kernels_per_token', 'n/a')} (the default step), "
+             f"{res.get('fused_kernels_per_token', 'n/a')} fused, {res.get('unfused_kernels_per_token', 'n/a')} "
+             "op by op. "
              f"Result file: `{path}`.", "",
              "| shape | what | batch | context | ms / step | x floor |", "|---|---|---|---|---|---|"]
     floors = {r["shape"]: r["ms_per_step"] for r in res["rows"] if r["what"].startswith("floor")}
@@ -401,7 +374,7 @@ def main():
     p.add_argument("--max-autotune", action="store_true", help="compile the torch peer with max-autotune")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--quick", action="store_true", help="only Qwen3-0.6B's rows of ours (no peers, no profiles "
-                   "of the op-by-op paths, no Qwen3.5)")
+                   "of the forced kernels, no Qwen3.5)")
     p.add_argument("--render", metavar="JSON", help="only rewrite docs/performance.md from a result file")
     a = p.parse_args()
     if a.render:

@@ -46,11 +46,11 @@ def make_args(op, n, k, extra):
     """A fresh argument tuple (the weight is the big part) for one call of the fused op."""
     x, nw = rnd(1, 1, k), rnd(k, scale=0.1) + 1
     w = rnd(n, k, scale=k**-0.5)
-    if op == "norm_qkv_rope_store":
-        cache = lambda: torch.zeros(1, 512, extra["hk"], extra["d"], dtype=torch.bfloat16, device="cuda")  # noqa: E731
-        return (x, nw, w, None, rnd(extra["d"]) + 1, rnd(extra["d"]) + 1, cache(), cache(),
-                torch.full((1, 1), 300, device="cuda"), EPS, 1.0 if extra["gated"] else 0.0, 1e6, extra["rot"],
-                extra["hq"], extra["gated"])
+    if op == "norm_qkv_rope_store":  # x [N, K]; paged caches of 32 blocks of 16, position 300 at slot 300
+        cache = lambda: torch.zeros(32, 16, extra["hk"], extra["d"], dtype=torch.bfloat16, device="cuda")  # noqa: E731
+        pos = torch.full((1,), 300, device="cuda")
+        return (x[0], nw, w, None, rnd(extra["d"]) + 1, rnd(extra["d"]) + 1, cache(), cache(), pos, pos.clone(), EPS,
+                1.0 if extra["gated"] else 0.0, 1e6, extra["rot"], extra["hq"], extra["gated"])
     if op == "linear_residual":
         return (x, w, rnd(1, 1, n))
     return (x, nw, w, None, EPS, 0.0) if op == "norm_linear" else (x, nw, w, EPS, 0.0)
@@ -64,16 +64,16 @@ def fused(op, cfg=None):
 def unfused(op, extra):
     """The op-by-op sequence the fused op replaces (the residual stream's add_rms_norm included
     where the fused op absorbs it)."""
-    def qkv(x, nw, w, b, qn, kn, kc, vc, pos, eps, offset, theta, rot, hq, gated):
+    def qkv(x, nw, w, b, qn, kn, kc, vc, pos, slots, eps, offset, theta, rot, hq, gated):
         h, _ = ops.add_rms_norm(x, x, nw, eps, offset)
         qkv = ops.linear(h, w, b)
         d, hk = extra["d"], extra["hk"]
         q_rows = hq * d * (2 if gated else 1)
-        q = qkv[..., :q_rows].view(1, 1, hq, -1)[..., :d]
-        k = qkv[..., q_rows : q_rows + hk * d].view(1, 1, hk, d)
-        v = qkv[..., q_rows + hk * d :].view(1, 1, hk, d)
+        q = qkv[:, :q_rows].view(1, hq, -1)[..., :d]
+        k = qkv[:, q_rows : q_rows + hk * d].view(1, hk, d)
+        v = qkv[:, q_rows + hk * d :].view(1, hk, d)
         q, k = ops.rope(q, k, pos, theta, rot, qn, kn, eps, offset)
-        ops.kv_cache_store(k, v, kc, vc, pos)
+        ops.kv_cache_store_slots(k, v, kc, vc, slots)
 
     return {
         "norm_qkv_rope_store": qkv,
@@ -94,26 +94,24 @@ def candidates(op, n, k, extra):
 
 
 def step_rows():
-    """One whole decode step of the Qwen3-0.6B shape (batch 1, context 300), replayed from a CUDA
-    graph: fused and unfused, with and without PDL."""
+    """One whole decode step of the Qwen3-0.6B shape (batch 1, context 300) through the engine
+    (its CUDA graph), the fused decode ops and the op-by-op step, with and without PDL: us a step
+    (``bench.decode.ours_ms``: the engine's host work per step included)."""
+    from bench.decode import ours_ms
     from csrc_free_ops import common
     from modeling import QwenConfig
     from modeling.model.random_checkpoint import QWEN3_0_6B, config_dict, random_model
 
     model = random_model(QwenConfig.from_dict(config_dict(**QWEN3_0_6B)), device="cuda")
-    cache = model.new_cache(1, 512)
-    tokens = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
-    pos, lens = torch.full((1, 1), 300, device="cuda"), torch.full((1,), 301, dtype=torch.int32, device="cuda")
-    lines = ["| decode step, Qwen3-0.6B shape, graph replay | us |", "|---|---|"]
-    for fused_path, pdl in ((True, True), (True, False), (False, True), (False, False)):
-        model.fused_decode, common._PDL_OFF = fused_path, not pdl
-        with torch.no_grad():
-            model(tokens, pos, cache, lens)
-            us = triton.testing.do_bench_cudagraph(lambda: model(tokens, pos, cache, lens), rep=200,
-                                                   return_mode="median") * 1e3
-        lines.append(f"| {'fused' if fused_path else 'unfused'}{', PDL' if pdl else ''} | {us:.0f} |")
+    lines = ["| decode step, Qwen3-0.6B shape, the engine's graph | us |", "|---|---|"]
+    for kernels, pdl in (("fused", True), ("fused", False), ("ops", True), ("ops", False)):
+        common._PDL_OFF = not pdl
+        try:
+            us = ours_ms(model, 1, 300, 64, kernels) * 1e3
+        finally:
+            common._PDL_OFF = False
+        lines.append(f"| {'fused' if kernels == 'fused' else 'op by op'}{', PDL' if pdl else ''} | {us:.0f} |")
         print(lines[-1], flush=True)
-    model.fused_decode, common._PDL_OFF = True, False
     return lines
 
 

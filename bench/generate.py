@@ -1,17 +1,17 @@
-"""End-to-end generation benchmark on the GPU: a random Qwen3-0.6B-shaped model in bf16.
+"""End-to-end generation benchmark on the GPU: the engine's steps with and without CUDA graphs.
 
     python -m bench.generate [--out DIR] [--new-tokens 128] [--reps 5] [--models qwen3 qwen3_5]
 
-- prefill: prompts of 16 / 256 / 512 / 2048 tokens, eager (``prefill_graph=False``: one Python
-  launch per op) vs captured in a CUDA graph (the default, ``Generator(prefill_graph=None)``:
-  these lengths are buckets, so no padding).
-  Wall time from the prompt to the first token on the host (``GenerationResult.prefill_ms``).
-- decode: ms per step over ``--new-tokens`` tokens (greedy; no stop token), eager vs the
-  CUDA-graph step, at batch 1 and 8, plus batch 1 with top-k/top-p sampling in the graph.
-  Wall time of the decode loop (readback of tokens included) over the steps run.
+- time to first token: one prompt of 16 / 256 / 512 / 2048 tokens through the engine (a random
+  Qwen3-0.6B-shaped model, bf16), its steps eager (``enforce_eager=True``: one Python launch per
+  op) vs replayed from their CUDA graphs (the default); wall time from adding the request to its
+  first token on the host;
+- decode: ms per step over ``--new-tokens`` tokens (greedy), eager vs the CUDA graphs, at batch 1
+  (the persistent kernel) and 8 (op by op), plus batch 1 with top-k / top-p sampling
+  (``bench.decode.ours_ms``);
 - ``--models qwen3_5`` (optional, not in the default run): a random Qwen3.5-0.8B-shaped model
   (18 Gated DeltaNet + 6 gated attention layers), greedy decode ms per token at context 256,
-  batch 1, eager vs the CUDA graph, and transformers' eager ``generate`` beside it when
+  batch 1, eager vs the CUDA graphs, and transformers' eager ``generate`` beside it when
   importable (its torch fallbacks for the Gated DeltaNet unless flash-linear-attention and
   causal-conv1d are installed; per token = the time difference of two lengths / their token
   difference, so its prefill cancels out). Also the floor (weight bytes / copy bandwidth measured
@@ -24,14 +24,14 @@ import argparse
 import datetime
 import os
 import statistics
+import time
 
 import torch
 
 from bench import require_cuda
-from modeling import QwenConfig
-from modeling.generation.generator import Generator
+from bench.decode import ours_ms
+from modeling import Engine, QwenConfig, SamplingParams
 from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
-from modeling.generation.sampling import SamplingParams
 
 
 def prompt(length, vocab, seed):
@@ -42,6 +42,19 @@ def prompt(length, vocab, seed):
 def median_of(reps, fn):
     fn()  # warm-up: compile, capture
     return statistics.median(fn() for _ in range(reps))
+
+
+def ttft_ms(engine, ids) -> float:
+    """ms from adding one request to its first token on the host (its prefix not cached)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    seq = engine.add(ids, SamplingParams(), 1)
+    while seq.num_output == 0:
+        engine.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    while engine.has_work():
+        engine.step()
+    return ms
 
 
 def main():
@@ -64,35 +77,21 @@ def qwen3_rows(args):
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
     vocab, new = config.vocab_size, args.new_tokens
     rows = []
-
     max_len = max(args.prefill_lengths) + 8
     for length in args.prefill_lengths:
-        ids = prompt(length, vocab, length)
         times = {}
-        for captured in (False, True):
-            gen = Generator(model, max_batch_size=1, max_seq_len=max_len, prefill_graph=captured)
-            times[captured] = median_of(args.reps, lambda: gen.generate([ids], 1).prefill_ms)
-        rows.append((f"prefill {length} tokens", "batch 1", times[False], times[True], "ms"))
+        for eager in (True, False):
+            engine = Engine(model, max_num_seqs=1, max_model_len=max_len, prefix_caching=False, enforce_eager=eager)
+            times[eager] = median_of(args.reps, lambda: ttft_ms(engine, prompt(length, vocab, length)))
+        rows.append((f"time to first token, {length} tokens", "batch 1", times[True], times[False], "ms"))
         print(rows[-1], flush=True)
 
-    decode_cases = [
-        ("greedy", 1, SamplingParams()),
-        ("greedy", 8, SamplingParams()),
-        ("T=0.8 top-k 50 top-p 0.95", 1, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=0)),
-    ]
-    for name, batch, sampling in decode_cases:
-        prompts = [prompt(32 + 7 * i, vocab, 100 + i) for i in range(batch)]
-        times = {}
-        for graph in (False, True):
-            gen = Generator(model, max_batch_size=batch, max_seq_len=32 + 7 * batch + new + 8, use_cuda_graph=graph)
-
-            def run():
-                r = gen.generate(prompts, new, sampling)
-                assert r.decode_steps == new - 1 and r.cuda_graph == graph
-                return r.decode_ms_per_step
-
-            times[graph] = median_of(max(1, args.reps // 2) if not graph else args.reps, run)
-        rows.append((f"decode {name}, {new} tokens", f"batch {batch}", times[False], times[True], "ms/step"))
+    for name, batch, sampling in [("greedy", 1, None), ("greedy", 8, None),
+                                  ("T=0.8 top-k 50 top-p 0.95", 1,
+                                   SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=0))]:
+        times = {eager: ours_ms(model, batch, 64, new, eager=eager, reps=max(1, args.reps // 2) if eager else args.reps,
+                                params=sampling) for eager in (True, False)}
+        rows.append((f"decode {name}, {new} tokens", f"batch {batch}", times[True], times[False], "ms/step"))
         print(rows[-1], flush=True)
     del model
     torch.cuda.empty_cache()
@@ -101,24 +100,16 @@ def qwen3_rows(args):
 
 def qwen3_5_rows(args, context=256):
     """Greedy decode ms/token of the Qwen3.5-0.8B shape at context ``context``, batch 1: ours eager
-    and with the CUDA graph, and transformers eager (None when it cannot be imported); and notes:
+    and with the CUDA graphs, and transformers eager (None when it cannot be imported); and notes:
     the floor and the per-kernel profile of the graph's step."""
     from bench.decode import copy_bandwidth, kernel_profile, weight_bytes
 
     config = QwenConfig.from_dict(QWEN3_5_0_8B)
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
-    new, ids = args.new_tokens, prompt(context, config.vocab_size, 7)
-    times = {}
-    for graph in (False, True):
-        gen = Generator(model, max_batch_size=1, max_seq_len=context + new + 8, use_cuda_graph=graph)
-
-        def run():
-            r = gen.generate([ids], new)
-            assert r.decode_steps == new - 1 and r.cuda_graph == graph
-            return r.decode_ms_per_step
-
-        times[graph] = median_of(max(1, args.reps // 2) if not graph else args.reps, run)
-    row = (f"Qwen3.5-0.8B decode greedy, context {context}, {new} tokens", "batch 1", times[False], times[True],
+    new = args.new_tokens
+    times = {eager: ours_ms(model, 1, context, new, eager=eager, reps=max(1, args.reps // 2) if eager else args.reps)
+             for eager in (True, False)}
+    row = (f"Qwen3.5-0.8B decode greedy, context {context}, {new} tokens", "batch 1", times[True], times[False],
            transformers_decode_ms(context, new, args.reps), "ms/token")
     print(row, flush=True)
     floor = weight_bytes(model) / copy_bandwidth() * 1e3
@@ -140,7 +131,6 @@ def transformers_decode_ms(context, new, reps):
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     except ImportError:
         return None
-    import time
 
     hf_config = Qwen3_5TextConfig(**{k: v for k, v in QWEN3_5_0_8B.items() if k != "model_type"})
     with torch.device("cuda"):
@@ -170,8 +160,8 @@ def write(args, rows, hybrid_rows, hybrid_notes):
         lines += [
             "",
             "Random Qwen3-0.6B-shaped model (28 layers, hidden 1024, 16/8 heads of 128, intermediate 3072, "
-            "vocab 151936), bf16. Wall-clock medians; prefill = prompt to first token on the host; "
-            "decode = decode loop time / steps (one step decodes the whole batch).",
+            "vocab 151936), bf16, through the engine. Wall-clock medians; time to first token = request added to "
+            "its first token on the host; decode = decode steps' time / steps (one step decodes the whole batch).",
             "",
             "| what | batch | eager | CUDA graph | unit | speed-up |",
             "|---|---|---|---|---|---|",

@@ -2,11 +2,12 @@
 
     python -m bench.prefill [--lengths 256 2048] [--reps 10] [--out DIR]
 
-One forward of a prompt (batch 1, random Qwen3-0.6B-shaped weights, bf16) to the last position's
-logits, wall time on the host from the call to the logits on the device (synchronized), median
-over `--reps` after warm-ups (compilation excluded):
+One forward of a prompt (batch 1, random Qwen3-0.6B-shaped weights, bf16) to every position's
+logits (the model's forward without a cache, as training and scoring run it), wall time on the
+host from the call to the logits on the device (synchronized), median over `--reps` after
+warm-ups (compilation excluded):
 
-- ours eager: `model(ids, positions, cache)`, one Python launch per op;
+- ours eager: `model(ids)`, one Python launch per op;
 - ours compiled: `torch.compile(model, fullgraph=True)` (Inductor; our ops are traced into their
   Triton kernels, see qwen_ops/registry.py);
 - torch eager / compiled: the same architecture in plain PyTorch (`F.linear`, `F.rms_norm`,
@@ -32,7 +33,7 @@ from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
 
 
 def torch_prefill(model, ids):
-    """The plain-PyTorch prefill of ids [B, T] -> last-position logits [B, V] (no cache kept)."""
+    """The plain-PyTorch prefill of ids [B, T] -> logits [B, T, V] (no cache kept)."""
     c = model.config
     b, t = ids.shape
     hq, hk, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
@@ -55,7 +56,7 @@ def torch_prefill(model, ids):
         x = x + F.linear(o.transpose(1, 2).reshape(b, t, hq * d), layer.o_weight)
         gate, up = F.linear(F.rms_norm(x, (c.hidden_size,), layer.post_norm, eps), layer.gate_up_weight).chunk(2, -1)
         x = x + F.linear(F.silu(gate) * up, layer.down_weight)
-    return F.linear(F.rms_norm(x[:, -1], (c.hidden_size,), model.norm, eps), model.embed_tokens)
+    return F.linear(F.rms_norm(x, (c.hidden_size,), model.norm, eps), model.embed_tokens)
 
 
 def wall_ms(fn, reps: int) -> float:
@@ -80,17 +81,15 @@ def main():
     require_cuda("bench.prefill")
     config = QwenConfig.from_dict(QWEN3_0_6B)
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.02)
-    cache = model.new_cache(1, max(a.lengths))
     compiled_model = torch.compile(model, fullgraph=True)
     compiled_torch = torch.compile(torch_prefill, fullgraph=True)
     rows, notes = [], []
     with torch.inference_mode():
         for t in a.lengths:
             ids = torch.randint(0, config.vocab_size, (1, t), device="cuda")
-            pos = torch.arange(t, device="cuda")[None]
             runs = {
-                "ours eager": lambda: model(ids, pos, cache),
-                "ours torch.compile": lambda: compiled_model(ids, pos, cache),
+                "ours eager": lambda: model(ids),
+                "ours torch.compile": lambda: compiled_model(ids),
                 "torch eager": lambda: torch_prefill(model, ids),
                 "torch torch.compile": lambda: compiled_torch(model, ids),
             }

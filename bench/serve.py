@@ -371,7 +371,7 @@ def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) ->
 
     from modeling import QwenForCausalLM
     from modeling.engine import Engine
-    from modeling.generation.sampling import SamplingParams
+    from modeling import SamplingParams
     from modeling.serve.engine_process import warm_up
 
     model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16)

@@ -156,7 +156,7 @@ def main():
     from modeling import QwenConfig
     from modeling.engine import Engine
     from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
-    from modeling.generation.sampling import SamplingParams
+    from modeling import SamplingParams
 
     greedy = SamplingParams()
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,

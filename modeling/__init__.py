@@ -1,5 +1,6 @@
-"""Qwen decoder built from torch.ops.qwen: config, checkpoint loading, model, tokenizer, generator,
-the text API (``LLM``), and the patch that swaps the ops into transformers models.
+"""Qwen decoder built from torch.ops.qwen: config, checkpoint loading, model, tokenizer, the
+continuous-batching engine, the text API on it (``LLM``), and the patch that swaps the ops into
+transformers models.
 
 The names below are imported on first use (PEP 562), so ``import modeling`` and the command line's
 first lines do not import torch: ``python -m modeling.generate`` handles Ctrl-C and bad input from
@@ -10,22 +11,20 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 _EXPORTS = {
-    "Cache": ".model.causal_lm",
     "ChatTemplate": ".chat.template",
     "CheckpointError": ".model.loader",
+    "CompletionOutput": ".api.outputs",
     "ConfigError": ".model.config",
-    "GenerationResult": ".generation.generator",
-    "Generator": ".generation.generator",
+    "Engine": ".engine.engine",
     "IncrementalDetokenizer": ".api.tokenizer",
-    "KVCache": ".model.layers",
     "LLM": ".api.llm",
     "ModelNotFound": ".model.hub",
     "QwenConfig": ".model.config",
     "QwenForCausalLM": ".model.causal_lm",
     "QwenTokenizer": ".api.tokenizer",
-    "RequestOutput": ".api.llm",
-    "SamplingParams": ".generation.sampling",
-    "TextStream": ".api.llm",
+    "RequestOutput": ".api.outputs",
+    "SamplingParams": ".engine.sampling_params",
+    "TextStream": ".api.stream",
     "TransformersPatch": ".model.transformers_patch",
     "format_chat": ".chat.template",
     "generation_defaults": ".chat.template",
@@ -53,12 +52,13 @@ def __dir__() -> List[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .chat.template import ChatTemplate, format_chat, generation_defaults  # noqa: F401
     from .model.config import ConfigError, QwenConfig  # noqa: F401
-    from .generation.generator import GenerationResult, Generator  # noqa: F401
+    from .engine.engine import Engine  # noqa: F401
     from .model.hub import ModelNotFound, resolve_model  # noqa: F401
-    from .model.layers import KVCache  # noqa: F401
-    from .api.llm import LLM, RequestOutput, TextStream  # noqa: F401
+    from .api.llm import LLM  # noqa: F401
+    from .api.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from .api.stream import TextStream  # noqa: F401
     from .model.loader import CheckpointError, load_state_dict  # noqa: F401
-    from .model.causal_lm import Cache, QwenForCausalLM  # noqa: F401
-    from .generation.sampling import SamplingParams  # noqa: F401
+    from .model.causal_lm import QwenForCausalLM  # noqa: F401
+    from .engine.sampling_params import SamplingParams  # noqa: F401
     from .api.tokenizer import IncrementalDetokenizer, QwenTokenizer  # noqa: F401
     from .model.transformers_patch import TransformersPatch, patch_transformers  # noqa: F401

@@ -73,28 +73,63 @@ def prompt(batch: int, length: int, vocab: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
-def prefill(model, ids: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
-    """A prefill of ids [B, T] at positions 0..T-1 into cache; the model's logits."""
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    return model(ids, positions, cache, all_logits=all_logits)
+def engine_greedy(model, ids: torch.Tensor, new_tokens: int, **engine_args) -> torch.Tensor:
+    """Greedy continuation [B, new_tokens] of ids [B, T] through the engine (the rows as one
+    continuous batch, EOS ignored); ``engine_args`` for ``Engine`` (e.g. ``decode_kernels``)."""
+    from modeling import Engine, SamplingParams
+
+    args = dict(max_num_seqs=ids.shape[0], max_model_len=ids.shape[1] + new_tokens) | engine_args
+    engine = Engine(model, **args)
+    return torch.tensor(engine.generate(ids.tolist(), SamplingParams(), new_tokens))
 
 
-def decode(model, token: torch.Tensor, pos: int, cache) -> torch.Tensor:
-    """One decode step of token [B] at position pos (every row); the model's logits [B, V]."""
-    b = token.shape[0]
-    positions = torch.full((b, 1), pos, dtype=torch.int32, device=token.device)
-    seqlens = torch.full((b,), pos + 1, dtype=torch.int32, device=token.device)
-    return model(token[:, None], positions, cache, seqlens)
+def add_word_tokenizer(path, vocab_size: int):
+    """Give a transformers ``save_pretrained`` directory the tokenizer.json ``LLM`` needs: a
+    word-level vocabulary of exactly ``vocab_size`` entries (no special tokens). Returns ``path``."""
+    from modeling.model.random_checkpoint import build_word_tokenizer
+
+    build_word_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    return path
 
 
-def greedy(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Prefill then ``new_tokens - 1`` single-token decode steps (cache in the model's dtype);
-    returns [B, new_tokens]."""
-    b, t = ids.shape
-    cache = model.new_cache(b, t + new_tokens)
-    token = prefill(model, ids, cache).argmax(-1)
-    out = [token]
-    for pos in range(t, t + new_tokens - 1):
-        token = decode(model, token, pos, cache).argmax(-1)
-        out.append(token)
-    return torch.stack(out, 1)
+def llm_greedy(llm, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation [B, new_tokens] of ids [B, T] through ``LLM.generate`` (EOS ignored)."""
+    from modeling import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": row} for row in ids.tolist()],
+                        SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    return torch.tensor([o.token_ids for o in outs])
+
+
+def forced_logits(engine, prompt, tokens) -> torch.Tensor:
+    """Teacher forcing through the engine: one sequence of ``prompt`` whose sampled tokens are
+    replaced by ``tokens``; the logits [len(tokens), V] (fp32) each step computed: row 0 after the
+    prompt, row i of the decode step fed tokens[i - 1] (row i chose tokens[i])."""
+    from unittest import mock
+
+    import modeling.engine.engine as engine_module
+    from modeling import SamplingParams
+    from modeling.engine.sampler import SampledTokens
+
+    seen = []
+
+    def forced(logits, seqs, positions=None):
+        seen.append(logits[:1].float().clone())
+        return SampledTokens(torch.tensor([tokens[len(seen) - 1]], device=logits.device), None, [], [])
+
+    with mock.patch.object(engine_module, "sample_sequences", forced):
+        engine.generate([list(prompt)], SamplingParams(), len(tokens))
+    return torch.cat(seen)
+
+
+def recompute_greedy(model, prompts, new_tokens: int):
+    """Each prompt's (a list of token ids) greedy continuation of ``new_tokens`` by the model's
+    forward without a cache, every position recomputed for every token: the engine tests' oracle."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            for _ in range(new_tokens):
+                ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+            out.append(ids[0, len(p):].tolist())
+    return out

@@ -201,15 +201,15 @@ def test_decode_layers_phase_table_reads_a_synthetic_timeline():
 
 
 def test_engine_decode_timing_counts_the_decode_steps_it_times():
-    """``bench.decode.engine_ms`` on a tiny model on the CPU: it times exactly ``steps`` decode-only
+    """``bench.decode.ours_ms`` on a tiny model on the CPU: it times exactly ``steps`` decode-only
     steps of every prompt (its own assertion) and reports a positive time."""
     import torch
 
-    from bench.decode import engine_ms
+    from bench.decode import ours_ms
     from modeling import QwenConfig
     from modeling.model.random_checkpoint import random_model
     from tests.test_engine import QWEN3
 
     model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float64, device="cpu", std=0.2, seed=0)
-    assert engine_ms(model, batch=3, context=9, steps=4, reps=1) > 0
+    assert ours_ms(model, batch=3, context=9, steps=4, reps=1) > 0
 

@@ -617,13 +617,6 @@ def test_generation_defaults(tmp_path):
     assert generation_defaults(tmp_path) == GenerationDefaults()  # no file: greedy
 
 
-def test_generation_defaults_merged_with_flags(tmp_path):
-    d = GenerationDefaults(0.6, 20, 0.95, None)
-    assert d.merged() == d
-    assert d.merged(temperature=0.0) == GenerationDefaults(0.0, 20, 0.95, None)
-    assert d.merged(top_k=0, top_p=1.0, max_new_tokens=64) == GenerationDefaults(0.6, 0, 1.0, 64)
-
-
 @pytest.mark.parametrize("fields, field", [
     (dict(do_sample=True, temperature=-1), "temperature"),
     (dict(do_sample=True, temperature="hot"), "temperature"),

@@ -49,6 +49,8 @@ def _check(args, dtype, device, what):
     assert_close(out, ref, tol, what)
     assert_close(args[13], ref_args[13], tol, what + " k_cache")
     assert_close(args[14], ref_args[14], tol, what + " v_cache")
+    if device == "cuda":
+        assert kernels.error_flag(torch.device(device)).item() == 0, "a wait of the persistent kernel timed out"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -90,8 +92,9 @@ def test_decode_layers_reaches_every_position(device):
 
 def test_decode_layers_errors():
     args = _args(*CASES["cpu"][0], torch.float32, "cpu")
+    rows = qwen_ops.DECODE_LAYERS_MAX_ROWS
     bad = {
-        "x must hold at most 8 rows": dict(x=randn(9, 40, dtype=torch.float32, device="cpu")),
+        f"x must hold at most {rows} rows": dict(x=randn(rows + 1, 40, dtype=torch.float32, device="cpu")),
         "layers stacked": dict(qkv_weight=args[5][:, :-1]),
         "num_heads": dict(num_heads=3),
         "num_splits": dict(num_splits=0),
@@ -118,78 +121,102 @@ def test_tile_rows():
 
 
 @pytest.mark.cuda
+def test_decode_layers_replays_in_cuda_graph():
+    """The persistent kernel captured once in a CUDA graph (its per-device buffers reserved before
+    the capture: qwen_ops.reserve_decode_buffers), replayed with other rows, positions, lengths and
+    block tables, gives what eager calls give; no wait timed out."""
+    case = CASES["cuda"][1]
+    args = _args(*case, torch.bfloat16, "cuda")
+    qwen_ops.reserve_decode_buffers("cuda")
+    torch.ops.qwen.decode_layers(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.qwen.decode_layers(*args)
+    for seed in (1, 2, 3):
+        fresh = _args(*case, torch.bfloat16, "cuda", seed=seed)
+        for i in range(4):  # x, positions, cache_seqlens, block_table
+            args[i].copy_(fresh[i])
+        caches = (args[13].clone(), args[14].clone())
+        graph.replay()
+        replayed = (static_out.clone(), args[13].clone(), args[14].clone())
+        args[13].copy_(caches[0])
+        args[14].copy_(caches[1])
+        eager = torch.ops.qwen.decode_layers(*args)
+        assert torch.equal(replayed[0], eager), f"replay {seed}: the output differs from eager"
+        assert torch.equal(replayed[1], args[13]) and torch.equal(replayed[2], args[14]), f"replay {seed}: the caches"
+    assert kernels.error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_model_decode_layers(batch):
-    """The model's decode step through the persistent kernel against the fused op-by-op step
-    (Qwen3-0.6B's shape, 4 layers of random weights): fp32 greedy tokens of the Generator equal
-    over 48 steps; bf16 logits of one teacher-forced step within the fused path's bound; no wait
-    timed out."""
-    from modeling import QwenConfig
-    from modeling.generation.generator import Generator
+    """The engine's decode steps through the persistent kernel against the op-by-op steps
+    (Qwen3-0.6B's shape, 4 layers of random weights): fp32 greedy tokens equal over 48 steps; bf16
+    logits of teacher-forced steps within the fused path's bound; no wait timed out."""
+    from modeling import Engine, QwenConfig, SamplingParams
     from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
-    from tests.helpers import decode, prefill, prompt
+    from tests.helpers import forced_logits
 
     config = QwenConfig.from_dict(dict(QWEN3_0_6B, num_hidden_layers=4))
     model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
     prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
-    tokens = {}
-    for flag in (False, True):
-        model.persistent_decode = flag
-        tokens[flag] = Generator(model, max_batch_size=batch, max_seq_len=128).generate(prompts, 48).tokens
-    assert tokens[True] == tokens[False]
+    tokens = {k: Engine(model, max_num_seqs=batch, max_model_len=128, decode_kernels=k).generate(
+        prompts, SamplingParams(), 48) for k in ("ops", "persistent")}
+    assert tokens["persistent"] == tokens["ops"]
     model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
-    ids = prompt(batch, 40, config.vocab_size).cuda()
-    logits = {}
-    for flag in (False, True):
-        model.persistent_decode = flag
-        cache = model.new_cache(batch, 64)
-        prefill(model, ids, cache)
-        logits[flag] = decode(model, torch.full((batch,), 7, device="cuda"), 40, cache).float()
-    assert_close(logits[True], logits[False], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
+    logits = {k: forced_logits(Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=k), list(range(5, 45)),
+                               [7, 9, 11, 13]) for k in ("ops", "persistent")}
+    assert_close(logits["persistent"], logits["ops"], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
     assert kernels.error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
 
 
 def test_inference_weights_are_stacked_before_any_step_is_captured():
-    """``new_cache`` (and the engine's pool) stack the layer weights of an inference model that will
-    run the persistent kernel (``persistent_decode`` on; by default only on CUDA) at once: the
-    stacking frees the per-layer tensors, which graphs captured before it (a prefill's) would go on
-    reading. A model without the kernel, one being trained (parameters requiring grad) and a hybrid
-    one are left as they are."""
-    from modeling import QwenConfig
+    """An engine whose decode steps may take the persistent kernel stacks the layer weights of its
+    model when it is made, before any step is captured (a step captured before the stacking would
+    go on reading the freed per-layer tensors); ``stack_layer_weights`` refuses a model being
+    trained and one the kernel does not take, and an engine that never takes the kernel (the CPU's
+    table, a hybrid model) leaves the weights as they are."""
+    from modeling import Engine, QwenConfig
     from modeling.model.random_checkpoint import random_model
     from tests.test_engine import QWEN3, QWEN3_5
 
-    def stacked(config, persistent, grad=False):
+    def stacked(config, kernels):
         model = random_model(QwenConfig.from_dict(config), dtype=torch.float32, device="cpu", std=0.2)
-        model.persistent_decode = persistent
-        before = model.layers[0].qkv_weight.data_ptr() if config is QWEN3 else None
-        model.requires_grad_(grad).new_cache(1, 16)
-        stacks = getattr(model, "_stacks", None)
+        before = model.layers[-1].qkv_weight.data_ptr()
+        Engine(model, max_num_seqs=2, max_model_len=32, decode_kernels=kernels)
+        stacks = model._stacks
         if stacks is not None:
-            assert model.layers[0].qkv_weight.data_ptr() != before
+            assert model.layers[-1].qkv_weight.data_ptr() != before
             assert all(layer.qkv_weight.data_ptr() == stacks[1][i].data_ptr() for i, layer in enumerate(model.layers))
+        assert (model.layers[-1].qkv_weight.data_ptr() == before) == (stacks is None)
         return stacks is not None
 
-    assert stacked(QWEN3, True)
-    assert not stacked(QWEN3, None)  # the CPU's default: no persistent kernel
-    assert not stacked(QWEN3, True, grad=True)
-    assert not stacked(QWEN3_5, True)
+    assert stacked(QWEN3, "persistent")
+    assert not stacked(QWEN3, None)  # the CPU's table: no persistent kernel
+    assert not stacked(QWEN3_5, None)
+    model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2)
+    with pytest.raises(ValueError, match="for inference models: a parameter requires grad"):
+        model.requires_grad_(True).stack_layer_weights()
+    with pytest.raises(ValueError, match="attention layers without an output gate only"):
+        random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, device="cpu", std=0.2).stack_layer_weights()
+    with pytest.raises(ValueError, match="decode_kernels='persistent' needs a model of attention layers"):
+        Engine(random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, std=0.2), max_num_seqs=2,
+               max_model_len=32, decode_kernels="persistent")
 
 
 @pytest.mark.cuda
-def test_a_prefill_graph_captured_before_the_first_decode_step_keeps_its_weights():
-    """The Generator captures a prompt's prefill graph before its first decode step (whose
-    persistent kernel reads the stacked weights): with fresh allocations reusing whatever memory
-    was freed between two generations, the second generation's tokens equal the first's."""
-    from modeling import QwenConfig
-    from modeling.generation.generator import Generator
+def test_steps_captured_before_the_first_decode_step_keep_their_weights():
+    """The engine captures a prompt's prefill step before its first decode step (whose persistent
+    kernel reads the stacked weights): with fresh allocations reusing whatever memory was freed
+    between two generations, the second generation's tokens equal the first's."""
+    from modeling import Engine, QwenConfig, SamplingParams
     from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
 
     model = random_model(QwenConfig.from_dict(dict(QWEN3_0_6B, num_hidden_layers=4)), dtype=torch.bfloat16,
                          device="cuda", std=0.05)
-    gen = Generator(model, max_batch_size=1, max_seq_len=256)
+    engine = Engine(model, max_num_seqs=1, max_model_len=256)
     prompt = [list(range(5, 60))]
-    first = gen.generate(prompt, 24).tokens
+    first = engine.generate(prompt, SamplingParams(), 24)
     junk = [torch.full((n,), float("nan"), device="cuda") for n in (1 << 20, 1 << 21, 1 << 22, 1 << 23)]
-    assert gen.generate(prompt, 24).tokens == first
+    assert engine.generate(prompt, SamplingParams(), 24) == first
     del junk

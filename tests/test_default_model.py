@@ -13,7 +13,7 @@ import torch
 
 from modeling import QwenForCausalLM, QwenTokenizer
 from modeling.train import Evaluator, speeches, split_text
-from tests.helpers import hf_greedy
+from tests.helpers import engine_greedy, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "modeling" / "default_model"
@@ -34,16 +34,7 @@ def test_files_fit_and_load_in_transformers(model):
     ids = torch.tensor([tok.encode("ROMEO:\nWhat light")])
     with torch.no_grad():
         expected = hf_greedy(hf, ids, 8)
-        cache = model.new_cache(1, ids.shape[1] + 8)
-        positions = torch.arange(ids.shape[1])[None]
-        logits = model(ids, positions, cache)
-        ours = [int(logits.argmax(-1))]
-        for t in range(7):
-            pos = ids.shape[1] + t
-            logits = model(torch.tensor([[ours[-1]]]), torch.tensor([[pos]]), cache,
-                           torch.tensor([pos + 1], dtype=torch.int32))
-            ours.append(int(logits.argmax(-1)))
-    assert ours == expected[0].tolist()
+    assert engine_greedy(model, ids, 8).tolist() == expected.tolist()
 
 
 def test_validation_bits_per_char_matches_the_docs():

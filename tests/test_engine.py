@@ -1,7 +1,8 @@
-"""The engine end to end: greedy tokens equal the Generator's (itself held to transformers' by the
-parity tests), whether a sequence runs alone, joins a running batch of other lengths, is prefilled
-in chunks, finds its prefix in the cache or is preempted and recomputed; seeded sampling does not
-depend on the batch. float64 models: the PyTorch reference ops, exact and fast on the CPU; the
+"""The engine end to end: greedy tokens equal the model's own greedy continuation without a cache
+(``recompute_greedy``; the model itself is held to transformers' by the parity tests), whether a
+sequence runs alone, joins a running batch of other lengths, is prefilled in chunks, finds its
+prefix in the cache or is preempted and recomputed, whichever decode kernels its steps take;
+seeded sampling does not depend on the batch. float64 models: the PyTorch reference ops, exact and fast on the CPU; the
 `cuda` cases run the kernels on a GPU."""
 
 
@@ -10,9 +11,10 @@ import torch
 
 from modeling import QwenConfig
 from modeling.engine import Engine, Status
-from modeling.generation.generator import Generator
+from modeling.engine.prompts import ContextLengthError
+from modeling.engine.sampling_params import SamplingParams
 from modeling.model.random_checkpoint import random_model
-from modeling.generation.sampling import SamplingParams
+from tests.helpers import recompute_greedy
 
 QWEN3 = dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -32,20 +34,15 @@ def prompts_of(lengths, vocab=96, seed=1):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def generator_tokens(model, prompts, new):
-    gen = Generator(model, max_batch_size=1, max_seq_len=max(map(len, prompts)) + new + 2, use_cuda_graph=False)
-    return [gen.generate([p], new).tokens[0] for p in prompts]
-
-
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
 def setup(request):
     config = QWEN3 if request.param == "qwen3" else QWEN3_5
     model = model_of(config)
     prompts = prompts_of([5, 37, 1, 70, 16])
-    return request.param, model, prompts, generator_tokens(model, prompts, 10)
+    return request.param, model, prompts, recompute_greedy(model, prompts, 10)
 
 
-def test_one_continuous_batch_equals_the_generator(setup):
+def test_one_continuous_batch_equals_recomputing(setup):
     _, model, prompts, want = setup
     engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     assert engine.generate(prompts, GREEDY, 10) == want
@@ -53,15 +50,16 @@ def test_one_continuous_batch_equals_the_generator(setup):
 
 
 def test_a_starting_sequence_ignores_what_its_state_slot_held():
-    """State slots are not cleared when a sequence takes one: every recurrent op must read zeros for
-    a sequence that starts (first position 0), so a pool full of huge values changes no token."""
+    """State slots and KV blocks are not cleared when a sequence takes them: every recurrent op must
+    read zeros for a sequence that starts (first position 0), and attention only positions written
+    before, so a pool full of huge values changes no token."""
     model = model_of(QWEN3_5)
     prompts = prompts_of([5, 37, 1, 70, 16])
     engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
-    for i in engine.pool.recurrent:
-        for t in engine.pool.layers[i]:
+    for entry in engine.pool.layers:
+        for t in entry:
             t.fill_(1e6)
-    assert engine.generate(prompts, GREEDY, 10) == generator_tokens(model, prompts, 10)
+    assert engine.generate(prompts, GREEDY, 10) == recompute_greedy(model, prompts, 10)
 
 
 def test_chunked_prefill_and_a_tiny_budget(setup):
@@ -95,7 +93,7 @@ def test_prefix_caching_reuses_blocks_with_the_same_tokens():
     model = model_of(QWEN3)
     shared = prompts_of([40])[0]
     prompts = [shared + [1, 2, 3], shared + [4, 5]]
-    want = generator_tokens(model, prompts, 8)
+    want = recompute_greedy(model, prompts, 8)
     engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     assert engine.generate(prompts[:1], GREEDY, 8) == want[:1]
     second = engine.add(prompts[1], GREEDY, 8)
@@ -141,7 +139,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(setup):
 def test_abort_frees_the_blocks_and_stop_tokens_finish():
     model = model_of(QWEN3)
     prompts = prompts_of([20, 20])
-    want = generator_tokens(model, prompts[:1], 6)[0]
+    want = recompute_greedy(model, prompts[:1], 6)[0]
     engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     stopped = engine.add(prompts[0], GREEDY, 50, stop_token_ids=[want[3]])
     aborted = engine.add(prompts[1], GREEDY, 50)
@@ -154,54 +152,81 @@ def test_abort_frees_the_blocks_and_stop_tokens_finish():
 
 
 def test_requests_that_cannot_fit_are_refused():
+    """What ``add`` refuses, each a ``ValueError`` naming it; a request that fits exactly runs."""
     engine = Engine(model_of(QWEN3), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, block_size=16)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ContextLengthError, match="max_model_len 64 .max_tokens of at most 4 fit"):
         engine.add(list(range(60)), GREEDY, 10)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         engine.add([], GREEDY, 10)
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 96\)"):
+        engine.add([96], GREEDY, 1)
+    with pytest.raises(ValueError, match=r"the prompt\[1\] must be an integer token id, got 2.0"):
+        engine.add([1, 2.0], GREEDY, 1)
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
+        engine.add([1], GREEDY, 0)
+    assert engine.generate([list(range(54))], GREEDY, 10)[0] == recompute_greedy(engine.model, [list(range(54))], 10)[0]
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        Engine(engine.model, max_num_seqs=0)
 
 
-def test_the_kernels_path_equals_the_generator():
+def test_the_kernels_path_equals_recomputing():
     """fp32: the Triton kernels (the interpreter on the CPU) in the engine's padded steps."""
     model = model_of(QWEN3, dtype=torch.float32)
     prompts = prompts_of([5, 37])
-    want = generator_tokens(model, prompts, 4)
+    want = recompute_greedy(model, prompts, 4)
     engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16)
     assert engine.generate(prompts, GREEDY, 4) == want
 
 
-def test_decode_steps_through_the_persistent_kernel_equal_the_generator():
-    """fp32, ``persistent_decode`` forced on: the engine's decode-only steps run every layer in
-    ``qwen::decode_layers`` over the pool's stacked caches (the kernel under the interpreter), three
-    sequences in the 4-row graph shape (a padding row, whose stale block table row it must not
-    write through), then fewer as they finish; the tokens are the op-by-op Generator's."""
+@pytest.mark.parametrize("kernels, op", [("persistent", "decode_layers"), ("fused", "norm_qkv_rope_store")])
+def test_decode_steps_through_the_decode_kernels_equal_recomputing(kernels, op):
+    """fp32, the decode kernels forced (``decode_kernels``): the persistent kernel (every layer in
+    ``qwen::decode_layers`` over the pool's stacked caches) or the fused decode ops, under the
+    interpreter; three sequences in the 4-row graph shape (a padding row, whose stale block table
+    row they must not write through), then fewer as they finish."""
     import qwen_ops
 
     model = model_of(QWEN3, dtype=torch.float32)
     prompts = prompts_of([5, 37, 20])
-    want = generator_tokens(model, prompts, 4)
-    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16)
+    want = recompute_greedy(model, prompts, 4)
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16,
+                    decode_kernels=kernels)
     seqs = [engine.add(p, GREEDY, n) for p, n in zip(prompts, (4, 2, 3))]
-    calls = qwen_ops.kernel_calls["decode_layers"]
-    model.persistent_decode = True
-    try:
-        while engine.has_work():
-            engine.step()
-    finally:
-        model.persistent_decode = None
-    assert qwen_ops.kernel_calls["decode_layers"] > calls, "the persistent kernel did not run"
+    calls = qwen_ops.kernel_calls[op]
+    while engine.has_work():
+        engine.step()
+    assert qwen_ops.kernel_calls[op] > calls, f"{op} did not run"
     assert [s.output_ids for s in seqs] == [w[:n] for w, n in zip(want, (4, 2, 3))]
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_graph_steps_equal_eager_steps_qwen3_0_6b_shape(dtype):
+    """The Qwen3-0.6B shape: the engine's CUDA-graph steps give the eager steps' tokens, greedy and
+    seeded (top-k / top-p) sampling, a ragged batch beside one sequence alone (the persistent
+    decode kernel at one row, the op-by-op steps at more)."""
+    from modeling.model.random_checkpoint import QWEN3_0_6B
+
+    model = random_model(QwenConfig.from_dict(QWEN3_0_6B), dtype=dtype, device="cuda", std=0.02)
+    prompts = prompts_of([17, 64, 5, 200], vocab=QWEN3_0_6B["vocab_size"])
+    for params in (GREEDY, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=3)):
+        runs = [Engine(model, max_num_seqs=4, max_model_len=512, enforce_eager=eager).generate(prompts, params, 24)
+                for eager in (False, True)]
+        alone = Engine(model, max_num_seqs=1, max_model_len=512).generate(prompts[:1], params, 24)
+        assert runs[0] == runs[1] and len({tuple(t) for t in runs[0]}) == 4
+        if dtype == torch.float32:
+            assert alone[0] == runs[0][0]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("config", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3_5"])
-def test_engine_on_cuda_equals_the_generator(config):
+def test_engine_on_cuda_equals_recomputing(config):
     """Graphs captured as shapes first occur, then (a second engine) all captured up front as a
     server does (``capture_graphs``: the mixed graphs share one logits buffer)."""
     model = model_of(config, dtype=torch.float32, device="cuda")
     prompts = prompts_of([5, 37, 1, 70, 16, 23, 300, 129])
-    want = generator_tokens(model, prompts, 16)
-    settings = dict(max_num_seqs=8, max_num_batched_tokens=96, max_model_len=512, block_size=16, memory_fraction=0.1)
+    want = recompute_greedy(model, prompts, 16)
+    settings = dict(max_num_seqs=8, max_num_batched_tokens=96, max_model_len=512, block_size=16, gpu_memory_utilization=0.1)
     assert Engine(model, **settings).generate(prompts, GREEDY, 16) == want
     engine = Engine(model, **settings)
     assert engine.capture_graphs() == len(engine.runner.all_keys())
@@ -211,10 +236,10 @@ def test_engine_on_cuda_equals_the_generator(config):
 def test_hybrid_mixed_steps_in_the_padded_bodies(monkeypatch):
     """A hybrid model's mixed steps (prefill chunks beside decode tokens) through the runner's padded
     mixed bodies, as its step graphs would run them (eager on the CPU: a padding sequence holding the
-    padding tokens, empty ones after it, all on the padding state slot): the Generator's tokens."""
+    padding tokens, empty ones after it, all on the padding state slot): the recomputed tokens."""
     model = model_of(QWEN3_5)
     prompts = prompts_of([5, 37, 1, 70, 16])
-    want = generator_tokens(model, prompts, 10)
+    want = recompute_greedy(model, prompts, 10)
     engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=40, max_model_len=128, block_size=16)
     runner, kinds = engine.runner, []
     key = runner.key

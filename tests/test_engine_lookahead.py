@@ -1,13 +1,14 @@
 """The engine's lookahead: a decode-only step's successor is launched before the host reads its
-tokens (the next inputs are written on the device). The tokens stay those of the Generator
+tokens (the next inputs are written on the device). The tokens stay the recomputed ones
 (tests/test_engine.py); here, that the lookahead runs, and what it must not do: give a finished or
 aborted sequence a token, hold blocks after the last step, or run with penalties (whose counts
 would miss the token still on the device)."""
 
 from modeling.engine import Engine
-from modeling.generation.sampling import SamplingParams
+from modeling.engine.sampling_params import SamplingParams
 
-from tests.test_engine import GREEDY, QWEN3, generator_tokens, model_of, prompts_of
+from tests.helpers import recompute_greedy
+from tests.test_engine import GREEDY, QWEN3, model_of, prompts_of
 
 
 def engine_of(model):
@@ -17,7 +18,7 @@ def engine_of(model):
 def test_decode_steps_launch_the_next_one_before_their_tokens_are_read():
     model = model_of(QWEN3)
     prompts = prompts_of([9, 30, 17])
-    want = generator_tokens(model, prompts, 12)
+    want = recompute_greedy(model, prompts, 12)
     engine = engine_of(model)
     seqs = [engine.add(p, GREEDY, 12) for p in prompts]
     engine.step()  # the prefill: no lookahead, its first tokens come back at once
@@ -34,7 +35,7 @@ def test_decode_steps_launch_the_next_one_before_their_tokens_are_read():
 def test_a_sequence_aborted_or_stopped_while_a_step_is_in_flight_gets_no_more_tokens():
     model = model_of(QWEN3)
     prompts = prompts_of([20, 20])
-    want = generator_tokens(model, prompts[:1], 8)[0]
+    want = recompute_greedy(model, prompts[:1], 8)[0]
     engine = engine_of(model)
     stopped = engine.add(prompts[0], GREEDY, 50, stop_token_ids=[want[4]])
     aborted = engine.add(prompts[1], GREEDY, 50)

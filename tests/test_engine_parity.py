@@ -4,7 +4,7 @@ one continuous batch (chunked prefill under a small token budget, so prompts are
 and share steps with decoding sequences): each prompt's greedy tokens are transformers' greedy
 tokens for it alone. float32 runs the Triton kernels (under the interpreter on the CPU), float64
 the PyTorch references (exact and fast): the Qwen3 case takes both, the others float64 only to
-keep CI short (tests/test_engine.py has Qwen3.5's kernel path beside the Generator)."""
+keep CI short (tests/test_engine.py and tests/test_qwen3_5.py run Qwen3.5's kernels)."""
 
 import pytest
 import torch

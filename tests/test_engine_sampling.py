@@ -1,12 +1,13 @@
 """The engine's sampling controls (modeling.engine.sampler; SamplingParams' min_p, presence /
 frequency / repetition penalties and logprobs), each against a plain PyTorch reference written
 here, on random logits of awkward sizes with settings mixed per row; then the checkpoint defaults
-(generation_config.json's repetition_penalty and min_p), LLM's refusal of what its Generator
-lacks, and an end-to-end Engine run on a tiny random float64 model."""
+(generation_config.json's repetition_penalty and min_p, which ``LLM`` applies), ``LLM`` passing
+every control to the engine, and an end-to-end Engine run on a tiny random float64 model."""
 
 import json
 import random
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from modeling.chat.template import GenerationDefaults, generation_defaults
 from modeling.engine import Engine
 from modeling.engine.sampler import apply_penalties, penalties_of, sample_rows, sample_sequences, token_logprobs
 from modeling.engine.sequence import Sequence
-from tests.test_engine import QWEN3, generator_tokens, model_of, prompts_of
+from tests.helpers import recompute_greedy
+from tests.test_engine import QWEN3, model_of, prompts_of
 from tests.test_generate_cli import build_chat_checkpoint
 
 F64 = dict(device="cpu", dtype=torch.float64)
@@ -261,6 +263,29 @@ def test_out_of_range_values_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+def test_sampling_mode_and_the_other_values_checked():
+    assert [SamplingParams(temperature=t, top_k=k, top_p=p).mode for t, k, p in
+            [(0.0, 0, 1.0), (0.7, 1, 1.0), (0.7, 0, 1.0), (0.7, 40, 1.0), (0.7, 0, 0.9)]] == \
+        ["greedy", "greedy", "sample", "top", "top"]
+    for bad, word in [(dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                      (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                      (dict(top_p=float("nan")), "top_p"), (dict(seed=-3), "seed"), (dict(n=0), "n"),
+                      (dict(n=1.0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"),
+                      (dict(stop_token_ids=[-1]), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=word):
+            SamplingParams(**bad)
+
+
+def test_tiny_positive_temperature_is_greedy():
+    """A temperature far below float32's normal range (1e-40) is clamped to MIN_TEMPERATURE, so the
+    scaled logits stay finite and sampling picks the argmax, not the first of many infinities."""
+    model, prompts = model_of(QWEN3), prompts_of([5, 9], seed=3)
+    engine = Engine(model, max_num_seqs=2, max_model_len=32)
+    greedy = engine.generate(prompts, SamplingParams(), 12)
+    for params in (SamplingParams(temperature=1e-40, seed=0), SamplingParams(temperature=1e-40, top_k=5, seed=0)):
+        assert engine.generate(prompts, params, 12) == greedy
+
+
 def test_boundary_values_are_accepted_as_plain_numbers():
     import numpy as np
 
@@ -322,34 +347,38 @@ def llms(tmp_path_factory):
     return LLM(plain, **F64), LLM(rep, **F64)
 
 
-def test_llm_refuses_what_its_generator_lacks(llms):
+def test_llm_applies_every_control_as_the_engine_does(llms):
+    """``LLM`` hands min-p, the penalties, logprobs and the seed to the engine: its tokens are the
+    engine's for the same request, its logprobs the engine's entries as vLLM's ``Logprob``s."""
     llm, _ = llms
-    for params, named in [(SamplingParams(presence_penalty=0.5), "presence_penalty=0.5"),
-                          (SamplingParams(min_p=0.1, logprobs=2), "min_p=0.1, logprobs=2"),
-                          (SamplingParams(repetition_penalty=1.1), "repetition_penalty=1.1"),
-                          (SamplingParams(frequency_penalty=-1), "frequency_penalty=-1.0")]:
-        for call in (lambda: llm.generate("Hello", params), lambda: llm.stream("Hello", params),
-                     lambda: llm.chat([{"role": "user", "content": "Hi"}], params),
-                     lambda: llm.generate_ids([[1, 2]], params)):
-            with pytest.raises(ValueError, match=f"does not implement {named}: .*modeling.engine.Engine"):
-                call()
-    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finish_reason in ("stop", "length")
+    ids = llm.tokenizer.encode("Hello there")
+    params = SamplingParams(temperature=0.9, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.3,
+                            repetition_penalty=1.2, seed=5, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    engine = Engine(llm.model, max_num_seqs=2, max_model_len=64)
+    seq = engine.add(ids, params, 6)
+    while engine.has_work():
+        engine.step()
+    assert out.token_ids == seq.output_ids and len(out.logprobs) == 6
+    for token, entry, (chosen, top) in zip(out.token_ids, out.logprobs, seq.logprobs):
+        assert entry[token].logprob == chosen
+        assert [(t, lp.logprob, lp.rank) for t, lp in entry.items() if lp.rank is not None] == \
+            [(t, lp, rank) for rank, (t, lp) in enumerate(top, 1)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen for chosen, _ in seq.logprobs))
 
 
-def test_llm_leaves_out_the_checkpoint_defaults_it_cannot_apply_with_a_warning(llms):
+def test_llm_takes_the_checkpoint_defaults_whole(llms):
+    """Without sampling params, ``LLM`` samples with generation_config.json's values, its
+    repetition penalty and min-p included, as the same values given explicitly do."""
     _, llm = llms
     defaults = llm.get_default_sampling_params()
-    assert (defaults.repetition_penalty, defaults.min_p, defaults.temperature) == (1.05, 0.05, 0.7)
+    assert (defaults.repetition_penalty, defaults.min_p, defaults.temperature, defaults.max_tokens) == \
+        (1.05, 0.05, 0.7, 4)
     seeded = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3, max_tokens=4, repetition_penalty=1.05,
                             min_p=0.05)
-    with pytest.warns(UserWarning, match="min_p=0.05, repetition_penalty=1.05, which .* does not implement"):
-        got = llm.generate("Hello", seeded)[0].token_ids
-    without = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3, max_tokens=4)
-    assert got == llm.generate("Hello", without)[0].token_ids
-    with pytest.warns(UserWarning, match="repetition_penalty=1.05"):
-        assert len(llm.generate("Hello")[0].token_ids) <= 4  # no params: the checkpoint's, minus those two
-    with pytest.raises(ValueError, match="does not implement repetition_penalty=1.2"):  # not the default: refused
-        llm.generate("Hello", SamplingParams(repetition_penalty=1.2))
+    got = llm.generate("Hello", seeded, use_tqdm=False)[0].token_ids
+    assert got == llm.generate("Hello", replace(defaults, seed=3), use_tqdm=False)[0].token_ids
+    assert len(llm.generate("Hello", use_tqdm=False)[0].token_ids) <= 4
 
 
 # ------------------------------------------------------------------ the engine end to end
@@ -360,7 +389,7 @@ def reference_greedy(model, prompt, new, **penalty):
     tokens, logits = list(prompt), []
     for _ in range(new):
         with torch.no_grad():
-            step = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)))[0]
+            step = model(torch.tensor([tokens]))[0, -1]
         logits.append(step)
         tokens.append(int(ref_penalised(step, prompt, tokens[len(prompt):], **penalty).argmax()))
     return tokens[len(prompt):], logits
@@ -385,7 +414,7 @@ def test_engine_applies_penalties_and_returns_logprobs():
         raw = step.log_softmax(-1)
         assert chosen == pytest.approx(raw[token].item(), abs=1e-9)
         assert [t for t, _ in top] == raw.topk(4).indices.tolist()
-    assert plain.output_ids == generator_tokens(model, prompts[1:2], new)[0]
+    assert plain.output_ids == recompute_greedy(model, prompts[1:2], new)[0]
     assert [top for _, top in plain.logprobs] == [[] for _ in range(new)]
     assert all(chosen <= 0 for chosen, _ in plain.logprobs) and drawn.logprobs is None
     again = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)

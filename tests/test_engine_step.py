@@ -8,7 +8,7 @@ import numpy as np
 
 from modeling.engine.sequence import Sequence
 from modeling.engine.step import fields, pack, table_offset
-from modeling.generation.sampling import SamplingParams
+from modeling.engine.sampling_params import SamplingParams
 
 BLOCK = 4
 PADDING_SLOT = 9

@@ -2,7 +2,7 @@
 lengths (some sharing a prefix) arrive at random steps with random token limits, some sampled
 with a seed, some aborted on the way; a small pool forces preemption and a small token budget
 chunks the prompts. Every finished request's tokens must equal the same request run alone
-(greedy: the Generator's; seeded: an engine holding only that request), an aborted one's must be
+(greedy: the model's own continuation without a cache; seeded: an engine holding only that request), an aborted one's must be
 a prefix of them, and the engine must end with every block, state slot and step given back.
 float64 models: the PyTorch reference ops, exact and fast on the CPU."""
 
@@ -11,8 +11,9 @@ import random
 import pytest
 
 from modeling.engine import Engine, Status
-from modeling.generation.sampling import SamplingParams
-from tests.test_engine import GREEDY, QWEN3, QWEN3_5, generator_tokens, model_of
+from modeling.engine.sampling_params import SamplingParams
+from tests.helpers import recompute_greedy
+from tests.test_engine import GREEDY, QWEN3, QWEN3_5, model_of
 
 SETTINGS = dict(max_num_seqs=4, max_model_len=96, block_size=16)
 
@@ -61,7 +62,7 @@ def test_a_random_workload_gives_every_request_its_solo_tokens(config, seed):
         _, prompt, max_tokens, params, abort = requests[i]
         assert seq.status is Status.FINISHED
         if params is GREEDY:
-            solo = generator_tokens(model, [prompt], max_tokens)[0]
+            solo = recompute_greedy(model, [prompt], max_tokens)[0]
         else:
             solo = Engine(model, max_num_batched_tokens=96, **SETTINGS).generate([prompt], params, max_tokens)[0]
         if seq.finish_reason == "abort":

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling import QwenForCausalLM, QwenTokenizer
+from modeling import LLM, QwenForCausalLM, QwenTokenizer, SamplingParams
 from modeling.chat.template import ChatTemplate
 from modeling.cli.args import split_prompts
 from modeling.cli.generate import main
 from modeling.cli.output import escape_line
-from modeling.generation.generator import Generator
 from modeling.model.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
+from tests.helpers import recompute_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "tests" / "data" / "qwen3_chat_template.jinja"
@@ -100,17 +100,24 @@ def json_lines(out: str):
 
 
 def expected_path(device="cpu", dtype=torch.float32) -> str:
-    from modeling.generation.runtime import backend_name
+    from modeling.model.device import backend_name
 
     return backend_name(torch.device(device), dtype)
 
 
-def test_prefill_graph_flag_is_tri_state():
-    """No flag leaves the generator's default (prefill graphs wherever decode is captured)."""
-    from modeling.cli.args import parse_args
-
-    assert [parse_args(extra + ["--prompt", "x"]).prefill_graph
-            for extra in ([], ["--prefill-graph"], ["--no-prefill-graph"])] == [None, True, False]
+def test_earlier_flags_work_with_a_note_or_are_refused(steered, capsys):
+    """--max-new-tokens, --max-seq-len, --max-batch-size and --no-cuda-graph still work, each with
+    a note naming its new name; --prefill-graph means nothing on the engine: refused, saying why."""
+    code, out, err = run_main(capsys, "--model", steered, "--prompt", "Hello", "--max-new-tokens", 2, "--max-seq-len",
+                              64, "--max-batch-size", 1, "--no-cuda-graph", "--device", "cpu", "--json")
+    assert code == 0 and len(json_lines(out)[0]["token_ids"]) == 2, err
+    for old, new in [("--max-new-tokens", "--max-tokens"), ("--max-seq-len", "--max-model-len"),
+                     ("--max-batch-size", "--max-num-seqs"), ("--no-cuda-graph", "--enforce-eager")]:
+        assert f"note: {old} is deprecated: use {new}" in err
+    for flag in ("--prefill-graph", "--no-prefill-graph"):
+        code, out, err = run_main(capsys, "--model", steered, "--prompt", "Hello", flag, "--device", "cpu")
+        assert code == 2 and out == "" and err.startswith(f"error: {flag} no longer means anything: the engine "
+                                                          "captures prefill steps"), err
 
 
 def test_random_checkpoint_loads(ckpt):
@@ -130,18 +137,19 @@ def test_random_checkpoint_loads(ckpt):
 
 def test_streamed_text_equals_decoded_tokens(ckpt, capsys):
     """Greedy on the CPU: stdout is exactly the detokenized completion (streamed piece by piece);
-    the stats line separates warm-up from prefill and names the path that ran."""
+    the stats line gives the time to the first token and the decode rate and names the path that ran."""
     prompt = "Once upon a time, 世界 🙂"
-    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 12,
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-tokens", 12,
                               "--device", "cpu", "--dtype", "fp32")
     assert code == 0, err
     model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     tok = QwenTokenizer.from_pretrained(ckpt)
-    r = Generator(model, max_seq_len=64).generate([tok.encode(prompt)], 12, stop_token_ids=tok.eos_token_ids)
-    assert out == tok.decode(r.tokens[0], skip_special_tokens=True) + "\n"
+    tokens = recompute_greedy(model, [tok.encode(prompt)], 12)[0]
+    stop = next((i for i, t in enumerate(tokens) if t in tok.eos_token_ids), len(tokens))
+    assert out == tok.decode(tokens[:stop], skip_special_tokens=True) + "\n"
     stats = err.strip().splitlines()[-1]
-    assert stats.startswith(f"prompt tokens {len(tok.encode(prompt))} | warm-up ")
-    assert " | prefill " in stats and "ms/token" in stats and "tokens/s" in stats and "cuda graph: no" in stats
+    assert stats.startswith(f"prompt tokens {len(tok.encode(prompt))} | first token ")
+    assert "ms/token" in stats and "tokens/s" in stats and "cuda graph: no" in stats
     path = expected_path()
     assert stats.endswith(f"| {path}, float32")
     notice = err.splitlines()[0]
@@ -153,26 +161,21 @@ def test_streamed_text_equals_decoded_tokens(ckpt, capsys):
 def test_batch_file_and_chat(ckpt, capsys, tmp_path):
     batch = tmp_path / "prompts.txt"
     batch.write_text("The quick brown fox\n\nHello world\nWhat is the capital of France?\n")
-    args = ("--model", ckpt, "--batch-file", batch, "--max-new-tokens", 5, "--chat", "--temperature", 0.8,
-            "--top-k", 20, "--top-p", 0.9, "--seed", 3, "--device", "cpu", "--max-batch-size", 2)
+    args = ("--model", ckpt, "--batch-file", batch, "--max-tokens", 5, "--chat", "--temperature", 0.8,
+            "--top-k", 20, "--top-p", 0.9, "--seed", 3, "--device", "cpu", "--max-num-seqs", 2)
     code, out, err = run_main(capsys, *args)
     assert code == 0, err
     lines = out.splitlines()
     assert sorted(line[:4] for line in lines) == ["[0] ", "[1] ", "[2] "]
     code2, out2, _ = run_main(capsys, *args)
-    assert code2 == 0 and out2 == out  # same seed, same text
-    # the command line runs one batch at a time; it samples as one Generator call over all prompts
-    from modeling.generation.sampling import SamplingParams
-
-    tok = QwenTokenizer.from_pretrained(ckpt)
+    assert sorted(out2.splitlines()) == sorted(lines)  # same seed, same text (the order they finish in may differ)
+    # the command line's prompts sample as LLM's do (a seeded prompt, whatever runs beside it)
     template = ChatTemplate.from_pretrained(ckpt)
-    prompts = [tok.encode(template.render([{"role": "user", "content": p}]))
+    prompts = [template.render([{"role": "user", "content": p}])
                for p in ("The quick brown fox", "Hello world", "What is the capital of France?")]
-    model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    gen = Generator(model, max_batch_size=2, max_seq_len=max(map(len, prompts)) + 5)
-    r = gen.generate(prompts, 5, SamplingParams(0.8, 20, 0.9, 3), tok.eos_token_ids)
-    assert sorted(lines) == [f"[{i}] {escape_line(tok.decode(t, skip_special_tokens=True))}"
-                             for i, t in enumerate(r.tokens)]
+    outs = LLM(ckpt, device="cpu", dtype=torch.float32).generate(
+        prompts, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=5), use_tqdm=False)
+    assert sorted(lines) == [f"[{i}] {escape_line(o.text)}" for i, o in enumerate(outs)]
 
 
 def test_batch_file_splits_on_newline_only(steered, capsys, tmp_path):
@@ -182,7 +185,7 @@ def test_batch_file_splits_on_newline_only(steered, capsys, tmp_path):
     batch = tmp_path / "p.txt"
     batch.write_bytes(("\r\n".join(prompts) + "\r\n\n  \n").encode())
     assert split_prompts(batch.read_bytes().decode()) == prompts
-    base = ("--model", steered, "--batch-file", batch, "--max-new-tokens", 6, "--device", "cpu")
+    base = ("--model", steered, "--batch-file", batch, "--max-tokens", 6, "--device", "cpu")
     code, out, err = run_main(capsys, *base)
     assert code == 0, err
     lines = out.splitlines()
@@ -194,14 +197,14 @@ def test_batch_file_splits_on_newline_only(steered, capsys, tmp_path):
     assert [r["prompt_tokens"] for r in results] == [len(tok.encode(p)) for p in prompts]
     for r in results:
         assert r["text"] == "\n世\n世\n世" and r["finish_reason"] == "length" and len(r["token_ids"]) == 6
-        assert set(r["timings"]) >= {"warmup_ms", "prefill_ms", "decode_ms", "decode_steps"}
+        assert set(r["timings"]) == {"first_token_ms", "total_ms"}
         assert f"[{r['index']}] {escape_line(r['text'])}" in lines
     assert escape_line("a\\n\nb\r") == "a\\\\n\\nb\\r"
 
 
 def test_batch_file_from_stdin(steered, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("first\nsecond 世\n".encode())))
-    code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--max-new-tokens", 2,
+    code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--max-tokens", 2,
                               "--device", "cpu", "--json")
     assert code == 0, err
     assert sorted(r["index"] for r in json_lines(out)) == [0, 1]
@@ -213,7 +216,7 @@ def test_batch_file_from_stdin(steered, capsys, monkeypatch):
 
 def test_stop_strings(steered, capsys):
     """--stop ends the completion before the first match (and is left out); EOS still stops."""
-    base = ("--model", steered, "--prompt", "Hello", "--max-new-tokens", 8, "--device", "cpu")
+    base = ("--model", steered, "--prompt", "Hello", "--max-tokens", 8, "--device", "cpu")
     code, out, err = run_main(capsys, *base)
     assert code == 0 and out == "\n世\n世\n世\n世\n", err
     code, out, err = run_main(capsys, *base, "--stop", "世\n", "--stop", "never")
@@ -237,7 +240,7 @@ def test_chat_system_and_thinking_use_the_checkpoint_template(steered, capsys):
              (("--no-thinking",), [user], {"enable_thinking": False})]
     for flags, messages, kwargs in cases:
         code, out, err = run_main(capsys, "--model", steered, "--chat", "--prompt", user["content"], *flags,
-                                  "--max-new-tokens", 1, "--device", "cpu", "--json")
+                                  "--max-tokens", 1, "--device", "cpu", "--json")
         assert code == 0, err
         (r,) = json_lines(out)
         assert r["prompt_tokens"] == len(tok.encode(template.render(messages, **kwargs))), flags
@@ -246,7 +249,7 @@ def test_chat_system_and_thinking_use_the_checkpoint_template(steered, capsys):
 
 def test_interactive_chat_over_stdin(steered):
     """Two turns (the second sees the first), /reset, a third turn, then end of input."""
-    p = _cli("--model", steered, "--interactive", "--max-new-tokens", 3, "--json", "--system", "S",
+    p = _cli("--model", steered, "--interactive", "--max-tokens", 3, "--json", "--system", "S",
              input="Hello\n\nAgain\n/reset\nAgain\n")
     assert p.returncode == 0, p.stderr
     turns = json_lines(p.stdout)
@@ -261,7 +264,7 @@ def test_interactive_chat_over_stdin(steered):
     assert [x["prompt_tokens"] for x in turns] == [len(tok.encode(t.render(m))) for m in (first, second, third)]
     assert "conversation reset" in p.stderr and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("prompt tokens ")
-    p = _cli("--model", steered, "-i", "--max-new-tokens", 2, input="Hi\n")  # streamed text, one line a reply
+    p = _cli("--model", steered, "-i", "--max-tokens", 2, input="Hi\n")  # streamed text, one line a reply
     assert p.returncode == 0 and p.stdout == "世\n\n", p.stderr
 
 
@@ -273,12 +276,12 @@ def test_generation_config_defaults_unless_flags_override(steered, capsys, tmp_p
                                                               top_k=2, max_new_tokens=3)))
     code, out, err = run_main(capsys, "--model", d, "--prompt", "Hello", "--device", "cpu", "--json")
     assert code == 0, err
-    assert "generation_config.json: temperature 0.7, top-k 2, top-p 1, max-new-tokens 3" in err
+    assert "generation_config.json: temperature 0.7, top-k 2, max-tokens 3" in err
     assert len(json_lines(out)[0]["token_ids"]) == 3
     code, out, err = run_main(capsys, "--model", d, "--prompt", "Hello", "--device", "cpu", "--json",
-                              "--max-new-tokens", 2, "--temperature", 0)
+                              "--max-tokens", 2, "--temperature", 0)
     assert code == 0 and len(json_lines(out)[0]["token_ids"]) == 2
-    assert "generation_config.json: top-k 2, top-p 1 (flags override)" in err
+    assert "generation_config.json: top-k 2 (flags override)" in err
 
 
 def test_hub_id(ckpt, capsys, tmp_path, monkeypatch):
@@ -288,7 +291,7 @@ def test_hub_id(ckpt, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     add_snapshot(cache, "org/tiny", ckpt, "a" * 40, refs=("main", "v1"))
-    base = ("--prompt", "Hi", "--max-new-tokens", 2, "--device", "cpu", "--json")
+    base = ("--prompt", "Hi", "--max-tokens", 2, "--device", "cpu", "--json")
     code, out, err = run_main(capsys, "--model", "org/tiny", *base)
     assert code == 0, err
     code, out2, err = run_main(capsys, "--model", "org/tiny", "--revision", "v1", "--offline", *base)
@@ -300,13 +303,17 @@ def test_hub_id(ckpt, capsys, tmp_path, monkeypatch):
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and out == "", err
 
 
-def test_prompt_longer_than_cache_lowers_or_fails(ckpt, capsys):
+def test_prompt_longer_than_the_model_len_cuts_or_fails(ckpt, capsys):
     code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "The quick brown fox jumps over the lazy dog",
-                              "--max-seq-len", 4, "--device", "cpu")
-    assert code == 2 and "error: a prompt of" in err and "no room for a new token" in err and "--max-seq-len" in err
-    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "Hello", "--max-seq-len", 8,
-                              "--max-new-tokens", 50, "--device", "cpu")
-    assert code == 0 and "--max-new-tokens lowered to" in err
+                              "--max-model-len", 4, "--device", "cpu")
+    assert code == 2 and "error: a prompt of" in err and "no room for a new token" in err and "--max-model-len" in err
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "Hello", "--max-model-len", 8,
+                              "--max-tokens", 50, "--device", "cpu", "--json")
+    assert code == 0 and "--max-tokens cut to" in err
+    (r,) = json_lines(out)
+    assert r["prompt_tokens"] + len(r["token_ids"]) <= 8 and r["finish_reason"] in ("length", "stop")
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "Hello", "--max-model-len", 10**6, "--device", "cpu")
+    assert code == 2 and "--max-model-len 1000000 exceeds the model's max_position_embeddings (4096)" in err
 
 
 @pytest.fixture
@@ -371,15 +378,22 @@ def bad_checkpoints(tmp_path, ckpt):
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "-0.5"], "temperature must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "nan"], "temperature must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "1e300"], "temperature must be a finite number"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"], "top_p must lie in (0, 1]"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "1.5"], "top_p must lie in (0, 1]"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-1"], "top_k must be"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "99999999999999999999"], "top_k must be an integer in [0, 2**63)"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--seed", "-1"], "seed must be"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--seed", str(2**64)], "seed must be"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--max-seq-len", str(2**31)], "at most 2147483647"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"], "--top-p must lie in (0, 1]"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "1.5"], "--top-p must lie in (0, 1]"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-1"], "--top-k must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "99999999999999999999"], "--top-k must be an integer in [0, 2**63)"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--min-p", "1.5"], "--min-p must lie in [0, 1]"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty must lie in [-2, 2]"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--frequency-penalty", "nan"], "--frequency-penalty must lie in"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--json", "--logprobs", "21"], "--logprobs must be an integer in [0, 20]"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--logprobs", "2"], "--logprobs needs --json"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--seed", "-1"], "--seed must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--seed", str(2**64)], "--seed must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--max-model-len", "1"], "--max-model-len must be >= 2"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--max-model-len", str(2**31)], "at most 2147483647"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "tpu"], "--device must be cuda, cuda:N or cpu"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "cuda:abc"], "--device must be cuda, cuda:N or cpu, got 'cuda:abc'"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "cpu:1"], "--device cpu:1: the CPU has no index"),
@@ -397,7 +411,7 @@ def test_bad_input_exits_2_with_message(args, message, capsys, tmp_path, ckpt, b
                  blank=tmp_path / "blank.txt", garbled=tmp_path / "garbled", latin1=tmp_path / "latin1.txt",
                  tmp=tmp_path, **bad_checkpoints)
     code, out, err = run_main(capsys, *[a.format(**paths) for a in args], "--device" if "--device" not in args
-                              else "--max-batch-size", "cpu" if "--device" not in args else "1")
+                              else "--max-num-seqs", "cpu" if "--device" not in args else "1")
     assert code == 2
     assert err.startswith("error: ") and message in err, err
     assert len([line for line in err.splitlines() if not line.startswith("note:")]) == 1 and out == "", err
@@ -419,48 +433,34 @@ def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):
     assert code == 2 and "invalid int value" in err
 
 
-def test_cache_larger_than_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
-    """--max-seq-len 10**9 would be 64 GB of fp32 cache for this tiny model: refused before anything
-    is allocated, with what fits."""
-    import modeling.generation.runtime
+def test_cache_larger_than_memory_is_refused(ckpt, capsys, monkeypatch):
+    """A cache pool that cannot hold one sequence of --max-model-len positions is refused with the
+    sizes (here with 1 MB "free": one 4096-position sequence of this tiny fp32 model takes 2 MiB of
+    keys and values), exit status 2; a shorter one fits."""
+    import modeling.engine.cache_pool
 
-    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 2 * 10**9)
-    t0 = time.perf_counter()
-    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", 10**9, "--device", "cpu")
+    monkeypatch.setattr(modeling.engine.cache_pool, "available_memory", lambda device: 10**6)
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-model-len", 4096, "--device", "cpu",
+                              "--max-tokens", 1)
     assert code == 2 and out == "", err
     error = err.strip().splitlines()[-1]
-    assert error.startswith("error: --max-seq-len 1000000000 does not fit: needs ") and "2.0 GB free" in error
-    fits = int(error.split("at most ")[1].split(" positions")[0].replace(",", ""))
-    per_position = 2 * 2 * 2 * 16 * 4 + 8  # k and v, 2 layers, 2 kv heads x 16, fp32; + the token history
-    assert 0.9 * 2e9 / per_position < fits < 2e9 / per_position
-    assert time.perf_counter() - t0 < 30
-    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-seq-len", fits // 100,
-                              "--max-new-tokens", 1, "--device", "cpu")
+    assert error.startswith("error: the cache does not fit: the cache of one 4096-token sequence needs 2 MiB") and \
+        "of the 977 KiB free" in error, error
+    monkeypatch.setattr(modeling.engine.cache_pool, "available_memory", lambda device: 10**9)
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--max-model-len", 1024, "--max-tokens", 1,
+                              "--device", "cpu")
     assert code == 0, err
-
-
-def test_long_prompt_on_the_reference_path_says_what_fits(ckpt, capsys, monkeypatch):
-    """The reference attention builds the full fp32 score matrix: a prompt too long for it is refused
-    with the length that fits (here with 50 MB "free")."""
-    import modeling.generation.runtime
-
-    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 50 * 10**6)
-    monkeypatch.setattr(modeling.generation.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
-    prompt = "The quick brown fox jumps over the lazy dog. " * 120  # ~1200 tokens: 4 x 4 heads x T^2 x 4 B
-    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", prompt, "--max-new-tokens", 1, "--device", "cpu")
-    assert code == 2 and out == "", err
-    assert "does not fit" in err and "prompts of at most ~" in err and "reference path" in err
 
 
 def test_ascii_stdout(steered, capsys, monkeypatch):
     """An ASCII-only stdout gets '?' for what it cannot encode; --json escapes instead (exact)."""
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
-    code = main(["--model", str(steered), "--prompt", "Hello", "--max-new-tokens", "4", "--device", "cpu"])
+    code = main(["--model", str(steered), "--prompt", "Hello", "--max-tokens", "4", "--device", "cpu"])
     sys.stdout.flush()
     assert code == 0 and raw.getvalue() == b"\n?\n?\n"
     raw.seek(0), raw.truncate()
-    code = main(["--model", str(steered), "--prompt", "Hello", "--max-new-tokens", "2", "--device", "cpu", "--json"])
+    code = main(["--model", str(steered), "--prompt", "Hello", "--max-tokens", "2", "--device", "cpu", "--json"])
     sys.stdout.flush()
     assert code == 0 and json.loads(raw.getvalue())["text"] == "\n世" and b"\\u4e16" in raw.getvalue()
     assert "Traceback" not in capsys.readouterr().err
@@ -497,7 +497,7 @@ def test_command_line_without_model_uses_the_shipped_model(tmp_path):
     """The README command: no --model, the shipped default model writes Shakespeare-like text: most of
     its words are words of the training text. Nothing is written to the cache dir."""
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
-    p = _cli("--prompt", "ROMEO:", "--max-new-tokens", 48, "--seed", 0, env_extra=env)
+    p = _cli("--prompt", "ROMEO:", "--max-tokens", 48, "--seed", 0, env_extra=env)
     assert p.returncode == 0, p.stderr
     assert "shipped default model" in p.stderr and "no CUDA device" in p.stderr
     assert "PyTorch reference ops" in p.stderr and "Failed to initialize NumPy" not in p.stderr
@@ -507,8 +507,8 @@ def test_command_line_without_model_uses_the_shipped_model(tmp_path):
     assert len(words) >= 10 and sum(w in corpus for w in words) >= 0.8 * len(words), p.stdout
     stats = p.stderr.strip().splitlines()[-1]
     assert "cuda graph: no" in stats and stats.endswith("PyTorch reference ops (CPU), float32")
-    p = _cli("--prompt", "Hi", "--max-new-tokens", 2, "--top-p", "2", env_extra=env)
-    assert p.returncode == 2 and p.stderr.startswith("error: top_p must lie in (0, 1]")
+    p = _cli("--prompt", "Hi", "--max-tokens", 2, "--top-p", "2", env_extra=env)
+    assert p.returncode == 2 and p.stderr.startswith("error: --top-p must lie in (0, 1]")
     assert "Traceback" not in p.stderr
 
 
@@ -536,7 +536,7 @@ def test_reader_goes_away(steered):
     """`| head -c 10`: the completion stops at the broken pipe, exit status 141, nothing on stderr
     but the notes (no traceback, no 'Exception ignored')."""
     cmd = [sys.executable, "-m", "modeling.generate", "--model", str(steered), "--prompt", "Hello",
-           "--max-new-tokens", "3000", "--device", "cpu"]
+           "--max-tokens", "3000", "--device", "cpu"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = p.stdout.read(10)
     p.stdout.close()
@@ -545,14 +545,14 @@ def test_reader_goes_away(steered):
     assert first == "\n世\n世\n世".encode()[:10]
     assert all(line.startswith("note:") for line in err.splitlines()), err
     shell = subprocess.run(f"{sys.executable} -m modeling.generate --model '{steered}' --prompt Hello "
-                           "--max-new-tokens 3000 --device cpu | head -c 10; echo \" ${PIPESTATUS[0]}\"",
+                           "--max-tokens 3000 --device cpu | head -c 10; echo \" ${PIPESTATUS[0]}\"",
                            shell=True, executable="/bin/bash", cwd=ROOT, env=_env(), capture_output=True,
                            timeout=300)
     assert shell.stdout.endswith(b" 141\n") and b"Traceback" not in shell.stderr
 
 
 def test_ascii_encoding_environment(steered):
-    p = _cli("--model", steered, "--prompt", "Hello", "--max-new-tokens", 4, env_extra={"PYTHONIOENCODING": "ascii"})
+    p = _cli("--model", steered, "--prompt", "Hello", "--max-tokens", 4, env_extra={"PYTHONIOENCODING": "ascii"})
     assert p.returncode == 0 and p.stdout == "\n?\n?\n", p.stderr
     assert "Traceback" not in p.stderr
 

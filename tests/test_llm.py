@@ -1,23 +1,26 @@
-"""modeling.api.llm: the text API (``LLM(model).generate / chat / stream``) on tiny checkpoints with a real
-chat template, in float64 (the PyTorch reference ops: fast and exact on the CPU); stop strings,
-EOS, the cache sizing and the memory check; and ``import modeling`` staying light."""
+"""modeling.api.llm: the text API (``LLM(model).generate / chat / stream``) on the engine, on tiny
+checkpoints with a real chat template, in float64 (the PyTorch reference ops: fast and exact on the
+CPU); vLLM's output fields, ``n`` and seeds, stop strings, EOS, the engine's sizing and the memory
+check, the earlier arguments; and ``import modeling`` staying light."""
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from modeling import LLM, QwenForCausalLM, QwenTokenizer, RequestOutput, SamplingParams, TextStream
-from modeling.chat.template import ChatTemplate
-from modeling.generation.generator import Generator
+from modeling import LLM, CompletionOutput, QwenForCausalLM, QwenTokenizer, RequestOutput, SamplingParams, TextStream
 from modeling.api.checkpoint import Checkpoint, default_model_dir, load_config
 from modeling.api.llm import DEFAULT_MAX_TOKENS
 from modeling.api.outputs import StopStrings
-from modeling.generation.prompts import ContextLengthError
-from modeling.generation.runtime import DoesNotFit, check_fits, resolve_device, resolve_dtype
+from modeling.chat.template import ChatTemplate
+from modeling.cli.output import generated_tokens
+from modeling.engine.prompts import ContextLengthError
+from modeling.model.device import DoesNotFit, resolve_device, resolve_dtype
+from tests.helpers import recompute_greedy
 from tests.test_generate_cli import build_chat_checkpoint, build_steered_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,21 +49,61 @@ def eos_first(tmp_path_factory):
     return LLM(build_steered_checkpoint(tmp_path_factory.mktemp("eos") / "ckpt", first=2), **F64)
 
 
-def test_generate_matches_the_generator(llm, ckpt):
+def test_generate_matches_recomputing(llm, ckpt):
+    """Greedy outputs of a call's prompts (one continuous batch in the engine) in vLLM's shapes: the
+    model's own greedy tokens without a cache, up to EOS."""
     prompts = ["The meaning of life is", "Hello world, 世界 🙂", "x"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=7))
     model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
     tok = QwenTokenizer.from_pretrained(ckpt)
-    r = Generator(model, max_batch_size=3, max_seq_len=64).generate([tok.encode(p) for p in prompts], 7,
-                                                                      stop_token_ids=tok.eos_token_ids)
-    assert [o.index for o in outs] == [0, 1, 2] and [o.prompt for o in outs] == prompts
-    for o, tokens, reason in zip(outs, r.tokens, r.finish_reasons):
-        assert isinstance(o, RequestOutput) and o.outputs[0] is o  # vLLM's out.outputs[0].text works
-        assert o.token_ids == tokens and o.finish_reason == reason
-        assert o.text == tok.decode(tokens, skip_special_tokens=True)
-        assert o.metrics["decode_steps"] >= 0 and "prefill_ms" in o.metrics
+    want = recompute_greedy(model, [tok.encode(p) for p in prompts], 7)
+    assert [o.prompt for o in outs] == prompts and len({o.request_id for o in outs}) == 3
+    for o, tokens in zip(outs, want):
+        stop = next((i for i, t in enumerate(tokens) if t in tok.eos_token_ids), None)
+        assert isinstance(o, RequestOutput) and o.finished and len(o.outputs) == 1
+        c = o.outputs[0]
+        assert isinstance(c, CompletionOutput) and c.index == 0 and (c.text, c.token_ids) == (o.text, o.token_ids)
+        assert c.token_ids == tokens[:stop] and c.finish_reason == ("length" if stop is None else "stop")
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        assert c.logprobs is None and c.cumulative_logprob is None
+        m = o.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
     assert llm.generate("x", SamplingParams(max_tokens=7))[0].token_ids == outs[2].token_ids  # a str is one prompt
     assert llm.backend == "PyTorch reference ops (CPU)"
+
+
+def test_n_completions_and_seeds_do_not_depend_on_the_batch(llm):
+    """``n`` completions of a seeded prompt: the first is the ``n=1`` one, the others differ; a seeded
+    prompt gives the same text alone, twice in one call, or at index 1 beside other prompts."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    alone = llm.generate("Hello", params)[0].text
+    (out,) = llm.generate("Hello", replace(params, n=3))
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.outputs[0].text == alone
+    assert len({c.text for c in out.outputs}) == 3
+    twice = llm.generate(["Hello", "Hello"], params)
+    assert [o.text for o in twice] == [alone, alone]
+    mixed = llm.generate(["The meaning", "Hello", "x"], [replace(params, seed=1), params, SamplingParams(max_tokens=3)])
+    assert mixed[1].text == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    assert len({o.text for o in llm.generate(["Hello"] * 4, unseeded)}) > 1  # no seed: a fresh draw each
+
+
+def test_logprobs_and_progress_bar(llm, capsys):
+    """logprobs in vLLM's shape (a dict a token: the sampled one and the top k, ranked); the
+    progress bar (tqdm, on stderr) counts the prompts, and ``use_tqdm=False`` leaves stderr quiet."""
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    for token, entry in zip(c.token_ids, c.logprobs):
+        ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+        assert [r for r, _ in ranked] == [1, 2] and token == ranked[0][1]  # greedy: the sampled one is rank 1
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    capsys.readouterr()
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2))
+    assert "Processed prompts" in capsys.readouterr().err
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_stops_at_eos_by_default(eos_first):
@@ -80,8 +123,9 @@ def test_stop_strings(steered):
     assert full.text == "\n世\n世\n世\n世" and full.finish_reason == "length"
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=8, stop=["世\n世", "never"]))
     assert out.text == "\n" and out.finish_reason == "stop" and out.stop_reason == "世\n世"
+    assert not steered.engine.scheduler.has_work()  # the sequence left the engine at its stop string
     assert out.token_ids == full.token_ids[:4]  # the token that completed the stop string is kept
-    assert out.generated_tokens == 4  # a stop string adds no stop token to the count
+    assert generated_tokens(out.outputs[0]) == 4  # a stop string adds no stop token to the count
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=8, stop="\n"))
     assert out.text == "" and out.token_ids == full.token_ids[:1] and out.stop_reason == "\n"
     (out,) = steered.generate("Hello", SamplingParams(max_tokens=3, stop="世\n世\n"))  # a partial match at the end
@@ -109,8 +153,8 @@ def test_stop_string_matcher():
 
 
 def test_token_id_prompts(steered):
-    """vLLM's {"prompt_token_ids": [...]} prompt (alone, in a list, mixed with text, streamed), and
-    generate_ids' lists, tuples, NumPy arrays and integer tensors, all the same tokens."""
+    """vLLM's {"prompt_token_ids": [...]} prompt (alone, in a list, mixed with text, streamed) as a
+    list, a tuple, a NumPy array or an integer tensor, all the same tokens."""
     import numpy as np
 
     params = SamplingParams(max_tokens=4)
@@ -122,7 +166,7 @@ def test_token_id_prompts(steered):
     outs = steered.generate(["Hello", {"prompt_token_ids": tuple(ids)}], params)
     assert [o.prompt for o in outs] == ["Hello", None] and outs[0].token_ids == outs[1].token_ids
     assert steered.stream({"prompt_token_ids": ids}, params).text == text.text
-    outs, _ = steered.generate_ids([ids, tuple(ids), np.array(ids), torch.tensor(ids)], params)
+    outs = steered.generate([{"prompt_token_ids": p} for p in (ids, np.array(ids), torch.tensor(ids))], params)
     assert all(o.token_ids == text.token_ids for o in outs)
 
 
@@ -143,18 +187,41 @@ def test_bad_prompts_are_refused(steered, prompts, message):
         steered.generate(prompts, SamplingParams(max_tokens=2))
 
 
-@pytest.mark.parametrize("prompts, offset, message", [
-    ([[1.7, 2.2]], 0, r"prompts\[0\]\[0\] must be an integer token id, got 1.7 \(float\)"),
-    ([[5], [5, True]], 0, r"prompts\[1\]\[1\] must be an integer token id, got True \(bool\)"),
-    ([[5], [0.5]], 3, r"prompts\[4\]\[0\] must be an integer token id, got 0.5"),
-    ([torch.tensor([5.0, 6.0])], 0,
-     r"prompts\[0\] must be a 1-D integer tensor of token ids, got a 1-D float32 tensor"),
-    ([5, 6], 0, r"prompts\[0\] must be a sequence of token ids, got 5"),
-    ("Hello", 0, r"prompts must be a list of prompts \(each a list of token ids\), got a str"),
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.generate(123), r"prompts must be a str, a \{'prompt_token_ids': \[\.\.\.\]\} dict or a list "
+                                    "of them, got int"),
+    (lambda llm: llm.generate(None), "prompts must be a str.* got NoneType"),
+    (lambda llm: llm.generate("x", {"max_tokens": 5}), r"sampling_params must be a SamplingParams .* got dict"),
+    (lambda llm: llm.generate(["x", "y"], [SamplingParams(), {"max_tokens": 5}]),
+     r"sampling_params\[1\] must be a SamplingParams"),
+    (lambda llm: llm.generate({"prompt_token_ids": torch.tensor([5.0, 6.0])}),
+     r"prompts\[0\]\['prompt_token_ids'\] must be a 1-D integer tensor of token ids, got a 1-D float32 tensor"),
+    (lambda llm: llm.chat("Hi"), r"messages must be a list of \{'role', 'content'\} dicts"),
+    (lambda llm: llm.stream("Hi", SamplingParams(n=2)), "stream makes one completion: sampling_params.n must be 1"),
 ])
-def test_generate_ids_refuses_what_is_not_token_ids(steered, prompts, offset, message):
+def test_arguments_of_the_wrong_type_are_named(steered, call, message):
     with pytest.raises(ValueError, match=message):
-        steered.generate_ids(prompts, SamplingParams(max_tokens=2), index_offset=offset)
+        call(steered)
+
+
+def test_earlier_arguments_warn_or_say_what_to_use(steered):
+    """Arguments whose meaning carries over work with a DeprecationWarning naming the new one; those
+    that mean nothing on the engine are refused, saying what to use instead."""
+    with pytest.warns(DeprecationWarning, match=r"LLM\(max_seq_len=...\) is deprecated: use max_model_len"):
+        old = LLM(steered.checkpoint, max_seq_len=64, **F64)
+    with pytest.warns(DeprecationWarning, match="max_batch_size=...\\) is deprecated: use max_num_seqs"):
+        LLM(steered.checkpoint, max_batch_size=2, **F64)
+    assert old.max_model_len == 64 and old.engine.max_model_len == 64
+    for name, message in [("use_cuda_graph", "enforce_eager=True runs them eagerly"),
+                          ("prefill_graph", "captures prefill steps in CUDA graphs")]:
+        with pytest.raises(TypeError, match=f"LLM\\(\\): {name} is no longer an argument: .*{message}"):
+            LLM(steered.checkpoint, **{name: False}, **F64)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_len'"):
+        LLM(steered.checkpoint, max_len=3, **F64)
+    with pytest.raises(AttributeError, match=r"LLM.generate_ids is gone: pass token ids as prompts"):
+        steered.generate_ids([[1, 2]])
+    with pytest.raises(AttributeError, match=r"LLM.warm_up is gone: .*capture_graphs"):
+        steered.warm_up([1], SamplingParams())
 
 
 def test_chat_uses_the_checkpoint_template(steered):
@@ -181,16 +248,20 @@ def test_stream(steered):
     assert steered.stream("Hello", SamplingParams(max_tokens=6, stop="世\n")).text == "\n"
     with steered.stream("Hello", SamplingParams(max_tokens=2000)) as s:  # leaving early stops the generation
         assert next(s) == "\n"
-    assert s.output.finish_reason == "abort" and s.output.generated_tokens == len(s.output.token_ids) < 2000
-    assert steered.generate("Hello", params)[0].text == "\n世\n世\n世"  # the generator is free again
+    assert s.output.finish_reason == "abort" and len(s.output.token_ids) < 2000
+    assert not steered.engine.scheduler.has_work()  # its sequence is gone from the engine
+    assert steered.generate("Hello", params)[0].text == "\n世\n世\n世"
     for piece in steered.stream("Hello", SamplingParams(max_tokens=2000)):
         break  # dropping the iterator stops it too
-    assert steered.generate("Hello", params)[0].text == "\n世\n世\n世"
+    assert not steered.engine.scheduler.has_work()
     messages = [{"role": "user", "content": "Hi"}]
     assert "".join(steered.stream_chat(messages, params)) == steered.chat(messages, params)[0].text
-    bad = steered.stream("Hello", SamplingParams(max_tokens=1, stop_token_ids=list(range(20))))
-    with pytest.raises(ValueError, match="at most 16"):  # errors in the worker reach the consumer
-        list(bad)
+    with pytest.raises(ValueError, match="at most 16"):
+        steered.stream("Hello", SamplingParams(max_tokens=1, stop_token_ids=list(range(20))))
+    # an open stream advances while another call runs: the steps serve every sequence in the engine
+    open_stream = steered.stream("Hello", SamplingParams(max_tokens=6))
+    assert steered.generate("Hi", SamplingParams(max_tokens=6))[0].text == "\n世\n世\n世"
+    assert "".join(open_stream) == "\n世\n世\n世" and open_stream.output.finish_reason == "length"
 
 
 def test_defaults_from_generation_config(ckpt, tmp_path):
@@ -211,43 +282,39 @@ def test_defaults_from_generation_config(ckpt, tmp_path):
     assert len(out.token_ids) == 3 or out.finish_reason == "stop"
 
 
-def test_cache_is_sized_per_call_and_grows(steered):
+def test_engine_is_sized_per_call_and_grows(steered):
     fresh = LLM(steered.checkpoint, **F64)
     fresh.generate("Hello", SamplingParams(max_tokens=4))
-    assert (fresh.generator.max_batch_size, fresh.generator.max_seq_len) == (1, 256)
-    first = fresh.generator
+    first = fresh.engine
+    assert (first.scheduler.max_num_seqs, first.max_model_len) == (1, 256)
     fresh.generate(["a", "b", "c"], SamplingParams(max_tokens=300, stop="世"))  # sized for 300, stops at 2
-    assert (fresh.generator.max_batch_size, fresh.generator.max_seq_len) == (3, 512) and fresh.generator is not first
-    grown = fresh.generator
+    grown = fresh.engine
+    assert (grown.scheduler.max_num_seqs, grown.max_model_len) == (4, 512) and grown is not first
     fresh.generate("Hello", SamplingParams(max_tokens=4))
-    assert fresh.generator is grown  # big enough: reused
-    fixed = LLM(steered.checkpoint, max_seq_len=8, **F64)
+    assert fresh.engine is grown  # big enough: reused
+    fixed = LLM(steered.checkpoint, max_model_len=8, **F64)
     (out,) = fixed.generate("Hello", SamplingParams(max_tokens=50))
     assert len(out.token_ids) == 8 - len(out.prompt_token_ids) and out.finish_reason == "length"
     with pytest.raises(ContextLengthError, match="no room for a new token"):
         fixed.generate("The quick brown fox jumps over the lazy dog", SamplingParams(max_tokens=1))
+    capped = LLM(steered.checkpoint, max_num_seqs=2, **F64)
+    outs = capped.generate(["a", "b", "c"], SamplingParams(max_tokens=4))  # the third waits its turn
+    assert capped.engine.scheduler.max_num_seqs == 2 and [o.text for o in outs] == ["\n世\n世"] * 3
 
 
 def test_memory_check(steered, monkeypatch):
-    import modeling.generation.runtime
+    """The weights are checked against the free memory before they are read, the cache pool before
+    it is allocated; each ``DoesNotFit`` says what was asked and what is free."""
+    import modeling.engine.cache_pool
+    import modeling.model.device
 
-    config = steered.config
-    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 10**9)
-    check_fits(config, torch.device("cpu"), torch.float32, 1, 10**5, 10)
-    with pytest.raises(DoesNotFit, match=r"but cpu has 1.0 GB free: at most [\d,]+ positions") as e:
-        check_fits(config, torch.device("cpu"), torch.float32, 4, 10**9, 10)
-    assert 0 < e.value.max_seq_len < 10**9 / 4
-    check_fits(config, torch.device("cpu"), torch.float32, 4, e.value.max_seq_len, 10)  # what it says fits, fits
-    monkeypatch.setattr(modeling.generation.runtime, "backend_name", lambda device, dtype: "PyTorch reference ops (CPU)")
-    with pytest.raises(DoesNotFit, match="prompts of at most ~") as e:
-        check_fits(config, torch.device("cpu"), torch.float32, 1, 5000, 4000)
-    check_fits(config, torch.device("cpu"), torch.float32, 1, 5000, e.value.max_prompt)
     fresh = LLM(steered.checkpoint, **F64)
-    monkeypatch.setattr(modeling.generation.runtime, "available_memory", lambda device: 1000)
-    with pytest.raises(DoesNotFit, match="KV cache of 1 x 256 positions"):  # checked before it is allocated
+    monkeypatch.setattr(modeling.engine.cache_pool, "available_memory", lambda device: 1000)
+    with pytest.raises(DoesNotFit, match="the cache of one 256-token sequence needs .* of the 1000 bytes free on cpu"):
         fresh.generate("Hello", SamplingParams(max_tokens=2))
-    assert fresh.generator is None
-    with pytest.raises(DoesNotFit, match="weights"):  # the weights, before reading them
+    assert fresh._engine is None
+    monkeypatch.setattr(modeling.model.device, "available_memory", lambda device: 1000)
+    with pytest.raises(DoesNotFit, match="the weights need .* but cpu has 1000 bytes free"):
         LLM(steered.checkpoint, **F64)
 
 
@@ -263,13 +330,15 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32 and resolve_dtype("bf16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
         resolve_dtype("int8", torch.device("cpu"))
-    with pytest.raises(ValueError, match="max_seq_len"):
-        LLM(steered.checkpoint, max_seq_len=1, **F64)
+    with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[2, 2147483647\]"):
+        LLM(steered.checkpoint, max_model_len=1, **F64)
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
+        LLM(steered.checkpoint, max_num_seqs=0, **F64)
     with pytest.raises(ValueError, match="is empty"):
         steered.generate([""])
     with pytest.raises(ValueError, match="not valid UTF-8"):
         steered.generate(["caf\udce9"])
-    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         steered.generate(["a"], [SamplingParams(), SamplingParams()])
     assert steered.generate([]) == []
     (tmp_path / "config.json").write_text("[1, 2]")

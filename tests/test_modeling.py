@@ -1,5 +1,6 @@
 """modeling vs Hugging Face transformers: random tiny Qwen3/Qwen2 checkpoints saved with
-``save_pretrained`` and loaded with modeling; logits, greedy decoding, sharding, dtypes.
+``save_pretrained`` and loaded with modeling; logits, greedy tokens through ``LLM`` on the engine
+(and the engine's decode kernels each), sharding, dtypes.
 
 Every CPU case is tiny: without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 and the ops
 run their Triton kernels in the interpreter; TRITON_INTERPRET=0 runs their PyTorch reference.
@@ -12,8 +13,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from modeling import QwenForCausalLM
-from tests.helpers import greedy, hf_greedy, prefill, prompt, rel_err
+from modeling import LLM, Engine, QwenForCausalLM
+from tests.helpers import add_word_tokenizer, engine_greedy, forced_logits, hf_greedy, llm_greedy, prompt, rel_err
 
 HF_CLASSES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 # (model_type, tie_word_embeddings, heads, kv heads, head_dim); head_dim None: hidden / heads
@@ -62,52 +63,45 @@ def save_checkpoint(hf_model, path, **kwargs):
 @pytest.mark.parametrize("spec", TINY, ids=TINY_IDS)
 @torch.no_grad()
 def test_logits_and_greedy_match_transformers(tmp_path, spec):
+    """fp32: the logits of a pass without a cache, and 32 greedy tokens of two prompts through
+    ``LLM`` (the engine: a prefill step, then decode steps of both), as transformers gives them."""
     hf = random_hf_model(*spec)
-    model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
+    path = add_word_tokenizer(save_checkpoint(hf, tmp_path), hf.config.vocab_size)
+    llm = LLM(path, device="cpu", dtype=torch.float32)
     ids = prompt(2, 12, hf.config.vocab_size)
-    ref = hf(ids).logits
+    logits = llm.model(ids)
+    assert logits.shape == hf(ids).logits.shape
+    assert rel_err(logits, hf(ids).logits) < 1e-5
 
-    cache = model.new_cache(2, 12, torch.float32)
-    logits = prefill(model, ids, cache, all_logits=True)
-    assert logits.shape == ref.shape
-    assert rel_err(logits, ref) < 1e-5
-    assert rel_err(prefill(model, ids, cache), logits[:, -1]) < 1e-6
-
-    tokens = greedy(model, ids, 32)
+    tokens = llm_greedy(llm, ids, 32)
     assert torch.equal(tokens, hf_greedy(hf, ids, 32))
     assert len(tokens.unique()) > 8  # not a trivial repetition
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op-by-op-decode", "fused-decode"])
+@pytest.mark.parametrize("kernels", ["ops", "fused", "persistent"])
 @torch.no_grad()
-def test_head_dim_48_matches_transformers(tmp_path, fused):
-    """A head_dim that is not a power of two (the kernels mask a block of 64): prefill logits and
-    greedy tokens of one sequence as transformers gives them, through the op-by-op decode step and
-    the fused one (the QKV projection's head tiles, decode attention)."""
+def test_head_dim_48_matches_transformers(tmp_path, kernels):
+    """A head_dim that is not a power of two (the kernels mask a block of 64): greedy tokens of one
+    sequence as transformers gives them, with every decode kernel choice of the engine (the QKV
+    projection's head tiles, paged attention, the persistent kernel's tasks)."""
     hf = random_hf_model("qwen3", True, 4, 2, 48)
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
     assert model.config.head_dim == 48
-    model.fused_decode = fused
     ids = prompt(1, 12, hf.config.vocab_size)
-    logits = prefill(model, ids, model.new_cache(1, 12, torch.float32), all_logits=True)
-    assert rel_err(logits, hf(ids).logits) < 1e-5
-    tokens = greedy(model, ids, 16)
+    assert rel_err(model(ids), hf(ids).logits) < 1e-5
+    tokens = engine_greedy(model, ids, 16, decode_kernels=kernels)
     assert torch.equal(tokens, hf_greedy(hf, ids, 16))
     assert len(tokens.unique()) > 4  # not a trivial repetition
 
 
 @torch.no_grad()
-def test_decode_steps_of_several_tokens(tmp_path):
-    """A decode call with T=3 (e.g. a chunked prefill) gives the same logits as full prefill."""
+def test_chunked_prefill_matches_one_pass(tmp_path):
+    """Prompts prefilled in chunks of 3 tokens beside each other (the engine's token budget) give
+    the tokens of transformers."""
     hf = random_hf_model("qwen3", True, 4, 2, 16)
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
     ids = prompt(2, 11, hf.config.vocab_size)
-    ref = hf(ids).logits[:, 8:]
-    cache = model.new_cache(2, 16, torch.float32)
-    prefill(model, ids[:, :8], cache)
-    positions = torch.arange(8, 11).expand(2, 3)
-    seqlens = torch.full((2,), 11, dtype=torch.int32)
-    assert rel_err(model(ids[:, 8:], positions, cache, seqlens, all_logits=True), ref) < 1e-5
+    assert torch.equal(engine_greedy(model, ids, 4, max_num_batched_tokens=3), hf_greedy(hf, ids, 4))
 
 
 @torch.no_grad()
@@ -118,27 +112,7 @@ def test_sharded_checkpoint(tmp_path):
     assert len(shards) > 2
     model = QwenForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = prompt(1, 10, hf.config.vocab_size)
-    logits = prefill(model, ids, model.new_cache(1, 10, torch.float32), all_logits=True)
-    assert rel_err(logits, hf(ids).logits) < 1e-5
-
-
-@torch.no_grad()
-def test_logits_at_selects_one_position_per_row(tmp_path):
-    """logits_at (a padded prefill's last real token) gives the rows' logits at those positions,
-    as all_logits does; a wrong shape, or both at once, is refused."""
-    hf = random_hf_model("qwen3", False, 4, 2, 16)
-    model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=torch.float32)
-    ids = prompt(2, 9, hf.config.vocab_size)
-    positions = torch.arange(9).expand(2, 9)
-    every = model(ids, positions, model.new_cache(2, 9, torch.float32), all_logits=True)
-    at = torch.tensor([3, 8])
-    picked = model(ids, positions, model.new_cache(2, 9, torch.float32), logits_at=at)
-    assert picked.shape == (2, hf.config.vocab_size)
-    assert rel_err(picked, every[torch.arange(2), at]) < 1e-6
-    with pytest.raises(ValueError, match="one index per row"):
-        model(ids, positions, model.new_cache(2, 9, torch.float32), logits_at=torch.tensor([3]))
-    with pytest.raises(ValueError, match="excludes all_logits"):
-        model(ids, positions, model.new_cache(2, 9, torch.float32), all_logits=True, logits_at=at)
+    assert rel_err(model(ids), hf(ids).logits) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -149,7 +123,7 @@ def test_half_precision_load(tmp_path, dtype):
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), dtype=dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     ids = prompt(1, 10, hf.config.vocab_size)
-    logits = prefill(model, ids, model.new_cache(1, 10, dtype), all_logits=True)
+    logits = model(ids)
     assert logits.dtype == dtype
     assert rel_err(logits, hf(ids).logits) < 2e-2
 
@@ -186,8 +160,9 @@ def test_default_dtype_is_bfloat16_and_fusion_layout(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @torch.no_grad()
 def test_full_size_logits_match_transformers_cuda(tmp_path, model_type, sizes, dtype):
-    """A bf16 checkpoint (weights ~ N(0, 0.02^2), transformers' default init), a 300-token
-    prefill and one decode step. The reference is transformers in fp32 on the same weights.
+    """A bf16 checkpoint (weights ~ N(0, 0.02^2), transformers' default init): the logits of a
+    300-token pass, and those of the engine's decode step of token 301 after its prefill step of
+    300 (the step's kernels for one sequence). The reference is transformers in fp32 on the same weights.
     fp32: rel err < 1e-4. bf16: over 24-28 random layers bf16 rounding alone moves the logits
     by 1-2e-2 (transformers' own bf16 forward does too), so ours must stay within 2.5e-2 and
     within 1.25x the error of transformers' bf16 forward."""
@@ -196,15 +171,13 @@ def test_full_size_logits_match_transformers_cuda(tmp_path, model_type, sizes, d
     hf = random_hf_model(model_type, *shape, dtype=torch.bfloat16, device="cuda", std=0.02, **sizes)
     model = QwenForCausalLM.from_pretrained(save_checkpoint(hf, tmp_path), device="cuda", dtype=dtype)
     ids = prompt(1, 301, sizes["vocab_size"]).cuda()
-    hf_bf16 = hf(ids).logits
-    ref = hf.float()(ids).logits
-
-    cache = model.new_cache(1, 301, dtype, "cuda")
-    logits = prefill(model, ids[:, :300], cache, all_logits=True)
-    positions = torch.full((1, 1), 300, dtype=torch.int32, device="cuda")
-    step = model(ids[:, 300:], positions, cache, torch.full((1,), 301, dtype=torch.int32, device="cuda"))
+    logits = model(ids[:, :300])
+    engine = Engine(model, max_num_seqs=1, max_model_len=302)
+    step = forced_logits(engine, ids[0, :300].tolist(), ids[0, 300:].tolist() + [0])[1:]  # the decode step of 301
+    hf_bf16, ref = hf(ids).logits, hf.float()(ids).logits
     for out, ref_rows, hf_rows in ((logits, ref[:, :300], hf_bf16[:, :300]), (step, ref[:, 300], hf_bf16[:, 300])):
         if dtype == torch.float32:
             assert rel_err(out, ref_rows) < 1e-4
         else:
             assert rel_err(out, ref_rows) < min(2.5e-2, 1.25 * rel_err(hf_rows, ref_rows))
+

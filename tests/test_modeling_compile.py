@@ -1,13 +1,16 @@
-"""torch.compile(fullgraph=True) of the model (prefill and decode), and the pinned op sequence of
-one decoder layer's captured graph."""
+"""torch.compile(fullgraph=True) of the model's forward, and the pinned op sequence of one decoder
+layer's captured graph: without a cache, in an engine's mixed step and in its decode step op by op
+and fused."""
 
 import operator
+from dataclasses import fields, replace
 
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from modeling import QwenConfig, QwenForCausalLM
+from modeling import Engine, QwenConfig, QwenForCausalLM, SamplingParams
+from modeling.model.context import StepContext
 
 B, T, MAX_LEN = 2, 8, 16
 
@@ -24,27 +27,48 @@ def random_model(model_type="qwen3"):
     return model
 
 
-def prefill_then_decode(fn, cache, ids):
-    """fn (the model, eager or compiled) on a prefill of ids[:, :T], then a decode step of
-    ids[:, T]; returns (prefill logits, decode logits, cache)."""
-    prefill = fn(ids[:, :T], torch.arange(T).expand(B, T), cache)
-    decode = fn(ids[:, T:], torch.full((B, 1), T), cache, torch.full((B,), T + 1, dtype=torch.int32))
-    return prefill, decode, cache
+def step_contexts(model):
+    """The (input_ids, ``StepContext``) of an engine's first mixed step and first decode step of
+    B sequences (eager), kept by a wrapper around the model's forward; the batch's tensors copied
+    (the runner reuses its buffers for every step)."""
+    kept = {}
+    forward = model.forward
+
+    def keep(input_ids, context=None):
+        if context is not None and context.batch.key[0] not in kept:
+            batch = replace(context.batch, **{f.name: getattr(context.batch, f.name).clone()
+                                              for f in fields(context.batch)
+                                              if isinstance(getattr(context.batch, f.name), torch.Tensor)})
+            kept[batch.key[0]] = input_ids.clone(), context._replace(batch=batch)
+        return forward(input_ids, context)
+
+    model.forward = keep
+    try:
+        prompts = torch.randint(0, model.config.vocab_size, (B, T)).tolist()
+        Engine(model, max_num_seqs=B, max_model_len=MAX_LEN, enforce_eager=True).generate(prompts, SamplingParams(), 2)
+    finally:
+        del model.forward
+    return kept
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
 @torch.no_grad()
-def test_compile_fullgraph_prefill_and_decode(model_type):
+def test_compile_fullgraph(model_type):
+    """The forward without a cache (training, scoring), and an engine step's forward over the pool."""
     model = random_model(model_type)
     ids = torch.randint(0, model.config.vocab_size, (B, T + 1))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    *logits, cache = prefill_then_decode(model, model.new_cache(B, MAX_LEN, torch.float32), ids)
-    *c_logits, c_cache = prefill_then_decode(compiled, model.new_cache(B, MAX_LEN, torch.float32), ids)
-    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-5)
-    for c_layer, layer in zip(c_cache.layers, cache.layers, strict=True):  # the cache was written
-        torch.testing.assert_close(c_layer.k, layer.k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(c_layer.v, layer.v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    input_ids, context = step_contexts(model)["mixed"]
+    pool = [t.clone() for entry in context.pool.layers for t in entry]
+    eager = model(input_ids, context)
+    written = [t.clone() for entry in context.pool.layers for t in entry]
+    for t, saved in zip((t for entry in context.pool.layers for t in entry), pool):
+        t.copy_(saved)
+    torch.testing.assert_close(compiled(input_ids, context), eager, rtol=1e-5, atol=1e-5)
+    for t, want in zip((t for entry in context.pool.layers for t in entry), written):  # the pool was written
+        torch.testing.assert_close(t, want, rtol=1e-5, atol=1e-5)
 
 
 def captured_ops(fn, *args, skip=()) -> str:
@@ -75,17 +99,17 @@ def captured_ops(fn, *args, skip=()) -> str:
 
 @torch.no_grad()
 def test_decoder_layer_op_sequence():
-    """Prefill through the first layer (rms_norm, attention), decode through the second
-    (add_rms_norm fused with the residual, decode_attention on the cache), and the fused decode
-    step of the second: five ops (six kernels: decode_attention has two)."""
+    """The second layer's ops: without a cache (add_rms_norm fused with the residual, attention),
+    in an engine's mixed step (the keys and values stored into the pool, paged attention), and in
+    its decode step fused: five ops (norm_qkv_rope_store, paged_attention, linear_residual,
+    norm_gate_up_silu, linear_residual)."""
     expecttest = pytest.importorskip("expecttest")  # a test extra; the GPU machine lacks it
     model = random_model("qwen3")
-    cache = model.new_cache(B, MAX_LEN, torch.float32)
+    second = model.layers[1]
     x = torch.randn(B, T, model.config.hidden_size)
-    first, second = model.layers
-    prefill_ops = captured_ops(first, x, None, torch.arange(T).expand(B, T), cache.layers[0], None)
-    expecttest.assert_expected_inline(prefill_ops, """\
-qwen.rms_norm.default
+    plain_ops = captured_ops(second, x, torch.randn_like(x), torch.arange(T).expand(B, T))
+    expecttest.assert_expected_inline(plain_ops, """\
+qwen.add_rms_norm.default
 qwen.linear.default
 aten.slice.Tensor
 aten.view.default
@@ -94,7 +118,6 @@ aten.view.default
 aten.slice.Tensor
 aten.view.default
 qwen.rope.default
-auto_functionalized_v2(qwen.kv_cache_store.default)
 qwen.attention.default
 aten.view.default
 qwen.linear.default
@@ -103,10 +126,11 @@ qwen.linear.default
 qwen.silu_mul.default
 qwen.linear.default
 """)
-    x1 = torch.randn(B, 1, model.config.hidden_size)
-    positions, seqlens = torch.full((B, 1), T), torch.full((B,), T + 1, dtype=torch.int32)
-    decode_ops = captured_ops(second, x1, torch.randn_like(x1), positions, cache.layers[1], seqlens)
-    expecttest.assert_expected_inline(decode_ops, """\
+    contexts = step_contexts(model)
+    input_ids, context = contexts["mixed"]
+    h = torch.randn(input_ids.shape[0], model.config.hidden_size)
+    mixed_ops = captured_ops(second, h, torch.randn_like(h), context.batch.positions, context.layer(1))
+    expecttest.assert_expected_inline(mixed_ops, """\
 qwen.add_rms_norm.default
 qwen.linear.default
 aten.slice.Tensor
@@ -116,8 +140,8 @@ aten.view.default
 aten.slice.Tensor
 aten.view.default
 qwen.rope.default
-auto_functionalized_v2(qwen.kv_cache_store.default)
-qwen.decode_attention.default
+auto_functionalized_v2(qwen.kv_cache_store_slots.default)
+qwen.paged_attention.default
 aten.view.default
 qwen.linear.default
 qwen.add_rms_norm.default
@@ -125,11 +149,14 @@ qwen.linear.default
 qwen.silu_mul.default
 qwen.linear.default
 """)
-    fused_ops = captured_ops(second.decode, x1, positions, cache.layers[1], seqlens)
+    input_ids, context = contexts["decode"]
+    fused = StepContext(context.batch, context.pool, "fused")
+    h = torch.randn(input_ids.shape[0], model.config.hidden_size)
+    fused_ops = captured_ops(second, h, None, context.batch.positions, fused.layer(1))
     expecttest.assert_expected_inline(fused_ops, """\
 auto_functionalized_v2(qwen.norm_qkv_rope_store.default)
 aten.alias.default
-qwen.decode_attention.default
+qwen.paged_attention.default
 aten.view.default
 qwen.linear_residual.default
 qwen.norm_gate_up_silu.default
@@ -145,19 +172,17 @@ def test_decoder_layer_traced_kernels_cuda():
     no op left opaque. At 16 rows the projections take the split-K GEMV path."""
     expecttest = pytest.importorskip("expecttest")
     model = random_model("qwen3").to("cuda", torch.bfloat16)
-    cache = model.new_cache(B, MAX_LEN)
     x = torch.randn(B, T, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     positions = torch.arange(T, device="cuda").expand(B, T)
     views = ("aten.empty.memory_format", "aten.empty_like.default", "aten.view.default", "aten._unsafe_view.default",
              "aten.slice.Tensor")
-    prefill_ops = captured_ops(model.layers[0], x, None, positions, cache.layers[0], None, skip=views)
+    prefill_ops = captured_ops(model.layers[0], x, None, positions, skip=views)
     assert "qwen." not in prefill_ops
     expecttest.assert_expected_inline(prefill_ops, """\
 triton(_rms_norm_kernel)
 triton(_splitk_kernel)
 aten.clone.default
 triton(_rope_kernel)
-triton(_kv_cache_store_kernel)
 triton(_attention_kernel)
 triton(_splitk_kernel)
 triton(_rms_norm_kernel)

@@ -1,7 +1,8 @@
 """Qwen3.5 (hybrid Gated DeltaNet + gated attention) against Hugging Face transformers: random tiny
 ``Qwen3_5ForCausalLM`` / ``Qwen3_5ForConditionalGeneration`` checkpoints saved with
-``save_pretrained`` and loaded with modeling; logits, prefill-then-decode state, greedy decoding,
-the Generator (ragged batches, padded prefill refused), the random checkpoint, torch.compile.
+``save_pretrained`` and loaded with modeling; logits, greedy decoding through ``LLM`` and the
+engine (ragged batches, chunked prompts, every decode kernel choice), the recurrent state a
+prompt leaves in the engine's pool, the random checkpoint, torch.compile.
 
 CPU cases are tiny (the Triton interpreter runs the kernels; float64 cases run the references,
 fast and exact). The `cuda` cases use the Qwen3.5-0.8B shape with random weights.
@@ -14,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
-from modeling import QwenConfig, QwenForCausalLM
-from modeling.generation.generator import Generator
-from modeling.model.layers import GatedDeltaNetCache, KVCache
+from modeling import LLM, Engine, QwenConfig, QwenForCausalLM, SamplingParams
+from modeling.model.layers import AttentionLayer, GatedDeltaNetLayer
 from modeling.model.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
-from tests.helpers import decode, greedy, hf_greedy, prefill, prompt, rel_err
+from tests.helpers import (add_word_tokenizer, engine_greedy, forced_logits, hf_greedy, llm_greedy, prompt,
+                           rel_err)
 
 # Two Gated DeltaNet layers (2 key heads of 16, 4 value heads of 32) and two gated attention layers
 # (4/2 heads of 32, rotary dim 8), interleaved: L F L F.
@@ -100,79 +101,74 @@ def test_config_of_the_multimodal_wrapper():
 @pytest.mark.parametrize("sizes", [TINY, TINY_UNTIED], ids=["LFLF-tied-4v2k", "LLLF-untied-2v2k"])
 @torch.no_grad()
 def test_logits_and_greedy_match_transformers(tmp_path, sizes):
+    """fp32: the logits of a pass without a cache and 8 greedy tokens of two prompts through ``LLM``
+    (the engine), as transformers gives them."""
     hf = random_hf_model(**sizes)
     hf.save_pretrained(tmp_path)
-    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert [type(c) for c in model.new_cache(1, 4).layers] == \
-        [GatedDeltaNetCache if t == "linear_attention" else KVCache for t in hf.config.layer_types]
+    llm = LLM(add_word_tokenizer(tmp_path, hf.config.vocab_size), device="cpu", dtype=torch.float32)
+    assert [type(layer) for layer in llm.model.layers] == \
+        [GatedDeltaNetLayer if t == "linear_attention" else AttentionLayer for t in hf.config.layer_types]
     ids = prompt(2, 12, hf.config.vocab_size)
-    ref = hf(ids).logits
-    logits = prefill(model, ids, model.new_cache(2, 12), all_logits=True)
-    assert rel_err(logits, ref) < 1e-5
+    assert rel_err(llm.model(ids), hf(ids).logits) < 1e-5
 
-    tokens = greedy(model, ids, 8)
+    tokens = llm_greedy(llm, ids, 8)
     assert torch.equal(tokens, hf_greedy(hf, ids, 8))
     assert len(tokens.unique()) > 4  # not a trivial repetition
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["op-by-op-decode", "fused-decode"])
+@pytest.mark.parametrize("kernels", ["ops", "fused"])
 @torch.no_grad()
-def test_head_dims_not_powers_of_two_match_transformers(tmp_path, fused):
+def test_head_dims_not_powers_of_two_match_transformers(tmp_path, kernels):
     """Gated DeltaNet key heads of 48 and value heads of 80, gated attention heads of 80 with a
-    rotary dim of 20 (the kernels mask blocks of 64 and 128): prefill logits and greedy tokens of
-    one sequence as transformers gives them, through the op-by-op decode step and the fused one."""
+    rotary dim of 20 (the kernels mask blocks of 64 and 128): logits and greedy tokens of one
+    sequence as transformers gives them, through the engine's op-by-op decode step and the fused one."""
     hf = random_hf_model(linear_key_head_dim=48, linear_value_head_dim=80, head_dim=80)
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     c = model.config
     assert (c.linear_key_head_dim, c.linear_value_head_dim, c.head_dim, c.rotary_dim) == (48, 80, 80, 20)
-    model.fused_decode = fused
     ids = prompt(1, 12, hf.config.vocab_size)
-    logits = prefill(model, ids, model.new_cache(1, 12), all_logits=True)
-    assert rel_err(logits, hf(ids).logits) < 1e-5
-    tokens = greedy(model, ids, 8)
+    assert rel_err(model(ids), hf(ids).logits) < 1e-5
+    tokens = engine_greedy(model, ids, 8, decode_kernels=kernels)
     assert torch.equal(tokens, hf_greedy(hf, ids, 8))
     assert len(tokens.unique()) > 3  # not a trivial repetition
 
 
-@torch.no_grad()
-def test_long_prompt_prefill_then_decode_continues_the_state(tmp_path):
-    """A 70-token prompt (longer than the 64-token chunk) then three decode steps: logits match
-    transformers at every position, and the cache after decoding holds the state a prefill of
-    all 73 tokens leaves (to fp32 rounding: the decode GEMMs round differently)."""
-    hf = random_hf_model()
-    hf.save_pretrained(tmp_path)
-    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ids = prompt(1, 73, hf.config.vocab_size, seed=3)
-    ref = hf(ids).logits
-    cache = model.new_cache(1, 73)
-    logits = prefill(model, ids[:, :70], cache, all_logits=True)
-    assert rel_err(logits, ref[:, :70]) < 1e-5
-    for pos in range(70, 73):
-        assert rel_err(decode(model, ids[:, pos], pos, cache), ref[:, pos]) < 1e-5
-
-    full = model.new_cache(1, 73)
-    prefill(model, ids, full)
-    for stepped, once in zip(cache.layers, full.layers):
-        if isinstance(once, GatedDeltaNetCache):
-            assert rel_err(stepped.conv, once.conv) < 1e-6
-            assert rel_err(stepped.state, once.state) < 1e-5
-        else:
-            assert rel_err(stepped.k, once.k) < 1e-6
+def recurrent_states(engine: Engine, slot: int = 0):
+    """The conv and recurrent state of ``slot`` in every Gated DeltaNet layer of the engine's pool."""
+    return [t[slot] for layer, entry in zip(engine.model.layers, engine.pool.layers)
+            if isinstance(layer, GatedDeltaNetLayer) for t in entry]
 
 
 @torch.no_grad()
-def test_decode_step_of_several_tokens(tmp_path):
-    """A decode call with T=3 (conv update and recurrence over 3 tokens) matches transformers."""
+def test_long_prompt_then_decode_continues_the_state(tmp_path):
+    """A 70-token prompt (longer than the 64-token chunk) in two chunks, then decode steps: the
+    tokens match transformers, and the states its slot holds after decoding are those a prefill of
+    the prompt and the tokens it computed leaves (to fp32 rounding: the steps' GEMMs round
+    differently)."""
     hf = random_hf_model()
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ids = prompt(2, 11, hf.config.vocab_size)
-    cache = model.new_cache(2, 16)
-    prefill(model, ids[:, :8], cache)
-    seqlens = torch.full((2,), 11, dtype=torch.int32)
-    logits = model(ids[:, 8:], torch.arange(8, 11).expand(2, 3), cache, seqlens, all_logits=True)
-    assert rel_err(logits, hf(ids).logits[:, 8:]) < 1e-5
+    ids = prompt(1, 70, hf.config.vocab_size, seed=3)
+    stepped = Engine(model, max_num_seqs=1, max_model_len=80, max_num_batched_tokens=40)
+    tokens = stepped.generate(ids.tolist(), SamplingParams(), 4)
+    assert tokens[0] == hf_greedy(hf, ids, 4)[0].tolist()
+
+    once = Engine(model, max_num_seqs=1, max_model_len=80)
+    once.generate([ids[0].tolist() + tokens[0][:3]], SamplingParams(), 1)  # the tokens the decode steps computed
+    for a, b in zip(recurrent_states(stepped), recurrent_states(once)):
+        assert rel_err(a, b) < 1e-5
+
+
+@torch.no_grad()
+def test_chunked_prompts_match_one_pass(tmp_path):
+    """Prompts prefilled in chunks of 3 tokens beside each other (the conv and the chunked rule
+    continuing their slots' states) give the tokens of transformers."""
+    hf = random_hf_model()
+    hf.save_pretrained(tmp_path)
+    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = prompt(2, 8, hf.config.vocab_size)
+    assert torch.equal(engine_greedy(model, ids, 3, max_num_batched_tokens=3), hf_greedy(hf, ids, 3))
 
 
 @torch.no_grad()
@@ -195,45 +191,39 @@ def test_multimodal_wrapper_layout(tmp_path):
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert torch.equal(model.lm_head, tensors["lm_head.weight"])
     ids = prompt(2, 10, 256)
-    logits = prefill(model, ids, model.new_cache(2, 10), all_logits=True)
-    assert rel_err(logits, hf(input_ids=ids).logits) < 1e-5
+    assert rel_err(model(ids), hf(input_ids=ids).logits) < 1e-5
 
 
-# ---------------------------------------------------------------------------------------- generator
+# ------------------------------------------------------------------------------------------- engine
 
 
 @torch.no_grad()
-def test_generator_ragged_batch_float64(tmp_path):
-    """float64 (reference ops: exact and fast): a ragged batch in the bucket-4 graph body (one
-    idle row) gives each prompt the tokens it gets alone and the tokens of transformers; asking
-    for padded prefill buckets falls back to exact-length prefill (the recurrent state would
-    absorb the padding) with the same tokens."""
+def test_ragged_batch_float64(tmp_path):
+    """float64 (reference ops: exact and fast): a ragged batch of three prompts in one continuous
+    batch gives each prompt the tokens it gets alone and the tokens of transformers."""
     hf = random_hf_model(dtype=torch.float64)
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     prompts = [prompt(1, n, 256, seed=n)[0].tolist() for n in (5, 11, 3)]
-    gen = Generator(model, max_batch_size=4, max_seq_len=32)
-    batched = gen.generate(prompts, 12).tokens
+    engine = Engine(model, max_num_seqs=4, max_model_len=32)
+    batched = engine.generate(prompts, SamplingParams(), 12)
     for p, tokens in zip(prompts, batched):
-        assert tokens == gen.generate([p], 12).tokens[0]
+        assert tokens == engine.generate([p], SamplingParams(), 12)[0]
         assert tokens == hf_greedy(hf, torch.tensor([p]), 12)[0].tolist()
-    padded = Generator(model, max_batch_size=4, max_seq_len=32, prefill_graph=True)
-    assert not padded.prefill_graph and padded.state.prefill_len == 0
-    assert not model.new_cache(1, 4).supports_padded_prefill
-    assert padded.generate(prompts, 12).tokens == batched
 
 
 @torch.no_grad()
-def test_generator_kernels_fp32(tmp_path):
-    """The Triton kernels (interpreter on CPU) through the Generator: ragged batch of 2 equals
-    greedy decoding of each prompt alone."""
+def test_kernels_fp32_batch_equals_alone(tmp_path):
+    """The Triton kernels (interpreter on CPU) through the engine: a ragged batch of 2 equals each
+    prompt alone (the fused decode step at batch 1)."""
     hf = random_hf_model()
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    prompts = [prompt(1, n, 256, seed=n)[0].tolist() for n in (6, 9)]
-    tokens = Generator(model, max_batch_size=2, max_seq_len=16).generate(prompts, 4).tokens
+    prompts = [prompt(1, n, 256, seed=n) for n in (6, 9)]
+    engine = Engine(model, max_num_seqs=2, max_model_len=16)
+    tokens = engine.generate([p[0].tolist() for p in prompts], SamplingParams(), 4)
     for p, t in zip(prompts, tokens):
-        assert t == greedy(model, torch.tensor([p]), 4)[0].tolist()
+        assert t == engine_greedy(model, p, 4)[0].tolist()
 
 
 # ---------------------------------------------------------------------------- random checkpoint, compile
@@ -250,32 +240,20 @@ def test_random_checkpoint_loads_in_transformers_too(tmp_path):
     hf = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
     ids = prompt(1, 9, config["vocab_size"])
     # transformers' Qwen3.5 computes its norms, gates and delta rule in fp32 even for a float64 model
-    assert rel_err(prefill(model, ids, model.new_cache(1, 9)), hf(ids).logits[:, -1]) < 1e-5
+    assert rel_err(model(ids), hf(ids).logits) < 1e-5
     norm = model.layers[0].input_norm  # zero-centred: scale 1 + w, w ~ N(0, std^2)
     assert norm.abs().mean() < 0.5
 
 
 @torch.no_grad()
-def test_compile_fullgraph_prefill_and_decode():
-    """The hybrid model compiles without graph breaks (the cache copies and in-place state updates
-    included) and matches eager; float64 keeps it to the references."""
+def test_compile_fullgraph():
+    """The hybrid model's forward compiles without graph breaks and matches eager; float64 keeps it
+    to the references."""
     config = QwenConfig.from_dict(Qwen3_5TextConfig(**TINY).to_dict())
     model = random_model(config, dtype=torch.float64, std=0.2)
     ids = prompt(2, 7, 256)
-
-    def run(fn):
-        cache = model.new_cache(2, 8)
-        first = fn(ids[:, :6], torch.arange(6).expand(2, 6), cache)
-        second = fn(ids[:, 6:], torch.full((2, 1), 6), cache, torch.full((2,), 7, dtype=torch.int32))
-        return first, second, cache
-
     torch._dynamo.reset()
-    *eager, cache = run(model)
-    *compiled, c_cache = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
-    torch.testing.assert_close(compiled, eager)
-    for a, b in zip(c_cache.layers, cache.layers):
-        for x, y in zip(vars(a).values(), vars(b).values()):
-            torch.testing.assert_close(x, y)
+    torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="aot_eager")(ids), model(ids))
 
 
 # ---------------------------------------------------------------------------------------- cuda: 0.8B
@@ -305,12 +283,10 @@ def check_logits_match_transformers(tmp_path, dtype, device="cuda", sizes=HF_0_8
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=dtype)
     ids = prompt(1, length + 1, hf.config.vocab_size).to(device)
-    hf_bf16 = hf(ids).logits
-    ref = hf.float()(ids).logits
-
-    cache = model.new_cache(1, length + 1)
-    logits = prefill(model, ids[:, :length], cache, all_logits=True)
-    step = decode(model, ids[:, length], length, cache)
+    logits = model(ids[:, :length])
+    engine = Engine(model, max_num_seqs=1, max_model_len=length + 2)
+    step = forced_logits(engine, ids[0, :length].tolist(), ids[0, length:].tolist() + [0])[1:]
+    hf_bf16, ref = hf(ids).logits, hf.float()(ids).logits
     errors = []
     for out, ref_rows, hf_rows in ((logits, ref[:, :length], hf_bf16[:, :length]),
                                    (step, ref[:, length], hf_bf16[:, length])):
@@ -326,8 +302,8 @@ def check_logits_match_transformers(tmp_path, dtype, device="cuda", sizes=HF_0_8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @torch.no_grad()
 def test_full_size_logits_match_transformers_cuda(tmp_path, dtype, no_tf32):
-    """The Qwen3.5-0.8B shape, random bf16 weights (std 0.02), a 300-token prefill and one decode
-    step; the reference is transformers in fp32 on the same weights. fp32: rel err < 1e-4. bf16:
+    """The Qwen3.5-0.8B shape, random bf16 weights (std 0.02), a 300-token pass and the engine's
+    decode step after its prefill; the reference is transformers in fp32 on the same weights. fp32: rel err < 1e-4. bf16:
     within 1.25x the error of transformers' own bf16 forward (as the dense models in
     tests/test_modeling.py) and under BF16_CAP."""
     check_logits_match_transformers(tmp_path, dtype)
@@ -338,7 +314,7 @@ def check_greedy_matches_transformers(tmp_path, device="cuda", sizes=HF_0_8B, ne
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
     ids = prompt(2, 40, hf.config.vocab_size, seed=5).to(device)
-    tokens = greedy(model, ids, new_tokens)
+    tokens = engine_greedy(model, ids, new_tokens).to(device)
     assert torch.equal(tokens, hf_greedy(hf, ids, new_tokens))
     assert len(tokens.unique()) > new_tokens // 4
 
@@ -355,53 +331,51 @@ def check_cuda_graph_equals_eager(dtype, device="cuda", config=QWEN3_5_0_8B, new
     model = random_model(QwenConfig.from_dict(config), dtype=dtype, device=device, std=0.02)
     prompts = [prompt(1, n, model.config.vocab_size, seed=n)[0].tolist() for n in (17, 64, 5)]
     results = {}
-    for graph in (True, False):
-        gen = Generator(model, max_batch_size=4, max_seq_len=128, use_cuda_graph=graph)
-        r = gen.generate(prompts, new_tokens)
-        assert r.cuda_graph == (graph and device == "cuda") and all(len(t) == new_tokens for t in r.tokens)
-        results[graph] = r.tokens
-    assert results[True] == results[False]
+    for eager in (False, True):
+        engine = Engine(model, max_num_seqs=4, max_model_len=128, enforce_eager=eager)
+        results[eager] = engine.generate(prompts, SamplingParams(), new_tokens)
+        assert all(len(t) == new_tokens for t in results[eager])
+    assert results[False] == results[True]
     if dtype == torch.float32:
-        gen = Generator(model, max_batch_size=1, max_seq_len=128)
-        assert [gen.generate([p], new_tokens).tokens[0] for p in prompts] == results[True]
+        engine = Engine(model, max_num_seqs=1, max_model_len=128)
+        assert [engine.generate([p], SamplingParams(), new_tokens)[0] for p in prompts] == results[False]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @torch.no_grad()
 def test_full_size_cuda_graph_equals_eager(dtype):
-    """The CUDA-graph decode step (conv and recurrent states updated in place on the static
-    cache) gives the eager step's tokens, for a ragged batch of 3 in the bucket-4 graph; in fp32
-    the same prompts one at a time (batch-1 graph) give the same tokens."""
+    """The engine's CUDA-graph steps (conv and recurrent states updated in place in the pool) give
+    the eager steps' tokens, for a ragged batch of 3; in fp32 the same prompts one at a time (the
+    fused batch-1 decode step) give the same tokens."""
     check_cuda_graph_equals_eager(dtype)
 
 
 def check_chunked_prefill_matches_recurrent_steps(device="cuda", config=QWEN3_5_0_8B, length=2048):
+    """One Gated DeltaNet layer: a prompt in one step (causal_conv1d_varlen + chunk_gated_delta_rule_varlen)
+    against the same prompt one token a step (the recurrent rule): the final logits and the states
+    the prompt leaves in its slot."""
     config = QwenConfig.from_dict(config | dict(num_hidden_layers=1, layer_types=["linear_attention"]))
-    layer = random_model(config, dtype=torch.float32, device=device, std=0.02).layers[0]
+    model = random_model(config, dtype=torch.float32, device=device, std=0.02)
+    layer = model.layers[0]
     hv = config.linear_num_value_heads  # per-token decays from ~0.9997 (a memory of the whole prompt) to ~0.7
     layer.A_log.copy_(torch.linspace(-6.0, 1.0, hv))
     layer.dt_bias.fill_(-2.0)
-    torch.manual_seed(0)
-    h = torch.randn(1, length, config.hidden_size, device=device)
-    positions = torch.arange(length, device=device)[None]
-    chunked = layer.new_cache(1, 1, torch.float32, device)
-    recurrent = layer.new_cache(1, 1, torch.float32, device)
-    out_chunked = layer.mix(h, positions, chunked, None)
-    seqlens = torch.ones(1, dtype=torch.int32, device=device)  # unused by this layer
-    out_recurrent = torch.cat([layer.mix(h[:, t : t + 1], positions[:, t : t + 1], recurrent, seqlens)
-                               for t in range(length)], 1)
-    errors = rel_err(out_chunked, out_recurrent), rel_err(chunked.conv, recurrent.conv), \
-        rel_err(chunked.state, recurrent.state)
-    assert errors[0] < 1e-3 and errors[1] < 1e-6 and errors[2] < 1e-4, errors  # GEMMs round per shape
+    ids = prompt(1, length, config.vocab_size)[0].tolist()
+    runs = []
+    for chunk in (length, 1):
+        engine = Engine(model, max_num_seqs=1, max_model_len=length + 1, max_num_batched_tokens=chunk)
+        engine.generate([ids], SamplingParams(), 1)
+        runs.append(recurrent_states(engine))
+    errors = [rel_err(a, b) for a, b in zip(*runs)]
+    assert errors[0] < 1e-6 and errors[1] < 1e-4, errors  # conv state exact, recurrent state to fp32 rounding
     return errors
 
 
 @pytest.mark.cuda
 @torch.no_grad()
 def test_chunked_prefill_matches_the_recurrent_step_cuda():
-    """A 2048-token prompt through one Gated DeltaNet layer of the 0.8B shape, fp32: the prefill
-    path (causal_conv1d + chunk_gated_delta_rule) against the decode path (causal_conv1d_update +
-    recurrent_gated_delta_rule) run token by token over the same tokens from a zero state:
-    outputs within 1e-3 relative error, final states within 1e-4."""
+    """A 2048-token prompt through one Gated DeltaNet layer of the 0.8B shape, fp32: in one step
+    (the chunked rule) and one token a step (the recurrent rule) from a zero state, the conv state
+    left in the slot is the same and the recurrent state within 1e-4."""
     check_chunked_prefill_matches_recurrent_steps()

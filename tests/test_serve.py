@@ -26,6 +26,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from tests.helpers import recompute_greedy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "modeling" / "default_model"
 NAME = "qwen-triton-ops-default"
@@ -127,20 +129,10 @@ def wait_idle(server: Server, timeout: float = 10.0) -> dict:
 
 def reference_greedy(prompt_ids, n):
     """The shipped model's greedy continuation, computed here in float64 (the PyTorch reference
-    path: a prefill, then one decode step per token)."""
+    path, every position recomputed for every token: no cache)."""
     from modeling import QwenForCausalLM
 
-    model = QwenForCausalLM.from_pretrained(MODEL, dtype=torch.float64)
-    cache = model.new_cache(1, len(prompt_ids) + n)
-    out = []
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids]), torch.arange(len(prompt_ids))[None], cache)
-        for t in range(n):
-            out.append(int(logits.argmax(-1)))
-            pos = len(prompt_ids) + t
-            logits = model(torch.tensor([[out[-1]]]), torch.tensor([[pos]]), cache,
-                           torch.tensor([pos + 1], dtype=torch.int32))
-    return out
+    return recompute_greedy(QwenForCausalLM.from_pretrained(MODEL, dtype=torch.float64), [prompt_ids], n)[0]
 
 
 # ---------------------------------------------------------------------------------------------

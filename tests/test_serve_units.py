@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from modeling.generation.sampling import SamplingParams  # noqa: E402
+from modeling.engine.sampling_params import SamplingParams  # noqa: E402
 from modeling.serve.chat_output import ReasoningSplitter, ToolCallParser  # noqa: E402
 from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
@@ -142,7 +142,7 @@ def test_parse_names_the_field(body, param, message):
 
 @pytest.mark.parametrize("argv, problem", [
     (["--port", "70000"], "--port"), (["--max-waiting", "0"], "--max-waiting"),
-    (["--memory-fraction", "0"], "--memory-fraction"), (["--device", "tpu"], "--device"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"), (["--memory-fraction", "0"], "--gpu-memory-utilization"), (["--device", "tpu"], "--device"),
     (["--model", "/no/such/dir"], "--model"), (["--max-model-len", "513"], "max_position_embeddings (512)"),
 ])
 def test_cli_refuses_bad_flags(argv, problem, capsys):
@@ -161,7 +161,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
     from modeling.serve.engine_core import MAX_CONSECUTIVE_FAILURES
     from modeling.serve.engine_loop import EngineClient, ThreadTransport
 
-    engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, cuda_graphs=False)
+    engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, enforce_eager=True)
 
     def broken(*args):
         raise RuntimeError("device lost")

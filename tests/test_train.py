@@ -89,10 +89,9 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(trained):
     ours = QwenForCausalLM.from_pretrained(trained, dtype=torch.float32)
     assert ours.config.rope_theta == 1e6
     ids = torch.tensor([tok.encode(text)[:32]])
-    t = ids.shape[1]
     with torch.no_grad():
         ref = hf(ids).logits
-        out = ours(ids, torch.arange(t)[None], ours.new_cache(1, t), all_logits=True)
+        out = ours(ids)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
     # and the saved weights are the best step's (bf16), un-fused as loader.load_plan says
     state = torch.load(trained / train.STATE_FILE, weights_only=True)
@@ -251,7 +250,7 @@ def test_evaluator_matches_log_softmax_by_hand():
     with torch.no_grad():  # windows [0, 32), [31, 63), [38, 70) counting tokens 1-31, 32-62, 63-69
         for start, first in [(0, 1), (31, 1), (38, 25)]:
             x = ids[start:start + 32][None]
-            logits = model.eval()(x, torch.arange(32)[None], model.new_cache(1, 32), all_logits=True)[0].double()
+            logits = model.eval()(x)[0].double()
             logp = torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None])[:, 0]
             total -= logp[first - 1:].sum().item()
     assert nats == pytest.approx(total / 69, rel=1e-5)

@@ -187,11 +187,10 @@ def test_own_decoder_trains_like_transformers(tmp_path):
     ours = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).requires_grad_(True)
     ids = torch.randint(0, TINY["vocab_size"], (2, 16))
     ref_out, ref_grads = _loss_and_grads(hf, ids)
-    cache = ours.new_cache(2, 16, dtype=torch.float32)
-    logits = ours(ids, torch.arange(16).expand(2, 16), cache, all_logits=True)
+    logits = ours(ids)
     unfused = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     assert_close(unfused, ref_out.loss, 1e-5, what="own decoder loss from logits")
-    loss = ours.loss(ids, cache)  # fused lm_head + loss
+    loss = ours.loss(ids)  # fused lm_head + loss
     loss.backward()
     assert_close(loss, ref_out.loss, 1e-5, what="own decoder fused loss")
     pairs = {"embed_tokens": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
-from ..generation.sampling import MAX_STOP_IDS, SamplingParams
+from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
 from ..model.config import QwenConfig
 from ..model.hub import resolve_model
 from ..model.loader import check_weights_size

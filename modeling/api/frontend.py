@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..chat.template import ChatTemplate
-from ..generation.sampling import MAX_STOP_IDS, SamplingParams
+from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
 from ..model.config import QwenConfig
 from .checkpoint import Checkpoint
 from .tokenizer import QwenTokenizer

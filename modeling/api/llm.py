@@ -1,115 +1,163 @@
-"""Text in, text out: ``LLM(model).generate(prompts, SamplingParams(...))``, in the style of vLLM.
+"""Text in, text out, on the continuous-batching engine: ``LLM(model).generate(prompts, SamplingParams(...))``,
+in the style of vLLM.
 
 ```python
 from modeling import LLM, SamplingParams
 
 llm = LLM("Qwen/Qwen3-0.6B")                      # a Hub id or a local checkpoint directory
 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, stop=["."]))
-out[0].text, out[0].token_ids, out[0].finish_reason  # "stop" or "length"
+out[0].outputs[0].text, out[0].outputs[0].finish_reason   # "stop" or "length"
 llm.chat([{"role": "user", "content": "Name three primes."}], enable_thinking=False)[0].text
 for piece in llm.stream("Once upon a time"):       # text pieces as the tokens arrive
     print(piece, end="", flush=True)
 ```
 
+- A call's prompts run together as one continuous batch in the ``modeling.engine.Engine`` (the
+  server's too), each with its own ``SamplingParams``: ``n`` completions, min-p, the penalties,
+  logprobs and a per-request seed. A seeded prompt's tokens depend on its seed and the model
+  only, not on the prompts beside it.
 - The checkpoint decides the format: ``chat`` renders the chat template it ships
   (``modeling.chat.template.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
   the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
-- The ``Generator`` lacks the engine's controls (``ENGINE_ONLY``: min-p, the penalties,
-  logprobs): a ``SamplingParams`` that sets one is refused with a ``ValueError`` pointing to
-  ``modeling.engine.Engine`` (the server's, ``python -m modeling.serve``), unless the value is the
-  checkpoint's own default (``repetition_penalty``, ``min_p`` from generation_config.json): that
-  one is left out with a ``UserWarning``, so a checkpoint such as Qwen2.5-Instruct (repetition
-  penalty 1.05) still generates with the rest of its defaults.
-- A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``
-  (``generate_ids`` takes lists of token ids directly). Anything else is refused, and so is a
-  token id that is not an integer (a float is never rounded).
+- A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``. Anything
+  else is refused with an error naming it, and so is a token id that is not an integer (a float
+  is never rounded).
 - Generation stops at the tokenizer's EOS ids (unless ``ignore_eos``), at ``stop_token_ids``, at a
-  ``stop`` string (the text ends before it; the token ids keep the token that completed it), or
-  after ``max_tokens``.
-- The token-level ``Generator`` (CUDA-graph decode) does the work; this module adds the tokenizer,
-  incremental detokenization (``IncrementalDetokenizer``), stop strings and the cache sizing: the
-  generator is built on first use for the batch and length a call needs (with ``max_seq_len=None``,
-  rounded up to a power of two and rebuilt when a later call needs more) after checking that the
-  cache fits the device's memory (``check_fits``; ``DoesNotFit`` says what fits).
-- Outputs and their text are in ``outputs``, the stream in ``stream``, the prompt checks in
-  ``modeling.generation.prompts``.
-- ``modeling.api.checkpoint.Checkpoint`` is the part of a checkpoint that is not its weights, and
-  ``modeling.generation.runtime`` decides the device, the dtype and whether a request fits.
+  ``stop`` string (the text ends before it; the token ids keep the token that completed it), after
+  ``max_tokens``, or at ``max_model_len`` positions.
+- The engine is sized on first use: for as many sequences as the call runs (a power of two, at
+  most ``max_num_seqs``; more wait their turn) and, with ``max_model_len=None``, for the longest
+  request of the call, rounded up to a power of two (at least ``MIN_AUTO_MODEL_LEN``); it is
+  built again, larger, when a later call needs more. Its cache pool takes at most
+  ``gpu_memory_utilization`` of the free device memory (``modeling.engine.cache_pool.size_for``;
+  ``DoesNotFit`` says what fits).
+- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``stream.TextStream``.
 """
 
+import gc
+import itertools
 import threading
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..generation.generator import GenerationResult, Generator
-from ..generation.prompts import MAX_SEQ_LEN, check_room, checked_token_ids
-from ..generation.readback import STOP
-from ..generation.runtime import backend_name, check_fits, resolve_device, resolve_dtype
-from ..generation.sampling import INT64_LIMIT, SamplingParams
+from ..common import is_int
+from ..engine import Engine, Status
+from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
+from ..engine.sampling_params import SamplingParams, choice_seed
 from ..model.causal_lm import QwenForCausalLM
+from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
-from .outputs import RequestOutput, TextRow
+from .outputs import Completion, RequestMetrics, RequestOutput
 from .stream import TextStream
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
-ENGINE_ONLY = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
-"""``SamplingParams`` controls that the engine applies and the ``Generator`` (so ``LLM``) does not."""
-MIN_AUTO_SEQ_LEN = 256
-"""With ``max_seq_len=None`` the cache holds at least this many positions (then powers of two)."""
+MIN_AUTO_MODEL_LEN = 256
+"""With ``max_model_len=None`` the engine holds at least this many positions a sequence (then powers of two)."""
 TOKEN_IDS_KEY = "prompt_token_ids"
 """The key of a prompt given as token ids, ``{"prompt_token_ids": [...]}`` (vLLM's ``TokensPrompt``)."""
+RENAMED = {"max_seq_len": "max_model_len", "max_batch_size": "max_num_seqs"}
+"""Earlier keyword arguments of ``LLM`` that still work, with a ``DeprecationWarning``."""
+REMOVED = {
+    "use_cuda_graph": "LLM runs on the engine, whose steps replay CUDA graphs: enforce_eager=True runs them eagerly",
+    "prefill_graph": "the engine captures prefill steps in CUDA graphs as it does decode steps (enforce_eager=True "
+                     "runs every step eagerly)",
+    "generate_ids": "pass token ids as prompts: llm.generate({'prompt_token_ids': ids}) or a list of such dicts",
+    "warm_up": "the engine compiles and captures each step shape on first use; llm.engine.capture_graphs() "
+               "captures them all ahead of time",
+}
+"""Earlier arguments and methods of ``LLM`` that mean nothing on the engine: refused, saying what to use."""
 
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
 
 
+class _Request:
+    """One prompt of a call and its completions (one engine sequence each)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion]):
+        self.request_id, self.prompt, self.ids, self.completions = request_id, prompt, ids, completions
+        self.metrics = RequestMetrics(time.perf_counter())
+        self.seqs: list = []
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.ids), [c.output() for c in self.completions],
+                             self.finished, self.metrics)
+
+
 class LLM(Frontend):
-    """A checkpoint loaded for generation (see the module doc); its text side (tokenizer, chat
-    template, stop ids, defaults) is ``Frontend``'s.
+    """A checkpoint loaded for generation on the engine (see the module doc); its text side
+    (tokenizer, chat template, stop ids, defaults) is ``Frontend``'s.
 
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
     (default CUDA if available); ``dtype``: default bf16 on CUDA, fp32 on the CPU.
-    ``max_seq_len``: cache positions per sequence (None: sized per call, grown as needed);
-    ``max_batch_size``: prompts decoded together (more run in consecutive batches);
-    ``use_cuda_graph``, ``prefill_graph``: as for ``Generator``.
+    ``max_model_len``: positions a sequence (prompt and output) holds at most (None: sized per
+    call, grown as needed); ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
+    CUDA graphs.
 
-    One generation runs at a time (a lock); ``stream`` runs its generation in a worker thread.
+    Calls may come from several threads: each engine step runs under a lock, and a step serves
+    every call's sequences (an open ``stream`` advances while another call generates).
     """
 
     def __init__(self, model: Union[str, Path, Checkpoint, None] = None, *, revision: Optional[str] = None,
                  offline: Optional[bool] = None, device: Union[str, torch.device, None] = None,
-                 dtype: Union[str, torch.dtype, None] = None, max_seq_len: Optional[int] = None,
-                 max_batch_size: int = 8, use_cuda_graph: bool = True, prefill_graph: Optional[bool] = None,
-                 progress: bool = True):
+                 dtype: Union[str, torch.dtype, None] = None, max_model_len: Optional[int] = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, progress: bool = True, **renamed: Any):
+        for old, value in renamed.items():
+            if old in REMOVED:
+                raise TypeError(f"LLM(): {old} is no longer an argument: {REMOVED[old]}")
+            if old not in RENAMED:
+                raise TypeError(f"LLM() got an unexpected keyword argument {old!r}")
+            warnings.warn(f"LLM({old}=...) is deprecated: use {RENAMED[old]}", DeprecationWarning, stacklevel=2)
+            if RENAMED[old] == "max_model_len":
+                max_model_len = value
+            else:
+                max_num_seqs = value
+        if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
+            raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if isinstance(model, Checkpoint):
             self.checkpoint = model
         else:
             self.checkpoint = Checkpoint.load(model, revision, offline, progress)
-        if max_seq_len is not None and not (isinstance(max_seq_len, int) and 2 <= max_seq_len <= MAX_SEQ_LEN):
-            raise ValueError(f"max_seq_len must be an integer in [2, {MAX_SEQ_LEN}], got {max_seq_len!r}")
-        if not (isinstance(max_batch_size, int) and max_batch_size >= 1):
-            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
-        self.use_cuda_graph, self.prefill_graph = use_cuda_graph, prefill_graph
-        check_fits(self.config, self.device, self.dtype, 1, 2, 0)  # the weights alone, before reading them
+        self.max_model_len = max_model_len
+        self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        check_weights_fit(self.config, self.device, self.dtype)
         self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype)
-        self.generator: Optional[Generator] = None
-        self._lock = threading.Lock()
+        self._engine: Optional[Engine] = None
+        self._lock = threading.RLock()
+        self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
+        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(cls, model: Union[str, Path, None] = None, **kwargs: Any) -> "LLM":
         """``LLM(model, **kwargs)``: a checkpoint directory or a Hub id ``ORG/NAME``."""
         return cls(model, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in REMOVED:
+            raise AttributeError(f"LLM.{name} is gone: {REMOVED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -117,75 +165,63 @@ class LLM(Frontend):
         """"Triton kernels (CUDA)", "Triton interpreter (CPU)" or "PyTorch reference ops (CPU)"."""
         return backend_name(self.device, self.dtype)
 
+    @property
+    def engine(self) -> Engine:
+        """The engine (built on first use: for ``max_model_len``, or ``MIN_AUTO_MODEL_LEN`` positions)."""
+        with self._lock:
+            return self._engine_for(1, 1)
+
     # ------------------------------------------------------------------ text API
-    def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> List[RequestOutput]:
-        """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in order.
-        A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
+    def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 *, use_tqdm: bool = True) -> List[RequestOutput]:
+        """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in
+        order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
-        (``get_default_sampling_params``)."""
-        given = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
-        if not given:
-            return []
-        texts, ids = zip(*(self._prompt(p, i) for i, p in enumerate(given)))
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(texts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(texts)} prompts")
-            per_prompt = list(sampling_params)
-        else:
-            per_prompt = [sampling_params or self.get_default_sampling_params()] * len(texts)
-        per_prompt = [self._generator_params(p) for p in per_prompt]
-        outputs: List[Optional[RequestOutput]] = [None] * len(texts)
-        for params in dict.fromkeys(per_prompt):  # one Generator call per distinct params
-            idx = [i for i, p in enumerate(per_prompt) if p == params]
-            outs, _ = self.generate_ids([ids[i] for i in idx], params)
-            for i, out in zip(idx, outs):
-                out.index, out.prompt = i, texts[i]
-                outputs[i] = out
+        (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
+        requests = self._requests(prompts, sampling_params)
+        outputs: List[Optional[RequestOutput]] = [None] * len(requests)
+        for i, out in self._run(requests, use_tqdm):
+            outputs[i] = out
         return outputs  # type: ignore[return-value]
 
+    def iter_generate(self, prompts: PromptLike,
+                      sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                      *, use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
+        """``generate``, yielding (index of the prompt, its ``RequestOutput``) as each prompt's
+        completions finish; leaving the loop early aborts the rest."""
+        return self._run(self._requests(prompts, sampling_params), use_tqdm)
+
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
-             sampling_params: Optional[SamplingParams] = None, *, add_generation_prompt: bool = True,
-             enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
+             chat_template_kwargs: Optional[Mapping[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of a list of
         them, rendered with the checkpoint's chat template. ``enable_thinking=False`` is Qwen3's
         switch (a template variable, as ``chat_template_kwargs`` entries are)."""
+        if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), "
+                             f"got {type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         texts = [self.render_chat(c, add_generation_prompt, enable_thinking, chat_template_kwargs, tools)
                  for c in convs]
-        return self.generate(texts, sampling_params)
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
 
-    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> "TextStream":
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> TextStream:
         """An iterator over the completion's text pieces as the tokens arrive; its ``output`` is the
-        ``RequestOutput`` once it is exhausted. Closing it (or dropping it) stops the generation."""
+        ``RequestOutput`` once it is exhausted. Closing it (or dropping it) stops the generation.
+        One completion: ``n`` must be 1."""
+        params = self._params(sampling_params, 0)
+        if params.n != 1:
+            raise ValueError(f"stream makes one completion: sampling_params.n must be 1, got {params.n}")
         text, ids = self._prompt(prompt, 0)
-        params = self._generator_params(sampling_params or self.get_default_sampling_params())
-        return TextStream(self, text, ids, params)
+        request = self._add([(text, ids, params)])[0]
+        return TextStream(self, request)
 
     def stream_chat(self, messages: Sequence[Message], sampling_params: Optional[SamplingParams] = None,
-                    **chat_kwargs: Any) -> "TextStream":
+                    **chat_kwargs: Any) -> TextStream:
         """``stream`` of the reply to a conversation (``chat_kwargs`` as for ``chat``)."""
         return self.stream(self.render_chat(messages, **chat_kwargs), sampling_params)
-
-    # ------------------------------------------------------------------ token level (the command line uses these)
-    def _generator_params(self, params: SamplingParams) -> SamplingParams:
-        """``params`` as the ``Generator`` runs them: a control of ``ENGINE_ONLY`` set to the
-        checkpoint's default is turned off with a ``UserWarning``; one set otherwise is a ``ValueError``."""
-        off, default = SamplingParams(), self.get_default_sampling_params()
-        asked = [f for f in ENGINE_ONLY if getattr(params, f) != getattr(off, f)]
-        refused = [f"{f}={getattr(params, f)!r}" for f in asked if getattr(params, f) != getattr(default, f)]
-        if refused:
-            raise ValueError(f"LLM generates with the Generator, which does not implement {', '.join(refused)}: "
-                             "use the engine (modeling.engine.Engine; the server, python -m modeling.serve), "
-                             "which does")
-        if not asked:
-            return params
-        values = ", ".join(f"{f}={getattr(params, f)!r}" for f in asked)
-        warnings.warn(f"the checkpoint's generation_config.json sets {values}, which LLM's Generator does not "
-                      "implement: generating without it (the engine, modeling.engine.Engine, applies it)",
-                      UserWarning, stacklevel=3)
-        return replace(params, **{f: getattr(off, f) for f in asked})
 
     def max_new_tokens(self, params: SamplingParams) -> int:
         """``params.max_tokens``, else the checkpoint's ``max_new_tokens``, else ``DEFAULT_MAX_TOKENS``."""
@@ -193,77 +229,33 @@ class LLM(Frontend):
             return params.max_tokens
         return self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
 
-    def generate_ids(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None,
-                     on_text: Optional[Callable[[int, str], None]] = None,
-                     on_output: Optional[Callable[[int, RequestOutput], None]] = None,
-                     index_offset: int = 0, cancel: Optional[threading.Event] = None
-                     ) -> Tuple[List[RequestOutput], GenerationResult]:
-        """Complete prompts given as token ids (each a sequence of ints or a 1-D integer tensor:
-        anything else, floats and bools included, is refused with an error naming it, never rounded).
-        ``on_text(i, piece)`` gets the text as it is ready,
-        ``on_output(i, output)`` each completion when it ends (i counts from ``index_offset``, which
-        also offsets the seed, so that consecutive calls on consecutive slices of a list sample as
-        one call on the whole list would). ``cancel``: an event that ends every row when set."""
-        params = self._generator_params(params or self.get_default_sampling_params())
+    # ------------------------------------------------------------------ the requests
+    def _params(self, params: Any, index: Optional[int]) -> SamplingParams:
+        if params is None:
+            return self.get_default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            where = "sampling_params" if index is None else f"sampling_params[{index}]"
+            raise ValueError(f"{where} must be a SamplingParams (modeling.SamplingParams), got {type(params).__name__}")
+        return params
+
+    def _requests(self, prompts: PromptLike, sampling_params: Any) -> List[Tuple[Optional[str], List[int],
+                                                                               SamplingParams]]:
+        """(text, token ids, params) of each prompt, every argument checked (a ``ValueError`` naming it)."""
         if isinstance(prompts, (str, Mapping)):
-            raise ValueError("prompts must be a list of prompts (each a list of token ids), "
-                             f"got a {type(prompts).__name__}")
-        prompts = [checked_token_ids(p, f"prompts[{index_offset + i}]", self.config.vocab_size)
-                   for i, p in enumerate(prompts)]
-        if not prompts:
-            raise ValueError("no prompts given")
-        stop_ids = self.stop_ids(params)
-        if params.seed is not None and index_offset:
-            params = replace(params, seed=(params.seed + index_offset) % INT64_LIMIT)
-        with self._lock:
-            gen, max_new = self._generator_for(len(prompts), max(map(len, prompts)), self.max_new_tokens(params))
-            rows = [TextRow(self.tokenizer, params) for _ in prompts]
-            outputs: List[Optional[RequestOutput]] = [None] * len(prompts)
-
-            def on_token(i: int, token: int):
-                piece = rows[i - index_offset].push(token)
-                if piece and on_text is not None:
-                    on_text(i, piece)
-                if rows[i - index_offset].stops.matched is not None or (cancel is not None and cancel.is_set()):
-                    return STOP
-                return None
-
-            def on_finish(i: int, tokens: List[int], reason: str):
-                row = rows[i - index_offset]
-                tail = row.finish()
-                if tail and on_text is not None:
-                    on_text(i, tail)
-                if reason == "callback":  # a stop string, or the caller stopped the stream
-                    reason = "stop" if row.stops.matched is not None else "abort"
-                out = RequestOutput(i, None, prompts[i - index_offset], row.text, list(tokens), reason,
-                                    row.stops.matched)
-                outputs[i - index_offset] = out
-                if on_output is not None:
-                    on_output(i, out)
-
-            result = gen.generate(prompts, max_new, params, stop_ids, _offset(on_token, index_offset),
-                                  _offset(on_finish, index_offset))
-        metrics = dict(prefill_ms=result.prefill_ms, decode_ms=result.decode_ms, decode_steps=result.decode_steps,
-                       setup_ms=result.setup_ms, cuda_graph=result.cuda_graph)
-        for out in outputs:
-            out.metrics = metrics  # type: ignore[union-attr]
-        return outputs, result  # type: ignore[return-value]
-
-    def warm_up(self, prompt: Sequence[int], params: SamplingParams, batch_size: int = 1) -> float:
-        """Compile the kernels (a prefill of ``prompt`` and one decode step) and capture the decode
-        graph of ``batch_size`` ahead of a timed run; returns the milliseconds it took. Only CUDA
-        compiles (the CPU paths return 0 at once). A prompt length or batch whose kernels were not
-        compiled here still compiles on first use."""
-        if self.device.type != "cuda":
-            return 0.0
-        t0 = time.perf_counter()
-        with self._lock:
-            gen, max_new = self._generator_for(batch_size, len(prompt), min(2, self.max_new_tokens(params)))
-            warm = replace(params, seed=None, max_tokens=None, stop=())
-            gen.generate([list(prompt)], max_new, warm, ())
-            gen.capture(batch_sizes=[batch_size], modes=[params.mode])
-            torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - t0) * 1e3
+            given = [prompts]
+        elif isinstance(prompts, Sequence):
+            given = list(prompts)
+        else:
+            raise ValueError(f"prompts must be a str, a {{{TOKEN_IDS_KEY!r}: [...]}} dict or a list of them, "
+                             f"got {type(prompts).__name__}")
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(given):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(given)} prompts: give one, or one "
+                                 "per prompt")
+            per_prompt = [self._params(p, i) for i, p in enumerate(sampling_params)]
+        else:
+            per_prompt = [self._params(sampling_params, None)] * len(given)
+        return [(*self._prompt(p, i), params) for i, (p, params) in enumerate(zip(given, per_prompt))]
 
     def _prompt(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
         """A prompt's text (None when given as token ids) and its token ids."""
@@ -278,37 +270,142 @@ class LLM(Frontend):
                              f"got {type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt)
         if not ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise ValueError(f"prompts[{index}] is empty")
         return prompt, ids
 
-    def _generator_for(self, n: int, longest: int, max_new: int) -> Tuple[Generator, int]:
-        """A generator for ``n`` prompts of up to ``longest`` tokens and up to ``max_new`` new tokens
-        (lowered to what the cache holds), built or rebuilt if the current one is too small."""
-        limit = self.max_seq_len or self.config.max_position_embeddings
-        check_room(longest, limit, "max_seq_len" if self.max_seq_len else "the model's max_position_embeddings")
-        max_new = min(max_new, limit - longest)
-        need = longest + max_new
-        batch = min(self.max_batch_size, n)
-        gen = self.generator
-        if self.max_seq_len:
-            seq_len = self.max_seq_len
-        else:
-            seq_len = min(limit, max(MIN_AUTO_SEQ_LEN, 1 << (need - 1).bit_length()))
-        if gen is not None and gen.max_batch_size >= batch and gen.max_seq_len >= need:
-            return gen, max_new
-        if gen is not None:  # grow, never shrink: keep the larger of each
-            batch, seq_len = max(batch, gen.max_batch_size), max(seq_len, gen.max_seq_len)
-            self.generator = gen = None
+    def _engine_for(self, need: int, num_seqs: int) -> Engine:
+        """The engine, built (or built again, larger) so that a sequence holds ``need`` positions and
+        ``num_seqs`` sequences run together (at most ``max_num_seqs``; more wait their turn)."""
+        limit = self.max_model_len or self.config.max_position_embeddings
+        need, num_seqs = min(need, limit), min(num_seqs, self.engine_args["max_num_seqs"])
+        engine = self._engine
+        if engine is not None and engine.max_model_len >= need and (
+                engine.scheduler.max_num_seqs >= num_seqs or self._tracked):
+            return engine
+        size = limit if self.max_model_len else min(limit, max(MIN_AUTO_MODEL_LEN, 1 << (need - 1).bit_length()))
+        seqs = 1 << (num_seqs - 1).bit_length()
+        if engine is not None:
+            if self._tracked:
+                raise ContextLengthError(
+                    f"a request of {need} positions needs a larger engine than the running one ({engine.max_model_len} "
+                    "positions) while other requests (open streams) run in it: finish them first, or set max_model_len")
+            size, seqs = max(size, engine.max_model_len), max(seqs, engine.scheduler.max_num_seqs)
+            self._engine = engine = None
+            gc.collect()  # the step graphs hold the old engine in a reference cycle
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        check_fits(self.config, self.device, self.dtype, batch, seq_len, longest, weights_loaded=True)
-        self.generator = Generator(self.model, max_batch_size=batch, max_seq_len=seq_len,
-                                   use_cuda_graph=self.use_cuda_graph, prefill_graph=self.prefill_graph)
-        return self.generator, max_new
+        args = dict(self.engine_args, max_num_seqs=min(seqs, self.engine_args["max_num_seqs"]))
+        self._engine = Engine(self.model, max_model_len=size, **args)
+        return self._engine
+
+    def _add(self, requests: Sequence[Tuple[Optional[str], List[int], SamplingParams]]) -> List[_Request]:
+        """Every completion of ``requests`` into the engine (all or none)."""
+        if not requests:
+            return []
+        limit = self.max_model_len or self.config.max_position_embeddings
+        budgets = []
+        for i, (_, ids, params) in enumerate(requests):
+            room = limit - len(ids)
+            if room < 1:
+                what = "max_model_len" if self.max_model_len else "the model's max_position_embeddings"
+                raise ContextLengthError(f"prompts[{i}] has {len(ids)} tokens, which leaves no room for a new token in "
+                                         f"{what} ({limit})")
+            budgets.append(min(self.max_new_tokens(params), room))
+        with self._lock:
+            engine = self._engine_for(max(len(r[1]) + b for r, b in zip(requests, budgets)),
+                                      sum(r[2].n for r in requests))
+            added: List[_Request] = []
+            try:
+                for (text, ids, params), budget in zip(requests, budgets):
+                    stop_ids = self.stop_ids(params)
+                    request = _Request(str(next(self._ids)), text, ids,
+                                       [Completion(j, self.tokenizer, params) for j in range(params.n)])
+                    added.append(request)
+                    for c in request.completions:
+                        seq = engine.add(ids, _choice_params(params, c.index), budget, stop_ids)
+                        request.seqs.append(seq)
+                        self._tracked[seq.request_id] = (request, c)
+            except BaseException:
+                self._abort(added)
+                raise
+        return added
+
+    def _abort(self, requests: Sequence[_Request]) -> None:
+        """Stop the sequences of ``requests`` that still run; their completions end with "abort"."""
+        with self._lock:
+            for r in requests:
+                for seq, c in zip(r.seqs, r.completions):
+                    if self._tracked.pop(seq.request_id, None) is not None:
+                        self._engine.abort(seq)
+                        if not c.finished:
+                            c.finish_reason = "abort"
+                if r.metrics.finished_time is None:
+                    r.metrics.finished_time = time.perf_counter()
+
+    def _step(self) -> Optional[List[Tuple[_Request, Completion, str]]]:
+        """One engine step: (request, completion, new text) of each completion that got a token
+        (none in a step of prompt chunks); None when the engine holds nothing to run."""
+        with self._lock:
+            if self._engine is None or not self._engine.has_work():
+                return None
+            out = []
+            for seq in self._engine.step():
+                tracked = self._tracked.get(seq.request_id)
+                if tracked is None:
+                    continue
+                request, c = tracked
+                now = time.perf_counter()
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None,
+                              seq.finish_reason)
+                if c.finished:
+                    del self._tracked[seq.request_id]
+                    if seq.status is not Status.FINISHED:  # a stop string: the engine does not know
+                        self._engine.abort(seq)
+                    if request.finished:
+                        request.metrics.finished_time = now
+                out.append((request, c, text))
+            return out
+
+    def _run(self, requests, use_tqdm: bool) -> Iterator[Tuple[int, RequestOutput]]:
+        """Add ``requests``, step the engine until each finishes, yield (index, output) as they do."""
+        added = self._add(requests)
+        index = {id(r): i for i, r in enumerate(added)}
+        left = set(index)
+        bar = _progress(len(added), use_tqdm)
+        try:
+            while left:
+                stepped = self._step()
+                if stepped is None:  # nothing runs them: aborted by another thread
+                    raise RuntimeError("the engine holds none of this call's requests any more")
+                done = []
+                for request, _, _ in stepped:
+                    if id(request) in left and request.finished:
+                        left.discard(id(request))
+                        done.append(request)
+                for request in done:
+                    if bar is not None:
+                        bar.update(1)
+                    yield index[id(request)], request.output()
+        finally:
+            if left:
+                self._abort([r for r in added if id(r) in left])
+            if bar is not None:
+                bar.close()
 
 
-def _offset(fn, offset: int):
-    """The Generator numbers prompts from 0 within a call; the callbacks count from ``offset``."""
-    if not offset:
-        return fn
-    return lambda i, *args: fn(i + offset, *args)
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The params of completion ``i`` of a request: its own seed (``choice_seed``)."""
+    if params.seed is None or i == 0:
+        return params
+    return replace(params, seed=choice_seed(params.seed, i))
+
+
+def _progress(total: int, enabled: bool):
+    """A progress bar over a call's prompts (tqdm, on stderr), or None."""
+    if not enabled or total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)

@@ -1,47 +1,86 @@
-"""What a completion gives back: ``RequestOutput``, and its text as the tokens arrive (``TextRow``:
-incremental detokenization, then ``StopStrings``)."""
+"""What a request gives back, in vLLM's shapes (``RequestOutput``, ``CompletionOutput``, ``Logprob``),
+and one completion's output as its tokens arrive (``Completion``: incremental detokenization, stop
+strings, logprobs, the finish and stop reasons), which ``LLM`` and the server share."""
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
 
-from ..generation.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import LogprobEntry
 from .tokenizer import IncrementalDetokenizer, QwenTokenizer
 
 
 @dataclass
-class RequestOutput:
-    """One completion. ``prompt``: the prompt's text (None for a prompt given as token ids);
-    ``text``: the new text (without the stop string that ended it); ``token_ids``: the new token
-    ids (without a stop token; with the token that completed a stop string); ``finish_reason``:
-    ``"stop"`` (EOS, a stop token id or a stop string), ``"length"`` (``max_tokens``, or the cache
-    full) or ``"abort"`` (the stream was closed, or ``cancel`` set, before the end);
-    ``stop_reason``: the stop string that ended it, else None. ``metrics``: the timings of the
-    ``Generator.generate`` call it ran in (``prefill_ms``, ``decode_ms``, ``decode_steps``,
-    ``setup_ms``: graph warm-up and capture, ``cuda_graph``). ``outputs`` is ``[self]``, so code
-    written for vLLM's ``RequestOutput.outputs[0].text`` works."""
+class Logprob:
+    """A token's log-probability under the raw model distribution; ``rank``: 1 for the most likely
+    token (None for a sampled token outside the requested top ``logprobs``); its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class CompletionOutput:
+    """Completion ``index`` of a request. ``text``: the new text, without the stop string that
+    ended it; ``token_ids``: the new token ids, without a stop token (EOS or ``stop_token_ids``),
+    with the token that completed a stop string; ``finish_reason``: ``"stop"`` (EOS, a stop token
+    id or a stop string), ``"length"`` (``max_tokens``, or ``max_model_len`` reached) or
+    ``"abort"``; ``stop_reason``: the stop string or stop token id (not EOS) that ended it, else
+    None. With ``SamplingParams.logprobs``: ``logprobs``, one dict a token id (the sampled one and
+    the top ``logprobs``) -> ``Logprob``, and ``cumulative_logprob``, their sum over the sampled
+    tokens; else both None."""
 
     index: int
-    prompt: Optional[str]
-    prompt_token_ids: List[int]
     text: str
     token_ids: List[int]
-    finish_reason: str
-    stop_reason: Optional[str] = None
-    metrics: Dict[str, Any] = field(default_factory=dict)
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[List[Dict[int, Logprob]]]
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Host clock (``time.perf_counter``) seconds: when the request was added, when its first
+    token reached the host, when its last completion finished."""
+
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's completions (``outputs``, ``SamplingParams.n`` of them). ``prompt``: its text
+    (None for a prompt given as token ids). ``text``, ``token_ids``, ``finish_reason`` and
+    ``stop_reason`` are the first completion's (all there is with ``n=1``)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
 
     @property
-    def outputs(self) -> List["RequestOutput"]:
-        return [self]
+    def text(self) -> str:
+        return self.outputs[0].text
 
     @property
-    def generated_tokens(self) -> int:
-        """Tokens the model produced for it, a stop token included."""
-        return len(self.token_ids) + (self.finish_reason == "stop" and self.stop_reason is None)
+    def token_ids(self) -> List[int]:
+        return self.outputs[0].token_ids
 
-    def to_dict(self) -> Dict[str, Any]:
-        return {"index": self.index, "text": self.text, "token_ids": list(self.token_ids),
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "metrics": dict(self.metrics)}
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> Union[int, str, None]:
+        return self.outputs[0].stop_reason
 
 
 class StopStrings:
@@ -77,8 +116,7 @@ class StopStrings:
 
 
 class TextRow:
-    """One completion's text as its tokens arrive: incremental detokenization, then ``StopStrings``
-    (public for ``modeling.serve``, which builds a completion's text the same way)."""
+    """One completion's text as its tokens arrive: incremental detokenization, then ``StopStrings``."""
 
     def __init__(self, tokenizer: QwenTokenizer, params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -99,3 +137,58 @@ class TextRow:
         out += self.stops.flush()
         self.pieces.append(out)
         return out
+
+
+class Completion:
+    """One sequence's output as the engine hands over its tokens (``push``): the token ids, the text
+    (``TextRow``), the logprobs, and the finish and stop reasons of ``CompletionOutput``. A stop
+    string ends it (the caller aborts the sequence: ``finished`` turns true); tokens pushed after
+    the end are ignored."""
+
+    def __init__(self, index: int, tokenizer: QwenTokenizer, params: SamplingParams):
+        self.index, self.tokenizer, self.params = index, tokenizer, params
+        self.row = TextRow(tokenizer, params)
+        self.token_ids: List[int] = []
+        self.logprobs: Optional[List[Dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Union[int, str, None] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token: int, logprobs: Optional[LogprobEntry], finish_reason: Optional[str]) -> str:
+        """Take the next token (its ``LogprobEntry`` when the params ask for logprobs, the engine's
+        finish reason when it was the last); returns the text it adds."""
+        if self.finished:
+            return ""
+        stop_token = finish_reason == "stop"  # EOS or a stop token id: not part of the output
+        text = ""
+        if not stop_token:
+            self.token_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(self._logprobs(token, logprobs))
+                self.cumulative_logprob += logprobs[0]
+            text = self.row.push(token)
+        if self.row.stops.matched is not None:
+            self.finish_reason, self.stop_reason = "stop", self.row.stops.matched
+        elif finish_reason is not None:
+            self.finish_reason = finish_reason
+            if stop_token and token in self.params.stop_token_ids:
+                self.stop_reason = token
+        if self.finished:
+            text += self.row.finish()
+        return text
+
+    def _logprobs(self, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
+        chosen, top = entry
+        out = {tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+               for rank, (tid, lp) in enumerate(top, 1)}
+        if token not in out:
+            out[token] = Logprob(chosen, None, self.tokenizer.decode([token], skip_special_tokens=False))
+        return out
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.row.text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)

@@ -31,7 +31,7 @@ unless flags override, and for ``Checkpoint.default_sampling_params``.
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -283,12 +283,6 @@ class GenerationDefaults:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-    def merged(self, temperature: Optional[float] = None, top_k: Optional[int] = None,
-               top_p: Optional[float] = None, max_new_tokens: Optional[int] = None) -> "GenerationDefaults":
-        """These defaults with every argument that is not None (a command line flag given) in its place."""
-        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens)
-        return replace(self, **{k: v for k, v in given.items() if v is not None})
 
 
 # transformers' GenerationConfig defaults for a field that generation_config.json leaves out

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..generation.prompts import MAX_SEQ_LEN
+from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError
+from ..engine.prompts import MAX_MODEL_LEN
 
 if TYPE_CHECKING:
     import argparse
@@ -17,15 +18,17 @@ USAGE_ERROR = 2
 RUNTIME_ERROR = 1
 INTERRUPTED = 130
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-DEVICE_PATTERN = r"(cuda|cpu)(:\d+)?"
-# Only os, sys, typing and modeling.generation.prompts (which imports nothing heavy) at the top of the
-# command line's modules: Ctrl-C lands in main's handler from the first instant; argparse, json,
-# torch... are imported inside the functions.
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as ``error: <message>``, exit status 2."""
+RENAMED_FLAGS = {"--max-new-tokens": "--max-tokens", "--max-seq-len": "--max-model-len",
+                 "--max-batch-size": "--max-num-seqs", "--no-cuda-graph": "--enforce-eager"}
+"""Earlier flags that still work, with a note naming the new one."""
+REMOVED_FLAGS = {"--prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
+                                    "(--enforce-eager runs every step eagerly)",
+                 "--no-prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
+                                       "(--enforce-eager runs every step eagerly)"}
+"""Earlier flags that mean nothing on the engine: refused, saying what to use."""
+# Only os, sys, typing, modeling.api.commands and modeling.engine.prompts (which import nothing heavy)
+# at the top of the command line's modules: Ctrl-C lands in main's handler from the first instant;
+# argparse, json, torch... are imported inside the functions.
 
 
 def prog_name() -> str:
@@ -68,12 +71,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     i.add_argument("--no-thinking", action="store_true",
                    help="Qwen3's switch: render the chat template with enable_thinking=False")
     s = p.add_argument_group("sampling and stopping")
-    s.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: generation_config.json's max_new_tokens, else 64")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per completion at most (default: generation_config.json's max_new_tokens, else 64)")
     s.add_argument("--temperature", type=float, default=None, help="0: greedy (the default without "
                                                                    "generation_config.json sampling values)")
     s.add_argument("--top-k", type=int, default=None, help="0: off")
     s.add_argument("--top-p", type=float, default=None, help="1: off")
+    s.add_argument("--min-p", type=float, default=None, help="drop tokens below this times the most likely one's "
+                                                             "probability; 0: off")
+    s.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    s.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    s.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1: off")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     s.add_argument("--stop", action="append", metavar="STR", default=[],
                    help="end a completion at this string (left out of the output); repeatable. Generation "
@@ -81,20 +89,26 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per completion on stdout: index, text, "
                                                        "token_ids, finish_reason, stop_reason, prompt_tokens, "
-                                                       "timings")
+                                                       "timings (and logprobs)")
+    o.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability and the K most likely tokens' (0 to 20)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    r.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="weights and KV cache dtype (default bf16 on CUDA, fp32 on CPU)")
-    r.add_argument("--max-seq-len", type=int, default=None,
-                   help="KV cache positions per sequence (default: longest prompt + max new tokens; "
-                        "--interactive: grown as the conversation needs)")
-    r.add_argument("--max-batch-size", type=int, default=8, help="prompts decoded together (--batch-file)")
-    r.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (one Python launch per op)")
-    r.add_argument("--prefill-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill prompts padded to a length bucket, through a CUDA graph captured per bucket "
-                        "(default: on with the CUDA-graph decode; with --no-cuda-graph the padded prefill "
-                        "runs eagerly); --no-prefill-graph prefills eagerly at the exact length")
+    r.add_argument("--max-model-len", type=int, default=None,
+                   help="positions a sequence (prompt and new tokens) holds at most (default: sized for the "
+                        "prompts, grown as --interactive needs)")
+    r.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
+    r.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    for old, new in RENAMED_FLAGS.items():
+        dest = new[2:].replace("-", "_")
+        if new == "--enforce-eager":
+            r.add_argument(old, dest=dest, action="store_const", const=True, help=argparse.SUPPRESS)
+        else:
+            r.add_argument(old, dest=dest, type=int, help=argparse.SUPPRESS)
+    for old in REMOVED_FLAGS:
+        r.add_argument(old, dest="removed_flag", action="store_const", const=old, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -104,14 +118,35 @@ def _unicode_problem(text: str) -> Optional[str]:
     return unicode_error(text)
 
 
+def _as_flag(problem: str) -> str:
+    """A ``SamplingParams`` message ("top_k must be ...") as the flag's ("--top-k must be ...")."""
+    name, _, rest = problem.strip().partition(" ")
+    return f"--{name.replace('_', '-')} {rest}"
+
+
+def renamed_flags(argv: Sequence[str]) -> List[str]:
+    """Notes for the earlier flags given (``RENAMED_FLAGS``), each naming the new one."""
+    given = {arg.split("=", 1)[0] for arg in argv}
+    return [f"note: {old} is deprecated: use {new}" for old, new in RENAMED_FLAGS.items() if old in given]
+
+
 def check_args(a: argparse.Namespace) -> None:
     """Every problem with the flags alone, in one message (before any model is read)."""
     import re
 
-    from ..generation.sampling import sampling_errors
+    from ..engine.sampling_params import SamplingParams
 
-    problems = sampling_errors(0.0 if a.temperature is None else a.temperature, 0 if a.top_k is None else a.top_k,
-                               1.0 if a.top_p is None else a.top_p, a.seed)
+    problems = []
+    if a.removed_flag is not None:
+        problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
+    given = {name: getattr(a, name) for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                                                 "frequency_penalty", "repetition_penalty", "seed", "logprobs")}
+    try:
+        SamplingParams(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        problems += [_as_flag(problem) for problem in str(e).split(";")]
+    if a.logprobs is not None and not a.json:
+        problems.append("--logprobs needs --json (the log-probabilities have no place in plain text)")
     if a.interactive:
         if a.batch_file is not None:
             problems.append("--interactive reads the conversation from stdin: it takes no --batch-file")
@@ -136,12 +171,13 @@ def check_args(a: argparse.Namespace) -> None:
     if (a.system is not None or a.no_thinking) and not (a.chat or a.interactive):
         flag = "--system" if a.system is not None else "--no-thinking"
         problems.append(f"{flag} applies to chat prompts: add --chat (or --interactive)")
-    if a.max_new_tokens is not None and a.max_new_tokens < 1:
-        problems.append(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    if a.max_seq_len is not None and not 2 <= a.max_seq_len <= MAX_SEQ_LEN:
-        problems.append(f"--max-seq-len must be >= 2 and at most {MAX_SEQ_LEN} (int32 positions), got {a.max_seq_len}")
-    if a.max_batch_size < 1:
-        problems.append(f"--max-batch-size must be >= 1, got {a.max_batch_size}")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        problems.append(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    if a.max_model_len is not None and not 2 <= a.max_model_len <= MAX_MODEL_LEN:
+        problems.append(f"--max-model-len must be >= 2 and at most {MAX_MODEL_LEN} (int32 positions), "
+                        f"got {a.max_model_len}")
+    if a.max_num_seqs < 1:
+        problems.append(f"--max-num-seqs must be >= 1, got {a.max_num_seqs}")
     if a.device is not None:
         if not re.fullmatch(DEVICE_PATTERN, a.device):
             problems.append(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
@@ -191,3 +227,32 @@ def read_prompts(a: argparse.Namespace) -> List[str]:
     if not prompts:
         raise UsageError(f"--batch-file {name} holds no prompt (one per line)")
     return prompts
+
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty")
+
+
+def sampling_params(a: argparse.Namespace, ck):
+    """The sampling flags given over the checkpoint's generation_config.json values (a note on
+    stderr names those taken from it), ``--seed``, ``--max-tokens``, ``--stop`` and ``--logprobs``."""
+    from dataclasses import replace
+
+    from ..api.commands import say
+    from ..api.llm import DEFAULT_MAX_TOKENS
+
+    base = ck.default_sampling_params()
+    off = type(base)()
+    taken = [f"{name.replace('_', '-')} {getattr(base, name):g}" for name in SAMPLING_FLAGS
+             if getattr(a, name) is None and getattr(base, name) != getattr(off, name)
+             and (base.mode != "greedy" or name == "repetition_penalty")]
+    if a.max_tokens is None and base.max_tokens is not None:
+        taken.append(f"max-tokens {base.max_tokens}")
+    if taken:
+        say(f"note: from the checkpoint's generation_config.json: {', '.join(taken)} (flags override)")
+    given = {name: getattr(a, name) for name in SAMPLING_FLAGS if getattr(a, name) is not None}
+    try:
+        return replace(base, **given, seed=a.seed, max_tokens=a.max_tokens or base.max_tokens or DEFAULT_MAX_TOKENS,
+                       stop=tuple(a.stop), logprobs=a.logprobs)
+    except ValueError as e:
+        raise UsageError("; ".join(_as_flag(problem) for problem in str(e).split(";"))) from None

@@ -5,8 +5,9 @@ one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` on
 completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
 Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.api.checkpoint.default_model_dir``).
 
-The flags are in ``args``, what is written in ``output``, the loading in ``loading``,
-``--interactive`` in ``interactive``; this module runs them (``main``, ``run``).
+The flags (and the sampling settings they name) are in ``args``, what is written in ``output``,
+``--interactive`` in ``interactive``; the checkpoint and the ``LLM`` come from
+``modeling.api.commands``; this module runs them (``main``, ``run``).
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
 other failure (one line too); 130 interrupted (Ctrl-C, from the first instant: this module imports
@@ -19,13 +20,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from ..api.commands import UsageError, load_checkpoint, load_llm, say
 from ..common import one_line
-from .args import (DTYPES, INTERRUPTED, PIPE_CLOSED, RUNTIME_ERROR, USAGE_ERROR, UsageError, check_args, parse_args,
-                   read_prompts)
+from .args import (INTERRUPTED, PIPE_CLOSED, RUNTIME_ERROR, USAGE_ERROR, check_args, parse_args, read_prompts,
+                   renamed_flags, sampling_params)
 from .interactive import interactive
-from .loading import load_checkpoint, load_llm, sampling_params
-from .output import (Totals, Writer, _json_output, _kernel_launches, _silence_stdout, _tolerant_stdout, escape_line,
-                     path_that_ran, say)
+from .output import Totals, Writer, _silence_stdout, _tolerant_stdout, escape_line, json_output
 
 if TYPE_CHECKING:
     import argparse
@@ -38,6 +38,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             a = parse_args(argv)
         except SystemExit as e:  # argparse has printed its usage message (or --help)
             return USAGE_ERROR if e.code else 0
+        for note in renamed_flags(sys.argv[1:] if argv is None else argv):
+            say(note)
         check_args(a)
         return run(a)
     except UsageError as e:
@@ -69,13 +71,11 @@ def run(a: argparse.Namespace) -> int:
     out = Writer(sys.stdout)
     prompts_text = read_prompts(a)
 
-    from dataclasses import replace
-
     import torch
 
     from ..chat.template import ChatTemplateError
-    from ..generation.prompts import ContextLengthError, check_ids, check_room
-    from ..generation.runtime import DoesNotFit, backend_name, check_fits, resolve_device
+    from ..engine.prompts import ContextLengthError, check_ids
+    from ..model.device import DoesNotFit, backend_name, resolve_device, resolve_dtype
 
     ck = load_checkpoint(a)
     config, tokenizer = ck.config, ck.tokenizer
@@ -84,7 +84,7 @@ def run(a: argparse.Namespace) -> int:
         device = resolve_device(a.device)
     except ValueError as e:
         raise UsageError(f"--{e}") from None
-    dtype = getattr(torch, DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    dtype = resolve_dtype(a.dtype, device)
     template_kwargs = {"enable_thinking": False} if a.no_thinking else {}
     if a.chat or a.interactive:
         try:
@@ -96,12 +96,13 @@ def run(a: argparse.Namespace) -> int:
     if device.type == "cpu":
         why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
         say(f"note: {why}: running eagerly on the CPU ({backend_name(device, dtype).split(' (')[0]}), slowly")
-    if a.max_seq_len is not None and a.max_seq_len > config.max_position_embeddings:
-        say(f"note: --max-seq-len {a.max_seq_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}")
+    if a.max_model_len is not None and a.max_model_len > config.max_position_embeddings:
+        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager)
 
     if a.interactive:
-        return interactive(a, ck, params, device, dtype, out, template_kwargs)
+        return interactive(a, ck, params, device, dtype, engine_args, out, template_kwargs)
 
     if a.chat:
         system = [{"role": "system", "content": a.system}] if a.system is not None else []
@@ -115,65 +116,48 @@ def run(a: argparse.Namespace) -> int:
     for i, text in enumerate(prompts_text):
         try:
             ids = tokenizer.encode(text)
-        except ValueError as e:
-            raise UsageError(f"prompt {i}: {e}") from None
-        try:
             check_ids(ids, f"prompt {i}", config.vocab_size)
         except ValueError as e:
-            raise UsageError(str(e)) from None
-        prompts.append(ids)
+            raise UsageError(f"prompt {i}: {e}") from None
+        prompts.append({"prompt_token_ids": ids})
 
-    longest = max(map(len, prompts))
-    limit = a.max_seq_len or config.max_position_embeddings
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    limit = a.max_model_len or config.max_position_embeddings
+    if longest >= limit:
+        what = "--max-model-len" if a.max_model_len else "the model's max_position_embeddings"
+        raise UsageError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} positions ({what})")
+    if longest + params.max_tokens > limit:
+        what = "--max-tokens" if a.max_tokens is not None else "max tokens (the checkpoint's or the default)"
+        say(f"note: {what} cut to {limit - longest} for the longest prompt: a sequence holds {limit} positions")
+
+    totals = Totals(device, dtype, device.type == "cuda" and not a.enforce_eager)
+    llm = load_llm(ck, device, dtype, **engine_args)
     try:
-        check_room(longest, limit, "--max-seq-len" if a.max_seq_len else "the model's max_position_embeddings")
+        if a.batch_file is None and not a.json:  # one prompt, streamed
+            stream = llm.stream(prompts[0], params)
+            for piece in stream:
+                out.write(piece)
+            out.write("\n")
+            totals.add(stream.output)
+        else:
+            for i, o in llm.iter_generate(prompts, params, use_tqdm=_progress_bar_fits()):
+                totals.add(o)
+                if a.json:
+                    out.json(json_output(o, i))
+                else:
+                    out.write(f"[{i}] {escape_line(o.text)}\n")
     except ContextLengthError as e:
         raise UsageError(str(e)) from None
-    max_new = params.max_tokens
-    if longest + max_new > limit:
-        max_new = limit - longest
-        what = "--max-new-tokens" if a.max_new_tokens is not None else "max new tokens (the checkpoint's or the default)"
-        say(f"note: {what} lowered to {max_new} to fit the cache of {limit} positions")
-    params = replace(params, max_tokens=max_new)
-    max_seq_len = a.max_seq_len or longest + max_new
-    batch = min(a.max_batch_size, len(prompts))
-    try:
-        check_fits(config, device, dtype, batch, max_seq_len, longest)
     except DoesNotFit as e:
-        if e.max_prompt is not None and "prompts of at most" in str(e):
-            raise UsageError(f"a prompt of {longest} tokens does not fit: {e}") from None
-        if a.max_seq_len:
-            raise UsageError(f"--max-seq-len {a.max_seq_len} does not fit: {e}") from None
-        raise UsageError(f"{batch} sequence(s) of {longest} prompt + {max_new} new tokens do not fit: {e}; "
-                         "lower --max-new-tokens or --max-batch-size") from None
-
-    launches = _kernel_launches()
-    llm = load_llm(ck, device, dtype, max_seq_len=max_seq_len, max_batch_size=batch,
-                   use_cuda_graph=not a.no_cuda_graph, prefill_graph=a.prefill_graph)
-    totals = Totals()
-    totals.warmup_ms += llm.warm_up(prompts[0], params, batch)
-
-    streaming = a.batch_file is None and not a.json
-    on_text = (lambda i, piece: out.write(piece)) if streaming else None
-
-    def on_output(i, o):
-        if a.json:
-            return
-        out.write("\n" if streaming else f"[{i}] {escape_line(o.text)}\n")
-
-    for start in range(0, len(prompts), batch):
-        try:
-            outputs, result = llm.generate_ids(prompts[start:start + batch], params, on_text, on_output,
-                                               index_offset=start)
-        except (ContextLengthError, DoesNotFit) as e:
-            raise UsageError(str(e)) from None
-        warm = totals.warmup_ms if start == 0 else 0.0
-        totals.add(result, outputs)
-        if a.json:
-            for o in outputs:
-                out.json(_json_output(o, start // batch, warm + result.setup_ms))
-    say(totals.line(path_that_ran(device, dtype, launches), dtype))
+        raise UsageError(f"the cache does not fit: {e}") from None
+    say(totals.line())
     return 0
+
+
+def _progress_bar_fits() -> bool:
+    """A progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)."""
+    err = sys.stderr
+    return err is not None and err.isatty()
 
 
 if __name__ == "__main__":

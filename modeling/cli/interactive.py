@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional
 
+from ..api.commands import load_llm, say
 from .args import _unicode_problem
-from .loading import load_llm
-from .output import Totals, Writer, _json_output, _kernel_launches, path_that_ran, say
+from .output import Totals, Writer, json_output
 
 
 def _line_reader():
@@ -44,21 +44,21 @@ def _line_reader():
     return read_pipe
 
 
-def interactive(a, ck, params, device, dtype, out: Writer, template_kwargs) -> int:
+def interactive(a, ck, params, device, dtype, engine_args, out: Writer, template_kwargs) -> int:
     """A multi-turn chat: each stdin line is a user turn, the reply streams to stdout (or one JSON
     object with --json). ``/reset`` forgets the conversation (the system message stays), end of
-    input (Ctrl-D) leaves, Ctrl-C during a reply cuts it short (at the prompt: leaves, status 130)."""
+    input (Ctrl-D) leaves, Ctrl-C during a reply cuts it short (at the prompt: leaves, status 130).
+    Each turn's prompt is the whole conversation so far (the engine's prefix cache reuses what it
+    computed of it before, on models of attention layers)."""
     from ..chat.template import ChatTemplateError
-    from ..generation.prompts import ContextLengthError
-    from ..generation.runtime import DoesNotFit
+    from ..engine.prompts import ContextLengthError
+    from ..model.device import DoesNotFit
 
-    launches = _kernel_launches()
-    llm = load_llm(ck, device, dtype, max_seq_len=a.max_seq_len, max_batch_size=1,
-                   use_cuda_graph=not a.no_cuda_graph, prefill_graph=a.prefill_graph)
+    totals = Totals(device, dtype, device.type == "cuda" and not a.enforce_eager)
+    llm = load_llm(ck, device, dtype, **engine_args)
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
     history: List[Dict[str, str]] = list(system)
     read = _line_reader()
-    totals = Totals()
     first = a.prompt
     turn = 0
     if sys.stdin is not None and sys.stdin.isatty():
@@ -85,12 +85,12 @@ def interactive(a, ck, params, device, dtype, out: Writer, template_kwargs) -> i
             continue
         history.append({"role": "user", "content": line})
         try:
-            ids = llm.tokenizer.encode(llm.render_chat(history, **template_kwargs))
-            if turn == 0:
-                totals.warmup_ms += llm.warm_up(ids, params, 1)
-            on_text = None if a.json else (lambda i, piece: out.write(piece))
-            outputs, result = llm.generate_ids([ids], params, on_text)
-        except (ContextLengthError, DoesNotFit, ChatTemplateError) as e:
+            stream = llm.stream_chat(history, params, **template_kwargs)
+            with stream:
+                for piece in stream:
+                    if not a.json:
+                        out.write(piece)
+        except (ContextLengthError, DoesNotFit, ChatTemplateError, ValueError) as e:
             history.pop()
             say(f"error: {e} (/reset starts a new conversation)")
             continue
@@ -100,14 +100,13 @@ def interactive(a, ck, params, device, dtype, out: Writer, template_kwargs) -> i
                 out.write("\n")
             say("(reply interrupted; Ctrl-D leaves)")
             continue
-        turn += 1
-        totals.add(result, outputs)
-        reply = outputs[0]
-        reply.index = turn - 1
+        reply = stream.output
+        totals.add(reply)
         if a.json:
-            out.json(_json_output(reply, turn - 1, result.setup_ms))
+            out.json(json_output(reply, turn))
         else:
             out.write("\n")
+        turn += 1
         history.append({"role": "assistant", "content": reply.text})
-    say(totals.line(path_that_ran(device, dtype, launches), dtype))
+    say(totals.line())
     return 0

@@ -1,24 +1,12 @@
-"""What the command line writes: ``say`` (one line on stderr, never failing), stdout that survives a
-closed reader, ``Writer`` (stdout piece by piece, JSON lines), the stats line (``Totals``,
-``path_that_ran``)."""
+"""What the command line writes: stdout that survives a closed reader, ``Writer`` (stdout piece by
+piece, JSON lines), the stats line (``Totals``, ``path_that_ran``). One line on stderr is
+``modeling.api.commands.say``."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict
-
-
-def say(msg: str) -> None:
-    """One line on stderr; never fails (stderr may be closed, a broken pipe, or ASCII-only)."""
-    err = sys.stderr
-    if err is None:
-        return
-    try:
-        err.write(msg + "\n")
-        err.flush()
-    except (OSError, ValueError):
-        pass
+from typing import Any, Dict, Optional
 
 
 def escape_line(text: str) -> str:
@@ -50,30 +38,48 @@ def _silence_stdout() -> None:
 
 
 class Totals:
-    """The stats of every generate call of a run, for the stats line."""
+    """The stats of a run's completions, for the stats line; ``cuda_graph``: whether the engine's
+    steps replay CUDA graphs."""
 
-    def __init__(self):
-        self.prompt_tokens = self.new_tokens = self.steps = 0
-        self.warmup_ms = self.prefill_ms = self.decode_ms = 0.0
-        self.cuda_graph = False
+    def __init__(self, device, dtype, cuda_graph: bool):
+        self.device, self.dtype, self.cuda_graph = device, dtype, cuda_graph
+        self.launches = _kernel_launches()
+        self.prompt_tokens = self.new_tokens = self.decode_tokens = 0
+        self.first_token_ms = self.decode_ms = 0.0
+        self.start: Optional[float] = None
+        self.end: Optional[float] = None
+        self.requests = 0
 
-    def add(self, result, outputs) -> None:
-        self.prompt_tokens += result.prompt_tokens
-        self.new_tokens += sum(o.generated_tokens for o in outputs)
-        self.prefill_ms += result.prefill_ms
-        self.decode_ms += result.decode_ms
-        self.steps += result.decode_steps
-        self.warmup_ms += result.setup_ms
-        self.cuda_graph |= result.cuda_graph
+    def add(self, output) -> None:
+        """A finished ``RequestOutput``."""
+        m = output.metrics
+        self.requests += 1
+        self.prompt_tokens += len(output.prompt_token_ids)
+        new = sum(generated_tokens(c) for c in output.outputs)
+        self.new_tokens += new
+        self.start = m.arrival_time if self.start is None else min(self.start, m.arrival_time)
+        self.end = m.finished_time if self.end is None else max(self.end, m.finished_time)
+        if m.first_token_time is not None:
+            self.first_token_ms += (m.first_token_time - m.arrival_time) * 1e3
+            if new > len(output.outputs):  # decode steps after the first token
+                self.decode_ms += (m.finished_time - m.first_token_time) * 1e3
+                self.decode_tokens += new / len(output.outputs) - 1
 
-    def line(self, path: str, dtype) -> str:
-        seconds = (self.prefill_ms + self.decode_ms) / 1e3
+    def line(self) -> str:
+        seconds = (self.end - self.start) if self.start is not None else 0.0
         rate = f"{self.new_tokens / seconds:.1f}" if seconds else "nan"
-        per_step = self.decode_ms / self.steps if self.steps else 0.0
-        return (f"prompt tokens {self.prompt_tokens} | warm-up {self.warmup_ms:.1f} ms | "
-                f"prefill {self.prefill_ms:.1f} ms | decode {per_step:.2f} ms/token ({self.steps} steps) | "
-                f"{self.new_tokens} new tokens, {rate} tokens/s | "
-                f"cuda graph: {'yes' if self.cuda_graph else 'no'} | {path}, {str(dtype).replace('torch.', '')}")
+        first = self.first_token_ms / self.requests if self.requests else 0.0
+        per_token = self.decode_ms / self.decode_tokens if self.decode_tokens else 0.0
+        path = path_that_ran(self.device, self.dtype, self.launches)
+        return (f"prompt tokens {self.prompt_tokens} | first token {first:.1f} ms | decode {per_token:.2f} ms/token | "
+                f"{self.new_tokens} new tokens, {rate} tokens/s | cuda graph: {'yes' if self.cuda_graph else 'no'} | "
+                f"{path}, {str(self.dtype).replace('torch.', '')}")
+
+
+def generated_tokens(completion) -> int:
+    """Tokens the model produced for a ``CompletionOutput``, a stop token (EOS, a stop token id) included."""
+    return len(completion.token_ids) + (completion.finish_reason == "stop" and not isinstance(completion.stop_reason,
+                                                                                          str))
 
 
 def _kernel_launches() -> int:
@@ -84,7 +90,7 @@ def _kernel_launches() -> int:
 
 def path_that_ran(device, dtype, launches_before: int) -> str:
     """The ops' path, from what ran: Triton launches counted since ``launches_before``."""
-    from ..generation.runtime import backend_name
+    from ..model.device import backend_name
 
     expected = backend_name(device, dtype)
     ran_triton = _kernel_launches() > launches_before
@@ -113,10 +119,18 @@ class Writer:
         self.write(json.dumps(obj, ensure_ascii=not self.utf) + "\n")
 
 
-def _json_output(o, batch_index: int, warmup_ms: float) -> Dict[str, Any]:
-    m = o.metrics
-    return {"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason, "prompt_tokens": len(o.prompt_token_ids),
-            "timings": {"batch": batch_index, "warmup_ms": round(warmup_ms, 3), "prefill_ms": round(m["prefill_ms"], 3),
-                        "decode_ms": round(m["decode_ms"], 3), "decode_steps": m["decode_steps"],
-                        "cuda_graph": m["cuda_graph"]}}
+def json_output(o, index: int) -> Dict[str, Any]:
+    """One completed prompt as a JSON object (its first completion's text and tokens)."""
+    c, m = o.outputs[0], o.metrics
+    obj = {"index": index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+           "stop_reason": c.stop_reason, "prompt_tokens": len(o.prompt_token_ids),
+           "timings": {"first_token_ms": round((m.first_token_time - m.arrival_time) * 1e3, 3)
+                       if m.first_token_time is not None else None,
+                       "total_ms": round((m.finished_time - m.arrival_time) * 1e3, 3)}}
+    if c.logprobs is not None:
+        obj["logprobs"] = [{"token_id": token, "logprob": entry[token].logprob,
+                            "top_logprobs": [{"token_id": t, "logprob": lp.logprob}
+                                             for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)
+                                             if lp.rank is not None]}
+                           for token, entry in zip(c.token_ids, c.logprobs)]
+    return obj

@@ -1,12 +1,33 @@
-"""The serving engine: continuous batching of flat-token steps over a paged cache pool.
+"""The engine: continuous batching of flat-token steps over a paged cache pool, the one runtime.
 
 ``Engine`` (engine.py) runs requests; ``Scheduler`` (scheduler.py) picks each step's work under a
 token budget; ``BlockManager`` (block_manager.py) owns the paged KV blocks and prefix caching;
-``CachePool`` (cache_pool.py) holds every layer's cache; ``StepBatch`` (step.py) is what one step's
-layers read; ``sample_rows`` (sampler.py) draws each sequence's token with its own settings.
+``CachePool`` (cache_pool.py) holds every layer's state; ``StepBatch`` (step.py) is what one step's
+layers read; ``StepRunner`` (runner.py) runs a step in the CUDA graph of its shape with the decode
+kernels it picks; ``sample_sequences`` (sampler.py) draws each sequence's token with its own
+``SamplingParams`` (sampling_params.py); ``prompts`` holds the prompt checks every way in shares.
+
+The names below are imported on first use, so the torch-free modules (``prompts``) load without
+torch: the command line names ``MAX_MODEL_LEN`` from its first instant.
 """
 
-from .engine import BLOCK_SIZE, Engine
-from .sequence import Sequence, Status
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BLOCK_SIZE", "Engine", "Sequence", "Status"]
+_EXPORTS = {"BLOCK_SIZE": ".engine", "Engine": ".engine", "Sequence": ".sequence", "Status": ".sequence"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .engine import BLOCK_SIZE, Engine  # noqa: F401
+    from .sequence import Sequence, Status  # noqa: F401

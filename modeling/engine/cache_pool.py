@@ -1,17 +1,20 @@
-"""The engine's cache pool: every layer's cache for every running sequence, allocated once.
+"""The engine's cache pool: every layer's state for every running sequence, allocated once.
 
-Layout (the kernels and the persistent decode kernel address it this way):
+Each layer kind declares what it keeps (``DecoderLayer.cache_spec``): per-position tensors,
+addressed in blocks of ``block_size`` positions through a sequence's block table, and
+per-sequence tensors, one state slot a sequence. Layout (the kernels and the persistent decode
+kernel address it this way):
 
 - an attention layer: ``k``, ``v`` [num_blocks, block_size, Hk, D] (the model dtype). A token's KV
   slot is ``block * block_size + offset``: its row in the [num_blocks * block_size, Hk, D] view.
   Block ids come from the sequence's block table (``modeling.engine.block_manager``), shared by
-  all layers: block b of layer 0 and block b of layer 27 hold the same positions. The attention
-  layers' entries are views of one k and one v tensor [NA, num_blocks, block_size, Hk, D], layer
-  by layer: what the persistent decode kernel reads for every layer at once;
+  all layers: block b of layer 0 and block b of layer 27 hold the same positions. The layers'
+  per-position tensors are views of one tensor per kind stacked [NA, num_blocks, block_size, Hk,
+  D] (``kv``): what the persistent decode kernel reads for every layer at once;
 - a Gated DeltaNet layer: ``conv`` [num_slots + 1, C, K-1] (the model dtype) and ``state``
   [num_slots + 1, Hv, Dk, Dv] (fp32; float64 for float64 models), one slot per running sequence
   (``Sequence.state_slot``), the same slot in every layer, and the padding slot (the last) that
-  the padding rows of a captured decode step read and write.
+  the padding rows of a captured step read and write.
 
 The pool is sized from the memory the device has free (``size_for``) and never moves, as CUDA
 graph replay needs.
@@ -22,7 +25,9 @@ from typing import List, Tuple
 
 import torch
 
-from ..model.layers import AttentionLayer, GatedDeltaNetLayer
+from ..model.device import DoesNotFit, available_memory
+from ..model.files import format_size
+from ..model.layers import CacheSpec
 
 
 @dataclass
@@ -32,7 +37,8 @@ class PoolSize:
     num_state_slots: int
 
     def describe(self, model) -> str:
-        bytes_ = bytes_per_block(model) * self.num_blocks + bytes_per_state_slot(model) * self.num_state_slots
+        bytes_ = bytes_per_block(model, self.block_size) * self.num_blocks + \
+            bytes_per_state_slot(model) * self.num_state_slots
         text = (f"{self.num_blocks} KV blocks of {self.block_size} positions "
                 f"({self.num_blocks * self.block_size} positions)")
         if self.num_state_slots:
@@ -40,80 +46,79 @@ class PoolSize:
         return f"{text}, {bytes_ / 2**30:.2f} GiB"
 
 
-def _attention_layers(model) -> List[AttentionLayer]:
-    return [layer for layer in model.layers if isinstance(layer, AttentionLayer)]
+def cache_specs(model) -> List[CacheSpec]:
+    return [layer.cache_spec(model.config, model.dtype) for layer in model.layers]
 
 
-def _recurrent_layers(model) -> List[GatedDeltaNetLayer]:
-    return [layer for layer in model.layers if isinstance(layer, GatedDeltaNetLayer)]
+def _nbytes(shapes) -> int:
+    total = 0
+    for shape, dtype in shapes:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        total += n
+    return total
 
 
 def bytes_per_block(model, block_size: int = 1) -> int:
-    """KV bytes of ``block_size`` positions in every attention layer."""
-    c = model.config
-    return 2 * len(_attention_layers(model)) * block_size * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    """Bytes of ``block_size`` positions in every layer."""
+    return block_size * sum(_nbytes(s.per_position) for s in cache_specs(model))
 
 
 def bytes_per_state_slot(model) -> int:
-    c, layers = model.config, _recurrent_layers(model)
-    if not layers:
-        return 0
-    state_bytes = 8 if model.dtype == torch.float64 else 4
-    conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * model.dtype.itemsize
-    state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_bytes
-    return len(layers) * (conv + state)
+    """Bytes of one sequence's state slot in every layer."""
+    return sum(_nbytes(s.per_sequence) for s in cache_specs(model))
 
 
-def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, memory_fraction: float,
+def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float,
              reserve_bytes: int = 0) -> PoolSize:
     """The pool for ``model``: one state slot per sequence (hybrid models), and as many KV blocks as
-    ``memory_fraction`` of the device's free memory holds after the slots and ``reserve_bytes`` (the
-    step's activations), but never fewer than one full-length sequence needs nor more than
-    ``max_num_seqs`` full-length sequences need. On the CPU: that upper bound."""
-    if not 0.0 < memory_fraction <= 1.0:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    slots = max_num_seqs if _recurrent_layers(model) else 0
+    ``gpu_memory_utilization`` of the device's free memory (the host's, on the CPU) holds after the
+    slots and ``reserve_bytes`` (the step's activations), but never fewer than one full-length
+    sequence needs nor more than
+    ``max_num_seqs`` full-length sequences need. ``DoesNotFit`` (a ``MemoryError``) when one
+    full-length sequence does not fit."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    slot_bytes = bytes_per_state_slot(model)
+    slots = max_num_seqs if slot_bytes else 0
     per_seq = -(-max_model_len // block_size)
     most = per_seq * max_num_seqs
     per_block = bytes_per_block(model, block_size)
-    if model.device.type != "cuda" or per_block == 0:
-        return PoolSize(most if per_block else 1, block_size, slots)
-    free, _ = torch.cuda.mem_get_info(model.device)
-    budget = free * memory_fraction - reserve_bytes - slots * bytes_per_state_slot(model)
+    free = available_memory(model.device)
+    if free is None or per_block == 0:  # (no attention layer: the blocks hold nothing)
+        return PoolSize(most, block_size, slots)
+    budget = free * gpu_memory_utilization - reserve_bytes - slots * slot_bytes
     blocks = min(most, int(budget // per_block))
     if blocks < per_seq:
-        raise MemoryError(f"the KV cache of one {max_model_len}-token sequence needs "
-                          f"{per_seq * per_block / 2**30:.2f} GiB; {memory_fraction:.0%} of the "
-                          f"{free / 2**30:.2f} GiB free leaves {max(budget, 0) / 2**30:.2f} GiB (lower "
-                          f"max_model_len or "
-                          f"raise memory_fraction)")
+        raise DoesNotFit(
+            f"the cache of one {max_model_len}-token sequence needs {format_size(per_seq * per_block + slot_bytes)}"
+            f"; {gpu_memory_utilization:.0%} of the {format_size(free)} free on {model.device} leaves "
+            f"{format_size(max(budget, 0) + slots * slot_bytes)} (lower max_model_len or max_num_seqs)")
     return PoolSize(blocks, block_size, slots)
 
 
 class CachePool:
-    """``layers[i]``: layer i's pool entry, (k, v) for attention or (conv, state) for Gated DeltaNet.
-    ``kv``: the attention layers' k and v stacked [NA, num_blocks, block_size, Hk, D] (their entries
-    are views of them): the layout the persistent decode kernel reads (``ops.decode_layers``)."""
+    """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec`` ((k, v) for attention,
+    (conv, state) for Gated DeltaNet). ``kv``: the attention layers' k and v stacked
+    [NA, num_blocks, block_size, Hk, D] (their entries are views of them)."""
 
     def __init__(self, model, size: PoolSize):
-        c, dev, dtype = model.config, model.device, model.dtype
+        dev = model.device
         self.size = size
         self.padding_slot = size.num_state_slots
-        model.prepare_for_graphs(dev)  # before any CUDA graph capture of a step
-        layers: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.recurrent = tuple(i for i, layer in enumerate(model.layers) if not isinstance(layer, AttentionLayer))
-        shape = (len(_attention_layers(model)), max(size.num_blocks, 1), size.block_size, c.num_key_value_heads,
-                 c.head_dim)
-        self.kv = tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in "kv")
-        attention = iter(zip(*self.kv))
-        for layer in model.layers:
-            if isinstance(layer, AttentionLayer):
-                layers.append(next(attention))
-            else:
-                state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-                n = size.num_state_slots + 1  # and the padding slot
-                conv = torch.zeros(n, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=dev)
-                state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                                    dtype=state_dtype, device=dev)
-                layers.append((conv, state))
+        specs = cache_specs(model)
+        stacked = [s.per_position for s in specs if s.per_position]
+        if any(p != stacked[0] for p in stacked):
+            raise ValueError("the layers keep per-position state of different shapes: one stacked pool takes one")
+        blocks = (max(size.num_blocks, 1), size.block_size)
+        self.kv = tuple(torch.zeros((len(stacked), *blocks, *shape), dtype=dtype, device=dev)
+                        for shape, dtype in (stacked[0] if stacked else ()))
+        per_position = iter(zip(*self.kv))
+        layers: List[Tuple[torch.Tensor, ...]] = []
+        for spec in specs:
+            entry = next(per_position) if spec.per_position else ()
+            entry += tuple(torch.zeros((size.num_state_slots + 1, *shape), dtype=dtype, device=dev)
+                           for shape, dtype in spec.per_sequence)  # and the padding slot
+            layers.append(entry)
         self.layers = tuple(layers)

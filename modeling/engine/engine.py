@@ -10,7 +10,8 @@ while engine.has_work():
 
 A step: the scheduler picks the work (``modeling.engine.scheduler``), the runner packs it into one
 flat-token batch padded to a graph shape (``step.pack``, ``runner.StepRunner.prepare``), the model
-runs it over the cache pool (``QwenForCausalLM.forward_step``, in the CUDA graph of that shape),
+runs it over the cache pool (``QwenForCausalLM.forward`` with the step's context, in the CUDA
+graph of that shape),
 the sequences whose tokens are all computed sample their next token (``sampler.sample_sequences``,
 each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
@@ -25,11 +26,13 @@ from typing import Dict, List, Optional, Sequence as Seq
 import numpy as np
 import torch
 
-from ..generation.sampling import SamplingParams
+from ..common import is_int
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
+from .prompts import MAX_MODEL_LEN, check_room, checked_token_ids
 from .runner import StepRunner
 from .sampler import SampledTokens, sample_sequences
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
 from .step import to_device
@@ -38,15 +41,6 @@ BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
 on an H200 (28.6k, 28.5k, 25.4k and 21.0k output tokens/s; docs/performance.md); also the finest
 prefix-cache granularity (a hit reuses whole blocks only)."""
-
-
-def check_request(prompt_ids: Seq[int], max_tokens: int, max_model_len: int) -> None:
-    """The ValueError of a request that an engine of ``max_model_len`` cannot run."""
-    if not prompt_ids:
-        raise ValueError("a prompt needs at least one token")
-    if len(prompt_ids) + max_tokens > max_model_len:
-        raise ValueError(f"a prompt of {len(prompt_ids)} tokens and {max_tokens} new ones exceed the engine's "
-                         f"max_model_len ({max_model_len})")
 
 
 @dataclass
@@ -87,21 +81,29 @@ class _Launched:
 class Engine:
     """``max_num_seqs`` sequences at most in a step, ``max_num_batched_tokens`` new tokens at most
     in a step (prefill chunks share it with the decoding sequences), prompts and outputs of up to
-    ``max_model_len`` tokens together; the pool takes ``memory_fraction`` of the device's free
+    ``max_model_len`` tokens together; the pool takes ``gpu_memory_utilization`` of the device's free
     memory (on the CPU: what ``max_num_seqs`` full-length sequences need; ``num_blocks`` fixes the
     number of KV blocks instead). Steps replay CUDA graphs of padded shapes (``runner.StepRunner``:
-    decode-only, prefill and mixed steps of every model; ``cuda_graphs=False``: eager). Prefix caching is on for
-    models of attention layers only (a recurrent state cannot be rebuilt from cached blocks)."""
+    decode-only, prefill and mixed steps of every model; ``enforce_eager=True``: eager), their
+    decode steps with the kernels ``runner.decode_kernels`` picks per shape (``decode_kernels``
+    forces one of ``modeling.model.context.KERNELS``). Prefix caching is on for models of attention
+    layers only (a recurrent state cannot be rebuilt from cached blocks)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, memory_fraction: float = 0.9,
-                 prefix_caching: bool = True, num_blocks: Optional[int] = None, cuda_graphs: bool = True):
+                 max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, gpu_memory_utilization: float = 0.9,
+                 prefix_caching: bool = True, num_blocks: Optional[int] = None, enforce_eager: bool = False,
+                 decode_kernels: Optional[str] = None):
         c = model.config
         self.model = model
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
+            raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
         self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         hybrid = any(kind != "full_attention" for kind in c.layer_types)
         reserve = max_num_batched_tokens * c.hidden_size * 64 * model.dtype.itemsize  # the step's activations
-        self.size = size_for(model, block_size, max_num_seqs, self.max_model_len, memory_fraction, reserve)
+        self.size = size_for(model, block_size, max_num_seqs, self.max_model_len, gpu_memory_utilization, reserve)
         if num_blocks is not None:
             self.size.num_blocks = num_blocks
         self.pool = CachePool(model, self.size)
@@ -109,7 +111,7 @@ class Engine:
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
         self.runner = StepRunner(model, self.pool, max_num_seqs, max_num_batched_tokens,
-                                 -(-self.max_model_len // block_size), block_size, cuda_graphs)
+                                 -(-self.max_model_len // block_size), block_size, not enforce_eager, decode_kernels)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = EngineStats()
@@ -117,8 +119,13 @@ class Engine:
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
-        """Queue a request; it joins the next step that has room for it."""
-        check_request(prompt_ids, max_tokens, self.max_model_len)
+        """Queue a request; it joins the next step that has room for it. A ``ValueError`` names what
+        it cannot run: token ids outside the vocabulary, an empty prompt, more than ``max_model_len``
+        positions (``ContextLengthError``)."""
+        prompt_ids = checked_token_ids(prompt_ids, "the prompt", self.model.config.vocab_size)
+        if not (is_int(max_tokens) and max_tokens >= 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        check_room(len(prompt_ids), max_tokens, self.max_model_len)
         seq = Sequence(prompt_ids, params, max_tokens, tuple(stop_token_ids))
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         with self._lock:

@@ -29,13 +29,39 @@ rows into the static table. Two host buffers take turns, each reused only once i
 has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
-from typing import Callable, Dict, Hashable
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 from torch import Tensor
 
-from ..generation.graph_cache import GraphCache
+import qwen_ops
+
+from ..model.context import KERNELS, StepContext
+from .graphs import GraphCache
 from .step import Fields, Packed, StepBatch, fields, pack, table_offset
+
+PERSISTENT_MAX_LEN = 4096
+"""The longest ``max_model_len`` whose batch-1 decode steps take the persistent kernel by default."""
+
+
+def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
+    """The kernels (``modeling.model.context.KERNELS``) of a decode-only step of ``num_seqs`` rows,
+    chosen by ``python -m bench.decode`` (ms per step, Qwen3-0.6B, H200, docs/performance.md):
+
+    ========================================  =============  ==========================================
+    step                                      kernels        measured against the others
+    ========================================  =============  ==========================================
+    1 row, Qwen3/Qwen2, CUDA,                 ``persistent`` 0.757 (fused 0.941, ops 1.19) at context
+    ``max_model_len`` <= PERSISTENT_MAX_LEN                  256; 0.954 (fused 1.055) at 2048
+    1 row, other models or longer contexts    ``fused``      Qwen3.5-0.8B 1.13 ms (H100; ops 1.42)
+    2 rows or more                            ``ops``        batch 8: 1.28 (persistent 3.46)
+    ========================================  =============  ==========================================
+    """
+    if num_seqs > 1:
+        return "ops"
+    if model.supports_persistent_decode and model.device.type == "cuda" and max_model_len <= PERSISTENT_MAX_LEN:
+        return "persistent"
+    return "fused"
 
 
 def buckets(limit: int) -> tuple:
@@ -48,10 +74,23 @@ def buckets(limit: int) -> tuple:
 
 
 class StepRunner:
+    """``kernels``: the decode steps' kernels, one of ``KERNELS`` for every decode shape, or None
+    for ``decode_kernels``' choice per shape (prefill and mixed steps run op by op)."""
+
     def __init__(self, model, pool, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                 block_size: int, enabled: bool):
+                 block_size: int, enabled: bool, kernels: Optional[str] = None):
         dev = model.device
+        if kernels is not None and kernels not in KERNELS:
+            raise ValueError(f"decode_kernels must be one of {', '.join(KERNELS)} (or None), got {kernels!r}")
+        if kernels == "persistent" and not model.supports_persistent_decode:
+            raise ValueError("decode_kernels='persistent' needs a model of attention layers without an output gate "
+                             "(Qwen3, Qwen2)")
+        if kernels == "persistent" and max_num_seqs > qwen_ops.DECODE_LAYERS_MAX_ROWS:
+            raise ValueError(f"decode_kernels='persistent' takes at most {qwen_ops.DECODE_LAYERS_MAX_ROWS} sequences "
+                             f"a step, got max_num_seqs {max_num_seqs}")
         self.model, self.pool, self.block_size = model, pool, block_size
+        self.max_model_len = max_blocks * block_size
+        self.kernels = kernels
         self.seq_buckets = buckets(max_num_seqs + 1)  # room for the padding sequence
         self.token_buckets = buckets(max(max_num_batched_tokens, max_num_seqs))
         T, S = self.token_buckets[-1], self.seq_buckets[-1]
@@ -68,7 +107,14 @@ class StepRunner:
         self.logits: Dict[Hashable, Tensor] = {}
         self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
         self.shape = None  # the key of the graph being captured
+        qwen_ops.reserve_decode_buffers(dev)  # before any capture: the decode kernels' per-device buffers
+        if any(self.decode_kernels(s) == "persistent" for s in self.seq_buckets):
+            model.stack_layer_weights()  # before any capture: the graphs read the weights by address
         self.graphs = GraphCache(dev, enabled and cuda, self._reset)
+
+    def decode_kernels(self, num_seqs: int) -> str:
+        """The kernels of a decode-only step of ``num_seqs`` rows (its graph's)."""
+        return self.kernels or decode_kernels(self.model, num_seqs, self.max_model_len)
 
     def _stage(self, work, key) -> Packed:
         """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device."""
@@ -101,8 +147,11 @@ class StepRunner:
             max_query_len=1 if kind == "decode" else t, key=key)
 
     def _body(self, key):
+        kernels = self.decode_kernels(key[2]) if key[0] == "decode" else "ops"
+
         def body():
-            logits = self.model.forward_step(self._batch(key), self.pool)
+            batch = self._batch(key)
+            logits = self.model(batch.input_ids, StepContext(batch, self.pool, kernels))
             if key[0] == "mixed":
                 logits = self.mixed_logits[:key[2]].copy_(logits)
             self.logits[key] = logits

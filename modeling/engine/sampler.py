@@ -9,7 +9,8 @@ top-k and top-p; logprobs are of the raw logits. The randomness of row i is a co
 uniform for vocabulary rank v is a hash of (seed_i, position_i, v), where position_i is the
 position of the token being sampled. So a request's tokens depend only on its own seed and
 logits, never on which other requests share its steps, and a seeded request is reproducible.
-The draw is the Gumbel-max race of ``modeling.generation.sampling``: argmax(logits / T - log E), E = -log U.
+The draw is the Gumbel-max race argmax(logits / T - log E), E = -log U: token t wins with probability
+softmax(logits / T)_t, with no host sync (``torch.multinomial`` has one).
 """
 
 from typing import List, NamedTuple, Optional, Tuple
@@ -18,7 +19,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..generation.sampling import filtered_sorted_scores
 from .sequence import LogprobEntry, Sequence
 from .step import to_device
 
@@ -77,6 +77,23 @@ def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
     rows = torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows)
     rows = rows - p.frequency[:, None].to(rows.dtype) * counts - p.presence[:, None].to(rows.dtype) * (counts > 0)
     return out.index_copy(0, p.rows, rows)
+
+
+def filtered_sorted_scores(scores: Tensor, top_k: Tensor, top_p: Tensor):
+    """scores [B, V] fp32 (already divided by the temperature); top_k [B] (0 = off), top_p [B].
+
+    Returns (sorted scores with the dropped ranks set to -inf, the vocabulary index of each rank),
+    both [B, V]; rank 0 (the most likely token) is always kept.
+    """
+    vocab = scores.shape[-1]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scores.device)
+    k = torch.where(top_k > 0, top_k, vocab).clamp_max(vocab)
+    sorted_scores = sorted_scores.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_scores.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_scores = sorted_scores.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return sorted_scores, order
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seeds: Tensor,

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from ..generation.sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 LogprobEntry = Tuple[float, List[Tuple[int, float]]]

@@ -15,9 +15,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..cli.args import DEVICE_PATTERN, DTYPES, UsageError
-from ..cli.loading import load_checkpoint
-from ..cli.output import say
+from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, load_checkpoint, say
 
 API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
@@ -74,13 +72,19 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one engine step (default 256)")
     e.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="new tokens in one engine step (default 8192)")
-    e.add_argument("--memory-fraction", type=float, default=0.9,
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the free device memory the KV cache pool takes (default 0.9; CUDA only)")
-    e.add_argument("--dtype", choices=sorted(DTYPES), help="weights and KV cache dtype (default bf16 on CUDA, "
-                                                           "fp32 on CPU)")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights and KV cache dtype (default bf16 on CUDA, "
+                                                          "fp32 on CPU)")
     e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    e.add_argument("--no-cuda-graph", action="store_true", help="run every engine step eagerly")
+    e.add_argument("--enforce-eager", action="store_true", help="run every engine step eagerly (no CUDA graphs)")
+    e.add_argument("--memory-fraction", dest="gpu_memory_utilization", type=float, help=argparse.SUPPRESS)
+    e.add_argument("--no-cuda-graph", dest="enforce_eager", action="store_const", const=True, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+RENAMED_FLAGS = {"--memory-fraction": "--gpu-memory-utilization", "--no-cuda-graph": "--enforce-eager"}
+"""Earlier flags that still work, with a note naming the new one."""
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -94,8 +98,8 @@ def check_args(a: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.max_model_len is not None and a.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {a.max_model_len}")
-    if not 0 < a.memory_fraction <= 1:
-        raise UsageError(f"--memory-fraction must lie in (0, 1], got {a.memory_fraction}")
+    if not 0 < a.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must lie in (0, 1], got {a.gpu_memory_utilization}")
     if a.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {a.drain_timeout}")
     if a.device is not None and not re.fullmatch(DEVICE_PATTERN, a.device):
@@ -110,6 +114,10 @@ def main(argv: Optional[Sequence[str]] = None, factory: Optional[Callable] = Non
         a = parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
+    given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
+    for old, new in RENAMED_FLAGS.items():
+        if old in given:
+            say(f"note: {old} is deprecated: use {new}")
     try:
         check_args(a)
         return serve(a, factory)
@@ -145,7 +153,8 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
     spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        memory_fraction=a.memory_fraction, cuda_graphs=not a.no_cuda_graph), WARMUP_PROMPT_TOKENS, a.log_level.upper(),
+        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
+        a.log_level.upper(),
         factory)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up

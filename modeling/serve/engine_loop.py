@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
 from ..engine import Engine
-from ..engine.engine import check_request
-from ..generation.sampling import SamplingParams
+from ..engine.prompts import check_room
+from ..engine.sampling_params import SamplingParams
 from .engine_core import EngineCore
 
 
@@ -109,7 +109,9 @@ class EngineClient:
         """Add one sequence (the ValueError of ``Engine.add`` when it cannot run); its tokens go to
         ``sink`` (an ``EngineFailure`` at once if the engine is dead: nothing would answer). Returns
         its request id, for ``abort``."""
-        check_request(prompt_ids, max_tokens, self.max_model_len)
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        check_room(len(prompt_ids), max_tokens, self.max_model_len)
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         if self.dead is not None:  # it died while the handler read the body
             sink.put(EngineFailure(str(self.dead)))

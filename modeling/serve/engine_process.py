@@ -190,15 +190,13 @@ class ProcessTransport:
 def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
     """The ``Engine`` of ``spec`` (weights loaded, warmed up) and its "ready" info."""
     from ..api.checkpoint import Checkpoint
-    from ..cli.args import DTYPES, UsageError
-    from ..cli.loading import load_llm
+    from ..api.commands import UsageError, load_llm
     from ..engine import Engine
-    from ..generation.sampling import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
     import torch
 
-    llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device,
-                   DTYPES[spec.dtype] if spec.dtype else None)
+    llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device, spec.dtype)
     try:
         engine = Engine(llm.model, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
@@ -229,7 +227,7 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..cli.args import UsageError
+    from ..api.commands import UsageError
     from .engine_core import EngineCore
 
     try:

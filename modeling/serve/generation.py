@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..api.outputs import TextRow
-from ..generation.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..api.frontend import Frontend
 from ..chat.template import ChatTemplateError
-from ..generation.prompts import checked_token_ids
-from ..generation.sampling import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..engine.prompts import checked_token_ids
+from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
 from .errors import APIError, invalid, unsupported
 
 MAX_N = 16

@@ -19,7 +19,7 @@ pipeline as ``modeling.model.random_checkpoint.build_tokenizer``).
 Model: a Qwen3 (q/k norm, GQA, tied embeddings) built as ``QwenForCausalLM(config)`` and
 initialised as transformers initialises Qwen3 (matrices ~ N(0, 0.02^2), norm weights 1), or with
 ``--init DIR`` from the weights, tokenizer and sizes of a checkpoint this trainer wrote; trained
-with ``model.loss(input_ids, cache)`` (the fused lm_head + cross-entropy) on random crops of the
+with ``model.loss(input_ids)`` (the fused lm_head + cross-entropy) on random crops of the
 training tokens. On CUDA the weights and the compute are bf16 and AdamW keeps fp32 master
 weights and moments; on CPU everything is fp32. ``--dropout`` applies ``F.dropout`` to the
 embedding and to each layer's MLP output before it joins the residual stream (forward hooks on

@@ -25,7 +25,6 @@ class Evaluator:
         self.n_tokens, self.n_chars = ids.numel(), n_chars
         self.batches = eval_batches(ids, seq_len, batch_size)
         self.n_predicted = sum(n for _, _, n in self.batches)
-        self.caches: Dict[Tuple[int, int], Any] = {}
 
     def __call__(self, model) -> Tuple[float, float]:
         """(nats per token, bits per character); the model is put in eval mode and restored."""
@@ -36,10 +35,7 @@ class Evaluator:
         total = torch.zeros((), dtype=torch.float64, device=self.batches[0][0].device)
         with torch.no_grad():
             for x, labels, n in self.batches:
-                key = tuple(x.shape)
-                if key not in self.caches:
-                    self.caches[key] = model.new_cache(x.shape[0], x.shape[1])
-                total += model.loss(x, self.caches[key], labels=labels).double() * n
+                total += model.loss(x, labels=labels).double() * n
         model.train(was_training)
         nats = total.item() / self.n_predicted
         return nats, bits_per_char(nats, self.n_tokens, self.n_chars)
@@ -130,7 +126,6 @@ class Trainer:
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, fused=self.device.type == "cuda")
-        self.cache = self.model.new_cache(a.batch_size, a.seq_len, dtype=self.dtype, device=self.device)
         self.data_gen = torch.Generator(device=self.device).manual_seed(a.seed + 1)
         self.offsets = torch.arange(a.seq_len, device=self.device)
 
@@ -176,7 +171,7 @@ class Trainer:
         import torch
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss = self.model.loss(self.batch(), self.cache)
+        loss = self.model.loss(self.batch())
         loss.backward()
         with torch.no_grad():
             if self.master is not self.params:

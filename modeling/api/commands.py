@@ -1,0 +1,75 @@
+"""What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
+share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), the values their
+flags take (``DTYPE_CHOICES``, ``DEVICE_PATTERN``), and the checkpoint and model their flags name
+(``load_checkpoint``, ``load_llm``), each failure a ``UsageError`` naming the flag.
+
+Imports nothing heavy at the top: a command line handles Ctrl-C and bad input from its first
+instant, while torch is still loading."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..common import one_line
+
+if TYPE_CHECKING:
+    import argparse
+
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+DEVICE_PATTERN = r"(cuda|cpu)(:\d+)?"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as ``error: <message>``, exit status 2."""
+
+
+def say(msg: str) -> None:
+    """One line on stderr; never fails (stderr may be closed, a broken pipe, or ASCII-only)."""
+    err = sys.stderr
+    if err is None:
+        return
+    try:
+        err.write(msg + "\n")
+        err.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def load_checkpoint(a: argparse.Namespace):
+    """The ``Checkpoint`` of ``--model`` (``--revision``, ``--offline``); the shipped model without one."""
+    from ..model.hub import ModelNotFound
+    from .checkpoint import Checkpoint
+
+    name = a.model
+    try:
+        return Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True, notice=say)
+    except ModelNotFound as e:
+        raise UsageError(f"--model {e}") from None
+    except ValueError as e:  # ConfigError, the tokenizer's files, generation_config.json
+        where = f"--model {name!r}" if name is not None else "the default model"
+        raise UsageError(f"{where}: {e}") from None
+
+
+def load_llm(ck, device, dtype, **kwargs: Any):
+    """``LLM(ck, device=device, dtype=dtype, **kwargs)``: the weights read, or a ``UsageError``
+    saying why not (they do not fit, a broken checkpoint, an unreadable file, a bad setting)."""
+    from ..model.config import ConfigError
+    from ..model.device import DoesNotFit
+    from ..model.loader import CheckpointError
+    from .llm import LLM
+
+    try:
+        return LLM(ck, device=device, dtype=dtype, **kwargs)
+    except DoesNotFit as e:
+        raise UsageError(f"the model does not fit: {e}") from None
+    except (CheckpointError, ConfigError) as e:
+        raise UsageError(f"--model {str(ck.path)!r}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"--model {str(ck.path)!r}: cannot read the weights ({e})") from None
+    except ValueError as e:  # a device or dtype that does not exist here, an engine setting out of range
+        raise UsageError(one_line(e, typed=False)) from None
+    except Exception as e:
+        if type(e).__name__ == "SafetensorError":
+            raise UsageError(f"--model {str(ck.path)!r}: unreadable weights ({one_line(e, typed=False)})") from None
+        raise
