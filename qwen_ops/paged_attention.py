@@ -63,7 +63,7 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_se
     dt = acc_dtype(q)
     o = torch.zeros(q.shape, dtype=dt, device=q.device)
     lens = seq_lens.long().clamp(0, block_table.shape[1] * block_size)
-    if n == 0 or lens.numel() == 0 or int(lens.max()) == 0:
+    if o.numel() == 0 or lens.numel() == 0 or int(lens.max()) == 0:
         return o.to(q.dtype)
     cu = cu_seqlens_q.long()
     qlens = cu[1:] - cu[:-1]

@@ -86,6 +86,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     s.add_argument("--stop", action="append", metavar="STR", default=[],
                    help="end a completion at this string (left out of the output); repeatable. Generation "
                         "also stops at the tokenizer's EOS ids")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS ids")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per completion on stdout: index, text, "
                                                        "token_ids, finish_reason, stop_reason, prompt_tokens, "
@@ -235,7 +236,8 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", 
 
 def sampling_params(a: argparse.Namespace, ck):
     """The sampling flags given over the checkpoint's generation_config.json values (a note on
-    stderr names those taken from it), ``--seed``, ``--max-tokens``, ``--stop`` and ``--logprobs``."""
+    stderr names those taken from it), ``--seed``, ``--max-tokens``, ``--stop``, ``--ignore-eos``
+    and ``--logprobs``."""
     from dataclasses import replace
 
     from ..api.commands import say
@@ -253,6 +255,6 @@ def sampling_params(a: argparse.Namespace, ck):
     given = {name: getattr(a, name) for name in SAMPLING_FLAGS if getattr(a, name) is not None}
     try:
         return replace(base, **given, seed=a.seed, max_tokens=a.max_tokens or base.max_tokens or DEFAULT_MAX_TOKENS,
-                       stop=tuple(a.stop), logprobs=a.logprobs)
+                       stop=tuple(a.stop), logprobs=a.logprobs, ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UsageError("; ".join(_as_flag(problem) for problem in str(e).split(";"))) from None

@@ -170,11 +170,13 @@ class Engine:
         dev = self.model.device
         batch = self.runner.prepare(scheduled)
         if batch.pending:
-            cu = np.cumsum([0] + batch.query_lens)
-            index = np.array([[cu[i] for i in batch.pending],
-                              [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]], np.int64)
-            dst, src = to_device(index, dev)
-            batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
+            src = [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]
+            if scheduled.decode_only and src == batch.pending == list(range(len(src))):
+                batch.input_ids[:len(src)].copy_(prev.sampled.tokens[:len(src)])  # the same rows, in order
+            else:
+                cu = np.cumsum([0] + batch.query_lens)
+                dst, src = to_device(np.array([[cu[i] for i in batch.pending], src], np.int64), dev)
+                batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
         t1 = time.perf_counter()
         logits = self.runner.run(batch)
         t2 = time.perf_counter()

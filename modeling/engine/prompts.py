@@ -31,6 +31,9 @@ def checked_token_ids(prompt: Any, where: str, vocab: int) -> List[int]:
     """``prompt`` as a list of token ids: a sequence of integers (NumPy's too) or a 1-D integer
     tensor, not empty, each in [0, ``vocab``). A float or a bool is refused, never rounded; the
     error names the prompt (``where``) and the offending entry."""
+    if type(prompt) is list and set(map(type, prompt)) == {int}:  # the common case, checked at C speed
+        check_ids(prompt, where, vocab)
+        return list(prompt)
     import torch
 
     if isinstance(prompt, torch.Tensor):

@@ -25,7 +25,10 @@ CPU tests cover the padding.
 A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a
 pinned host buffer laid out as the graph reads it (each shape's fields are views at the front of
 one device buffer, ``step.fields``), one transfer takes it over, and one copy puts its block table
-rows into the static table. Two host buffers take turns, each reused only once its last transfer
+rows into the static table, unless the step's tables are those already there (the same table
+lists, none grown: a step of the same sequences between block boundaries). A released table is
+replaced by a new list, never refilled (``scheduler``), so the same list of the same length holds
+the same blocks. Two host buffers take turns, each reused only once its last transfer
 has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
@@ -107,6 +110,7 @@ class StepRunner:
         self.logits: Dict[Hashable, Tensor] = {}
         self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
         self.shape = None  # the key of the graph being captured
+        self._tables: list = []  # the block tables (list objects) and their lengths in ``block_table`` now
         qwen_ops.reserve_decode_buffers(dev)  # before any capture: the decode kernels' per-device buffers
         if any(self.decode_kernels(s) == "persistent" for s in self.seq_buckets):
             model.stack_layer_weights()  # before any capture: the graphs read the weights by address
@@ -200,8 +204,11 @@ class StepRunner:
             self.replays[key] = self.graphs.get(key, self._body(key))
         packed = self._stage(work, key)
         batch = self._batch(key)
-        S, offset = len(work), self.views[key].table_offset
-        self.block_table[:S, :width].copy_(self.inputs[offset:packed.nbytes].view(torch.int32).view(S, width))
+        tables = [(seq.block_table, len(seq.block_table)) for seq, _ in work]
+        if len(tables) != len(self._tables) or any(a is not b or m != n for (a, m), (b, n) in zip(tables, self._tables)):
+            S, offset = len(work), self.views[key].table_offset  # a table grew, or other sequences: copy the rows
+            self.block_table[:S, :width].copy_(self.inputs[offset:packed.nbytes].view(torch.int32).view(S, width))
+            self._tables = tables
         batch.sampling, batch.query_lens, batch.starts = packed.sampling, packed.query_lens, packed.starts
         batch.pending = packed.pending
         return batch

@@ -100,13 +100,15 @@ class QwenForCausalLM(nn.Module):
         """Stack each weight of ``STACKED`` over the layers [NL, ...], as the persistent decode
         kernel reads them; the layers' parameters become views of the stacks (no second copy).
         For an inference model that supports the kernel; the engine calls it before it captures
-        any step (a captured step reads the weights by address, so they never move after)."""
+        any step (a captured step reads the weights by address, so they never move after). Made
+        again if the parameters were replaced since (``model.to(dtype)``)."""
         if not self.supports_persistent_decode:
             raise ValueError("the persistent decode kernel takes attention layers without an output gate only")
         if any(p.requires_grad for p in self.parameters()):
             raise ValueError("stack_layer_weights is for inference models: a parameter requires grad")
-        if self._stacks is not None:
-            return
+        if self._stacks is not None and all(t is None or getattr(self.layers[-1], name).data_ptr() == t[-1].data_ptr()
+                                            for name, t in zip(STACKED, self._stacks)):
+            return  # stacked, and no parameter replaced since (``model.to`` makes new ones)
         stacks = []
         for name in STACKED:
             params = [getattr(layer, name) for layer in self.layers]

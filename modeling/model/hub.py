@@ -53,11 +53,6 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
 
 
-def hub_offline() -> bool:
-    """``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set to 1/ON/YES/TRUE, read now."""
-    return _offline_variable() is not None
-
-
 def _offline_variable():
     """The environment variable that turns offline mode on, or None."""
     return next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if (os.environ.get(v) or "").upper() in _TRUE),
