@@ -223,14 +223,16 @@ def test_n_with_seed_is_reproducible(server):
 
 
 def test_a_seeded_request_samples_alike_through_llm_the_command_line_and_the_server(server):
-    """One sampler: a seeded request (the checkpoint's sampling defaults) gets the same tokens from
-    the server, from ``LLM`` and from ``python -m modeling.generate`` (each on the reference path)."""
+    """One sampler: a seeded request (the checkpoint's sampling defaults: the server and the command
+    line apply them, ``LLM`` takes them from ``get_default_sampling_params``) gets the same tokens
+    from the server, from ``LLM`` and from ``python -m modeling.generate`` (each on the reference path)."""
     served = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=12, seed=4321,
                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from modeling import LLM, SamplingParams; "
-            f"out = LLM().generate({PROMPT!r}, SamplingParams(max_tokens=12, seed=4321, ignore_eos=True), "
-            "use_tqdm=False)[0]; print(json.dumps(out.token_ids))")
+            "from dataclasses import replace; llm = LLM(); "
+            "params = replace(llm.get_default_sampling_params(), max_tokens=12, seed=4321, ignore_eos=True); "
+            f"print(json.dumps(llm.generate({PROMPT!r}, params, use_tqdm=False)[0].token_ids))")
     llm = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     cli = subprocess.run([sys.executable, "-m", "modeling.generate", "--prompt", PROMPT, "--max-tokens", "12", "--seed",
                           "4321", "--ignore-eos", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
