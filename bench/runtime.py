@@ -24,7 +24,8 @@ word-level tokenizer so any ids decode and no EOS exists):
 Each number is the median of ``--reps`` measurements after a warm-up call; the trees alternate
 (baseline, this one) and ``runtime_*`` are this tree's. ``--cpu``: the shipped model, 40 prompts
 of 16 tokens and 64 new tokens each in one call (``cpu_*_ms``). Writes
-``<date>-<gpu>-runtime.json`` with ``gpu`` and ``date``, and prints a table last.
+``<date>-<gpu>-runtime.json`` (``<date>-cpu-runtime.json``) with ``gpu`` and ``date``, and prints a
+table last.
 """
 import argparse
 import datetime
@@ -166,7 +167,7 @@ def main():
                 out[f"{label}_{key}"] = value
     os.makedirs(a.out, exist_ok=True)
     slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
-    path = os.path.join(a.out, f"{out['date']}-{slug}-runtime{'-cpu' if a.cpu else ''}.json")
+    path = os.path.join(a.out, f"{out['date']}-{slug}-runtime.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     keys = sorted({k.split("_", 1)[1] for k in out if k.startswith("runtime_")})

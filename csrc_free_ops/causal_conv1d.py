@@ -18,7 +18,9 @@ Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence s
 kernel over tiles of 64 rows (128 in steps of 1024 rows or more, as for a fixed-length prefill of
 that many rows: `_blocks`) that never cross a sequence boundary (gated_delta_rule_packing);
 the first tile of a sequence is the only one that reads its old state (positions < K - 1) and
-writes its new one, in place, after a barrier.
+writes its new one, in place, after a barrier. A program walks its tile in blocks of at most 16
+rows, and of 1 row where the step has one row a sequence or fewer on average (a decode step,
+where 15 of 16 rows would be masked: docs/performance.md).
 """
 import torch
 import triton
@@ -176,6 +178,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     if s == 0 or c == 0:
         return y
     block_t, block_c, per = _blocks(c, n)  # the tile, per >= K - 1: first tiles hold the state reads
+    block_t = min(block_t, next_power_of_2(cdiv(n, s)))  # a decode step's one row a sequence: blocks of 1 row
     _conv_kernel[(num_slots(n, s, per), 1, cdiv(c, block_c))](
         x, weight, conv_states, y, conv_states, cu_seqlens, state_slots, continues,
         n, c, per, s,

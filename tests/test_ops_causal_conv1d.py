@@ -121,6 +121,19 @@ def test_causal_conv1d_varlen_matches_reference(device, dtype, nan_empty):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lens", [[1, 1, 0, 1], [0, 0, 6, 0, 0, 0, 0, 1]], ids=["decode", "sparse"])
+def test_causal_conv1d_varlen_in_one_row_blocks(device, lens):
+    """Steps of at most one row a sequence on average walk their tiles in blocks of one row: a
+    decode step, and one sequence of 6 rows (through its state reads and past them) among empty ones."""
+    c = VARLEN[device][0]
+    x, w, pool, cu, slots, cont = _packed(lens, c, torch.float32, device, seed=2)
+    pool_ref = pool.clone()
+    y = torch.ops.qwen.causal_conv1d_varlen(x, w, pool, cu, slots, cont)
+    assert_close(y, causal_conv1d_varlen_reference(x, w, pool_ref, cu, slots, cont), what=f"lengths {lens}")
+    assert torch.equal(pool, pool_ref), "the pool after the call"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_causal_conv1d_varlen_equals_the_fixed_length_ops(device):
     """Each packed sequence gives what causal_conv1d (fresh or from its slot's state) gives it alone;
     the padding slot (length-0 sequences) is untouched."""
