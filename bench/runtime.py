@@ -1,7 +1,7 @@
 """The runtime through ``LLM`` beside a baseline tree's, in one run: decode, time to first token,
 offline throughput.
 
-    python -m bench.runtime --baseline DIR [--out DIR] [--reps 5] [--tokens 64]     # on the GPU
+    python -m bench.runtime --baseline DIR [--out DIR] [--reps 5] [--tokens 64] [--models ...]  # on the GPU
     python -m bench.runtime --cpu --baseline DIR [--reps 3]                          # on the CPU
 
 Each tree (this checkout, and ``--baseline``: another checkout of the project, e.g. an earlier
@@ -108,14 +108,16 @@ def throughput(tree: Path, out_dir: Path) -> dict:
     return {k: data[k] for k in THROUGHPUT_KEYS}
 
 
-def checkpoints(root: Path) -> dict:
-    """The random bf16 checkpoints of the GPU rows, written once under ``root``."""
+def checkpoints(root: Path, names=(QWEN3, QWEN3_5)) -> dict:
+    """The random bf16 checkpoints ``names`` of the GPU rows, written once under ``root``."""
     import torch
 
     from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, build_random_checkpoint, is_complete
 
     paths = {}
     for name, fields in ((QWEN3, QWEN3_0_6B), (QWEN3_5, QWEN3_5_0_8B)):
+        if name not in names:
+            continue
         path = root / name
         if not is_complete(path):
             sizes = {k: v for k, v in fields.items() if k != "vocab_size"}
@@ -134,6 +136,8 @@ def main():
     p.add_argument("--cpu", action="store_true", help="the CPU row only (the shipped model)")
     p.add_argument("--checkpoints", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qwen-runtime-bench")
     p.add_argument("--no-throughput", action="store_true", help="skip the trees' bench.throughput runs")
+    p.add_argument("--models", nargs="+", choices=(QWEN3, QWEN3_5), default=[QWEN3, QWEN3_5],
+                   help="the checkpoints of the GPU rows")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -152,8 +156,8 @@ def main():
             print("bench.runtime needs a CUDA GPU (or --cpu)", file=sys.stderr)
             sys.exit(2)
         gpu = torch.cuda.get_device_name()
-        paths = checkpoints(a.checkpoints)
-        jobs = [(name, ["--worker", name, "--checkpoint", str(paths[name]), *common]) for name in (QWEN3, QWEN3_5)]
+        paths = checkpoints(a.checkpoints, a.models)
+        jobs = [(name, ["--worker", name, "--checkpoint", str(paths[name]), *common]) for name in a.models]
     out = dict(gpu=gpu, date=datetime.date.today().isoformat(), reps=a.reps, tokens=a.tokens,
                trees={k: str(v) for k, v in trees.items()})
     for name, args in jobs:
