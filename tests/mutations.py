@@ -227,7 +227,7 @@ MUTATIONS = [
              "self.temperature.fill_(max(float(sampling.temperature), MIN_TEMPERATURE))",
              "self.temperature.fill_(float(sampling.temperature))", ("tests/test_generate.py",)),
     Mutation("stop strings found at one place: no longest-first tie-break", "modeling/api/outputs.py",
-             "key=lambda h: (h[0], -len(h[1])))", "key=lambda h: h[0])", ("tests/test_llm.py",)),
+             '(end - len(s), -len(s)) < (start, -len(found or ""))', "end - len(s) < start", ("tests/test_llm.py",)),
     Mutation("readback without its final drain", "modeling/generation/readback.py",
              "        while pending:\n            self._read(sink, *pending.popleft())\n", "", ("tests/test_generate.py",),
              gpu_only=True),
