@@ -58,6 +58,14 @@ def poison_allocator(device: str):
         torch.cuda.synchronize()
 
 
+def padded(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """A NaN tensor of ``shape`` that is a view of a longer storage (one row more on each side): a
+    kernel reading or writing the row before or after it (a slot or a length a check should have
+    refused) stays inside the allocation, so a test fails by assertion, not by crashing the
+    interpreter."""
+    return torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype, device=device)[1:-1]
+
+
 def randn(*shape, dtype, device, scale: float = 1.0):
     return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)  # shape () too
 

@@ -139,11 +139,15 @@ def test_plan_modes_and_splits_depend_on_shapes_only():
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_attention_kernel_clamps_bad_values(device):
-    """The kernel (no host check on CUDA) clamps: seq_lens past the table's reach, negative or
-    >= 2^31 (int64), block ids -1 or past num_blocks, cu_seqlens_q past N. The caches are views of
-    NaN-padded storage, so a read outside them would show; the result is the reference's on the
-    clamped values."""
+@pytest.mark.parametrize("reach", ["near", "far"])
+def test_paged_attention_kernel_clamps_bad_values(device, reach):
+    """The kernel (no host check on CUDA) clamps: seq_lens past the table's reach or negative, block
+    ids -1 or past num_blocks, cu_seqlens_q past N. The caches and the block table are views of
+    padded storage (NaN around the caches, valid block ids after the table). "near": each bad value
+    one block or one table entry past its bound, so that without its clamp the kernel reads the
+    padding and the test fails by assertion (far values would crash the interpreter instead);
+    "far": seq_lens >= 2^31 (int64), a block id of 10^6, rows past N. The result is the
+    reference's on the clamped values."""
     from csrc_free_ops.paged_attention import paged_attention as kernel
 
     bs, hq, hk, d, nb = 16, 4, 2, 16, 6
@@ -151,15 +155,41 @@ def test_paged_attention_kernel_clamps_bad_values(device):
     storage[:, 1:nb + 1] = randn(2, nb, bs, hk, d, dtype=torch.float32, device=device)
     k_cache, v_cache = storage[0, 1:nb + 1], storage[1, 1:nb + 1]
     q = randn(5, hq, d, dtype=torch.float32, device=device)
-    table = torch.tensor([[0, 1], [2, -1], [4, 10**6], [5, 3]], dtype=torch.int32, device=device)
-    lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 20], dtype=torch.int64, device=device)
-    cu = torch.tensor([0, 1, 2, 3, 9], dtype=torch.int32, device=device)  # the last sequence claims rows past N=5
+    tables = torch.full((6, 2), 3, dtype=torch.int32, device=device)
+    table = tables[1:5]
+    if reach == "near":
+        table.copy_(torch.tensor([[0, 1], [2, -1], [4, nb], [5, 3]]))
+        lens = torch.tensor([2 * bs + 1, -1, 2 * bs + 1, 20], dtype=torch.int64, device=device)
+        cu = torch.tensor([0, 1, 2, 3, 5], dtype=torch.int32, device=device)
+    else:
+        table.copy_(torch.tensor([[0, 1], [2, -1], [4, 10**6], [5, 3]]))
+        lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 20], dtype=torch.int64, device=device)
+        cu = torch.tensor([0, 1, 2, 3, 9], dtype=torch.int32, device=device)  # the last sequence claims rows past N=5
     out = kernel(q, k_cache, v_cache, cu, lens, table, 0.25, 2)
     clamped = (torch.tensor([0, 1, 2, 3, 5], device=device), torch.tensor([2 * bs, 0, 2 * bs, 20], device=device),
                table.clamp(0, nb - 1))
     ref = paged_attention_reference(q, k_cache, v_cache, clamped[0], clamped[1], clamped[2], 0.25, 2)
     assert_close(out[:5], ref[:5], what="clamped values")
     assert not out[1].any(), "a negative length sees no key"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_queries_that_see_no_key_give_zeros(device):
+    """A length below the sequence's query count (what the kernel makes of bad values, where it
+    clamps instead of checking) puts its first queries at negative positions: they see no key and
+    output zeros, in the kernel and in the reference, which is what the op runs on the CPU without
+    the interpreter (its softmax over no key alone would be NaN)."""
+    from csrc_free_ops.paged_attention import paged_attention as kernel
+
+    bs, hq, hk, d = 16, 4, 2, 16
+    k_cache, v_cache = (randn(2, bs, hk, d, dtype=torch.float32, device=device) for _ in range(2))
+    q = randn(4, hq, d, dtype=torch.float32, device=device)
+    cu, lens = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([0, 4], [2]))
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    ref = paged_attention_reference(q, k_cache, v_cache, cu, lens, table, 0.25, 4)
+    assert ref[2:].abs().sum() > 0 and not ref[:2].any(), "queries at positions -2 and -1 see no key: zeros"
+    assert_close(kernel(q, k_cache, v_cache, cu, lens, table, 0.25, 4), ref, what="no key, then keys")
 
 
 @pytest.mark.parametrize("device", DEVICES)
