@@ -246,6 +246,11 @@ def test_chat_uses_the_checkpoint_template(steered):
     assert len(outs) == 2 and outs[0].prompt.startswith("<|im_start|>system\nBe brief.")
     (out,) = steered.chat(messages, SamplingParams(max_tokens=2), chat_template_kwargs={"enable_thinking": False})
     assert out.prompt.endswith("<think>\n\n</think>\n\n")
+    for key in ("messages", "tools", "add_generation_prompt"):  # the renderer's own arguments
+        with pytest.raises(ValueError, match=f"chat_template_kwargs may not set '{key}'"):
+            steered.chat(messages, SamplingParams(max_tokens=2), chat_template_kwargs={key: []})
+    with pytest.raises(ValueError, match=r"stop_token_ids \[4096\] lie outside the model's vocabulary \[0, 512\)"):
+        steered.generate("Hello", SamplingParams(max_tokens=2, stop_token_ids=[5, 4096]))
 
 
 def test_stream(steered):
