@@ -1,8 +1,14 @@
-"""Shared test utilities: devices, tolerances, and a comparison that explains itself."""
+"""Shared test utilities: devices, tolerances, a comparison that explains itself, and a subprocess
+held to a timeout and a memory limit."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SANITIZING = os.environ.get("QWEN_SANITIZER") == "1"
 """Set by bench/gpu_sanitize.sh: under compute-sanitizer, which intercepts every launch, tests skip
@@ -56,6 +62,21 @@ def poison_allocator(device: str):
     if device == "cuda":
         torch.full((64 << 20,), float("nan"), device="cuda")
         torch.cuda.synchronize()
+
+
+def isolated(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python *args`` in the repository root, killed after ``timeout`` seconds and held to 2 GiB of
+    data: a reader that blocks on a FIFO or reads /dev/zero without end fails the test, it does not
+    hang it or exhaust the machine's memory."""
+    import resource
+
+    limit = 2 << 30
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)))
+
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
+                                reason="needs FIFOs and /dev/zero")
 
 
 def padded(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
