@@ -1,5 +1,7 @@
-"""Shared test utilities: devices, tolerances, a comparison that explains itself, and a subprocess
-held to a timeout and a memory limit."""
+"""Shared test utilities: devices, tolerances, a comparison that explains itself, a subprocess
+held to a timeout and a memory limit, and the turns of the tests that need most of a GPU."""
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
@@ -77,6 +79,23 @@ def isolated(*args, timeout: float = 60) -> subprocess.CompletedProcess:
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
                                 reason="needs FIFOs and /dev/zero")
+
+
+@contextlib.contextmanager
+def gpu_memory_lock():
+    """Around a test that needs most of a GPU's memory: under ``bench.cuda_suite``, which runs several
+    pytest processes on each GPU and names a lock file per GPU in ``QWEN_GPU_LOCK``, such tests take
+    turns on their GPU (an exclusive ``flock``); elsewhere it does nothing."""
+    path = os.environ.get("QWEN_GPU_LOCK")
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def padded(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
