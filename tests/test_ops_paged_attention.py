@@ -4,13 +4,16 @@ sequence NaN, outputs poisoned), each KV split and tile mode, the kernel's clamp
 values, agreement with decode_attention and attention on the equivalent contiguous caches,
 opcheck and clear errors; `cuda`: Qwen3-0.6B and Qwen3.5 shapes, and one CUDA graph replayed at
 other lengths."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import qwen_ops
 from csrc_free_ops.common import cdiv
 from qwen_ops import kv_cache_store_slots_reference, paged_attention_reference
-from tests.helpers import DEVICES, DTYPES, assert_close, randn
+from tests.helpers import DEVICES, DTYPES, ROOT, assert_close, randn
 
 NAN = float("nan")
 
@@ -142,12 +145,23 @@ def test_plan_modes_and_splits_depend_on_shapes_only():
 @pytest.mark.parametrize("reach", ["near", "far"])
 def test_paged_attention_kernel_clamps_bad_values(device, reach):
     """The kernel (no host check on CUDA) clamps: seq_lens past the table's reach or negative, block
-    ids -1 or past num_blocks, cu_seqlens_q past N. The caches and the block table are views of
-    padded storage (NaN around the caches, valid block ids after the table). "near": each bad value
-    one block or one table entry past its bound, so that without its clamp the kernel reads the
-    padding and the test fails by assertion (far values would crash the interpreter instead);
-    "far": seq_lens >= 2^31 (int64), a block id of 10^6, rows past N. The result is the
-    reference's on the clamped values."""
+    ids -1 or past num_blocks, cu_seqlens_q past N. "near": each bad value one block or one table
+    entry past its bound, with the caches and the block table views of padded storage (NaN around
+    the caches, valid block ids after the table), so that without its clamp the kernel reads the
+    padding and the test fails by assertion. "far": seq_lens >= 2^31 (int64), a block id of 10^6,
+    rows past N: without a clamp the kernel would read or write far outside its tensors, which
+    crashes the interpreter, so this case runs in a process of its own whose failure, crash
+    included, fails the test. The result is the reference's on the clamped values."""
+    if reach == "near":
+        clamped_case(device, reach)
+        return
+    code = f"from tests.test_ops_paged_attention import clamped_case; clamped_case({device!r}, {reach!r})"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}\n" + "\n".join(p.stderr.splitlines()[-20:])
+
+
+def clamped_case(device: str, reach: str) -> None:
+    """test_paged_attention_kernel_clamps_bad_values' case (``reach`` "near" or "far")."""
     from csrc_free_ops.paged_attention import paged_attention as kernel
 
     bs, hq, hk, d, nb = 16, 4, 2, 16, 6
