@@ -289,6 +289,7 @@ class ClosingStream(StreamingResponse):
 
 
 def engine_error(e: EngineError) -> Dict[str, Any]:
+    """The error body of a request the engine failed (a 500, or the last event of its stream)."""
     return error_body(500, f"The engine failed while running this request ({e}); see the server log",
                       code="engine_error")
 
