@@ -1,7 +1,13 @@
 """The `cuda` test suite in one device call: its tests dealt round-robin into groups, several
 pytest processes per GPU at once (Triton compiles on the host's cores while the GPUs run).
 
-    python -m bench.cuda_suite [--per-gpu 4] [--gpus N] [--timeout 540] [-k EXPR] [--marker cuda] [--out DIR]
+    python -m bench.cuda_suite [--per-gpu N] [--gpus N] [--timeout 540] [-k EXPR] [--marker cuda] [--out DIR]
+
+Without --per-gpu the processes per GPU come from its free memory and the host's cores
+(``processes_per_gpu``): each test process gives its allocator's cache back after every test
+(tests/conftest.py), so it holds about ``PROCESS_BYTES`` at most, and the tests that need most of a
+GPU take turns on it (``QWEN_GPU_LOCK``, ``tests.helpers.gpu_memory_lock``), one ``HEAVY_BYTES`` at a
+time. Four processes on one 80 GB H100 with neither ran out of memory in three such tests at once.
 
 Prints one row per group (its GPU, pytest's summary line, time) and the failures, and writes each
 group's `pytest -v` log under --out. Exit status 1 if a test failed or errored or a group ran past
@@ -15,11 +21,33 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from bench import require_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_IDS = "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + sys.argv[2:]))"
+GIB = 1 << 30
+PROCESS_BYTES = 8 * GIB
+"""GPU memory one test process may hold at once: its CUDA context and one ordinary test's tensors."""
+HEAVY_BYTES = 32 * GIB
+"""GPU memory of the largest test (a training step's ops compiled at Qwen3-0.6B shapes, in a
+subprocess); such tests run one at a time on a GPU."""
+CORES_PER_PROCESS = 2
+"""Host cores per test process (Triton and Inductor compile on the host)."""
+FREE_MEMORY = ("import sys, torch; print(*(torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1])))"
+               " if torch.cuda.is_available() else '')")
+"""Prints each GPU's free bytes, nothing without CUDA (in a process of its own: this one keeps no
+CUDA context)."""
+
+
+def processes_per_gpu(free_bytes: Optional[int], cores: int) -> int:
+    """Test processes for one GPU with ``free_bytes`` free (None: no GPU, the cores alone decide)
+    and ``cores`` host cores of its own: one running a heavy test (``HEAVY_BYTES``) beside others of
+    ``PROCESS_BYTES`` each, as many as the memory and ``CORES_PER_PROCESS`` allow, at least one."""
+    by_cores = cores // CORES_PER_PROCESS
+    by_memory = by_cores if free_bytes is None else 1 + max(0, free_bytes - HEAVY_BYTES) // PROCESS_BYTES
+    return max(1, min(by_memory, by_cores))
 
 
 def collect(marker: str, kexpr: str | None) -> list[str]:
@@ -39,7 +67,8 @@ def counts(log: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(prog="python -m bench.cuda_suite", description=__doc__.splitlines()[0])
-    p.add_argument("--per-gpu", type=int, default=4, help="pytest processes per GPU at once")
+    p.add_argument("--per-gpu", type=int, default=None,
+                   help="pytest processes per GPU at once (default: from the GPUs' free memory and the cores)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole run")
     p.add_argument("-k", dest="kexpr", default=None, help="a pytest -k expression")
@@ -51,6 +80,12 @@ def main():
 
         require_cuda("bench.cuda_suite", "--gpus N runs the selected tests without one")
         a.gpus = torch.cuda.device_count()
+    if a.per_gpu is None and a.gpus >= 1:
+        free = [int(b) for b in subprocess.run([sys.executable, "-c", FREE_MEMORY, str(a.gpus)], capture_output=True,
+                                               text=True, check=True).stdout.split()]
+        a.per_gpu = processes_per_gpu(min(free, default=None), (os.cpu_count() or 1) // a.gpus)
+        print(f"{a.per_gpu} processes per GPU" + (f" ({min(free) / GIB:.1f} GiB free on the fullest GPU)" if free
+                                                   else " (no CUDA: by the cores)"), flush=True)
     if a.gpus < 1 or a.per_gpu < 1:
         sys.exit("no GPU to run on (--gpus and --per-gpu must be at least 1)")
     ids = collect(a.marker, a.kexpr)
@@ -63,6 +98,7 @@ def main():
     for g in range(n):
         (out / f"group{g}.ids").write_text("\n".join(ids[g::n]) + "\n")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g % a.gpus), "PYTHONUNBUFFERED": "1",
+               "QWEN_GPU_LOCK": str(out / f"gpu{g % a.gpus}.lock"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         log = open(out / f"group{g}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-c", RUN_IDS, str(out / f"group{g}.ids"), "-v", "-p",

@@ -170,12 +170,12 @@ def trace_server(path: str) -> None:
 
     read_body = app.read_body
 
-    async def traced_read_body(request, limit):
+    async def traced_read_body(request, limit, timeout):
         rec = {"server_read": state["read"], "asgi": state["asgi"], "handler": now(),
                "connections": state["connections"]}
         state["read"], state["current"] = None, rec
         records.append(rec)
-        body = await read_body(request, limit)
+        body = await read_body(request, limit, timeout)
         rec["body"] = now()
         return body
     app.read_body = traced_read_body

@@ -40,6 +40,16 @@ def _cpu_op_tests_run_the_kernels(request):
     assert sum(kernel_calls.values()) > before, "the test ran no Triton kernel (did the op take its reference?)"
 
 
+@pytest.fixture(autouse=True)
+def _give_back_cuda_memory():
+    """After each test the caching allocator gives its free blocks back to the GPU: ``bench.cuda_suite``
+    runs several pytest processes on one GPU, and a process that kept the peak of its largest test
+    would starve the others (and the subprocesses of the tests at model shapes)."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """Every float tensor torch.empty allocates during the test starts as NaN, so an output or

@@ -1,8 +1,16 @@
-"""Shared test utilities: devices, tolerances, and a comparison that explains itself."""
+"""Shared test utilities: devices, tolerances, a comparison that explains itself, a subprocess
+held to a timeout and a memory limit, and the turns of the tests that need most of a GPU."""
+import contextlib
+import fcntl
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SANITIZING = os.environ.get("QWEN_SANITIZER") == "1"
 """Set by bench/gpu_sanitize.sh: under compute-sanitizer, which intercepts every launch, tests skip
@@ -56,6 +64,46 @@ def poison_allocator(device: str):
     if device == "cuda":
         torch.full((64 << 20,), float("nan"), device="cuda")
         torch.cuda.synchronize()
+
+
+def isolated(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python *args`` in the repository root, killed after ``timeout`` seconds and held to 2 GiB of
+    data: a reader that blocks on a FIFO or reads /dev/zero without end fails the test, it does not
+    hang it or exhaust the machine's memory."""
+    import resource
+
+    limit = 2 << 30
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)))
+
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
+                                reason="needs FIFOs and /dev/zero")
+
+
+@contextlib.contextmanager
+def gpu_memory_lock():
+    """Around a test that needs most of a GPU's memory: under ``bench.cuda_suite``, which runs several
+    pytest processes on each GPU and names a lock file per GPU in ``QWEN_GPU_LOCK``, such tests take
+    turns on their GPU (an exclusive ``flock``); elsewhere it does nothing."""
+    path = os.environ.get("QWEN_GPU_LOCK")
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def padded(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """A NaN tensor of ``shape`` that is a view of a longer storage (one row more on each side): a
+    kernel reading or writing the row before or after it (a slot or a length a check should have
+    refused) stays inside the allocation, so a test fails by assertion, not by crashing the
+    interpreter."""
+    return torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype, device=device)[1:-1]
 
 
 def randn(*shape, dtype, device, scale: float = 1.0):

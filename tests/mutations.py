@@ -4,13 +4,16 @@
 
 Each mutation replaces one exact snippet of a source file in a scratch copy of the
 repository and runs the test files that should catch it (under the Triton interpreter,
-as CI does). A mutation "survives" when those tests still pass: a hole in the tests.
+as CI does). A mutation "survives" when those tests still pass: a hole in the tests. One that
+only "crashed" them (the interpreter died on an out-of-bounds access before any test reported a
+failure) is not caught either: the tests should fail by assertion.
 Each set of test files first runs on the unmutated copy: if it fails there, its mutations
 show "baseline fails" instead of a meaningless "caught".
 Not run in CI (it takes several minutes); docs/reliability.md keeps its last table.
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -229,7 +232,7 @@ MUTATIONS = [
              "temperature.clamp_min(MIN_TEMPERATURE)[:, None]", "temperature[:, None]",
              ("tests/test_engine_sampling.py",)),
     Mutation("stop strings found at one place: no longest-first tie-break", "modeling/api/outputs.py",
-             "key=lambda h: (h[0], -len(h[1])))", "key=lambda h: h[0])", ("tests/test_llm.py",)),
+             '(end - len(s), -len(s)) < (start, -len(found or ""))', "end - len(s) < start", ("tests/test_llm.py",)),
     Mutation("float token ids are rounded", "modeling/engine/prompts.py", "            if not is_int(t):\n",
              "            if False:\n", ("tests/test_llm.py", "tests/test_engine.py")),
     Mutation("LLM.generate reads a dict prompt's keys as text", "modeling/api/llm.py",
@@ -311,6 +314,55 @@ MUTATIONS = [
              ("tests/test_engine_sampling.py",)),
     Mutation("the host reads sampled tokens before their copy lands", "modeling/engine/sampler.py",
              "            self._event.synchronize()\n", "            pass\n", ("tests/test_engine.py",), gpu_only=True),
+    Mutation("a preempted sequence queues behind the waiting ones", "modeling/engine/scheduler.py",
+             "self.waiting.appendleft(seq)", "self.waiting.append(seq)", ("tests/test_engine_scheduling.py",)),
+    Mutation("a preempted sequence is readmitted with its token in flight", "modeling/engine/scheduler.py",
+             "            if seq.num_pending:  # preempted with a token still on its way to the host: next step\n"
+             "                break\n", "", ("tests/test_engine_scheduling.py",)),
+    Mutation("a freed table's leading blocks are reused first", "modeling/engine/block_manager.py",
+             "for block in reversed(table):", "for block in table:", ("tests/test_engine_scheduling.py",)),
+    Mutation("the prefix lookup takes every known block, the prompt's last included", "modeling/engine/block_manager.py",
+             "for h in known[:(len(tokens) - 1) // self.block_size]:", "for h in known:",
+             ("tests/test_engine_scheduling.py",)),
+    Mutation("abort finishes a sequence without the engine's lock", "modeling/engine/engine.py",
+             '        with self._lock:\n            if seq.status is not Status.FINISHED:\n                self.scheduler.finish(seq, "abort")',
+             '        if True:\n            if seq.status is not Status.FINISHED:\n                self.scheduler.finish(seq, "abort")',
+             ("tests/test_engine.py",)),
+    # The server (tests/test_serve.py, test_serve_units.py).
+    Mutation("the API key check takes a prefix of the key", "modeling/serve/app.py",
+             "if not hmac.compare_digest(token.strip().encode(), key.encode()):",
+             "if not key.startswith(token.strip()):", ("tests/test_serve.py",)),
+    Mutation("a chunked body is not held to the size limit", "modeling/serve/app.py",
+             "        if size > limit:\n            raise APIError(413, f\"The request body is larger",
+             "        if False:\n            raise APIError(413, f\"The request body is larger", ("tests/test_serve.py",)),
+    Mutation("without max_tokens the default is not cut to the room left", "modeling/serve/protocol.py",
+             "min(default or room, room)", "default or room", ("tests/test_serve_units.py",)),
+    Mutation("a matched stop string leaves its choice running in the engine", "modeling/serve/generation.py",
+             "            if c.row.stops.matched is not None:\n                self.loop.abort(c.rid)", "            if False:\n                pass",
+             ("tests/test_serve_units.py",)),
+    # Kernel bounds: each bad value fails a test by assertion, never by crashing the interpreter.
+    Mutation("paged_attention_reference gives NaN for a query that sees no key", "qwen_ops/paged_attention.py",
+             "p = torch.where(keep.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)", "p = torch.softmax(s, dim=-1)",
+             ("tests/test_ops_paged_attention.py",)),
+    Mutation("paged_attention's kernel reads block ids unclamped", "csrc_free_ops/paged_attention.py",
+             "block = tl.minimum(tl.maximum(block, 0), NUM_BLOCKS - 1)", "block = block",
+             ("tests/test_ops_paged_attention.py",)),
+    Mutation("paged_attention's kernel reads seq_lens unclamped", "csrc_free_ops/paged_attention.py",
+             "seq_len = _load_clamped(lens_ptr + seq * stride_lens, 0, MAX_CONTEXT)",
+             "seq_len = tl.load(lens_ptr + seq * stride_lens).to(tl.int32)", ("tests/test_ops_paged_attention.py",)),
+    Mutation("paged_attention's kernel reads cu_seqlens_q unclamped", "csrc_free_ops/paged_attention.py",
+             "start = _load_clamped(cu_ptr + seq * stride_cu, 0, N)\n    qlen = _load_clamped(cu_ptr + (seq + 1) * stride_cu, "
+             "start, N) - start", "start = tl.load(cu_ptr + seq * stride_cu)\n    qlen = tl.load(cu_ptr + (seq + 1) * "
+             "stride_cu) - start", ("tests/test_ops_paged_attention.py",)),
+    Mutation("decreasing cu_seqlens accepted (packed sequences)", "qwen_ops/causal_conv1d.py",
+             " or any(b < a for a, b in zip(cu, cu[1:])):", ":",
+             ("tests/test_ops_causal_conv1d.py", "tests/test_ops_gated_delta_rule_varlen.py")),
+    Mutation("cu_seqlens ending before N accepted (packed sequences)", "qwen_ops/causal_conv1d.py",
+             "if cu[0] != 0 or cu[-1] != n or any(", "if cu[0] != 0 or any(",
+             ("tests/test_ops_causal_conv1d.py", "tests/test_ops_gated_delta_rule_varlen.py")),
+    Mutation("state slots outside the pool accepted (packed sequences)", "qwen_ops/causal_conv1d.py",
+             "if state_slots.numel() and not bool(((state_slots >= 0) & (state_slots < pool_rows)).all()):", "if False:",
+             ("tests/test_ops_causal_conv1d.py", "tests/test_ops_gated_delta_rule_varlen.py")),
     # The trainer (tests/test_train.py, test_train_interrupt.py).
     Mutation("a sequence starting at position 0 continues its state slot's stale state", "modeling/engine/step.py",
              "self.seq_lens > (cu[1:] - cu[:-1])", "self.seq_lens >= (cu[1:] - cu[:-1])", ("tests/test_engine.py",)),
@@ -321,16 +373,21 @@ MUTATIONS = [
 ]
 
 
-def passes(tests: tuple, scratch: Path) -> bool:
+def outcome(tests: tuple, scratch: Path) -> str:
+    """'pass', 'fail' (pytest reported a failed test) or 'crash' (the process ended without
+    reporting one: killed by a signal, or aborted by the interpreter)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                          cwd=scratch, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc.returncode == 0
+                          cwd=scratch, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if proc.returncode == 0:
+        return "pass"
+    return "fail" if re.search(r"\b\d+ (failed|errors?)\b", proc.stdout) else "crash"
 
 
 def run(mutation: Mutation, scratch: Path) -> str:
-    """'caught', 'SURVIVED', 'stale' (the snippet is no longer in the file) or 'GPU only' (a
-    mutation only a `cuda` test sees, on a machine without CUDA)."""
+    """'caught', 'SURVIVED', 'CRASHED' (no test failed: the process died), 'stale' (the snippet is
+    no longer in the file) or 'GPU only' (a mutation only a `cuda` test sees, on a machine without
+    CUDA)."""
     target = scratch / mutation.path
     original = target.read_text()
     if original.count(mutation.old) != 1:
@@ -339,7 +396,7 @@ def run(mutation: Mutation, scratch: Path) -> str:
         return "GPU only"
     target.write_text(original.replace(mutation.old, mutation.new))
     try:
-        return "SURVIVED" if passes(mutation.tests, scratch) else "caught"
+        return {"pass": "SURVIVED", "fail": "caught", "crash": "CRASHED"}[outcome(mutation.tests, scratch)]
     finally:
         target.write_text(original)
 
@@ -362,7 +419,7 @@ def main() -> int:
         for m in chosen:
             t0 = time.time()
             if m.tests not in baseline:
-                baseline[m.tests] = passes(m.tests, scratch)
+                baseline[m.tests] = outcome(m.tests, scratch) == "pass"
                 if not baseline[m.tests]:
                     print(f"the unmutated copy fails {' '.join(m.tests)}", flush=True)
             rows.append((m.name, run(m, scratch) if baseline[m.tests] else "baseline fails", time.time() - t0))

@@ -35,6 +35,46 @@ def test_cuda_benchmarks_say_they_need_a_gpu(name, monkeypatch, capsys):
     assert err.startswith(f"error: python -m bench.{name} needs a CUDA GPU") and err.count("\n") == 1, err
 
 
+def test_cuda_suite_sizes_its_processes_from_free_memory_and_cores():
+    """bench.cuda_suite's processes per GPU: one that may run a heavy test beside ordinary ones, as
+    many as the free memory holds without overcommitting it, and no more than the host's cores feed."""
+    from bench.cuda_suite import GIB, HEAVY_BYTES, PROCESS_BYTES, processes_per_gpu
+
+    assert processes_per_gpu(int(79.1 * GIB), 16) == 6  # an 80 GB H100 on 16 cores (four ran out of memory)
+    assert processes_per_gpu(int(139.5 * GIB), 16) == 8  # an H200: the cores decide
+    assert processes_per_gpu(int(79.1 * GIB), 128 // 8) == 6  # one GPU of eight, with its share of the cores
+    assert processes_per_gpu(20 * GIB, 16) == 1 and processes_per_gpu(0, 16) == 1
+    assert processes_per_gpu(None, 2) == 1 and processes_per_gpu(None, 9) == 4  # no GPU: the cores alone
+    for free in range(0, 200 * GIB, GIB):
+        n = processes_per_gpu(free, 64)
+        assert n == 1 or HEAVY_BYTES + (n - 1) * PROCESS_BYTES <= free, (free, n)
+
+
+def test_gpu_memory_lock_makes_heavy_tests_take_turns(tmp_path, monkeypatch):
+    """With QWEN_GPU_LOCK set (bench.cuda_suite sets it per GPU), a second holder waits until the
+    first lets go; without it the lock does nothing."""
+    import threading
+
+    from tests.helpers import gpu_memory_lock
+
+    with gpu_memory_lock():
+        pass  # no QWEN_GPU_LOCK: nothing to wait for
+    monkeypatch.setenv("QWEN_GPU_LOCK", str(tmp_path / "gpu0.lock"))
+    entered = threading.Event()
+
+    def second():
+        with gpu_memory_lock():
+            entered.set()
+
+    with gpu_memory_lock():
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.3)
+        assert not entered.is_set(), "the second holder did not wait"
+    t.join(10)
+    assert entered.is_set()
+
+
 def test_cpu_benchmark_runs_a_small_shape(tmp_path):
     """bench.cpu on a 2-layer model, on the path it measures (the reference ops: no TRITON_INTERPRET):
     every row measured, the same logits as transformers."""

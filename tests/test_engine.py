@@ -6,6 +6,8 @@ seeded sampling does not depend on the batch. float64 models: the PyTorch refere
 `cuda` cases run the kernels on a GPU."""
 
 
+import threading
+
 import pytest
 import torch
 
@@ -149,6 +151,46 @@ def test_abort_frees_the_blocks_and_stop_tokens_finish():
         engine.step()
     assert aborted.finish_reason == "abort" and stopped.finish_reason == "stop"
     assert stopped.output_ids == want[:4] and engine.blocks.num_free == engine.size.num_blocks
+
+
+def test_aborts_from_other_threads_take_the_engine_lock(monkeypatch):
+    """abort is called from other threads (the server's loop thread, a client gone) while a step may
+    be scheduling: it finishes the sequence under the engine's lock, as schedule runs. Then a run
+    with aborts from eight threads racing the steps ends with every sequence finished and every
+    block free."""
+    model = model_of(QWEN3)
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    finish, locked = engine.scheduler.finish, []
+
+    def recording(seq, reason=None):
+        if reason == "abort":
+            locked.append(engine._lock.locked())
+        return finish(seq, reason)
+
+    monkeypatch.setattr(engine.scheduler, "finish", recording)
+    seq = engine.add(prompts_of([9])[0], GREEDY, 20)
+    engine.step()
+    engine.abort(seq)
+    assert locked == [True] and seq.finish_reason == "abort"
+
+    seqs = [engine.add(p, GREEDY, 30) for p in prompts_of([5, 9, 3, 17, 2, 11, 6, 8], seed=2)]
+    go = threading.Barrier(len(seqs) + 1)
+
+    def abort_later(s):
+        go.wait()
+        engine.abort(s)
+
+    threads = [threading.Thread(target=abort_later, args=(s,)) for s in seqs]
+    for t in threads:
+        t.start()
+    engine.step()
+    go.wait()
+    while engine.has_work():
+        engine.step()
+    for t in threads:
+        t.join()
+    assert all(s.status is Status.FINISHED for s in seqs) and all(locked)
+    assert engine.blocks.num_free == engine.size.num_blocks
 
 
 def test_requests_that_cannot_fit_are_refused():

@@ -111,6 +111,34 @@ def test_prefix_cache_survives_free_until_the_block_is_reused_least_recent_first
     assert hit == []
 
 
+def test_a_freed_sequence_gives_its_tail_blocks_for_reuse_first():
+    """A sequence's blocks are freed last block first, so new work takes the ends of cached
+    prefixes before their starts: a prefix keeps its leading blocks (the ones a later prompt can
+    still hit) longest."""
+    bm = BlockManager(4, 2)
+    prompt = list(range(7))  # 4 blocks, the first 3 full
+    table, hashes = bm.allocate(prompt)
+    bm.commit(table, prompt, len(prompt), hashes)
+    bm.free(table)
+    other, _ = bm.allocate([100, 101])
+    assert other == [table[-1]]
+    blocks, hit = bm.cached_prefix(prompt[:6] + [55])
+    assert blocks == table[:3] and hit == hashes  # every cached block still there
+
+
+def test_a_prompt_whose_every_block_is_known_still_computes_its_last_block():
+    """A sequence's hash chain can cover all its tokens (a preempted one: commit hashed its full
+    blocks); the lookup still leaves the last block to compute, whose last token gives the logits."""
+    bm = BlockManager(8, 4)
+    tokens = list(range(8))
+    table, hashes = bm.allocate(tokens)
+    known = []
+    bm.commit(table, tokens, 8, hashes, known)
+    assert len(known) == 2 and len(bm.cached) == 2
+    blocks, hit = bm.cached_prefix(tokens, known)
+    assert blocks == table[:1] and hit == known[:1]
+
+
 def test_blocks_are_reused_in_the_order_they_were_freed():
     bm = BlockManager(3, 1)
     t = [bm.allocate([i])[0][0] for i in range(3)]
@@ -156,6 +184,41 @@ def test_scheduler_preempts_the_youngest_and_readmits_it_first():
     sch.finish(a)
     step = sch.schedule()
     assert step.work[0][0] is b and step.work[0][1] == len(b.tokens)  # recomputed from its tokens
+
+
+def test_a_preempted_sequence_goes_to_the_front_of_the_queue():
+    """Preemption puts its victim before the sequences that were already waiting (it ran first, and
+    what it computed is lost): readmitted next, ahead of a request that came after it."""
+    bm = BlockManager(6, 2)
+    sch = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    a, b, c = seq(4, max_tokens=8), seq(4, max_tokens=8, first=10), seq(2, max_tokens=2, first=20)
+    for s in (a, b, c):
+        sch.add(s)
+    for _ in range(4):  # c waits (max_num_seqs 2) while a and b decode, until the blocks run out
+        for s, n in sch.schedule().work:
+            s.num_computed += n
+            s.append(1)
+    assert sch.preemptions == 1 and b.status is Status.WAITING and list(sch.waiting) == [b, c]
+    sch.finish(a)
+    assert [s for s, _ in sch.schedule().work] == [b, c]
+
+
+def test_a_preempted_sequence_waits_for_its_token_in_flight():
+    """A sequence preempted while its last sampled token is still on its way to the host
+    (``num_pending``, the engine's lookahead step) is readmitted only once that token has landed:
+    before, it would recompute its tokens without it, and compute them again for the token."""
+    bm = BlockManager(8, 2)
+    sch = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    s = seq(4, max_tokens=8)
+    sch.add(s)
+    (work,) = sch.schedule().work
+    s.num_computed += work[1]
+    s.num_pending = 1  # sampled, not read yet
+    sch._preempt(s)
+    assert sch.schedule().work == [] and list(sch.waiting) == [s]
+    s.num_pending = 0
+    s.append(7)  # the token lands
+    assert sch.schedule().work == [(s, 5)] and s.status is Status.RUNNING
 
 
 def test_scheduler_refuses_what_can_never_fit():

@@ -24,11 +24,11 @@ import torch
 
 from modeling import LLM, QwenForCausalLM, QwenTokenizer, SamplingParams
 from modeling.chat.template import ChatTemplate
-from modeling.cli.args import split_prompts
+from modeling.cli.args import BATCH_FILE_LIMIT, split_prompts
 from modeling.cli.generate import main
 from modeling.cli.output import escape_line
 from modeling.model.random_checkpoint import build_random_checkpoint, ensure_random_checkpoint, is_complete
-from tests.helpers import recompute_greedy
+from tests.helpers import isolated, needs_fifo, recompute_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "tests" / "data" / "qwen3_chat_template.jinja"
@@ -212,6 +212,42 @@ def test_batch_file_from_stdin(steered, capsys, monkeypatch):
     code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--device", "cpu")
     assert code == 2 and err.startswith("error: --batch-file - (standard input) is not valid UTF-8 (byte 0xff")
     assert out == ""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x\n" * (BATCH_FILE_LIMIT // 2 + 1))))
+    code, out, err = run_main(capsys, "--model", steered, "--batch-file", "-", "--device", "cpu")
+    assert code == 2 and err == "error: --batch-file -: standard input holds more than the 64 MiB a batch file may have\n"
+
+
+@needs_fifo
+def test_batch_file_reads_only_a_bounded_regular_file(tmp_path):
+    """/dev/zero, a FIFO and a file over the limit (sparse: nothing is written) as --batch-file: exit
+    status 2 and one line naming it, before any model is read. In a process of its own with a
+    timeout and 2 GiB of data: /dev/zero used to be read until the kernel killed the command at
+    21 GB, and a FIFO hung it."""
+    os.mkfifo(tmp_path / "fifo")
+    with open(tmp_path / "huge.txt", "wb") as f:
+        f.truncate(BATCH_FILE_LIMIT + 1)
+    cases = {"/dev/zero": "zero is not a regular file (a character device)",
+             str(tmp_path / "fifo"): "fifo is not a regular file (a FIFO)",
+             str(tmp_path / "huge.txt"): "huge.txt is 64 MiB, larger than the 64 MiB this package reads"}
+    p = isolated("-c", MAIN_EACH, json.dumps([["--batch-file", path, "--model", str(tmp_path / "none")] for path in cases]))
+    assert p.returncode == 0, p.stderr
+    for (path, problem), (code, out, err) in zip(cases.items(), json.loads(p.stdout)):
+        assert (code, out) == (2, "") and err.startswith(f"error: cannot read --batch-file {path!r}: {problem}"), err
+        assert err.count("\n") == 1
+
+
+MAIN_EACH = """
+import contextlib, io, json, sys
+from modeling.cli.generate import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()) as out:
+        results.append([main(argv), out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+"""Runs the command line's main on each command line of its JSON argument; prints each exit status,
+stdout and stderr."""
 
 
 def test_stop_strings(steered, capsys):

@@ -152,6 +152,83 @@ def test_stop_string_matcher():
         assert s.push("xabcd") == "x" and s.matched == "abc"
 
 
+def reference_stop_strings(stop, pieces):
+    """What StopStrings gives for ``pieces``, by its definition: after each push, the earliest
+    match (at one place, the longest) in the held-back text and the piece ends the text; else
+    the longest end of the text that some stop string starts with is held back."""
+    out, pending = [], ""
+    for piece in pieces:
+        pending += piece
+        hits = [(pending.find(s), -len(s), s) for s in stop if s in pending]
+        if hits:
+            i, _, matched = min(hits)
+            return out + [pending[:i]], matched
+        keep = max((k for s in stop for k in range(1, min(len(s) - 1, len(pending)) + 1)
+                    if pending.endswith(s[:k])), default=0)
+        out.append(pending[:len(pending) - keep])
+        pending = pending[len(pending) - keep:]
+    out[-1] += pending  # flushed at the end
+    return out, None
+
+
+def test_stop_string_matcher_against_its_definition():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        alphabet = "ab" if trial % 2 else "abc"
+        stop = ["".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 5))]
+        pieces = ["".join(rng.choices(alphabet + "x", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+        s = StopStrings(stop)
+        got = []
+        for piece in pieces:
+            got.append(s.push(piece))
+            assert len(s.pending) < max(map(len, stop))  # what is held back could still start a match
+            if s.matched is not None:
+                break
+        got[-1] += s.flush()
+        assert (got, s.matched) == reference_stop_strings(stop, pieces), (stop, pieces)
+
+
+def traced_lines(fn) -> int:
+    """Python lines run in modeling/api/outputs.py while ``fn`` runs (a count of operations, not
+    a time)."""
+    from modeling.api import outputs
+
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename != outputs.__file__:
+            return None
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_stop_strings_cost_the_text_not_their_number():
+    """Pushing text through 20,003 stop strings runs exactly the lines it runs through 3 of them
+    (the 20,000 others never occur in it): a push costs its piece and the held-back text, never a
+    pass over the stop strings. Before, each token cost (stop strings x pending text): one request
+    with 700,000 stop strings stalled the server's event loop for half a minute."""
+    few = ["Romeo, Romeo", "thou art", "\n\nJULIET"]
+    many = few + [f"\u4e00{i}" for i in range(20000)]
+    pieces = ["ROMEO:\nBut soft", ", what light", " through yonder", " Romeo, Ro", "se, thou", " ar"] * 30
+    matchers = [StopStrings(few), StopStrings(many)]  # built before counting (once per set of stop strings)
+
+    def push_all(s):
+        return lambda: [s.push(p) for p in pieces]
+
+    assert traced_lines(push_all(matchers[0])) == traced_lines(push_all(matchers[1]))
+    assert matchers[1].matched is None and matchers[1].pending == "thou ar"
+
+
 def test_token_id_prompts(steered):
     """vLLM's {"prompt_token_ids": [...]} prompt (alone, in a list, mixed with text, streamed) as a
     list, a tuple, a NumPy array or an integer tensor, all the same tokens."""
@@ -236,6 +313,11 @@ def test_chat_uses_the_checkpoint_template(steered):
     assert len(outs) == 2 and outs[0].prompt.startswith("<|im_start|>system\nBe brief.")
     (out,) = steered.chat(messages, SamplingParams(max_tokens=2), chat_template_kwargs={"enable_thinking": False})
     assert out.prompt.endswith("<think>\n\n</think>\n\n")
+    for key in ("messages", "tools", "add_generation_prompt"):  # the renderer's own arguments
+        with pytest.raises(ValueError, match=f"chat_template_kwargs may not set '{key}'"):
+            steered.chat(messages, SamplingParams(max_tokens=2), chat_template_kwargs={key: []})
+    with pytest.raises(ValueError, match=r"stop_token_ids \[4096\] lie outside the model's vocabulary \[0, 512\)"):
+        steered.generate("Hello", SamplingParams(max_tokens=2, stop_token_ids=[5, 4096]))
 
 
 def test_stream(steered):

@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,7 @@ from modeling.api.checkpoint import load_config
 from modeling.model.files import SIDE_FILE_LIMIT, read_file
 from modeling.model.loader import INDEX_FILE, load_plan
 from modeling.model.random_checkpoint import MARKER, build_random_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import isolated, needs_fifo
 
 CONFIG = dict(
     model_type="qwen2",
@@ -212,17 +209,6 @@ print(json.dumps(out))
 too, where Checkpoint.load fails); prints what each way said."""
 
 
-def isolated(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``python *args`` in the repository root, killed after ``timeout`` seconds and held to 2 GiB of
-    data: a reader that blocks on a FIFO or reads /dev/zero without end fails the test, it does not
-    hang it or exhaust the machine's memory."""
-    import resource
-
-    limit = 2 << 30
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)))
-
-
 @pytest.fixture(scope="module")
 def random_ckpt(tmp_path_factory) -> Path:
     return build_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", hidden_size=32, intermediate_size=48,
@@ -236,10 +222,6 @@ def hostile_copy(src: Path, dst: Path, file: str, kind: str) -> Path:
         (dst / file).unlink()
     HOSTILE[kind][0](dst / file)
     return dst
-
-
-needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"),
-                                reason="needs FIFOs and /dev/zero")
 
 
 @needs_fifo

@@ -12,7 +12,7 @@ import qwen_ops  # noqa: F401
 from qwen_ops import QwenOpError
 from qwen_ops.causal_conv1d import causal_conv1d_reference, causal_conv1d_varlen_reference
 from qwen_ops.registry import kernel_calls
-from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
+from tests.helpers import DEVICES, DTYPES, assert_close, padded, poison_allocator, randn
 
 K = 4
 # (B, T, C): T = 0, T = 1, T < K - 1, T not a multiple of the kernels' T blocks, C not a power of two.
@@ -228,15 +228,21 @@ ERRORS = [
      r"cu_seqlens must have shape \(3,\)"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 4, 3], dtype=torch.int32)),
      "cu_seqlens must rise from 0 to the 5 rows"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 2, 4], dtype=torch.int32)),
+     r"cu_seqlens must rise from 0 to the 5 rows, got \[0, 2, 4\]"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(cu=torch.tensor([0, 4, 2, 5], dtype=torch.int32),
+                                                 slots=torch.tensor([0, 1, 2]), cont=torch.tensor([True, False, True])),
+     r"cu_seqlens must rise from 0 to the 5 rows, got \[0, 4, 2, 5\]"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(slots=torch.tensor([0, 1], dtype=torch.int32)),
      "state_slots must be a 1-d int64"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
+    ("causal_conv1d_varlen", lambda: _bad_varlen(slots=torch.tensor([-1, 0])), r"state_slots must lie in \[0, 3\)"),
     ("causal_conv1d_varlen", lambda: _bad_varlen(cont=torch.ones(2, dtype=torch.int32)), "continues must be a bool"),
 ]
 
 
 def _bad_varlen(**over):
-    args = dict(x=torch.randn(5, 8), w=torch.randn(8, 4), pool=torch.randn(3, 8, 3),
+    args = dict(x=padded(5, 8), w=torch.randn(8, 4), pool=padded(3, 8, 3),
                 cu=torch.tensor([0, 2, 5], dtype=torch.int32), slots=torch.tensor([0, 1]),
                 cont=torch.tensor([True, False]))
     args.update(over)

@@ -14,7 +14,7 @@ from qwen_ops import QwenOpError
 from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_varlen_reference, gated_delta_gates_reference,
                                        recurrent_gated_delta_rule_varlen_reference)
 from qwen_ops.registry import kernel_calls
-from tests.helpers import DEVICES, DTYPES, SANITIZING, assert_close, poison_allocator, randn
+from tests.helpers import DEVICES, DTYPES, SANITIZING, assert_close, padded, poison_allocator, randn
 from tests.test_ops_gated_delta_rule import CHUNK_TOL, recurrence_fp64
 
 # (lengths, Hk, Hv, Dk, Dv)
@@ -220,16 +220,20 @@ def test_compile_fullgraph():
 
 def _bad(name, **over):
     n, s = 5, 2
-    args = dict(q=torch.randn(n, 1, 16), k=torch.randn(n, 1, 16), v=torch.randn(n, 2, 16))
+    args = dict(q=padded(n, 1, 16), k=padded(n, 1, 16), v=padded(n, 2, 16))
     if name == "chunk_gated_delta_rule_varlen":
         args.update(g=-torch.rand(n, 2), beta=torch.rand(n, 2))
     else:
         args.update(a=torch.randn(n, 2), b=torch.randn(n, 2), A_log=torch.randn(2), dt_bias=torch.randn(2))
-    args.update(state_pool=torch.zeros(3, 2, 16, 16), cu=torch.tensor([0, 2, n], dtype=torch.int32),
+    args.update(state_pool=padded(3, 2, 16, 16), cu=torch.tensor([0, 2, n], dtype=torch.int32),
                 slots=torch.tensor([0, 1]), cont=torch.tensor([True, False]), scale=0.25)
     args.update(over)
     return tuple(args.values())
 
+
+THREE_SEQS_DECREASING = dict(cu=torch.tensor([0, 4, 2, 5], dtype=torch.int32), slots=torch.tensor([0, 1, 2]),
+                             cont=torch.tensor([True, False, True]))
+"""Sequences whose rows go back (each within the N = 5 rows, so a kernel given them stays in bounds)."""
 
 ERRORS = [
     ("chunk_gated_delta_rule_varlen", dict(q=torch.randn(1, 5, 1, 16)), "q must have 3 dims"),
@@ -243,6 +247,11 @@ ERRORS = [
      "state_pool must be contiguous"),
     ("chunk_gated_delta_rule_varlen", dict(cu=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens must rise"),
     ("chunk_gated_delta_rule_varlen", dict(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
+    ("chunk_gated_delta_rule_varlen", dict(slots=torch.tensor([-1, 0])), r"state_slots must lie in \[0, 3\)"),
+    ("chunk_gated_delta_rule_varlen", THREE_SEQS_DECREASING, r"cu_seqlens must rise .*\[0, 4, 2, 5\]"),
+    ("recurrent_gated_delta_rule_varlen", dict(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
+    ("recurrent_gated_delta_rule_varlen", dict(cu=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens must rise"),
+    ("recurrent_gated_delta_rule_varlen", THREE_SEQS_DECREASING, r"cu_seqlens must rise .*\[0, 4, 2, 5\]"),
     ("chunk_gated_delta_rule_varlen", dict(cont=torch.tensor([True])), r"continues must be a bool tensor of shape"),
     ("recurrent_gated_delta_rule_varlen", dict(A_log=torch.randn(3)), "A_log must have shape"),
     ("recurrent_gated_delta_rule_varlen", dict(b=torch.randn(4, 2)), "b must have shape"),

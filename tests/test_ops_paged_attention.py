@@ -5,13 +5,16 @@ block and split edge, index tensors read through their strides, the kernel's cla
 device values, agreement with attention on the equivalent contiguous caches (decode rows sequence
 by sequence, prompts and chunks), opcheck and clear errors; `cuda`: Qwen3-0.6B and Qwen3.5 shapes,
 and one CUDA graph replayed at other lengths."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import qwen_ops
 from csrc_free_ops.common import cdiv
 from qwen_ops import kv_cache_store_slots_reference, paged_attention_reference
-from tests.helpers import DEVICES, DTYPES, assert_close, randn
+from tests.helpers import DEVICES, DTYPES, ROOT, assert_close, randn
 
 NAN = float("nan")
 
@@ -159,11 +162,26 @@ def test_plan_modes_and_splits_depend_on_shapes_only():
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_attention_kernel_clamps_bad_values(device):
-    """The kernel (no host check on CUDA) clamps: seq_lens past the table's reach, negative or
-    >= 2^31 (int64), block ids -1 or past num_blocks, cu_seqlens_q past N. The caches are views of
-    NaN-padded storage, so a read outside them would show; the result is the reference's on the
-    clamped values."""
+@pytest.mark.parametrize("reach", ["near", "far"])
+def test_paged_attention_kernel_clamps_bad_values(device, reach):
+    """The kernel (no host check on CUDA) clamps: seq_lens past the table's reach or negative, block
+    ids -1 or past num_blocks, cu_seqlens_q past N. "near": each bad value one block or one table
+    entry past its bound, with the caches and the block table views of padded storage (NaN around
+    the caches, valid block ids after the table), so that without its clamp the kernel reads the
+    padding and the test fails by assertion. "far": seq_lens >= 2^31 (int64), a block id of 10^6,
+    rows past N: without a clamp the kernel would read or write far outside its tensors, which
+    crashes the interpreter, so this case runs in a process of its own whose failure, crash
+    included, fails the test. The result is the reference's on the clamped values."""
+    if reach == "near":
+        clamped_case(device, reach)
+        return
+    code = f"from tests.test_ops_paged_attention import clamped_case; clamped_case({device!r}, {reach!r})"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}\n" + "\n".join(p.stderr.splitlines()[-20:])
+
+
+def clamped_case(device: str, reach: str) -> None:
+    """test_paged_attention_kernel_clamps_bad_values' case (``reach`` "near" or "far")."""
     from csrc_free_ops.paged_attention import paged_attention as kernel
 
     bs, hq, hk, d, nb = 16, 4, 2, 16, 6
@@ -171,9 +189,16 @@ def test_paged_attention_kernel_clamps_bad_values(device):
     storage[:, 1:nb + 1] = randn(2, nb, bs, hk, d, dtype=torch.float32, device=device)
     k_cache, v_cache = storage[0, 1:nb + 1], storage[1, 1:nb + 1]
     q = randn(7, hq, d, dtype=torch.float32, device=device)
-    table = torch.tensor([[0, 1], [2, -1], [4, 10**6], [1, 0], [5, 3]], dtype=torch.int32, device=device)
-    lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 1, 20], dtype=torch.int64, device=device)
-    cu = torch.tensor([0, 1, 2, 3, 5, 11], dtype=torch.int32, device=device)  # the last sequence claims rows past N=7
+    tables = torch.full((7, 2), 3, dtype=torch.int32, device=device)
+    table = tables[1:6]
+    if reach == "near":
+        table.copy_(torch.tensor([[0, 1], [2, -1], [4, nb], [1, 0], [5, 3]]))
+        lens = torch.tensor([2 * bs + 1, -1, 2 * bs + 1, 1, 20], dtype=torch.int64, device=device)
+        cu = torch.tensor([0, 1, 2, 3, 5, 7], dtype=torch.int32, device=device)
+    else:
+        table.copy_(torch.tensor([[0, 1], [2, -1], [4, 10**6], [1, 0], [5, 3]]))
+        lens = torch.tensor([2 * bs + 40, -3, 2**31 + 5, 1, 20], dtype=torch.int64, device=device)
+        cu = torch.tensor([0, 1, 2, 3, 5, 11], dtype=torch.int32, device=device)  # the last sequence claims rows past N=7
     out = kernel(q, k_cache, v_cache, cu, lens, table, 0.25, 2)
     clamped = (torch.tensor([0, 1, 2, 3, 5, 7], device=device), torch.tensor([2 * bs, 0, 2 * bs, 1, 20], device=device),
                table.clamp(0, nb - 1))
@@ -181,6 +206,25 @@ def test_paged_attention_kernel_clamps_bad_values(device):
     assert_close(out, ref, what="clamped values")
     assert not out[1].any(), "a negative length sees no key"
     assert not out[3].any() and out[4].any(), "a query before position 0 (length 1 < 2 new tokens) sees no key"
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_queries_that_see_no_key_give_zeros(device):
+    """A length below the sequence's query count (what the kernel makes of bad values, where it
+    clamps instead of checking) puts its first queries at negative positions: they see no key and
+    output zeros, in the kernel and in the reference, which is what the op runs on the CPU without
+    the interpreter (its softmax over no key alone would be NaN)."""
+    from csrc_free_ops.paged_attention import paged_attention as kernel
+
+    bs, hq, hk, d = 16, 4, 2, 16
+    k_cache, v_cache = (randn(2, bs, hk, d, dtype=torch.float32, device=device) for _ in range(2))
+    q = randn(4, hq, d, dtype=torch.float32, device=device)
+    cu, lens = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([0, 4], [2]))
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    ref = paged_attention_reference(q, k_cache, v_cache, cu, lens, table, 0.25, 4)
+    assert ref[2:].abs().sum() > 0 and not ref[:2].any(), "queries at positions -2 and -1 see no key: zeros"
+    assert_close(kernel(q, k_cache, v_cache, cu, lens, table, 0.25, 4), ref, what="no key, then keys")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -95,6 +95,59 @@ def test_stop_string_ends_a_choice_and_later_tokens_are_dropped(llm):
     assert gen.completion_tokens == len(c.token_ids) < len(tokens)
 
 
+class RecordingLoop:
+    """An engine client that takes submits and records aborts."""
+
+    def __init__(self):
+        self.aborted = []
+
+    def submit(self, sink, index, *args):
+        return 100 + index
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def test_a_matched_stop_string_aborts_the_choice_in_the_engine(llm):
+    """The step whose text completes a stop string aborts that choice's sequence in the engine at
+    once (the engine would otherwise decode up to max_tokens for text nobody gets); the other
+    choice runs on."""
+    import asyncio
+
+    tokens = llm.tokenizer.encode("What light through yonder window breaks")
+    plan = Plan([Prompt("x", [1])], 2, [SamplingParams(stop=("light",)), SamplingParams()], [50], [2], False, False,
+                True, None)
+    loop = RecordingLoop()
+
+    async def run():
+        gen = Generation(plan, False, loop, TokenStrings(llm.tokenizer), 0.0)
+        gen.submit()
+        aborted = []
+        for t in tokens[:3]:
+            gen.sink.put([TokenEvent(0, t, None, None, 0.0), TokenEvent(1, t, None, None, 0.0)])
+            await gen.next()
+            aborted.append(list(loop.aborted))
+        return gen, aborted
+
+    gen, aborted = asyncio.run(run())
+    assert gen.choices[0].finish_reason == "stop" and gen.choices[1].finish_reason is None
+    assert aborted == [[], [100], [100]]  # in the step that matched, once
+
+
+def test_without_max_tokens_a_prompt_near_the_context_gets_the_room_left(llm):
+    """No max_tokens: the default (16 for completions) cut to the room the context leaves, not a 400
+    for a prompt a few tokens short of it; chat takes all the room left."""
+    from modeling.serve.protocol import ChatCompletionRequest, plan_chat, plan_completion
+
+    near = parse(CompletionRequest, json.dumps({"prompt": [5] * 509}).encode())
+    assert plan_completion(near, llm, 512).max_tokens == [3]
+    far = parse(CompletionRequest, json.dumps({"prompt": [5] * 9}).encode())
+    assert plan_completion(far, llm, 512).max_tokens == [16]
+    chat = parse(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode())
+    plan = plan_chat(chat, llm, 512)
+    assert plan.max_tokens == [512 - len(plan.prompts[0].ids)]
+
+
 def test_steps_queued_for_a_request_are_merged_into_one_piece(llm):
     """A handler that fell behind the engine takes every queued step at once: one piece per choice
     with all their tokens (and the same text as one step at a time), then waits for the next."""
@@ -144,6 +197,8 @@ def test_parse_names_the_field(body, param, message):
     (["--port", "70000"], "--port"), (["--max-waiting", "0"], "--max-waiting"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"), (["--memory-fraction", "0"], "--gpu-memory-utilization"), (["--device", "tpu"], "--device"),
     (["--model", "/no/such/dir"], "--model"), (["--max-model-len", "513"], "max_position_embeddings (512)"),
+    (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "inf"], "--body-timeout"),
+    (["--body-timeout", "nan"], "--body-timeout"), (["--max-connections", "0"], "--max-connections"),
 ])
 def test_cli_refuses_bad_flags(argv, problem, capsys):
     from modeling.serve.__main__ import main
@@ -170,16 +225,22 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
     dead = []
     state = ServerState(llm, EngineClient(ThreadTransport(engine), engine.max_model_len, dead.append), Settings("m"))
     body = {"prompt": "ROMEO:", "max_tokens": 4}
+    def errors_500():
+        return state.metrics.registry.get_sample_value("qwen_serve_request_errors_total", {"status": "500"})
+
     with TestClient(create_app(state)) as client:
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
         assert "device lost" in r.json()["error"]["message"] and engine.blocks.num_free == engine.blocks.num_blocks
+        assert errors_500() == 1  # one failed request, counted once
         assert client.get("/health").status_code == 200  # one failed step: still serving
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
             lines = [line for line in s.iter_lines() if line]
         assert s.status_code == 200 and '"engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert errors_500() == 2
         for _ in range(MAX_CONSECUTIVE_FAILURES - 2):
             assert client.post("/v1/completions", json=body).status_code == 500
+        assert errors_500() == MAX_CONSECUTIVE_FAILURES
         deadline = 100
         while not dead and deadline:
             deadline -= 1

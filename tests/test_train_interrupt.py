@@ -7,7 +7,10 @@
   all at the saved step); its first process stops itself inside the step-0 validation, which
   leaves a directory that --resume continues and a fresh run refuses;
 - a second training into a directory that one is writing fails at once (exit 2, one line);
-- an --out or --state that cannot be a writable directory: exit 2, one line, no traceback.
+- an --out or --state that cannot be a writable directory, and every bad flag and input file (an
+  empty --out, a learning rate or clip that is not a finite positive number, a --data that is
+  /dev/zero, a FIFO, a directory, too large or not UTF-8, a --state that is a device or a folder, a
+  corrupt resume state): exit 2, one line, no traceback, nothing written.
 
 The runs are subprocesses without TRITON_INTERPRET (the PyTorch references: a few seconds each).
 """
@@ -24,6 +27,8 @@ import pytest
 import torch
 
 from modeling import train
+from modeling.train.constants import DATA_LIMIT
+from tests.helpers import isolated, needs_fifo
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "tinyshakespeare_20k.txt"
@@ -156,7 +161,59 @@ def test_out_that_cannot_be_a_directory(tmp_path, capsys):
     err = usage_error(capsys, "--out", tmp_path / "model", "--state", a_file / "state.pt")
     assert err.startswith(f"error: --state {a_file}: exists and is not a directory")
     assert usage_error(capsys, "--out", a_file, "--resume").startswith(f"error: --resume: --out {a_file} is not")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "model"] and not any((tmp_path / "model").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the refused run's --out is removed again
+
+
+MAIN_EACH = """
+import contextlib, io, json, sys
+from modeling import train
+
+out = []
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        out.append([train.main(argv), err.getvalue()])
+print(json.dumps(out))
+"""
+"""Runs modeling.train's main on each command line of its JSON argument; prints each exit status
+and what it wrote on stderr."""
+
+
+@needs_fifo
+def test_bad_flags_and_inputs_fail_in_one_line_and_write_nothing(tmp_path):
+    """Each a clear error, exit status 2, and the folders as they were (an --out made for the run is
+    removed again). In a process of its own with a timeout and 2 GiB of data: /dev/zero or a FIFO
+    as --data used to be read until the kernel killed the run, or forever."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    with open(tmp_path / "huge.txt", "wb") as f:  # sparse: nothing is written
+        f.truncate(2 * DATA_LIMIT)
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / train.STATE_FILE).write_bytes(b"PK\x03\x04 not a zip file")
+    (tmp_path / "old").mkdir()
+    torch.save({"version": 1, "args": {}}, tmp_path / "old" / train.STATE_FILE)
+    out = str(tmp_path / "new" / "model")
+    cases = [
+        (["--out", ""], "--out needs a path, got ''"),
+        (["--out", out, "--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--out", out, "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--out", out, "--grad-clip", "-1"], "--grad-clip must be a finite number > 0, got -1.0"),
+        (["--out", out, "--beta2", "1"], "--beta2 must be in [0, 1), got 1.0"),
+        (["--out", out, "--data", "/dev/zero"], "--data /dev/zero: zero is not a regular file (a character device)"),
+        (["--out", out, "--data", tmp_path / "fifo"], "fifo is not a regular file (a FIFO)"),
+        (["--out", out, "--data", tmp_path], "is not a regular file (a directory)"),
+        (["--out", out, "--data", tmp_path / "huge.txt"], "huge.txt is 2 GiB, larger than the 1 GiB"),
+        (["--out", out, "--data", tmp_path / "latin1.txt"], "latin1.txt is not valid UTF-8 (byte 0xe9 at offset 3)"),
+        (["--out", out, "--state", "/dev/null"], "--state /dev/null: exists and is not a regular file"),
+        (["--out", out, "--state", tmp_path], f"--state {tmp_path}: exists and is not a regular file"),
+        (["--out", tmp_path / "garbled", "--resume"], "is not a resume state (torch.load: "),
+        (["--out", tmp_path / "old", "--resume"], "resume state version 1, expected 2"),
+    ]
+    before = sorted(tmp_path.rglob("*"))
+    p = isolated("-c", MAIN_EACH, json.dumps([[*RUN, *map(str, argv)] for argv, _ in cases]))
+    assert p.returncode == 0, p.stderr
+    for (argv, message), (code, err) in zip(cases, json.loads(p.stdout)):
+        assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")

@@ -17,7 +17,7 @@ from qwen_ops import (add_rms_norm_reference, attention_reference, linear_cross_
                       rms_norm_reference, rope_reference, silu_mul_reference)
 from qwen_ops.cross_entropy import linear_cross_entropy_with_lse_reference
 from qwen_ops import attention_backward_reference, attention_with_lse_reference, silu_mul_split_reference
-from tests.helpers import DEVICES, SANITIZING, assert_close, poison_allocator, randn
+from tests.helpers import DEVICES, SANITIZING, assert_close, gpu_memory_lock, poison_allocator, randn
 
 ops = torch.ops.qwen
 F64 = dict(dtype=torch.float64)
@@ -512,9 +512,11 @@ def test_compiled_backward_at_model_shapes(name):
     if name == "patched_qwen3_layer":
         pytest.importorskip("transformers")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", f"from tests.test_training_ops import _compare_compiled_backward as "
-                           f"c; c({name!r})"], cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
+    with gpu_memory_lock():  # model shapes: one such test at a time on a GPU (bench.cuda_suite)
+        proc = subprocess.run([sys.executable, "-c", f"from tests.test_training_ops import _compare_compiled_backward "
+                               f"as c; c({name!r})"], cwd=root, capture_output=True, text=True, timeout=600,
+                              env={**os.environ,
+                                   "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n" + "\n".join(proc.stderr.splitlines()[-25:])
 
 

@@ -11,6 +11,12 @@ from .checkpoint import Checkpoint
 from .tokenizer import QwenTokenizer
 
 Message = Mapping[str, Any]
+RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
+"""What ``render_chat`` gives the chat template itself: never a ``chat_template_kwargs`` key."""
+
+
+class TemplateKwargsError(ValueError):
+    """A ``chat_template_kwargs`` key that is one of ``RENDER_ARGUMENTS``."""
 
 
 class Frontend:
@@ -42,15 +48,25 @@ class Frontend:
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
                     tools: Optional[List[Dict[str, Any]]] = None) -> str:
-        """The prompt text of a conversation, rendered with the checkpoint's chat template."""
+        """The prompt text of a conversation, rendered with the checkpoint's chat template;
+        ``TemplateKwargsError`` for a ``chat_template_kwargs`` key of ``RENDER_ARGUMENTS``."""
         kwargs = dict(chat_template_kwargs or {})
+        taken = [k for k in RENDER_ARGUMENTS if k in kwargs]
+        if taken:
+            raise TemplateKwargsError(f"chat_template_kwargs may not set {taken[0]!r}, which the chat template "
+                                      "gets from its own argument")
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
         return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                                          **kwargs)
 
     def stop_ids(self, params: SamplingParams) -> List[int]:
-        """EOS (unless ``ignore_eos``) and ``params.stop_token_ids``, each once."""
+        """EOS (unless ``ignore_eos``) and ``params.stop_token_ids``, each once; a ``ValueError`` for
+        a stop token id outside the vocabulary (it could never be sampled)."""
+        vocab = self.config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:4]} lie outside the model's vocabulary [0, {vocab})")
         ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
                                  + list(params.stop_token_ids)))
         if len(ids) > MAX_STOP_IDS:

@@ -2,8 +2,10 @@
 and one completion's output as its tokens arrive (``Completion``: incremental detokenization, stop
 strings, logprobs, the finish and stop reasons), which ``LLM`` and the server share."""
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import LogprobEntry
@@ -85,34 +87,80 @@ class RequestOutput:
 
 class StopStrings:
     """Text pieces in, the text to emit out, up to the first stop string. What could still be the
-    start of a stop string is held back until the next piece shows it is not."""
+    start of a stop string is held back until the next piece shows it is not.
+
+    A push finds, in the held-back text and the new piece, the match that starts first (at one
+    place, the longest). The stop strings are one Aho-Corasick automaton (``_automaton``, built
+    once per tuple of stop strings), so a push costs the length of its piece plus at most the
+    longest stop string, whatever their number; the text held back is never longer than the
+    longest stop string minus one."""
 
     def __init__(self, stop: Sequence[str]):
         self.stop = tuple(stop)
         self.pending = ""
         self.matched: Optional[str] = None
+        self._automaton = _automaton(self.stop) if self.stop else None
+        self._node = 0  # the automaton's state: the node that spells ``pending``
 
     def push(self, piece: str) -> str:
         if self.matched is not None:
             return ""
-        self.pending += piece
-        if not self.stop:
-            out, self.pending = self.pending, ""
-            return out
-        hits = [(i, s) for s in self.stop for i in [self.pending.find(s)] if i >= 0]
-        if hits:
-            i, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
-            out, self.pending = self.pending[:i], ""
-            return out
-        keep = max((k for s in self.stop for k in range(min(len(s) - 1, len(self.pending)), 0, -1)
-                    if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
+        if self._automaton is None:
+            return piece
+        goto, fail, depth, out = self._automaton
+        text, base, node = self.pending + piece, len(self.pending), self._node
+        start, found = len(text), None  # the best match so far: its start, its stop string
+        for end, c in enumerate(piece, base + 1):
+            while node and c not in goto[node]:
+                node = fail[node]
+            node = goto[node].get(c, 0)
+            s = out[node]  # the longest stop string ending here: the earliest start of those that do
+            if s is not None and (end - len(s), -len(s)) < (start, -len(found or "")):
+                start, found = end - len(s), s
+            if found is not None and end - depth[node] > start:
+                break  # every match still in progress starts after the one found
+        if found is not None:
+            self.matched, self.pending, self._node = found, "", 0
+            return text[:start]
+        cut = len(text) - depth[node]  # the longest end of the text a stop string starts with
+        self.pending, self._node = text[cut:], node
+        return text[:cut]
 
     def flush(self) -> str:
-        out, self.pending = ("" if self.matched is not None else self.pending), ""
+        out, self.pending, self._node = ("" if self.matched is not None else self.pending), "", 0
         return out
+
+
+@lru_cache(maxsize=64)
+def _automaton(stop: Tuple[str, ...]) -> Tuple[List[Dict[str, int]], List[int], List[int], List[Optional[str]]]:
+    """The Aho-Corasick automaton of ``stop``: per node (0 the root; node n spells the prefix of a
+    stop string of length ``depth[n]``), its children ``goto[n]``, its failure link ``fail[n]``
+    (the node of its longest proper suffix that is a prefix of a stop string) and ``out[n]``, the
+    longest stop string that ends its text (None if none does)."""
+    goto: List[Dict[str, int]] = [{}]
+    depth, out = [0], [None]
+    for s in stop:
+        node = 0
+        for c in s:
+            if c not in goto[node]:
+                goto[node][c] = len(goto)
+                goto.append({})
+                depth.append(depth[node] + 1)
+                out.append(None)
+            node = goto[node][c]
+        out[node] = s
+    fail = [0] * len(goto)
+    queue = deque(goto[0].values())
+    while queue:  # breadth first: a node's failure link is shallower, so it is complete
+        node = queue.popleft()
+        out[node] = out[node] if out[node] is not None else out[fail[node]]
+        for c, child in goto[node].items():
+            f = fail[node]
+            while f and c not in goto[f]:
+                f = fail[f]
+            fail[child] = goto[f].get(c, 0)
+            queue.append(child)
+    return goto, fail, depth, out
 
 
 class TextRow:

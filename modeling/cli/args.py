@@ -26,6 +26,8 @@ REMOVED_FLAGS = {"--prefill-graph": "the engine captures prefill steps in CUDA g
                  "--no-prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
                                        "(--enforce-eager runs every step eagerly)"}
 """Earlier flags that mean nothing on the engine: refused, saying what to use."""
+BATCH_FILE_LIMIT = 64 << 20
+"""Bytes --batch-file reads at most (a file, or standard input)."""
 # Only os, sys, typing, modeling.api.commands and modeling.engine.prompts (which import nothing heavy)
 # at the top of the command line's modules: Ctrl-C lands in main's handler from the first instant;
 # argparse, json, torch... are imported inside the functions.
@@ -197,14 +199,12 @@ def split_prompts(text: str) -> List[str]:
     return [line for line in lines if line.strip()]
 
 
-def _decode_utf8(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
-
-
 def read_prompts(a: argparse.Namespace) -> List[str]:
+    """The prompts: --prompt, or the lines of --batch-file, a regular file (as the checkpoint's files
+    are read: ``modeling.model.files``; a FIFO, a device or a directory is refused, never waited on)
+    or standard input, of at most ``BATCH_FILE_LIMIT`` bytes."""
+    from ..model.files import decode_utf8, format_size, read_file
+
     if a.batch_file is None:
         return [] if a.prompt is None else [a.prompt]
     if a.batch_file == "-":
@@ -212,18 +212,18 @@ def read_prompts(a: argparse.Namespace) -> List[str]:
         if stdin is None:
             raise UsageError("--batch-file -: standard input is closed")
         try:
-            data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8", "surrogateescape")
+            data = (stdin.buffer.read(BATCH_FILE_LIMIT + 1) if hasattr(stdin, "buffer")
+                    else stdin.read(BATCH_FILE_LIMIT + 1).encode("utf-8", "surrogateescape"))
         except OSError as e:
             raise UsageError(f"--batch-file -: cannot read standard input: {e}") from None
-        text, name = _decode_utf8(data, "--batch-file - (standard input)"), "- (standard input)"
+        if len(data) > BATCH_FILE_LIMIT:
+            raise UsageError(f"--batch-file -: standard input holds more than the {format_size(BATCH_FILE_LIMIT)} "
+                             "a batch file may have")
+        text, name = decode_utf8(data, "--batch-file - (standard input)", UsageError), "- (standard input)"
     else:
-        from pathlib import Path
-
-        try:
-            data = Path(a.batch_file).read_bytes()
-        except OSError as e:
-            raise UsageError(f"cannot read --batch-file {a.batch_file!r}: {e.strerror or e}") from None
-        text, name = _decode_utf8(data, f"--batch-file {a.batch_file!r}"), repr(a.batch_file)
+        data = read_file(a.batch_file, BATCH_FILE_LIMIT, lambda m: UsageError(f"cannot read --batch-file "
+                                                                               f"{a.batch_file!r}: {m}"))
+        text, name = decode_utf8(data, f"--batch-file {a.batch_file!r}", UsageError), repr(a.batch_file)
     prompts = split_prompts(text)
     if not prompts:
         raise UsageError(f"--batch-file {name} holds no prompt (one per line)")

@@ -163,12 +163,12 @@ class Engine:
     def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
         """Schedule, build and launch a step (after ``prev``, whose tokens may still be on the device)."""
         t0 = time.perf_counter()
-        with self._lock:
+        with self._lock:  # an abort from another thread cannot release a block table while it is packed
             scheduled = self.scheduler.schedule()
-        if not scheduled.work:
-            return None
+            if not scheduled.work:
+                return None
+            batch = self.runner.prepare(scheduled)
         dev = self.model.device
-        batch = self.runner.prepare(scheduled)
         if batch.pending:
             src = [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]
             if scheduled.decode_only and src == batch.pending == list(range(len(src))):
@@ -184,6 +184,8 @@ class Engine:
         sampled = sample_sequences(logits, seqs, [s.num_tokens for s in seqs]) if seqs else None
         with self._lock:
             for seq, n in scheduled.work:
+                if seq.status is Status.FINISHED:  # aborted while the step ran: its blocks are gone
+                    continue
                 if seq.num_computed < seq.num_prompt:
                     self.stats.prompt_tokens += min(n, seq.num_prompt - seq.num_computed)
                 seq.num_computed += n

@@ -90,6 +90,15 @@ def read_json(path: PathLike, error: Error = ValueError, optional: bool = False,
     return data
 
 
+def decode_utf8(data: bytes, what: str, error: Error = ValueError) -> str:
+    """``data`` as UTF-8 text (a leading BOM dropped); ``error`` naming ``what`` and the first byte
+    that is not UTF-8 otherwise."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def _check_regular(path: PathLike, mode: int, error: Error) -> None:
     if stat.S_ISREG(mode):
         return

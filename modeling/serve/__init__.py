@@ -12,6 +12,8 @@
 - ``engine_core``: the loop that steps the engine and reports each step (in the engine's process);
   ``engine_process``: that process and its pipes; ``engine_loop``: the server's side of it
   (``EngineClient`` hands each request its tokens), or the loop in a thread (``ThreadTransport``).
+- ``connections``: uvicorn's HTTP protocol with a deadline for each request's head and a cap on the
+  connections open at once.
 - ``metrics``: Prometheus metrics; ``drain``: SIGTERM/SIGINT handling; ``errors``: OpenAI's error JSON.
 
 Needs the ``serve`` extra (FastAPI, uvicorn, prometheus_client): ``pip install 'qwen-triton-ops[serve]'``.

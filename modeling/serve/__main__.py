@@ -63,6 +63,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="sequences that may wait for the engine; a request past it gets 429 (default 1024)")
     h.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body; a larger one gets 413 (default 8 MiB)")
+    h.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's head (its line and headers) may take to arrive, from the "
+                        "connection's opening or the previous response; then the connection is closed (default 10)")
+    h.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its head; then 408 (default 30)")
+    h.add_argument("--max-connections", type=int, default=1000,
+                   help="connections open at once; one more is answered 503 and closed (default 1000)")
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT (default 30)")
     h.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -93,7 +100,8 @@ def check_args(a: argparse.Namespace) -> None:
     if not 0 <= a.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {a.port}")
     for flag, value in (("--max-waiting", a.max_waiting), ("--max-num-seqs", a.max_num_seqs),
-                        ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--max-body-bytes", a.max_body_bytes)):
+                        ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--max-body-bytes", a.max_body_bytes),
+                        ("--max-connections", a.max_connections)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.max_model_len is not None and a.max_model_len < 2:
@@ -102,6 +110,9 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--gpu-memory-utilization must lie in (0, 1], got {a.gpu_memory_utilization}")
     if a.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {a.drain_timeout}")
+    for flag, value in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
+        if not 0 < value < float("inf"):
+            raise UsageError(f"{flag} must be a finite number of seconds > 0, got {value}")
     if a.device is not None and not re.fullmatch(DEVICE_PATTERN, a.device):
         raise UsageError(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None  # an empty key is no key
@@ -137,6 +148,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
         import uvicorn
 
         from .app import ServerState, Settings, create_app
+        from .connections import guarded_protocol
         from .drain import DrainingServer
     except ImportError as e:
         raise UsageError(f"the server needs the 'serve' extra (missing {e.name}): "
@@ -178,9 +190,11 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
             server.should_exit = True
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
-    state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes))
+    state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
+                                                       a.body_timeout))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
-                            timeout_graceful_shutdown=a.drain_timeout, lifespan="on")
+                            timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
+                            http=guarded_protocol(a.header_timeout, a.max_connections))
     server = DrainingServer(config, state)
     tune_gc()
     try:

@@ -1,11 +1,12 @@
 """The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
 
-A generation request is read (at most ``max_body_bytes``, else 413), validated into a ``Plan``
-(``protocol``), admitted (429 past ``max_waiting`` waiting sequences), submitted to the engine
-(``engine_loop.EngineClient``) and answered as one JSON object or as Server-Sent Events. A client that
-goes away (mid-stream, or while waiting for a whole response) has its sequences aborted, which
-frees their KV blocks. Every error is OpenAI's JSON shape (``errors``); one log line per request
-says its status, tokens and timings.
+A generation request is read (at most ``max_body_bytes``, else 413; within ``body_timeout`` seconds,
+else 408), validated into a ``Plan`` (``protocol``), admitted (429 past ``max_waiting`` waiting
+sequences), submitted to the engine (``engine_loop.EngineClient``) and answered as one JSON object or
+as Server-Sent Events. A client that goes away (while sending its body, mid-stream, or while waiting
+for a whole response) is no error: it is logged as a 499 and its sequences are aborted, which frees
+their KV blocks. Every error is OpenAI's JSON shape (``errors``); one log line per request says its
+status, tokens and timings.
 """
 
 import asyncio
@@ -20,11 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..api.frontend import Frontend
 from .engine_loop import EngineClient
 from .errors import APIError, error_body
-from .generation import EngineError, Generation, check_admission
+from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
 from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
@@ -38,6 +40,7 @@ class Settings:
     api_key: Optional[str] = None
     max_waiting: int = 1024
     max_body_bytes: int = 8 << 20
+    body_timeout: float = 30.0
 
 
 class ServerState:
@@ -71,12 +74,20 @@ class ServerState:
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with a 413 as soon as it passes ``limit`` bytes."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body, refused with a 413 as soon as it passes ``limit`` bytes, and with a 408
+    (the connection then closes) when it has not all arrived ``timeout`` seconds after its head."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"The request body ({declared} bytes) is larger than this server takes ({limit} bytes)",
                        code="request_too_large")
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g} s", code="request_timeout") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -102,7 +113,8 @@ def create_app(state: ServerState) -> FastAPI:
     def error_response(request: Request, status: int, message: str, param=None, code=None) -> JSONResponse:
         state.metrics.errors.labels(str(status)).inc()
         log.info("request %s %s %d: %s", request.method, request.url.path, status, message)
-        return JSONResponse(error_body(status, message, param, code), status_code=status)
+        headers = {"Connection": "close"} if status == 408 else None  # what is left of the body is never read
+        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -118,6 +130,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def validation_error(request: Request, e: RequestValidationError):
         return error_response(request, 400, str(e.errors()[0].get("msg", e)))
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, e: ClientDisconnect):
+        log.info("request %s %s 499: the client left while sending its body", request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("request %s %s failed", request.method, request.url.path)
@@ -128,7 +145,7 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": state.settings.served_model_name, "object": "model", "created": state.created,
                 "owned_by": "qwen-triton-ops", "root": str(state.llm.path), "max_model_len": state.loop.max_model_len}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers send HEAD
     async def health():
         problem = state.unavailable()
         return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
@@ -166,7 +183,7 @@ def create_app(state: ServerState) -> FastAPI:
         problem = state.unavailable()
         if problem:
             raise APIError(503, problem, code="unavailable")
-        body = await read_body(request, state.settings.max_body_bytes)
+        body = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout)
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         requested_model(req, state.settings.served_model_name)
         planner = plan_chat if chat else plan_completion
@@ -178,25 +195,27 @@ def create_app(state: ServerState) -> FastAPI:
         if plan.stream:
             return ClosingStream(stream(request, gen, envelope), lambda: finish(request, gen, 499),
                                  lambda: state.draining)
-        return JSONResponse(await collect(request, gen, envelope))
+        return await collect(request, gen, envelope)
 
-    async def collect(request: Request, gen: Generation, envelope: Envelope) -> Dict[str, Any]:
+    async def collect(request: Request, gen: Generation, envelope: Envelope) -> Response:
+        """The whole response; its request's metrics and log line (``finish``) count an engine
+        failure once, here, not again as an ``APIError``."""
         status = 499  # the client went away, unless the loop ends
-        handler = asyncio.current_task()
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handler))
+        watcher = asyncio.create_task(_watch_disconnect(request, gen))
         try:
             while not gen.done:
                 await gen.next()
             status = 200
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         except EngineError as e:
             status = 500
-            raise APIError(500, f"The engine failed while running this request ({e}); see the server log",
-                           code="engine_error") from None
+            return JSONResponse(engine_error(e), status_code=500)
         finally:
             watcher.cancel()
             finish(request, gen, status)
         choices = [gen.chat_choice(c) if gen.chat else gen.completion_choice(c) for c in gen.choices]
-        return envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens))
+        return JSONResponse(envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens)))
 
     async def stream(request: Request, gen: Generation, envelope: Envelope):
         include = gen.plan.include_usage
@@ -214,8 +233,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield "".join(events) + SSE_DONE
         except EngineError as e:
             status = 500
-            yield sse(error_body(500, f"The engine failed while running this request ({e}); see the server log",
-                                 code="engine_error"))
+            yield sse(engine_error(e))
             yield SSE_DONE
         finally:
             finish(request, gen, status)
@@ -270,10 +288,17 @@ class ClosingStream(StreamingResponse):
             self.on_close()
 
 
-async def _cancel_on_disconnect(request: Request, handler: asyncio.Task) -> None:
-    """Cancel ``handler`` when the client disconnects before its response is sent."""
+def engine_error(e: EngineError) -> Dict[str, Any]:
+    """The error body of a request the engine failed (a 500, or the last event of its stream)."""
+    return error_body(500, f"The engine failed while running this request ({e}); see the server log",
+                      code="engine_error")
+
+
+async def _watch_disconnect(request: Request, gen: Generation) -> None:
+    """Wake ``gen``'s handler with ``ClientGone`` when the client disconnects before its response
+    is sent (no cancellation: the handler ends as it does for any other reason)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            handler.cancel()
+            gen.sink.put(ClientGone())
             return

@@ -2,15 +2,16 @@
 
 Every failure a client sees is an ``APIError`` turned into that JSON (``error_body``), never a
 traceback: 400 invalid parameters (``param`` names the field), 401 a missing or wrong API key,
-404 an unknown model or route, 413 a body over the size limit, 429 the waiting queue full,
-500 a failure inside the server (details in its log only), 503 draining or the engine unusable.
+404 an unknown model or route, 408 a body that did not arrive in time, 413 a body over the size
+limit, 429 the waiting queue full, 500 a failure inside the server (details in its log only), 503
+draining, the engine unusable or too many connections.
 """
 
 from typing import Any, Dict, Optional
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         500: "server_error", 503: "server_error"}
+         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 """The ``type`` of each status, as OpenAI names them."""
 
 

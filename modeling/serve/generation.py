@@ -20,6 +20,11 @@ class EngineError(Exception):
     """The engine failed a step while this request was in it (a 500 for the client)."""
 
 
+class ClientGone(Exception):
+    """The client disconnected before its whole response was ready: put in the request's sink, so
+    that the handler waiting for tokens wakes and ends (a 499 that nobody reads)."""
+
+
 @dataclass
 class Piece:
     """What one update added to a choice: text (split for chat), token ids, logprobs, and the
@@ -130,11 +135,14 @@ class Generation:
 
     async def next(self) -> List[Tuple[Choice, Piece]]:
         """The pieces of the engine steps that reached this request since the last call, one per
-        choice (``EngineError`` if the engine failed it). Waits for the next step when none did;
-        when several are queued (the event loop fell behind the engine), their tokens are merged,
-        so a busy server sends fewer, longer chunks instead of falling further behind."""
+        choice (``EngineError`` if the engine failed it, ``ClientGone`` if the client left). Waits
+        for the next step when none did; when several are queued (the event loop fell behind the
+        engine), their tokens are merged, so a busy server sends fewer, longer chunks instead of
+        falling further behind."""
         items = await self.sink.take()
-        failure = next((item for item in items if isinstance(item, EngineFailure)), None)
+        failure = next((item for item in items if isinstance(item, (EngineFailure, ClientGone))), None)
+        if isinstance(failure, ClientGone):
+            raise failure
         if failure is not None:
             for c in self.choices:
                 if c.finish_reason is None:

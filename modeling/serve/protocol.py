@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..api.frontend import Frontend
+from ..api.frontend import Frontend, TemplateKwargsError
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
@@ -24,6 +24,10 @@ from .errors import APIError, invalid, unsupported
 
 MAX_N = 16
 """Choices per prompt at most."""
+MAX_STOP_STRINGS = 16
+"""Stop strings a request may give at most (OpenAI's API takes 4)."""
+MAX_STOP_CHARS = 1024
+"""Characters of a request's stop strings together, at most."""
 DEFAULT_COMPLETION_TOKENS = 16
 """max_tokens of /v1/completions when neither the request nor generation_config.json says (OpenAI's)."""
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -129,6 +133,8 @@ def parse(model: type, body: bytes) -> Any:
         if err["type"] == "json_invalid":
             raise invalid(f"the request body is not valid JSON: {err['msg']}") from None
         if err["type"] == "model_type":
+            if loc:
+                raise invalid(f"'{_path(loc)}' must be a JSON object", param) from None
             raise invalid("the request body must be a JSON object") from None
         if err["type"] == "extra_forbidden" and len(loc) == 1:
             raise invalid(f"Unrecognized request argument supplied: {param}", param) from None
@@ -216,6 +222,9 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> Sampling
     given["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 also means off
     given = {k: v for k, v in given.items() if v is not None}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
+        raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters together, "
+                      f"got {len(stop)} of {sum(map(len, stop))}", "stop")
     try:
         return replace(llm.get_default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
@@ -386,6 +395,8 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
     try:
         text = llm.render_chat(messages, req.add_generation_prompt, chat_template_kwargs=kwargs, tools=tools)
         ids = llm.tokenizer.encode(text)
+    except TemplateKwargsError as e:
+        raise invalid(str(e), "chat_template_kwargs") from None
     except (ChatTemplateError, ValueError) as e:
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:

@@ -3,13 +3,15 @@ lock (``OutLock``), the signals that stop a run (``StopSignals``), progress, ``m
 
 import argparse
 import fcntl
+import math
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .constants import DATA_FILE, LOCK_FILE, LOG_FILE, MODEL_FILES, PER_INVOCATION, PLOT_FILE, PRESETS, RESUME_OVERRIDES, STATE_FILE, STOP_SIGNALS, UsageError
+from .files import read_state
 from .model_init import take_init_settings
 from .plot import plot
 from .trainer import Trainer
@@ -94,18 +96,30 @@ def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.plot is None and a.out is None:
         problems.append("give --out DIR (or --plot DIR)")
+    for name in ("out", "state", "data", "init", "plot"):
+        if getattr(a, name) == "":
+            problems.append(f"--{name} needs a path, got ''")
     if a.device is not None and a.device.split(":")[0] not in ("cuda", "cpu"):
         problems.append(f"--device must be cuda or cpu, got {a.device!r}")
     for name in ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size",
                  "seq_len", "batch_size", "eval_every", "log_every", "eval_batch_size"):
         if getattr(a, name) is None or getattr(a, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    if a.steps is None and (a.epochs is None or a.epochs <= 0):
-        problems.append("give --steps N or --epochs E > 0")
+    if a.steps is None and (a.epochs is None or not 0 < a.epochs < math.inf):
+        problems.append("give --steps N or --epochs E > 0 (finite)")
     if a.steps is not None and a.steps < 1:
         problems.append("--steps must be >= 1")
-    if a.max_minutes is not None and a.max_minutes <= 0:
-        problems.append("--max-minutes must be > 0")
+    if a.max_minutes is not None and not 0 < a.max_minutes < math.inf:
+        problems.append("--max-minutes must be a finite number > 0")
+    for name, low, inclusive in (("lr", 0.0, False), ("min_lr", 0.0, True), ("weight_decay", 0.0, True),
+                                 ("grad_clip", 0.0, False), ("init_std", 0.0, False), ("rope_theta", 0.0, False)):
+        value = getattr(a, name)
+        if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            problems.append(f"--{name.replace('_', '-')} must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+                            f"got {value}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(a, name) < 1:
+            problems.append(f"--{name} must be in [0, 1), got {getattr(a, name)}")
     if not 0 <= a.dropout < 1:
         problems.append("--dropout must be in [0, 1)")
     if not 0 < a.val_fraction < 1:
@@ -120,27 +134,28 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError("; ".join(problems))
 
 
-def prepare(a: argparse.Namespace) -> Tuple[Path, Path, "OutLock"]:
-    """Create --out (and --state's folder), take OUT's lock, check that a fresh run finds no run there
-    and that --resume finds one, and merge a resume state's settings into ``a``; (out, state path,
-    the lock, which the caller releases)."""
-    import torch
-
+def prepare(a: argparse.Namespace, created: Optional[List[Path]] = None) -> Tuple[Path, Path, "OutLock"]:
+    """Create --out (and --state's folder; the folders made are appended to ``created``), take OUT's
+    lock, check that a fresh run finds no run there and that --resume finds one, and merge a resume
+    state's settings into ``a``; (out, state path, the lock, which the caller releases)."""
     out = Path(a.out)
     state_path = Path(a.state) if a.state not in (None, "none") else out / STATE_FILE
     if a.resume and not out.is_dir():
         raise UsageError(f"--resume: --out {out} is not a directory")
-    _make_dir(out, "--out")
+    if a.state not in (None, "none") and os.path.lexists(state_path) and not state_path.is_file():
+        raise UsageError(f"--state {state_path}: exists and is not a regular file (name a file: a new one, or a "
+                         "resume state to continue)")
+    _make_dir(out, "--out", created)
     if a.state not in (None, "none"):
-        _make_dir(state_path.parent, "--state")
+        _make_dir(state_path.parent, "--state", created)
     lock = OutLock(out)
     try:
         if a.resume:
             if a.state == "none":
                 raise UsageError("--resume needs a resume state: drop --state none")
-            if not state_path.is_file():
+            if not os.path.lexists(state_path):
                 raise UsageError(f"--resume: no resume state at {state_path}")
-            saved = torch.load(state_path, map_location="cpu", weights_only=True).get("args", {})
+            saved = read_state(state_path)["args"]
             for k, v in saved.items():
                 if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
                     setattr(a, k, v)
@@ -160,15 +175,29 @@ def prepare(a: argparse.Namespace) -> Tuple[Path, Path, "OutLock"]:
     return out, state_path, lock
 
 
-def _make_dir(path: Path, flag: str) -> None:
-    """``path`` as a directory (created with its parents if missing); UsageError naming ``flag`` where it
-    cannot be one."""
+def _make_dir(path: Path, flag: str, created: Optional[List[Path]] = None) -> None:
+    """``path`` as a directory (created with its parents if missing, each appended to ``created``);
+    UsageError naming ``flag`` where it cannot be one."""
+    missing = [p for p in (path, *path.parents) if not os.path.lexists(p)][::-1]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise UsageError(f"{flag} {path}: exists and is not a directory") from None
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
+    finally:
+        if created is not None:
+            created += [p for p in missing if os.path.isdir(p)]
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (made by this invocation, parents first) that are still empty, deepest
+    first: a run refused after ``prepare`` leaves nothing behind."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:  # something was written in it
+            pass
 
 
 class OutLock:
@@ -239,6 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a = parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
+    created: List[Path] = []  # the folders this invocation made (removed again if it is refused)
     try:
         check_args(a)
         if a.plot is not None:
@@ -248,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
         with StopSignals() as stop:  # `timeout`, `kill`, Ctrl-C: finish the step, save, then stop
-            out, state_path, lock = prepare(a)  # on --resume: the saved device unless --device is given
+            out, state_path, lock = prepare(a, created)  # on --resume: the saved device unless --device is given
             try:
                 if a.device.startswith("cuda") and not torch.cuda.is_available():
                     raise UsageError(f"--device {a.device}: no CUDA device is available")
@@ -264,6 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 lock.release()
         return 0
     except UsageError as e:
+        _remove_empty(created)
         notice(f"error: {e}")
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,9 @@ from typing import Any, Dict
 
 
 DATA_FILE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
+DATA_LIMIT = 1 << 30
+"""Bytes --data may have (Tiny Shakespeare has 1.1 MB): the whole text, its tokens and the BPE
+training all sit in memory."""
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 LOG_FILE = "training_log.json"

@@ -5,7 +5,17 @@ import math
 from pathlib import Path
 from typing import List, Tuple
 
-from .constants import GENERATION_DEFAULTS, MAX_SPEAKER, UsageError
+from .constants import DATA_LIMIT, GENERATION_DEFAULTS, MAX_SPEAKER, UsageError
+
+
+def read_text(path: str) -> str:
+    """The text of --data: a regular file (read as a checkpoint's files are, ``modeling.model.files``:
+    a FIFO, a device or a directory is refused, never waited on) of at most ``DATA_LIMIT`` bytes,
+    in UTF-8."""
+    from ..model.files import decode_utf8, read_file
+
+    data = read_file(path, DATA_LIMIT, lambda message: UsageError(f"--data {path}: {message}"))
+    return decode_utf8(data, f"--data {path}", UsageError)
 
 
 def split_text(text: str, val_fraction: float) -> Tuple[str, str]:

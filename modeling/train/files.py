@@ -1,12 +1,16 @@
 """Writing the output directory safely (fsynced temporary files and ``os.replace``), reading a
-tokenizer back, and the small formatters of the run's messages and log."""
+tokenizer and a resume state back, and the small formatters of the run's messages and log."""
 
 import json
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Sequence
 
-from .constants import UsageError
+from .constants import STATE_VERSION, UsageError
+
+STATE_KEYS = ("version", "args", "step", "tokens_seen", "elapsed_s", "weights", "optimizer", "best", "best_weights",
+              "rng", "log")
+"""What a resume state holds (``Trainer.save_state``)."""
 
 
 def _read_tokenizer(folder: Path):
@@ -18,6 +22,29 @@ def _read_tokenizer(folder: Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception
         raise UsageError(f"cannot read {path}: {' '.join(str(e).split())}") from None
+
+
+def read_state(path: Path) -> Dict[str, Any]:
+    """The resume state at ``path``: a regular file (``modeling.model.files.open_file``) that
+    ``torch.load`` reads (weights only) as this trainer's ``STATE_VERSION``, with every part of
+    ``STATE_KEYS``; a UsageError naming it otherwise (a corrupt or foreign file, a device, a
+    directory), never a traceback."""
+    import torch
+
+    from ..model.files import open_file
+
+    with open_file(path, lambda message: UsageError(f"--resume: {message}")) as f:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and torch errors of a file torch.save did not write
+            raise UsageError(f"--resume: {path} is not a resume state (torch.load: {type(e).__name__})") from None
+    if not isinstance(state, dict) or "version" not in state:
+        raise UsageError(f"--resume: {path} is not a resume state of this trainer")
+    if state["version"] != STATE_VERSION:
+        raise UsageError(f"--resume: {path}: resume state version {state['version']!r}, expected {STATE_VERSION}")
+    if any(k not in state for k in STATE_KEYS) or not isinstance(state["args"], dict):
+        raise UsageError(f"--resume: {path} is not a resume state of this trainer")
+    return state
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from ..common import one_line
 from .constants import LOG_FILE, STATE_VERSION, UsageError
-from .data import bits_per_char, dialogue_chat, eval_batches, split_text, train_tokenizer, write_tokenizer_files
-from .files import _device_name, _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json
+from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
+from .files import (_device_name, _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json,
+                    read_state)
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
 from .progress import _progress_bar
 
@@ -72,7 +74,7 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
         torch.manual_seed(a.seed)
 
-        text = Path(a.data).read_text(encoding="utf-8")[:a.max_chars]
+        text = read_text(a.data)[:a.max_chars]
         train_text, val_text = split_text(text, a.val_fraction)
         if a.resume or a.init:
             tok = _read_tokenizer(out if a.resume else Path(a.init))
@@ -257,10 +259,15 @@ class Trainer:
         _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
+        state = read_state(self.state_path)
+        try:
+            self._restore(state)
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # a state whose parts do not fit
+            raise UsageError(f"--resume: {self.state_path} does not hold a state of this run "
+                             f"({one_line(e, limit=200)})") from None
+
+    def _restore(self, state: Dict[str, Any]) -> None:
         import torch
-        state = torch.load(self.state_path, map_location="cpu", weights_only=True)
-        if state.get("version") != STATE_VERSION:
-            raise UsageError(f"{self.state_path}: resume state version {state.get('version')}, expected {STATE_VERSION}")
         with torch.no_grad():
             for n, m, p in zip(self.names, self.master, self.params):
                 m.copy_(state["weights"][n])
