@@ -1,8 +1,28 @@
 """Small helpers every sub-package uses, importing nothing heavy: ``one_line`` (an exception as one
-line of an error message) and ``is_int`` (an integer that is not a bool)."""
+line of an error message), ``is_int`` (an integer that is not a bool) and ``lazy_exports`` (a
+package's names imported on first use)."""
 
+import importlib
 import numbers
-from typing import Any, Optional
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+
+def lazy_exports(package: str, exports: Dict[str, str]) -> Tuple[Callable[[str], Any], Callable[[], List[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` (PEP 562) of ``package``, whose names in ``exports``
+    (name -> module, relative to ``package``) are imported on first use, then kept as attributes."""
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> List[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__
 
 
 def is_int(x: Any) -> bool:

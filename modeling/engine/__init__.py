@@ -11,21 +11,16 @@ The names below are imported on first use, so the torch-free modules (``prompts`
 torch: the command line names ``MAX_MODEL_LEN`` from its first instant.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..common import lazy_exports
 
 _EXPORTS = {"BLOCK_SIZE": ".engine", "Engine": ".engine", "Sequence": ".sequence", "Status": ".sequence"}
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
