@@ -123,10 +123,10 @@ def _conv_kernel(
 
 
 def _blocks(c: int, rows: int):
-    """(BLOCK_T, BLOCK_C, rows of a program's tile) for ``rows`` input rows of ``c`` channels. On an
-    H200 (Qwen3.5-0.8B's 6144 channels, K = 4, 2026-12-03, bench/results/2026-12-03-h200-conv-tiles.md):
-    256 rows 7.1 us with 128 channels x 64 rows, 10.9 with 64 x 128; 2048 rows (8 sequences) 50.9
-    against 41.6; 8192 rows 172.8 against 132.5. No register spills at 4 warps (sm_90, K = 4)."""
+    """(BLOCK_T, BLOCK_C, rows of a program's tile) for ``rows`` input rows of ``c`` channels: tiles of
+    128 channels x 64 rows are the faster at a few hundred rows, 64 x 128 from 1024 rows on
+    (Qwen3.5-0.8B's 6144 channels, K = 4: bench/results/2026-12-03-h200-conv-tiles.md). No register
+    spills at 4 warps (sm_90, K = 4)."""
     if INTERPRET:
         return 64, min(256, next_power_of_2(c)), 64
     if rows >= 1024:

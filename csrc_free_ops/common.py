@@ -35,7 +35,7 @@ from .private_apis import set_allocator_unless_set  # noqa: F401 (for the famili
 
 
 TARGET_PROGRAMS = 264
-"""Programs that make about two waves on an H200 (132 SMs): the grid size the launchers aim for."""
+"""Programs that make about two waves on a GPU of 132 SMs (H100, H200): the grid size the launchers aim for."""
 
 LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
