@@ -33,6 +33,8 @@ becomes 64). So under the interpreter `to_e4m3` first rounds to the e4m3 grid in
 nearest even, bit-exact), which the conversion then takes without rounding. On a GPU the
 conversion is the hardware's.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -153,25 +155,35 @@ def _w8a8_kernel(
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def prefill_tiles(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the w8a8 GEMM: vLLM's default for block FP8
-    (64 x 128, 4 warps), 3 stages; under the interpreter, tiles shrunk to the problem."""
+class PrefillTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+def prefill_tiles(m: int, n: int) -> PrefillTiles:
+    """The w8a8 GEMM's tiles: vLLM's default for block FP8 (64 x 128, 4 warps) with 3 stages;
+    under the interpreter, shrunk to the problem."""
     if INTERPRET:
-        return min(64, max(16, next_power_of_2(m))), min(64, max(16, next_power_of_2(n))), 4, 1
-    return 64, 128, 4, 3
+        return PrefillTiles(min(64, max(16, next_power_of_2(m))), min(64, max(16, next_power_of_2(n))), 4, 1)
+    return PrefillTiles(64, 128)
 
 
-def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2) -> None:
+def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, tiles: PrefillTiles | None = None) -> None:
     """y2 [M, N] = (q2 [M, K] fp8 with scales sx [M, cdiv(K, BLOCK)]) @ (weight [N, K] fp8 with
-    weight_scale_inv).T (+ bias), dequantised block by block."""
+    weight_scale_inv).T (+ bias), dequantised block by block. `tiles` overrides `prefill_tiles`
+    (benchmarks, tests)."""
     m, k = q2.shape
     n = weight.shape[0]
-    bm, bn, warps, stages = prefill_tiles(m, n)
-    _w8a8_kernel[(cdiv(m, bm) * cdiv(n, bn),)](
+    t = tiles or prefill_tiles(m, n)
+    _w8a8_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
         q2, sx, weight, weight_scale_inv, bias if bias is not None else sx, y2, m, n, k,
         q2.stride(0), sx.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
         y2.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % BLOCK == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK, GROUP_M=8, num_warps=warps, num_stages=stages,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
 
 
@@ -241,9 +253,12 @@ def weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, cfg: DecodeConfig
         _reduce_slices(out, bias, y2)
 
 
-def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias) -> torch.Tensor:
+def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias,
+                 config: DecodeConfig | PrefillTiles | None = None) -> torch.Tensor:
     """x [..., K] @ dequantised weight [N, K].T (+ bias) -> [..., N] in x's dtype: weight-only for
-    M <= DECODE_MAX_M rows, x quantised per token and group of BLOCK above (module doc)."""
+    M <= DECODE_MAX_M rows, x quantised per token and group of BLOCK above (module doc). `config`
+    overrides the tiles (benchmarks, tests): a DecodeConfig (its block_k is BLOCK) for M <=
+    DECODE_MAX_M, PrefillTiles above."""
     n = weight.shape[0]
     x2 = flat_rows(x)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -251,9 +266,13 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     if m == 0 or n == 0:
         return y
     y2 = flat_rows(y)
-    if m <= DECODE_MAX_M:
-        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, decode_config(n, x.shape[-1]))
+    decode = m <= DECODE_MAX_M
+    if config is not None and isinstance(config, DecodeConfig) != decode:
+        raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "
+                         "PrefillTiles above)")
+    if decode:
+        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1]))
     else:
         q2, sx = quantize_per_token_group(x2)
-        w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2)
+        w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, config)
     return y

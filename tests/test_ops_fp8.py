@@ -130,6 +130,23 @@ def test_weight_only_every_split(device, split_k):
     assert_close(y, fp8_block_linear_reference(x, w, s, b), what=f"split_k={split_k}")
 
 
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+def test_w8a8_tiles_and_wrong_configs(device):
+    """GEMM tiles narrower than a weight block (16 x 16) and wider (256 columns: two blocks' scales
+    in one tile) give the reference; a config of the wrong kind for M is an error."""
+    x = randn(40, 300, dtype=torch.bfloat16, device=device)
+    w, s = fp8_weight(300, 300, device)
+    ref = fp8_block_linear_reference(x, w, s)
+    stages = 1 if device == "cpu" else 2
+    for tiles in (fp8_kernels.PrefillTiles(16, 16, 4, stages), fp8_kernels.PrefillTiles(32, 256, 4, stages)):
+        assert_close(fp8_kernels.block_linear(x, w, s, None, tiles), ref, what=str(tiles))
+    with pytest.raises(ValueError, match="PrefillTiles for M = 3"):
+        fp8_kernels.block_linear(x[:3], w, s, None, fp8_kernels.PrefillTiles(16, 16))
+    with pytest.raises(ValueError, match="DecodeConfig for M = 40"):
+        fp8_kernels.block_linear(x, w, s, None, DecodeConfig(16, BLOCK, 1))
+
+
 def test_weight_format_round_trip():
     """quantize_weight_fp8_block: Qwen's checkpoint format (fp8 weight, fp32 weight_scale_inv of one
     value per 128 x 128 block, partial blocks at the edges), each block's largest magnitude 448;
