@@ -25,7 +25,7 @@ CASES = {
              (2048, 4096, 24576)],
 }
 QUANT_SHAPES = {"cpu": [(1, 128), (3, 200), (17, 72), (130, 256), (2, 3, 40)],
-                "cuda": [(1, 4096), (4096, 4096), (77, 1000), (4096, 12288)]}
+                "cuda": [(1, 4096), (4096, 4096), (17, 1000), (4096, 12288)]}
 
 
 def fp8_weight(n, k, device, scale_dtype=torch.float32):
@@ -44,10 +44,12 @@ def assert_same_fp8(q, ref, what):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_matches_reference_exactly(device, dtype):
     """Scales and fp8 bytes equal the reference's, groups spanning six decades of magnitude,
-    partial last groups, leading dims, and a group of 64."""
+    partial last groups, leading dims, rows apart (a column slice), and a group of 64."""
     for shape in QUANT_SHAPES[device]:
         k = shape[-1]
         x = (randn(*shape, dtype=torch.float32, device=device) * torch.logspace(-4, 2, k, device=device)).to(dtype)
+        if shape[0] == 17:  # rows apart: a column slice of a wider tensor
+            x = torch.cat([x, x[:, :24]], dim=1)[:, :k]
         for group in (128, 64) if len(shape) == 2 and shape[0] == 3 else (128,):
             poison_allocator(device)
             q, s = torch.ops.qwen.fp8_quantize_per_token_group(x, group)
@@ -103,17 +105,19 @@ def test_reference_math_on_each_side_of_16_rows():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_block_linear_leading_dims_bf16_scales_and_strided_weight(device):
-    """x [2, 3, K] and [2, 10, K] (both paths), a bf16 weight_scale_inv, and a weight that is a
-    column slice of a wider tensor (its row stride is not K)."""
+def test_block_linear_leading_dims_bf16_scales_and_strided_operands(device):
+    """x [2, 3, K] and [2, 10, K] (both paths) and column slices of a wider x (rows 232 apart), a
+    bf16 weight_scale_inv, and a weight that is a column slice of a wider tensor (its row stride
+    is not K)."""
     wide, s = fp8_weight(100, 200, device, scale_dtype=torch.bfloat16)
     w = torch.cat([wide, wide[:, :16]], dim=1)[:, :200]
     assert w.stride(0) == 216
-    for t in (3, 10):
-        x = randn(2, t, 200, dtype=torch.bfloat16, device=device)
+    xs = [randn(2, t, 200, dtype=torch.bfloat16, device=device) for t in (3, 10)]
+    xs += [randn(m, 232, dtype=torch.bfloat16, device=device)[:, :200] for m in (5, 20)]
+    for x in xs:
         out = torch.ops.qwen.fp8_block_linear(x, w, s)
-        assert out.shape == (2, t, 100) and out.dtype == torch.bfloat16
-        assert_close(out, fp8_block_linear_reference(x, w, s), what=f"[2, {t}, K]")
+        assert out.shape == (*x.shape[:-1], 100) and out.dtype == torch.bfloat16
+        assert_close(out, fp8_block_linear_reference(x, w, s), what=f"x {tuple(x.shape)} strides {x.stride()}")
 
 
 @pytest.mark.launcher
