@@ -72,14 +72,14 @@ def to_e4m3(v):
     """fp32 v clamped to [-FP8_MAX, FP8_MAX] and rounded to nearest even float8_e4m3fn. Under the
     interpreter the rounding is done in fp32 first (module doc): normal values (|v| >= 2^-6) keep 3
     mantissa bits (round to nearest even on the bits, a carry moving into the exponent), subnormal
-    ones round to a multiple of 2^-9 through an fp32 add at 1.5 * 2^14, whose ulp is 2^-9."""
+    ones round to a multiple of 2^-9 through an fp32 add at 1.5 * 2^14, whose ulp is 2^-9, and keep
+    their sign bit (-0.0 and values that round to zero stay negative zeros)."""
     v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
     if _ROUND_IN_FP32:
         bits = v.to(tl.uint32, bitcast=True)
         normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
-        small = tl.abs((tl.abs(v) + 24576.0) - 24576.0)
-        small = tl.where(v < 0, -small, small)
-        v = tl.where(tl.abs(v) < 0.015625, small, normal)
+        small = ((tl.abs(v) + 24576.0) - 24576.0).to(tl.uint32, bitcast=True) | ((bits >> 31) << 31)
+        v = tl.where(tl.abs(v) < 0.015625, small.to(tl.float32, bitcast=True), normal)
     return v.to(tl.float8e4nv)
 
 

@@ -3,6 +3,10 @@ block-scaled linear's two kinds of math (weight-only at M <= 16, quantised activ
 each against the reference that takes the same rule, the checkpoint-format helpers, opcheck and
 errors. The `cuda` cases run Qwen3-8B's projections (hidden 4096, intermediate 12288, 32 q / 8 kv
 heads of 128: qkv 6144 x 4096, o_proj 4096 x 4096, gate_up 24576 x 4096, down 4096 x 12288)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +17,7 @@ from csrc_free_ops.linear import DecodeConfig
 from qwen_ops import (dequantize_weight_fp8_block, fp8_block_linear_reference, fp8_quantize_per_token_group_reference,
                       quantize_weight_fp8_block)
 from qwen_ops.fp8 import BLOCK, DECODE_MAX_M, FP8_MAX
-from tests.helpers import DEVICES, DTYPES, assert_close, padded, poison_allocator, randn, rel_err
+from tests.helpers import DEVICES, DTYPES, ROOT, assert_close, padded, poison_allocator, randn, rel_err
 
 QWEN3_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
@@ -63,9 +67,10 @@ def test_quantize_matches_reference_exactly(device, dtype):
 def test_quantize_rounds_to_nearest_even(device):
     """A group whose amax is 448 (scale 1) keeps the other values as they are rounded: a carry into
     the exponent (124.35 -> 128, 15.5 -> 16), ties to even (8.5 -> 8, 9.5 -> 10), subnormals
-    (multiples of 2^-9, 1.5 x 2^-9 a tie), signed zeros; an all-zero group takes scale EPS / 448 and zeros."""
+    (multiples of 2^-9, 1.5 x 2^-9 a tie), signed zeros (-0.0, and -1e-5 rounded to zero); an
+    all-zero group takes scale EPS / 448 and zeros."""
     row = [448.0, 124.35, 15.5, 8.5, 9.5, 232.0, -0.0029, 0.0029296875, -1e-5, 0.0146, 0.0157, 240.0, 447.0,
-           -448.0, 0.0, 3.0]
+           -448.0, 0.0, -0.0]
     x = torch.tensor([row, [0.0] * 16], device=device)
     q, s = torch.ops.qwen.fp8_quantize_per_token_group(x, 16)
     q_ref, s_ref = fp8_quantize_per_token_group_reference(x, 16)
@@ -73,7 +78,8 @@ def test_quantize_rounds_to_nearest_even(device):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     assert s[0, 0] == 1.0 and s[1, 0] == torch.tensor(fp8_kernels.EPS) / FP8_MAX
     assert q[0, :6].float().tolist() == [448.0, 128.0, 16.0, 8.0, 10.0, 224.0]
-    assert q[0, 6:8].float().tolist() == [-0.001953125, 0.00390625] and torch.signbit(q[0, 8].float())
+    assert q[0, 6:8].float().tolist() == [-0.001953125, 0.00390625]
+    assert torch.signbit(q[0, [8, 15]].float()).all() and not torch.signbit(q[0, 14].float())
     assert not q[1].float().any()
 
 
@@ -250,3 +256,46 @@ def test_qwen3_8b_projections(name, m):
     out = torch.ops.qwen.fp8_block_linear(x, w, s)
     assert_close(out, fp8_block_linear_reference(x, w, s), rel_tol=1e-2, what=f"{name} M{m}")
     assert rel_err(out, F.linear(x.float(), w_bf16.float())) < 5e-2, name
+
+
+HOPPER_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from csrc_free_ops import fp8
+
+def ptx(kernel, pointers, constexprs, arch, **options):
+    names = kernel.fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    src = ASTSource(kernel.fn, sig, {(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+
+quantize = ptx(fp8._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+               dict(GROUP=128, BLOCK_M=16), 90, num_warps=4)
+gemm = dict(q_ptr="*fp8e4nv", sx_ptr="*fp32", w_ptr="*fp8e4nv", sw_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16")
+tiles = dict(HAS_BIAS=True, EVEN_K=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+hopper = ptx(fp8._w8a8_kernel, gemm, tiles, 90, num_warps=4, num_stages=3)
+ada = ptx(fp8._w8a8_kernel, gemm, tiles, 89, num_warps=4, num_stages=3)
+gemv = ptx(fp8._weight_only_kernel, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", sw_ptr="*fp32", b_ptr="*bf16",
+                                          out_ptr="*fp32"),
+           dict(SPLIT_K=2, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), 90, num_warps=4, num_stages=4)
+print("quantize rounds to nearest even:", "cvt.rn.satfinite.e4m3x2.f32" in quantize)
+print("quantize divides exactly:", "div.rn.f32" in quantize and "div.full" not in quantize)
+print("w8a8 takes FP8 wgmma on sm_90:", ".f32.e4m3.e4m3" in hopper and "wgmma.mma_async" in hopper)
+print("w8a8 takes FP8 mma on sm_89:", ".f32.e4m3.e4m3.f32" in ada and "mma.sync" in ada)
+print("the GEMV widens FP8 to bf16 tensor-core operands:", ".f32.bf16.bf16.f32" in gemv and "mma.sync" in gemv)
+"""
+
+
+def test_kernels_compile_for_hopper_and_ada():
+    """No GPU needed: the kernels compiled for sm_90 (and the GEMM for sm_89, the first arch with FP8
+    tensor cores) take the instructions the interpreter cannot show: the quantisation's IEEE
+    division and round-to-nearest-even e4m3 conversion (what makes it bit-exact against PyTorch),
+    the GEMM's FP8 tensor-core dot, the GEMV's bf16 one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-c", HOPPER_PTX], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 5 and all(line.endswith(" True") for line in lines), \
+        out.stdout + out.stderr
