@@ -54,7 +54,8 @@ def bench_shape(name, m, n, k, tiles=None):
     w, q, s = _weights(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     out = qwen_ops.fp8_block_linear(x, q, s)
-    errors = rel_error(out, qwen_ops.fp8_block_linear_reference(x, q, s)), rel_error(out, F.linear(x.float(), w.float()))
+    errors = (rel_error(out, qwen_ops.fp8_block_linear_reference(x, q, s)),
+              rel_error(out, F.linear(x.float(), w.float())))
     bf16_sets = copies(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _weights(n, k)[0]),
                        (m * k + n * k) * 2)
     fp8_sets = copies(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), *_weights(n, k)[1:]),

@@ -28,10 +28,11 @@ Output in x's dtype, bias added in fp32. GPUs of compute capability 8.9 or newer
 
 Under Triton's interpreter (3.9): fp8 loads and stores, fp8 -> fp32 and a `tl.dot` of fp8 tiles
 (the interpreter widens its operands to fp16, exactly) are right; the fp32 -> e4m3 conversion is
-not (it rounds half up, and loses the carry out of the mantissa where the exponent is odd: 124.3
-becomes 64). So under the interpreter `to_e4m3` first rounds to the e4m3 grid in fp32 (round to
-nearest even, bit-exact), which the conversion then takes without rounding. On a GPU the
-conversion is the hardware's.
+not: it rounds half up, loses the carry out of the mantissa where the exponent is odd (124.3
+becomes 64), truncates subnormals (1.7 x 2^-9 becomes 2^-9) and does not saturate. So under the
+interpreter `to_e4m3` first rounds to the e4m3 grid in fp32 (round to nearest even, bit-exact),
+which the conversion then takes without rounding. On a GPU the conversion is the hardware's
+(`cvt.rn.satfinite.e4m3x2.f32`, which tests/test_ops_fp8.py finds in the kernel compiled for sm_90).
 """
 from typing import NamedTuple
 
