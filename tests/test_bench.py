@@ -19,7 +19,7 @@ from modeling import QwenTokenizer
 from modeling.model.random_checkpoint import build_random_checkpoint, build_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_ONLY = ("cuda_suite", "decode", "decode_layers", "fused_decode", "gated_delta_rule", "generate", "host",
+CUDA_ONLY = ("cuda_suite", "decode", "decode_layers", "fp8", "fused_decode", "gated_delta_rule", "generate", "host",
              "loss", "ops", "prefill", "serve", "train")
 
 

@@ -39,6 +39,11 @@ def _gdr(b, t, hk, hv, dt, dev, state=False, d=16):
     return (q, k, v, g, beta, 0.25, _r(b, hv, d, d, dev=dev) if state else None, None, None, None, True)
 
 
+def _fp8_weight(n, k, dev):
+    """A random [n, k] weight in Qwen's FP8 block format: (weight, weight_scale_inv)."""
+    return qwen_ops.quantize_weight_fp8_block(torch.randn(n, k, device=dev))
+
+
 def _packed(lens, dev):
     """cu_seqlens, state_slots (the last of 3 pool rows: padding) and continues of packed sequences."""
     cu = torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32, device=dev)
@@ -244,6 +249,11 @@ CASES = [
     ("paged_attention", "seqs=0", lambda dt, dev: _paged(0, 2, [], [], 1, dt, dev)),
     ("paged_attention", "Hq=0", lambda dt, dev: _paged(2, 0, [1, 1], [1, 2], 1, dt, dev)),
     ("paged_attention", "max_blocks=0", lambda dt, dev: _paged(2, 2, [1, 1], [0, 0], 0, dt, dev)),
+    ("fp8_quantize_per_token_group", "rows=0", lambda dt, dev: (_r(0, 200, dt=dt, dev=dev), 128)),
+    ("fp8_block_linear", "rows=0", lambda dt, dev: (_r(0, 200, dt=dt, dev=dev), *_fp8_weight(40, 200, dev), None)),
+    ("fp8_block_linear", "N=0", lambda dt, dev: (_r(3, 200, dt=dt, dev=dev), *_fp8_weight(0, 200, dev), None)),
+    ("fp8_block_linear", "N=0 prefill", lambda dt, dev: (_r(20, 200, dt=dt, dev=dev), *_fp8_weight(0, 200, dev),
+                                                         None)),
 ]
 
 # Degenerate inputs the ops refuse (the same error from the real and the fake kernel).
@@ -271,6 +281,10 @@ REFUSED = [
      lambda dt, dev: (_r(1, 2, 2, 0, dt=dt, dev=dev), _r(1, 2, 1, 0, dt=dt, dev=dev), _pos(1, 2, dev=dev), 1e4, 0)),
     ("linear", "K=0", r"x's last dim \(K\) must be positive",
      lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(4, 0, dt=dt, dev=dev))),
+    ("fp8_quantize_per_token_group", "K=0", r"x's last dim \(K\) must be positive",
+     lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), 128)),
+    ("fp8_block_linear", "K=0", r"x's last dim \(K\) must be positive",
+     lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), *_fp8_weight(4, 0, dev), None)),
     ("attention", "Sk=0", "k and v must hold at least one position",
      lambda dt, dev: (_r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev), _r(1, 0, 2, 16, dt=dt, dev=dev),
                       0.25, False)),

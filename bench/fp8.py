@@ -1,0 +1,140 @@
+"""FP8 block-scaled linears on the GPU against our bf16 linear, at Qwen3-8B's projections.
+
+    python -m bench.fp8 [--out DIR] [--tokens 4096] [--sweep]
+
+Shapes: Qwen3-8B (hidden 4096, intermediate 12288, 32 q / 8 kv heads of 128): qkv 6144 x 4096,
+o_proj 4096 x 4096, gate_up 24576 x 4096, down 4096 x 12288 (N x K). Random bf16 weights (std
+K^-0.5), quantised with `qwen_ops.quantize_weight_fp8_block` into Qwen's checkpoint format.
+
+- prefill, `--tokens` rows: `qwen::fp8_block_linear` (the activation quantisation and the FP8
+  GEMM, both kernels) against `qwen::linear` on the bf16 weight. `speedup` = bf16 time / FP8 time;
+  `fp8_gemm_over_bf16_min` is the smallest over the shapes.
+- decode, M = 1: the weight-only FP8 GEMV against `qwen::linear`'s split-K GEMV. `ratio` = FP8
+  time / bf16 time; `fp8_gemv_over_bf16_b1_max` is the largest over the shapes. GB/s counts the
+  weight's bytes (and its scales) over the time.
+
+Each case is timed as a CUDA graph of calls (bench.ops.bench_us) over enough copies of the inputs
+that they do not sit in L2. Errors: ||fp8 - reference|| / ||reference|| against the op's PyTorch
+reference (the same quantisation), and against the bf16 weight's product in fp32 (what FP8 costs).
+
+`--sweep` also times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the
+reference exceeds 1e-2 is not eligible) and prints the fastest per shape.
+
+Prints markdown; with --out writes <date>-<gpu>-fp8.md and .json there (the JSON names the device).
+"""
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import qwen_ops
+from bench import require_cuda
+from bench.ops import bench_us, copies, linear_cases, rel_error
+from csrc_free_ops import fp8
+
+QWEN3_8B = dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936)
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
+SWEEP_TILES = [fp8.PrefillTiles(bm, bn, w, s) for bm, bn, w, s in
+               ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (128, 64, 4, 4), (128, 128, 8, 3),
+                (128, 128, 8, 4), (64, 256, 8, 3))]
+"""--sweep's candidates: those that compile for sm_90 without spilling registers (128 x 128 on 4
+warps, 128 x 256 and 256 x 128 on 8 spill: each block's product is held beside the accumulator)."""
+
+
+def _weights(n, k):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    q, s = qwen_ops.quantize_weight_fp8_block(w)
+    return w, q, s
+
+
+def bench_shape(name, m, n, k, tiles=None):
+    """One row: bf16 and FP8 times (us), errors, and the weight bytes each reads."""
+    w, q, s = _weights(n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = qwen_ops.fp8_block_linear(x, q, s)
+    errors = (rel_error(out, qwen_ops.fp8_block_linear_reference(x, q, s)),
+              rel_error(out, F.linear(x.float(), w.float())))
+    bf16_sets = copies(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), _weights(n, k)[0]),
+                       (m * k + n * k) * 2)
+    fp8_sets = copies(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), *_weights(n, k)[1:]),
+                      m * k * 2 + n * k)
+    bf16_us = bench_us(lambda x, w: torch.ops.qwen.linear(x, w), bf16_sets)
+    fp8_us = bench_us(lambda x, q, s: torch.ops.qwen.fp8_block_linear(x, q, s), fp8_sets)
+    return dict(name=name, m=m, n=n, k=k, bf16_us=bf16_us, fp8_us=fp8_us, err_vs_reference=errors[0],
+                err_vs_bf16_weight=errors[1], fp8_weight_bytes=n * k + s.numel() * 4, bf16_weight_bytes=2 * n * k)
+
+
+def sweep(m, n, k):
+    """(time us, tiles) per eligible tile of the prefill GEMM (activation quantisation included)."""
+    w, q, s = _weights(n, k)
+    sets = copies(lambda: (torch.randn(m, k, device="cuda", dtype=torch.bfloat16), q, s), m * k * 2)
+    ref = qwen_ops.fp8_block_linear_reference(sets[0][0], q, s)
+    results = []
+    for tiles in SWEEP_TILES:
+        try:
+            if rel_error(fp8.block_linear(sets[0][0], q, s, None, tiles), ref) > 1e-2:
+                continue
+            results.append((bench_us(lambda x, q, s: fp8.block_linear(x, q, s, None, tiles), sets), tiles))
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit is not eligible
+            print(f"{tiles}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    return sorted(results, key=lambda r: r[0])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    require_cuda("bench.fp8")
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    shapes = {name: nk for name, nk in linear_cases(QWEN3_8B).items() if name in PROJECTIONS}
+    prefill = [bench_shape(name, a.tokens, n, k) for name, (n, k) in shapes.items()]
+    decode = [bench_shape(name, 1, n, k) for name, (n, k) in shapes.items()]
+    result = {
+        "device": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "triton": triton.__version__, "tokens": a.tokens, "prefill": prefill, "decode": decode,
+        "fp8_gemm_over_bf16_min": min(r["bf16_us"] / r["fp8_us"] for r in prefill),
+        "fp8_gemv_over_bf16_b1_max": max(r["fp8_us"] / r["bf16_us"] for r in decode),
+    }
+    lines = [f"# FP8 block-scaled linears, Qwen3-8B projections ({gpu}, {result['date']}, torch {torch.__version__}, "
+             f"triton {triton.__version__})", "",
+             f"## Prefill, {a.tokens} tokens: fp8_block_linear (activation quantisation included) vs bf16 linear", "",
+             "| projection | N x K | bf16 us | fp8 us | speedup | err vs reference | err vs bf16 weight |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['n']} x {r['k']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+              f"{r['bf16_us'] / r['fp8_us']:.2f}x | {r['err_vs_reference']:.1e} | {r['err_vs_bf16_weight']:.1e} |"
+              for r in prefill]
+    lines += ["", f"fp8_gemm_over_bf16_min: {result['fp8_gemm_over_bf16_min']:.2f}", "",
+              "## Decode, M = 1: the weight-only FP8 GEMV vs the bf16 GEMV", "",
+              "| projection | N x K | bf16 us | fp8 us | fp8 / bf16 | bf16 GB/s | fp8 GB/s | err vs reference |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['n']} x {r['k']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | "
+              f"{r['fp8_us'] / r['bf16_us']:.2f} | {r['bf16_weight_bytes'] / r['bf16_us'] / 1e3:.0f} | "
+              f"{r['fp8_weight_bytes'] / r['fp8_us'] / 1e3:.0f} | {r['err_vs_reference']:.1e} |" for r in decode]
+    lines += ["", f"fp8_gemv_over_bf16_b1_max: {result['fp8_gemv_over_bf16_b1_max']:.2f}"]
+    if a.sweep:
+        lines += ["", f"## Prefill GEMM tiles, {a.tokens} tokens (fastest first, us)", ""]
+        result["sweep"] = {}
+        for name, (n, k) in shapes.items():
+            ranked = sweep(a.tokens, n, k)
+            result["sweep"][name] = [dict(us=us, tiles=tiles._asdict()) for us, tiles in ranked]
+            lines.append(f"- {name} ({n} x {k}): " + ", ".join(f"{tuple(t)} {us:.1f}" for us, t in ranked[:4]))
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        stem = os.path.join(a.out, f"{result['date']}-{gpu.split()[-1].lower()}-fp8")
+        with open(stem + ".md", "w") as f:
+            f.write(table + "\n")
+        with open(stem + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
