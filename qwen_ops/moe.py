@@ -27,6 +27,9 @@ from csrc_free_ops import moe as kernels
 from .checks import INDEX_DTYPES, check_float, check_same, fail
 from .registry import acc_dtype, define, to_dtype
 
+MAX_EXPERTS = kernels.MAX_EXPERTS
+"""The most experts the router and the experts' kernels take (modeling.config refuses more)."""
+
 
 def moe_topk_softmax_reference(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     p = torch.softmax(router_logits.to(acc_dtype(router_logits)), dim=-1)
@@ -82,8 +85,8 @@ def _check_topk_softmax(router_logits, top_k, renormalize):
     op = "moe_topk_softmax"
     check_float(op, "router_logits", router_logits, ndim=2)
     e = router_logits.shape[1]
-    if not 1 <= e <= kernels.MAX_EXPERTS:
-        fail(op, f"router_logits has {e} experts (columns): 1 to {kernels.MAX_EXPERTS} are supported")
+    if not 1 <= e <= MAX_EXPERTS:
+        fail(op, f"router_logits has {e} experts (columns): 1 to {MAX_EXPERTS} are supported")
     if not 1 <= top_k <= e:
         fail(op, f"top_k must be in [1, {e}] (the experts), got {top_k}")
 
@@ -107,8 +110,8 @@ def _check_id_values(op: str, topk_ids: Tensor, num_experts: int):
 def _check_align(topk_ids, num_experts, block_size):
     op = "moe_align_block_size"
     _check_ids(op, topk_ids)
-    if not 1 <= num_experts <= kernels.MAX_EXPERTS:
-        fail(op, f"num_experts must be in [1, {kernels.MAX_EXPERTS}], got {num_experts}")
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        fail(op, f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
         fail(op, f"block_size must be a power of two from 16 to 256, got {block_size}")
 
@@ -140,8 +143,8 @@ def _check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, shared_outp
         fail(op, f"w13 must be [E, 2I, H] with H = {h} (hidden_states' last dim), got {tuple(w13.shape)}")
     if tuple(w2.shape) != (e, h, two_i // 2):
         fail(op, f"w2 must be [E, H, I] = {(e, h, two_i // 2)} (from w13), got {tuple(w2.shape)}")
-    if e > kernels.MAX_EXPERTS:
-        fail(op, f"w13 has {e} experts: at most {kernels.MAX_EXPERTS} are supported")
+    if e > MAX_EXPERTS:
+        fail(op, f"w13 has {e} experts: at most {MAX_EXPERTS} are supported")
     if topk_weights.shape[0] != m or not 1 <= topk_weights.shape[1] <= e:
         fail(op, f"topk_weights must be [M, top_k] with M = {m} and top_k in [1, {e}], got {tuple(topk_weights.shape)}")
     if (shared_output is None) != (shared_gate is None):
