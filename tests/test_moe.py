@@ -49,8 +49,11 @@ FAMILIES = {
 
 @torch.no_grad()
 def randomize_(model, std=0.2):
-    """Weights ~ N(0, std^2) (logits spread out, routing far from uniform); Qwen3.5's A_log ~ U(-4, 1),
-    dt_bias ~ N(-1, 1) and its gated norm's weight ~ 1 + N(0, std^2), as in test_qwen3_5."""
+    """Weights ~ N(0, std^2) (logits spread out, routing far from uniform); norm weights as each norm
+    reads them: 1 + N(0, std^2) for a plain weight (Qwen3-MoE, Qwen2-MoE, Qwen3.5's gated norm),
+    N(0, std^2) for Qwen3.5's zero-centred ones; Qwen3.5's A_log ~ U(-4, 1) and dt_bias ~ N(-1, 1),
+    as in test_qwen3_5."""
+    zero_centred = model.config.model_type.startswith("qwen3_5")
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             p.uniform_(-4.0, 1.0)
@@ -58,7 +61,7 @@ def randomize_(model, std=0.2):
             p.normal_(-1.0, 1.0)
         else:
             p.normal_(0.0, std)
-            if name.endswith("linear_attn.norm.weight"):
+            if name.endswith("linear_attn.norm.weight") or ("norm" in name and not zero_centred):
                 p.add_(1.0)
     return model
 
