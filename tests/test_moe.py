@@ -3,7 +3,8 @@ Qwen3.5-MoE checkpoints saved with ``save_pretrained`` (the experts one by one, 
 and fused, transformers 5's ``save_original_format=False``), loaded with modeling; fp32 logits of a
 pass without a cache and greedy tokens through ``LLM`` (the engine: a prefill step of 16 tokens
 takes the sorted grouped GEMMs, the decode steps of two tokens the per-pair GEMV) with the MoE
-kernels running under the interpreter; the command line; the configs; the memory the experts take.
+kernels running under the interpreter; the command line and the server; the configs; the memory the
+experts take.
 
 The `cuda` cases: one full-size layer of each family (Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B,
 Qwen3.5-35B-A3B shapes, random bf16 weights) against transformers in fp32.
@@ -224,6 +225,29 @@ def test_command_line_generates_the_greedy_tokens(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out.splitlines()[0])["token_ids"] == hf_greedy(hf, ids, 4)[0].tolist()
+
+
+@torch.no_grad()
+def test_server_generates_the_greedy_tokens(tmp_path):
+    """python -m modeling.serve on a Qwen2-MoE checkpoint (the reference path, as test_serve's
+    servers run): a completion of token ids gives transformers' greedy tokens."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from tests.test_serve import Server
+
+    hf = random_hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path / "model")
+    add_word_tokenizer(tmp_path / "model", hf.config.vocab_size)
+    server = Server(tmp_path, "moe", "--model", str(tmp_path / "model"), "--served-model-name", "moe", "--device",
+                    "cpu", "--dtype", "fp32", "--max-num-seqs", "2")
+    try:
+        ids = prompt(1, 8, hf.config.vocab_size)
+        out = server.wait_ready().client().completions.create(
+            model="moe", prompt=ids[0].tolist(), max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == hf_greedy(hf, ids, 4)[0].tolist()
+    finally:
+        server.stop()
 
 
 @torch.no_grad()
