@@ -7,7 +7,9 @@ logits (the model's forward without a cache, as training and scoring run it), wa
 host from the call to the logits on the device (synchronized), median over `--reps` after
 warm-ups (compilation excluded):
 
-- ours eager: `model(ids)`, one Python launch per op;
+- ours eager: `model(ids)`, one Python launch per op; "ours eager, no plans": the same with
+  launch plans off (`qwen_ops.plans.enabled`, set around each call), every op call running its
+  checks and launcher (qwen_ops/plans.py replays them after an op's first calls);
 - ours compiled: `torch.compile(model, fullgraph=True)` (Inductor; our ops are traced into their
   Triton kernels, see qwen_ops/registry.py);
 - torch eager / compiled: the same architecture in plain PyTorch (`F.linear`, `F.rms_norm`,
@@ -30,6 +32,7 @@ from bench import require_cuda
 from bench.kernels import kernel_table
 from modeling import QwenConfig
 from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
+from qwen_ops import plans
 
 
 def torch_prefill(model, ids):
@@ -72,6 +75,15 @@ def wall_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def without_plans(model, ids):
+    """model(ids) with launch plans off."""
+    plans.enabled = False
+    try:
+        return model(ids)
+    finally:
+        plans.enabled = True
+
+
 def main():
     p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 2048])
@@ -89,6 +101,7 @@ def main():
             ids = torch.randint(0, config.vocab_size, (1, t), device="cuda")
             runs = {
                 "ours eager": lambda: model(ids),
+                "ours eager, no plans": lambda: without_plans(model, ids),
                 "ours torch.compile": lambda: compiled_model(ids),
                 "torch eager": lambda: torch_prefill(model, ids),
                 "torch torch.compile": lambda: compiled_torch(model, ids),

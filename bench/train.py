@@ -3,6 +3,7 @@ one forward + backward of the causal-LM loss on batch x seq tokens, in several s
 
     eager          transformers as is (sdpa attention)
     patch          + modeling.patch_transformers (our RMSNorm, q/k-norm+RoPE, attention, SwiGLU, fused LM-head loss)
+    patch-no-plans the same with launch plans off (qwen_ops/plans.py: every op call runs its checks and launcher)
     liger          + Liger-Kernel's apply_liger_kernel_to_qwen3 (if liger_kernel imports)
     compile        transformers under torch.compile(fullgraph=True)
     patch+compile  our patch under torch.compile(fullgraph=True)
@@ -31,7 +32,7 @@ import time
 
 from bench import require_cuda
 
-MODES = ("eager", "patch", "liger", "compile", "patch+compile")
+MODES = ("eager", "patch", "patch-no-plans", "liger", "compile", "patch+compile")
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -68,6 +69,10 @@ def run_one(mode: str, batch: int, seq: int, steps: int, warmup: int, layers: in
         from modeling import patch_transformers
 
         patch_transformers(model)
+    if mode == "patch-no-plans":
+        from qwen_ops import plans
+
+        plans.enabled = False
 
     def loss_fn(ids):
         return model(input_ids=ids, labels=ids).loss

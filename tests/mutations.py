@@ -362,6 +362,11 @@ MUTATIONS = [
              "start = _load_clamped(cu_ptr + seq * stride_cu, 0, N)\n    qlen = _load_clamped(cu_ptr + (seq + 1) * stride_cu, "
              "start, N) - start", "start = tl.load(cu_ptr + seq * stride_cu)\n    qlen = tl.load(cu_ptr + (seq + 1) * "
              "stride_cu) - start", ("tests/test_ops_paged_attention.py",)),
+    Mutation("the fixed-length conv leaves conv_states unwritten", "csrc_free_ops/causal_conv1d.py",
+             "    if conv_states is not None:\n        conv_states.copy_(final)\n", "",
+             ("tests/test_ops_causal_conv1d.py",)),
+    Mutation("the fixed-length delta rule drops a strided state's final value", "csrc_free_ops/gated_delta_rule.py",
+             "        if work is not state:\n            state.copy_(work)\n", "", ("tests/test_ops_head_dims.py",)),
     Mutation("decreasing cu_seqlens accepted (packed sequences)", "qwen_ops/causal_conv1d.py",
              " or any(b < a for a, b in zip(cu, cu[1:])):", ":",
              ("tests/test_ops_causal_conv1d.py", "tests/test_ops_gated_delta_rule_varlen.py")),

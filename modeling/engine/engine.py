@@ -39,7 +39,7 @@ from .step import to_device
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
-on an H200 (28.6k, 28.5k, 25.4k and 21.0k output tokens/s; docs/performance.md); also the finest
+(docs/performance.md, offline throughput); also the finest
 prefix-cache granularity (a hit reuses whole blocks only)."""
 
 
