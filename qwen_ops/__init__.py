@@ -29,6 +29,8 @@ from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_re
                                gated_rms_norm_reference, recurrent_gated_delta_rule_varlen,
                                recurrent_gated_delta_rule_varlen_reference)
 from .linear import linear, linear_backward, linear_backward_reference, linear_reference
+from .moe import (fused_moe, fused_moe_reference, moe_align_block_size, moe_align_block_size_reference,
+                  moe_topk_softmax, moe_topk_softmax_reference)
 from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
                    rms_norm_reference)
 from .paged_attention import (kv_cache_store_slots, kv_cache_store_slots_reference, paged_attention,
@@ -57,5 +59,6 @@ __all__ = [
     "linear_residual", "linear_residual_reference", "norm_gate_up_silu", "norm_gate_up_silu_reference",
     "norm_linear", "norm_linear_reference", "norm_qkv_rope_store", "norm_qkv_rope_store_reference",
     "reserve_semaphores", "kv_cache_store_slots", "kv_cache_store_slots_reference", "paged_attention",
-    "paged_attention_reference",
+    "paged_attention_reference", "fused_moe", "fused_moe_reference", "moe_align_block_size",
+    "moe_align_block_size_reference", "moe_topk_softmax", "moe_topk_softmax_reference",
 ]

@@ -50,7 +50,7 @@ from csrc_free_ops import private_apis
 from csrc_free_ops.launch import INTERPRET, _through_triton, traced
 
 from . import plans
-from .checks import KERNEL_DTYPES
+from .checks import INDEX_DTYPES, KERNEL_DTYPES
 
 _lib = torch.library.Library("qwen", "FRAGMENT")
 
@@ -79,11 +79,16 @@ def to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+DISPATCH_DTYPES = KERNEL_DTYPES + INDEX_DTYPES
+"""Dtypes of a dispatch tensor that take the Triton kernel: the float kernel dtypes, and the index
+dtypes of ops whose dispatch tensor is an index (the MoE sort's top-k ids)."""
+
+
 def runs_kernels(device_type: str, dtype: torch.dtype) -> bool:
     """The dispatch rule: an op whose dispatch tensor has this device type and dtype runs its Triton
-    kernel (else its PyTorch reference): on CUDA for ``KERNEL_DTYPES``, on the CPU for those only
+    kernel (else its PyTorch reference): on CUDA for ``DISPATCH_DTYPES``, on the CPU for those only
     under TRITON_INTERPRET=1."""
-    return dtype in KERNEL_DTYPES and (device_type == "cuda" or INTERPRET)
+    return dtype in DISPATCH_DTYPES and (device_type == "cuda" or INTERPRET)
 
 
 def define(reference: Callable, kernel: Callable, check: Callable, fake: Callable,
@@ -188,7 +193,7 @@ def _trace_into_kernels(op, kernel, check, defaults, dispatch_arg):
             return NotImplemented
         args = tuple(args) + defaults[len(args):]
         t = args[dispatch_arg]
-        if (INTERPRET or not t.is_cuda or t.dtype not in KERNEL_DTYPES or kwargs or _symbolic(args)
+        if (INTERPRET or not t.is_cuda or t.dtype not in DISPATCH_DTYPES or kwargs or _symbolic(args)
                 or _exporting_ops_whole()):
             return mode.__torch_dispatch__(func, types, args, kwargs)
         with mode, traced():

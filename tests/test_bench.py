@@ -20,7 +20,7 @@ from modeling.model.random_checkpoint import build_random_checkpoint, build_word
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_ONLY = ("cuda_suite", "decode", "decode_layers", "fp8", "fused_decode", "gated_delta_rule", "generate", "host",
-             "loss", "ops", "prefill", "serve", "train")
+             "loss", "moe", "ops", "prefill", "serve", "train")
 
 
 @pytest.mark.parametrize("name", CUDA_ONLY)
@@ -253,3 +253,32 @@ def test_engine_decode_timing_counts_the_decode_steps_it_times():
     model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float64, device="cpu", std=0.2, seed=0)
     assert ours_ms(model, batch=3, context=9, steps=4, reps=1) > 0
 
+
+
+def test_moe_benchmark_torch_peer_computes_fused_moe():
+    """bench.moe's peer (torch._grouped_mm on the pairs sorted by expert, SiLU-multiply, the weighted
+    combine) computes what qwen::fused_moe does, on a routing where an expert gets no pair."""
+    from bench.moe import moe_inputs, torch_inputs, torch_moe
+    from qwen_ops import fused_moe_reference
+
+    x, w13, w2, weights, ids = moe_inputs(19, 8, 64, 48, 3, device="cpu", dtype=torch.float32)
+    ids[ids == 5] = 6  # expert 5 gets no pair (a row may now pick 6 twice: fine for the sum)
+    out = torch_moe(*torch_inputs(x, weights, ids, 8), w13, w2, 19)
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_moe_benchmark_floor_counts_what_one_token_reads():
+    """bench.moe's decode floor for Qwen3-30B-A3B: every weight but the experts, 8 of the 128
+    experts, one embedding row and lm_head, and the keys and values of the context."""
+    from bench.moe import QWEN3_30B_A3B, token_bytes
+    from modeling import QwenConfig, QwenForCausalLM
+
+    with torch.device("meta"):
+        model = QwenForCausalLM(QwenConfig.from_dict(QWEN3_30B_A3B)).to(torch.bfloat16)
+    h, layers, vocab = 2048, 48, 151936
+    attention = (4096 + 2 * 512) * h + h * 4096 + 2 * 128 + 2 * h  # q, k, v, o, q/k norms, the two norms
+    experts = 8 * 3 * 768 * h + 128 * h  # the eight picked, and the router
+    params = layers * (attention + experts) + h + vocab * h + h  # embedding row, lm_head, final norm
+    kv = layers * 256 * 2 * 4 * 128
+    assert token_bytes(model, 256) == 2 * (params + kv)

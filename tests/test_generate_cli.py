@@ -507,7 +507,8 @@ def test_help_names_the_program_and_the_families(capsys, monkeypatch):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: qwen-generate ")
-    assert all(family in " ".join(out.split()) for family in ("Qwen3,", "Qwen2/2.5", "Qwen3.5"))
+    assert all(family in " ".join(out.split())
+               for family in ("Qwen3,", "Qwen2/2.5", "Qwen3.5", "qwen3_moe", "qwen2_moe", "qwen3_5_moe"))
     monkeypatch.setattr(sys, "argv", [str(ROOT / "modeling" / "generate.py")])
     assert main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python -m modeling.generate ")

@@ -93,7 +93,7 @@ def test_missing_shard(tmp_path):
 
 def test_unsupported_model_type(tmp_path):
     config = CONFIG | {"model_type": "llama"}
-    with pytest.raises(ConfigError, match="unsupported model_type 'llama': supported are qwen3, qwen2, qwen3_5_text"):
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama': supported are qwen3, qwen2, qwen3_moe, qwen2_moe, qwen3_5_text"):
         QwenForCausalLM.from_pretrained(write_checkpoint(tmp_path, config, {}))
 
 

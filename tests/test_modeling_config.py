@@ -58,8 +58,8 @@ def test_transformers_qwen2_config_round_trip():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "qwen3_5_moe"}, "unsupported model_type 'qwen3_5_moe': supported are qwen3, qwen2, "
-                                          "qwen3_5_text, qwen3_5"),
+        ({"model_type": "qwen3_next"}, "unsupported model_type 'qwen3_next': supported are qwen3, qwen2, "
+                                         "qwen3_moe, qwen2_moe, qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe"),
         ({"model_type": None}, "unsupported model_type None"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_type 'yarn'"),
         ({"use_sliding_window": True}, "unsupported use_sliding_window"),

@@ -45,8 +45,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(
         prog=prog_name(),
-        description="Generate text with a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (model_type qwen3, qwen2, "
-                    "qwen3_5 or qwen3_5_text) on the torch.ops.qwen Triton kernels (without CUDA: the PyTorch "
+        description="Generate text with a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint, dense or mixture of experts "
+                    "(model_type qwen3, qwen2, qwen3_5, qwen3_5_text, qwen3_moe, qwen2_moe, qwen3_5_moe or "
+                    "qwen3_5_moe_text) on the torch.ops.qwen Triton kernels (without CUDA: the PyTorch "
                     "reference ops).",
         epilog="Sampling flags left out take the checkpoint's generation_config.json values. Exit status: "
                "0 done, 2 bad input, 1 other failure, 130 interrupted, 141 stdout closed early. "

@@ -37,7 +37,7 @@ class QwenForCausalLM(nn.Module):
         c = config
         self.config = c
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(LAYER_TYPES[kind](c) for kind in c.layer_types)
+        self.layers = nn.ModuleList(LAYER_TYPES[kind](c, i in c.moe_layers) for i, kind in enumerate(c.layer_types))
         self.norm = nn.Parameter(torch.empty(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self._stacks: Optional[Tuple] = None
@@ -53,8 +53,15 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the persistent kernel (``ops.decode_layers``):
-        attention layers only, without an output gate (Qwen3, Qwen2)."""
-        return all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
+        attention layers only, without an output gate, with dense MLPs (Qwen3, Qwen2)."""
+        return (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
+                and self.supports_fused_decode)
+
+    @property
+    def supports_fused_decode(self) -> bool:
+        """Whether decode steps may take the fused decode ops (``kernels="fused"``): every MLP dense
+        (a mixture-of-experts layer runs op by op)."""
+        return not self.config.moe_layers
 
     def forward(self, input_ids: Tensor, context: Optional[StepContext] = None) -> Tensor:
         """Without ``context``: input_ids [B, T] (int64), each row a sequence from position 0,
@@ -144,5 +151,8 @@ class QwenForCausalLM(nn.Module):
         state = load_state_dict(path, config, device=device, dtype=dtype)
         with torch.device("meta"):
             model = cls(config)
+        # the loader stacks rows; a parameter of more dims (the experts [E, 2I, H]) is a view of them
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        state = {name: t.view(shapes.get(name, t.shape)) for name, t in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.requires_grad_(False)

@@ -10,6 +10,14 @@ Supported ``model_type`` values:
 - ``qwen3_5``: the hub's multimodal wrapper (``Qwen3_5ForConditionalGeneration``): the text model's
   fields under ``text_config``, its weights under ``model.language_model.``; the vision tower
   (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
+- ``qwen3_moe``, ``qwen2_moe``: qwen3 and qwen2 whose MLPs are routed experts (mixture of experts,
+  ``MOE_MODEL_TYPES``) in the layers ``decoder_sparse_step`` and ``mlp_only_layers`` name (layer i
+  is sparse unless listed in ``mlp_only_layers``, when (i + 1) % ``decoder_sparse_step`` == 0); the
+  others keep the dense MLP of ``intermediate_size``. qwen2_moe adds a shared expert behind a
+  sigmoid gate and takes its q/k/v bias from ``qkv_bias`` (default true); the router renormalises
+  the top-k weights where ``norm_topk_prob`` (default false) says so.
+- ``qwen3_5_moe_text``, ``qwen3_5_moe``: Qwen3.5 with routed experts and a gated shared expert in
+  every layer (the router always renormalises); the wrapper's ``text_config`` as for ``qwen3_5``.
 
 Qwen3.5 specifics: every RMSNorm is zero-centred (``x * rsqrt(mean(x^2) + eps) * (1 + weight)``,
 ``norm_offset`` 1.0) except the Gated DeltaNet's output norm; q_proj holds per head
@@ -42,14 +50,19 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from qwen_ops.checks import HEAD_DIMS, HEAD_DIMS_TEXT
+from qwen_ops.moe import MAX_EXPERTS
 
 from .files import read_json
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 """The dense families (also what ``modeling.model.transformers_patch`` patches)."""
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
-"""Qwen3.5: text-only checkpoints and the hub's multimodal wrapper."""
-MODEL_TYPES = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+"""Qwen3.5 and Qwen3.5-MoE: text-only checkpoints and the hub's multimodal wrappers."""
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+"""The mixture-of-experts families: each another family's decoder with routed experts as MLPs."""
+WRAPPER_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+"""The multimodal wrappers and the model_type of their ``text_config``."""
+MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3_moe", "qwen2_moe") + HYBRID_MODEL_TYPES
 """Every ``model_type`` ``QwenConfig.from_dict`` reads."""
 
 MAX_CONV_KERNEL = 16
@@ -95,16 +108,19 @@ class QwenConfig:
     linear_conv_kernel_dim: int = 0
     weights_prefix: str = "model."  # checkpoint names of the text model: "model." or "model.language_model."
     skipped_weight_prefixes: Tuple[str, ...] = ()  # checkpoint tensors ignored (vision tower, MTP)
-
-    @property
-    def qkv_bias(self) -> bool:
-        """Qwen2 has a bias on the q, k and v projections."""
-        return self.model_type == "qwen2"
+    qkv_bias: bool = False  # a bias on the q, k and v projections (qwen2; qwen2_moe by its qkv_bias)
+    # mixture of experts (MOE_MODEL_TYPES)
+    moe_layers: Tuple[int, ...] = ()  # the layers whose MLP is the routed experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = False  # the router renormalises its top-k weights
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 and Qwen3.5 RMS-normalize each q and k head over head_dim before RoPE."""
-        return self.model_type == "qwen3" or self.model_type in HYBRID_MODEL_TYPES
+        """Qwen3 and Qwen3.5 (and their MoE) RMS-normalize each q and k head over head_dim before RoPE."""
+        return self.model_type in ("qwen3", "qwen3_moe") or self.model_type in HYBRID_MODEL_TYPES
 
     @property
     def q_size(self) -> int:
@@ -145,8 +161,17 @@ class QwenConfig:
             extra = _qwen3_5_fields(d, model_type)
         rope_theta, rotary_factor = rope_settings(d)
         _reject_unsupported_features(d, model_type)
-        sizes = {name: _size(d, name) for name in
-                 ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+        sizes = {name: _size(d, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                    "num_attention_heads")}
+        if model_type in MOE_MODEL_TYPES:
+            extra.update(_moe_fields(d, model_type, sizes["num_hidden_layers"]))
+        dense_layers = sizes["num_hidden_layers"] > len(extra.get("moe_layers", ()))
+        # a model whose every MLP is sparse (Qwen3.5-MoE) has no dense intermediate_size
+        sizes["intermediate_size"] = _size(d, "intermediate_size", None if dense_layers else 0)
+        if model_type == "qwen2":
+            extra["qkv_bias"] = True
+        elif model_type == "qwen2_moe":
+            extra["qkv_bias"] = _bool(d, "qkv_bias", True)
         layer_types = _layer_types(d, model_type, sizes["num_hidden_layers"])
         heads = sizes["num_attention_heads"]
         kv_heads = _size(d, "num_key_value_heads", heads)
@@ -263,16 +288,18 @@ def _show(v: Any) -> str:
 
 
 def _qwen3_5_text(d: Mapping[str, Any]) -> Dict[str, Any]:
-    """The text model's fields: ``text_config`` of the multimodal wrapper (with the wrapper's
-    ``tie_word_embeddings`` when it sets one: Qwen3_5ForConditionalGeneration ties by it), or the
-    text config itself. Qwen3.5's default partial_rotary_factor is 0.25."""
-    if d["model_type"] == "qwen3_5":
+    """The text model's fields: ``text_config`` of a multimodal wrapper (``WRAPPER_TEXT_TYPES``, with
+    the wrapper's ``tie_word_embeddings`` when it sets one: Qwen3_5ForConditionalGeneration ties by
+    it), or the text config itself. Qwen3.5's default partial_rotary_factor is 0.25."""
+    wrapper = d["model_type"]
+    if wrapper in WRAPPER_TEXT_TYPES:
         text = d.get("text_config")
+        expected = WRAPPER_TEXT_TYPES[wrapper]
         if not isinstance(text, Mapping):
-            raise ConfigError("model_type 'qwen3_5' (the multimodal wrapper) needs a 'text_config' object")
-        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-            raise ConfigError(f"unsupported text_config model_type {_show(text.get('model_type'))} in a qwen3_5 "
-                              "config: expected 'qwen3_5_text'")
+            raise ConfigError(f"model_type {wrapper!r} (the multimodal wrapper) needs a 'text_config' object")
+        if text.get("model_type", expected) != expected:
+            raise ConfigError(f"unsupported text_config model_type {_show(text.get('model_type'))} in a {wrapper} "
+                              f"config: expected {expected!r}")
         out = dict(text)
         if "tie_word_embeddings" in d:
             out["tie_word_embeddings"] = d["tie_word_embeddings"]
@@ -301,10 +328,42 @@ def _qwen3_5_fields(d: Mapping[str, Any], model_type: str) -> Dict[str, Any]:
     if not 2 <= fields["linear_conv_kernel_dim"] <= MAX_CONV_KERNEL:
         raise ConfigError(f"unsupported linear_conv_kernel_dim {fields['linear_conv_kernel_dim']}: the conv "
                           f"kernels take 2 to {MAX_CONV_KERNEL}")
-    wrapper = model_type == "qwen3_5"
+    wrapper = model_type in WRAPPER_TEXT_TYPES
     return dict(fields, norm_offset=1.0, attn_output_gate=True,
                 weights_prefix="model.language_model." if wrapper else "model.",
                 skipped_weight_prefixes=QWEN3_5_SKIPPED_WEIGHTS)
+
+
+def _moe_fields(d: Mapping[str, Any], model_type: str, n: int) -> Dict[str, Any]:
+    """The experts' sizes, the router's renormalisation and the sparse layers (see the module doc)."""
+    # the Hub's configs say num_experts; transformers 5's Qwen3MoeConfig writes num_local_experts
+    named = [name for name in ("num_experts", "num_local_experts") if d.get(name) is not None]
+    experts, top_k = _size(d, named[0] if named else "num_experts"), _size(d, "num_experts_per_tok")
+    if len(named) == 2 and d["num_local_experts"] != experts:
+        raise ConfigError(f"num_experts={experts} and num_local_experts={_show(d['num_local_experts'])} differ")
+    if experts > MAX_EXPERTS:
+        raise ConfigError(f"num_experts {experts} is above {MAX_EXPERTS}, the most the MoE kernels take")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} is more than num_experts={experts}")
+    fields: Dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=top_k,
+                                  moe_intermediate_size=_size(d, "moe_intermediate_size"))
+    if model_type != "qwen3_moe":
+        fields["shared_expert_intermediate_size"] = _size(d, "shared_expert_intermediate_size")
+    if model_type in HYBRID_MODEL_TYPES:
+        if not _bool(d, "norm_topk_prob", True):
+            raise ConfigError(f"unsupported norm_topk_prob=false for {model_type}: its router always renormalises")
+        return dict(fields, norm_topk_prob=True, moe_layers=tuple(range(n)))
+    step = _size(d, "decoder_sparse_step", 1)
+    dense = d.get("mlp_only_layers") or []
+    if not isinstance(dense, (list, tuple)) or not all(_is_index(i, n) for i in dense):
+        raise ConfigError(f"mlp_only_layers must be a list of layer indices below num_hidden_layers={n}, got "
+                          f"{_show(dense)}")
+    return dict(fields, norm_topk_prob=_bool(d, "norm_topk_prob", False),
+                moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
+
+
+def _is_index(i: Any, n: int) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
 
 
 FAMILY_LAYER_TYPES = {"dense": ("full_attention",), "hybrid": ("linear_attention", "full_attention")}
@@ -340,5 +399,5 @@ def _reject_unsupported_features(d: Mapping[str, Any], model_type: str) -> None:
         raise ConfigError("unsupported use_sliding_window=true: only full attention is implemented")
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported hidden_act {_show(d['hidden_act'])}: only 'silu' is implemented")
-    if model_type == "qwen3" and _bool(d, "attention_bias", False):
-        raise ConfigError("unsupported attention_bias=true for qwen3: Qwen3 checkpoints have no attention bias")
+    if model_type in ("qwen3", "qwen3_moe") and _bool(d, "attention_bias", False):
+        raise ConfigError(f"unsupported attention_bias=true for {model_type}: Qwen3 checkpoints have no attention bias")

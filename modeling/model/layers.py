@@ -28,6 +28,11 @@ layers and the loader its plan from it, and the config rejects any other name. K
 ``full_attention`` (``AttentionLayer``: qwen3, qwen2, and Qwen3.5's gated attention) and
 ``linear_attention`` (``GatedDeltaNetLayer``: Qwen3.5's Gated DeltaNet).
 
+A layer of ``config.moe_layers`` (mixture of experts) has ``mlp``, a
+``modeling.model.moe.SparseMoeBlock``, in place of the dense MLP's two weights; its plan names the
+experts as the checkpoint holds them (one by one, or fused: ``load_plan(..., fused_experts)``). It
+runs op by op: the fused decode kernels fold the dense MLP only.
+
 Shapes: hidden = config.hidden_size, Hq/Hk query/key-value heads, D head_dim, I intermediate_size.
 """
 
@@ -40,6 +45,7 @@ import qwen_ops  # noqa: F401  (registers torch.ops.qwen)
 
 from .config import QwenConfig
 from .context import LayerContext
+from .moe import SparseMoeBlock
 
 ops = torch.ops.qwen
 
@@ -59,34 +65,42 @@ class CacheSpec(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    """What every layer kind shares: the two RMSNorms, the SwiGLU MLP and the residual stream.
+    """What every layer kind shares: the two RMSNorms, the MLP and the residual stream.
 
-    forward: ``mix``, then ``h = rms_norm(stream)``, ``linear(silu_mul(linear(h, gate_up_weight)),
-    down_weight)`` added to the stream. The norms use ``config.norm_offset`` (1.0 on Qwen3.5:
-    zero-centred weights).
+    forward: ``mix``, then ``h = rms_norm(stream)``, the MLP of h added to the stream: the SwiGLU
+    ``linear(silu_mul(linear(h, gate_up_weight)), down_weight)``, or with ``sparse`` (a layer of
+    ``config.moe_layers``) the routed experts ``mlp(h)``. The norms use ``config.norm_offset`` (1.0
+    on Qwen3.5: zero-centred weights).
     """
 
-    def __init__(self, config: QwenConfig):
+    def __init__(self, config: QwenConfig, sparse: bool = False):
         super().__init__()
         c = self.config = config
         self.input_norm = nn.Parameter(torch.empty(c.hidden_size))
         self.init_mixer(c)  # the kind's parameters, between the norms as in the checkpoint
         self.post_norm = nn.Parameter(torch.empty(c.hidden_size))
-        self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
-        self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        if sparse:
+            self.mlp = SparseMoeBlock(c)
+        else:
+            self.mlp = None
+            self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
+            self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
 
     @classmethod
-    def load_plan(cls, config: QwenConfig, hf: str) -> LoadPlan:
-        """Every parameter of the layer, in checkpoint order (the mixer's between the norms)."""
+    def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
+        """Every parameter of the layer, in checkpoint order (the mixer's between the norms); a
+        sparse layer's experts one by one, or fused (``fused_experts``)."""
         hidden, inter = config.hidden_size, config.intermediate_size
-        return {
+        plan = {
             "input_norm": [(hf + "input_layernorm.weight", (hidden,))],
             **cls.mixer_plan(config, hf),
             "post_norm": [(hf + "post_attention_layernorm.weight", (hidden,))],
-            "gate_up_weight": [(hf + "mlp.gate_proj.weight", (inter, hidden)),
-                               (hf + "mlp.up_proj.weight", (inter, hidden))],
-            "down_weight": [(hf + "mlp.down_proj.weight", (hidden, inter))],
         }
+        if sparse:
+            return plan | SparseMoeBlock.plan(config, hf, fused_experts)
+        return plan | {"gate_up_weight": [(hf + "mlp.gate_proj.weight", (inter, hidden)),
+                                          (hf + "mlp.up_proj.weight", (inter, hidden))],
+                       "down_weight": [(hf + "mlp.down_proj.weight", (hidden, inter))]}
 
     def forward(self, x: Tensor, residual: Optional[Tensor], positions: Tensor,
                 context: Optional[LayerContext] = None) -> Stream:
@@ -98,6 +112,8 @@ class DecoderLayer(nn.Module):
             h = ops.norm_gate_up_silu(x, self.post_norm, self.gate_up_weight, c.rms_norm_eps, c.norm_offset)
             return ops.linear_residual(h, self.down_weight, x), None
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
+        if self.mlp is not None:
+            return self.mlp(h), residual
         return ops.linear(ops.silu_mul(ops.linear(h, self.gate_up_weight)), self.down_weight), residual
 
     def _project_in(self, x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],

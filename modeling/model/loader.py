@@ -13,9 +13,13 @@ dim 0 to make it. Each layer's part comes from its class in ``modeling.model.lay
 - ``layers.{i}.gate_up_weight`` [2 * I, hidden]       <- gate_proj, up_proj weights
 
 and for a Gated DeltaNet layer (Qwen3.5), ``layers.{i}.in_proj_weight`` <- in_proj_qkv, in_proj_z,
-in_proj_b, in_proj_a. The text model's names start with ``config.weights_prefix`` (``model.``, or
-``model.language_model.`` in the multimodal wrapper); tensors under
-``config.skipped_weight_prefixes`` (Qwen3.5's vision tower and MTP head) are ignored.
+in_proj_b, in_proj_a. A mixture-of-experts layer's ``layers.{i}.mlp.*`` (``modeling.model.moe``)
+come from the experts one by one (the Hub's layout: ``mlp.experts.{e}.gate_proj.weight`` ...) or
+fused (transformers 5's: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``): the
+loader takes the layout the checkpoint holds (``fused_experts``). The text model's names start
+with ``config.weights_prefix`` (``model.``, or ``model.language_model.`` in the multimodal
+wrapper); tensors under ``config.skipped_weight_prefixes`` (Qwen3.5's vision tower and MTP head)
+are ignored.
 
 Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down like F32) and,
 once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
@@ -39,6 +43,7 @@ from safetensors import safe_open
 from .config import QwenConfig
 from .files import format_size, open_file, read_json
 from .layers import LAYER_TYPES, LoadPlan, Shape
+from .moe import FUSED_EXPERTS
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,12 +60,14 @@ MIN_WEIGHT_BYTES = 2
 """Bytes of the narrowest weight dtype (F16, BF16): a checkpoint holds at least this per parameter."""
 
 
-def load_plan(config: QwenConfig) -> LoadPlan:
-    """For each model tensor, the Hugging Face tensors (name, expected shape) it is made of."""
+def load_plan(config: QwenConfig, fused_experts: bool = False) -> LoadPlan:
+    """For each model tensor, the Hugging Face tensors (name, expected shape) it is made of; the
+    experts of a mixture-of-experts layer one by one, or fused (``fused_experts``)."""
     c, m = config, config.weights_prefix
     plan: LoadPlan = {"embed_tokens": [(m + "embed_tokens.weight", (c.vocab_size, c.hidden_size))]}
     for i, kind in enumerate(c.layer_types):
-        for name, sources in LAYER_TYPES[kind].load_plan(c, f"{m}layers.{i}.").items():
+        prefix = f"{m}layers.{i}."
+        for name, sources in LAYER_TYPES[kind].load_plan(c, prefix, i in c.moe_layers, fused_experts).items():
             plan[f"layers.{i}.{name}"] = sources
     plan["norm"] = [(m + "norm.weight", (c.hidden_size,))]
     if not c.tie_word_embeddings:
@@ -132,8 +139,6 @@ def load_state_dict(
     A tied-embedding model needs no ``lm_head.weight``; one present anyway is ignored, as are
     tensors under ``config.skipped_weight_prefixes``.
     """
-    plan = load_plan(config)
-    expected = {name: shape for sources in plan.values() for name, shape in sources}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     skipped = tuple(config.skipped_weight_prefixes)
     device = torch.device(device)
@@ -152,6 +157,10 @@ def load_state_dict(
                 shard_of[name] = f.name
                 if not (skipped and name.startswith(skipped)):
                     handles[name] = handle
+        first_sparse = config.moe_layers[:1]
+        fused = bool(first_sparse) and f"{config.weights_prefix}layers.{first_sparse[0]}.{FUSED_EXPERTS}" in handles
+        plan = load_plan(config, fused)
+        expected = {name: shape for sources in plan.values() for name, shape in sources}
         _check(handles, expected, ignored)
         state = {}
         finite = []  # (name, 0-dim bool tensor on the device): read back once, not once per tensor

@@ -355,11 +355,12 @@ def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
 @torch.no_grad()
 def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device] = "cpu",
                  std: float = 0.02, seed: int = 0) -> QwenForCausalLM:
-    """A ``QwenForCausalLM`` with random weights, built in memory on ``device``."""
-    with torch.device(device):
+    """A ``QwenForCausalLM`` with random weights, built in memory on ``device``, each parameter made
+    in ``dtype`` directly (a 61 GB bf16 model never holds an fp32 copy)."""
+    with torch.device("meta"):
         model = QwenForCausalLM(config)
     g = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        p.copy_(random_tensor(name, tuple(p.shape), std, g, dtype=p.dtype, device=device,
-                              norm_center=norm_center(config, name)))
-    return model.to(dtype).requires_grad_(False)
+    state = {name: random_tensor(name, tuple(p.shape), std, g, dtype=dtype, device=device,
+                                 norm_center=norm_center(config, name)) for name, p in model.named_parameters()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False)

@@ -43,7 +43,7 @@ def prog_name() -> str:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog_name(),
-        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint over an OpenAI-compatible HTTP API "
+        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the "
                     "continuous-batching engine.",
         epilog="SIGTERM/SIGINT drain the server and exit 0. See docs/serve.md.")
