@@ -73,6 +73,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT (default 30)")
     h.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    h.add_argument("--strict-requests", action="store_true",
+                   help="refuse a request that holds a field the server does not know (400) instead of logging and "
+                        "ignoring the field")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, help="prompt + new tokens per sequence at most (default: the "
                                                       "model's max_position_embeddings)")
@@ -191,7 +194,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
     state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                                       a.body_timeout))
+                                                       a.body_timeout, a.strict_requests))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))

@@ -2,14 +2,17 @@
 strict JSON types), then turned into a ``Plan``: each prompt's token ids, each choice's
 ``SamplingParams``, the new-token budget, what to parse out of the text.
 
-Unknown fields are refused with OpenAI's own message ("Unrecognized request argument supplied"),
-and so are the OpenAI parameters this server does not implement (``REFUSED``) unless they hold
-their neutral value: nothing a client sends is silently ignored. Parameters left out take the
+Unknown fields are logged and ignored, as vLLM does (clients send vLLM's and other servers'
+extras), or refused with OpenAI's own message ("Unrecognized request argument supplied") when the
+server runs with ``--strict-requests``. The OpenAI parameters this server does not implement
+(``REFUSED``) are refused unless they hold their neutral value; OpenAI's informational fields
+(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and change nothing. Parameters left out take the
 checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, repetition
 penalty), as vLLM does by default.
 """
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Union
@@ -32,19 +35,24 @@ DEFAULT_COMPLETION_TOKENS = 16
 """max_tokens of /v1/completions when neither the request nor generation_config.json says (OpenAI's)."""
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+log = logging.getLogger("modeling.serve")
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class Fields(BaseModel):
+    """A request body or a part of one: strict JSON types, no NaN or infinity; fields it does not
+    declare are kept aside (``unknown_fields``) for ``parse`` to log or refuse."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Fields):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(Fields):
     """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
     repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids)."""
 
-    model_config = _STRICT
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -94,9 +102,10 @@ class ChatCompletionRequest(_Request):
     prediction: Optional[Any] = None
     reasoning_effort: Optional[Any] = None
     web_search_options: Optional[Any] = None
-    service_tier: Optional[Any] = None
-    store: Optional[Any] = None
-    metadata: Optional[Any] = None
+    # OpenAI's informational fields: accepted, nothing is stored and there is one tier
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[Dict[str, str]] = None
 
 
 REFUSED = {
@@ -111,9 +120,6 @@ REFUSED = {
     "prediction": "no predicted outputs",
     "reasoning_effort": "use chat_template_kwargs {\"enable_thinking\": false} to turn Qwen3's thinking off",
     "web_search_options": "no web search",
-    "service_tier": "one tier",
-    "store": "nothing is stored",
-    "metadata": "nothing is stored",
 }
 """OpenAI parameters this server refuses (400) unless neutral, and why."""
 
@@ -122,26 +128,47 @@ _UNION_MESSAGES = {"stop": "must be a string or a list of strings",
                    "tool_choice": "must be \"auto\", \"none\" or an object"}
 
 
-def parse(model: type, body: bytes) -> Any:
-    """``model`` validated from the JSON ``body``; a 400 naming the first bad field otherwise."""
+def parse(model: type, body: bytes, strict: bool = False) -> Any:
+    """``model`` validated from the JSON ``body``; a 400 naming the first bad field otherwise.
+    Fields ``model`` does not declare are logged and ignored, or refused (a 400 naming the first)
+    when ``strict``."""
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
-        param = str(loc[0]) if loc else None
-        if err["type"] == "json_invalid":
-            raise invalid(f"the request body is not valid JSON: {err['msg']}") from None
-        if err["type"] == "model_type":
-            if loc:
-                raise invalid(f"'{_path(loc)}' must be a JSON object", param) from None
-            raise invalid("the request body must be a JSON object") from None
-        if err["type"] == "extra_forbidden" and len(loc) == 1:
-            raise invalid(f"Unrecognized request argument supplied: {param}", param) from None
-        if err["type"] == "missing":
-            raise invalid(f"'{_path(loc)}' is required", param) from None
-        message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
-        raise invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param) from None
+        raise _validation_error(e) from None
+    unknown = unknown_fields(req)
+    if unknown and strict:
+        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0].split(".")[0])
+    if unknown:
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(unknown))
+    return req
+
+
+def unknown_fields(req: Fields, prefix: str = "") -> List[str]:
+    """The dotted names of the fields of ``req`` and of its parts that their models do not declare."""
+    out = [prefix + name for name in req.model_extra or {}]
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        if isinstance(value, Fields):
+            out += unknown_fields(value, f"{prefix}{name}.")
+    return out
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """The 400 of pydantic's first error (it names the field)."""
+    err = e.errors()[0]
+    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
+    param = str(loc[0]) if loc else None
+    if err["type"] == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type":
+        if loc:
+            return invalid(f"'{_path(loc)}' must be a JSON object", param)
+        return invalid("the request body must be a JSON object")
+    if err["type"] == "missing":
+        return invalid(f"'{_path(loc)}' is required", param)
+    message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
+    return invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param)
 
 
 def _is_type_tag(x: Any) -> bool:
@@ -183,6 +210,7 @@ class Plan:
     logprobs: Optional[int]  # top logprobs per token when asked for logprobs, else None
     echo: bool = False
     tool_calls: bool = False  # parse Qwen's <tool_call> blocks out of the reply
+    parallel_tool_calls: bool = True  # False: the first tool call of a reply only
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
     prompt_text: str = ""  # the rendered chat prompt (where a <think> block may already be open)
 
@@ -350,25 +378,36 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str, Any]]]:
-    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding, and for
-    tools given to a chat template that never reads them (they would be dropped unseen)."""
+    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding."""
     choice = req.tool_choice
     if isinstance(choice, dict) or choice == "required":
         raise unsupported("tool_choice", "only \"auto\" and \"none\" (no forced tool calls)")
     if choice not in (None, "auto", "none"):
         raise invalid(f"'tool_choice' must be \"auto\", \"none\" or an object, got {choice!r}", "tool_choice")
-    if req.parallel_tool_calls is False:
-        raise unsupported("parallel_tool_calls", "the model may make several calls in one reply")
-    for i, tool in enumerate(req.tools or []):
-        fn = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
-    if not req.tools or choice == "none":
+    if choice == "none":
+        _check_tools(req.tools)
+        return None
+    return render_tools(req.tools, llm)
+
+
+def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Optional[List[Dict[str, Any]]]:
+    """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
+    none; a 400 for tools given to a chat template that never reads them (they would be dropped
+    unseen)."""
+    _check_tools(tools)
+    if not tools:
         return None
     template = llm.chat_template
     if not any("tools" in source for source in (template.source, *template.named.values())):
         raise unsupported("tools", f"the checkpoint's chat template ({template.origin}) does not render tools")
-    return req.tools
+    return tools
+
+
+def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
 
 
 def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
@@ -408,7 +447,8 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
                      max_model_len, field, "messages")
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
-                reasoning=thinking_on(llm, kwargs), prompt_text=text)
+                parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
+                prompt_text=text)
 
 
 def requested_model(req: _Request, served: str) -> None:
