@@ -214,7 +214,7 @@ class LLM(Frontend):
         params = self._params(sampling_params, 0)
         if params.n != 1:
             raise ValueError(f"stream makes one completion: sampling_params.n must be 1, got {params.n}")
-        text, ids = self._prompt(prompt, 0)
+        text, ids = self._prompt(prompt, 0, params)
         request = self._add([(text, ids, params)])[0]
         return TextStream(self, request)
 
@@ -255,10 +255,15 @@ class LLM(Frontend):
             per_prompt = [self._params(p, i) for i, p in enumerate(sampling_params)]
         else:
             per_prompt = [self._params(sampling_params, None)] * len(given)
-        return [(*self._prompt(p, i), params) for i, (p, params) in enumerate(zip(given, per_prompt))]
+        return [(*self._prompt(p, i, params), params) for i, (p, params) in enumerate(zip(given, per_prompt))]
 
-    def _prompt(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
-        """A prompt's text (None when given as token ids) and its token ids."""
+    def _prompt(self, prompt: Prompt, index: int, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
+        """A prompt's text (None when given as token ids) and its token ids, cut to the last
+        ``params.truncate_prompt_tokens``."""
+        text, ids = self._prompt_ids(prompt, index)
+        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
+
+    def _prompt_ids(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
         if isinstance(prompt, Mapping):
             if set(prompt) != {TOKEN_IDS_KEY}:
                 raise ValueError(f"prompts[{index}]: a dict prompt holds one key, {TOKEN_IDS_KEY!r}, "
@@ -295,7 +300,7 @@ class LLM(Frontend):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         args = dict(self.engine_args, max_num_seqs=min(seqs, self.engine_args["max_num_seqs"]))
-        self._engine = Engine(self.model, max_model_len=size, **args)
+        self._engine = Engine(self.model, max_model_len=size, tokenizer=self.tokenizer, **args)
         return self._engine
 
     def _add(self, requests: Sequence[Tuple[Optional[str], List[int], SamplingParams]]) -> List[_Request]:

@@ -51,7 +51,8 @@ class StreamOptions(Fields):
 
 class _Request(Fields):
     """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids)."""
+    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
+    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens)."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -72,7 +73,12 @@ class _Request(Fields):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: Optional[str] = None  # an end-user id for the caller's records: accepted, unused
-    logit_bias: Optional[Dict[str, Any]] = None  # refused unless empty
+    logit_bias: Optional[Dict[str, float]] = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
 
 
 class CompletionRequest(_Request):
@@ -109,7 +115,6 @@ class ChatCompletionRequest(_Request):
 
 
 REFUSED = {
-    "logit_bias": "no logit bias is applied",
     "suffix": "no insertion (fill-in-the-middle) completions",
     "best_of": "no server-side best-of selection (use n)",
     "response_format": "no structured (JSON) output; only {\"type\": \"text\"}",
@@ -233,8 +238,7 @@ def _refuse_neutral(req: _Request) -> None:
         if name not in type(req).model_fields:
             continue
         value = getattr(req, name)
-        neutral = (value is None or (name == "logit_bias" and value == {})
-                   or (name == "best_of" and value == req.n)
+        neutral = (value is None or (name == "best_of" and value == req.n)
                    or (name == "suffix" and value == "")
                    or (name == "response_format" and value == {"type": "text"}))
         if not neutral:
@@ -253,14 +257,43 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> Sampling
     if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
         raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters together, "
                       f"got {len(stop)} of {sum(map(len, stop))}", "stop")
+    bias = _logit_bias(req.logit_bias, llm.config.vocab_size)
+    outside = [t for t in req.allowed_token_ids or () if not 0 <= t < llm.config.vocab_size]
+    if outside:
+        raise invalid(f"'allowed_token_ids' {outside[:4]} lie outside the model's vocabulary "
+                      f"[0, {llm.config.vocab_size})", "allowed_token_ids")
     try:
         return replace(llm.get_default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, min_tokens=req.min_tokens,
+                       include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=bias,
+                       allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
+                       truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as e:  # SamplingParams names each bad value: "temperature must be ..."
         first = str(e).split("; ")[0]
         name = re.match(r"(?:stop strings|(\w+))", first)
         raise invalid(str(e), (name.group(1) or "stop") if name else None) from None
+
+
+def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token ids as strings) keyed by int (a 400 for a key that is no
+    token id of the vocabulary); None when absent or empty."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
+    """``prompts`` cut to their last ``keep`` tokens (None: as they are); a cut prompt's text is
+    dropped (it no longer spells the ids)."""
+    if keep is None:
+        return prompts
+    return [p if len(p.ids) <= keep else Prompt(None, p.ids[-keep:]) for p in prompts]
 
 
 def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[int], max_model_len: int,
@@ -330,8 +363,8 @@ def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -
     _refuse_neutral(req)
     if req.logprobs is not None and req.echo:
         raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
-    prompts = completion_prompts(req.prompt, llm)
     base = _sampling(req, llm, req.logprobs)
+    prompts = truncated(completion_prompts(req.prompt, llm), base.truncate_prompt_tokens)
     default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
     return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n), budget, _stop_ids(llm, base), req.stream,
@@ -442,7 +475,7 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
         raise invalid("the rendered conversation is empty", "messages")
     base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    prompts = [Prompt(text, ids)]
+    prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
     budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
                      max_model_len, field, "messages")
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
