@@ -11,8 +11,8 @@ time. Four processes on one 80 GB H100 with neither ran out of memory in three s
 
 Prints one row per group (its GPU, pytest's summary line, time) and the failures, and writes each
 group's `pytest -v` log under --out. Exit status 1 if a test failed or errored or a group ran past
---timeout (the tests it had not reached are then counted as not run). On an H200 x2, eight
-groups ran the 442 tests in 4 min 37 s, where one process needed several 10-minute calls.
+--timeout (the tests it had not reached are then counted as not run). On two GPUs, eight
+groups run the whole suite within one device call, where one process needed several.
 """
 import argparse
 import os

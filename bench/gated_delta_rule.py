@@ -8,11 +8,11 @@ Shape: Qwen3.5-0.8B's linear-attention layer, B=1, H=16 key = value heads, Dk=Dv
 q/k/v and beta, fp32 g (from random gate projections through g = -exp(A_log) softplus(a + dt_bias)),
 l2-normalised q and k in the kernel, scale Dk^-0.5, zero initial state.
 
-- chunk: `torch.ops.qwen.chunk_gated_delta_rule` and, if `fla` imports,
+- chunk: `torch.ops.qwen.chunk_gated_delta_rule` on fixed lengths and, if `fla` imports,
   `fla.ops.gated_delta_rule.chunk_gated_delta_rule`, each timed as a CUDA graph replay
   (triton's do_bench_cudagraph, median), with the relative error ||x - ref|| / ||ref|| of the
   output and of the final state against a float64 token-by-token recurrence.
-- chunk varlen: `torch.ops.qwen.chunk_gated_delta_rule_varlen` over `--varlen S L` packed
+- chunk varlen: `torch.ops.qwen.chunk_gated_delta_rule` with `cu_seqlens` over `--varlen S L` packed
   sequences of L tokens each (default 8 x 256, the engine's prefill of 8 prompts; `--varlen 0 0`
   skips it), each from a zero state, and FLA's `chunk_gated_delta_rule` with `cu_seqlens`; errors
   against the fp64 recurrence of each sequence (states: all S final states).
@@ -99,8 +99,9 @@ def bench_chunk(rows, t, fla_chunk, kernels):
     x = make_inputs(t)
     ref_o, ref_s = recurrence_fp64(x)
     scale = D ** -0.5
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], scale, None, True)
-    o, s = torch.ops.qwen.chunk_gated_delta_rule(*args)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], scale, None, None, None, None, True)
+    s = torch.zeros(ref_s.shape, dtype=torch.float32, device="cuda")  # the final state, written in place
+    o = torch.ops.qwen.chunk_gated_delta_rule(*args[:6], s, *args[7:])
     ms = bench_ms(lambda: torch.ops.qwen.chunk_gated_delta_rule(*args))
     rows.append(("chunk", "qwen (ours)", t, ms, t / ms / 1e3, rel_error(o, ref_o), rel_error(s, ref_s)))
     if kernels:
@@ -137,7 +138,7 @@ def bench_chunk_varlen(rows, seqs, length, fla_chunk, kernels):
     flat = [x[n][0] for n in ("q", "k", "v", "g", "beta")]
 
     def ours():
-        return torch.ops.qwen.chunk_gated_delta_rule_varlen(*flat, pool, cu, slots, cont, scale, True)
+        return torch.ops.qwen.chunk_gated_delta_rule(*flat, scale, pool, cu, slots, cont, True)
 
     o = ours()
     err = (rel_error(o, ref_o), rel_error(pool, ref_s))

@@ -32,8 +32,8 @@ The parts, in this order (``--only`` picks some):
   batching starts on the first warm-up request). One server holds the GPU at a time.
 
 A level of concurrency c: c clients (asyncio, a ``RawClient`` each: one keep-alive HTTP/1.1
-connection, chunked SSE parsed with json.loads; until 2026-12-03 they were httpx clients, which
-added 0.7-1.0 ms to a c1 time to first token on the 2-core VM: ``bench.serve_host --client``), up to
+connection, chunked SSE parsed with json.loads; the httpx clients used before added host time of
+their own to a c1 time to first token: ``bench.serve_host --client``), up to
 ``CLIENTS_PER_PROCESS`` of them a process (one process reading 64 streams was the bottleneck: see
 ``client_processes``), each sending streaming /v1/completions requests back to back until
 ``max(--min-requests, --rounds * c)`` are done, the same bodies for both servers: ``model`` the
@@ -293,8 +293,8 @@ def client_process(url: str, model: str, prompts, c: int, barrier, out) -> None:
 
 def client_processes(c: int) -> int:
     """How many processes carry ``c`` clients: one per ``CLIENTS_PER_PROCESS``. One asyncio
-    process parsing every chunk of 64 streams is what limits it (on the H200's host, 8,791
-    tokens/s through one process against the engine's 32,094: 2026-12-03)."""
+    process parsing every chunk of 64 streams is what limits it (through one process the server
+    passed on about a quarter of the engine's rate: bench/results/HISTORY.md)."""
     return max(1, min(c, -(-c // CLIENTS_PER_PROCESS)))
 
 

@@ -21,8 +21,8 @@ path are measured by), the engine process's (the stand-in: mostly asleep), the c
 
 ``--client``: ``raw`` (default), ``bench.serve.RawClient``, a minimal asyncio socket client (HTTP/1.1 keep-alive, chunked
 transfer decoding, one ``json.loads`` per event), or ``httpx``, ``bench.serve``'s own client
-(``one``, what ``bench.serve`` used until 2026-12-03); an httpx client tops out below the server on a small machine,
-and at c1 it added 0.7-1.0 ms to the time to first token on the 2-core VM.
+(``one``, what ``bench.serve`` used before ``RawClient``); an httpx client tops out below the server on a small machine,
+and at c1 it adds host time of its own to the time to first token.
 ``--ceiling``: first, the client alone against a trivial SSE server (another process that answers
 every request at once with ``MAX_TOKENS`` canned events): the most that client can read.
 ``--profile``: cProfile the server's process (``bench.serve_paced --profile``) and print its top
@@ -82,10 +82,9 @@ async def one(client, url: str, body: dict):
     the stream's usage (ours: a last chunk without choices, then [DONE]; transformers serve: usage
     on its last chunk, no [DONE]). The body is read to its end, past [DONE], as the openai client
     reads a stream: a response left unread (its last chunk, which ends a chunked body, comes after
-    [DONE]) makes httpx close the connection, and the next request paid a new one (until
-    2026-12-03 every request to ours did, and none to transformers serve, which sends no [DONE]:
-    at c1 on the 2-core CPU VM that was ~0.9 ms of ours' TTFT, see
-    bench/results/2026-12-03-cpu-serve-ttft.md)."""
+    [DONE]) makes httpx close the connection, and the next request paid a new one (an earlier
+    version paid it on every request to ours, and on none to transformers serve, which sends no
+    [DONE]: a visible share of ours' c1 TTFT, see bench/results/2026-12-03-cpu-serve-ttft.md)."""
     t0 = time.perf_counter()
     stream = StreamTally()
     async with client.stream("POST", url + "/v1/completions", json=body) as r:

@@ -137,9 +137,8 @@ def _check_tiles(t: Tiles):
 
 def backward_blocks(d: int, itemsize: int) -> BwdBlocks:
     """Default tiles per head_dim. bf16/fp16 at head_dim 64 and 128: the fastest of
-    `python -m bench.ops --sweep-attn-bwd` on the H200 (2026-11-29, triton 3.6; B=4, S=2048,
-    causal): 0.54 ms for Qwen3's 16/8 heads x 128 against 1.43 ms with the earlier (32, 64, 8, 2) /
-    (64, 64, 8, 2) tiles and 0.48 ms for cuDNN. fp32 (ieee dots) needs much smaller tiles. The
+    `python -m bench.ops --sweep-attn-bwd` (B=4, S=2048, causal; docs/performance.md, attention),
+    well ahead of the earlier (32, 64, 8, 2) / (64, 64, 8, 2) tiles. fp32 (ieee dots) needs much smaller tiles. The
     thresholds are powers of two, so a head dim takes its block's tiles (80 and 96 those of 128)."""
     if INTERPRET:
         t = Tiles(32, 32, 4, 1)

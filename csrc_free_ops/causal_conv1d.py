@@ -7,13 +7,13 @@ x [B, T, C] (last dim contiguous, other strides free), weight [C, K], state [B, 
 (zeros when absent). The new state is the last K-1 columns of xs, in x's dtype.
 fp32 math, y in x's dtype.
 
-One kernel serves fixed-length and packed sequences. Program (b, t-range, c-block) of
-`causal_conv1d` computes the outputs of its T range for BLOCK_C channels: for each of the K
+One kernel serves fixed-length and packed sequences (`causal_conv1d` without and with
+`cu_seqlens`). Program (b, t-range, c-block) of the fixed-length form computes the outputs of its T range for BLOCK_C channels: for each of the K
 taps it loads the [BLOCK_T, BLOCK_C] input tile shifted by the tap (rows before t = 0 come
 from the state), so each input is read K times, from L1/L2. The program of the first t-range
 also writes the new state.
 
-Packed sequences (`causal_conv1d_varlen`: x [N, C], a state pool, per-sequence slots and
+Packed sequences (x [N, C], cu_seqlens, a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
 kernel over tiles of 64 rows (128 in steps of 1024 rows or more, as for a fixed-length prefill of
 that many rows: `_blocks`) that never cross a sequence boundary (gated_delta_rule_packing);
@@ -123,10 +123,10 @@ def _conv_kernel(
 
 
 def _blocks(c: int, rows: int):
-    """(BLOCK_T, BLOCK_C, rows of a program's tile) for ``rows`` input rows of ``c`` channels. On an
-    H200 (Qwen3.5-0.8B's 6144 channels, K = 4, 2026-12-03, bench/results/2026-12-03-h200-conv-tiles.md):
-    256 rows 7.1 us with 128 channels x 64 rows, 10.9 with 64 x 128; 2048 rows (8 sequences) 50.9
-    against 41.6; 8192 rows 172.8 against 132.5. No register spills at 4 warps (sm_90, K = 4)."""
+    """(BLOCK_T, BLOCK_C, rows of a program's tile) for ``rows`` input rows of ``c`` channels: tiles of
+    128 channels x 64 rows are the faster at a few hundred rows, 64 x 128 from 1024 rows on
+    (Qwen3.5-0.8B's 6144 channels, K = 4: bench/results/2026-12-03-h200-conv-tiles.md). No register
+    spills at 4 warps (sm_90, K = 4)."""
     if INTERPRET:
         return 64, min(256, next_power_of_2(c)), 64
     if rows >= 1024:
@@ -155,22 +155,31 @@ def _launch(x, weight, s_in, y, s_out):
     )
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None):
-    """x [B, T, C], weight [C, K], initial_state [B, C, K-1] or None ->
-    (y [B, T, C] in x.dtype, final_state [B, C, K-1] in x.dtype), both contiguous."""
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None, state_slots: torch.Tensor | None = None,
+                  continues: torch.Tensor | None = None) -> torch.Tensor:
+    """y in x.dtype. Without cu_seqlens: x [B, T, C], weight [C, K], conv_states [B, C, K-1] or None
+    (row b: sequence b's initial state, replaced by its final one). With cu_seqlens [S + 1]: x [N, C]
+    (rows cu_seqlens[i]:cu_seqlens[i + 1]), conv_states [P, C, K-1] (sequence i reads row
+    state_slots[i] where continues[i], else zeros, and writes its new state there; length-0
+    sequences touch nothing)."""
+    if cu_seqlens is None:
+        return _fixed_length(x, weight, conv_states)
+    return _packed(x, weight, conv_states, cu_seqlens, state_slots, continues)
+
+
+def _fixed_length(x, weight, conv_states):
     bsz, t, c = x.shape
     k = weight.shape[1]
     y = torch.empty((bsz, t, c), dtype=x.dtype, device=x.device)
     final = torch.empty((bsz, c, k - 1), dtype=x.dtype, device=x.device)
-    _launch(x, weight, initial_state, y, final)
-    return y, final
+    _launch(x, weight, conv_states, y, final)
+    if conv_states is not None:
+        conv_states.copy_(final)
+    return y
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, cu_seqlens: torch.Tensor,
-                         state_slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
-    """x [N, C] (S packed sequences, rows cu_seqlens[i]:cu_seqlens[i + 1]), weight [C, K],
-    conv_states [P, C, K-1] (sequence i reads row state_slots[i] where continues[i], else zeros,
-    and writes its new state there; length-0 sequences touch nothing) -> y [N, C] in x.dtype."""
+def _packed(x, weight, conv_states, cu_seqlens, state_slots, continues):
     n, c = x.shape
     k = weight.shape[1]
     s = state_slots.shape[0]

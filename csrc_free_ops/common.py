@@ -16,6 +16,8 @@ never from each other.
 - `fp32`: float arguments as fp32 whoever launches the kernel.
 - `kernel`, `is_traced`, `INTERPRET` (from `launch`): how kernels are launched, whether the
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
+- `set_allocator_unless_set` (from `private_apis`): Triton's scratch allocator for kernels that
+  build TMA descriptors on the device.
 - `cuda_properties`, `shared_memory_per_block`: a device's properties, cached.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
@@ -29,10 +31,11 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRET, is_traced, kernel  # noqa: F401 (is_traced: for the families)
+from .private_apis import set_allocator_unless_set  # noqa: F401 (for the families)
 
 
 TARGET_PROGRAMS = 264
-"""Programs that make about two waves on an H200 (132 SMs): the grid size the launchers aim for."""
+"""Programs that make about two waves on a GPU of 132 SMs (H100, H200): the grid size the launchers aim for."""
 
 LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""

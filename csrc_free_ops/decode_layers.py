@@ -163,9 +163,8 @@ def phase_tasks(m: int, nqkv: int, h: int, attn_width: int, inter: int, hk: int,
 
 NUM_WARPS = 4
 PROGRAMS_PER_SM = int(os.environ.get("QWEN_DECODE_LAYERS_PROGRAMS_PER_SM", "2"))
-"""Co-resident programs per SM the launcher aims for (fewer where occupancy allows fewer). On the
-H200 at Qwen3-0.6B's shape, batch 1, context 256: 0.793 ms per token with 2 (the kernel's 248
-registers a thread allow no more), 0.904 with 1 (bench/results/2026-12-02-h200-decode-persistent.md)."""
+"""Co-resident programs per SM the launcher aims for (fewer where occupancy allows fewer). Two (the
+most the kernel's 248 registers a thread allow) decode faster than one (docs/performance.md)."""
 
 def programs(compiled, device: torch.device) -> int:
     """How many programs of `compiled` fit on the device at once, at most PROGRAMS_PER_SM per SM:
@@ -253,8 +252,7 @@ def default_splits(cache_len: int, rows: int = 1) -> int:
     """Splits of each (sequence, kv head)'s attention: one per 32 cached positions, at most 32 // rows
     (so a layer has at most 32 x Hk attention tasks, about one per program: 256 at Hk = 8), 1 to 32.
     The count is fixed per cache (a graph replays it at every length); each split takes a share of
-    the sequence's current length. On the H200 at Qwen3-0.6B's shape (`python -m bench.decode_layers`,
-    bench/results/2026-12-03-h200-decode-layers-splits.md): context 2048, one sequence, 32 splits
-    804.5 us a call against 880.5 with 16; context 256, eight sequences, 4 splits 3220 us against
-    3737 with 11."""
+    the sequence's current length. More splits are faster at one sequence while each keeps a block
+    of 32 positions; at eight sequences fewer are, once the attention tasks would outnumber the
+    co-resident programs (`python -m bench.decode_layers`, docs/performance.md)."""
     return max(1, min(cdiv(cache_len, 32), 32 // max(1, rows)))

@@ -39,9 +39,8 @@ Weight prefetch (`PREFETCH`): a program whose K slice fits one register-resident
 (`PREFETCH_BYTES`) issues the loads of its whole weight slice, lets the next kernel launch, and
 only then waits, so while kernel i computes, kernel i+1's resident programs stream their weights
 (the compiled SASS has every weight LDG.128 of such a program ahead of its one ACQBULK, the wait).
-Measured on the H200 (docs/performance.md): 0.982 -> 0.954 ms per Qwen3-0.6B token and 1.076 ->
-1.015 per Qwen3.5-0.8B token; the same prefetch with the next kernel let in only after the
-product was slower than none (0.998). Other programs (the lm_head's, wide batches') run the
+It shortens the decode step of both models (docs/performance.md, the decode GEMVs); the same
+prefetch with the next kernel let in only after the product was slower than none. Other programs (the lm_head's, wide batches') run the
 software-pipelined loop after the wait and let the next kernel start once it is done. Tried
 earlier and slower: the first weight tile alone before the wait (a hand-written lookahead defeats
 Triton's pipeliner), and an L2 prefetch of the program's weights.

@@ -30,7 +30,7 @@ bar.sync in the whole kernel). Dk and Dv are any multiples of 16 up to 256: a he
 `head_block` block masked past its dim (value blocks are powers of two; the last one of a Dv that
 is not is partly masked).
 
-Packed sequences (`chunk_gated_delta_rule_varlen`: the rows of S sequences back to back, each
+Packed sequences (`chunk_gated_delta_rule` with cu_seqlens: the rows of S sequences back to back, each
 starting from its slot of a state pool or from zeros and leaving its final state there; one call
 for the prefill chunks and decode tokens of an engine step): the same three kernels, as one batch
 row of N packed rows. The parallel kernels' grids run over tile slots (gated_delta_rule_packing:
@@ -401,26 +401,27 @@ def _chunk(q, k, v, g, beta, scale, norm, o, h0, ht, packed=None):
         )
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None, use_qk_l2norm: bool = False):
-    """q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], initial_state [B, Hv, Dk, Dv]
-    fp32 or None -> (o [B, T, Hv, Dv] in q.dtype, final_state [B, Hv, Dk, Dv] fp32)."""
-    bsz, t, hk, dk = k.shape
-    hv, dv = v.shape[2], v.shape[3]
-    o = torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device)
-    final = torch.empty((bsz, hv, dk, dv), dtype=torch.float32, device=q.device)
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    _chunk(q, k, v, g, beta, scale, bool(use_qk_l2norm), o, h0, final)
-    return o, final
-
-
-def chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale: float,
-                                  use_qk_l2norm: bool = False):
-    """q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv] of S packed sequences (rows
-    cu_seqlens[i]:cu_seqlens[i + 1]), state_pool [P, Hv, Dk, Dv] fp32 contiguous (sequence i starts
-    from row state_slots[i] where continues[i], else zeros, and leaves its final state there) ->
-    o [N, Hv, Dv] in q.dtype."""
-    n, hv, dv = v.shape
-    o = torch.empty((n, hv, dv), dtype=q.dtype, device=q.device)
-    _chunk(q[None], k[None], v[None], g[None], beta[None], scale, bool(use_qk_l2norm), o[None], state_pool,
-           state_pool, (cu_seqlens, state_slots, continues))
+def chunk_gated_delta_rule(q, k, v, g, beta, scale: float, state=None, cu_seqlens=None, state_slots=None,
+                           continues=None, use_qk_l2norm: bool = False):
+    """o in q.dtype. Without cu_seqlens: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv],
+    state [B, Hv, Dk, Dv] fp32 contiguous or None (row b: sequence b's initial state, replaced by
+    its final one) -> o [B, T, Hv, Dv]. With cu_seqlens [S + 1]: q, k [N, Hk, Dk], v [N, Hv, Dv],
+    g, beta [N, Hv] (sequence i the rows cu_seqlens[i]:cu_seqlens[i + 1]), state [P, Hv, Dk, Dv]
+    fp32 contiguous (sequence i starts from row state_slots[i] where continues[i], else zeros, and
+    leaves its final state there) -> o [N, Hv, Dv]."""
+    norm = bool(use_qk_l2norm)
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if cu_seqlens is not None:
+        _chunk(q[None], k[None], v[None], g[None], beta[None], scale, norm, o[None], state, state,
+               (cu_seqlens, state_slots, continues))
+        return o
+    if state is None:
+        bsz, _, _, dk = k.shape
+        final = torch.empty((bsz, v.shape[2], dk, v.shape[3]), dtype=torch.float32, device=q.device)
+        _chunk(q, k, v, g, beta, scale, norm, o, None, final)
+    else:  # each (sequence, head, value block) program reads its state before it writes it
+        work = state if state.is_contiguous() else state.contiguous()
+        _chunk(q, k, v, g, beta, scale, norm, o, work, work)
+        if work is not state:
+            state.copy_(work)
     return o

@@ -11,8 +11,9 @@ launches. `k[grid](*args, **meta)` reads like a Triton launch and takes one of t
   and launches it from its generated code. Programmatic Dependent Launch is off there.
 - **Otherwise**: Triton's `JITFunction.run`. That is the first launch of a specialization (its
   compiled kernel is then cached here), every launch under the interpreter (nothing is cached
-  there), and every launch while a Triton launch hook is set (a profiler's) or Triton's debug
-  mode is on, checked per launch.
+  there), every launch while a Triton launch hook is set (a profiler's) or Triton's debug
+  mode is on, checked per launch, and every launch where the C launcher, a private Triton API,
+  is off (`private_apis.TRITON`: an untested Triton version or QWEN_PRIVATE_APIS=0).
 
 The key, per argument (exactly as fine as Triton's specialization, or finer, so a cached kernel
 is never launched with arguments it was not compiled for): a tensor's dtype and whether its
@@ -34,6 +35,8 @@ from contextlib import contextmanager
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import private_apis
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels through its CPU interpreter (read once at import, as Triton does)."""
@@ -81,9 +84,10 @@ _runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >=
 
 def _through_triton() -> bool:
     """Launch through `JITFunction.run`: a launch hook is set (Triton keeps hooks in chains, empty
-    by default), Triton's debug mode is on, or this Triton has no `knobs` to tell."""
+    by default), Triton's debug mode is on, this Triton has no `knobs` to tell, or the private C
+    launcher is off."""
     rt = _runtime
-    if rt is None:
+    if rt is None or not private_apis.TRITON:
         return True
     return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)
                 or getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook) or rt.debug)
@@ -182,10 +186,11 @@ class Kernel:
             raise TypeError(f"{self.fn.__name__}: pass runtime arguments {sorted(by_keyword)} positionally")
         compiled = self.fn.run(*args, grid=grid, warmup=False, **meta)
         tail = self.names[len(args):]
-        if compiled is not None and not _through_triton() and all(name in meta for name in tail):
+        launcher = None if compiled is None else private_apis.compiled_launcher(compiled)
+        if launcher is not None and not _through_triton() and all(name in meta for name in tail):
             # The trailing constexprs' values are part of the key (meta), so they are stored with it.
             constexprs = tuple(meta[name] for name in tail)
-            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, compiled)
+            self.compiled[key] = (*launcher, constexprs, compiled)
         return compiled
 
     def _launch_traced(self, grid, args, meta):

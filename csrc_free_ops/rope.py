@@ -63,8 +63,8 @@ def rotary_cos_sin(angle):
     ~1e-6 on [-pi, pi]). The rounding of the fp32 angle itself dwarfs both: |angle| * 2^-24 rad
     and more (one ulp of inv_freq times the position), ~1e-4 rad at 2048, 0.03 at 4e5 and a whole
     radian at MAX_POSITION, so long contexts get the accuracy of fp32 angles, not of the reduction.
-    tl.cos / tl.sin are libdevice's, whose own reduction made the forward compute-bound: 11.8
-    against 7.0 us at 2048 tokens of Qwen3-0.6B on an H200."""
+    tl.cos / tl.sin are libdevice's, whose own reduction made the forward compute-bound
+    (docs/performance.md, the small ops)."""
     k = tl.floor(angle * 0.15915494309189535 + 0.5)  # round(angle / 2pi)
     r = tl.fma(k, -6.28125, angle)
     r = tl.fma(k, -1.9353071693331003e-3, r)

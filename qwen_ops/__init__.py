@@ -11,7 +11,7 @@ from .activation import (sigmoid_mul, sigmoid_mul_reference, silu_mul, silu_mul_
                          silu_mul_split_reference)
 from .attention import (attention, attention_backward, attention_backward_reference, attention_reference,
                         attention_with_lse, attention_with_lse_reference)
-from .causal_conv1d import causal_conv1d, causal_conv1d_reference, causal_conv1d_varlen, causal_conv1d_varlen_reference
+from .causal_conv1d import causal_conv1d, causal_conv1d_reference
 from .checks import QwenOpError
 from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_backward_reference, linear_cross_entropy_reference,
@@ -21,8 +21,8 @@ from .decode_layers import decode_layers, decode_layers_reference, decode_layers
 from .fused_decode import (linear_residual, linear_residual_reference, norm_gate_up_silu,
                            norm_gate_up_silu_reference, norm_linear, norm_linear_reference, norm_qkv_rope_store,
                            norm_qkv_rope_store_reference, reserve_semaphores)
-from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, chunk_gated_delta_rule_varlen,
-                               chunk_gated_delta_rule_varlen_reference, gated_delta_gates,
+from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_reference, chunked_delta_rule,
+                               gated_delta_gates,
                                gated_delta_gates_reference, gated_rms_norm,
                                gated_rms_norm_reference, recurrent_gated_delta_rule_varlen,
                                recurrent_gated_delta_rule_varlen_reference)
@@ -40,9 +40,8 @@ __all__ = [
     "attention", "attention_backward",
     "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
     "causal_conv1d", "causal_conv1d_reference",
-    "causal_conv1d_varlen", "causal_conv1d_varlen_reference",
     "chunk_gated_delta_rule", "chunk_gated_delta_rule_reference",
-    "chunk_gated_delta_rule_varlen", "chunk_gated_delta_rule_varlen_reference", "gated_rms_norm", "gated_rms_norm_reference",
+    "chunked_delta_rule", "gated_rms_norm", "gated_rms_norm_reference",
     "recurrent_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_varlen_reference",
     "DECODE_LAYERS_MAX_ROWS", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",

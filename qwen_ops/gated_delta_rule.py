@@ -1,4 +1,4 @@
-"""qwen::chunk_gated_delta_rule(_varlen), qwen::recurrent_gated_delta_rule_varlen, qwen::gated_rms_norm:
+"""qwen::chunk_gated_delta_rule, qwen::recurrent_gated_delta_rule_varlen, qwen::gated_rms_norm:
 the core of Qwen3.5's Gated DeltaNet layers (transformers' Qwen3_5GatedDeltaNet).
 
 Shapes: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] with Hv a multiple of Hk (value head h reads
@@ -13,26 +13,29 @@ Per value head, token by token (fp32 math; the l2 norm is optional, eps 1e-6 ins
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
     o_t = S^T q_t
 
-chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None, use_qk_l2norm=False)
-    -> (o [B, T, Hv, Dv] in q's dtype, final_state [B, Hv, Dk, Dv] fp32): prefill, computed in
-    chunks of 64 tokens (WY / UT representation, see csrc_free_ops/gated_delta_rule.py); g is
-    the log decay (<= 0, fp32 recommended). No initial state means zeros.
-chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale,
-                              use_qk_l2norm=False) -> o [N, Hv, Dv]: the same over S packed sequences,
-    q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv], sequence i the rows cu_seqlens[i]:cu_seqlens[i + 1]
-    (int32 [S + 1]: 0, nondecreasing, N). Sequence i starts from state_pool[state_slots[i]] ([P, Hv,
-    Dk, Dv] fp32, contiguous; slots int64 [S]) where continues[i] (bool [S]), else from zeros, and
-    leaves its final state there, in place; length-0 sequences touch nothing. Chunks of 64 never
-    cross a sequence boundary; grids from shapes only (CUDA graphs). Flat [N, ...] rows, not
-    flash-linear-attention's [1, N, ...]: the engine's step tensors and paged_attention's q are flat,
-    and a leading 1 would only say "no batch". One call serves a mixed engine step (a decode token
-    is a sequence of length 1 that continues).
+chunk_gated_delta_rule(q, k, v, g, beta, scale, state=None, cu_seqlens=None, state_slots=None, continues=None,
+                       use_qk_l2norm=False) -> o, state updated in place: prefill, computed in chunks
+    of 64 tokens (WY / UT representation, see csrc_free_ops/gated_delta_rule.py); g is the log
+    decay (<= 0, fp32 recommended).
+    - fixed length (cu_seqlens None) -> o [B, T, Hv, Dv] in q's dtype. state [B, Hv, Dk, Dv] fp32
+      or None: row b is sequence b's initial state, replaced by its final state;
+      without it the state starts at zeros and is not kept.
+    - packed: q, k [N, Hk, Dk], v [N, Hv, Dv], g, beta [N, Hv] of S sequences, sequence i the rows
+      cu_seqlens[i]:cu_seqlens[i + 1] (int32 [S + 1]: 0, nondecreasing, N) -> o [N, Hv, Dv].
+      Sequence i starts from state[state_slots[i]] (a pool [P, Hv, Dk, Dv] fp32, contiguous;
+      slots int64 [S]) where continues[i] (bool [S]), else from zeros, and leaves its final state
+      there; length-0 sequences touch nothing. Chunks of 64 never cross a sequence boundary;
+      grids from shapes only (CUDA graphs). Flat [N, ...] rows, not flash-linear-attention's
+      [1, N, ...]: the engine's step tensors and paged_attention's q are flat, and a leading 1
+      would only say "no batch". One call serves a mixed engine step (a decode token is a
+      sequence of length 1 that continues).
 recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues,
                                   scale, use_qk_l2norm=True) -> o [N, Hv, Dv]: the decode step over S
     packed sequences (usually one token each; q, k [N, Hk, Dk], v [N, Hv, Dv], a, b [N, Hv]), each
     reading its state from state_pool[state_slots[i]] where continues[i] (else zeros) and writing
     it back in place, inside the kernel (no gather / scatter of the pool rows); length-0 sequences
-    touch nothing. The packed arguments as chunk_gated_delta_rule_varlen's. The gates are computed
+    touch nothing. The packed arguments as chunk_gated_delta_rule's (the pool is its state). Only the
+    packed form exists: it is the decode step's, where every sequence continues its pool slot. The gates are computed
     inside the kernel from the raw projections exactly as transformers does:
         g = -exp(A_log) * softplus(a + dt_bias)   (fp32),   beta = sigmoid(b)  (in b's dtype)
     a, b [N, Hv]; A_log, dt_bias [Hv]. Graph-capture safe (no sync, fixed allocations).
@@ -41,9 +44,9 @@ gated_rms_norm(x, z, weight, eps) -> rms_norm(x) * weight * silu(z), x, z [..., 
     is rounded to x's dtype before the weight, the weight product is rounded too when the weight
     has x's dtype, and the gate product is fp32; output in x's dtype.
 
-The references compute in fp32 (float64 for float64 inputs); `chunk_gated_delta_rule_reference`
-is the chunked form (as transformers' torch_chunk_gated_delta_rule), `gated_delta_recurrence`
-the token-by-token one (as torch_recurrent_gated_delta_rule).
+The references compute in fp32 (float64 for float64 inputs); `chunked_delta_rule` is the chunked
+form of fixed-length sequences (as transformers' torch_chunk_gated_delta_rule, returning the final
+state), `gated_delta_recurrence` the token-by-token one (as torch_recurrent_gated_delta_rule).
 """
 from typing import Optional
 
@@ -55,7 +58,7 @@ from csrc_free_ops import gated_delta_rule as kernels
 from csrc_free_ops import gated_delta_rule_step as step_kernels
 from csrc_free_ops.common import empty_contiguous_like
 
-from .causal_conv1d import check_packed, check_packed_values, packed_sequences
+from .causal_conv1d import check_packed, check_packed_values, check_unpacked, packed_sequences
 from .checks import check_float, check_head_dim, check_like, check_same, fail
 from .registry import acc_dtype, define
 
@@ -106,9 +109,9 @@ def gated_delta_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     return out.transpose(1, 2).to(out_dtype).contiguous(), s
 
 
-def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                                     initial_state: Optional[Tensor] = None,
-                                     use_qk_l2norm: bool = False) -> tuple[Tensor, Tensor]:
+def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                       initial_state: Optional[Tensor] = None, use_qk_l2norm: bool = False) -> tuple[Tensor, Tensor]:
+    """(o [B, T, Hv, Dv] in q's dtype, final state [B, Hv, Dk, Dv] fp32) of fixed-length sequences."""
     dt = acc_dtype(q)
     out_dtype = q.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm, dt)
@@ -138,16 +141,21 @@ def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor,
     return out.transpose(1, 2).to(out_dtype).contiguous(), s.contiguous()
 
 
-def chunk_gated_delta_rule_varlen_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                                            state_pool: Tensor, cu_seqlens: Tensor, state_slots: Tensor,
-                                            continues: Tensor, scale: float, use_qk_l2norm: bool = False) -> Tensor:
+def chunk_gated_delta_rule_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                                     state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+                                     state_slots: Optional[Tensor] = None, continues: Optional[Tensor] = None,
+                                     use_qk_l2norm: bool = False) -> Tensor:
+    if cu_seqlens is None:
+        out, final = chunked_delta_rule(q, k, v, g, beta, scale, state, use_qk_l2norm)
+        if state is not None:
+            state.copy_(final)
+        return out
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     for rows, slot, cont in packed_sequences(cu_seqlens, state_slots, continues):
-        o, s = chunk_gated_delta_rule_reference(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
-                                                beta[None, rows], scale,
-                                                state_pool[slot:slot + 1] if cont else None, use_qk_l2norm)
+        o, s = chunked_delta_rule(q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows], scale,
+                                  state[slot:slot + 1] if cont else None, use_qk_l2norm)
         out[rows] = o[0]
-        state_pool[slot] = s[0]
+        state[slot] = s[0]
     return out
 
 
@@ -212,14 +220,6 @@ def _check_state(op: str, name: str, q: Tensor, state: Tensor, shape: tuple):
         fail(op, f"{name} must have shape [B, Hv, Dk, Dv] = {shape}, got {tuple(state.shape)}")
 
 
-def _check_chunk(q, k, v, g, beta, scale, initial_state=None, use_qk_l2norm=False):
-    op = "chunk_gated_delta_rule"
-    bsz, t, hv, dk, dv = _check_qkv(op, q, k, v)
-    _check_per_head(op, q, (bsz, t, hv), g=g, beta=beta)
-    if initial_state is not None:
-        _check_state(op, "initial_state", q, initial_state, (bsz, hv, dk, dv))
-
-
 def _check_qkv_packed(op: str, q: Tensor, k: Tensor, v: Tensor):
     """q, k [N, Hk, Dk], v [N, Hv, Dv]: the fixed-length checks on their [1, N, ...] views."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -227,30 +227,41 @@ def _check_qkv_packed(op: str, q: Tensor, k: Tensor, v: Tensor):
     return _check_qkv(op, q[None], k[None], v[None])[1:]
 
 
-def _check_pool(op: str, q: Tensor, state_pool: Tensor, shape: tuple):
-    check_float(op, "state_pool", state_pool, ndim=4)
+def _check_pool(op: str, q: Tensor, state_pool: Tensor, shape: tuple, name: str = "state_pool"):
+    check_float(op, name, state_pool, ndim=4)
     if state_pool.device != q.device:
-        fail(op, f"state_pool is on {state_pool.device} but q is on {q.device}")
+        fail(op, f"{name} is on {state_pool.device} but q is on {q.device}")
     if state_pool.dtype != acc_dtype(q):
-        fail(op, f"state_pool must be {acc_dtype(q)} (the state is kept in {acc_dtype(q)}), got {state_pool.dtype}")
+        fail(op, f"{name} must be {acc_dtype(q)} (the state is kept in {acc_dtype(q)}), got {state_pool.dtype}")
     if tuple(state_pool.shape[1:]) != shape:
-        fail(op, f"state_pool must have shape [P, Hv, Dk, Dv] = [P, {', '.join(map(str, shape))}], "
+        fail(op, f"{name} must have shape [P, Hv, Dk, Dv] = [P, {', '.join(map(str, shape))}], "
                  f"got {tuple(state_pool.shape)}")
     if not state_pool.is_contiguous():
-        fail(op, "state_pool must be contiguous")
+        fail(op, f"{name} must be contiguous")
 
 
-def _check_chunk_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale, use_qk_l2norm=False):
-    op = "chunk_gated_delta_rule_varlen"
+def _check_chunk(q, k, v, g, beta, scale, state=None, cu_seqlens=None, state_slots=None, continues=None,
+                 use_qk_l2norm=False):
+    op = "chunk_gated_delta_rule"
+    if cu_seqlens is None:
+        check_unpacked(op, state_slots, continues)
+        bsz, t, hv, dk, dv = _check_qkv(op, q, k, v)
+        _check_per_head(op, q, (bsz, t, hv), g=g, beta=beta)
+        if state is not None:
+            _check_state(op, "state", q, state, (bsz, hv, dk, dv))
+        return
     n, hv, dk, dv = _check_qkv_packed(op, q, k, v)
     _check_per_head(op, q, (n, hv), g=g, beta=beta)
-    _check_pool(op, q, state_pool, (hv, dk, dv))
-    check_packed(op, n, state_pool.shape[0], cu_seqlens, state_slots, continues, q.device)
+    if state is None:
+        fail(op, "packed sequences (cu_seqlens) need state [P, Hv, Dk, Dv], the pool their states live in")
+    _check_pool(op, q, state, (hv, dk, dv), "state")
+    check_packed(op, n, state.shape[0], cu_seqlens, state_slots, continues, q.device)
 
 
-def _check_chunk_varlen_values(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale,
-                               use_qk_l2norm=False):
-    check_packed_values("chunk_gated_delta_rule_varlen", q.shape[0], state_pool.shape[0], cu_seqlens, state_slots)
+def _check_chunk_values(q, k, v, g, beta, scale, state=None, cu_seqlens=None, state_slots=None, continues=None,
+                        use_qk_l2norm=False):
+    if cu_seqlens is not None:
+        check_packed_values("chunk_gated_delta_rule", q.shape[0], state.shape[0], cu_seqlens, state_slots)
 
 
 def _check_recurrent_varlen(q, k, v, a, b, A_log, dt_bias, state_pool, cu_seqlens, state_slots, continues, scale,
@@ -283,13 +294,8 @@ def _check_norm(x, z, weight, eps):
 # ----------------------------------------------------------------------------------------------- fakes
 
 
-def _fake_chunk(q, k, v, g, beta, scale, initial_state=None, use_qk_l2norm=False):
-    bsz, t, hv, dv = v.shape
-    return (torch.empty((bsz, t, hv, dv), dtype=q.dtype, device=q.device),
-            torch.empty((bsz, hv, k.shape[3], dv), dtype=acc_dtype(q), device=q.device))
-
-
-def _fake_chunk_varlen(q, k, v, g, beta, state_pool, cu_seqlens, state_slots, continues, scale, use_qk_l2norm=False):
+def _fake_chunk(q, k, v, g, beta, scale, state=None, cu_seqlens=None, state_slots=None, continues=None,
+                use_qk_l2norm=False):
     return torch.empty(v.shape, dtype=q.dtype, device=q.device)
 
 
@@ -302,11 +308,8 @@ def _fake_norm(x, z, weight, eps):
     return empty_contiguous_like(x)
 
 
-chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_gated_delta_rule,
-                                _check_chunk, _fake_chunk)
-chunk_gated_delta_rule_varlen = define(chunk_gated_delta_rule_varlen_reference, kernels.chunk_gated_delta_rule_varlen,
-                                       _check_chunk_varlen, _fake_chunk_varlen, mutates_args=("state_pool",),
-                                       check_values=_check_chunk_varlen_values)
+chunk_gated_delta_rule = define(chunk_gated_delta_rule_reference, kernels.chunk_gated_delta_rule, _check_chunk,
+                                _fake_chunk, mutates_args=("state",), check_values=_check_chunk_values)
 recurrent_gated_delta_rule_varlen = define(recurrent_gated_delta_rule_varlen_reference,
                                            step_kernels.recurrent_gated_delta_rule_varlen, _check_recurrent_varlen,
                                            _fake_recurrent_varlen, mutates_args=("state_pool",),

@@ -23,7 +23,7 @@ SLICE_FEATURES = 1024
 SLICED_ROWS = range(2, 512)
 """linear_reference takes a weight of more than SLICE_FEATURES output features SLICE_FEATURES at a
 time when x has SLICED_ROWS rows: one thread of MKL's fp32 GEMM (PyTorch's CPU BLAS) runs such a
-product 10-20% slower whole than in slices (Qwen3-0.6B's fused 6144-feature gate/up and
+product slower whole than in slices (Qwen3-0.6B's fused 6144-feature gate/up and
 4096-feature QKV weights in a 128-token prefill; docs/performance.md, the CPU path). One row (a
 decode step) and longer prefills run faster whole. Every output feature is the same dot product."""
 

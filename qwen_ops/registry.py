@@ -31,8 +31,10 @@ leaner. Outside `torch.inference_mode()` every call passes through it; inside, P
 Autograd key altogether. When nothing needs grad and the call's dispatch keys are those of plain
 CPU or CUDA tensors (`PLAIN_KEYSETS`), it calls the backend kernel directly instead of
 redispatching to it; any other key set (fake or functional tensors, modes, autocast) redispatches.
+It is built on PyTorch's private dispatch API: where that is off (`csrc_free_ops.private_apis.TORCH`:
+an untested PyTorch or QWEN_PRIVATE_APIS=0), ops take `torch.library.register_autograd` itself.
 
-Launch plans (qwen_ops/plans.py): on CUDA, after the checks and the launcher have run for a
+Launch plans (qwen_ops/plans.py), where the private PyTorch and Triton paths are on: on CUDA, after the checks and the launcher have run for a
 signature (shapes, strides, dtypes, devices, alignment, scalar values), later calls with that
 signature replay the recorded launches instead. `plan_tables` holds them per op.
 
@@ -44,6 +46,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from csrc_free_ops import private_apis
 from csrc_free_ops.launch import INTERPRET, _through_triton, traced
 
 from . import plans
@@ -54,11 +57,12 @@ _lib = torch.library.Library("qwen", "FRAGMENT")
 kernel_calls: Counter = Counter()
 """op name -> number of calls that took the Triton kernel (not the reference), this process."""
 
-_K = torch._C.DispatchKey
-PLAIN_KEYSETS = {"CPU": torch._C.DispatchKeySet(_K.CPU).add(_K.AutogradCPU),
-                 "CUDA": torch._C.DispatchKeySet(_K.CUDA).add(_K.AutogradCUDA)}
-"""The dispatch key sets an op's Autograd kernel sees for plain CPU / CUDA tensors: no mode, tensor
-subclass, functionalization, autocast or functorch transform in play."""
+if private_apis.TORCH:
+    _K = torch._C.DispatchKey
+    PLAIN_KEYSETS = {"CPU": torch._C.DispatchKeySet(_K.CPU).add(_K.AutogradCPU),
+                     "CUDA": torch._C.DispatchKeySet(_K.CUDA).add(_K.AutogradCUDA)}
+    """The dispatch key sets an op's Autograd kernel sees for plain CPU / CUDA tensors: no mode,
+    tensor subclass, functionalization, autocast or functorch transform in play."""
 _impls: dict = {}  # op name -> {"CPU": on_cpu, "CUDA": on_cuda}
 plan_tables: dict = {}
 """op name -> its launch plans (signature -> replay function, or False where a call cannot be replayed)."""
@@ -108,7 +112,8 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
         return reference(*args)
 
     # Launch plans (qwen_ops/plans.py), kept where the kernels run on CUDA through launch.py's cache
-    key = plans.key_function(getattr(torch.ops.qwen, name).default._schema) if traceable and not INTERPRET else None
+    planned = traceable and not INTERPRET and private_apis.TORCH and private_apis.TRITON
+    key = plans.key_function(getattr(torch.ops.qwen, name).default._schema) if planned else None
     table = plan_tables[name] = plans.PlanTable()
 
     def on_cuda(*args):
@@ -197,7 +202,11 @@ def register_autograd(op, backward: Callable, setup_context: Callable):
     """`torch.library.register_autograd(op, backward, setup_context=...)` with a leaner per-call
     path: without grad, one redispatch below autograd; with grad, an autograd.Function whose
     forward redispatches and calls setup_context(ctx, inputs, output) (inputs with their defaults
-    filled in), and whose backward is `backward(ctx, *grads)`."""
+    filled in), and whose backward is `backward(ctx, *grads)`. Where the private dispatch API is off,
+    `torch.library.register_autograd` itself."""
+    if not private_apis.TORCH:
+        torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_lib)
+        return
     schema = op._schema
     if schema.is_mutable or any(a.kwarg_only or isinstance(a.type, torch._C.ListType) for a in schema.arguments):
         raise ValueError(f"register_autograd: {op} mutates an input or takes keyword-only or list arguments, "

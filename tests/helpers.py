@@ -21,8 +21,8 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
           pytest.param(torch.float32, id="fp32")]
 
-# ||out - ref|| / ||ref|| ceilings (DESIGN.md section 3). bf16 is looser on CPU because the
-# Triton interpreter truncates (rather than rounds) when it converts to bf16.
+# ||out - ref|| / ||ref|| ceilings of the kernels against their references. bf16 is looser on CPU
+# because the Triton interpreter truncates (rather than rounds) when it converts to bf16.
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5, torch.float64: 1e-12}
 
 

@@ -86,7 +86,7 @@ def test_cpu_benchmark_runs_a_small_shape(tmp_path):
     assert p.returncode == 0, p.stderr
     table = (tmp_path / "cpu.md").read_text()
     assert "ours: PyTorch reference ops (CPU)" in table
-    for row in ("decode, ours, cache of 16", "decode, ours, cache of 32", "decode, transformers (DynamicCache)",
+    for row in ("decode, ours, max_model_len 16", "decode, ours, max_model_len 32", "decode, transformers (DynamicCache)",
                 "prefill, ours", "prefill, transformers"):
         assert f"| {row} |" in table
     diff = float(re.search(r"max \|logit diff\| ([0-9.e+-]+)", table).group(1))

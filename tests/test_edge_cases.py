@@ -32,11 +32,11 @@ def _pos(*shape, dev="cpu"):
 
 
 def _gdr(b, t, hk, hv, dt, dev, state=False, d=16):
-    """Arguments of chunk_gated_delta_rule."""
+    """Arguments of chunk_gated_delta_rule on fixed lengths."""
     q, k, v = _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hk, d, dt=dt, dev=dev), _r(b, t, hv, d, dt=dt, dev=dev)
     g = -torch.rand(b, t, hv, device=dev)
     beta = torch.rand(b, t, hv, device=dev).to(dt)
-    return (q, k, v, g, beta, 0.25, _r(b, hv, d, d, dev=dev) if state else None, True)
+    return (q, k, v, g, beta, 0.25, _r(b, hv, d, d, dev=dev) if state else None, None, None, None, True)
 
 
 def _packed(lens, dev):
@@ -47,18 +47,22 @@ def _packed(lens, dev):
 
 
 def _conv_varlen(lens, c, dt, dev):
-    """causal_conv1d_varlen arguments: sum(lens) rows of c channels, a pool of 3 states."""
+    """causal_conv1d arguments of packed sequences: sum(lens) rows of c channels, a pool of 3 states."""
     return (_r(sum(lens), c, dt=dt, dev=dev), _r(c, 4, dt=dt, dev=dev), _r(3, c, 3, dt=dt, dev=dev),
             *_packed(lens, dev))
 
 
 def _gdr_varlen(lens, hk, hv, dt, dev, recurrent=False, d=16):
-    """chunk_gated_delta_rule_varlen (or with `recurrent`, recurrent_gated_delta_rule_varlen) arguments."""
+    """chunk_gated_delta_rule (or with `recurrent`, recurrent_gated_delta_rule_varlen) arguments of packed
+    sequences."""
     n = sum(lens)
     q, k, v = _r(n, hk, d, dt=dt, dev=dev), _r(n, hk, d, dt=dt, dev=dev), _r(n, hv, d, dt=dt, dev=dev)
     gates = ((_r(n, hv, dt=dt, dev=dev), _r(n, hv, dt=dt, dev=dev), _r(hv, dev=dev), _r(hv, dev=dev)) if recurrent
              else (-torch.rand(n, hv, device=dev), torch.rand(n, hv, device=dev).to(dt)))
-    return (q, k, v, *gates, _r(3, hv, d, d, dev=dev), *_packed(lens, dev), 0.25, True)
+    pool = _r(3, hv, d, d, dev=dev)
+    if recurrent:
+        return (q, k, v, *gates, pool, *_packed(lens, dev), 0.25, True)
+    return (q, k, v, *gates, 0.25, pool, *_packed(lens, dev), True)
 
 
 def _qkv(n, dt, dev, num_blocks=2):
@@ -215,16 +219,16 @@ CASES = [
     ("causal_conv1d", "T=0 state", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev),
                                                     _r(2, 8, 3, dt=dt, dev=dev))),
     ("causal_conv1d", "C=0", lambda dt, dev: (_r(2, 3, 0, dt=dt, dev=dev), _r(0, 4, dt=dt, dev=dev), None)),
-    ("causal_conv1d_varlen", "S=0", lambda dt, dev: _conv_varlen([], 8, dt, dev)),
-    ("causal_conv1d_varlen", "N=0", lambda dt, dev: _conv_varlen([0, 0], 8, dt, dev)),
-    ("causal_conv1d_varlen", "C=0", lambda dt, dev: _conv_varlen([2, 1], 0, dt, dev)),
+    ("causal_conv1d", "packed S=0", lambda dt, dev: _conv_varlen([], 8, dt, dev)),
+    ("causal_conv1d", "packed N=0", lambda dt, dev: _conv_varlen([0, 0], 8, dt, dev)),
+    ("causal_conv1d", "packed C=0", lambda dt, dev: _conv_varlen([2, 1], 0, dt, dev)),
     ("chunk_gated_delta_rule", "B=0", lambda dt, dev: _gdr(0, 3, 1, 1, dt, dev)),
     ("chunk_gated_delta_rule", "T=0", lambda dt, dev: _gdr(1, 0, 1, 2, dt, dev)),
     ("chunk_gated_delta_rule", "T=0 state", lambda dt, dev: _gdr(2, 0, 1, 1, dt, dev, state=True)),
     ("chunk_gated_delta_rule", "Hv=0", lambda dt, dev: _gdr(1, 3, 1, 0, dt, dev)),
-    ("chunk_gated_delta_rule_varlen", "S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev)),
-    ("chunk_gated_delta_rule_varlen", "N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev)),
-    ("chunk_gated_delta_rule_varlen", "Hv=0", lambda dt, dev: _gdr_varlen([2, 1], 1, 0, dt, dev)),
+    ("chunk_gated_delta_rule", "packed S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev)),
+    ("chunk_gated_delta_rule", "packed N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev)),
+    ("chunk_gated_delta_rule", "packed Hv=0", lambda dt, dev: _gdr_varlen([2, 1], 1, 0, dt, dev)),
     ("recurrent_gated_delta_rule_varlen", "S=0", lambda dt, dev: _gdr_varlen([], 1, 2, dt, dev, True)),
     ("recurrent_gated_delta_rule_varlen", "N=0", lambda dt, dev: _gdr_varlen([0, 0], 1, 2, dt, dev, True)),
     ("recurrent_gated_delta_rule_varlen", "Hv=0", lambda dt, dev: _gdr_varlen([1, 1], 1, 0, dt, dev, True)),
@@ -289,7 +293,7 @@ REFUSED = [
 ]
 
 MUTATED = {"kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7), "decode_layers": (13, 14),
-           "causal_conv1d_varlen": (2,), "chunk_gated_delta_rule_varlen": (5,),
+           "causal_conv1d": (2,), "chunk_gated_delta_rule": (6,),
            "recurrent_gated_delta_rule_varlen": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
 

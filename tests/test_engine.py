@@ -91,6 +91,17 @@ def test_preemption_recomputes_and_loses_nothing(setup):
     assert engine.scheduler.preemptions > 0
 
 
+def test_one_sequence_after_another_with_tables_of_one_length(setup):
+    """One sequence a step, each the previous one's successor with as many KV blocks (2 of 16
+    positions: a 20-token prompt, and 20 + 10 positions at the end): the runner copies the step's
+    block table rows whenever its sequences change, not only when a table grows."""
+    _, model, _, _ = setup
+    prompts = prompts_of([20, 20, 20], seed=3)
+    engine = Engine(model, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64, block_size=16,
+                    prefix_caching=False)
+    assert engine.generate(prompts, GREEDY, 10) == recompute_greedy(model, prompts, 10)
+
+
 def test_prefix_caching_reuses_blocks_with_the_same_tokens():
     model = model_of(QWEN3)
     shared = prompts_of([40])[0]

@@ -1,4 +1,4 @@
-"""The op contract of DESIGN.md section 2: opcheck, torch.compile(fullgraph=True), clear errors."""
+"""The op contract: opcheck, torch.compile(fullgraph=True), clear errors."""
 import pytest
 import torch
 

@@ -1,8 +1,8 @@
-"""qwen::chunk_gated_delta_rule and qwen::gated_rms_norm (Qwen3.5 Gated DeltaNet): the chunked
-kernel against a float64 token-by-token recurrence, chunk boundaries (T = 63, 64, 65, 130), grouped
+"""qwen::chunk_gated_delta_rule on fixed-length sequences and qwen::gated_rms_norm (Qwen3.5 Gated
+DeltaNet): the chunked kernel against a float64 token-by-token recurrence, chunk boundaries (T = 63, 64, 65, 130), grouped
 value heads, initial states, a prefill continued by qwen::recurrent_gated_delta_rule_varlen's decode
 tokens, transformers as the oracle for the references, opcheck, CUDA graph capture of the decode
-step and error messages. The packed ops' own tests: tests/test_ops_gated_delta_rule_varlen.py."""
+step and error messages. Packed sequences (cu_seqlens): tests/test_ops_gated_delta_rule_varlen.py."""
 import inspect
 
 import pytest
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import qwen_ops  # noqa: F401
 from csrc_free_ops import gated_delta_rule as gdr_kernels
 from qwen_ops import QwenOpError
-from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_reference, gated_delta_gates_reference, gated_delta_recurrence,
+from qwen_ops.gated_delta_rule import (chunked_delta_rule, gated_delta_gates_reference, gated_delta_recurrence,
                                        gated_rms_norm_reference, recurrent_gated_delta_rule_varlen_reference)
 from qwen_ops.registry import kernel_calls
 from tests.helpers import DEVICES, DTYPES, REL_TOL, SANITIZING, assert_close, poison_allocator, randn
@@ -57,6 +57,14 @@ def recurrence_fp64(q, k, v, g, beta, scale, state=None, use_qk_l2norm=True):
     return o, s
 
 
+def chunk(q, k, v, g, beta, scale, h0=None, use_qk_l2norm=False):
+    """(o, final state) of the fixed-length op, its state (a copy of h0, zeros without one) passed in place."""
+    bsz, _, _, dk = k.shape
+    state = (torch.zeros(bsz, v.shape[2], dk, v.shape[3], dtype=torch.float64 if q.dtype == torch.float64
+                         else torch.float32, device=q.device) if h0 is None else h0.clone())
+    return torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, state, use_qk_l2norm=use_qk_l2norm), state
+
+
 # (B, T, Hk, Hv, Dk, Dv): T across chunk boundaries, grouped value heads, Dk != Dv.
 CHUNK_SHAPES = {
     "cpu": [(1, 0, 1, 1, 16, 16), (1, 1, 1, 1, 16, 16), (2, 63, 1, 2, 16, 32), (1, 64, 2, 2, 32, 16),
@@ -80,9 +88,11 @@ def test_chunk_matches_fp64_recurrence(device, dtype, with_state, nan_empty):
         scale = dk ** -0.5
         poison_allocator(device)
         calls = kernel_calls["chunk_gated_delta_rule"]
-        o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True)
+        o, final = chunk(q, k, v, g, beta, scale, h0, True)
         assert kernel_calls["chunk_gated_delta_rule"] == calls + 1, "the Triton kernel did not run"
         assert o.dtype == dtype and final.dtype == torch.float32
+        if h0 is None:  # no state at all: the same outputs as from a zero state
+            assert torch.equal(torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm=True), o)
         if SANITIZING:
             assert torch.isfinite(o).all() and torch.isfinite(final).all()
             continue
@@ -90,7 +100,7 @@ def test_chunk_matches_fp64_recurrence(device, dtype, with_state, nan_empty):
         assert_close(o, ref_o, tol, what=f"chunk o {shape}")
         assert_close(final, ref_s, tol, what=f"chunk final state {shape}")
         if device == "cpu":
-            op_ref_o, op_ref_s = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, h0, True)
+            op_ref_o, op_ref_s = chunked_delta_rule(q, k, v, g, beta, scale, h0, True)
             assert_close(o, op_ref_o.to(torch.float64), tol, what=f"chunk o vs op reference {shape}")
             assert_close(final, op_ref_s, tol, what=f"chunk state vs op reference {shape}")
 
@@ -102,7 +112,7 @@ def test_chunk_without_l2norm_and_other_scale(device):
     b, t, hk, hv, dk, dv = shape
     q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, device, normalized_keys=False)
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
-    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.3)
+    o, final = chunk(q, k, v, g, beta, 0.3)
     ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, 0.3, use_qk_l2norm=False)
     assert_close(o, ref_o, 1e-4, what="chunk o, no l2norm")
     assert_close(final, ref_s, 1e-4, what="chunk state, no l2norm")
@@ -119,7 +129,7 @@ def test_chunk_strided_inputs(device):
     v = qkv[..., 2 * hk * dk:].view(b, t, hv, dv)
     gb = randn(b, t, 2 * hv, dtype=torch.float32, device=device)
     g, beta = F.logsigmoid(gb[..., :hv] + 2), gb[..., hv:].sigmoid()
-    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, dk ** -0.5, None, True)
+    o, final = chunk(q, k, v, g, beta, dk ** -0.5, None, True)
     ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, dk ** -0.5)
     assert_close(o, ref_o, 2e-5, what="strided chunk o")
     assert_close(final, ref_s, 2e-5, what="strided chunk state")
@@ -133,7 +143,7 @@ def test_chunk_reference_is_the_recurrence_in_float64():
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     h0 = torch.randn(2, 2, 16, 16, dtype=torch.float64)
     calls = kernel_calls["chunk_gated_delta_rule"]
-    o, final = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, h0, True)
+    o, final = chunk(q, k, v, g, beta, 0.25, h0, True)
     assert kernel_calls["chunk_gated_delta_rule"] == calls
     ref_o, ref_s = recurrence_fp64(q, k, v, g, beta, 0.25, h0)
     assert_close(o, ref_o, 1e-10, what="reference o")
@@ -165,9 +175,8 @@ def test_chunk_prefix_then_recurrent_steps_equals_chunk_on_whole(device, dtype, 
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     scale = dk ** -0.5
     h0 = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
-    o_all, s_all = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, True)
-    o_pre, state = torch.ops.qwen.chunk_gated_delta_rule(q[:, :prefix], k[:, :prefix], v[:, :prefix],
-                                                         g[:, :prefix], beta[:, :prefix], scale, h0, True)
+    o_all, s_all = chunk(q, k, v, g, beta, scale, h0, True)
+    o_pre, state = chunk(q[:, :prefix], k[:, :prefix], v[:, :prefix], g[:, :prefix], beta[:, :prefix], scale, h0, True)
     outs, i = [o_pre], prefix
     while i < t:
         n = 2 if i == prefix + 1 else 1
@@ -199,8 +208,7 @@ def test_several_value_blocks(device, monkeypatch, nan_empty):
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     h0 = randn(b, hv, dk, dv, dtype=torch.float32, device=device)
     pre = slice(0, t - 1)
-    o, state = torch.ops.qwen.chunk_gated_delta_rule(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre],
-                                                     dk ** -0.5, h0, True)
+    o, state = chunk(q[:, pre], k[:, pre], v[:, pre], g[:, pre], beta[:, pre], dk ** -0.5, h0, True)
     o_step = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q[:, -1], k[:, -1], v[:, -1], a[:, -1], braw[:, -1],
                                                               a_log, dt_bias, state, *decode_step(b, 1, device),
                                                               dk ** -0.5)
@@ -284,7 +292,7 @@ def test_references_match_transformers(use_qk_l2norm, with_state):
         g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
         h0 = torch.randn(b, hv, dk, dv) if with_state else None
         scale = dk ** -0.5
-        ours = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, h0, use_qk_l2norm)
+        ours = chunked_delta_rule(q, k, v, g, beta, scale, h0, use_qk_l2norm)
         hf = hf_chunk(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                       use_qk_l2norm_in_kernel=use_qk_l2norm)
         assert_close(ours[0], hf[0], 1e-5, what=f"chunk reference o vs transformers {shape}")
@@ -308,7 +316,7 @@ def test_kernel_matches_transformers_chunk():
     q, k, v, a, braw, a_log, dt_bias = _gdn_inputs(*shape, torch.float32, "cpu")
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     h0 = torch.randn(1, 2, 16, 16)
-    o, s = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 16 ** -0.5, h0, True)
+    o, s = chunk(q, k, v, g, beta, 16 ** -0.5, h0, True)
     hf = hf_chunk(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert_close(o, hf[0], 1e-5, what="kernel o vs transformers")
     assert_close(s, hf[1], 1e-5, what="kernel state vs transformers")
@@ -352,7 +360,7 @@ def _samples(device):
     state = randn(2, 2, 16, 16, dtype=torch.float32, device=device)
     x = randn(2, 5, 2, 16, dtype=torch.float32, device=device)
     return {
-        "chunk_gated_delta_rule": [(q, k, v, g, beta, 0.25, state, True), (q, k, v, g, beta, 0.25)],
+        "chunk_gated_delta_rule": [(q, k, v, g, beta, 0.25, state, None, None, None, True), (q, k, v, g, beta, 0.25)],
         "gates": (a, braw, a_log, dt_bias),
         "gated_rms_norm": [(x, randn(2, 5, 2, 16, dtype=torch.float32, device=device),
                             randn(16, dtype=torch.float32, device=device), 1e-6)],
@@ -376,7 +384,8 @@ def test_compile_fullgraph_prefill_then_decode():
     step = decode_step(2, 1, "cpu")
 
     def f(q, k, v, g, beta, a, braw):
-        o, st = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, None, True)
+        st = q.new_zeros(2, 2, 16, 16)
+        o = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, st, use_qk_l2norm=True)
         o1 = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q[:, -1], k[:, -1], v[:, -1], a[:, -1], braw[:, -1],
                                                               a_log, dt_bias, st, *step, 0.25)
         return torch.ops.qwen.gated_rms_norm(o + o1[:, None], z, w, 1e-6), st
@@ -389,7 +398,7 @@ def test_compile_fullgraph_prefill_then_decode():
 
 def _bad_chunk(**over):
     args = dict(q=torch.randn(1, 4, 2, 16), k=torch.randn(1, 4, 2, 16), v=torch.randn(1, 4, 4, 16),
-                g=torch.randn(1, 4, 4), beta=torch.rand(1, 4, 4), scale=0.25, initial_state=None)
+                g=torch.randn(1, 4, 4), beta=torch.rand(1, 4, 4), scale=0.25, state=None)
     args.update(over)
     return tuple(args.values())
 
@@ -401,10 +410,10 @@ ERRORS = [
     ("chunk_gated_delta_rule", lambda: _bad_chunk(k=torch.randn(1, 5, 2, 16)), "same shape"),
     ("chunk_gated_delta_rule", lambda: _bad_chunk(g=torch.randn(1, 4, 2)), "g must have shape"),
     ("chunk_gated_delta_rule", lambda: _bad_chunk(v=torch.randn(1, 4, 4, 16, dtype=torch.bfloat16)), "v has dtype"),
-    ("chunk_gated_delta_rule", lambda: _bad_chunk(initial_state=torch.randn(1, 4, 16, 16, dtype=torch.bfloat16)),
-     "initial_state must be torch.float32"),
-    ("chunk_gated_delta_rule", lambda: _bad_chunk(initial_state=torch.randn(1, 2, 16, 16)),
-     "initial_state must have shape"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(state=torch.randn(1, 4, 16, 16, dtype=torch.bfloat16)),
+     "state must be torch.float32"),
+    ("chunk_gated_delta_rule", lambda: _bad_chunk(state=torch.randn(1, 2, 16, 16)), "state must have shape"),
+    ("chunk_gated_delta_rule", lambda: (*_bad_chunk(), None, torch.tensor([0])), "state_slots is for packed sequences"),
     ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 7), torch.randn(8), 1e-6), "z has shape"),
     ("gated_rms_norm", lambda: (torch.randn(2, 8), torch.randn(2, 8), torch.randn(7), 1e-6), "weight has 7"),
 ]
@@ -436,7 +445,7 @@ def test_recurrent_step_replays_in_cuda_graph():
     packed = decode_step(b, 1, dev)
 
     def step():
-        mixed = torch.ops.qwen.causal_conv1d_varlen(st["x"], conv_w, st["conv"], *packed)
+        mixed = torch.ops.qwen.causal_conv1d(st["x"], conv_w, st["conv"], *packed)
         q = mixed[:, :hk * d].view(b, hk, d)
         k = mixed[:, hk * d:2 * hk * d].view(b, hk, d)
         v = mixed[:, 2 * hk * d:].view(b, hv, d)

@@ -1,4 +1,4 @@
-"""qwen::chunk_gated_delta_rule_varlen and qwen::recurrent_gated_delta_rule_varlen: Gated DeltaNet
+"""qwen::chunk_gated_delta_rule with cu_seqlens and qwen::recurrent_gated_delta_rule_varlen: Gated DeltaNet
 over packed sequences with a state pool (an engine step's prefill chunks and decode tokens in one
 call). Sequence lengths 0 (graph padding: its padding slot untouched), 1, 63, 64, 65, 130 (chunk
 edges, a sequence over three chunks), fresh and continuing states, grouped value heads, Dk != Dv
@@ -11,7 +11,7 @@ import torch
 import qwen_ops  # noqa: F401
 from csrc_free_ops import gated_delta_rule as gdr_kernels
 from qwen_ops import QwenOpError
-from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_varlen_reference, gated_delta_gates_reference,
+from qwen_ops.gated_delta_rule import (chunk_gated_delta_rule_reference, gated_delta_gates_reference,
                                        recurrent_gated_delta_rule_varlen_reference)
 from qwen_ops.registry import kernel_calls
 from tests.helpers import DEVICES, DTYPES, SANITIZING, assert_close, padded, poison_allocator, randn
@@ -74,9 +74,9 @@ def test_chunk_varlen_matches_fp64_recurrence(device, dtype, nan_empty):
         before = pool.clone()
         scale = dk ** -0.5
         poison_allocator(device)
-        calls = kernel_calls["chunk_gated_delta_rule_varlen"]
-        o = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, cu, slots, cont, scale, True)
-        assert kernel_calls["chunk_gated_delta_rule_varlen"] == calls + 1, "the Triton kernel did not run"
+        calls = kernel_calls["chunk_gated_delta_rule"]
+        o = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, scale, pool, cu, slots, cont, True)
+        assert kernel_calls["chunk_gated_delta_rule"] == calls + 1, "the Triton kernel did not run"
         assert o.shape == v.shape and o.dtype == dtype and o.is_contiguous()
         what = f"lengths {lens}, heads {hk}/{hv}, dims {dk}/{dv}"
         assert torch.equal(pool[-1], before[-1]), f"{what}: the padding slot was written"
@@ -89,28 +89,28 @@ def test_chunk_varlen_matches_fp64_recurrence(device, dtype, nan_empty):
             assert_close(pool[slot], s, tol, what=f"final state of slot {slot}, {what}")
         if device == "cpu":
             ref_pool = before.clone()
-            op_ref = chunk_gated_delta_rule_varlen_reference(q, k, v, g, beta, ref_pool, cu, slots, cont, scale, True)
+            op_ref = chunk_gated_delta_rule_reference(q, k, v, g, beta, scale, ref_pool, cu, slots, cont, True)
             assert_close(o, op_ref.double(), tol, what=f"o vs the op reference, {what}")
             assert_close(pool, ref_pool, tol, what=f"pool vs the op reference, {what}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunk_varlen_equals_the_fixed_length_op(device):
-    """Each packed sequence gives what chunk_gated_delta_rule gives it alone (same chunks, same
-    kernels: equal to rounding), from its slot's state or from zeros."""
+    """Each packed sequence gives what chunk_gated_delta_rule on fixed lengths gives it alone (same
+    chunks, same kernels: equal to rounding), from its slot's state or from zeros."""
     lens, hk, hv, dk, dv = CHUNK_CASES[device][0]
     q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont = _packed(lens, hk, hv, dk, dv, torch.float32, device, 1)
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     before = pool.clone()
-    o = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, cu, slots, cont, 0.3, True)
+    o = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.3, pool, cu, slots, cont, True)
     for i, n in enumerate(lens):
         lo, slot = int(cu[i]), int(slots[i])
         if n == 0:
             continue
         rows = slice(lo, lo + n)
-        want, state = torch.ops.qwen.chunk_gated_delta_rule(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
-                                                            beta[None, rows], 0.3,
-                                                            before[slot:slot + 1] if cont[i] else None, True)
+        state = before[slot:slot + 1].clone() if cont[i] else torch.zeros_like(before[slot:slot + 1])
+        want = torch.ops.qwen.chunk_gated_delta_rule(q[None, rows], k[None, rows], v[None, rows], g[None, rows],
+                                                     beta[None, rows], 0.3, state, use_qk_l2norm=True)
         assert_close(o[rows], want[0], 1e-6, what=f"sequence {i} (length {n})")
         assert_close(pool[slot], state[0], 1e-6, what=f"sequence {i}'s state")
 
@@ -124,7 +124,7 @@ def test_chunk_varlen_several_value_blocks(device, monkeypatch, nan_empty):
     q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont = _packed(lens, 1, 2, 16, 64, torch.float32, device, 2)
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     before = pool.clone()
-    o = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, cu, slots, cont, 0.25, True)
+    o = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, pool, cu, slots, cont, True)
     ref_o, finals = _per_sequence_fp64(q, k, v, g, beta, 0.25, before, cu, slots, cont)
     tol = CHUNK_TOL[device][torch.float32]
     assert_close(o, ref_o, tol, what="o over four value blocks")
@@ -178,7 +178,7 @@ def test_decode_tokens_agree_through_either_op(device):
     pool2 = pool.clone()
     o1 = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont,
                                                           0.25, True)
-    o2 = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool2, cu, slots, cont, 0.25, True)
+    o2 = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, pool2, cu, slots, cont, True)
     assert_close(o1, o2, 1e-5, what="decode tokens: recurrent vs chunked")
     assert_close(pool, pool2, 1e-5, what="decode tokens' states: recurrent vs chunked")
 
@@ -188,14 +188,14 @@ def _samples(device):
                                                                       device, 5)
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
     return {
-        "chunk_gated_delta_rule_varlen": [(q, k, v, g, beta, pool, cu, slots, cont, 0.25, True),
-                                          (q, k, v, g, beta, pool, cu, slots, cont, 0.25)],
+        "chunk_gated_delta_rule": [(q, k, v, g, beta, 0.25, pool, cu, slots, cont, True),
+                                   (q, k, v, g, beta, 0.25, pool, cu, slots, cont)],
         "recurrent_gated_delta_rule_varlen": [(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont, 0.25)],
     }
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["chunk_gated_delta_rule_varlen", "recurrent_gated_delta_rule_varlen"])
+@pytest.mark.parametrize("name", ["chunk_gated_delta_rule", "recurrent_gated_delta_rule_varlen"])
 def test_opcheck(device, name):
     for args in _samples(device)[name]:
         torch.library.opcheck(getattr(torch.ops.qwen, name).default, args)
@@ -203,11 +203,11 @@ def test_opcheck(device, name):
 
 def test_compile_fullgraph():
     s = _samples("cpu")
-    q, k, v, g, beta, pool, cu, slots, cont = s["chunk_gated_delta_rule_varlen"][0][:9]
+    q, k, v, g, beta, _, pool, cu, slots, cont = s["chunk_gated_delta_rule"][0][:10]
     a, braw, a_log, dt_bias = s["recurrent_gated_delta_rule_varlen"][0][3:7]
 
     def f(q, k, v, g, beta, pool):
-        o = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, cu, slots, cont, 0.25, True)
+        o = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, pool, cu, slots, cont, True)
         return o + torch.ops.qwen.recurrent_gated_delta_rule_varlen(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots,
                                                                     cont, 0.25)
 
@@ -221,13 +221,15 @@ def test_compile_fullgraph():
 def _bad(name, **over):
     n, s = 5, 2
     args = dict(q=padded(n, 1, 16), k=padded(n, 1, 16), v=padded(n, 2, 16))
-    if name == "chunk_gated_delta_rule_varlen":
+    if name == "chunk_gated_delta_rule":
         args.update(g=-torch.rand(n, 2), beta=torch.rand(n, 2))
     else:
         args.update(a=torch.randn(n, 2), b=torch.randn(n, 2), A_log=torch.randn(2), dt_bias=torch.randn(2))
     args.update(state_pool=padded(3, 2, 16, 16), cu=torch.tensor([0, 2, n], dtype=torch.int32),
                 slots=torch.tensor([0, 1]), cont=torch.tensor([True, False]), scale=0.25)
     args.update(over)
+    if name == "chunk_gated_delta_rule":  # scale before the state and the packed arguments
+        return tuple(args[n] for n in ("q", "k", "v", "g", "beta", "scale", "state_pool", "cu", "slots", "cont"))
     return tuple(args.values())
 
 
@@ -236,23 +238,25 @@ THREE_SEQS_DECREASING = dict(cu=torch.tensor([0, 4, 2, 5], dtype=torch.int32), s
 """Sequences whose rows go back (each within the N = 5 rows, so a kernel given them stays in bounds)."""
 
 ERRORS = [
-    ("chunk_gated_delta_rule_varlen", dict(q=torch.randn(1, 5, 1, 16)), "q must have 3 dims"),
-    ("chunk_gated_delta_rule_varlen", dict(q=torch.randn(5, 2, 16), k=torch.randn(5, 2, 16), v=torch.randn(5, 3, 16)),
+    ("chunk_gated_delta_rule", dict(q=torch.randn(1, 5, 1, 16)), "q must have 3 dims"),
+    ("chunk_gated_delta_rule", dict(q=torch.randn(5, 2, 16), k=torch.randn(5, 2, 16), v=torch.randn(5, 3, 16)),
      "multiple of k's 2"),
-    ("chunk_gated_delta_rule_varlen", dict(g=torch.randn(5, 3)), "g must have shape"),
-    ("chunk_gated_delta_rule_varlen", dict(state_pool=torch.zeros(3, 2, 16, 32)), "state_pool must have shape"),
-    ("chunk_gated_delta_rule_varlen", dict(state_pool=torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16)),
-     "state_pool must be torch.float32"),
-    ("chunk_gated_delta_rule_varlen", dict(state_pool=torch.zeros(2, 3, 16, 16).transpose(0, 1)),
-     "state_pool must be contiguous"),
-    ("chunk_gated_delta_rule_varlen", dict(cu=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens must rise"),
-    ("chunk_gated_delta_rule_varlen", dict(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
-    ("chunk_gated_delta_rule_varlen", dict(slots=torch.tensor([-1, 0])), r"state_slots must lie in \[0, 3\)"),
-    ("chunk_gated_delta_rule_varlen", THREE_SEQS_DECREASING, r"cu_seqlens must rise .*\[0, 4, 2, 5\]"),
+    ("chunk_gated_delta_rule", dict(g=torch.randn(5, 3)), "g must have shape"),
+    ("chunk_gated_delta_rule", dict(state_pool=torch.zeros(3, 2, 16, 32)), r"state must have shape \[P, Hv, Dk, Dv\]"),
+    ("chunk_gated_delta_rule", dict(state_pool=torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16)),
+     "state must be torch.float32"),
+    ("chunk_gated_delta_rule", dict(state_pool=torch.zeros(2, 3, 16, 16).transpose(0, 1)),
+     "state must be contiguous"),
+    ("chunk_gated_delta_rule", dict(state_pool=None), r"packed sequences \(cu_seqlens\) need state"),
+    ("chunk_gated_delta_rule", dict(slots=None), r"packed sequences \(cu_seqlens\) need state_slots"),
+    ("chunk_gated_delta_rule", dict(cu=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens must rise"),
+    ("chunk_gated_delta_rule", dict(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
+    ("chunk_gated_delta_rule", dict(slots=torch.tensor([-1, 0])), r"state_slots must lie in \[0, 3\)"),
+    ("chunk_gated_delta_rule", THREE_SEQS_DECREASING, r"cu_seqlens must rise .*\[0, 4, 2, 5\]"),
     ("recurrent_gated_delta_rule_varlen", dict(slots=torch.tensor([0, 3])), r"state_slots must lie in \[0, 3\)"),
     ("recurrent_gated_delta_rule_varlen", dict(cu=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens must rise"),
     ("recurrent_gated_delta_rule_varlen", THREE_SEQS_DECREASING, r"cu_seqlens must rise .*\[0, 4, 2, 5\]"),
-    ("chunk_gated_delta_rule_varlen", dict(cont=torch.tensor([True])), r"continues must be a bool tensor of shape"),
+    ("chunk_gated_delta_rule", dict(cont=torch.tensor([True])), r"continues must be a bool tensor of shape"),
     ("recurrent_gated_delta_rule_varlen", dict(A_log=torch.randn(3)), "A_log must have shape"),
     ("recurrent_gated_delta_rule_varlen", dict(b=torch.randn(4, 2)), "b must have shape"),
     ("recurrent_gated_delta_rule_varlen", dict(state_pool=torch.zeros(3, 2, 16, 8)), "state_pool must have shape"),
@@ -279,7 +283,7 @@ def test_varlen_step_replays_in_cuda_graph():
     g, beta = gated_delta_gates_reference(a, braw, a_log, dt_bias)
 
     def step():
-        o1 = torch.ops.qwen.chunk_gated_delta_rule_varlen(q, k, v, g, beta, pool, cu, slots, cont, d ** -0.5, True)
+        o1 = torch.ops.qwen.chunk_gated_delta_rule(q, k, v, g, beta, d ** -0.5, pool, cu, slots, cont, True)
         o2 = torch.ops.qwen.recurrent_gated_delta_rule_varlen(q, k, v, a, braw, a_log, dt_bias, pool, cu, slots,
                                                               cont, d ** -0.5, True)
         return o1, o2

@@ -352,7 +352,7 @@ def test_full_size_cuda_graph_equals_eager(dtype):
 
 
 def check_chunked_prefill_matches_recurrent_steps(device="cuda", config=QWEN3_5_0_8B, length=2048):
-    """One Gated DeltaNet layer: a prompt in one step (causal_conv1d_varlen + chunk_gated_delta_rule_varlen)
+    """One Gated DeltaNet layer: a prompt in one step (causal_conv1d + chunk_gated_delta_rule, packed)
     against the same prompt one token a step (the recurrent rule): the final logits and the states
     the prompt leaves in its slot."""
     config = QwenConfig.from_dict(config | dict(num_hidden_layers=1, layer_types=["linear_attention"]))

@@ -2,7 +2,7 @@
 with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming.
 
 ``IncrementalDetokenizer`` steps ``tokenizers.decoders.DecodeStream`` (its windowed decode runs in
-Rust: about 3x faster a token than two ``decode`` calls from Python, which a server pays for every
+Rust: faster a token than two ``decode`` calls from Python, which a server pays for every
 streamed token) and adds what DecodeStream lacks, ``flush``: the tail of a completion that ends
 inside a multi-byte character.
 """
@@ -67,8 +67,8 @@ class QwenTokenizer:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched;
         ``add_special_tokens``: what tokenizer.json's post-processor adds (none for Qwen's).
         ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``).
-        Through ``encode_batch_fast``, which skips the character offsets nothing here reads (a
-        quarter to a third faster on a 256-word prompt; a server pays it on every request)."""
+        Through ``encode_batch_fast``, which skips the character offsets nothing here reads (faster,
+        and a server pays it on every request)."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         problem = unicode_error(text)

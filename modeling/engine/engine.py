@@ -40,7 +40,7 @@ from .token_masks import TokenControls, bad_word_ids
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
-on an H200 (28.6k, 28.5k, 25.4k and 21.0k output tokens/s; docs/performance.md); also the finest
+(docs/performance.md, offline throughput); also the finest
 prefix-cache granularity (a hit reuses whole blocks only)."""
 
 

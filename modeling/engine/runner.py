@@ -49,15 +49,15 @@ PERSISTENT_MAX_LEN = 4096
 
 def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     """The kernels (``modeling.model.context.KERNELS``) of a decode-only step of ``num_seqs`` rows,
-    chosen by ``python -m bench.decode`` (ms per step, Qwen3-0.6B, H200, docs/performance.md):
+    chosen by ``python -m bench.decode`` (the fastest of the three per case; docs/performance.md, decode):
 
     ========================================  =============  ==========================================
     step                                      kernels        measured against the others
     ========================================  =============  ==========================================
-    1 row, Qwen3/Qwen2, CUDA,                 ``persistent`` 0.757 (fused 0.941, ops 1.19) at context
-    ``max_model_len`` <= PERSISTENT_MAX_LEN                  256; 0.954 (fused 1.055) at 2048
-    1 row, other models or longer contexts    ``fused``      Qwen3.5-0.8B 1.13 ms (H100; ops 1.42)
-    2 rows or more                            ``ops``        batch 8: 1.28 (persistent 3.46)
+    1 row, Qwen3/Qwen2, CUDA,                 ``persistent`` faster than fused and op by op, at
+    ``max_model_len`` <= PERSISTENT_MAX_LEN                  context 256 and 2048
+    1 row, other models or longer contexts    ``fused``      faster than op by op (Qwen3.5-0.8B)
+    2 rows or more                            ``ops``        faster than persistent at batch 8
     ========================================  =============  ==========================================
     """
     if num_seqs > 1:

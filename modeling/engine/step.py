@@ -73,7 +73,7 @@ class StepBatch:
 
 def to_device(array: np.ndarray, device) -> Tensor:
     """``array`` on ``device``; to a GPU through pinned memory without blocking the host (a pageable
-    copy would wait for the device's queue: ~150 us a tensor on the H200 host)."""
+    copy would wait for the device's queue, holding the host for every tensor)."""
     host = torch.from_numpy(array)
     if torch.device(device).type != "cuda":
         return host.to(device)

@@ -217,10 +217,10 @@ class GatedDeltaNetLayer(DecoderLayer):
     in_proj_a fused: [..., C + Vd + 2Hv]); x, z, b, a = views of proj; the depthwise causal conv +
     SiLU over x; q, k, v = views of its output; the gated delta rule (gates from a, b, A_log and
     dt_bias; q and k L2-normed); ``o = gated_rms_norm(o, z, norm_weight)``; ``linear(o, out_weight)``.
-    No context: each row from a zero state (``causal_conv1d``, ``chunk_gated_delta_rule``). In a
-    step every sequence runs in one packed call per op (``causal_conv1d_varlen``, then
+    No context: each row from a zero state (``causal_conv1d``, ``chunk_gated_delta_rule`` on fixed
+    lengths). In a step every sequence runs in one packed call per op (``causal_conv1d``, then
     ``recurrent_gated_delta_rule_varlen`` for a decode step, where every sequence has one token,
-    or ``chunk_gated_delta_rule_varlen``), continuing its slot's state where it has cached
+    or ``chunk_gated_delta_rule``, each with ``cu_seqlens``), continuing its slot's state where it has cached
     positions (``batch.continues``), else from zeros, and leaving its state there. Positions are
     unused.
     """
@@ -269,24 +269,24 @@ class GatedDeltaNetLayer(DecoderLayer):
         a = proj[..., C + Vd + Hv :]
         weight = self.conv_weight[:, 0]  # [C, K]
         if context is None:
-            y = ops.causal_conv1d(proj[..., :C], weight, None)[0]
+            y = ops.causal_conv1d(proj[..., :C], weight)
         else:
             conv_pool, state_pool = context.entry
             packed = (context.batch.cu_seqlens_q, context.batch.state_slots, context.batch.continues)
-            y = ops.causal_conv1d_varlen(proj[..., :C], weight, conv_pool, *packed)
+            y = ops.causal_conv1d(proj[..., :C], weight, conv_pool, *packed)
         q = y[..., :Kd].view(*lead, Hk, Dk)
         k = y[..., Kd : 2 * Kd].view(*lead, Hk, Dk)
         v = y[..., 2 * Kd :].view(*lead, Hv, Dv)
         scale = Dk**-0.5
         if context is None:
             g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, None, True)[0]
+            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm=True)
         elif context.batch.max_query_len <= 1:
             o = ops.recurrent_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, state_pool, *packed,
                                                       scale, True)
         else:
             g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            o = ops.chunk_gated_delta_rule_varlen(q, k, v, g, beta, state_pool, *packed, scale, True)
+            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, state_pool, *packed, True)
         o = ops.gated_rms_norm(o, proj[..., C : C + Vd].view(*lead, Hv, Dv), self.norm_weight, c.rms_norm_eps)
         return self._project_out(o.reshape(*lead, Vd), self.out_weight, x, residual, fused)
 

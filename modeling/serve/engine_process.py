@@ -214,9 +214,9 @@ def warm_up(engine) -> None:
     """Before the first client (with CUDA graphs): capture the graph of every step shape
     (``Engine.capture_graphs``: each decode batch bucket, each prefill and mixed token and sequence
     bucket), compiling every kernel on the way. A shape's first occurrence otherwise stalls every
-    running sequence while it compiles or captures: on the H200 a first prefix-cache hit cost a
-    client 1.6 s, a first step of 64 sequences ~2.9 s, and a server at concurrency 64 met new mixed
-    shapes for its first few hundred requests."""
+    running sequence while it compiles or captures (a first prefix-cache hit or a first step of 64
+    sequences held every client for seconds), and a server at concurrency 64 met new mixed shapes
+    for its first few hundred requests."""
     t0 = time.perf_counter()
     n = engine.capture_graphs()
     if n:
