@@ -2,7 +2,11 @@
 min_tokens; modeling.engine.token_masks and sampler.controlled_logits) against a plain greedy
 reference written here (the model rerun on the whole sequence every step, each control applied to
 the raw logits token by token), rows with different controls in one batch; then what ``LLM`` does
-with include_stop_str_in_output and truncate_prompt_tokens."""
+with include_stop_str_in_output and truncate_prompt_tokens, and structured outputs (xgrammar)."""
+
+import json
+import re
+import sys
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch
 from modeling import LLM, SamplingParams
 from modeling.engine import Engine
 from modeling.engine.sampler import sample_sequences
+from modeling.engine.structured_outputs import Grammars, StructuredOutputs
 from modeling.engine.token_masks import TokenControls, bad_word_ids
 from tests.test_engine import QWEN3, model_of, prompts_of
 from tests.test_engine_sampling import seq_of
@@ -129,3 +134,46 @@ def test_include_stop_str_in_output_and_truncate_prompt_tokens(llm):
                                            use_tqdm=False)[0].token_ids
     assert llm.generate(prompt, SamplingParams(max_tokens=8, truncate_prompt_tokens=100),
                         use_tqdm=False)[0].prompt_token_ids == ids
+
+
+def test_structured_outputs_hold_and_leave_unconstrained_rows_alone(llm):
+    """A JSON schema, a choice and a regex in one batch with a free row: each constrained output
+    holds, and the free row is what it is alone (its logits row untouched by the bitmask)."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
+                                                "s": {"type": "string", "maxLength": 5}},
+              "required": ["n", "s"], "additionalProperties": False}
+    specs = [{"json": schema}, {"choice": ["alpha", "beta"]}, {"regex": r"[xyz]{2}\d"}, None]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs=spec)
+              for i, spec in enumerate(specs)]
+    outs = [o.outputs[0] for o in llm.generate(["Hello"] * 4, params, use_tqdm=False)]
+    assert all(o.finish_reason == "stop" for o in outs[:3])
+    value = json.loads(outs[0].text)
+    assert set(value) == {"n", "s"} and 0 <= value["n"] <= 50 and len(value["s"]) <= 5
+    assert outs[1].text in ("alpha", "beta") and re.fullmatch(r"[xyz]{2}\d", outs[2].text)
+    assert outs[3].token_ids == llm.generate("Hello", params[3], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_structured_outputs_errors():
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar, got json, regex"):
+        SamplingParams(structured_outputs={"json": {}, "regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
+        SamplingParams(structured_outputs={"choice": "ab"})
+    pytest.importorskip("xgrammar")
+    engine = Engine(model_of(QWEN3), max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match="structured_outputs needs the engine's tokenizer"):
+        engine.add([1, 2], SamplingParams(structured_outputs={"regex": "a"}), 4)
+
+
+def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
+    """A string with maxLength takes what JSON allows raw (xgrammar's own class for it lets control
+    characters through); without xgrammar, a constraint is an ImportError naming the package."""
+    pytest.importorskip("xgrammar")
+    grammars = Grammars(llm.tokenizer, llm.model.config.vocab_size)
+    spec = StructuredOutputs(json={"type": "string", "maxLength": 4})
+    for text, ok in (('"ab"', True), ('"a\x07', False), ('"a\t', False), ('"abcde', False)):
+        assert grammars.matcher(spec).accept_string(text) is ok, text
+    assert grammars.compile(spec) is grammars.compile(StructuredOutputs(json='{"maxLength": 4, "type": "string"}'))
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ImportError, match="structured outputs need the xgrammar package: pip install xgrammar"):
+        Grammars(llm.tokenizer, 64)

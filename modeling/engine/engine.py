@@ -36,6 +36,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
 from .step import to_device
+from .structured_outputs import Grammars
 from .token_masks import TokenControls, bad_word_ids
 
 BLOCK_SIZE = 16
@@ -90,7 +91,8 @@ class Engine:
     decode steps with the kernels ``runner.decode_kernels`` picks per shape (``decode_kernels``
     forces one of ``modeling.model.context.KERNELS``). Prefix caching is on for models of attention
     layers only (a recurrent state cannot be rebuilt from cached blocks). ``tokenizer`` (a
-    ``QwenTokenizer``): what ``bad_words`` are tokenized with."""
+    ``QwenTokenizer``): what ``bad_words`` are tokenized with and grammars compiled for
+    (``structured_outputs.Grammars``: each constraint compiled once, at its first request)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, gpu_memory_utilization: float = 0.9,
@@ -98,6 +100,7 @@ class Engine:
                  decode_kernels: Optional[str] = None, tokenizer=None):
         c = model.config
         self.model, self.tokenizer = model, tokenizer
+        self._grammars: Optional[Grammars] = None  # made at the first structured request
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -147,10 +150,16 @@ class Engine:
                              f"vocabulary [0, {vocab})")
         if not params.has_token_mask:
             return None
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs the engine's tokenizer (Engine(tokenizer=...))")
+        for name in ("bad_words", "structured_outputs"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name} needs the engine's tokenizer (Engine(tokenizer=...))")
         bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
-        return TokenControls(params, vocab, bad, stop_token_ids)
+        matcher = None
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, vocab)
+            matcher = self._grammars.matcher(params.structured_outputs)
+        return TokenControls(params, vocab, bad, stop_token_ids, matcher)
 
     def abort(self, seq: Sequence) -> None:
         """Finish ``seq`` now ("abort"), freeing its blocks; a finished sequence is left as it is."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
 from ..common import is_int
+from .structured_outputs import StructuredOutputs
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest temperature the device's fp32 sampling values can hold."""
@@ -53,7 +54,10 @@ class SamplingParams:
       word's others (a one-token word is banned everywhere).
     - ``min_tokens``: the stop tokens (EOS and ``stop_token_ids``) are banned until this many
       tokens were generated (stop strings still end the text).
-    Bans and ``allowed_token_ids`` set the logits of the tokens they exclude to -inf after the
+    - ``structured_outputs`` (a ``structured_outputs.StructuredOutputs``, or a dict of its fields;
+      None: free text): the output follows a JSON schema, a regex, a choice or a grammar
+      (xgrammar; the request's mask then allows only the tokens that keep it in the grammar).
+    Bans, grammars and ``allowed_token_ids`` set the logits of the tokens they exclude to -inf after the
     bias, before the penalties; logprobs stay those of the raw logits.
 
     Stopping: ``max_tokens`` new tokens at most (None: the caller's default; ``LLM`` takes the
@@ -87,12 +91,21 @@ class SamplingParams:
     allowed_token_ids: Optional[Tuple[int, ...]] = None
     bad_words: Tuple[str, ...] = ()
     truncate_prompt_tokens: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
         problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
         problems += penalty_errors(self.min_p, self.presence_penalty, self.frequency_penalty,
                                    self.repetition_penalty, self.logprobs)
         problems += self._control_errors()
+        if isinstance(self.structured_outputs, Mapping):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except (TypeError, ValueError) as e:
+                problems.append(str(e) if isinstance(e, ValueError) else f"structured_outputs: {e}")
+        elif not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs)):
+            problems.append(f"structured_outputs must be a StructuredOutputs or a dict of its fields, "
+                            f"got {self.structured_outputs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         try:
             stop = tuple(stop)
@@ -180,8 +193,10 @@ class SamplingParams:
 
     @property
     def has_token_mask(self) -> bool:
-        """Some tokens may be excluded (``allowed_token_ids``, ``bad_words``, ``min_tokens``)."""
-        return self.allowed_token_ids is not None or bool(self.bad_words) or self.min_tokens > 0
+        """Some tokens may be excluded (``allowed_token_ids``, ``bad_words``, ``min_tokens``,
+        ``structured_outputs``)."""
+        return (self.allowed_token_ids is not None or bool(self.bad_words) or self.min_tokens > 0
+                or self.structured_outputs is not None)
 
     @property
     def has_penalty(self) -> bool:

@@ -31,6 +31,7 @@ from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
 from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
+from .structured import GrammarCheck
 from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
 
 log = logging.getLogger("modeling.serve")
@@ -54,6 +55,7 @@ class ServerState:
     def __init__(self, llm: Frontend, loop: EngineClient, settings: Settings):
         self.llm, self.loop, self.settings = llm, loop, settings
         self.strings = TokenStrings(llm.tokenizer)
+        self.grammars = GrammarCheck(llm.tokenizer, llm.config.vocab_size)
         self.metrics = Metrics(loop)
         self.draining = False
         self.created = int(time.time())
@@ -213,6 +215,7 @@ def create_app(state: ServerState) -> FastAPI:
             ChatCompletionRequest if chat else CompletionRequest, body, strict))
         planner = plan_chat if chat else plan_completion
         plan = planner(req, state.llm, state.loop.max_model_len)
+        await state.grammars.check(plan.params[0].structured_outputs, plan.constraint_field)
         check_admission(state.loop, plan, state.settings.max_waiting)
         gen = Generation(plan, chat, state.loop, state.strings, arrival)
         gen.submit()

@@ -23,7 +23,9 @@ from ..api.frontend import Frontend, TemplateKwargsError
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
+from .structured import structured_of
 
 MAX_N = 16
 """Choices per prompt at most."""
@@ -79,6 +81,13 @@ class _Request(Fields):
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+    # constraints on the output (``structured.structured_of``): at most one of these
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Union[str, Dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_Request):
@@ -99,7 +108,6 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True
-    response_format: Optional[Dict[str, Any]] = None  # refused unless {"type": "text"}
     # OpenAI parameters refused whenever set (see REFUSED)
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
@@ -117,7 +125,6 @@ class ChatCompletionRequest(_Request):
 REFUSED = {
     "suffix": "no insertion (fill-in-the-middle) completions",
     "best_of": "no server-side best-of selection (use n)",
-    "response_format": "no structured (JSON) output; only {\"type\": \"text\"}",
     "functions": "use 'tools'",
     "function_call": "use 'tool_choice'",
     "audio": "text only",
@@ -218,6 +225,7 @@ class Plan:
     parallel_tool_calls: bool = True  # False: the first tool call of a reply only
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
     prompt_text: str = ""  # the rendered chat prompt (where a <think> block may already be open)
+    constraint_field: Optional[str] = None  # the field the output constraint came from, if any
 
     @property
     def num_choices(self) -> int:
@@ -239,14 +247,15 @@ def _refuse_neutral(req: _Request) -> None:
             continue
         value = getattr(req, name)
         neutral = (value is None or (name == "best_of" and value == req.n)
-                   or (name == "suffix" and value == "")
-                   or (name == "response_format" and value == {"type": "text"}))
+                   or (name == "suffix" and value == ""))
         if not neutral:
             raise unsupported(name, why)
 
 
-def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> SamplingParams:
-    """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value)."""
+def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
+              structured: Optional[StructuredOutputs] = None) -> SamplingParams:
+    """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value),
+    with the output constraint ``structured`` (``structured.structured_of``)."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
     given = {name: getattr(req, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
@@ -268,7 +277,7 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> Sampling
                        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, min_tokens=req.min_tokens,
                        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=bias,
                        allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
-                       truncate_prompt_tokens=req.truncate_prompt_tokens)
+                       truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured)
     except ValueError as e:  # SamplingParams names each bad value: "temperature must be ..."
         first = str(e).split("; ")[0]
         name = re.match(r"(?:stop strings|(\w+))", first)
@@ -363,12 +372,13 @@ def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -
     _refuse_neutral(req)
     if req.logprobs is not None and req.echo:
         raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
-    base = _sampling(req, llm, req.logprobs)
+    structured, field = structured_of(req)
+    base = _sampling(req, llm, req.logprobs, structured)
     prompts = truncated(completion_prompts(req.prompt, llm), base.truncate_prompt_tokens)
     default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
     return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n), budget, _stop_ids(llm, base), req.stream,
-                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo)
+                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo, constraint_field=field)
 
 
 def _per_choice(base: SamplingParams, num_prompts: int, n: int) -> List[SamplingParams]:
@@ -473,7 +483,8 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:
         raise invalid("the rendered conversation is empty", "messages")
-    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None)
+    structured, field = structured_of(req)
+    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
     budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
@@ -481,7 +492,7 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
                 parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
-                prompt_text=text)
+                prompt_text=text, constraint_field=field)
 
 
 def requested_model(req: _Request, served: str) -> None:
