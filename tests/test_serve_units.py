@@ -53,6 +53,32 @@ def test_tool_call_parser_whole_equals_streamed():
         assert content == 'Checking.\n\n\n<tool_call>\nnot json\n</tool_call><tool_call>{"name": "unclosed"'
 
 
+def test_xml_tool_calls_whole_equal_streamed_with_values_by_type():
+    text = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n95112\n</parameter>\n<parameter=opts>\n"
+            '{"metric": true}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "json form"}\n</tool_call>')
+    types = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}
+    for pieces in ([text], list(text)):
+        p = ToolCallParser("xml", types)
+        content, calls = "", []
+        for piece in pieces:
+            c, more = p.push(piece)
+            content, calls = content + c, calls + more
+        content += p.finish()[0]
+        assert calls == [{"name": "get_weather",
+                          "arguments": '{"city": "San Jose", "days": 3, "zip": "95112", "opts": {"metric": true}}'}]
+        assert content == 'Sure.\n\n<tool_call>\n{"name": "json form"}\n</tool_call>'
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_a_tool_call_ends_the_reasoning(opened):
+    text = ("" if opened else "<think>\n") + "I will call it.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    whole, streamed = split_whole_and_streamed(lambda: ReasoningSplitter(opened, tool_calls=True), text)
+    assert whole == streamed == ["I will call it.", "<tool_call>\n<function=f>\n</function>\n</tool_call>"]
+    without, _ = split_whole_and_streamed(lambda: ReasoningSplitter(opened), text)
+    assert without[1] == ""  # without tools, the tag is reasoning text like any other
+
+
 @pytest.fixture(scope="module")
 def llm():
     from modeling.api.llm import LLM

@@ -45,6 +45,7 @@ class Settings:
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0
     strict_requests: bool = False  # refuse unknown fields (a 400) instead of logging and ignoring them
+    tool_call_parser: Optional[str] = None  # the tool-call form's parser (protocol.TOOL_PARSERS); None: from the template
 
 
 class ServerState:
@@ -213,8 +214,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(503, problem, code="unavailable")
         req = await read_request(request, lambda body, strict: parse(
             ChatCompletionRequest if chat else CompletionRequest, body, strict))
-        planner = plan_chat if chat else plan_completion
-        plan = planner(req, state.llm, state.loop.max_model_len)
+        if chat:
+            plan = plan_chat(req, state.llm, state.loop.max_model_len, state.settings.tool_call_parser)
+        else:
+            plan = plan_completion(req, state.llm, state.loop.max_model_len)
         await state.grammars.check(plan.params[0].structured_outputs, plan.constraint_field)
         check_admission(state.loop, plan, state.settings.max_waiting)
         gen = Generation(plan, chat, state.loop, state.strings, arrival)

@@ -25,7 +25,9 @@ from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
 from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
+from .chat_output import TOOL_PARSERS
 from .structured import structured_of
+from .tool_choice import forced_call_grammar
 
 MAX_N = 16
 """Choices per prompt at most."""
@@ -226,6 +228,8 @@ class Plan:
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
     prompt_text: str = ""  # the rendered chat prompt (where a <think> block may already be open)
     constraint_field: Optional[str] = None  # the field the output constraint came from, if any
+    tool_form: str = "json"  # the tool-call form parsed ("json" or "xml", chat_output)
+    tool_types: Optional[Dict[str, Dict[str, Any]]] = None  # function -> parameter -> schema
 
     @property
     def num_choices(self) -> int:
@@ -421,16 +425,44 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str, Any]]]:
-    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding."""
+    """The tools to render, or None."""
     choice = req.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise unsupported("tool_choice", "only \"auto\" and \"none\" (no forced tool calls)")
-    if choice not in (None, "auto", "none"):
-        raise invalid(f"'tool_choice' must be \"auto\", \"none\" or an object, got {choice!r}", "tool_choice")
+    if not (choice in (None, "auto", "none", "required") or isinstance(choice, dict)):
+        raise invalid(f"'tool_choice' must be \"auto\", \"none\", \"required\" or an object, got {choice!r}",
+                      "tool_choice")
     if choice == "none":
         _check_tools(req.tools)
         return None
     return render_tools(req.tools, llm)
+
+
+def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    """The tools one of which the reply must call (``tool_choice`` "required": any; a named
+    function: that one), None when the reply is free; a 400 naming what is wrong."""
+    choice = req.tool_choice
+    if choice not in ("required",) and not isinstance(choice, dict):
+        return None
+    if not tools:
+        raise invalid("'tool_choice' forces a call, but no 'tools' are given", "tool_choice")
+    if choice == "required":
+        return tools
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise invalid("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise invalid(f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
+    return named
+
+
+def tool_form(llm: Frontend, parser: Optional[str]) -> str:
+    """The tool-call form to parse and force: ``parser`` (``--tool-call-parser``) when given, else
+    "xml" when the chat template writes ``<function=`` calls, else "json"."""
+    if parser is not None:
+        return TOOL_PARSERS[parser]
+    template = llm.chat_template
+    return "xml" if any("<function=" in src for src in (template.source, *template.named.values())) else "json"
+
 
 
 def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Optional[List[Dict[str, Any]]]:
@@ -461,7 +493,8 @@ def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
     return knows and template_kwargs.get("enable_thinking", True) is not False
 
 
-def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
+def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
+    """What a chat request runs; ``tool_parser``: ``--tool-call-parser`` (None: from the template)."""
     _refuse_neutral(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
@@ -483,16 +516,24 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:
         raise invalid("the rendered conversation is empty", "messages")
-    structured, field = structured_of(req)
+    structured, constraint = structured_of(req)
+    form = tool_form(llm, tool_parser)
+    forced = forced_tools(req, tools)
+    if forced is not None:
+        if structured is not None:
+            raise invalid(f"'tool_choice' forces a call: no '{constraint}' with it", "tool_choice")
+        structured, constraint = StructuredOutputs(grammar=forced_call_grammar(forced, form)), "tool_choice"
     base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
     budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
                      max_model_len, field, "messages")
+    types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+             for t in tools or ()}
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
                 parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
-                prompt_text=text, constraint_field=field)
+                prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
 
 
 def requested_model(req: _Request, served: str) -> None:
