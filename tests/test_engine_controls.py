@@ -177,3 +177,22 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     with pytest.raises(ImportError, match="structured outputs need the xgrammar package: pip install xgrammar"):
         Grammars(llm.tokenizer, 64)
+
+
+def test_prompt_logprobs_are_the_models_own(llm):
+    """Entry i: token i's log-probability after tokens 0..i-1 and the top k, from the float64
+    model rerun on each prefix; the first entry None."""
+    ids = llm.tokenizer.encode("ROMEO:\nWhat light")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        with torch.no_grad():
+            lp = torch.log_softmax(llm.model(torch.tensor([ids[:i]]))[0, -1].double(), -1)
+        entry = out.prompt_logprobs[i]
+        assert entry[ids[i]].logprob == pytest.approx(lp[ids[i]].item(), abs=1e-5)
+        top = lp.topk(3)
+        assert [t for t, v in entry.items() if v.rank is not None] == top.indices.tolist()
+        assert [entry[t].rank for t in top.indices.tolist()] == [1, 2, 3]
+    assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)

@@ -60,7 +60,9 @@ class RequestMetrics:
 class RequestOutput:
     """One prompt's completions (``outputs``, ``SamplingParams.n`` of them). ``prompt``: its text
     (None for a prompt given as token ids). ``text``, ``token_ids``, ``finish_reason`` and
-    ``stop_reason`` are the first completion's (all there is with ``n=1``)."""
+    ``stop_reason`` are the first completion's (all there is with ``n=1``). ``prompt_logprobs``
+    (with ``SamplingParams.prompt_logprobs``, else None): per prompt token, None for the first,
+    then a dict token id -> ``Logprob`` of the prompt's token and the top ones, as ``logprobs``."""
 
     request_id: str
     prompt: Optional[str]
@@ -68,6 +70,7 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
 
     @property
     def text(self) -> str:
@@ -232,13 +235,19 @@ class Completion:
         return text
 
     def _logprobs(self, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
-        chosen, top = entry
-        out = {tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
-               for rank, (tid, lp) in enumerate(top, 1)}
-        if token not in out:
-            out[token] = Logprob(chosen, None, self.tokenizer.decode([token], skip_special_tokens=False))
-        return out
+        return logprob_dict(self.tokenizer, token, entry)
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.row.text, list(self.token_ids), self.cumulative_logprob,
                                 self.logprobs, self.finish_reason, self.stop_reason)
+
+
+def logprob_dict(tokenizer: QwenTokenizer, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
+    """A token's ``LogprobEntry`` as vLLM gives it: token id -> ``Logprob`` of the top tokens
+    (ranked from 1) and of ``token`` (rank None when it is not among them)."""
+    chosen, top = entry
+    out = {tid: Logprob(lp, rank, tokenizer.decode([tid], skip_special_tokens=False))
+           for rank, (tid, lp) in enumerate(top, 1)}
+    if token not in out:
+        out[token] = Logprob(chosen, None, tokenizer.decode([token], skip_special_tokens=False))
+    return out

@@ -54,6 +54,9 @@ class SamplingParams:
       word's others (a one-token word is banned everywhere).
     - ``min_tokens``: the stop tokens (EOS and ``stop_token_ids``) are banned until this many
       tokens were generated (stop strings still end the text).
+    - ``prompt_logprobs`` (None: none; k in [0, 20]): each prompt token after the first with its
+      log-probability given the tokens before it and the k most likely tokens'
+      (``prompt_logprobs.prompt_logprobs``: one more forward of the prompt).
     - ``structured_outputs`` (a ``structured_outputs.StructuredOutputs``, or a dict of its fields;
       None: free text): the output follows a JSON schema, a regex, a choice or a grammar
       (xgrammar; the request's mask then allows only the tokens that keep it in the grammar).
@@ -91,6 +94,7 @@ class SamplingParams:
     allowed_token_ids: Optional[Tuple[int, ...]] = None
     bad_words: Tuple[str, ...] = ()
     truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
@@ -156,8 +160,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        if self.truncate_prompt_tokens is not None:
-            object.__setattr__(self, "truncate_prompt_tokens", int(self.truncate_prompt_tokens))
+        for name in ("truncate_prompt_tokens", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     def _control_errors(self) -> list:
         """Messages naming each invalid value of the logit controls and the prompt options."""
@@ -189,6 +194,10 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and not (is_int(self.truncate_prompt_tokens)
                                                             and self.truncate_prompt_tokens >= 1):
             errors.append(f"truncate_prompt_tokens must be an integer >= 1 (or None), got {self.truncate_prompt_tokens!r}")
+        if self.prompt_logprobs is not None and not (is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            errors.append(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), "
+                          f"got {self.prompt_logprobs!r}")
         return errors
 
     @property
