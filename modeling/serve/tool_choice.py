@@ -38,7 +38,7 @@ def _json_call(tools: List[Dict[str, Any]]) -> str:
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     body = str(xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
-    return (f'root ::= "<tool_call>\\n" call_root "\\n</tool_call>"\n'
+    return ('root ::= "<tool_call>\\n" call_root "\\n</tool_call>"\n'
             + _rename(body.replace(LAX_CHAR, JSON_CHAR), "call_"))
 
 
