@@ -270,6 +270,9 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
     if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
         raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters together, "
                       f"got {len(stop)} of {sum(map(len, stop))}", "stop")
+    limit = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if limit is not None and req.min_tokens > limit:
+        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
     bias = _logit_bias(req.logit_bias, llm.config.vocab_size)
     outside = [t for t in req.allowed_token_ids or () if not 0 <= t < llm.config.vocab_size]
     if outside:
