@@ -655,3 +655,22 @@ def test_stop_leaves_an_in_process_engine_empty():
     client.transport.put(("stop",))
     run_core(engine, client)
     assert engine.seqs == [] and not engine.has_work()
+
+
+def test_tool_call_parser_flag_and_the_form_the_template_implies():
+    from types import SimpleNamespace
+
+    from modeling.serve.__main__ import parse_args
+    from modeling.serve.protocol import tool_form
+
+    assert parse_args(["--tool-call-parser", "qwen3_coder"]).tool_call_parser == "qwen3_coder"
+    assert parse_args([]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-call-parser", "mistral"])
+
+    def frontend(source):
+        return SimpleNamespace(chat_template=SimpleNamespace(source=source, named={}))
+
+    xml, plain = frontend("{{ '<tool_call>\\n<function=' }}"), frontend("{{ '<tool_call>' }}")
+    assert [tool_form(xml, None), tool_form(plain, None), tool_form(xml, "hermes"), tool_form(plain, "qwen3_xml")] \
+        == ["xml", "json", "json", "xml"]
