@@ -44,6 +44,14 @@ usage in its last chunk anyway). Per level: time to first token (the first chunk
 p99, time per output token (per request: (total - ttft) / (tokens - 1)) p50, requests/s and output
 tokens/s over the level's wall time.
 
+With c64 among the levels, ours then runs the c64 level once more with every request held to
+``JSON_SCHEMA`` (``response_format`` json_schema: an array of at least ``MAX_TOKENS`` integers, which
+no output completes, so each request still ends at ``MAX_TOKENS`` tokens, "length"), on prompts of
+its own after a warm-up round: ``serve_{metric}_c64_json_schema`` and
+``serve_json_schema_ratio_c64`` (its tokens/s over ``serve_tokens_per_s_c64``'s: the cost of
+structured output; the target is >= 0.9). The word-level vocabulary's last ids spell the schema's
+pieces (``JSON_WORDS``) so the grammar has tokens to allow.
+
 Keys: ``serve_tokens_per_s_c{c}``, ``serve_ttft_p50_ms_c{c}``, ``serve_ttft_p99_ms_c{c}``,
 ``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, ``serve_startup_s``, the same with
 ``transformers_`` for the peer, ``engine_tokens_per_s_c64``, ``engine_ttft_ms_c1`` (the engine's
@@ -91,6 +99,13 @@ START_TIMEOUT = 300
 REQUEST_TIMEOUT = 120
 PARTS = ("ours", "engine", "peer")
 CLIENTS_PER_PROCESS = 8
+JSON_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": MAX_TOKENS}
+"""The constraint of the json_schema level: no output of ``MAX_TOKENS`` tokens completes it (an
+item is at least a digit and a separator), so every request runs ``MAX_TOKENS`` tokens, as the
+unconstrained ones do."""
+JSON_WORDS = ("[", "]", ",", ", ", "-", *"0123456789")
+"""The words the schema's instances are made of: the last ids of the word-level vocabulary spell
+them instead of pseudo-words (``add_json_words``); no prompt holds them."""
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "requests_per_s")
 
 
@@ -149,17 +164,37 @@ def requests_at(c: int, rounds: int, min_requests: int) -> int:
     return max(min_requests, rounds * c)
 
 
+def add_json_words(ckpt: Path) -> None:
+    """The checkpoint's word-level tokenizer.json with its last ``len(JSON_WORDS)`` words replaced
+    by ``JSON_WORDS`` (the vocabulary keeps its size; xgrammar reads it as raw strings)."""
+    path = ckpt / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: w for w, i in vocab.items()}
+    first = len(vocab) - len(JSON_WORDS)
+    for k, word in enumerate(JSON_WORDS):
+        del vocab[by_id[first + k]]
+        vocab[word] = first + k
+    path.write_text(json.dumps(data))
+
+
 def make_prompts(tokenizer, n: int, seed: int = 0):
-    """``n`` prompts of ``PROMPT_TOKENS`` random word ids (never id 0, ``<unk>``): (ids, texts)."""
+    """``n`` prompts of ``PROMPT_TOKENS`` random word ids (never id 0, ``<unk>``, nor a
+    ``JSON_WORDS`` id): (ids, texts)."""
     rng = random.Random(seed)
-    ids = [[rng.randrange(1, tokenizer.vocab_size) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+    top = tokenizer.vocab_size - len(JSON_WORDS)
+    ids = [[rng.randrange(1, top) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
     return ids, [tokenizer.decode(x) for x in ids]
 
 
-def request_body(model: str, prompt: str) -> dict:
-    """One streaming /v1/completions request, the same for both servers."""
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+def request_body(model: str, prompt: str, schema=None) -> dict:
+    """One streaming /v1/completions request, the same for both servers; with ``schema``, its
+    output held to that JSON schema (``response_format`` json_schema)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+    return body
 
 
 class StreamTally:
@@ -261,7 +296,7 @@ def summarize(results, wall: float) -> dict:
             "tokens_per_s": sum(r[2] for r in results) / wall}
 
 
-async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, float]:
+async def clients(url: str, model: str, prompts, c: int, schema=None) -> tuple[list, float, float]:
     """``prompts`` sent by ``c`` clients of this process back to back, a ``RawClient`` connection
     each: (results, start, end), the clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for
     every process of the machine)."""
@@ -272,7 +307,8 @@ async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, f
         client = RawClient(host, int(port))
         try:
             while todo:
-                results.append(await asyncio.wait_for(client.one(request_body(model, todo.pop())), REQUEST_TIMEOUT))
+                body = request_body(model, todo.pop(), schema)
+                results.append(await asyncio.wait_for(client.one(body), REQUEST_TIMEOUT))
         finally:
             client.close()
 
@@ -281,12 +317,12 @@ async def clients(url: str, model: str, prompts, c: int) -> tuple[list, float, f
     return results, t0, time.perf_counter()
 
 
-def client_process(url: str, model: str, prompts, c: int, barrier, out) -> None:
+def client_process(url: str, model: str, prompts, c: int, barrier, out, schema=None) -> None:
     """One client process of ``level``: starts with the others (``barrier``), puts its ``clients``
     triple on ``out``, or the traceback's text if it failed."""
     try:
         barrier.wait()
-        out.put(asyncio.run(clients(url, model, prompts, c)))
+        out.put(asyncio.run(clients(url, model, prompts, c, schema)))
     except BaseException:
         out.put(traceback.format_exc())
 
@@ -298,20 +334,22 @@ def client_processes(c: int) -> int:
     return max(1, min(c, -(-c // CLIENTS_PER_PROCESS)))
 
 
-def level(url: str, model: str, prompts, c: int) -> dict:
-    """``prompts`` sent by ``c`` clients back to back, spread over ``client_processes(c)``
-    processes (each its share of the clients and of the prompts, all started at once); the level's
-    wall time from the first process's start to the last one's end; ``summarize`` of the results."""
+def level(url: str, model: str, prompts, c: int, schema=None) -> dict:
+    """``prompts`` sent by ``c`` clients back to back (held to ``schema`` when given), spread over
+    ``client_processes(c)`` processes (each its share of the clients and of the prompts, all
+    started at once); the level's wall time from the first process's start to the last one's end;
+    ``summarize`` of the results."""
     procs = client_processes(c)
     if procs == 1:
-        results, t0, t1 = asyncio.run(clients(url, model, prompts, c))
+        results, t0, t1 = asyncio.run(clients(url, model, prompts, c, schema))
         return summarize(results, t1 - t0)
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # the bench process may hold CUDA: never fork it
     barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
     children = [ctx.Process(target=client_process, daemon=True,
-                            args=(url, model, prompts[i::procs], c // procs + (i < c % procs), barrier, out))
+                            args=(url, model, prompts[i::procs], c // procs + (i < c % procs), barrier, out,
+                                  schema))
                 for i in range(procs)]
     for child in children:
         child.start()
@@ -346,15 +384,22 @@ def level_ranges(levels, counts) -> dict:
     return ranges
 
 
-def measure(prefix: str, url: str, model: str, prompts, warm, levels, counts, report) -> None:
+def measure(prefix: str, url: str, model: str, prompts, warm, levels, counts, report, json_prompts=None) -> None:
     """Warm-ups first (``warm[:c]`` at each level c: one round reaches the level's batch sizes; ours
-    captures their graphs), then each level on its ``level_ranges`` prompts."""
+    captures their graphs), then each level on its ``level_ranges`` prompts; with ``json_prompts``,
+    then the c64 level again on them with every request held to ``JSON_SCHEMA`` (after a warm-up
+    round of it: the grammar compiled and cached on both sides), keys ``{prefix}_{metric}_c64_json_schema``."""
     for c in levels:
         level(url, model, warm[:c], c)
     for c, (lo, hi) in level_ranges(levels, counts).items():
         stats = level(url, model, prompts[lo:hi], c)
         for key in METRICS:
             report(f"{prefix}_{key}_c{c}", stats[key])
+    if json_prompts is not None:
+        level(url, model, warm[:64], 64, JSON_SCHEMA)
+        stats = level(url, model, json_prompts, 64, JSON_SCHEMA)
+        for key in METRICS:
+            report(f"{prefix}_{key}_c64_json_schema", stats[key])
 
 
 def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) -> tuple[float, float, float]:
@@ -444,9 +489,13 @@ def main():
         t0 = time.perf_counter()
         ckpt = build_random_checkpoint(Path(tmp) / "qwen3-0.6b-random", std=0.02, tokenizer="words",
                                        dtype=torch.bfloat16, **QWEN3_0_6B)
+        add_json_words(ckpt)
         report("checkpoint_build_s", time.perf_counter() - t0)
         tok = QwenTokenizer.from_pretrained(ckpt)
-        prompt_ids, prompts = make_prompts(tok, max(hi for _, hi in ranges.values()))
+        end = max(hi for _, hi in ranges.values())
+        json_count = requests_at(64, a.rounds, a.min_requests)
+        prompt_ids, prompts = make_prompts(tok, end + json_count)
+        json_prompts = prompts[end:] if 64 in levels else None
         warm_ids, warm = make_prompts(tok, max(levels + [64]) + 1, seed=1)
         model = str(ckpt)
 
@@ -457,7 +506,10 @@ def main():
             ours = start(server_command("ours", model, port, max(levels)), out_dir / "serve-ours.log", url)
             report("serve_startup_s", time.perf_counter() - t0)
             try:
-                measure("serve", url, model, prompts, warm, levels, counts, report)
+                measure("serve", url, model, prompts, warm, levels, counts, report, json_prompts)
+                if json_prompts is not None:
+                    report("serve_json_schema_ratio_c64",
+                           out["serve_tokens_per_s_c64_json_schema"] / out["serve_tokens_per_s_c64"])
             finally:
                 stop(ours)
 

@@ -37,9 +37,11 @@ from .paged_attention import (kv_cache_store_slots, kv_cache_store_slots_referen
                               paged_attention_reference)
 from .registry import kernel_calls
 from .rope import rope, rope_backward, rope_backward_reference, rope_reference
+from .token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
 
 __all__ = [
-    "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "attention", "attention_backward",
+    "QwenOpError", "add_rms_norm", "add_rms_norm_reference", "apply_token_bitmask", "apply_token_bitmask_reference",
+    "attention", "attention_backward",
     "attention_backward_reference", "attention_reference", "attention_with_lse", "attention_with_lse_reference",
     "causal_conv1d", "causal_conv1d_reference",
     "chunk_gated_delta_rule", "chunk_gated_delta_rule_reference",

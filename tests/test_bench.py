@@ -183,9 +183,11 @@ def test_serve_prompts_survive_the_text_round_trip():
 
 @pytest.fixture(scope="module")
 def words_checkpoint(tmp_path_factory):
-    return build_random_checkpoint(tmp_path_factory.mktemp("serve") / "words", std=0.02, tokenizer="words",
+    ckpt = build_random_checkpoint(tmp_path_factory.mktemp("serve") / "words", std=0.02, tokenizer="words",
                                    vocab_size=151936, dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    bench_serve.add_json_words(ckpt)
+    return ckpt
 
 
 def _peer_missing():
@@ -214,6 +216,10 @@ def test_serve_client_against_the_servers_on_cpu(server, words_checkpoint, tmp_p
                              timeout=120)
     try:
         stats = bench_serve.level(url, model, prompts, 2)
+        if server == "ours" and importlib.util.find_spec("xgrammar") is not None:
+            # the json_schema level: MAX_TOKENS tokens each (summarize checks), every one a JSON piece
+            constrained = bench_serve.level(url, model, prompts, 2, bench_serve.JSON_SCHEMA)
+            assert constrained["tokens_per_s"] > 0
     finally:
         bench_serve.stop(proc)
     assert stats["tokens_per_s"] > 0 and stats["ttft_p50_ms"] > 0

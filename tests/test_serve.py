@@ -3,7 +3,8 @@ shipped model, driven by the official openai client (and httpx for raw HTTP).
 
 Two servers start once for the module, side by side: ``server`` (no API key, 32 sequences a step)
 and ``guarded`` (an API key, one sequence a step, one waiting at most, a 4 KiB body limit, 3 s for a
-request's head and for its body, 16 connections: the 429, 401, 413, 408 and 503 cases); others
+request's head and for its body, 16 connections, unknown fields refused: the 429, 401, 413, 408 and
+503 cases, ``--strict-requests``); others
 start for the engine process's death and the SIGTERM drain. The
 servers run without TRITON_INTERPRET (conftest.py sets it for this process): the PyTorch
 reference path is what a CPU server runs.
@@ -35,7 +36,8 @@ NAME = "qwen-triton-ops-default"
 KEY = "sk-test-key"
 PROMPT = "ROMEO:\nWhat light"
 START_TIMEOUT = 120
-GUARDED_FLAGS = ("--api-key", KEY, "--max-num-seqs", "1", "--max-waiting", "1", "--max-body-bytes", "4096")
+GUARDED_FLAGS = ("--api-key", KEY, "--max-num-seqs", "1", "--max-waiting", "1", "--max-body-bytes", "4096",
+                 "--strict-requests")
 GUARDED_TIMEOUT, GUARDED_CONNECTIONS = 3, 16
 
 
@@ -358,9 +360,19 @@ def assert_error(r: httpx.Response, status: int, param=None, match: str = "") ->
 
 
 @pytest.mark.parametrize("body, param, match", [
-    ({"prompt": "x", "foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
-    ({"prompt": "x", "response_format": {"type": "text"}}, "response_format", "Unrecognized"),  # chat only
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"prompt": "x", "logit_bias": {"x": 10}}, "logit_bias", "keys must be token ids in"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", r"\[-100, 100\]"),
+    ({"prompt": "x", "allowed_token_ids": [2048]}, "allowed_token_ids", "outside the model's vocabulary"),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens", "must not exceed max_tokens"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words", "non-blank"),
+    ({"prompt": "x", "guided_regex": "a["}, "guided_regex", "Unclosed"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "one output constraint"),
+    ({"prompt": "x", "structured_outputs": {"json": {}, "whitespace": 1}}, "structured_outputs", "unknown: whitespace"),
+    ({"prompt": "x", "structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs", "foo"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}},
+     "response_format", 'Unsupported type "strin"'),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "text, json_object or json_schema"),
     ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
@@ -391,8 +403,8 @@ def test_completion_errors(server, body, param, match):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0]", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "must be"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      r"\[0, 20\]"),
@@ -401,8 +413,8 @@ def test_completion_errors(server, body, param, match):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},
      "max_completion_tokens", "differ"),
     ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions", "not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
-     "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format",
+     "needs 'json_schema'"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
      "chat_template_kwargs", "may not set 'messages'"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"add_generation_prompt": False}},
@@ -420,9 +432,67 @@ def test_http_errors(server):
     assert_error(httpx.get(server.url + "/v1/nothing"), 404, None, "No route")
     assert_error(httpx.get(server.url + "/v1/completions"), 405, None, "not allowed")
     assert_error(httpx.get(server.url + "/v1/models/other"), 404, "model")
+
+
+def test_unknown_fields_are_ignored_and_logged_or_refused_with_strict_requests(server, guarded):
+    """vLLM's way by default: a request with a field the server does not know runs as without it,
+    and the log names the field; ``--strict-requests`` (``guarded``) refuses it with OpenAI's 400."""
+    args = dict(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0)
+    plain = server.client().completions.create(**args).choices[0].text
+    extra = server.client().completions.create(**args, extra_body={"nonsense_field": 1, "guided_whitespace": "x"})
+    assert extra.choices[0].text == plain
+    server.wait_log(r"present in the request but ignored: nonsense_field, guided_whitespace")
     with pytest.raises(openai.BadRequestError) as e:
-        server.client().completions.create(model=NAME, prompt="x", max_tokens=1, extra_body={"nonsense": 1})
-    assert e.value.body["param"] == "nonsense"
+        guarded.client(KEY).completions.create(**args, extra_body={"nonsense": 1})
+    assert e.value.body["param"] == "nonsense" and "Unrecognized request argument supplied: nonsense" in str(e.value)
+
+
+def test_informational_fields_are_accepted_and_change_nothing(server, guarded):
+    """OpenAI's user, metadata, store and service_tier, and parallel_tool_calls, are known (accepted
+    even with --strict-requests) and leave the reply as it is."""
+    args = dict(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
+    plain = server.client().chat.completions.create(**args).choices[0].message.content
+    info = dict(user="u-1", metadata={"project": "x"}, store=False, service_tier="auto", parallel_tool_calls=False)
+    assert server.client().chat.completions.create(**args, **info).choices[0].message.content == plain
+    assert guarded.client(KEY).chat.completions.create(**args, **info).choices[0].message.content == plain
+    assert guarded.client(KEY).completions.create(model=NAME, prompt="x", max_tokens=1, user="u-1").usage
+
+
+def test_tokenize_detokenize_and_version(server, guarded):
+    """vLLM's shapes. A prompt's tokens are the ones a completion counts (``prompt_token_ids``), a
+    conversation's the ones a chat completion of it runs; detokenize gives the text back."""
+    from importlib import metadata
+
+    from modeling import QwenTokenizer
+
+    tok = QwenTokenizer.from_pretrained(MODEL)
+    r = post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    completion = server.client().completions.create(model=NAME, prompt=PROMPT, max_tokens=1,
+                                                     extra_body={"return_token_ids": True})
+    assert out["tokens"] == completion.choices[0].model_extra["prompt_token_ids"]
+    assert out["count"] == len(out["tokens"]) == completion.usage.prompt_tokens and out["max_model_len"] == 512
+    assert out["token_strs"] == [tok.tokenizer.id_to_token(t) for t in out["tokens"]]
+    assert post(server, "/tokenize", {"prompt": PROMPT}).json()["token_strs"] is None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    reply = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                                    extra_body={"return_token_ids": True})
+    assert chat["tokens"] == reply.choices[0].model_extra["prompt_token_ids"]
+    assert chat["count"] == reply.usage.prompt_tokens
+    no_prompt = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert chat["tokens"][:no_prompt["count"]] == no_prompt["tokens"] and no_prompt["count"] < chat["count"]
+    assert post(server, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": PROMPT}
+    assert_error(post(server, "/detokenize", {"tokens": [1, 2048]}), 400, "tokens", "vocabulary")
+    assert_error(post(server, "/detokenize", {"tokens": [1.5]}), 400, "tokens", "")
+    assert_error(post(server, "/tokenize", {}), 400, "prompt", "required")
+    assert_error(post(server, "/tokenize", {"prompt": "x", "model": "gpt-4"}), 404, "model")
+    assert httpx.get(server.url + "/version").json() == {"version": metadata.version("qwen-triton-ops")}
+    assert_error(post(guarded, "/tokenize", {"prompt": "x"}), 401, None, "Missing API key")
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    assert post(guarded, "/tokenize", {"prompt": "x"}, headers=keyed).json()["count"] == 1
+    assert_error(post(guarded, "/tokenize", {"prompt": "x", "foo": 1}, headers=keyed), 400, "foo", "Unrecognized")
 
 
 def test_body_limit_and_auth(guarded):

@@ -53,6 +53,32 @@ def test_tool_call_parser_whole_equals_streamed():
         assert content == 'Checking.\n\n\n<tool_call>\nnot json\n</tool_call><tool_call>{"name": "unclosed"'
 
 
+def test_xml_tool_calls_whole_equal_streamed_with_values_by_type():
+    text = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n95112\n</parameter>\n<parameter=opts>\n"
+            '{"metric": true}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "json form"}\n</tool_call>')
+    types = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}
+    for pieces in ([text], list(text)):
+        p = ToolCallParser("xml", types)
+        content, calls = "", []
+        for piece in pieces:
+            c, more = p.push(piece)
+            content, calls = content + c, calls + more
+        content += p.finish()[0]
+        assert calls == [{"name": "get_weather",
+                          "arguments": '{"city": "San Jose", "days": 3, "zip": "95112", "opts": {"metric": true}}'}]
+        assert content == 'Sure.\n\n<tool_call>\n{"name": "json form"}\n</tool_call>'
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_a_tool_call_ends_the_reasoning(opened):
+    text = ("" if opened else "<think>\n") + "I will call it.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    whole, streamed = split_whole_and_streamed(lambda: ReasoningSplitter(opened, tool_calls=True), text)
+    assert whole == streamed == ["I will call it.", "<tool_call>\n<function=f>\n</function>\n</tool_call>"]
+    without, _ = split_whole_and_streamed(lambda: ReasoningSplitter(opened), text)
+    assert without[1] == ""  # without tools, the tag is reasoning text like any other
+
+
 @pytest.fixture(scope="module")
 def llm():
     from modeling.api.llm import LLM
@@ -60,10 +86,11 @@ def llm():
     return LLM(None, device="cpu", progress=False)
 
 
-def chat_plan(prompt_text: str, logprobs=None) -> Plan:
+def chat_plan(prompt_text: str, logprobs=None, parallel_tool_calls: bool = True) -> Plan:
     params = SamplingParams(stop_token_ids=(), logprobs=logprobs)
     return Plan([Prompt(prompt_text, [1])], 1, [params], [200], [2], stream=False, include_usage=False,
-                return_token_ids=True, logprobs=logprobs, tool_calls=True, reasoning=True, prompt_text=prompt_text)
+                return_token_ids=True, logprobs=logprobs, tool_calls=True, parallel_tool_calls=parallel_tool_calls,
+                reasoning=True, prompt_text=prompt_text)
 
 
 def test_chat_choice_from_tokens_has_reasoning_and_tool_calls(llm):
@@ -181,7 +208,6 @@ def test_choice_seeds():
 @pytest.mark.parametrize("body, param, message", [
     (b'{"prompt": "x", "stream_options": {"include_usage": 1}}', "stream_options",
      "'stream_options.include_usage' input should be a valid boolean"),
-    (b'{"prompt": "x", "stream_options": {"x": 1}}', "stream_options", "'stream_options.x' extra inputs"),
     (b'{"prompt": "x", "seed": 1.5}', "seed", "'seed' input should be a valid integer"),
     (b'{"prompt": "x", "stream": "yes"}', "stream", "'stream' input should be a valid boolean"),
     (b'{"prompt": "x", "temperature": NaN}', "temperature", "'temperature' input should be a finite number"),
@@ -191,6 +217,27 @@ def test_parse_names_the_field(body, param, message):
     with pytest.raises(APIError) as e:
         parse(CompletionRequest, body)
     assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(message)
+
+
+def test_unknown_fields_are_logged_and_ignored_or_refused_when_strict(caplog):
+    """vLLM's way by default (a warning naming each unknown field, nested ones dotted); with
+    ``strict`` (``--strict-requests``) OpenAI's 400 naming the first."""
+    body = b'{"prompt": "x", "max_token": 5, "stream_options": {"x": 1}}'
+    with caplog.at_level("WARNING", logger="modeling.serve"):
+        req = parse(CompletionRequest, body)
+    assert req.max_tokens is None and req.prompt == "x"
+    assert "present in the request but ignored: max_token, stream_options.x" in caplog.text
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, body, strict=True)
+    assert (e.value.status, e.value.param) == (400, "max_token")
+    assert e.value.message == "Unrecognized request argument supplied: max_token"
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, b'{"prompt": "x", "stream_options": {"x": 1}}', strict=True)
+    assert e.value.param == "stream_options" and e.value.message.endswith("stream_options.x")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="modeling.serve"):
+        parse(CompletionRequest, b'{"prompt": "x", "user": "u1"}', strict=True)
+    assert not caplog.text  # a known field: no warning
 
 
 @pytest.mark.parametrize("argv, problem", [
@@ -284,13 +331,15 @@ def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
     assert plan.prompts[0].ids == qwen3_llm.tokenizer.encode(plan.prompt_text)
 
 
-def test_streamed_chat_deltas_add_up_to_the_whole_message(llm):
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "first-call-only"])
+def test_streamed_chat_deltas_add_up_to_the_whole_message(llm, parallel):
     """Token by token through Generation.delta: the reasoning and content deltas concatenate to the
-    whole message's, and each tool call arrives once, whole, with its index."""
+    whole message's, and each tool call arrives once, whole, with its index; with
+    parallel_tool_calls false, the first call only, streamed or not."""
     reply = ('<think>\nTwo calls.\n</think>\n\nCalling.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
              '<tool_call>\n{"name": "b", "arguments": {"x": [1, 2]}}\n</tool_call>')
     tokens = llm.tokenizer.encode(reply) + [2]
-    gen = Generation(chat_plan("<|im_start|>assistant\n", logprobs=None), True, None, TokenStrings(llm.tokenizer), 0.0)
+    gen = Generation(chat_plan("<|im_start|>assistant\n", None, parallel), True, None, TokenStrings(llm.tokenizer), 0.0)
     c = gen.choices[0]
     reasoning = content = ""
     calls, finishes = [], []
@@ -307,9 +356,9 @@ def test_streamed_chat_deltas_add_up_to_the_whole_message(llm):
     whole = gen.chat_choice(c)["message"]
     assert reasoning == whole["reasoning_content"] == "Two calls."
     assert content.strip() == "Calling." == whole["content"]
-    assert [(k["index"], k["function"]["name"], k["function"]["arguments"]) for k in calls] \
-        == [(0, "a", "{}"), (1, "b", '{"x": [1, 2]}')]
-    assert [k["function"]["name"] for k in whole["tool_calls"]] == ["a", "b"]
+    expected = [(0, "a", "{}"), (1, "b", '{"x": [1, 2]}')][:2 if parallel else 1]
+    assert [(k["index"], k["function"]["name"], k["function"]["arguments"]) for k in calls] == expected
+    assert [k["function"]["name"] for k in whole["tool_calls"]] == [name for _, name, _ in expected]
     assert finishes[-1] == "tool_calls" and finishes.count("tool_calls") == 1
 
 
@@ -606,3 +655,22 @@ def test_stop_leaves_an_in_process_engine_empty():
     client.transport.put(("stop",))
     run_core(engine, client)
     assert engine.seqs == [] and not engine.has_work()
+
+
+def test_tool_call_parser_flag_and_the_form_the_template_implies():
+    from types import SimpleNamespace
+
+    from modeling.serve.__main__ import parse_args
+    from modeling.serve.protocol import tool_form
+
+    assert parse_args(["--tool-call-parser", "qwen3_coder"]).tool_call_parser == "qwen3_coder"
+    assert parse_args([]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-call-parser", "mistral"])
+
+    def frontend(source):
+        return SimpleNamespace(chat_template=SimpleNamespace(source=source, named={}))
+
+    xml, plain = frontend("{{ '<tool_call>\\n<function=' }}"), frontend("{{ '<tool_call>' }}")
+    assert [tool_form(xml, None), tool_form(plain, None), tool_form(xml, "hermes"), tool_form(plain, "qwen3_xml")] \
+        == ["xml", "json", "json", "xml"]

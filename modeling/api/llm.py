@@ -47,13 +47,14 @@ import torch
 
 from ..common import is_int
 from ..engine import Engine, Status
+from ..engine.prompt_logprobs import prompt_logprobs
 from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_seed
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
-from .outputs import Completion, RequestMetrics, RequestOutput
+from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
 from .stream import TextStream
 
 DEFAULT_MAX_TOKENS = 64
@@ -81,8 +82,10 @@ PromptLike = Union[Prompt, Sequence[Prompt]]
 class _Request:
     """One prompt of a call and its completions (one engine sequence each)."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion]):
+    def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion],
+                 prompt_logprobs=None):
         self.request_id, self.prompt, self.ids, self.completions = request_id, prompt, ids, completions
+        self.prompt_logprobs = prompt_logprobs
         self.metrics = RequestMetrics(time.perf_counter())
         self.seqs: list = []
 
@@ -92,7 +95,7 @@ class _Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.ids), [c.output() for c in self.completions],
-                             self.finished, self.metrics)
+                             self.finished, self.metrics, self.prompt_logprobs)
 
 
 class LLM(Frontend):
@@ -214,7 +217,7 @@ class LLM(Frontend):
         params = self._params(sampling_params, 0)
         if params.n != 1:
             raise ValueError(f"stream makes one completion: sampling_params.n must be 1, got {params.n}")
-        text, ids = self._prompt(prompt, 0)
+        text, ids = self._prompt(prompt, 0, params)
         request = self._add([(text, ids, params)])[0]
         return TextStream(self, request)
 
@@ -255,10 +258,15 @@ class LLM(Frontend):
             per_prompt = [self._params(p, i) for i, p in enumerate(sampling_params)]
         else:
             per_prompt = [self._params(sampling_params, None)] * len(given)
-        return [(*self._prompt(p, i), params) for i, (p, params) in enumerate(zip(given, per_prompt))]
+        return [(*self._prompt(p, i, params), params) for i, (p, params) in enumerate(zip(given, per_prompt))]
 
-    def _prompt(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
-        """A prompt's text (None when given as token ids) and its token ids."""
+    def _prompt(self, prompt: Prompt, index: int, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
+        """A prompt's text (None when given as token ids) and its token ids, cut to the last
+        ``params.truncate_prompt_tokens``."""
+        text, ids = self._prompt_ids(prompt, index)
+        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
+
+    def _prompt_ids(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
         if isinstance(prompt, Mapping):
             if set(prompt) != {TOKEN_IDS_KEY}:
                 raise ValueError(f"prompts[{index}]: a dict prompt holds one key, {TOKEN_IDS_KEY!r}, "
@@ -295,7 +303,7 @@ class LLM(Frontend):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         args = dict(self.engine_args, max_num_seqs=min(seqs, self.engine_args["max_num_seqs"]))
-        self._engine = Engine(self.model, max_model_len=size, **args)
+        self._engine = Engine(self.model, max_model_len=size, tokenizer=self.tokenizer, **args)
         return self._engine
 
     def _add(self, requests: Sequence[Tuple[Optional[str], List[int], SamplingParams]]) -> List[_Request]:
@@ -319,7 +327,8 @@ class LLM(Frontend):
                 for (text, ids, params), budget in zip(requests, budgets):
                     stop_ids = self.stop_ids(params)
                     request = _Request(str(next(self._ids)), text, ids,
-                                       [Completion(j, self.tokenizer, params) for j in range(params.n)])
+                                       [Completion(j, self.tokenizer, params) for j in range(params.n)],
+                                       self._prompt_logprobs(ids, params.prompt_logprobs))
                     added.append(request)
                     for c in request.completions:
                         seq = engine.add(ids, _choice_params(params, c.index), budget, stop_ids)
@@ -329,6 +338,13 @@ class LLM(Frontend):
                 self._abort(added)
                 raise
         return added
+
+    def _prompt_logprobs(self, ids: List[int], k: Optional[int]):
+        """``RequestOutput.prompt_logprobs`` of a prompt (None when ``k`` is None)."""
+        if k is None:
+            return None
+        entries = prompt_logprobs(self.model, ids, k)
+        return [None] + [logprob_dict(self.tokenizer, t, e) for t, e in zip(ids[1:], entries[1:])]
 
     def _abort(self, requests: Sequence[_Request]) -> None:
         """Stop the sequences of ``requests`` that still run; their completions end with "abort"."""

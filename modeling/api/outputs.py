@@ -25,7 +25,8 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """Completion ``index`` of a request. ``text``: the new text, without the stop string that
-    ended it; ``token_ids``: the new token ids, without a stop token (EOS or ``stop_token_ids``),
+    ended it (with it when ``include_stop_str_in_output``); ``token_ids``: the new token ids,
+    without a stop token (EOS or ``stop_token_ids``),
     with the token that completed a stop string; ``finish_reason``: ``"stop"`` (EOS, a stop token
     id or a stop string), ``"length"`` (``max_tokens``, or ``max_model_len`` reached) or
     ``"abort"``; ``stop_reason``: the stop string or stop token id (not EOS) that ended it, else
@@ -59,7 +60,9 @@ class RequestMetrics:
 class RequestOutput:
     """One prompt's completions (``outputs``, ``SamplingParams.n`` of them). ``prompt``: its text
     (None for a prompt given as token ids). ``text``, ``token_ids``, ``finish_reason`` and
-    ``stop_reason`` are the first completion's (all there is with ``n=1``)."""
+    ``stop_reason`` are the first completion's (all there is with ``n=1``). ``prompt_logprobs``
+    (with ``SamplingParams.prompt_logprobs``, else None): per prompt token, None for the first,
+    then a dict token id -> ``Logprob`` of the prompt's token and the top ones, as ``logprobs``."""
 
     request_id: str
     prompt: Optional[str]
@@ -67,6 +70,7 @@ class RequestOutput:
     outputs: List[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
 
     @property
     def text(self) -> str:
@@ -93,10 +97,11 @@ class StopStrings:
     place, the longest). The stop strings are one Aho-Corasick automaton (``_automaton``, built
     once per tuple of stop strings), so a push costs the length of its piece plus at most the
     longest stop string, whatever their number; the text held back is never longer than the
-    longest stop string minus one."""
+    longest stop string minus one. ``include``: the text emitted ends with the stop string that
+    matched (vLLM's ``include_stop_str_in_output``) instead of before it."""
 
-    def __init__(self, stop: Sequence[str]):
-        self.stop = tuple(stop)
+    def __init__(self, stop: Sequence[str], include: bool = False):
+        self.stop, self.include = tuple(stop), include
         self.pending = ""
         self.matched: Optional[str] = None
         self._automaton = _automaton(self.stop) if self.stop else None
@@ -121,7 +126,7 @@ class StopStrings:
                 break  # every match still in progress starts after the one found
         if found is not None:
             self.matched, self.pending, self._node = found, "", 0
-            return text[:start]
+            return text[:start + len(found)] if self.include else text[:start]
         cut = len(text) - depth[node]  # the longest end of the text a stop string starts with
         self.pending, self._node = text[cut:], node
         return text[:cut]
@@ -168,7 +173,7 @@ class TextRow:
 
     def __init__(self, tokenizer: QwenTokenizer, params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
         self.pieces: List[str] = []
 
     @property
@@ -230,13 +235,19 @@ class Completion:
         return text
 
     def _logprobs(self, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
-        chosen, top = entry
-        out = {tid: Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
-               for rank, (tid, lp) in enumerate(top, 1)}
-        if token not in out:
-            out[token] = Logprob(chosen, None, self.tokenizer.decode([token], skip_special_tokens=False))
-        return out
+        return logprob_dict(self.tokenizer, token, entry)
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.row.text, list(self.token_ids), self.cumulative_logprob,
                                 self.logprobs, self.finish_reason, self.stop_reason)
+
+
+def logprob_dict(tokenizer: QwenTokenizer, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
+    """A token's ``LogprobEntry`` as vLLM gives it: token id -> ``Logprob`` of the top tokens
+    (ranked from 1) and of ``token`` (rank None when it is not among them)."""
+    chosen, top = entry
+    out = {tid: Logprob(lp, rank, tokenizer.decode([tid], skip_special_tokens=False))
+           for rank, (tid, lp) in enumerate(top, 1)}
+    if token not in out:
+        out[token] = Logprob(chosen, None, tokenizer.decode([token], skip_special_tokens=False))
+    return out

@@ -63,8 +63,9 @@ class QwenTokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self.tokenizer.token_to_id(token)
 
-    def encode(self, text: str) -> List[int]:
-        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched.
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched;
+        ``add_special_tokens``: what tokenizer.json's post-processor adds (none for Qwen's).
         ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``).
         Through ``encode_batch_fast``, which skips the character offsets nothing here reads (faster,
         and a server pays it on every request)."""
@@ -73,7 +74,7 @@ class QwenTokenizer:
         problem = unicode_error(text)
         if problem:
             raise ValueError(f"the text {problem}")
-        return self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -36,6 +36,8 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
 from .step import to_device
+from .structured_outputs import Grammars
+from .token_masks import TokenControls, bad_word_ids
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
@@ -69,8 +71,9 @@ class EngineStats:
 class _Launched:
     """A step on the device: the sequences that sample in it (in logits order), their rows of
     ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
-    step may be launched before they arrive (a decode-only step, no penalties: the next step's
-    inputs are its tokens, and no penalty counts a token the host has not seen)."""
+    step may be launched before they arrive (a decode-only step, no penalties and no token mask
+    that reads the output: the next step's inputs are its tokens, and nothing reads a token the
+    host has not seen)."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
@@ -87,14 +90,17 @@ class Engine:
     decode-only, prefill and mixed steps of every model; ``enforce_eager=True``: eager), their
     decode steps with the kernels ``runner.decode_kernels`` picks per shape (``decode_kernels``
     forces one of ``modeling.model.context.KERNELS``). Prefix caching is on for models of attention
-    layers only (a recurrent state cannot be rebuilt from cached blocks)."""
+    layers only (a recurrent state cannot be rebuilt from cached blocks). ``tokenizer`` (a
+    ``QwenTokenizer``): what ``bad_words`` are tokenized with and grammars compiled for
+    (``structured_outputs.Grammars``: each constraint compiled once, at its first request)."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, gpu_memory_utilization: float = 0.9,
                  prefix_caching: bool = True, num_blocks: Optional[int] = None, enforce_eager: bool = False,
-                 decode_kernels: Optional[str] = None):
+                 decode_kernels: Optional[str] = None, tokenizer=None):
         c = model.config
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
+        self._grammars: Optional[Grammars] = None  # made at the first structured request
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -127,10 +133,33 @@ class Engine:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         check_room(len(prompt_ids), max_tokens, self.max_model_len)
         seq = Sequence(prompt_ids, params, max_tokens, tuple(stop_token_ids))
+        seq.controls = self._controls(params, stop_token_ids)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         with self._lock:
             self.scheduler.add(seq)
         return seq
+
+    def _controls(self, params: SamplingParams, stop_token_ids: Seq[int]) -> Optional[TokenControls]:
+        """The ``TokenControls`` of a request, None when it excludes no token (a ``ValueError``
+        naming a token id outside the vocabulary, or bad words without the engine's tokenizer)."""
+        vocab = self.model.config.vocab_size
+        ids = [t for t, _ in params.logit_bias or ()] + list(params.allowed_token_ids or ())
+        outside = sorted({t for t in ids if t >= vocab})
+        if outside:
+            raise ValueError(f"logit_bias and allowed_token_ids name token ids {outside[:4]} outside the model's "
+                             f"vocabulary [0, {vocab})")
+        if not params.has_token_mask:
+            return None
+        for name in ("bad_words", "structured_outputs"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name} needs the engine's tokenizer (Engine(tokenizer=...))")
+        bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        matcher = None
+        if params.structured_outputs is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, vocab)
+            matcher = self._grammars.matcher(params.structured_outputs)
+        return TokenControls(params, vocab, bad, stop_token_ids, matcher)
 
     def abort(self, seq: Sequence) -> None:
         """Finish ``seq`` now ("abort"), freeing its blocks; a finished sequence is left as it is."""
@@ -146,7 +175,8 @@ class Engine:
     def step(self) -> List[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included).
 
-        Lookahead: after a decode-only step without penalties, the next step is scheduled and
+        Lookahead: after a decode-only step without penalties or masks that read the output
+        (``TokenControls.needs_history``: grammars, bad words of several tokens), the next step is scheduled and
         launched before the host reads the tokens of the one before (each sequence's next input is
         that token, written into the batch on the device), so the host's scheduling and launch
         overlap the device's work. ``step`` then returns the tokens of the step before the one it
@@ -198,7 +228,8 @@ class Engine:
         st.decode_steps += scheduled.decode_only
         st.schedule_s += (t1 - t0) + (time.perf_counter() - t2)
         st.launch_s += t2 - t1
-        lookahead = scheduled.decode_only and bool(seqs) and not any(s.params.has_penalty for s in seqs)
+        lookahead = scheduled.decode_only and bool(seqs) and not any(
+            s.params.has_penalty or (s.controls is not None and s.controls.needs_history) for s in seqs)
         return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead)
 
     def _finish(self, launched: "_Launched") -> List[Sequence]:

@@ -4,8 +4,9 @@ Every row has its own temperature, top-k, top-p, min-p, penalties, seed and logp
 (``SamplingParams``); one code path serves a batch that mixes them (greedy rows take the argmax),
 and the batch pays only for the controls some row uses. ``sample_sequences`` builds the per-row
 tensors from the sequences; ``sample_rows``, ``apply_penalties`` and ``token_logprobs`` are pure
-tensor functions. vLLM's order: penalties on the raw logits, then the temperature, then min-p,
-top-k and top-p; logprobs are of the raw logits. The randomness of row i is a counter-based stream: the
+tensor functions. vLLM's order: the logit bias, then the token mask (``token_masks``: allowed
+tokens, bad words, min_tokens, grammars; ``torch.ops.qwen.apply_token_bitmask``), then the
+penalties, then the temperature, then min-p, top-k and top-p; logprobs are of the raw logits. The randomness of row i is a counter-based stream: the
 uniform for vocabulary rank v is a hash of (seed_i, position_i, v), where position_i is the
 position of the token being sampled. So a request's tokens depend only on its own seed and
 logits, never on which other requests share its steps, and a seeded request is reproducible.
@@ -19,8 +20,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import qwen_ops  # noqa: F401 (torch.ops.qwen.apply_token_bitmask)
+
 from .sequence import LogprobEntry, Sequence
 from .step import to_device
+from .token_masks import token_bitmask
 
 M32 = 0xFFFFFFFF
 MIN_TEMPERATURE = 1e-5
@@ -134,6 +138,31 @@ def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tens
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
+def logit_bias_of(seqs: List[Sequence], device) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """(rows, token ids, biases) [B] of the sequences' ``logit_bias`` entries (int64, int64, fp32),
+    None if no sequence has one."""
+    entries = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias or ()]
+    if not entries:
+        return None
+    rows, ids, biases = zip(*entries)
+    return (to_device(np.array(rows, np.int64), device), to_device(np.array(ids, np.int64), device),
+            to_device(np.array(biases, np.float32), device))
+
+
+def controlled_logits(logits: Tensor, seqs: List[Sequence]) -> Tensor:
+    """logits [S, V] with each row's logit bias added (in fp32 or wider) and the tokens its
+    ``TokenControls`` exclude set to -inf; ``logits`` itself when no row has either."""
+    bias = logit_bias_of(seqs, logits.device)
+    if bias is not None:
+        rows, ids, values = bias
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).index_put(
+            (rows, ids), values.to(torch.promote_types(logits.dtype, torch.float32)), accumulate=True)
+    bitmask = token_bitmask(seqs, logits.shape[-1])
+    if bitmask is not None:
+        logits = torch.ops.qwen.apply_token_bitmask(logits, to_device(bitmask.numpy(), logits.device))
+    return logits
+
+
 def penalties_of(seqs: List[Sequence], device) -> Optional[Penalties]:
     """The ``Penalties`` of the sequences that have one (``SamplingParams.has_penalty``), None if none."""
     rows = [i for i, s in enumerate(seqs) if s.params.has_penalty]
@@ -188,20 +217,22 @@ def _to_host(t: Tensor) -> Tensor:
 def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None) -> SampledTokens:
     """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
     ``params``, ``seed`` and position (``positions``, default ``len(tokens)``: the index of the token
-    being sampled), and the logprobs its ``params.logprobs`` asks for, of the raw logits
-    (``token_logprobs``). A batch of greedy rows without penalties or logprobs is one argmax."""
+    being sampled), its logit bias and token mask (``controlled_logits``), and the logprobs its
+    ``params.logprobs`` asks for, of the raw logits (``token_logprobs``). A batch of greedy rows
+    without penalties or logprobs is one argmax."""
     dev = logits.device
     params = [s.params for s in seqs]
     modes = {p.mode for p in params}
     penalties = penalties_of(seqs, dev)
+    scores = controlled_logits(logits, seqs)
     if modes == {"greedy"} and penalties is None:
-        tokens = logits.argmax(dim=-1)
+        tokens = scores.argmax(dim=-1)
     else:
         positions = positions if positions is not None else [len(s.tokens) for s in seqs]
         floats = to_device(np.array([[p.temperature, p.top_p, p.min_p] for p in params], np.float32).T.copy(), dev)
         longs = to_device(np.array([[p.top_k for p in params], [s.seed for s in seqs], positions], np.int64), dev)
         any_min_p = any(p.min_p > 0 and p.mode != "greedy" for p in params)
-        tokens = sample_rows(logits, floats[0], longs[0], floats[1], longs[1], longs[2],
+        tokens = sample_rows(scores, floats[0], longs[0], floats[1], longs[1], longs[2],
                              any_random=bool(modes - {"greedy"}), any_top="top" in modes,
                              min_p=floats[2] if any_min_p else None, penalties=penalties)
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -8,9 +8,10 @@ the text-level ones (``stop``, ``skip_special_tokens``) as they build a completi
 import hashlib
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 from ..common import is_int
+from .structured_outputs import StructuredOutputs
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest temperature the device's fp32 sampling values can hold."""
@@ -45,13 +46,31 @@ class SamplingParams:
       default, "raw_logprobs"), whatever the sampling settings.
     - ``n``: completions of the prompt; completion i draws with ``choice_seed(seed, i)``, so the
       first is the one ``n=1`` gives and a seeded request's completions are reproducible.
+    - ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's): added to the raw logits first;
+      stored as sorted (id, bias) pairs.
+    - ``allowed_token_ids`` (None: all): only these tokens may be sampled.
+    - ``bad_words`` (vLLM's): strings never generated. Each is tokenized as it is and with a
+      leading space; a word's last token is banned wherever the output's last tokens are the
+      word's others (a one-token word is banned everywhere).
+    - ``min_tokens``: the stop tokens (EOS and ``stop_token_ids``) are banned until this many
+      tokens were generated (stop strings still end the text).
+    - ``prompt_logprobs`` (None: none; k in [0, 20]): each prompt token after the first with its
+      log-probability given the tokens before it and the k most likely tokens'
+      (``prompt_logprobs.prompt_logprobs``: one more forward of the prompt).
+    - ``structured_outputs`` (a ``structured_outputs.StructuredOutputs``, or a dict of its fields;
+      None: free text): the output follows a JSON schema, a regex, a choice or a grammar
+      (xgrammar; the request's mask then allows only the tokens that keep it in the grammar).
+    Bans, grammars and ``allowed_token_ids`` set the logits of the tokens they exclude to -inf after the
+    bias, before the penalties; logprobs stay those of the raw logits.
 
     Stopping: ``max_tokens`` new tokens at most (None: the caller's default; ``LLM`` takes the
     checkpoint's ``max_new_tokens``, else ``modeling.api.llm.DEFAULT_MAX_TOKENS``); ``stop``:
     strings that end a completion (a str or a sequence of them; the text returned stops before the
-    first match); ``stop_token_ids``: token ids that end it besides the tokenizer's EOS ids;
+    first match, or after it with ``include_stop_str_in_output``); ``stop_token_ids``: token ids
+    that end it besides the tokenizer's EOS ids;
     ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of the
-    text. Lists are stored as tuples (the params are hashable).
+    text. ``truncate_prompt_tokens`` (None: off): a longer prompt keeps its last this many tokens.
+    Lists are stored as tuples and dicts as sorted pairs (the params are hashable).
     """
 
     temperature: float = 0.0
@@ -69,11 +88,28 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
     n: int = 1
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[Tuple[Tuple[int, float], ...]] = None
+    allowed_token_ids: Optional[Tuple[int, ...]] = None
+    bad_words: Tuple[str, ...] = ()
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
         problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
         problems += penalty_errors(self.min_p, self.presence_penalty, self.frequency_penalty,
                                    self.repetition_penalty, self.logprobs)
+        problems += self._control_errors()
+        if isinstance(self.structured_outputs, Mapping):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except (TypeError, ValueError) as e:
+                problems.append(str(e) if isinstance(e, ValueError) else f"structured_outputs: {e}")
+        elif not (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs)):
+            problems.append(f"structured_outputs must be a StructuredOutputs or a dict of its fields, "
+                            f"got {self.structured_outputs!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         try:
             stop = tuple(stop)
@@ -116,6 +152,60 @@ class SamplingParams:
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", int(self.logprobs))
         object.__setattr__(self, "n", int(self.n))
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        object.__setattr__(self, "include_stop_str_in_output", bool(self.include_stop_str_in_output))
+        if self.logit_bias is not None:
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        for name in ("truncate_prompt_tokens", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+
+    def _control_errors(self) -> list:
+        """Messages naming each invalid value of the logit controls and the prompt options."""
+        errors = []
+        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
+            errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and is_int(self.min_tokens) and is_int(self.max_tokens) \
+                and self.min_tokens > self.max_tokens:
+            errors.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            try:
+                pairs = list(self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias)
+            except TypeError:
+                pairs = [(None, None)]
+            for pair in pairs:
+                t, b = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+                if not (is_int(t) and 0 <= t < INT64_LIMIT and _is_real(b) and -100 <= b <= 100):
+                    errors.append(f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100], got {pair!r}")
+                    break
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__") or not list(ids) \
+                    or not all(is_int(t) and 0 <= t < INT64_LIMIT for t in ids):
+                errors.append(f"allowed_token_ids must be a non-empty sequence of token ids (integers >= 0), got {ids!r}")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if isinstance(self.bad_words, str) or not hasattr(words, "__iter__") \
+                or not all(isinstance(w, str) and w.strip() and _is_unicode(w) for w in words):
+            errors.append(f"bad_words must be a sequence of non-blank strings, got {self.bad_words!r}")
+        if self.truncate_prompt_tokens is not None and not (is_int(self.truncate_prompt_tokens)
+                                                            and self.truncate_prompt_tokens >= 1):
+            errors.append(f"truncate_prompt_tokens must be an integer >= 1 (or None), got {self.truncate_prompt_tokens!r}")
+        if self.prompt_logprobs is not None and not (is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            errors.append(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), "
+                          f"got {self.prompt_logprobs!r}")
+        return errors
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Some tokens may be excluded (``allowed_token_ids``, ``bad_words``, ``min_tokens``,
+        ``structured_outputs``)."""
+        return (self.allowed_token_ids is not None or bool(self.bad_words) or self.min_tokens > 0
+                or self.structured_outputs is not None)
 
     @property
     def has_penalty(self) -> bool:

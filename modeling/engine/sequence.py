@@ -4,9 +4,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .token_masks import TokenControls
 
 
 LogprobEntry = Tuple[float, List[Tuple[int, float]]]
@@ -35,7 +38,8 @@ class Sequence:
     unless the caller left it out); ``finish_reason``: "stop", "length" or "abort".
 
     ``logprobs``: None unless ``params.logprobs`` is set, then one ``LogprobEntry`` per output
-    token (of the raw model distribution, ``params.logprobs`` top tokens; see ``SamplingParams``)."""
+    token (of the raw model distribution, ``params.logprobs`` top tokens; see ``SamplingParams``).
+    ``controls``: the tokens it may not sample (``token_masks.TokenControls``; None: any)."""
 
     tokens: List[int]
     params: SamplingParams
@@ -57,6 +61,7 @@ class Sequence:
     first_token_time: Optional[float] = None
     logprobs: Optional[List[LogprobEntry]] = None
     num_pending: int = 0
+    controls: Optional["TokenControls"] = None  # what excludes tokens (``token_masks``), None if nothing
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
@@ -83,6 +88,8 @@ class Sequence:
             raise ValueError(f"request {self.request_id}: a logprobs entry is needed exactly when its params ask "
                              f"for logprobs (logprobs={self.params.logprobs!r}), got {logprobs!r}")
         self.tokens.append(token)
+        if self.controls is not None:
+            self.controls.accept(token)
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
         if self.first_token_time is None:

@@ -16,6 +16,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, load_checkpoint, say
+from .chat_output import TOOL_PARSERS
 
 API_KEY_ENV = "QWEN_API_KEY"
 DEFAULT_MODEL_NAME = "qwen-triton-ops-default"
@@ -73,6 +74,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT (default 30)")
     h.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    h.add_argument("--strict-requests", action="store_true",
+                   help="refuse a request that holds a field the server does not know (400) instead of logging and "
+                        "ignoring the field")
+    h.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                   help="the tool-call form replies are parsed in and tool_choice forces: hermes or qwen3_json for "
+                        "Qwen3's <tool_call>{JSON}</tool_call>, qwen3_xml or qwen3_coder for Qwen3.5's and "
+                        "Qwen3-Coder's <tool_call><function=NAME>... (default: xml when the chat template writes "
+                        "<function=, else json)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, help="prompt + new tokens per sequence at most (default: the "
                                                       "model's max_position_embeddings)")
@@ -191,7 +200,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
     state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                                       a.body_timeout))
+                                                       a.body_timeout, a.strict_requests, a.tool_call_parser))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))

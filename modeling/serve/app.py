@@ -1,4 +1,5 @@
-"""The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, /version, /health, /metrics.
 
 A generation request is read (at most ``max_body_bytes``, else 413; within ``body_timeout`` seconds,
 else 408), validated into a ``Plan`` (``protocol``), admitted (429 past ``max_waiting`` waiting
@@ -30,6 +31,8 @@ from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
 from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
+from .structured import GrammarCheck
+from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
 
 log = logging.getLogger("modeling.serve")
 
@@ -41,6 +44,8 @@ class Settings:
     max_waiting: int = 1024
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0
+    strict_requests: bool = False  # refuse unknown fields (a 400) instead of logging and ignoring them
+    tool_call_parser: Optional[str] = None  # the tool-call form's parser (protocol.TOOL_PARSERS); None: from the template
 
 
 class ServerState:
@@ -51,6 +56,7 @@ class ServerState:
     def __init__(self, llm: Frontend, loop: EngineClient, settings: Settings):
         self.llm, self.loop, self.settings = llm, loop, settings
         self.strings = TokenStrings(llm.tokenizer)
+        self.grammars = GrammarCheck(llm.tokenizer, llm.config.vocab_size)
         self.metrics = Metrics(loop)
         self.draining = False
         self.created = int(time.time())
@@ -166,6 +172,29 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"The model '{model_id}' does not exist", "model", "model_not_found")
         return model_card()
 
+    @app.get("/version")
+    async def get_version():
+        return version()
+
+    @app.post("/tokenize")
+    async def post_tokenize(request: Request):
+        state.authorize(request)
+        req = await read_request(request, tokenize_request)
+        return tokenize(req, state.llm, state.loop.max_model_len)
+
+    @app.post("/detokenize")
+    async def post_detokenize(request: Request):
+        state.authorize(request)
+        req = await read_request(request, lambda body, strict: parse(DetokenizeRequest, body, strict))
+        return detokenize(req, state.llm)
+
+    async def read_request(request: Request, parser: Callable[[bytes, bool], Any]) -> Any:
+        """The request's body parsed (``parser(body, strict)``); a 404 if it names another model."""
+        body = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout)
+        req = parser(body, state.settings.strict_requests)
+        requested_model(req, state.settings.served_model_name)
+        return req
+
     # plain Starlette routes: the handler takes the request as it is (FastAPI's dependency solving and
     # exit stacks cost each request time before its prompt reaches the engine, for nothing here)
     async def completions(request: Request):
@@ -183,11 +212,13 @@ def create_app(state: ServerState) -> FastAPI:
         problem = state.unavailable()
         if problem:
             raise APIError(503, problem, code="unavailable")
-        body = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout)
-        req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
-        requested_model(req, state.settings.served_model_name)
-        planner = plan_chat if chat else plan_completion
-        plan = planner(req, state.llm, state.loop.max_model_len)
+        req = await read_request(request, lambda body, strict: parse(
+            ChatCompletionRequest if chat else CompletionRequest, body, strict))
+        if chat:
+            plan = plan_chat(req, state.llm, state.loop.max_model_len, state.settings.tool_call_parser)
+        else:
+            plan = plan_completion(req, state.llm, state.loop.max_model_len)
+        await state.grammars.check(plan.params[0].structured_outputs, plan.constraint_field)
         check_admission(state.loop, plan, state.settings.max_waiting)
         gen = Generation(plan, chat, state.loop, state.strings, arrival)
         gen.submit()

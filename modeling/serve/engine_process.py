@@ -198,7 +198,7 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
 
     llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device, spec.dtype)
     try:
-        engine = Engine(llm.model, **spec.engine)
+        engine = Engine(llm.model, tokenizer=llm.tokenizer, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
     if spec.warmup_tokens:  # compile the kernels, capture the graphs, run a request: not on a client's time

@@ -46,7 +46,9 @@ class Choice:
                  strings: TokenStrings):
         self.index, self.prompt, self.params = index, prompt, params
         self.row = TextRow(strings.tokenizer, params)
-        self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text) if chat else None
+        self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text, plan.tool_form,
+                               plan.tool_types) if chat else None
+        self.parallel_tool_calls = plan.parallel_tool_calls
         self.rid: Optional[int] = None  # its request id in the engine, once submitted
         self.token_ids: List[int] = []
         self.logprobs: List[tuple] = []
@@ -102,6 +104,8 @@ class Choice:
         if final:
             r, c, more = self.chat.finish()
             reasoning, content, calls = reasoning + r, content + c, calls + more
+        if not self.parallel_tool_calls:  # the first call only
+            calls = calls[:max(0, 1 - len(self.calls))]
         self.reasoning += reasoning
         self.content += content
         self.calls += calls

@@ -2,14 +2,17 @@
 strict JSON types), then turned into a ``Plan``: each prompt's token ids, each choice's
 ``SamplingParams``, the new-token budget, what to parse out of the text.
 
-Unknown fields are refused with OpenAI's own message ("Unrecognized request argument supplied"),
-and so are the OpenAI parameters this server does not implement (``REFUSED``) unless they hold
-their neutral value: nothing a client sends is silently ignored. Parameters left out take the
+Unknown fields are logged and ignored, as vLLM does (clients send vLLM's and other servers'
+extras), or refused with OpenAI's own message ("Unrecognized request argument supplied") when the
+server runs with ``--strict-requests``. The OpenAI parameters this server does not implement
+(``REFUSED``) are refused unless they hold their neutral value; OpenAI's informational fields
+(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and change nothing. Parameters left out take the
 checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, repetition
 penalty), as vLLM does by default.
 """
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Union
@@ -20,7 +23,11 @@ from ..api.frontend import Frontend, TemplateKwargsError
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
+from .chat_output import TOOL_PARSERS
+from .structured import structured_of
+from .tool_choice import forced_call_grammar
 
 MAX_N = 16
 """Choices per prompt at most."""
@@ -32,19 +39,25 @@ DEFAULT_COMPLETION_TOKENS = 16
 """max_tokens of /v1/completions when neither the request nor generation_config.json says (OpenAI's)."""
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+log = logging.getLogger("modeling.serve")
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class Fields(BaseModel):
+    """A request body or a part of one: strict JSON types, no NaN or infinity; fields it does not
+    declare are kept aside (``unknown_fields``) for ``parse`` to log or refuse."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Fields):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(Fields):
     """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids)."""
+    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
+    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens)."""
 
-    model_config = _STRICT
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -64,7 +77,19 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     user: Optional[str] = None  # an end-user id for the caller's records: accepted, unused
-    logit_bias: Optional[Dict[str, Any]] = None  # refused unless empty
+    logit_bias: Optional[Dict[str, float]] = None  # token id (a string, as JSON keys are) -> bias
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    # constraints on the output (``structured.structured_of``): at most one of these
+    response_format: Optional[Dict[str, Any]] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Union[str, Dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_Request):
@@ -85,7 +110,6 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
     add_generation_prompt: bool = True
-    response_format: Optional[Dict[str, Any]] = None  # refused unless {"type": "text"}
     # OpenAI parameters refused whenever set (see REFUSED)
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
@@ -94,16 +118,15 @@ class ChatCompletionRequest(_Request):
     prediction: Optional[Any] = None
     reasoning_effort: Optional[Any] = None
     web_search_options: Optional[Any] = None
-    service_tier: Optional[Any] = None
-    store: Optional[Any] = None
-    metadata: Optional[Any] = None
+    # OpenAI's informational fields: accepted, nothing is stored and there is one tier
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[Dict[str, str]] = None
 
 
 REFUSED = {
-    "logit_bias": "no logit bias is applied",
     "suffix": "no insertion (fill-in-the-middle) completions",
     "best_of": "no server-side best-of selection (use n)",
-    "response_format": "no structured (JSON) output; only {\"type\": \"text\"}",
     "functions": "use 'tools'",
     "function_call": "use 'tool_choice'",
     "audio": "text only",
@@ -111,9 +134,6 @@ REFUSED = {
     "prediction": "no predicted outputs",
     "reasoning_effort": "use chat_template_kwargs {\"enable_thinking\": false} to turn Qwen3's thinking off",
     "web_search_options": "no web search",
-    "service_tier": "one tier",
-    "store": "nothing is stored",
-    "metadata": "nothing is stored",
 }
 """OpenAI parameters this server refuses (400) unless neutral, and why."""
 
@@ -122,26 +142,47 @@ _UNION_MESSAGES = {"stop": "must be a string or a list of strings",
                    "tool_choice": "must be \"auto\", \"none\" or an object"}
 
 
-def parse(model: type, body: bytes) -> Any:
-    """``model`` validated from the JSON ``body``; a 400 naming the first bad field otherwise."""
+def parse(model: type, body: bytes, strict: bool = False) -> Any:
+    """``model`` validated from the JSON ``body``; a 400 naming the first bad field otherwise.
+    Fields ``model`` does not declare are logged and ignored, or refused (a 400 naming the first)
+    when ``strict``."""
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
-        param = str(loc[0]) if loc else None
-        if err["type"] == "json_invalid":
-            raise invalid(f"the request body is not valid JSON: {err['msg']}") from None
-        if err["type"] == "model_type":
-            if loc:
-                raise invalid(f"'{_path(loc)}' must be a JSON object", param) from None
-            raise invalid("the request body must be a JSON object") from None
-        if err["type"] == "extra_forbidden" and len(loc) == 1:
-            raise invalid(f"Unrecognized request argument supplied: {param}", param) from None
-        if err["type"] == "missing":
-            raise invalid(f"'{_path(loc)}' is required", param) from None
-        message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
-        raise invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param) from None
+        raise _validation_error(e) from None
+    unknown = unknown_fields(req)
+    if unknown and strict:
+        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0].split(".")[0])
+    if unknown:
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(unknown))
+    return req
+
+
+def unknown_fields(req: Fields, prefix: str = "") -> List[str]:
+    """The dotted names of the fields of ``req`` and of its parts that their models do not declare."""
+    out = [prefix + name for name in req.model_extra or {}]
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        if isinstance(value, Fields):
+            out += unknown_fields(value, f"{prefix}{name}.")
+    return out
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """The 400 of pydantic's first error (it names the field)."""
+    err = e.errors()[0]
+    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
+    param = str(loc[0]) if loc else None
+    if err["type"] == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type":
+        if loc:
+            return invalid(f"'{_path(loc)}' must be a JSON object", param)
+        return invalid("the request body must be a JSON object")
+    if err["type"] == "missing":
+        return invalid(f"'{_path(loc)}' is required", param)
+    message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
+    return invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param)
 
 
 def _is_type_tag(x: Any) -> bool:
@@ -183,8 +224,12 @@ class Plan:
     logprobs: Optional[int]  # top logprobs per token when asked for logprobs, else None
     echo: bool = False
     tool_calls: bool = False  # parse Qwen's <tool_call> blocks out of the reply
+    parallel_tool_calls: bool = True  # False: the first tool call of a reply only
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
     prompt_text: str = ""  # the rendered chat prompt (where a <think> block may already be open)
+    constraint_field: Optional[str] = None  # the field the output constraint came from, if any
+    tool_form: str = "json"  # the tool-call form parsed ("json" or "xml", chat_output)
+    tool_types: Optional[Dict[str, Dict[str, Any]]] = None  # function -> parameter -> schema
 
     @property
     def num_choices(self) -> int:
@@ -205,16 +250,16 @@ def _refuse_neutral(req: _Request) -> None:
         if name not in type(req).model_fields:
             continue
         value = getattr(req, name)
-        neutral = (value is None or (name == "logit_bias" and value == {})
-                   or (name == "best_of" and value == req.n)
-                   or (name == "suffix" and value == "")
-                   or (name == "response_format" and value == {"type": "text"}))
+        neutral = (value is None or (name == "best_of" and value == req.n)
+                   or (name == "suffix" and value == ""))
         if not neutral:
             raise unsupported(name, why)
 
 
-def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> SamplingParams:
-    """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value)."""
+def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
+              structured: Optional[StructuredOutputs] = None) -> SamplingParams:
+    """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value),
+    with the output constraint ``structured`` (``structured.structured_of``)."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
     given = {name: getattr(req, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
@@ -225,14 +270,46 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int]) -> Sampling
     if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
         raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters together, "
                       f"got {len(stop)} of {sum(map(len, stop))}", "stop")
+    limit = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if limit is not None and req.min_tokens > limit:
+        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
+    bias = _logit_bias(req.logit_bias, llm.config.vocab_size)
+    outside = [t for t in req.allowed_token_ids or () if not 0 <= t < llm.config.vocab_size]
+    if outside:
+        raise invalid(f"'allowed_token_ids' {outside[:4]} lie outside the model's vocabulary "
+                      f"[0, {llm.config.vocab_size})", "allowed_token_ids")
     try:
         return replace(llm.get_default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)
+                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, min_tokens=req.min_tokens,
+                       include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=bias,
+                       allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
+                       truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured)
     except ValueError as e:  # SamplingParams names each bad value: "temperature must be ..."
         first = str(e).split("; ")[0]
         name = re.match(r"(?:stop strings|(\w+))", first)
         raise invalid(str(e), (name.group(1) or "stop") if name else None) from None
+
+
+def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
+    """OpenAI's ``logit_bias`` (token ids as strings) keyed by int (a 400 for a key that is no
+    token id of the vocabulary); None when absent or empty."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
+    """``prompts`` cut to their last ``keep`` tokens (None: as they are); a cut prompt's text is
+    dropped (it no longer spells the ids)."""
+    if keep is None:
+        return prompts
+    return [p if len(p.ids) <= keep else Prompt(None, p.ids[-keep:]) for p in prompts]
 
 
 def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[int], max_model_len: int,
@@ -302,12 +379,13 @@ def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -
     _refuse_neutral(req)
     if req.logprobs is not None and req.echo:
         raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
-    prompts = completion_prompts(req.prompt, llm)
-    base = _sampling(req, llm, req.logprobs)
+    structured, field = structured_of(req)
+    base = _sampling(req, llm, req.logprobs, structured)
+    prompts = truncated(completion_prompts(req.prompt, llm), base.truncate_prompt_tokens)
     default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
     return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n), budget, _stop_ids(llm, base), req.stream,
-                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo)
+                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo, constraint_field=field)
 
 
 def _per_choice(base: SamplingParams, num_prompts: int, n: int) -> List[SamplingParams]:
@@ -350,25 +428,64 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str, Any]]]:
-    """The tools to render, or None; a 400 for a tool_choice that needs forced decoding, and for
-    tools given to a chat template that never reads them (they would be dropped unseen)."""
+    """The tools to render, or None."""
     choice = req.tool_choice
-    if isinstance(choice, dict) or choice == "required":
-        raise unsupported("tool_choice", "only \"auto\" and \"none\" (no forced tool calls)")
-    if choice not in (None, "auto", "none"):
-        raise invalid(f"'tool_choice' must be \"auto\", \"none\" or an object, got {choice!r}", "tool_choice")
-    if req.parallel_tool_calls is False:
-        raise unsupported("parallel_tool_calls", "the model may make several calls in one reply")
-    for i, tool in enumerate(req.tools or []):
-        fn = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
-    if not req.tools or choice == "none":
+    if not (choice in (None, "auto", "none", "required") or isinstance(choice, dict)):
+        raise invalid(f"'tool_choice' must be \"auto\", \"none\", \"required\" or an object, got {choice!r}",
+                      "tool_choice")
+    if choice == "none":
+        _check_tools(req.tools)
+        return None
+    return render_tools(req.tools, llm)
+
+
+def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    """The tools one of which the reply must call (``tool_choice`` "required": any; a named
+    function: that one), None when the reply is free; a 400 naming what is wrong."""
+    choice = req.tool_choice
+    if choice not in ("required",) and not isinstance(choice, dict):
+        return None
+    if not tools:
+        raise invalid("'tool_choice' forces a call, but no 'tools' are given", "tool_choice")
+    if choice == "required":
+        return tools
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise invalid("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise invalid(f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
+    return named
+
+
+def tool_form(llm: Frontend, parser: Optional[str]) -> str:
+    """The tool-call form to parse and force: ``parser`` (``--tool-call-parser``) when given, else
+    "xml" when the chat template writes ``<function=`` calls, else "json"."""
+    if parser is not None:
+        return TOOL_PARSERS[parser]
+    template = llm.chat_template
+    return "xml" if any("<function=" in src for src in (template.source, *template.named.values())) else "json"
+
+
+
+def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Optional[List[Dict[str, Any]]]:
+    """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
+    none; a 400 for tools given to a chat template that never reads them (they would be dropped
+    unseen)."""
+    _check_tools(tools)
+    if not tools:
         return None
     template = llm.chat_template
     if not any("tools" in source for source in (template.source, *template.named.values())):
         raise unsupported("tools", f"the checkpoint's chat template ({template.origin}) does not render tools")
-    return req.tools
+    return tools
+
+
+def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
+    for i, tool in enumerate(tools or []):
+        fn = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
 
 
 def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
@@ -379,7 +496,8 @@ def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
     return knows and template_kwargs.get("enable_thinking", True) is not False
 
 
-def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
+def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
+    """What a chat request runs; ``tool_parser``: ``--tool-call-parser`` (None: from the template)."""
     _refuse_neutral(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
@@ -401,14 +519,24 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int) -> 
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:
         raise invalid("the rendered conversation is empty", "messages")
-    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None)
+    structured, constraint = structured_of(req)
+    form = tool_form(llm, tool_parser)
+    forced = forced_tools(req, tools)
+    if forced is not None:
+        if structured is not None:
+            raise invalid(f"'tool_choice' forces a call: no '{constraint}' with it", "tool_choice")
+        structured, constraint = StructuredOutputs(grammar=forced_call_grammar(forced, form)), "tool_choice"
+    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    prompts = [Prompt(text, ids)]
+    prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
     budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
                      max_model_len, field, "messages")
+    types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+             for t in tools or ()}
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
-                reasoning=thinking_on(llm, kwargs), prompt_text=text)
+                parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
+                prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
 
 
 def requested_model(req: _Request, served: str) -> None:

@@ -1,0 +1,109 @@
+"""Which tokens a sequence may sample next: its token bitmask (xgrammar's layout: bit ``v % 32`` of
+int32 word ``v // 32`` allows token v), built on the host for the rows that exclude some, and
+applied on the device by ``torch.ops.qwen.apply_token_bitmask``.
+
+A sequence's ``TokenControls`` gather what excludes tokens (``SamplingParams``):
+``allowed_token_ids`` and one-token ``bad_words`` (a fixed mask, made once), longer bad words (the
+word's last token while the output ends with its others), ``min_tokens`` (the stop tokens until
+then) and a grammar (``GrammarMatcher``: the tokens that keep the output in the grammar, filled
+per step). Longer bad words and grammars read the output so far: a step of such rows is not
+launched before the host has read the step before (``needs_history``). Should the bans leave a
+grammar row nothing, the grammar's mask wins (a grammar that must end gets its stop tokens).
+"""
+
+from typing import List, Optional, Sequence as Seq, Tuple
+
+import numpy as np
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def words(vocab: int) -> int:
+    """int32 words of a row of the bitmask."""
+    return -(-vocab // 32)
+
+
+def clear(row: np.ndarray, tokens: Seq[int]) -> None:
+    """Clear the bits of ``tokens`` in ``row`` [W] int32."""
+    bits = row.view(np.uint32)
+    for t in tokens:
+        bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+
+class TokenControls:
+    """What excludes tokens for one sequence (see the module doc). ``bad_words``: each bad word's
+    token ids (as ``bad_word_ids`` tokenizes them); ``stop_ids``: the sequence's stop tokens;
+    ``matcher``: a grammar's ``xgrammar.GrammarMatcher`` or None."""
+
+    def __init__(self, params: SamplingParams, vocab: int, bad_words: Seq[Seq[int]], stop_ids: Seq[int],
+                 matcher=None):
+        self.fixed: Optional[np.ndarray] = None
+        single = [w[0] for w in bad_words if len(w) == 1]
+        if params.allowed_token_ids is not None or single:
+            self.fixed = np.zeros(words(vocab), np.int32) if params.allowed_token_ids is not None \
+                else np.full(words(vocab), -1, np.int32)
+            if params.allowed_token_ids is not None:
+                bits = self.fixed.view(np.uint32)
+                for t in params.allowed_token_ids:
+                    bits[t >> 5] |= np.uint32(1 << (t & 31))
+            clear(self.fixed, single)
+        self.bad_words: List[Tuple[List[int], int]] = [(list(w[:-1]), w[-1]) for w in bad_words if len(w) > 1]
+        self.min_tokens, self.stop_ids = params.min_tokens, tuple(stop_ids)
+        self.matcher = matcher
+
+    @property
+    def needs_history(self) -> bool:
+        """Its mask depends on output tokens: the host must have read them before the next step."""
+        return bool(self.bad_words) or self.matcher is not None
+
+    def fill(self, bitmask: torch.Tensor, index: int, output: List[int], num_output: int) -> None:
+        """Write the mask of the next token into row ``index`` of ``bitmask`` [S, W] int32 on the
+        host (all ones there); ``output``: the output token ids on the host, ``num_output``: the
+        tokens generated so far (those still on the device included)."""
+        mask = bitmask[index].numpy()
+        if self.matcher is not None:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+        grammar = mask.copy() if self.matcher is not None else None
+        if self.fixed is not None:
+            mask &= self.fixed
+        if num_output < self.min_tokens:
+            clear(mask, self.stop_ids)
+        for prefix, last in self.bad_words:
+            if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
+                clear(mask, [last])
+        if grammar is not None and not mask.any():
+            mask[:] = grammar
+
+    def accept(self, token: int) -> None:
+        """Advance the grammar past a sampled token (a ``RuntimeError`` if it refuses it: the mask
+        allowed only tokens it takes)."""
+        if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+
+def bad_word_ids(tokenizer, bad_words: Seq[str]) -> List[List[int]]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word with its leading whitespace
+    stripped, and with one leading space when that spells it with other tokens of the same count
+    (the word inside a text)."""
+    out: List[List[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip())
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+def token_bitmask(seqs, vocab: int) -> Optional[torch.Tensor]:
+    """The bitmask [len(seqs), W] int32 on the host of a step's sampling sequences (row i is
+    ``seqs[i]``'s), or None when none of them excludes a token."""
+    rows = [i for i, s in enumerate(seqs) if s.controls is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), words(vocab)), -1, dtype=torch.int32)
+    for i in rows:
+        s = seqs[i]
+        s.controls.fill(bitmask, i, s.output_ids, s.num_output + s.num_pending)
+    return bitmask

@@ -1,0 +1,91 @@
+"""``/tokenize``, ``/detokenize`` and ``/version``, in vLLM's shapes.
+
+``POST /tokenize`` takes a prompt (``{"prompt": str, "add_special_tokens": true}``) or a conversation
+(``{"messages": [...], "add_generation_prompt": true, "chat_template_kwargs", "tools"}``, rendered as
+``/v1/chat/completions`` renders it) and answers ``{"count", "max_model_len", "tokens",
+"token_strs"}`` (``token_strs``: each token's string when ``return_token_strs`` is true, else
+null). ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``.
+``GET /version`` answers ``{"version": the package's version}``.
+"""
+
+import json
+from importlib import metadata
+from typing import Any, Dict, List, Optional
+
+from ..api.frontend import Frontend, TemplateKwargsError
+from ..chat.template import ChatTemplateError
+from ..engine.prompts import checked_token_ids
+from .errors import invalid
+from .protocol import Fields, chat_messages, parse, render_tools
+
+PACKAGE = "qwen-triton-ops"
+
+
+class TokenizeCompletionRequest(Fields):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Fields):
+    model: Optional[str] = None
+    messages: List[Dict[str, Any]]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+
+
+class DetokenizeRequest(Fields):
+    model: Optional[str] = None
+    tokens: List[Any]
+
+
+def tokenize_request(body: bytes, strict: bool) -> Fields:
+    """The body as a chat request when it holds ``messages``, else as a prompt (a 400 naming a bad field)."""
+    try:
+        chat = "messages" in json.loads(body)
+    except (ValueError, TypeError):  # not JSON, or not an object: ``parse`` says which
+        chat = False
+    return parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body, strict)
+
+
+def tokenize(req: Fields, llm: Frontend, max_model_len: int) -> Dict[str, Any]:
+    """The response of ``/tokenize``."""
+    if isinstance(req, TokenizeChatRequest):
+        kwargs = dict(req.chat_template_kwargs or {})
+        try:
+            text = llm.render_chat(chat_messages(req.messages), req.add_generation_prompt, chat_template_kwargs=kwargs,
+                                   tools=render_tools(req.tools, llm))
+        except TemplateKwargsError as e:
+            raise invalid(str(e), "chat_template_kwargs") from None
+        except (ChatTemplateError, ValueError) as e:
+            raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
+        where = "messages"
+    else:
+        text, where = req.prompt, "prompt"
+    try:
+        ids = llm.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    except ValueError as e:
+        raise invalid(f"'{where}': {e}", where) from None
+    strs = [llm.tokenizer.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(req: DetokenizeRequest, llm: Frontend) -> Dict[str, Any]:
+    """The response of ``/detokenize``: the ids' text, special tokens included (as vLLM's)."""
+    try:
+        ids = checked_token_ids(req.tokens, "tokens", llm.config.vocab_size)
+    except ValueError as e:
+        raise invalid(str(e), "tokens") from None
+    return {"prompt": llm.tokenizer.decode(ids)}
+
+
+def version() -> Dict[str, str]:
+    """The installed package's version (``unknown`` when it runs from a source tree not installed)."""
+    try:
+        return {"version": metadata.version(PACKAGE)}
+    except metadata.PackageNotFoundError:
+        return {"version": "unknown"}

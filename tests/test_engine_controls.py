@@ -1,0 +1,198 @@
+"""The engine's token controls (SamplingParams' logit_bias, allowed_token_ids, bad_words,
+min_tokens; modeling.engine.token_masks and sampler.controlled_logits) against a plain greedy
+reference written here (the model rerun on the whole sequence every step, each control applied to
+the raw logits token by token), rows with different controls in one batch; then what ``LLM`` does
+with include_stop_str_in_output and truncate_prompt_tokens, and structured outputs (xgrammar)."""
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from modeling import LLM, SamplingParams
+from modeling.engine import Engine
+from modeling.engine.sampler import sample_sequences
+from modeling.engine.structured_outputs import Grammars, StructuredOutputs
+from modeling.engine.token_masks import TokenControls, bad_word_ids
+from tests.test_engine import QWEN3, model_of, prompts_of
+from tests.test_engine_sampling import seq_of
+from tests.test_generate_cli import build_chat_checkpoint
+
+
+class CharTokenizer:
+    """A tokenizer of one token per printable ASCII character (id = code - 32), for bad_words."""
+
+    @staticmethod
+    def encode(text):
+        return [ord(c) - 32 for c in text]
+
+
+def text_of(ids):
+    return "".join(chr(t + 32) for t in ids)
+
+
+def reference(model, prompt, new, stop=(), bias=None, allowed=None, bad=(), min_tokens=0):
+    """Greedy tokens under the controls, in float64: the bias added, then every token outside
+    ``allowed``, the last token of each bad word (token ids) whose others end the output, and the
+    stop tokens before ``min_tokens`` set to -inf. Ends at a stop token (kept) or after ``new``."""
+    tokens = list(prompt)
+    for _ in range(new):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens]))[0, -1].double().clone()
+        output = tokens[len(prompt):]
+        for t, b in (bias or {}).items():
+            logits[t] += b
+        banned = set(range(logits.shape[0])) - set(allowed) if allowed is not None else set()
+        for word in bad:
+            if output[len(output) - len(word) + 1:] == list(word[:-1]) or len(word) == 1:
+                banned.add(word[-1])
+        if len(output) < min_tokens:
+            banned |= set(stop)
+        for t in banned:
+            logits[t] = float("-inf")
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in stop:
+            break
+    return tokens[len(prompt):]
+
+
+def test_controls_match_the_reference_rows_mixed_in_one_batch():
+    model = model_of(QWEN3)
+    prompts = prompts_of([9, 23, 4, 12, 7])
+    new = 10
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, tokenizer=CharTokenizer())
+    plain = [reference(model, p, new) for p in prompts]
+    bias = {plain[0][0]: -30.0, plain[0][3]: 5.0}
+    allowed = sorted(set(plain[1][::2]) | {3, 50})
+    word = text_of(plain[2][2:4])  # a two-token bad word the plain output contains
+    bad = bad_word_ids(CharTokenizer(), [word, text_of(plain[2][6:7])])
+    stop = (plain[3][1],)
+    cases = [
+        (dict(logit_bias=bias), dict(bias=bias)),
+        (dict(allowed_token_ids=allowed), dict(allowed=allowed)),
+        (dict(bad_words=[word, text_of(plain[2][6:7])]), dict(bad=bad)),
+        (dict(min_tokens=6), dict(min_tokens=6, stop=stop)),
+        ({}, {}),
+    ]
+    seqs = [engine.add(p, SamplingParams(**params), new, ref.get("stop", ()))
+            for p, (params, ref) in zip(prompts, cases)]
+    while engine.has_work():
+        engine.step()
+    for i, (p, seq, (params, ref)) in enumerate(zip(prompts, seqs, cases)):
+        want = reference(model, p, new, **ref)
+        assert seq.output_ids == want, params
+        if i < 4:
+            assert want != plain[i][:len(want)] or len(want) != len(reference(model, p, new, stop=ref.get("stop", ())))
+    assert set(seqs[1].output_ids) <= set(allowed)
+    assert len(seqs[3].output_ids) >= 6 and plain[3][1] not in seqs[3].output_ids[:6]
+    assert reference(model, prompts[3], new, stop=stop) == plain[3][:2]  # without min_tokens: 2 tokens
+
+
+def test_controlled_draws_take_allowed_tokens_only_and_biased_rows_move():
+    """Sampled (not greedy) rows: an allowed set holds in every draw; a +100 bias on one token
+    makes it the draw; a row without controls draws what it draws alone."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 300, generator=g, dtype=torch.float64)
+    rows = [seq_of([1, 2], [], seed=s, temperature=1.0, **kw) for s, kw in
+            enumerate([dict(allowed_token_ids=[7, 40, 299]), dict(logit_bias={123: 100.0}), {}])]
+    rows[0].controls = TokenControls(rows[0].params, 300, [], ())
+    alone = sample_sequences(logits[2:], rows[2:]).collect()[0][0]
+    for position in range(20):
+        tokens = [t for t, _ in sample_sequences(logits, rows, [position] * 3).collect()]
+        assert tokens[0] in (7, 40, 299) and tokens[1] == 123
+    assert sample_sequences(logits, rows).collect()[2][0] == alone
+
+
+def test_engine_refuses_ids_outside_the_vocabulary_and_bad_words_without_a_tokenizer():
+    engine = Engine(model_of(QWEN3), max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match=r"token ids \[96\] outside the model's vocabulary \[0, 96\)"):
+        engine.add([1, 2], SamplingParams(logit_bias={96: 1.0}), 4)
+    with pytest.raises(ValueError, match="bad_words needs the engine's tokenizer"):
+        engine.add([1, 2], SamplingParams(bad_words=["x"]), 4)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(build_chat_checkpoint(tmp_path_factory.mktemp("controls") / "tiny"), device="cpu", dtype=torch.float64)
+
+
+def test_include_stop_str_in_output_and_truncate_prompt_tokens(llm):
+    prompt = "ROMEO:\nWhat light"
+    base = llm.generate(prompt, SamplingParams(max_tokens=24), use_tqdm=False)[0]
+    stop = base.text[len(base.text) // 2:][:3]
+    cut = llm.generate(prompt, SamplingParams(max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    kept = llm.generate(prompt, SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0]
+    assert cut.text == base.text[:base.text.index(stop)]
+    assert kept.text == cut.text + stop and kept.finish_reason == "stop" and kept.stop_reason == stop
+    ids = llm.tokenizer.encode(prompt)
+    short = llm.generate(prompt, SamplingParams(max_tokens=8, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert short.prompt_token_ids == ids[-3:]
+    assert short.token_ids == llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(max_tokens=8),
+                                           use_tqdm=False)[0].token_ids
+    assert llm.generate(prompt, SamplingParams(max_tokens=8, truncate_prompt_tokens=100),
+                        use_tqdm=False)[0].prompt_token_ids == ids
+
+
+def test_structured_outputs_hold_and_leave_unconstrained_rows_alone(llm):
+    """A JSON schema, a choice and a regex in one batch with a free row: each constrained output
+    holds, and the free row is what it is alone (its logits row untouched by the bitmask)."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
+                                                "s": {"type": "string", "maxLength": 5}},
+              "required": ["n", "s"], "additionalProperties": False}
+    specs = [{"json": schema}, {"choice": ["alpha", "beta"]}, {"regex": r"[xyz]{2}\d"}, None]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs=spec)
+              for i, spec in enumerate(specs)]
+    outs = [o.outputs[0] for o in llm.generate(["Hello"] * 4, params, use_tqdm=False)]
+    assert all(o.finish_reason == "stop" for o in outs[:3])
+    value = json.loads(outs[0].text)
+    assert set(value) == {"n", "s"} and 0 <= value["n"] <= 50 and len(value["s"]) <= 5
+    assert outs[1].text in ("alpha", "beta") and re.fullmatch(r"[xyz]{2}\d", outs[2].text)
+    assert outs[3].token_ids == llm.generate("Hello", params[3], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_structured_outputs_errors():
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar, got json, regex"):
+        SamplingParams(structured_outputs={"json": {}, "regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
+        SamplingParams(structured_outputs={"choice": "ab"})
+    pytest.importorskip("xgrammar")
+    engine = Engine(model_of(QWEN3), max_num_seqs=2, max_model_len=64)
+    with pytest.raises(ValueError, match="structured_outputs needs the engine's tokenizer"):
+        engine.add([1, 2], SamplingParams(structured_outputs={"regex": "a"}), 4)
+
+
+def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
+    """A string with maxLength takes what JSON allows raw (xgrammar's own class for it lets control
+    characters through); without xgrammar, a constraint is an ImportError naming the package."""
+    pytest.importorskip("xgrammar")
+    grammars = Grammars(llm.tokenizer, llm.model.config.vocab_size)
+    spec = StructuredOutputs(json={"type": "string", "maxLength": 4})
+    for text, ok in (('"ab"', True), ('"a\x07', False), ('"a\t', False), ('"abcde', False)):
+        assert grammars.matcher(spec).accept_string(text) is ok, text
+    assert grammars.compile(spec) is grammars.compile(StructuredOutputs(json='{"maxLength": 4, "type": "string"}'))
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ImportError, match="structured outputs need the xgrammar package: pip install xgrammar"):
+        Grammars(llm.tokenizer, 64)
+
+
+def test_prompt_logprobs_are_the_models_own(llm):
+    """Entry i: token i's log-probability after tokens 0..i-1 and the top k, from the float64
+    model rerun on each prefix; the first entry None."""
+    ids = llm.tokenizer.encode("ROMEO:\nWhat light")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        with torch.no_grad():
+            lp = torch.log_softmax(llm.model(torch.tensor([ids[:i]]))[0, -1].double(), -1)
+        entry = out.prompt_logprobs[i]
+        assert entry[ids[i]].logprob == pytest.approx(lp[ids[i]].item(), abs=1e-5)
+        top = lp.topk(3)
+        assert [t for t, v in entry.items() if v.rank is not None] == top.indices.tolist()
+        assert [entry[t].rank for t in top.indices.tolist()] == [1, 2, 3]
+    assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
