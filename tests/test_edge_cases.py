@@ -70,6 +70,17 @@ def _gdr_varlen(lens, hk, hv, dt, dev, recurrent=False, d=16):
     return (q, k, v, *gates, 0.25, pool, *_packed(lens, dev), True)
 
 
+def _ids(m, k, dev):
+    """[m, k] int32 expert ids (expert i % 8 for pair i), or an all-zero token bitmask of k words a row."""
+    return (torch.arange(m * k, device=dev) % 8).to(torch.int32).view(m, k)
+
+
+def _moe(m, dt, dev, inter=4, h=8, e=8):
+    """fused_moe arguments: m tokens of hidden h routed top-2 over e experts of intermediate inter."""
+    return (_r(m, h, dt=dt, dev=dev), _r(e, 2 * inter, h, dt=dt, dev=dev), _r(e, h, inter, dt=dt, dev=dev),
+            torch.rand(m, 2, device=dev), _ids(m, 2, dev))
+
+
 def _qkv(n, dt, dev, num_blocks=2):
     """norm_qkv_rope_store arguments: n rows of hidden 8, 2 q heads and 1 kv head of 16, paged caches
     of num_blocks blocks of 16, the rows at positions 3, 4, ... and slots 0, 2, ..."""
@@ -254,6 +265,11 @@ CASES = [
     ("fp8_block_linear", "N=0", lambda dt, dev: (_r(3, 200, dt=dt, dev=dev), *_fp8_weight(0, 200, dev), None)),
     ("fp8_block_linear", "N=0 prefill", lambda dt, dev: (_r(20, 200, dt=dt, dev=dev), *_fp8_weight(0, 200, dev),
                                                          None)),
+    ("moe_topk_softmax", "M=0", lambda dt, dev: (_r(0, 8, dt=dt, dev=dev), 2, True)),
+    ("moe_align_block_size", "M=0", lambda dt, dev: (_ids(0, 2, dev), 8, 16)),
+    ("fused_moe", "M=0", lambda dt, dev: _moe(0, dt, dev)),
+    ("apply_token_bitmask", "rows=0", lambda dt, dev: (_r(0, 64, dt=dt, dev=dev), _ids(0, 2, dev))),
+    ("apply_token_bitmask", "vocab=0", lambda dt, dev: (_r(2, 0, dt=dt, dev=dev), _ids(2, 0, dev))),
 ]
 
 # Degenerate inputs the ops refuse (the same error from the real and the fake kernel).
@@ -341,6 +357,9 @@ def _check_same(out, ref, what):
         if not r.numel():
             continue
         o, r = o.cpu(), r.cpu()
+        if not r.is_floating_point():  # indices and counts: exact
+            assert torch.equal(o, r), f"{where}: differs from the reference"
+            continue
         nan = torch.isnan(r)
         assert torch.equal(torch.isnan(o), nan), f"{where}: NaN where the reference has none (or the reverse)"
         if nan.all():
