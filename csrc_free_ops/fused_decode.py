@@ -273,7 +273,7 @@ def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfi
     m_blocks = cdiv(m, bm)
     cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
     rows = block_n or cfg.block_n
-    step = next_power_of_2(cdiv(k, cfg.split_k))
+    step = max(16, next_power_of_2(cdiv(k, cfg.split_k)))  # a GPU dot's K is 16 at least (masked past k)
     if PREFETCH and halves * rows * step * itemsize <= PREFETCH_BYTES and bm * step * 4 <= PREFETCH_BYTES // 2:
         cfg = cfg._replace(block_k=step, num_stages=1)
         return bm, m_blocks, cfg, step, cdiv(k, step), True

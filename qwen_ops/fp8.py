@@ -41,7 +41,9 @@ def _scaled_blocks(t: Tensor, rows: int, cols: int) -> tuple[Tensor, Tensor]:
     r, c = t.shape
     blocks = F.pad(t, (0, cdiv(c, cols) * cols - c, 0, cdiv(r, rows) * rows - r))
     blocks = blocks.view(cdiv(r, rows), rows, cdiv(c, cols), cols)
-    return blocks, blocks.abs().amax(dim=(1, 3)).clamp_min(EPS) / FP8_MAX
+    # A tensor divisor: CUDA turns division by a Python scalar into multiplication by its reciprocal,
+    # which can be one ulp off the correctly rounded quotient that the kernel computes.
+    return blocks, blocks.abs().amax(dim=(1, 3)).clamp_min(EPS) / torch.full((), FP8_MAX, device=t.device)
 
 
 def _to_fp8(blocks: Tensor, scale: Tensor, shape) -> Tensor:

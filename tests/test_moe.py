@@ -263,6 +263,11 @@ def test_engine_decodes_moe_op_by_op(tmp_path):
 # -------------------------------------------------------------------------------------- full size
 
 
+MOE_BF16_CAP = 0.1
+"""The ceiling on a full-size MoE layer's bf16 error against fp32, above the dense tests' 2.5e-2:
+with routing near uniform, bf16 rounding flips near-tied top-k choices, so transformers' own bf16
+logits are 4.3e-2 (Qwen3-MoE) and 6.7e-2 (Qwen3.5-MoE) off its fp32 ones (measured on an H100)."""
+
 FULL = {  # one layer of each (two for Qwen3.5-MoE: a Gated DeltaNet and a gated attention layer)
     "qwen3_moe": dict(vocab_size=4096, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                       num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -284,8 +289,8 @@ FULL = {  # one layer of each (two for Qwen3.5-MoE: a Gated DeltaNet and a gated
 @torch.no_grad()
 def test_full_size_layer_matches_transformers_cuda(tmp_path, family):
     """bf16 weights ~ N(0, 0.02^2) (routing near uniform): the logits of a 300-token pass and of the
-    engine's decode step of token 301 within min(2.5e-2, 1.25x transformers' own bf16 error) of
-    transformers in fp32, as the dense modeling tests bound them."""
+    engine's decode step of token 301 within min(MOE_BF16_CAP, 1.25x transformers' own bf16 error)
+    of transformers in fp32."""
     hf = random_hf_model(family, dtype=torch.bfloat16, device="cuda", std=0.02, **FULL[family])
     hf.save_pretrained(tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, device="cuda", dtype=torch.bfloat16)
@@ -295,4 +300,4 @@ def test_full_size_layer_matches_transformers_cuda(tmp_path, family):
     step = forced_logits(engine, ids[0, :300].tolist(), ids[0, 300:].tolist() + [0])[1:]
     hf_bf16, ref = hf(ids).logits, hf.float()(ids).logits
     for out, ref_rows, hf_rows in ((logits, ref[:, :300], hf_bf16[:, :300]), (step, ref[:, 300], hf_bf16[:, 300])):
-        assert rel_err(out, ref_rows) < min(2.5e-2, 1.25 * rel_err(hf_rows, ref_rows))
+        assert rel_err(out, ref_rows) < min(MOE_BF16_CAP, 1.25 * rel_err(hf_rows, ref_rows))

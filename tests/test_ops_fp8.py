@@ -28,6 +28,10 @@ CASES = {
     "cuda": [(1, 4096, 6144), (4, 12288, 4096), (16, 1000, 300), (17, 4096, 4096), (300, 1000, 700),
              (2048, 4096, 24576)],
 }
+W8A8_FP32_TOL = 5e-4
+"""The quantised-activation GEMM's fp32 outputs against the exact reference on Hopper: its FP8 dots
+keep fewer mantissa bits than fp32 while they sum a block (1.3e-4 measured on an H100 at M 17,
+K 4096, N 4096), where the fp32 tolerance of the other ops is 2e-5."""
 QUANT_SHAPES = {"cpu": [(1, 128), (3, 200), (17, 72), (130, 256), (2, 3, 40)],
                 "cuda": [(1, 4096), (4096, 4096), (17, 1000), (4096, 12288)]}
 
@@ -87,12 +91,15 @@ def test_quantize_rounds_to_nearest_even(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_block_linear_matches_reference(device, dtype, bias):
+    """Above 16 rows on the GPU, fp32 outputs get W8A8_FP32_TOL: FP8 tensor cores do not accumulate a
+    block's 128 products in full fp32."""
     for m, k, n in CASES[device]:
         x = randn(m, k, dtype=dtype, device=device)
         w, s = fp8_weight(n, k, device)
         b = randn(n, dtype=dtype, device=device) if bias else None
         poison_allocator(device)
-        assert_close(torch.ops.qwen.fp8_block_linear(x, w, s, b), fp8_block_linear_reference(x, w, s, b),
+        tol = W8A8_FP32_TOL if device == "cuda" and dtype == torch.float32 and m > DECODE_MAX_M else None
+        assert_close(torch.ops.qwen.fp8_block_linear(x, w, s, b), fp8_block_linear_reference(x, w, s, b), tol,
                      what=f"fp8_block_linear M{m} K{k} N{n}")
 
 
