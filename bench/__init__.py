@@ -21,3 +21,8 @@ def require_cuda(module: str, hint: str = "") -> None:
         print(f"error: python -m {module} needs a CUDA GPU and torch sees none here"
               + (f" ({hint})" if hint else ""), file=sys.stderr)
         sys.exit(NO_CUDA_EXIT)
+
+
+def gpu_slug(gpu: str) -> str:
+    """A GPU's name as result files spell it: "NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3"."""
+    return gpu.replace("NVIDIA ", "").replace(" ", "-").lower()

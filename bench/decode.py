@@ -43,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 
 SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
@@ -385,7 +385,7 @@ def main():
 
 def save(out_dir: str, res: dict) -> str:
     os.makedirs(out_dir, exist_ok=True)
-    slug = res["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    slug = gpu_slug(res["gpu"])
     path = os.path.join(out_dir, f"{res['date']}-{slug}-decode.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 
 import qwen_ops
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 from bench.ops import bench_us, copies, linear_cases, rel_error
 from csrc_free_ops import fp8
 
@@ -129,7 +129,7 @@ def main():
     print(table)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        stem = os.path.join(a.out, f"{result['date']}-{gpu.split()[-1].lower()}-fp8")
+        stem = os.path.join(a.out, f"{result['date']}-{gpu_slug(gpu)}-fp8")
         with open(stem + ".md", "w") as f:
             f.write(table + "\n")
         with open(stem + ".json", "w") as f:

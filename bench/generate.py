@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 from bench.decode import ours_ms
 from modeling import Engine, QwenConfig, SamplingParams
 from modeling.model.random_checkpoint import QWEN3_0_6B, QWEN3_5_0_8B, random_model
@@ -185,7 +185,7 @@ def write(args, rows, hybrid_rows, hybrid_notes):
     table = "\n".join(lines)
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
-    slug = gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
+    slug = gpu_slug(gpu)
     path = os.path.join(args.out, f"{date}-{slug}-generate{'' if rows else '-qwen3_5'}.md")
     with open(path, "w") as f:
         f.write(table + "\n")

@@ -41,7 +41,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench import require_cuda
+import qwen_ops  # noqa: F401  (registers torch.ops.qwen)
+from bench import gpu_slug, require_cuda
 
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
@@ -271,7 +272,7 @@ def main():
 
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__)
     os.makedirs(a.out, exist_ok=True)
-    slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    slug = gpu_slug(out["gpu"])
     path = os.path.join(a.out, f"{out['date']}-{slug}-moe{'-configs' if a.sweep else ''}.json")
 
     def save():

@@ -182,7 +182,8 @@ def bench_paged_decode(rows, cfg, cache_len, batch=1):
     rows.append(("kv_cache_store_slots", f"B={batch} {hk}x{d}",
                  bench_us(lambda k, v, kc, vc: torch.ops.qwen.kv_cache_store_slots(k, v, kc, vc, slots), sets),
                  "index_put",
-                 bench_us(lambda k, v, kc, vc: qwen_ops.kv_cache_store_slots_reference(k, v, kc, vc, slots), sets),
+                 bench_us(lambda k, v, kc, vc: (kc.flatten(0, 1).index_put_((slots.long(),), k),
+                                                vc.flatten(0, 1).index_put_((slots.long(),), v)), sets),
                  4 * batch * hk * d * 2))
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 from bench.kernels import kernel_table
 from modeling import QwenConfig
 from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
@@ -130,7 +130,7 @@ def main():
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        gpu = torch.cuda.get_device_name().split()[-1].lower()
+        gpu = gpu_slug(torch.cuda.get_device_name())
         with open(os.path.join(a.out, f"{datetime.date.today()}-{gpu}-prefill.md"), "w") as f:
             f.write(text)
 

@@ -169,8 +169,10 @@ def main():
         for label, tree in trees.items():
             for key, value in throughput(tree, a.checkpoints / f"throughput-{label}").items():
                 out[f"{label}_{key}"] = value
+    from bench import gpu_slug  # not at the top: a worker runs this file with another tree's `bench` first
+
     os.makedirs(a.out, exist_ok=True)
-    slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
+    slug = gpu_slug(gpu)
     path = os.path.join(a.out, f"{out['date']}-{slug}-runtime.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

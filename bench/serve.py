@@ -90,7 +90,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 
 PROMPT_TOKENS = 256
 MAX_TOKENS = 128
@@ -476,7 +476,7 @@ def main():
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                transformers=version("transformers"), parts=parts, prompt_tokens=PROMPT_TOKENS,
                max_tokens=MAX_TOKENS, requests=dict(zip(map(str, levels), counts)))
-    slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    slug = gpu_slug(out["gpu"])
     name = "serve" if len(parts) == len(PARTS) else "-".join(["serve", *parts])
     path = out_dir / f"{out['date']}-{slug}-{name}.json"
 

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 
 INPUT_LENS = OUTPUT_LENS = (100, 1024)
 ENGINE = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2176)
@@ -163,7 +163,7 @@ def main():
                requests=a.requests)
 
     os.makedirs(a.out, exist_ok=True)
-    slug = out["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    slug = gpu_slug(out["gpu"])
     path = os.path.join(a.out, f"{out['date']}-{slug}-throughput.json")
 
     def report(key, value, unit):
