@@ -1,5 +1,5 @@
-"""The `cuda` test suite in one device call: its tests dealt round-robin into groups, several
-pytest processes per GPU at once (Triton compiles on the host's cores while the GPUs run).
+"""The `cuda` test suite in one device call: its tests dealt into groups file by file (`deal`),
+several pytest processes per GPU at once (Triton compiles on the host's cores while the GPUs run).
 
     python -m bench.cuda_suite [--per-gpu N] [--gpus N] [--timeout 540] [-k EXPR] [--marker cuda] [--out DIR]
 
@@ -9,8 +9,9 @@ Without --per-gpu the processes per GPU come from its free memory and the host's
 GPU take turns on it (``QWEN_GPU_LOCK``, ``tests.helpers.gpu_memory_lock``), one ``HEAVY_BYTES`` at a
 time. Four processes on one 80 GB H100 with neither ran out of memory in three such tests at once.
 
-Prints one row per group (its GPU, pytest's summary line, time) and the failures, and writes each
-group's `pytest -v` log under --out. Exit status 1 if a test failed or errored or a group ran past
+Prints one row per group (its GPU, pytest's summary line, time), the failures and the slowest
+tests, and writes each group's `pytest -v` log and every finished test's seconds (``times.tsv``,
+from tests/conftest.py's QWEN_TEST_TIMES) under --out/cuda_suite. Exit status 1 if a test failed or errored or a group ran past
 --timeout (the tests it had not reached are then counted as not run). On two GPUs, eight
 groups run the whole suite within one device call, where one process needed several.
 """
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -60,6 +62,32 @@ def collect(marker: str, kexpr: str | None) -> list[str]:
     return ids
 
 
+def deal(ids: list[str], n: int) -> list[list[str]]:
+    """`ids` (in collection order) into n groups. A file's tests stay together, so a process
+    compiles a file's kernels once (dealt round-robin, every process compiled nearly every kernel,
+    all at the same time); a file of more than len(ids) / 2n tests is cut into contiguous pieces of
+    that size. Pieces go largest first to the group with the fewest tests; each group keeps
+    collection order."""
+    piece = max(1, -(-len(ids) // (2 * n)))
+    runs: list[list[int]] = []
+    for i, node in enumerate(ids):
+        if runs and node.split("::")[0] == ids[runs[-1][0]].split("::")[0] and len(runs[-1]) < piece:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    groups: list[list[int]] = [[] for _ in range(n)]
+    for run in sorted(runs, key=len, reverse=True):
+        min(groups, key=len).extend(run)
+    return [[ids[i] for i in sorted(g)] for g in groups]
+
+
+def slowest(times: Path, k: int = 15) -> list[str]:
+    """The k slowest lines of a ``times.tsv`` (seconds, group, test id), as table rows."""
+    rows = [line.split("\t") for line in times.read_text().splitlines() if line.count("\t") == 2]
+    rows.sort(key=lambda r: -float(r[0]))
+    return [f"| {float(sec):.1f} | {group} | {node} |" for sec, group, node in rows[:k]]
+
+
 def counts(log: str) -> dict:
     """PASSED / FAILED / SKIPPED / ERROR lines of a `pytest -v` log."""
     return {k: len(re.findall(rf" {k}( |$)", log, re.M)) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
@@ -93,15 +121,18 @@ def main():
         sys.exit(f"no tests selected by -m {a.marker!r}" + (f" -k {a.kexpr!r}" if a.kexpr else ""))
     out = Path(a.out) / "cuda_suite"
     out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="cuda_suite-"))  # id lists, locks, per-process times
     n = min(len(ids), a.gpus * a.per_gpu)
+    groups = deal(ids, n)
     procs, t0 = [], time.time()
     for g in range(n):
-        (out / f"group{g}.ids").write_text("\n".join(ids[g::n]) + "\n")
+        (scratch / f"group{g}.ids").write_text("\n".join(groups[g]) + "\n")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g % a.gpus), "PYTHONUNBUFFERED": "1",
-               "QWEN_GPU_LOCK": str(out / f"gpu{g % a.gpus}.lock"),
+               "QWEN_GPU_LOCK": str(scratch / f"gpu{g % a.gpus}.lock"),
+               "QWEN_TEST_TIMES": str(scratch / f"group{g}.times"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         log = open(out / f"group{g}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-c", RUN_IDS, str(out / f"group{g}.ids"), "-v", "-p",
+        procs.append((subprocess.Popen([sys.executable, "-c", RUN_IDS, str(scratch / f"group{g}.ids"), "-v", "-p",
                                         "no:cacheprovider", "-rfE", "--tb=short"], cwd=ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True), log, time.time()))
     print(f"{len(ids)} tests in {n} groups over {a.gpus} GPU(s); logs under {out}", flush=True)
@@ -117,7 +148,7 @@ def main():
         log.close()
         text = (out / f"group{g}.log").read_text(errors="replace")
         c = counts(text)
-        c["not run"] = max(0, len(ids[g::n]) - sum(c.values())) if status == "TIMEOUT" else 0
+        c["not run"] = max(0, len(groups[g]) - sum(c.values())) if status == "TIMEOUT" else 0
         for k in total:
             total[k] += c[k]
         bad |= status == "TIMEOUT" or c["FAILED"] > 0 or c["ERROR"] > 0 or proc.returncode not in (0, 5)
@@ -131,6 +162,14 @@ def main():
         for line in (out / f"group{g}.log").read_text(errors="replace").splitlines():
             if line.startswith(("FAILED ", "ERROR ")):
                 print(line)
+    times = out / "times.tsv"
+    with open(times, "w") as f:
+        for g in range(n):
+            path = scratch / f"group{g}.times"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                sec, node = line.split("\t", 1)
+                f.write(f"{sec}\t{g}\t{node}\n")
+    print("\n| seconds | group | slowest tests |\n|---|---|---|", *slowest(times), sep="\n")
     sys.exit(1 if bad else 0)
 
 

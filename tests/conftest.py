@@ -80,3 +80,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         elif on_cpu and not interpret:
             item.add_marker(pytest.mark.skip(reason="CPU runs the reference unless TRITON_INTERPRET=1"))
+
+
+_TEST_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """With QWEN_TEST_TIMES set (``bench.cuda_suite`` sets it per process), each test's seconds
+    (setup, call and teardown) are appended to that file as it ends: a run cut short keeps them."""
+    path = os.environ.get("QWEN_TEST_TIMES")
+    if not path:
+        return
+    _TEST_SECONDS[report.nodeid] = _TEST_SECONDS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "teardown":
+        with open(path, "a") as f:
+            f.write(f"{_TEST_SECONDS.pop(report.nodeid):.2f}\t{report.nodeid}\n")

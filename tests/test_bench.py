@@ -50,6 +50,50 @@ def test_cuda_suite_sizes_its_processes_from_free_memory_and_cores():
         assert n == 1 or HEAVY_BYTES + (n - 1) * PROCESS_BYTES <= free, (free, n)
 
 
+def test_cuda_suite_deals_whole_files_balanced():
+    """Every test once; a file no longer than len(ids) / 2n stays in one group; a longer one is cut
+    into contiguous pieces; groups differ by at most one piece, none is empty; each keeps
+    collection order."""
+    from bench.cuda_suite import deal
+
+    sizes = {"a": 11, "b": 4, "c": 3, "d": 1, "e": 1}
+    ids = [f"tests/test_{f}.py::t[{i}]" for f, k in sizes.items() for i in range(k)]
+    groups = deal(ids, 3)
+    assert sorted(sum(groups, [])) == sorted(ids) and len(sum(groups, [])) == len(ids)
+    piece = -(-len(ids) // 6)
+    for g in groups:
+        assert g == sorted(g, key=ids.index)
+    for f in ("b", "c", "d", "e"):
+        assert sum(any(f"test_{f}.py" in i for i in g) for g in groups) == 1, f
+    a_parts = [[i for i in g if "test_a.py" in i] for g in groups]
+    assert all(len(p) <= 2 * piece for p in a_parts) and sum(map(bool, a_parts)) >= 2
+    assert max(map(len, groups)) - min(map(len, groups)) <= piece
+    assert all(all(deal(ids, k)) for k in range(1, len(ids) + 1))  # no group left empty
+
+
+def test_test_times_are_written_as_each_test_ends(tmp_path, monkeypatch):
+    """tests/conftest.py appends a test's setup + call + teardown seconds when its teardown ends
+    (QWEN_TEST_TIMES set), nothing without the variable; bench.cuda_suite lists the slowest."""
+    from types import SimpleNamespace
+
+    from bench.cuda_suite import slowest
+    from tests import conftest
+
+    path = tmp_path / "times"
+    for phase, sec in (("setup", 0.5), ("call", 2.0), ("teardown", 0.25)):
+        conftest.pytest_runtest_logreport(SimpleNamespace(nodeid="t.py::x", when=phase, duration=sec))
+    assert not path.exists()
+    monkeypatch.setenv("QWEN_TEST_TIMES", str(path))
+    for node, call in (("t.py::slow", 7.0), ("t.py::fast", 0.1)):
+        for phase, sec in (("setup", 0.5), ("call", call), ("teardown", 0.25)):
+            conftest.pytest_runtest_logreport(SimpleNamespace(nodeid=node, when=phase, duration=sec))
+            assert (path.read_text() if path.exists() else "").count(node) == (phase == "teardown")
+    assert path.read_text().splitlines() == ["7.75\tt.py::slow", "0.85\tt.py::fast"]
+    tsv = tmp_path / "times.tsv"
+    tsv.write_text("0.85\t1\tt.py::fast\n7.75\t0\tt.py::slow\n")
+    assert slowest(tsv, 1) == ["| 7.8 | 0 | t.py::slow |"]
+
+
 def test_gpu_memory_lock_makes_heavy_tests_take_turns(tmp_path, monkeypatch):
     """With QWEN_GPU_LOCK set (bench.cuda_suite sets it per GPU), a second holder waits until the
     first lets go; without it the lock does nothing."""
