@@ -52,9 +52,27 @@ class MoeConfig(NamedTuple):
     num_stages: int = 3
 
 
-MOE_CONFIGS: dict[tuple[int, int, int, str, str], dict[int, MoeConfig]] = {}
-"""(E, N, K, device name, dtype name) -> {largest M served: config}, filled from
-`python -m bench.moe --sweep` on the GPU it names; empty until that has run."""
+MOE_CONFIGS: dict[tuple[int, int, int, str, str], dict[int, MoeConfig]] = {
+    # Qwen3-30B-A3B's gate_up and down, then Qwen3.5-35B-A3B's
+    (128, 1536, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
+        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
+        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 4),
+        4096: MoeConfig(128, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
+    (128, 2048, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
+        16: MoeConfig(16, 128, 128, 1, 4, 4), 64: MoeConfig(16, 128, 128, 1, 4, 4),
+        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 64, 8, 4, 4),
+        4096: MoeConfig(128, 128, 64, 8, 4, 3), 16384: MoeConfig(128, 128, 128, 8, 4, 3)},
+    (256, 1024, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
+        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
+        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
+        4096: MoeConfig(64, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
+    (256, 2048, 512, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
+        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
+        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
+        4096: MoeConfig(64, 128, 64, 8, 8, 3), 16384: MoeConfig(128, 128, 64, 8, 4, 3)},
+}
+"""(E, N, K, device name, dtype name) -> {largest M served: config}, from `python -m bench.moe
+--sweep` on the GPU it names (bench/results/2026-12-06-h100-80gb-hbm3-moe-configs.json)."""
 
 
 def device_name(device: torch.device) -> str:
