@@ -19,7 +19,8 @@ from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
 from .decode_layers import MAX_ROWS as DECODE_LAYERS_MAX_ROWS
 from .decode_layers import decode_layers, decode_layers_reference, decode_layers_splits, reserve_decode_buffers
 from .fp8 import (dequantize_weight_fp8_block, fp8_block_linear, fp8_block_linear_reference,
-                  fp8_quantize_per_token_group, fp8_quantize_per_token_group_reference, quantize_weight_fp8_block)
+                  fp8_quantize_per_token_group, fp8_quantize_per_token_group_reference, fp8_supported,
+                  quantize_weight_fp8_block)
 from .fused_decode import (linear_residual, linear_residual_reference, norm_gate_up_silu,
                            norm_gate_up_silu_reference, norm_linear, norm_linear_reference, norm_qkv_rope_store,
                            norm_qkv_rope_store_reference, reserve_semaphores)
@@ -49,7 +50,7 @@ __all__ = [
     "recurrent_gated_delta_rule_varlen",
     "recurrent_gated_delta_rule_varlen_reference",
     "dequantize_weight_fp8_block", "fp8_block_linear", "fp8_block_linear_reference", "fp8_quantize_per_token_group",
-    "fp8_quantize_per_token_group_reference", "quantize_weight_fp8_block",
+    "fp8_quantize_per_token_group_reference", "fp8_supported", "quantize_weight_fp8_block",
     "DECODE_LAYERS_MAX_ROWS", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",

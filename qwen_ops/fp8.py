@@ -94,6 +94,12 @@ def fp8_block_linear_reference(x: Tensor, weight: Tensor, weight_scale_inv: Tens
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """Whether the FP8 kernels run on ``device``: a GPU of compute capability 8.9 or newer, or the
+    CPU under the Triton interpreter."""
+    return kernels.fp8_supported(device)
+
+
 def _check_device(op, x):
     if x.is_cuda and not kernels.fp8_supported(x.device):
         major, minor = torch.cuda.get_device_capability(x.device)

@@ -52,6 +52,7 @@ from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_id
 from ..engine.sampling_params import SamplingParams, choice_seed
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
+from ..model.fp8 import keeps_fp8
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
 from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
@@ -108,7 +109,8 @@ class LLM(Frontend):
     ``max_model_len``: positions a sequence (prompt and output) holds at most (None: sized per
     call, grown as needed); ``max_num_seqs``, ``max_num_batched_tokens``,
     ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
-    CUDA graphs.
+    CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights as they
+    load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
 
     Calls may come from several threads: each engine step runs under a lock, and a step serves
     every call's sequences (an open ``stream`` advances while another call generates).
@@ -118,7 +120,8 @@ class LLM(Frontend):
                  offline: Optional[bool] = None, device: Union[str, torch.device, None] = None,
                  dtype: Union[str, torch.dtype, None] = None, max_model_len: Optional[int] = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, progress: bool = True, **renamed: Any):
+                 enforce_eager: bool = False, quantization: Optional[str] = None, progress: bool = True,
+                 **renamed: Any):
         for old, value in renamed.items():
             if old in REMOVED:
                 raise TypeError(f"LLM(): {old} is no longer an argument: {REMOVED[old]}")
@@ -145,8 +148,12 @@ class LLM(Frontend):
         self.max_model_len = max_model_len
         self.engine_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
-        check_weights_fit(self.config, self.device, self.dtype)
-        self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype)
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        fp8_weights = bool(quantization or self.config.quantization) and keeps_fp8(self.device, self.dtype)
+        check_weights_fit(self.config, self.device, self.dtype, fp8_weights)
+        self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype,
+                                                     quantization=quantization)
         self._engine: Optional[Engine] = None
         self._lock = threading.RLock()
         self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion

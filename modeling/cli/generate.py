@@ -99,7 +99,8 @@ def run(a: argparse.Namespace) -> int:
     if a.max_model_len is not None and a.max_model_len > config.max_position_embeddings:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")
-    engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager)
+    engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager,
+                       quantization=a.quantization)
 
     if a.interactive:
         return interactive(a, ck, params, device, dtype, engine_args, out, template_kwargs)

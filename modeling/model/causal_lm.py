@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import qwen_ops
 
+from . import fp8
 from .config import QwenConfig
 from .context import StepContext
 from .layers import LAYER_TYPES, AttentionLayer
@@ -60,8 +61,14 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_fused_decode(self) -> bool:
         """Whether decode steps may take the fused decode ops (``kernels="fused"``): every MLP dense
-        (a mixture-of-experts layer runs op by op)."""
-        return not self.config.moe_layers
+        (a mixture-of-experts layer runs op by op) and every weight in the model's dtype (FP8
+        weights run op by op)."""
+        return not self.config.moe_layers and not self.holds_fp8
+
+    @property
+    def holds_fp8(self) -> bool:
+        """Whether any layer weight is FP8 (``modeling.model.fp8``)."""
+        return any(layer.holds_fp8 for layer in self.layers)
 
     def forward(self, input_ids: Tensor, context: Optional[StepContext] = None) -> Tensor:
         """Without ``context``: input_ids [B, T] (int64), each row a sequence from position 0,
@@ -144,15 +151,32 @@ class QwenForCausalLM(nn.Module):
         path: Union[str, Path],
         device: Union[str, torch.device] = "cpu",
         dtype: torch.dtype = torch.bfloat16,
+        quantization: Optional[str] = None,
     ) -> "QwenForCausalLM":
         """Build the model from ``path``'s config.json and safetensors weights, for inference
-        (parameters do not require grad)."""
+        (parameters do not require grad). ``quantization="fp8"`` quantises the layers' linear
+        weights as they load (``modeling.model.fp8``); an FP8 checkpoint loads as it is without it."""
         config = QwenConfig.from_pretrained(path)
-        state = load_state_dict(path, config, device=device, dtype=dtype)
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        if quantization and not fp8.keeps_fp8(torch.device(device), dtype):
+            raise ValueError(f"quantization='fp8' needs the FP8 kernels: a GPU of compute capability 8.9 or newer (or "
+                             f"the Triton interpreter) and a float dtype other than float64, got "
+                             f"{str(dtype).replace('torch.', '')} on {device}")
+        state = load_state_dict(path, config, device=device, dtype=dtype, quantize=quantization == "fp8")
         with torch.device("meta"):
             model = cls(config)
         # the loader stacks rows; a parameter of more dims (the experts [E, 2I, H]) is a view of them
         shapes = {name: p.shape for name, p in model.named_parameters()}
+        # FP8 weights (their rows without the tail), scales and tails replace the parameters as they are
+        fp8_names = [n for n in state if n.endswith(("_scale_inv", "_tail")) or n + "_scale_inv" in state]
+        fp8_parts = {name: state.pop(name) for name in fp8_names}
         state = {name: t.view(shapes.get(name, t.shape)) for name, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if unexpected or set(missing) - set(fp8_parts):
+            raise RuntimeError(f"the loaded tensors do not match the model: missing {sorted(set(missing) - set(fp8_parts))}"
+                               f", unexpected {unexpected}")
+        for name, t in fp8_parts.items():
+            owner, attr = name.rsplit(".", 1)
+            setattr(model.get_submodule(owner), attr, nn.Parameter(t, requires_grad=False))
         return model.requires_grad_(False)

@@ -40,6 +40,8 @@ or null field takes its default. Everything a kernel would refuse at the first f
 here too: a head_dim the attention kernels do not take (``qwen_ops.checks.HEAD_DIMS``: multiples of 16
 up to 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims (the same rule) or conv kernel
 sizes the kernels do not take.
+``quantization_config``: only Qwen's FP8 one (``FP8_QUANTIZATION``), read into ``quantization``
+"fp8" (``modeling.model.fp8``); any other is refused.
 ``QwenConfig.from_pretrained`` reads config.json with ``modeling.model.files.read_json`` (a regular file
 under ``SIDE_FILE_LIMIT``) and starts each error with ``config.json:``.
 """
@@ -116,6 +118,7 @@ class QwenConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     norm_topk_prob: bool = False  # the router renormalises its top-k weights
+    quantization: Optional[str] = None  # "fp8": Qwen's FP8 checkpoints (``quantization_config``)
 
     @property
     def qk_norm(self) -> bool:
@@ -155,10 +158,10 @@ class QwenConfig:
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {_show(model_type)}: supported are {', '.join(MODEL_TYPES)}")
         hybrid = model_type in HYBRID_MODEL_TYPES
-        extra: Dict[str, Any] = {}
+        extra: Dict[str, Any] = {"quantization": _quantization(d)}  # the wrapper's, not text_config's
         if hybrid:
             d = _qwen3_5_text(d)
-            extra = _qwen3_5_fields(d, model_type)
+            extra.update(_qwen3_5_fields(d, model_type))
         rope_theta, rotary_factor = rope_settings(d)
         _reject_unsupported_features(d, model_type)
         sizes = {name: _size(d, name) for name in ("vocab_size", "hidden_size", "num_hidden_layers",
@@ -392,6 +395,28 @@ def _layer_types(d: Mapping[str, Any], model_type: str, n: int) -> Tuple[str, ..
             raise ConfigError(f"unsupported layer type {_show(t)} in layer_types: implemented for {model_type} are "
                               f"{', '.join(allowed)}")
     return types
+
+
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+"""The ``quantization_config`` of Qwen's FP8 checkpoints, the one quantisation that loads (``fmt`` may
+be absent; ``modules_to_not_convert`` is read from the tensors: a weight without ``weight_scale_inv``
+is not quantised)."""
+
+
+def _quantization(d: Mapping[str, Any]) -> Optional[str]:
+    """"fp8" for a ``quantization_config`` of ``FP8_QUANTIZATION``, None without one; else a
+    ``ConfigError`` naming the field."""
+    q = _object(d, "quantization_config")
+    if q is None:
+        return None
+    for name, want in FP8_QUANTIZATION.items():
+        got = q.get(name, want if name == "fmt" else None)
+        if got != want:
+            raise ConfigError(f"unsupported quantization_config {name} {_show(got)}: only Qwen's FP8 checkpoints load "
+                              f"(quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size "
+                              f"[128, 128])")
+    return "fp8"
 
 
 def _reject_unsupported_features(d: Mapping[str, Any], model_type: str) -> None:

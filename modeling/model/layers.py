@@ -44,6 +44,7 @@ from torch import Tensor, nn
 import qwen_ops  # noqa: F401  (registers torch.ops.qwen)
 
 from .config import QwenConfig
+from . import fp8
 from .context import LayerContext
 from .moe import SparseMoeBlock
 
@@ -71,7 +72,13 @@ class DecoderLayer(nn.Module):
     ``linear(silu_mul(linear(h, gate_up_weight)), down_weight)``, or with ``sparse`` (a layer of
     ``config.moe_layers``) the routed experts ``mlp(h)``. The norms use ``config.norm_offset`` (1.0
     on Qwen3.5: zero-centred weights).
+
+    ``LINEAR_WEIGHTS``: the weights that may be FP8 (``modeling.model.fp8``), each with its
+    ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them).
     """
+
+    LINEAR_WEIGHTS = ("gate_up_weight", "down_weight")
+    MIXER_LINEAR_WEIGHTS: Tuple[str, ...] = ()
 
     def __init__(self, config: QwenConfig, sparse: bool = False):
         super().__init__()
@@ -85,6 +92,24 @@ class DecoderLayer(nn.Module):
             self.mlp = None
             self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
             self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        for name in self.linear_weights(sparse):
+            self.register_parameter(name + "_scale_inv", None)
+            self.register_parameter(name + "_tail", None)
+
+    @classmethod
+    def linear_weights(cls, sparse: bool) -> Tuple[str, ...]:
+        """The layer's weights that may be FP8: the mixer's projections, and the dense MLP's."""
+        return cls.MIXER_LINEAR_WEIGHTS + (() if sparse else DecoderLayer.LINEAR_WEIGHTS)
+
+    @property
+    def holds_fp8(self) -> bool:
+        """Whether any of the layer's weights is FP8."""
+        return any(getattr(self, name + "_scale_inv") is not None for name in self.linear_weights(self.mlp is not None))
+
+    def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
+        """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
+        return fp8.linear(h, getattr(self, name), bias, getattr(self, name + "_scale_inv"),
+                          getattr(self, name + "_tail"))
 
     @classmethod
     def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
@@ -114,28 +139,27 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
-        return ops.linear(ops.silu_mul(ops.linear(h, self.gate_up_weight)), self.down_weight), residual
+        return self._linear(ops.silu_mul(self._linear(h, "gate_up_weight")), "down_weight"), residual
 
-    def _project_in(self, x: Tensor, residual: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+    def _project_in(self, x: Tensor, residual: Optional[Tensor], name: str, bias: Optional[Tensor],
                     fused: bool) -> Stream:
-        """``linear(rms_norm(stream, input_norm), weight, bias)`` and the stream's residual after
+        """``linear(rms_norm(stream, input_norm), <name>, bias)`` and the stream's residual after
         the norm (the first layer's: its x)."""
         c = self.config
         if fused:
-            return ops.norm_linear(x, self.input_norm, weight, bias, c.rms_norm_eps, c.norm_offset), None
+            return ops.norm_linear(x, self.input_norm, getattr(self, name), bias, c.rms_norm_eps, c.norm_offset), None
         if residual is None:
             h, residual = ops.rms_norm(x, self.input_norm, c.rms_norm_eps, c.norm_offset), x
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps, c.norm_offset)
-        return ops.linear(h, weight, bias), residual
+        return self._linear(h, name, bias), residual
 
-    @staticmethod
-    def _project_out(o: Tensor, weight: Tensor, x: Tensor, residual: Optional[Tensor], fused: bool) -> Stream:
-        """The stream after the mixer's output projection ``linear(o, weight)``: added to the
+    def _project_out(self, o: Tensor, name: str, x: Tensor, residual: Optional[Tensor], fused: bool) -> Stream:
+        """The stream after the mixer's output projection ``linear(o, <name>)``: added to the
         layer's input stream x in the projection (fused), else left for the next norm to add."""
         if fused:
-            return ops.linear_residual(o, weight, x), None
-        return ops.linear(o, weight), residual
+            return ops.linear_residual(o, getattr(self, name), x), None
+        return self._linear(o, name), residual
 
 
 class AttentionLayer(DecoderLayer):
@@ -153,6 +177,8 @@ class AttentionLayer(DecoderLayer):
     norms are zero-centred (``norm_offset`` 1.0), RoPE covers the first ``rotary_dim`` dims, and
     ``o = sigmoid_mul(o, gate)`` before o_proj.
     """
+
+    MIXER_LINEAR_WEIGHTS = ("qkv_weight", "o_weight")
 
     def init_mixer(self, c: QwenConfig) -> None:
         self.qkv_weight = nn.Parameter(torch.empty(c.qkv_size, c.hidden_size))
@@ -197,7 +223,7 @@ class AttentionLayer(DecoderLayer):
             q = qg[..., :D]
             gate = qg[..., D:] if c.attn_output_gate else None
         else:
-            qkv, residual = self._project_in(x, residual, self.qkv_weight, self.qkv_bias, False)
+            qkv, residual = self._project_in(x, residual, "qkv_weight", self.qkv_bias, False)
             Q = c.q_size  # Hq * D, or Hq * 2D with the output gate
             if c.attn_output_gate:
                 qg = qkv[..., :Q].view(*lead, Hq, 2 * D)  # per head [query | gate]
@@ -218,7 +244,7 @@ class AttentionLayer(DecoderLayer):
                                     b.max_query_len)
         if gate is not None:
             o = ops.sigmoid_mul(o, gate)
-        return self._project_out(o.reshape(*lead, Hq * D), self.o_weight, x, residual, fused)
+        return self._project_out(o.reshape(*lead, Hq * D), "o_weight", x, residual, fused)
 
 
 class GatedDeltaNetLayer(DecoderLayer):
@@ -240,6 +266,8 @@ class GatedDeltaNetLayer(DecoderLayer):
     positions (``batch.continues``), else from zeros, and leaving its state there. Positions are
     unused.
     """
+
+    MIXER_LINEAR_WEIGHTS = ("in_proj_weight", "out_weight")
 
     def init_mixer(self, c: QwenConfig) -> None:
         C, Vd, Hv = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
@@ -280,7 +308,7 @@ class GatedDeltaNetLayer(DecoderLayer):
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
         Dk, Dv, Kd, Vd, C = (c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim, c.linear_value_dim,
                              c.linear_conv_dim)
-        proj, residual = self._project_in(x, residual, self.in_proj_weight, None, fused)  # [..., C + Vd + 2Hv]
+        proj, residual = self._project_in(x, residual, "in_proj_weight", None, fused)  # [..., C + Vd + 2Hv]
         b = proj[..., C + Vd : C + Vd + Hv]
         a = proj[..., C + Vd + Hv :]
         weight = self.conv_weight[:, 0]  # [C, K]
@@ -304,7 +332,7 @@ class GatedDeltaNetLayer(DecoderLayer):
             g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
             o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, state_pool, *packed, True)
         o = ops.gated_rms_norm(o, proj[..., C : C + Vd].view(*lead, Hv, Dv), self.norm_weight, c.rms_norm_eps)
-        return self._project_out(o.reshape(*lead, Vd), self.out_weight, x, residual, fused)
+        return self._project_out(o.reshape(*lead, Vd), "out_weight", x, residual, fused)
 
 
 LAYER_TYPES = {"full_attention": AttentionLayer, "linear_attention": GatedDeltaNetLayer}

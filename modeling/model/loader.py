@@ -25,6 +25,14 @@ Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down
 once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
 dtype) is a ``CheckpointError`` naming the tensor.
 
+FP8 checkpoints (``config.quantization`` "fp8"): a weight ``X.weight`` stored as F8_E4M3 comes with
+``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)]; which weights are quantised is read from the
+tensors present. A layer's linear weight (``DecoderLayer.linear_weights``) whose quantised sources
+lead its plan, each but the last a whole number of 128-row blocks, stays FP8 where
+``modeling.model.fp8.keeps_fp8`` says so, with its unquantised sources as the tail; any other
+quantised source is dequantised into the target dtype. ``quantize=True`` quantises each linear
+weight of a bf16 / fp16 checkpoint into the same format as it loads (``quantization="fp8"``).
+
 Every file is opened through ``modeling.model.files`` (regular files only: a FIFO or a link to a device
 is refused without blocking). Before anything is allocated, the weights files must be large enough
 for the config's parameters at 2 bytes each (``check_weights_size``), so a config.json whose sizes
@@ -40,6 +48,9 @@ from typing import Dict, List, Sequence, Union
 import torch
 from safetensors import safe_open
 
+import qwen_ops
+
+from . import fp8
 from .config import QwenConfig
 from .files import format_size, open_file, read_json
 from .layers import LAYER_TYPES, LoadPlan, Shape
@@ -56,8 +67,13 @@ class CheckpointError(ValueError):
 
 FLOAT_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 """safetensors dtypes a weight may have (F64 is converted down to the target dtype like F32)."""
+FP8_DTYPE = "F8_E4M3"
+"""The safetensors dtype of an FP8 weight (one with a ``weight_scale_inv`` beside it)."""
+SCALE_SUFFIX = "_scale_inv"
+"""An FP8 weight ``X.weight``'s scales are ``X.weight_scale_inv``."""
 MIN_WEIGHT_BYTES = 2
-"""Bytes of the narrowest weight dtype (F16, BF16): a checkpoint holds at least this per parameter."""
+"""Bytes of the narrowest weight dtype (F16, BF16): a checkpoint holds at least this per parameter
+(1 in an FP8 checkpoint)."""
 
 
 def load_plan(config: QwenConfig, fused_experts: bool = False) -> LoadPlan:
@@ -116,13 +132,13 @@ def check_weights_size(path: Union[str, Path], config: QwenConfig) -> List[Path]
     files = checkpoint_files(path)
     have = sum(f.stat().st_size for f in files)
     count = parameter_count(config)
-    if count * MIN_WEIGHT_BYTES > have:
+    least = count * (1 if config.quantization else MIN_WEIGHT_BYTES)
+    if least > have:
         c = config
         raise CheckpointError(
             f"config.json's sizes (num_hidden_layers {c.num_hidden_layers}, hidden_size {c.hidden_size}, "
             f"intermediate_size {c.intermediate_size}, vocab_size {c.vocab_size}) call for {count:,} parameters, "
-            f"at least {format_size(count * MIN_WEIGHT_BYTES)} of weights, but the weights files hold "
-            f"{format_size(have)}")
+            f"at least {format_size(least)} of weights, but the weights files hold {format_size(have)}")
     return files
 
 
@@ -131,8 +147,10 @@ def load_state_dict(
     config: QwenConfig,
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    quantize: bool = False,
 ) -> Dict[str, torch.Tensor]:
-    """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``.
+    """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``
+    (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc).
 
     Every tensor is checked (names, shapes, floating dtypes) before any is loaded, and every
     loaded tensor for NaN / inf (one ``isfinite`` reduction per tensor, read back once at the end).
@@ -142,6 +160,7 @@ def load_state_dict(
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     skipped = tuple(config.skipped_weight_prefixes)
     device = torch.device(device)
+    keep_fp8 = fp8.keeps_fp8(device, dtype)
     with ExitStack() as stack:
         handles = {}
         shard_of: Dict[str, str] = {}  # every tensor name -> the file that holds it
@@ -161,25 +180,92 @@ def load_state_dict(
         fused = bool(first_sparse) and f"{config.weights_prefix}layers.{first_sparse[0]}.{FUSED_EXPERTS}" in handles
         plan = load_plan(config, fused)
         expected = {name: shape for sources in plan.values() for name, shape in sources}
-        _check(handles, expected, ignored)
+        scales = {name + SCALE_SUFFIX: _scale_shape(shape) for name, shape in expected.items()
+                  if name + SCALE_SUFFIX in handles}
+        if scales and not config.quantization:
+            raise CheckpointError(f"tensor {next(iter(scales))!r} is an FP8 weight's scales, but config.json has no "
+                                  "quantization_config")
+        _check(handles, expected, scales, ignored)
+        linear = linear_targets(config) if keep_fp8 else set()
         state = {}
         finite = []  # (name, 0-dim bool tensor on the device): read back once, not once per tensor
         for target, sources in plan.items():
+            quantized = sum(1 for name, _ in sources if name + SCALE_SUFFIX in scales)
+            if target in linear and quantized and _leading_blocks(sources, scales):
+                state.update(_fp8_parameter(target, sources, quantized, handles, dtype, device, finite))
+                continue
             rows = sum(shape[0] for _, shape in sources)
             out = torch.empty((rows, *sources[0][1][1:]), dtype=dtype, device=device)
             row = 0
             for name, shape in sources:
                 part = out[row : row + shape[0]]
-                part.copy_(handles[name].get_tensor(name))
+                part.copy_(_read(handles, name, scales, dtype))
                 finite.append((name, torch.isfinite(part).all()))
                 row += shape[0]
             state[target] = out
+            if quantize and target in linear:
+                state[target], state[target + SCALE_SUFFIX] = qwen_ops.quantize_weight_fp8_block(out)
         if finite:
             ok = torch.stack([f for _, f in finite]).cpu()
             if not ok.all():
                 name = finite[int((~ok).nonzero()[0])][0]
-                raise CheckpointError(_non_finite(name, handles[name].get_tensor(name), dtype))
+                raise CheckpointError(_non_finite(name, _read(handles, name, scales, torch.float32), dtype))
     return state
+
+
+def linear_targets(config: QwenConfig) -> set:
+    """The model tensors that may hold FP8 weights: each layer's ``linear_weights``."""
+    return {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
+            for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
+
+
+def _scale_shape(shape: Shape) -> Shape:
+    """The ``weight_scale_inv`` shape of a weight [..., N, K]: [..., cdiv(N, 128), cdiv(K, 128)]."""
+    return (*shape[:-2], -(-shape[-2] // fp8.BLOCK), -(-shape[-1] // fp8.BLOCK))
+
+
+def _leading_blocks(sources, scales: Dict[str, Shape]) -> bool:
+    """Whether the quantised sources come first, each but the last a whole number of 128-row blocks
+    (so their blocks and scales stack into one FP8 weight)."""
+    flags = [name + SCALE_SUFFIX in scales for name, _ in sources]
+    n = sum(flags)
+    return all(flags[:n]) and all(shape[0] % fp8.BLOCK == 0 for _, shape in sources[: n - 1])
+
+
+def _read(handles: Dict, name: str, scales: Dict[str, Shape], dtype: torch.dtype) -> torch.Tensor:
+    """Checkpoint tensor ``name``, dequantised into ``dtype`` if it is an FP8 weight."""
+    t = handles[name].get_tensor(name)
+    scale = name + SCALE_SUFFIX
+    return fp8.dequantize(t, handles[scale].get_tensor(scale), dtype) if scale in scales else t
+
+
+def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: torch.dtype, device: torch.device,
+                   finite: list) -> Dict[str, torch.Tensor]:
+    """``target`` (the first ``quantized`` sources, FP8), ``target_scale_inv`` (their scales, fp32)
+    and, if sources remain, ``target_tail`` (them, in ``dtype``)."""
+    head, rest = sources[:quantized], sources[quantized:]
+    k = sources[0][1][1]
+    weight = torch.empty((sum(shape[0] for _, shape in head), k), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((sum(_scale_shape(shape)[0] for _, shape in head), _scale_shape(head[0][1])[1]),
+                        dtype=torch.float32, device=device)
+    row = block = 0
+    for name, shape in head:
+        weight[row : row + shape[0]].copy_(handles[name].get_tensor(name))
+        s = scale[block : block + _scale_shape(shape)[0]]
+        s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX))
+        finite.append((name, torch.isfinite(weight[row : row + shape[0]].float()).all()))
+        finite.append((name + SCALE_SUFFIX, torch.isfinite(s).all()))
+        row, block = row + shape[0], block + _scale_shape(shape)[0]
+    out = {target: weight, target + SCALE_SUFFIX: scale}
+    if rest:
+        tail = torch.empty((sum(shape[0] for _, shape in rest), k), dtype=dtype, device=device)
+        row = 0
+        for name, shape in rest:
+            tail[row : row + shape[0]].copy_(handles[name].get_tensor(name))
+            finite.append((name, torch.isfinite(tail[row : row + shape[0]]).all()))
+            row += shape[0]
+        out[target + "_tail"] = tail
+    return out
 
 
 def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
@@ -189,21 +275,25 @@ def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
     return f"tensor {name!r} has non-finite values (NaN or inf)"
 
 
-def _check(handles: Dict, expected: Dict[str, Shape], ignored: set) -> None:
+def _check(handles: Dict, expected: Dict[str, Shape], scales: Dict[str, Shape], ignored: set) -> None:
     missing = sorted(set(expected) - set(handles))
     if missing:
         raise CheckpointError(f"checkpoint is missing tensor(s): {_names(missing)}")
-    unexpected = sorted(set(handles) - set(expected) - ignored)
+    unexpected = sorted(set(handles) - set(expected) - set(scales) - ignored)
     if unexpected:
         raise CheckpointError(f"checkpoint has unexpected tensor(s): {_names(unexpected)}")
-    for name, shape in expected.items():
+    for name, shape in (expected | scales).items():
         tensor = handles[name].get_slice(name)
         found = tuple(tensor.get_shape())
         if found != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {list(found)}, the config expects {list(shape)}")
-        if tensor.get_dtype() not in FLOAT_DTYPES:
+            what = "the weight's blocks of 128 call for" if name in scales else "the config expects"
+            raise CheckpointError(f"tensor {name!r} has shape {list(found)}, {what} {list(shape)}")
+        fp8_weight = name + SCALE_SUFFIX in scales
+        if tensor.get_dtype() not in FLOAT_DTYPES and not (fp8_weight and tensor.get_dtype() == FP8_DTYPE):
+            allowed = ", ".join(FLOAT_DTYPES) + (f" or {FP8_DTYPE}" if fp8_weight else "")
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.get_dtype()}: weights must be floating point "
-                                  f"({', '.join(FLOAT_DTYPES)})")
+                                  f"({allowed})" + ("" if fp8_weight or name in scales else
+                                                    f"; an {FP8_DTYPE} weight needs its {name + SCALE_SUFFIX}"))
 
 
 def _names(names: Sequence[str], shown: int = 10) -> str:

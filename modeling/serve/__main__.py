@@ -94,6 +94,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                                           "fp32 on CPU)")
     e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
     e.add_argument("--enforce-eager", action="store_true", help="run every engine step eagerly (no CUDA graphs)")
+    e.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantise the layers' linear weights to FP8 as they load (an FP8 checkpoint runs in "
+                        "FP8 without it)")
     e.add_argument("--memory-fraction", dest="gpu_memory_utilization", type=float, help=argparse.SUPPRESS)
     e.add_argument("--no-cuda-graph", dest="enforce_eager", action="store_const", const=True, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -176,7 +179,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
         a.log_level.upper(),
-        factory)
+        factory, quantization=a.quantization)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:

@@ -35,7 +35,7 @@ READ_BYTES = 1 << 20
 @dataclass
 class EngineSpec:
     """What the child builds: the checkpoint directory, ``--device`` and ``--dtype`` as given, the
-    ``Engine`` keyword arguments, and the warm-up prompt's length (0: none). ``factory``, when
+    ``Engine`` keyword arguments, the warm-up prompt's length (0: none) and ``--quantization``. ``factory``, when
     given, builds a stand-in instead (a picklable callable: benchmarks of the server's host path,
     tests): ``factory(spec)`` returns what ``EngineCore`` drives and the "ready" info."""
 
@@ -46,6 +46,7 @@ class EngineSpec:
     warmup_tokens: int = 0
     log_level: str = "INFO"
     factory: Optional[Callable[["EngineSpec"], Tuple[Any, Dict[str, Any]]]] = None
+    quantization: Optional[str] = None
 
 
 class EngineStartError(Exception):
@@ -196,7 +197,8 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
 
     import torch
 
-    llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device, spec.dtype)
+    llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device, spec.dtype,
+                   quantization=spec.quantization)
     try:
         engine = Engine(llm.model, tokenizer=llm.tokenizer, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:

@@ -1,0 +1,53 @@
+"""FP8 weights: Qwen's FP8 checkpoints as they are, or a checkpoint quantised as it loads
+(``quantization="fp8"``), in the block format of those checkpoints.
+
+A layer's linear weight W [N, K] (``DecoderLayer.LINEAR_WEIGHTS``) stays FP8 where the kernels take
+it (``keeps_fp8``): W holds float8_e4m3fn, ``W_scale_inv`` [cdiv(N_8, 128), cdiv(K, 128)] fp32 the
+factor that multiplies each 128 x 128 block back (w = W * W_scale_inv per block), and ``W_tail``
+[N - N_8, K] (model dtype, or None) the trailing rows the checkpoint keeps unquantised (Qwen3.5's
+Gated DeltaNet in_proj_b and in_proj_a):
+
+    linear(h, W) = cat(fp8_block_linear(h, W, W_scale_inv, bias[:N_8]), linear(h, W_tail, bias[N_8:]))
+
+Everything else a checkpoint quantises (a mixture-of-experts layer's experts), and every FP8
+weight where the FP8 kernels do not run (the CPU's PyTorch reference path, float64 models, GPUs
+before compute capability 8.9), is dequantised as it loads into the model's dtype.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import qwen_ops
+from qwen_ops.registry import runs_kernels
+
+ops = torch.ops.qwen
+
+BLOCK = 128
+"""The side of a quantisation block (``weight_block_size`` [128, 128])."""
+
+
+def keeps_fp8(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether FP8 weights stay FP8 in a model of ``dtype`` on ``device``: where the ops run their
+    Triton kernels and those take FP8 (else the weights are dequantised)."""
+    return runs_kernels(device.type, dtype) and qwen_ops.fp8_supported(device)
+
+
+def linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None, scale_inv: Optional[Tensor] = None,
+           tail: Optional[Tensor] = None) -> Tensor:
+    """``linear(h, weight, bias)``, or with ``scale_inv`` the FP8 weight's (module doc)."""
+    if scale_inv is None:
+        return ops.linear(h, weight, bias)
+    n8 = weight.shape[0]
+    y = ops.fp8_block_linear(h, weight, scale_inv, None if bias is None else bias[:n8])
+    if tail is None:
+        return y
+    return torch.cat([y, ops.linear(h, tail, None if bias is None else bias[n8:])], dim=-1)
+
+
+def dequantize(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:
+    """weight [..., N, K] float8_e4m3fn with scale_inv [..., cdiv(N, 128), cdiv(K, 128)] -> [..., N, K]
+    in ``dtype`` (fused experts: one leading dim)."""
+    if weight.dim() == 2:
+        return qwen_ops.dequantize_weight_fp8_block(weight, scale_inv.float(), torch.float32).to(dtype)
+    return torch.stack([dequantize(w, s, dtype) for w, s in zip(weight, scale_inv)])

@@ -1,0 +1,250 @@
+"""FP8 checkpoints in Qwen's format (``quantization_config`` fp8, e4m3 weights in blocks of 128 with
+``weight_scale_inv``), built here from random transformers checkpoints, and ``quantization="fp8"``
+at load.
+
+- The PyTorch reference path dequantises: greedy tokens equal transformers' on the dequantised
+  weights, exactly (fp32, in a process without the interpreter).
+- The FP8 kernels (under the interpreter): the logits of a full pass are within 2e-2 of an fp32
+  oracle, transformers with each quantised linear replaced by ``fp8_block_linear_reference``
+  (activations quantised per token and group of 128 as the kernel does); argmaxes equal except at
+  near-ties.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+import qwen_ops
+from modeling import LLM, QwenForCausalLM, SamplingParams
+from modeling.model.config import ConfigError
+from modeling.model.loader import CheckpointError
+from qwen_ops import dequantize_weight_fp8_block, fp8_block_linear_reference, quantize_weight_fp8_block
+from tests.helpers import ROOT, add_word_tokenizer, hf_greedy, prompt, rel_err
+
+# q 4 x 64 = 256 rows, k and v 2 x 64 = 128 each: whole blocks, so the fused QKV stays FP8
+QWEN3 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, rope_theta=10000.0, tie_word_embeddings=False)
+# Gated DeltaNet: in_proj_qkv 2 * 128 + 256 = 512 rows and in_proj_z 256 (FP8), in_proj_b / a 4 rows (bf16 tail);
+# gated attention: q (with its gate) 256 rows, k and v 128 each
+QWEN3_5 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=64, linear_value_head_dim=64, layer_types=["linear_attention", "full_attention"],
+               tie_word_embeddings=False)
+UNQUANTISED = ("embed_tokens", "lm_head", "norm", "in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias")
+"""Tensors Qwen's FP8 checkpoints keep in bf16 (the others ending in ``.weight`` and 2-D are quantised)."""
+
+
+def random_hf(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM._from_config(Qwen3Config(**QWEN3), attn_implementation="eager", dtype=torch.float32)
+    else:
+        model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**QWEN3_5), attn_implementation="eager",
+                                                dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-4.0, 1.0)
+            elif name.endswith("dt_bias"):
+                p.normal_(-1.0, 1.0)
+            else:
+                p.normal_(0.0, 0.2)
+                if name.endswith("linear_attn.norm.weight") or ("norm" in name and family == "qwen3"):
+                    p.add_(1.0)
+    return model.eval()
+
+
+def write_fp8_checkpoint(hf, path, scale_dtype=torch.float32) -> dict:
+    """Save ``hf`` in Qwen's FP8 format at ``path``; return the quantised weights {name: (fp8, scale)}."""
+    hf.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    quantised = {}
+    for name, t in list(tensors.items()):
+        if name.endswith(".weight") and t.dim() == 2 and not any(u in name for u in UNQUANTISED):
+            w8, s = quantize_weight_fp8_block(t)
+            tensors[name], tensors[name + "_scale_inv"] = w8, s.to(scale_dtype)
+            quantised[name] = (w8, s)
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    return quantised
+
+
+@torch.no_grad()
+def dequantised_(hf, quantised: dict, activations: bool = False):
+    """``hf`` with every quantised weight replaced by its dequantised value; with ``activations``,
+    each such linear also computes ``fp8_block_linear_reference`` (activations quantised as the
+    kernel quantises them)."""
+    modules = dict(hf.named_modules())
+    for name, (w8, s) in quantised.items():
+        linear = modules[name.removesuffix(".weight")]
+        linear.weight.copy_(dequantize_weight_fp8_block(w8, s))
+        if activations:
+            linear.forward = lambda x, w8=w8, s=s: fp8_block_linear_reference(x, w8, s)
+    return hf
+
+
+REFERENCE_GREEDY = """
+import json, sys, torch
+from modeling import QwenForCausalLM
+model = QwenForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+ids = torch.tensor(json.loads(sys.argv[2]))
+with torch.no_grad():
+    for _ in range(8):
+        ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], 1)
+print(json.dumps({"holds_fp8": model.holds_fp8, "tokens": ids.tolist()}))
+"""
+"""Greedy tokens of the checkpoint at argv[1] on the PyTorch reference path (no interpreter)."""
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_reference_path_dequantises_and_matches_transformers_exactly(tmp_path, family):
+    hf = random_hf(family)
+    quantised = write_fp8_checkpoint(hf, tmp_path)
+    ids = prompt(2, 6, 256)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", REFERENCE_GREEDY, str(tmp_path), json.dumps(ids.tolist())], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert not out["holds_fp8"]
+    assert torch.equal(torch.tensor(out["tokens"])[:, 6:], hf_greedy(dequantised_(hf, quantised), ids, 8))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family):
+    """fp32 activations, so the kernel and the oracle quantise the same values."""
+    hf = random_hf(family)
+    quantised = write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
+    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.holds_fp8 and not model.supports_fused_decode
+    first = model.layers[0]
+    weight = "qkv_weight" if family == "qwen3" else "in_proj_weight"
+    assert getattr(first, weight).dtype == torch.float8_e4m3fn and first.down_weight.dtype == torch.float8_e4m3fn
+    assert (getattr(first, weight + "_tail") is not None) == (family == "qwen3_5")  # in_proj_b, in_proj_a
+    ids = prompt(1, 40, 256)
+    before = qwen_ops.kernel_calls["fp8_block_linear"]
+    with torch.no_grad():
+        logits = model(ids)
+    assert qwen_ops.kernel_calls["fp8_block_linear"] > before, "the FP8 kernel did not run"
+    stored = {name: (w8, s.to(torch.bfloat16).float()) for name, (w8, s) in quantised.items()}  # as saved
+    with torch.no_grad():
+        ref = dequantised_(hf, stored, activations=True)(ids).logits
+    assert rel_err(logits, ref) <= 2e-2
+    top2 = ref[0].topk(2, dim=-1).values
+    differ = logits[0].argmax(-1) != ref[0].argmax(-1)
+    assert ((top2[:, 0] - top2[:, 1])[differ] <= 1e-3 * ref[0].abs().max()).all(), "an argmax differs without a near-tie"
+
+
+def test_bf16_fp8_model_stays_near_the_fp32_one(tmp_path):
+    """bf16 activations round differently before they are quantised, and each value that lands on
+    another e4m3 step moves by up to 1/8: two layers of this random model put the logits about 1e-1
+    from the fp32 FP8 model's (the dequantised bf16 model is 2e-2 from fp32); a wrong weight or
+    scale would put them about 1 away."""
+    hf = random_hf("qwen3_5")
+    write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
+    ids = prompt(1, 40, 256)
+    with torch.no_grad():
+        bf16 = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+        fp32 = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert bf16.holds_fp8 and bf16.layers[1].qkv_weight.dtype == torch.float8_e4m3fn
+        assert rel_err(bf16(ids).float(), fp32(ids)) <= 0.2
+
+
+def test_quantization_fp8_at_load(tmp_path):
+    """A bf16 checkpoint quantised as it loads: each linear weight in the checkpoint format, and the
+    same model as loading that format."""
+    hf = random_hf("qwen3")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = QwenForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16, quantization="fp8")
+    plain = QwenForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert model.holds_fp8 and not plain.holds_fp8
+    for layer, ref in zip(model.layers, plain.layers):
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            w8, s = quantize_weight_fp8_block(getattr(ref, name))
+            assert torch.equal(getattr(layer, name).view(torch.uint8), w8.view(torch.uint8)), name
+            assert torch.equal(getattr(layer, name + "_scale_inv"), s), name
+    assert torch.equal(model.lm_head, plain.lm_head) and model.lm_head.dtype == torch.bfloat16
+
+
+def test_llm_generates_from_an_fp8_checkpoint(tmp_path):
+    hf = random_hf("qwen3_5")
+    write_fp8_checkpoint(hf, tmp_path)
+    add_word_tokenizer(tmp_path, 256)
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_model_len=64, max_num_seqs=2)
+    assert llm.model.holds_fp8
+    before = qwen_ops.kernel_calls["fp8_block_linear"]
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": list(range(20, 40))}],
+                       SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert qwen_ops.kernel_calls["fp8_block_linear"] > before
+
+
+def test_unaligned_quantised_parts_are_dequantised(tmp_path):
+    """k_proj of 64 rows is not a whole number of blocks, so q, k and v cannot stack into one FP8
+    weight: the fused QKV is dequantised into bf16 as it loads; the MLP stays FP8."""
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM._from_config(Qwen3Config(**(QWEN3 | dict(num_key_value_heads=1))), dtype=torch.float32)
+    quantised = write_fp8_checkpoint(hf, tmp_path)
+    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    layer = model.layers[0]
+    assert layer.qkv_weight.dtype == torch.bfloat16 and layer.qkv_weight_scale_inv is None
+    assert layer.gate_up_weight.dtype == torch.float8_e4m3fn
+    q = quantised["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(layer.qkv_weight[:256], dequantize_weight_fp8_block(*q).to(torch.bfloat16))
+
+
+def test_fp8_errors(tmp_path):
+    hf = random_hf("qwen3")
+    write_fp8_checkpoint(hf, tmp_path)
+    with pytest.raises(ValueError, match="quantization='fp8' needs the FP8 kernels.*got float64 on cpu"):
+        QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8', got 'int4'"):
+        QwenForCausalLM.from_pretrained(tmp_path, quantization="int4")
+    config = json.loads((tmp_path / "config.json").read_text())
+    for field, value in (("quant_method", "awq"), ("weight_block_size", [64, 64]), ("activation_scheme", "static")):
+        bad = config | {"quantization_config": config["quantization_config"] | {field: value}}
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=f"unsupported quantization_config {field}"):
+            QwenForCausalLM.from_pretrained(tmp_path)
+    plain = tmp_path / "plain"  # one FP8 weight in a checkpoint whose config.json says nothing of FP8
+    hf.save_pretrained(plain)
+    tensors = load_file(plain / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name], tensors[name + "_scale_inv"] = quantize_weight_fp8_block(tensors[name])
+    save_file(tensors, plain / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj.weight_scale_inv' is an FP8 weight's scales, but config.json "
+                                              "has no quantization_config"):
+        QwenForCausalLM.from_pretrained(plain)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj.weight' has dtype F8_E4M3.*needs its .*weight_scale_inv"):
+        QwenForCausalLM.from_pretrained(tmp_path)
+
+
+def test_command_line_quantization_flag(tmp_path, capsys):
+    """``--quantization fp8`` quantises a bf16 checkpoint as the command line loads it (the FP8
+    kernel runs); any other value is refused by the parser (exit status 2, no traceback)."""
+    from modeling.cli.generate import main
+
+    random_hf("qwen3").to(torch.bfloat16).save_pretrained(tmp_path)
+    add_word_tokenizer(tmp_path, 256)
+    before = qwen_ops.kernel_calls["fp8_block_linear"]
+    code = main(["--model", str(tmp_path), "--prompt", "w1 w2 w3", "--max-tokens", "3", "--ignore-eos", "--device",
+                 "cpu", "--dtype", "bf16", "--quantization", "fp8", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert len(json.loads(out.splitlines()[0])["token_ids"]) == 3
+    assert qwen_ops.kernel_calls["fp8_block_linear"] > before
+    code = main(["--model", str(tmp_path), "--prompt", "w1", "--quantization", "int4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "argument --quantization: invalid choice: 'int4'" in err and "Traceback" not in err
