@@ -15,7 +15,7 @@ chunks only with the varlen kernels): a prompt is computed in one step, never cu
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Deque, List, Optional, Tuple
 
 from .block_manager import BlockManager
@@ -24,18 +24,20 @@ from .sequence import Sequence, Status
 
 @dataclass
 class ScheduledStep:
-    """The sequences of one step and how many new tokens each computes, in batch order."""
+    """The sequences of one step and how many new tokens each computes, in batch order.
+    ``decode_only``: every sequence computes one token and samples the next (a one-token chunk of
+    a longer prompt samples nothing: its step is a mixed one); fixed when the step is made, before
+    the engine counts its tokens as computed."""
 
     work: List[Tuple[Sequence, int]]
+    decode_only: bool = field(init=False)
+
+    def __post_init__(self):
+        self.decode_only = all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in self.work)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.work)
-
-    @property
-    def decode_only(self) -> bool:
-        """Whether every sequence computes one token (and so samples one)."""
-        return all(n == 1 for _, n in self.work)
 
 
 class StateSlots:
