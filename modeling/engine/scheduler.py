@@ -8,7 +8,9 @@ then waiting ones are admitted in arrival order while the budget, ``max_num_seqs
 blocks allow. When a running sequence needs a block and none is free, the youngest running
 sequence is preempted: its blocks and state slot are released and it goes back to the front of
 the queue, to be recomputed from its tokens (prompt and output so far) when readmitted. A request
-is never dropped; one that cannot fit the pool even alone is refused when it is added.
+is never dropped; one that cannot fit the pool even alone is refused when it is added. A sequence
+whose prompt logprobs are still to be computed is admitted without the prefix-cache lookup
+(``prefill_logprobs``).
 
 ``chunked_prefill=False`` (hybrid models whose recurrent layers continue their state through
 chunks only with the varlen kernels): a prompt is computed in one step, never cut.
@@ -126,11 +128,12 @@ class Scheduler:
             prompt = seq.tokens
             if not self.chunked_prefill and len(prompt) > budget:
                 break
-            if (not self.blocks.can_allocate(prompt, seq.prefix_hashes)
+            lookup = not seq.needs_prompt_logprobs  # cached positions would go unscored
+            if (not self.blocks.can_allocate(prompt, seq.prefix_hashes, lookup)
                     or (self.state_slots is not None and not self.state_slots.free)):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt, seq.prefix_hashes)
+            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt, seq.prefix_hashes, lookup)
             seq.num_computed = seq.num_cached = len(seq.block_hashes) * self.blocks.block_size
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()
