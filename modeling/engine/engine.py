@@ -200,7 +200,7 @@ class Engine:
             scheduled = self.scheduler.schedule()
             if not scheduled.work:
                 return None
-            scored = prompt_rows(scheduled.work)
+            scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
             batch = self.runner.prepare(scheduled, eager=scored is not None)
         dev = self.model.device
         if batch.pending:

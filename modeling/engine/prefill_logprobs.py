@@ -27,7 +27,8 @@ from .sequence import Sequence, Status
 from .step import to_device
 
 ROWS_AT_ONCE = 1024
-"""Rows whose log-softmax is taken at once: a step's extra memory is [ROWS_AT_ONCE, V] fp32 at most."""
+"""Rows whose log-softmax is taken at once: besides the step's logits ([Ss + R, V] in the model's
+dtype), [ROWS_AT_ONCE, V] fp32 at most."""
 
 
 class PromptRows:
