@@ -239,8 +239,8 @@ MUTATIONS = [
              "        if isinstance(prompts, (str, Mapping)):\n            given = [prompts]",
              "        if isinstance(prompts, str):\n            given = [prompts]", ("tests/test_llm.py",)),
     Mutation("a seeded request's other completions sample with its seed", "modeling/api/llm.py",
-             "    if params.seed is None or i == 0:\n        return params",
-             "    if True:\n        return params", ("tests/test_llm.py",)),
+             "seed=choice_seed(params.seed, i), prompt_logprobs=None", "seed=params.seed, prompt_logprobs=None",
+             ("tests/test_llm.py",)),
     Mutation("a stop string leaves its sequence running in the engine", "modeling/api/llm.py",
              "                    if seq.status is not Status.FINISHED:  # a stop string: the engine does not know\n"
              "                        self._engine.abort(seq)\n", "", ("tests/test_llm.py",)),
@@ -267,11 +267,11 @@ MUTATIONS = [
              "        f.logits_rows[len(sampling):] = 0\n", "", ("tests/test_engine.py",)),
     Mutation("step graphs captured after the step's batch is staged (the capture stages its own)",
              "modeling/engine/runner.py",
-             "        if key not in self.replays:\n            self.shape = key\n"
+             "        if key not in self.replays and not eager:\n            self.shape = key\n"
              "            self.replays[key] = self.graphs.get(key, self._body(key))\n"
              "        packed = self._stage(work, key)\n",
              "        packed = self._stage(work, key)\n"
-             "        if key not in self.replays:\n            self.shape = key\n"
+             "        if key not in self.replays and not eager:\n            self.shape = key\n"
              "            self.replays[key] = self.graphs.get(key, self._body(key))\n",
              ("tests/test_engine.py",)),
     Mutation("a mixed step's padding tokens keep the KV slots of an earlier step", "modeling/engine/step.py",
@@ -331,6 +331,11 @@ MUTATIONS = [
     Mutation("the prefix lookup takes every known block, the prompt's last included", "modeling/engine/block_manager.py",
              "for h in known[:(len(tokens) - 1) // self.block_size]:", "for h in known:",
              ("tests/test_engine_scheduling.py",)),
+    Mutation("a prompt asking for its logprobs takes cached blocks", "modeling/engine/scheduler.py",
+             "lookup = not seq.needs_prompt_logprobs", "lookup = True", ("tests/test_engine_prompt_logprobs.py",)),
+    Mutation("a preempted prompt is scored again from its start", "modeling/engine/prefill_logprobs.py",
+             "first, end = max(start, len(seq.prompt_logprobs) - 1),", "first, end = start,",
+             ("tests/test_engine_prompt_logprobs.py",)),
     Mutation("abort finishes a sequence without the engine's lock", "modeling/engine/engine.py",
              '        with self._lock:\n            if seq.status is not Status.FINISHED:\n                self.scheduler.finish(seq, "abort")',
              '        if True:\n            if seq.status is not Status.FINISHED:\n                self.scheduler.finish(seq, "abort")',

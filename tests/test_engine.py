@@ -149,6 +149,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(setup):
     assert mine.output_ids == want[0] and all(s.status is Status.FINISHED for s in others)
 
 
+def test_a_one_token_prompt_chunk_beside_decoding_sequences_samples_nothing():
+    """Three sampling sequences decode while a 10-token prompt gets the budget's last token: a step
+    of one token a sequence in which one sequence samples nothing (a mixed step, not a decode one).
+    Each seeded sequence samples what it samples alone."""
+    model = model_of(QWEN3)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    prompts = prompts_of([1, 1, 1, 10])
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=4, max_model_len=64, block_size=16)
+    seqs = [engine.add(p, q, 8) for p, q in zip(prompts[:3], params)]
+    engine.step()
+    engine.step()
+    seqs.append(engine.add(prompts[3], params[3], 8))
+    while engine.has_work():
+        engine.step()
+    alone = [Engine(model, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=64,
+                    block_size=16).generate([p], q, 8)[0] for p, q in zip(prompts, params)]
+    assert [s.output_ids for s in seqs] == alone
+
+
 def test_abort_frees_the_blocks_and_stop_tokens_finish():
     model = model_of(QWEN3)
     prompts = prompts_of([20, 20])

@@ -179,11 +179,21 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
         Grammars(llm.tokenizer, 64)
 
 
-def test_prompt_logprobs_are_the_models_own(llm):
+def test_prompt_logprobs_are_the_models_own(llm, monkeypatch):
     """Entry i: token i's log-probability after tokens 0..i-1 and the top k, from the float64
-    model rerun on each prefix; the first entry None."""
+    model rerun on each prefix; the first entry None. With n=2 the first completion's prefill
+    computes them (the engine's other sequence asks for none)."""
     ids = llm.tokenizer.encode("ROMEO:\nWhat light")
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    add, asked = Engine.add, []
+
+    def recorded(engine, prompt_ids, params, *args):
+        asked.append(params.prompt_logprobs)
+        return add(engine, prompt_ids, params, *args)
+
+    monkeypatch.setattr(Engine, "add", recorded)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=2, max_tokens=2, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    assert asked == [3, None]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     for i in range(1, len(ids)):
         with torch.no_grad():

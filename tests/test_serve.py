@@ -301,6 +301,73 @@ def test_logprobs_greedy_token_is_the_top_one(server):
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
+def reference_prompt_logprobs(prompt_ids):
+    """log_softmax of the shipped model's forward over the prompt, in float64: row i scores token i + 1."""
+    from modeling import QwenForCausalLM
+
+    with torch.no_grad():
+        logits = QwenForCausalLM.from_pretrained(MODEL, dtype=torch.float64)(torch.tensor([prompt_ids]))
+    return torch.log_softmax(logits[0, :-1], dim=-1)
+
+
+def assert_prompt_logprobs(entries, prompt_ids, k):
+    """vLLM's prompt_logprobs shape and the reference's values: None first, then {token id:
+    {logprob, rank, decoded_token}} of the k most likely tokens (ranks 1..k) and the prompt's token."""
+    from modeling import QwenTokenizer
+
+    tokenizer = QwenTokenizer.from_pretrained(MODEL)
+    lp = reference_prompt_logprobs(prompt_ids)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for i, (entry, token) in enumerate(zip(entries[1:], prompt_ids[1:])):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp[i, token].item(), abs=1e-4)
+        top = lp[i].topk(k)
+        assert [entry[str(t)]["rank"] for t in top.indices.tolist()] == list(range(1, k + 1))
+        assert set(entry) == {str(t) for t in top.indices.tolist()} | {str(token)}
+        assert all(v["decoded_token"] == tokenizer.decode([int(t)]) for t, v in entry.items())
+
+
+def test_prompt_logprobs_on_both_endpoints(server):
+    """vLLM's prompt_logprobs: per choice on /v1/completions (each of n choices, one prompt's
+    computed once), top-level on /v1/chat/completions; the values are the model's."""
+    client = server.client()
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    ids = out.choices[0].model_extra["prompt_token_ids"]
+    assert_prompt_logprobs(out.choices[0].model_extra["prompt_logprobs"], ids, 2)
+    assert out.choices[1].model_extra["prompt_logprobs"] == out.choices[0].model_extra["prompt_logprobs"]
+    plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra and plain.choices[0].text == out.choices[0].text
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    assert_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat.choices[0].model_extra["prompt_token_ids"], 0)
+
+
+def test_echo_with_logprobs_scores_the_prompt(server):
+    """echo + logprobs: the legacy logprobs hold the prompt's tokens first (the first one's logprob
+    and top_logprobs null, the others' the prompt_logprobs' values), then the completion's, as
+    without echo; streamed, the first chunk brings the prompt and its logprobs."""
+    client = server.client()
+    args = dict(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    out = client.completions.create(**args, echo=True, extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    choice, alone = out.choices[0], client.completions.create(**args).choices[0]
+    ids, lp = choice.model_extra["prompt_token_ids"], choice.logprobs
+    assert choice.text == PROMPT + alone.text
+    assert lp.tokens[len(ids):] == alone.logprobs.tokens
+    assert [set(top) for top in lp.top_logprobs[len(ids):]] == [set(top) for top in alone.logprobs.top_logprobs]
+    assert lp.token_logprobs[len(ids):] == pytest.approx(alone.logprobs.token_logprobs, abs=1e-4)
+    prompt = choice.model_extra["prompt_logprobs"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == [prompt[i][str(t)]["logprob"] for i, t in enumerate(ids) if i]
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens[:len(ids)]) == PROMPT
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**args, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
 def test_sampling_parameters_are_applied(server):
     """min_p, the penalties and top_k reach the engine: a strong repetition penalty changes the
     greedy text, and each one is validated by SamplingParams (its message comes back)."""
@@ -375,7 +442,9 @@ def assert_error(r: httpx.Response, status: int, param=None, match: str = "") ->
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "text, json_object or json_schema"),
     ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", r"\[0, 20\]"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", r"\[0, 20\]"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available with 'stream'"),
     ({"prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "x", "top_p": 0}, "top_p", r"\(0, 1\]"),
@@ -406,6 +475,8 @@ def test_completion_errors(server, body, param, match):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "must be"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 2, "stream": True}, "prompt_logprobs",
+     "not available with 'stream'"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      r"\[0, 20\]"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},

@@ -397,7 +397,8 @@ class FakeEngine:
         from modeling.engine import Status
 
         seq = SimpleNamespace(request_id=1000 + len(self.seqs), status=Status.WAITING, tokens=list(prompt_ids),
-                              logprobs=None, finish_reason=None, max_tokens=max_tokens, num_output=0)
+                              logprobs=None, prompt_logprobs=None, finish_reason=None, max_tokens=max_tokens,
+                              num_output=0)
         self.seqs.append(seq)
         return seq
 

@@ -47,7 +47,6 @@ import torch
 
 from ..common import is_int
 from ..engine import Engine, Status
-from ..engine.prompt_logprobs import prompt_logprobs
 from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_seed
 from ..model.causal_lm import QwenForCausalLM
@@ -81,12 +80,11 @@ PromptLike = Union[Prompt, Sequence[Prompt]]
 
 
 class _Request:
-    """One prompt of a call and its completions (one engine sequence each)."""
+    """One prompt of a call and its completions (one engine sequence each; the first one's prefill
+    computes the prompt logprobs, when asked for)."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion],
-                 prompt_logprobs=None):
+    def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion]):
         self.request_id, self.prompt, self.ids, self.completions = request_id, prompt, ids, completions
-        self.prompt_logprobs = prompt_logprobs
         self.metrics = RequestMetrics(time.perf_counter())
         self.seqs: list = []
 
@@ -96,7 +94,15 @@ class _Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.ids), [c.output() for c in self.completions],
-                             self.finished, self.metrics, self.prompt_logprobs)
+                             self.finished, self.metrics, self.prompt_logprobs())
+
+    def prompt_logprobs(self):
+        """``RequestOutput.prompt_logprobs``: None unless asked for, else as far as computed."""
+        entries = self.seqs[0].prompt_logprobs if self.seqs else None
+        if entries is None:
+            return None
+        text = self.completions[0].text_of
+        return [None] + [logprob_dict(text, t, e) for t, e in zip(self.ids[1:], entries[1:])]
 
 
 class LLM(Frontend):
@@ -334,8 +340,7 @@ class LLM(Frontend):
                 for (text, ids, params), budget in zip(requests, budgets):
                     stop_ids = self.stop_ids(params)
                     request = _Request(str(next(self._ids)), text, ids,
-                                       [Completion(j, self.tokenizer, params) for j in range(params.n)],
-                                       self._prompt_logprobs(ids, params.prompt_logprobs))
+                                       [Completion(j, self.tokenizer, params) for j in range(params.n)])
                     added.append(request)
                     for c in request.completions:
                         seq = engine.add(ids, _choice_params(params, c.index), budget, stop_ids)
@@ -345,13 +350,6 @@ class LLM(Frontend):
                 self._abort(added)
                 raise
         return added
-
-    def _prompt_logprobs(self, ids: List[int], k: Optional[int]):
-        """``RequestOutput.prompt_logprobs`` of a prompt (None when ``k`` is None)."""
-        if k is None:
-            return None
-        entries = prompt_logprobs(self.model, ids, k)
-        return [None] + [logprob_dict(self.tokenizer, t, e) for t, e in zip(ids[1:], entries[1:])]
 
     def _abort(self, requests: Sequence[_Request]) -> None:
         """Stop the sequences of ``requests`` that still run; their completions end with "abort"."""
@@ -419,10 +417,11 @@ class LLM(Frontend):
 
 
 def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of completion ``i`` of a request: its own seed (``choice_seed``)."""
-    if params.seed is None or i == 0:
+    """The params of completion ``i`` of a request: its own seed (``choice_seed``); the prompt
+    logprobs are the first completion's only."""
+    if i == 0:
         return params
-    return replace(params, seed=choice_seed(params.seed, i))
+    return replace(params, seed=choice_seed(params.seed, i), prompt_logprobs=None)
 
 
 def _progress(total: int, enabled: bool):

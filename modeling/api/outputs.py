@@ -5,7 +5,7 @@ strings, logprobs, the finish and stop reasons), which ``LLM`` and the server sh
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import LogprobEntry
@@ -235,19 +235,23 @@ class Completion:
         return text
 
     def _logprobs(self, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
-        return logprob_dict(self.tokenizer, token, entry)
+        return logprob_dict(self.text_of, token, entry)
+
+    def text_of(self, token: int) -> str:
+        """A token's own text, special tokens included (``Logprob.decoded_token``)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.row.text, list(self.token_ids), self.cumulative_logprob,
                                 self.logprobs, self.finish_reason, self.stop_reason)
 
 
-def logprob_dict(tokenizer: QwenTokenizer, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
+def logprob_dict(text: Callable[[int], str], token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
     """A token's ``LogprobEntry`` as vLLM gives it: token id -> ``Logprob`` of the top tokens
-    (ranked from 1) and of ``token`` (rank None when it is not among them)."""
+    (ranked from 1) and of ``token`` (rank None when it is not among them); ``text``: a token
+    id's text (``decoded_token``)."""
     chosen, top = entry
-    out = {tid: Logprob(lp, rank, tokenizer.decode([tid], skip_special_tokens=False))
-           for rank, (tid, lp) in enumerate(top, 1)}
+    out = {tid: Logprob(lp, rank, text(tid)) for rank, (tid, lp) in enumerate(top, 1)}
     if token not in out:
-        out[token] = Logprob(chosen, None, tokenizer.decode([token], skip_special_tokens=False))
+        out[token] = Logprob(chosen, None, text(token))
     return out

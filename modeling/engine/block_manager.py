@@ -106,18 +106,21 @@ class BlockManager:
         held = sum(self.ref_count[b] > 0 for b in hit)
         return self.blocks_for(num_tokens) - held <= self.num_free
 
-    def can_allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None) -> bool:
-        return self._fits(len(tokens), self.cached_prefix(tokens, known)[0])
+    def can_allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None, lookup: bool = True) -> bool:
+        return self._fits(len(tokens), self.cached_prefix(tokens, known)[0] if lookup else [])
 
-    def allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None) -> Tuple[List[int], List[bytes]]:
+    def allocate(self, tokens: Sequence[int], known: Optional[List[bytes]] = None,
+                 lookup: bool = True) -> Tuple[List[int], List[bytes]]:
         """(block table for ``tokens``, the hashes of its leading blocks found cached: those hold
         ``len(hashes) * block_size`` tokens already). Raises MemoryError when the blocks are not
-        there (check ``can_allocate`` first). ``known``: as for ``cached_prefix``."""
-        hit, hashes = self.cached_prefix(tokens, known)
+        there (check ``can_allocate`` first). ``known``: as for ``cached_prefix``; ``lookup=False``:
+        every block new, the prefix cache not asked (nor counted in ``hits`` and ``queries``)."""
+        hit, hashes = self.cached_prefix(tokens, known) if lookup else ([], [])
         if not self._fits(len(tokens), hit):
             raise MemoryError(f"{self.blocks_for(len(tokens))} KV blocks needed, {self.num_free} free")
         table = [self._take(b) for b in hit]
-        self.queries += self.blocks_for(len(tokens))
+        if lookup:
+            self.queries += self.blocks_for(len(tokens))
         self.hits += len(hit)
         table += [self._new_block() for _ in range(self.blocks_for(len(tokens)) - len(hit))]
         return table, hashes

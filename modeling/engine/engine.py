@@ -13,7 +13,8 @@ flat-token batch padded to a graph shape (``step.pack``, ``runner.StepRunner.pre
 runs it over the cache pool (``QwenForCausalLM.forward`` with the step's context, in the CUDA
 graph of that shape),
 the sequences whose tokens are all computed sample their next token (``sampler.sample_sequences``,
-each with its own settings), finished ones free their blocks. ``add`` and ``abort`` may be called
+each with its own settings), sequences that ask for prompt logprobs get those of the prompt tokens
+the step computed (``prefill_logprobs``), finished ones free their blocks. ``add`` and ``abort`` may be called
 from any thread; ``step`` from one thread at a time.
 """
 
@@ -29,6 +30,7 @@ import torch
 from ..common import is_int
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
+from .prefill_logprobs import PromptScores, prompt_rows
 from .prompts import MAX_MODEL_LEN, check_room, checked_token_ids
 from .runner import StepRunner
 from .sampler import SampledTokens, sample_sequences
@@ -73,12 +75,13 @@ class _Launched:
     ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
     step may be launched before they arrive (a decode-only step, no penalties and no token mask
     that reads the output: the next step's inputs are its tokens, and nothing reads a token the
-    host has not seen)."""
+    host has not seen); ``prompt``: the prompt logprobs it computed, if any."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
     sampled: Optional[SampledTokens]
     lookahead: bool
+    prompt: Optional[PromptScores] = None
 
 
 class Engine:
@@ -197,7 +200,8 @@ class Engine:
             scheduled = self.scheduler.schedule()
             if not scheduled.work:
                 return None
-            batch = self.runner.prepare(scheduled)
+            scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
+            batch = self.runner.prepare(scheduled, eager=scored is not None)
         dev = self.model.device
         if batch.pending:
             src = [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]
@@ -208,9 +212,14 @@ class Engine:
                 dst, src = to_device(np.array([[cu[i] for i in batch.pending], src], np.int64), dev)
                 batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
         t1 = time.perf_counter()
-        logits = self.runner.run(batch)
-        t2 = time.perf_counter()
         seqs = [scheduled.work[i][0] for i in batch.sampling]
+        prompt = None
+        if scored is None:
+            logits = self.runner.run(batch)
+        else:
+            logits = self.runner.run(batch, to_device(scored.rows, dev))
+            prompt, logits = scored.score(logits[len(seqs):]), logits[:len(seqs)]
+        t2 = time.perf_counter()
         sampled = sample_sequences(logits, seqs, [s.num_tokens for s in seqs]) if seqs else None
         with self._lock:
             for seq, n in scheduled.work:
@@ -230,7 +239,7 @@ class Engine:
         st.launch_s += t2 - t1
         lookahead = scheduled.decode_only and bool(seqs) and not any(
             s.params.has_penalty or (s.controls is not None and s.controls.needs_history) for s in seqs)
-        return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead)
+        return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead, prompt)
 
     def _finish(self, launched: "_Launched") -> List[Sequence]:
         """Read a launched step's tokens and give them to their sequences."""
@@ -239,6 +248,8 @@ class Engine:
         t1 = time.perf_counter()
         out = []
         with self._lock:
+            if launched.prompt is not None:
+                launched.prompt.collect()
             for seq, (token, logprobs) in zip(launched.seqs, tokens):
                 seq.num_pending -= 1
                 if seq.status is Status.FINISHED:  # aborted, or finished by the token before this one

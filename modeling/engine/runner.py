@@ -20,7 +20,8 @@ A decode graph keeps its own logits; the prefill and mixed graphs (about 80 shap
 into one shared [``max_num_seqs`` + 1, V] buffer, so that capturing every shape does not pin a
 logits tensor per shape (~1.8 GB at 256 sequences and Qwen3's vocabulary).
 Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run eagerly, so the
-CPU tests cover the padding.
+CPU tests cover the padding. A step that scores prompt tokens (``prefill_logprobs``) runs its
+padded batch eagerly too, with more logits rows than a graph has.
 
 A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a
 pinned host buffer laid out as the graph reads it (each shape's fields are views at the front of
@@ -32,6 +33,7 @@ the same blocks. Two host buffers take turns, each reused only once its last tra
 has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
+from dataclasses import replace
 from typing import Callable, Dict, Hashable, Optional
 
 import torch
@@ -195,16 +197,17 @@ class StepRunner:
         return ("mixed", next(b for b in self.token_buckets if b >= num_tokens),
                 next(b for b in self.seq_buckets if b > num_seqs))
 
-    def prepare(self, step) -> StepBatch:
+    def prepare(self, step, eager: bool = False) -> StepBatch:
         """The batch of a scheduled step (``scheduler.ScheduledStep``) in the static buffers of its
         graph shape, on its way to the device: the graph is captured first if the shape is new (the
-        capture stages its own all-padding batch), then the step's batch is staged."""
+        capture stages its own all-padding batch; not for an ``eager`` step, one that ``run`` takes
+        with prompt-logprob rows), then the step's batch is staged."""
         work = step.work
         key = self.key(step.num_tokens, len(work), step.decode_only)
         width = max(len(seq.block_table) for seq, _ in work)
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
-        if key not in self.replays:
+        if key not in self.replays and not eager:
             self.shape = key
             self.replays[key] = self.graphs.get(key, self._body(key))
         packed = self._stage(work, key)
@@ -218,9 +221,15 @@ class StepRunner:
         batch.pending = packed.pending
         return batch
 
-    def run(self, batch: StepBatch) -> Tensor:
-        """Run a ``prepare``d step: the logits [Ss, V] of its sampling sequences, in order."""
+    def run(self, batch: StepBatch, prompt_rows: Optional[Tensor] = None) -> Tensor:
+        """Run a ``prepare``d step: the logits [Ss, V] of its sampling sequences, in order. With
+        ``prompt_rows`` [R] int64 (token rows whose logits the prompt logprobs need,
+        ``prefill_logprobs``): the padded step runs eagerly, op by op, outside the CUDA graphs, and
+        the logits are [Ss + R, V], the sampling rows first."""
         key = batch.key
+        if prompt_rows is not None:
+            rows = torch.cat([batch.logits_rows[:len(batch.sampling)], prompt_rows])
+            return self.model(batch.input_ids, StepContext(replace(batch, logits_rows=rows), self.pool, "ops"))
         self.replays[key]()
         logits = self.logits[key]
         return logits[:len(batch.sampling)] if key[0] == "mixed" else logits[:batch.num_seqs]

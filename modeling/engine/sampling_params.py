@@ -55,8 +55,9 @@ class SamplingParams:
     - ``min_tokens``: the stop tokens (EOS and ``stop_token_ids``) are banned until this many
       tokens were generated (stop strings still end the text).
     - ``prompt_logprobs`` (None: none; k in [0, 20]): each prompt token after the first with its
-      log-probability given the tokens before it and the k most likely tokens'
-      (``prompt_logprobs.prompt_logprobs``: one more forward of the prompt).
+      log-probability given the tokens before it and the k most likely tokens', computed by the
+      engine's prefill steps (``prefill_logprobs``: no second forward; the prompt is not served
+      from the prefix cache).
     - ``structured_outputs`` (a ``structured_outputs.StructuredOutputs``, or a dict of its fields;
       None: free text): the output follows a JSON schema, a regex, a choice or a grammar
       (xgrammar; the request's mask then allows only the tokens that keep it in the grammar).

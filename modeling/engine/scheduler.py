@@ -8,14 +8,16 @@ then waiting ones are admitted in arrival order while the budget, ``max_num_seqs
 blocks allow. When a running sequence needs a block and none is free, the youngest running
 sequence is preempted: its blocks and state slot are released and it goes back to the front of
 the queue, to be recomputed from its tokens (prompt and output so far) when readmitted. A request
-is never dropped; one that cannot fit the pool even alone is refused when it is added.
+is never dropped; one that cannot fit the pool even alone is refused when it is added. A sequence
+whose prompt logprobs are still to be computed is admitted without the prefix-cache lookup
+(``prefill_logprobs``).
 
 ``chunked_prefill=False`` (hybrid models whose recurrent layers continue their state through
 chunks only with the varlen kernels): a prompt is computed in one step, never cut.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Deque, List, Optional, Tuple
 
 from .block_manager import BlockManager
@@ -24,18 +26,20 @@ from .sequence import Sequence, Status
 
 @dataclass
 class ScheduledStep:
-    """The sequences of one step and how many new tokens each computes, in batch order."""
+    """The sequences of one step and how many new tokens each computes, in batch order.
+    ``decode_only``: every sequence computes one token and samples the next (a one-token chunk of
+    a longer prompt samples nothing: its step is a mixed one); fixed when the step is made, before
+    the engine counts its tokens as computed."""
 
     work: List[Tuple[Sequence, int]]
+    decode_only: bool = field(init=False)
+
+    def __post_init__(self):
+        self.decode_only = all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in self.work)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.work)
-
-    @property
-    def decode_only(self) -> bool:
-        """Whether every sequence computes one token (and so samples one)."""
-        return all(n == 1 for _, n in self.work)
 
 
 class StateSlots:
@@ -124,11 +128,12 @@ class Scheduler:
             prompt = seq.tokens
             if not self.chunked_prefill and len(prompt) > budget:
                 break
-            if (not self.blocks.can_allocate(prompt, seq.prefix_hashes)
+            lookup = not seq.needs_prompt_logprobs  # cached positions would go unscored
+            if (not self.blocks.can_allocate(prompt, seq.prefix_hashes, lookup)
                     or (self.state_slots is not None and not self.state_slots.free)):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt, seq.prefix_hashes)
+            seq.block_table, seq.block_hashes = self.blocks.allocate(prompt, seq.prefix_hashes, lookup)
             seq.num_computed = seq.num_cached = len(seq.block_hashes) * self.blocks.block_size
             if self.state_slots is not None:
                 seq.state_slot = self.state_slots.take()

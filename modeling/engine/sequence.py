@@ -39,6 +39,9 @@ class Sequence:
 
     ``logprobs``: None unless ``params.logprobs`` is set, then one ``LogprobEntry`` per output
     token (of the raw model distribution, ``params.logprobs`` top tokens; see ``SamplingParams``).
+    ``prompt_logprobs``: None unless ``params.prompt_logprobs`` is set, then None for the first
+    prompt token and one ``LogprobEntry`` per prompt token after it, filled by the prefill steps
+    (``prefill_logprobs``).
     ``controls``: the tokens it may not sample (``token_masks.TokenControls``; None: any)."""
 
     tokens: List[int]
@@ -60,6 +63,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     logprobs: Optional[List[LogprobEntry]] = None
+    prompt_logprobs: Optional[List[Optional[LogprobEntry]]] = None
     num_pending: int = 0
     controls: Optional["TokenControls"] = None  # what excludes tokens (``token_masks``), None if nothing
 
@@ -68,6 +72,13 @@ class Sequence:
         self.num_prompt = self.num_prompt or len(self.tokens)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some of its prompt logprobs are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt
 
     @property
     def num_tokens(self) -> int:

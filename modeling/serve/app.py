@@ -246,7 +246,8 @@ def create_app(state: ServerState) -> FastAPI:
             watcher.cancel()
             finish(request, gen, status)
         choices = [gen.chat_choice(c) if gen.chat else gen.completion_choice(c) for c in gen.choices]
-        return JSONResponse(envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens)))
+        return JSONResponse(envelope.response(choices, usage(gen.prompt_tokens, gen.completion_tokens),
+                                              **gen.response_fields()))
 
     async def stream(request: Request, gen: Generation, envelope: Envelope):
         include = gen.plan.include_usage

@@ -7,8 +7,10 @@ plain tuples (they cross a pipe); ``rid`` is the request id the server gave a se
 In:  ("add", rid, prompt_ids, params, max_tokens, stop_ids, logprobs) | ("abort", rid) | ("stop",)
 Out: ("step", t0, events, changes, kv_usage): after each step, t0 its start (perf_counter, one
        clock for every process of the machine), events [(rid, token, logprob entry or None,
-       finish reason or None)] of the sequences that got a token, changes [(rid, waiting)] of the
-       sequences whose waiting state changed since the last report (admitted, or preempted);
+       finish reason or None, prompt logprobs or None)] of the sequences that got a token (the
+       prompt's logprob entries come with its first token, when its params ask for them),
+       changes [(rid, waiting)] of the sequences whose waiting state changed since the last
+       report (admitted, or preempted);
      ("status", changes, kv_usage): when adds or aborts changed the engine, or a step failed, and no
        step followed;
      ("failed", rids, message): a step raised, these requests were failed (their blocks freed);
@@ -96,7 +98,7 @@ class EngineCore:
             if rid is None:  # aborted meanwhile
                 continue
             events.append((rid, seq.tokens[-1], seq.logprobs[-1] if self.wants_logprobs[rid] else None,
-                           seq.finish_reason))
+                           seq.finish_reason, seq.prompt_logprobs if seq.num_output == 1 else None))
             if seq.finish_reason is not None:
                 self.forget(rid)
         self.dirty = False

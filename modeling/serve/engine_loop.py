@@ -33,13 +33,16 @@ from .engine_core import EngineCore
 class TokenEvent:
     """One sampled token of choice ``index``; ``logprobs`` its ``LogprobEntry`` when the request
     asked for them; ``finish_reason`` the engine's ("stop", "length") when it was the last;
-    ``admitted`` the perf_counter time of the first step that ran the sequence."""
+    ``admitted`` the perf_counter time of the first step that ran the sequence;
+    ``prompt_logprobs`` the prompt's entries (``Sequence.prompt_logprobs``) with the first token,
+    when the choice's params ask for them."""
 
     index: int
     token: int
     logprobs: Optional[tuple]
     finish_reason: Optional[str]
     admitted: float
+    prompt_logprobs: Optional[list] = None
 
 
 class EngineFailure:
@@ -160,12 +163,13 @@ class EngineClient:
 
     def _deliver(self, events, t0: float) -> None:
         batches: Dict[Sink, List[TokenEvent]] = {}
-        for rid, token, logprobs, finish_reason in events:
+        for rid, token, logprobs, finish_reason, prompt_logprobs in events:
             e = self._entries.get(rid)
             if e is None:  # aborted by its handler meanwhile
                 continue
             batches.setdefault(e.sink, []).append(
-                TokenEvent(e.index, token, logprobs, finish_reason, e.admitted if e.admitted is not None else t0))
+                TokenEvent(e.index, token, logprobs, finish_reason, e.admitted if e.admitted is not None else t0,
+                           prompt_logprobs))
             if finish_reason is not None:
                 del self._entries[rid]
         for sink, batch in batches.items():

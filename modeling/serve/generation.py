@@ -13,7 +13,7 @@ from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
-from .responses import TokenStrings, chat_logprobs, completion_logprobs, tool_call
+from .responses import TokenStrings, chat_logprobs, completion_logprobs, prompt_logprobs, tool_call
 
 
 class EngineError(Exception):
@@ -60,6 +60,8 @@ class Choice:
         self.first_token: Optional[float] = None
         self.finished_at: Optional[float] = None
         self.lp_offset = 0  # text_offset of the next streamed logprob (completions)
+        self.prompt_logprobs: Optional[list] = None  # its prompt's entries, when its params ask for them
+        self.echoed = False  # its streamed echo is sent (with logprobs: in its first chunk)
 
     def consume(self, events: List[TokenEvent]) -> Optional[Piece]:
         """Take this step's tokens; None once the choice has finished (tokens the engine sampled
@@ -71,6 +73,8 @@ class Choice:
         for ev in events:
             if self.admitted is None:
                 self.admitted, self.first_token = ev.admitted, now
+            if ev.prompt_logprobs is not None:
+                self.prompt_logprobs = ev.prompt_logprobs
             self.token_ids.append(ev.token)
             piece.token_ids.append(ev.token)
             if ev.logprobs is not None:
@@ -203,14 +207,42 @@ class Generation:
             return c.prompt.text
         return self.strings.tokenizer.decode(c.prompt.ids, c.params.skip_special_tokens)
 
+    def _prompt_entries(self, c: Choice) -> list:
+        """The prompt logprob entries of ``c``'s prompt: its own, else its prompt's first choice's
+        (the one that computes them for a whole response, ``protocol._per_choice``)."""
+        own = c.prompt_logprobs
+        return own if own is not None else self.choices[c.index - c.index % self.plan.n].prompt_logprobs
+
+    def _echo_logprobs(self, c: Choice) -> Tuple[List[int], List[Optional[tuple]]]:
+        """The echoed prompt's token ids and their entries (None for the first, then ``logprobs``
+        top tokens each): what precedes the completion's in the legacy logprobs."""
+        k = self.plan.logprobs
+        return c.prompt.ids, [None] + [(lp, top[:k]) for lp, top in self._prompt_entries(c)[1:]]
+
+    def prompt_logprobs(self, c: Choice) -> Optional[list]:
+        """vLLM's ``prompt_logprobs`` of ``c``'s prompt (``responses.prompt_logprobs``), None unless asked for."""
+        if self.plan.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(c.prompt.ids, self._prompt_entries(c), self.strings, self.plan.prompt_logprobs)
+
     def completion_choice(self, c: Choice) -> Dict[str, Any]:
         out = {"index": c.index, "text": self._echo(c) + c.text, "logprobs": None,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.plan.logprobs is not None:
-            out["logprobs"] = completion_logprobs(c.token_ids, c.logprobs, self.strings, 0)
+            ids, entries = self._echo_logprobs(c) if self.plan.echo else ([], [])
+            out["logprobs"] = completion_logprobs(ids + c.token_ids, entries + c.logprobs, self.strings, 0)
+        if self.plan.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(c)
         if self.plan.return_token_ids:
             out.update(prompt_token_ids=c.prompt.ids, token_ids=c.token_ids)
         return out
+
+    def response_fields(self) -> Dict[str, Any]:
+        """A whole response's top-level fields beside the choices: a chat response's
+        ``prompt_logprobs`` (vLLM's: one prompt), when asked for."""
+        if not self.chat or self.plan.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs(self.choices[0])}
 
     def chat_choice(self, c: Choice) -> Dict[str, Any]:
         message: Dict[str, Any] = {"role": "assistant", "content": c.content.strip() if c.calls else c.content}
@@ -228,11 +260,14 @@ class Generation:
         return out
 
     def first_deltas(self) -> List[Dict[str, Any]]:
-        """The chunk choices sent before any token: the assistant role (chat), the prompt (echo)."""
+        """The chunk choices sent before any token: the assistant role (chat), the prompt (echo;
+        with logprobs it waits for the first token, which brings the prompt's logprobs)."""
         if self.chat:
             return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None} for c in self.choices]
-        if self.plan.echo:
+        if self.plan.echo and self.plan.logprobs is None:
+            for c in self.choices:
+                c.echoed = True
             return [{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}
                     for c in self.choices]
         return []
@@ -257,13 +292,18 @@ class Generation:
             if self.plan.logprobs is not None:
                 out["logprobs"] = chat_logprobs(p.token_ids, p.logprobs, self.strings)
         else:
-            if not p.text and not extra and p.finish_reason is None:
+            text, ids, entries = p.text, p.token_ids, p.logprobs
+            if self.plan.echo and not c.echoed:  # the first piece, with the prompt's logprobs
+                c.echoed = True
+                echo_ids, echo_entries = self._echo_logprobs(c)
+                text, ids, entries = self._echo(c) + text, echo_ids + ids, echo_entries + entries
+            if not text and not extra and p.finish_reason is None:
                 return None
-            out["text"] = p.text
+            out["text"] = text
             out["stop_reason"] = c.stop_reason if p.finish_reason else None
             if self.plan.logprobs is not None:
-                out["logprobs"] = completion_logprobs(p.token_ids, p.logprobs, self.strings, c.lp_offset)
-                c.lp_offset += sum(len(self.strings(t)) for t in p.token_ids)
+                out["logprobs"] = completion_logprobs(ids, entries, self.strings, c.lp_offset)
+                c.lp_offset += sum(len(self.strings(t)) for t in ids)
         if self.plan.return_token_ids:
             out["token_ids"] = p.token_ids
         return out

@@ -56,7 +56,8 @@ class StreamOptions(Fields):
 class _Request(Fields):
     """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
     repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
-    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens)."""
+    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens,
+    prompt_logprobs)."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -83,6 +84,7 @@ class _Request(Fields):
     allowed_token_ids: Optional[List[int]] = None
     bad_words: Optional[List[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     # constraints on the output (``structured.structured_of``): at most one of these
     response_format: Optional[Dict[str, Any]] = None
     structured_outputs: Optional[Dict[str, Any]] = None
@@ -222,7 +224,8 @@ class Plan:
     include_usage: bool
     return_token_ids: bool
     logprobs: Optional[int]  # top logprobs per token when asked for logprobs, else None
-    echo: bool = False
+    echo: bool = False  # with logprobs, the echoed prompt's tokens get theirs (the engine's prompt logprobs)
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs shown (top tokens per prompt token), else None
     tool_calls: bool = False  # parse Qwen's <tool_call> blocks out of the reply
     parallel_tool_calls: bool = True  # False: the first tool call of a reply only
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
@@ -257,9 +260,10 @@ def _refuse_neutral(req: _Request) -> None:
 
 
 def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
-              structured: Optional[StructuredOutputs] = None) -> SamplingParams:
+              structured: Optional[StructuredOutputs] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value),
-    with the output constraint ``structured`` (``structured.structured_of``)."""
+    with the output constraint ``structured`` (``structured.structured_of``) and the engine's
+    ``prompt_logprobs``."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
     given = {name: getattr(req, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
@@ -284,7 +288,8 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
                        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, min_tokens=req.min_tokens,
                        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=bias,
                        allowed_token_ids=req.allowed_token_ids, bad_words=tuple(req.bad_words or ()),
-                       truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured)
+                       truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured,
+                       prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # SamplingParams names each bad value: "temperature must be ..."
         first = str(e).split("; ")[0]
         name = re.match(r"(?:stop strings|(\w+))", first)
@@ -376,20 +381,42 @@ def _is_id(x: Any) -> bool:
 
 
 def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
+    """What a completion request runs. ``echo`` with ``logprobs`` asks the engine for the prompt's
+    logprobs too (the larger of ``logprobs`` and ``prompt_logprobs`` top tokens), as vLLM does."""
     _refuse_neutral(req)
-    if req.logprobs is not None and req.echo:
-        raise unsupported("echo", "not together with logprobs (no prompt logprobs)")
+    shown = _prompt_logprobs(req)
+    echoed = req.logprobs if req.echo else None
+    asked = [k for k in (shown, echoed) if k is not None]
     structured, field = structured_of(req)
-    base = _sampling(req, llm, req.logprobs, structured)
+    base = _sampling(req, llm, req.logprobs, structured, max(asked) if asked else None)
     prompts = truncated(completion_prompts(req.prompt, llm), base.truncate_prompt_tokens)
     default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
-    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n), budget, _stop_ids(llm, base), req.stream,
-                _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo, constraint_field=field)
+    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n, req.stream), budget, _stop_ids(llm, base),
+                req.stream, _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo,
+                prompt_logprobs=shown, constraint_field=field)
 
 
-def _per_choice(base: SamplingParams, num_prompts: int, n: int) -> List[SamplingParams]:
-    return [replace(base, seed=choice_seed(base.seed, j)) for _ in range(num_prompts) for j in range(n)]
+def _prompt_logprobs(req: _Request) -> Optional[int]:
+    """The ``prompt_logprobs`` the response shows: a 400 outside [0, MAX_LOGPROBS], or above 0 with
+    ``stream`` (vLLM's rule: a stream shows none, and 0 passes)."""
+    k = req.prompt_logprobs
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+    if k is not None and req.stream:
+        if k > 0:
+            raise invalid("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
+        return None
+    return k
+
+
+def _per_choice(base: SamplingParams, num_prompts: int, n: int, every: bool = False) -> List[SamplingParams]:
+    """Choice j of each prompt: its own seed (``choice_seed``); the prompt logprobs computed by the
+    prompt's first choice only (the others' prefills may then hit the prefix cache), or by each
+    choice when ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
+    return [replace(base, seed=choice_seed(base.seed, j),
+                    prompt_logprobs=base.prompt_logprobs if j == 0 or every else None)
+            for _ in range(num_prompts) for j in range(n)]
 
 
 def _include_usage(req: _Request) -> bool:
@@ -526,7 +553,8 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, too
         if structured is not None:
             raise invalid(f"'tool_choice' forces a call: no '{constraint}' with it", "tool_choice")
         structured, constraint = StructuredOutputs(grammar=forced_call_grammar(forced, form)), "tool_choice"
-    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured)
+    shown = _prompt_logprobs(req)
+    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured, shown)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
     budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
@@ -534,7 +562,8 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, too
     types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or ()}
     return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
-                _include_usage(req), req.return_token_ids, base.logprobs, tool_calls=tools is not None,
+                _include_usage(req), req.return_token_ids, base.logprobs, prompt_logprobs=shown,
+                tool_calls=tools is not None,
                 parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
                 prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
 

@@ -4,8 +4,10 @@
 import json
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..api.outputs import logprob_dict
 from ..api.tokenizer import QwenTokenizer
 from ..engine.sequence import LogprobEntry
 
@@ -45,19 +47,34 @@ class TokenStrings:
         return s
 
 
-def completion_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], strings: TokenStrings,
+def completion_logprobs(tokens: Sequence[int], entries: Sequence[Optional[LogprobEntry]], strings: TokenStrings,
                         offset: int) -> Dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs (the top tokens, and the
-    sampled one, as {text: logprob}), text_offset (from ``offset``, the text before them)."""
+    sampled one, as {text: logprob}), text_offset (from ``offset``, the text before them). An entry
+    None (an echoed prompt's first token) has null token_logprobs and top_logprobs."""
     texts, offsets, tops = [], [], []
-    for token, (lp, top) in zip(tokens, entries):
+    for token, entry in zip(tokens, entries):
         texts.append(strings(token))
         offsets.append(offset)
         offset += len(texts[-1])
+        if entry is None:
+            tops.append(None)
+            continue
+        lp, top = entry
         d = {strings(t): v for t, v in top}
         d.setdefault(texts[-1], lp)
         tops.append(d)
-    return {"tokens": texts, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": texts, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prompt_logprobs(ids: Sequence[int], entries: Sequence[Optional[LogprobEntry]], strings: TokenStrings,
+                    k: int) -> List[Optional[Dict[int, Dict[str, Any]]]]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {token id:
+    {logprob, rank, decoded_token}} of its k most likely tokens (ranked from 1) and of itself (rank
+    null when not among them); ``entries`` as ``Sequence.prompt_logprobs``, at least k top tokens."""
+    return [None] + [{t: asdict(v) for t, v in logprob_dict(strings, token, (lp, top[:k])).items()}
+                     for token, (lp, top) in zip(ids[1:], entries[1:])]
 
 
 def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], strings: TokenStrings) -> Dict[str, Any]:
@@ -90,9 +107,10 @@ class Envelope:
                 "created": self.created, "model": self.model}
         self._chunk_head = JSON.encode(head)[:-1] + ',"choices":['
 
-    def response(self, choices: List[Dict[str, Any]], use: Dict[str, int]) -> Dict[str, Any]:
+    def response(self, choices: List[Dict[str, Any]], use: Dict[str, int], **extra: Any) -> Dict[str, Any]:
+        """The whole response; ``extra``: top-level fields after ``usage`` (vLLM's ``prompt_logprobs``)."""
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": use}
+                "created": self.created, "model": self.model, "choices": choices, "usage": use, **extra}
 
     def chunk(self, choices: List[Dict[str, Any]], include_usage: bool, use: Optional[Dict[str, int]] = None) -> str:
         """One streamed chunk as its SSE event (the text of ``sse`` of the chunk's object, its
