@@ -388,6 +388,14 @@ MUTATIONS = [
              "m.detach().to(self.save_dtype, copy=True)", "m.detach().to(self.save_dtype)", ("tests/test_train.py",)),
     Mutation("the time-budget schedule takes the smaller progress", "modeling/train/trainer.py",
              "progress = max(progress, elapsed_s", "progress = min(progress, elapsed_s", ("tests/test_train.py",)),
+    # FP8 checkpoints (tests/test_fp8_checkpoints.py) and grammars (tests/test_engine_controls.py).
+    Mutation("FP8 scales read in the wrong block order", "modeling/model/loader.py",
+             "s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX))",
+             "s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX).flip(0))",
+             ("tests/test_fp8_checkpoints.py",)),
+    Mutation("a completed grammar does not end its sequence", "modeling/engine/sequence.py",
+             "if token in self.stop_token_ids or (self.controls is not None and self.controls.terminated):",
+             "if token in self.stop_token_ids:", ("tests/test_engine_controls.py",)),
 ]
 
 

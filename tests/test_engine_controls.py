@@ -165,6 +165,55 @@ def test_structured_outputs_errors():
         engine.add([1, 2], SamplingParams(structured_outputs={"regex": "a"}), 4)
 
 
+def test_grammars_are_built_once_before_the_first_constrained_request(llm, monkeypatch):
+    """``Engine.prepare_grammars`` builds xgrammar's vocabulary table up front (the server calls
+    it as it starts); the first constrained request then builds nothing. The server's own check
+    builds its copy in a worker thread, never on the event loop."""
+    pytest.importorskip("xgrammar")
+    import asyncio
+    import threading
+
+    from modeling.engine import engine as engine_module
+    from modeling.serve.structured import GrammarCheck
+
+    built = []
+    real = engine_module.Grammars
+
+    def counting(*args):
+        built.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "Grammars", counting)
+    engine = Engine(llm.model, max_num_seqs=2, max_model_len=64, tokenizer=llm.tokenizer)
+    engine.prepare_grammars()
+    engine.prepare_grammars()
+    assert len(built) == 1
+    out = engine.generate([[1, 2]], SamplingParams(structured_outputs={"choice": ["ab", "cd"]}), 8)
+    assert len(built) == 1 and llm.tokenizer.decode(out[0], skip_special_tokens=True) in ("ab", "cd")
+
+    monkeypatch.setattr("modeling.serve.structured.Grammars", counting)
+    check = GrammarCheck(llm.tokenizer, llm.model.config.vocab_size)
+
+    async def serve():
+        await check.prepare()
+        await check.check(StructuredOutputs(regex="a+"), "structured_outputs")
+
+    asyncio.run(serve())
+    assert len(built) == 2 and built[1] is not threading.main_thread()
+
+
+def test_a_completed_grammar_ends_its_sequence_even_with_ignore_eos(llm):
+    """The grammar's stop token ends the output ("stop"), though ignore_eos drops EOS from the
+    sequence's stop tokens: nothing may follow a completed grammar (the engine used to ask the
+    finished matcher for another mask and fail the whole step)."""
+    pytest.importorskip("xgrammar")
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, structured_outputs={"choice": ["alpha", "beta"]}),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    constrained, free = (o.outputs[0] for o in llm.generate(["Hello", "Hello"], params, use_tqdm=False))
+    assert constrained.finish_reason == "stop" and constrained.text in ("alpha", "beta")
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+
+
 def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
     """A string with maxLength takes what JSON allows raw (xgrammar's own class for it lets control
     characters through); without xgrammar, a constraint is an ImportError naming the package."""

@@ -159,10 +159,16 @@ class Engine:
         bad = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         matcher = None
         if params.structured_outputs is not None:
-            if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, vocab)
+            self.prepare_grammars()
             matcher = self._grammars.matcher(params.structured_outputs)
         return TokenControls(params, vocab, bad, stop_token_ids, matcher)
+
+    def prepare_grammars(self) -> None:
+        """Build the structured-output compiler (xgrammar's table of the tokenizer's vocabulary, a
+        few seconds for Qwen's) now, not at the first constrained request, which would hold every
+        running sequence meanwhile; an ``ImportError`` without xgrammar."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
 
     def abort(self, seq: Sequence) -> None:
         """Finish ``seq`` now ("abort"), freeing its blocks; a finished sequence is left as it is."""

@@ -94,7 +94,7 @@ class Sequence:
 
     def append(self, token: int, logprobs: Optional[LogprobEntry] = None) -> None:
         """Record a sampled token (with its ``LogprobEntry`` exactly when ``params.logprobs`` is set)
-        and finish the sequence if it is a stop token or the last allowed."""
+        and finish the sequence if it is a stop token, completes its grammar or is the last allowed."""
         if (logprobs is None) != (self.logprobs is None):
             raise ValueError(f"request {self.request_id}: a logprobs entry is needed exactly when its params ask "
                              f"for logprobs (logprobs={self.params.logprobs!r}), got {logprobs!r}")
@@ -105,7 +105,7 @@ class Sequence:
             self.logprobs.append(logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        if token in self.stop_token_ids:
+        if token in self.stop_token_ids or (self.controls is not None and self.controls.terminated):
             self.finish_reason = "stop"
         elif self.num_output >= self.max_tokens:
             self.finish_reason = "length"

@@ -75,6 +75,12 @@ class TokenControls:
         if grammar is not None and not mask.any():
             mask[:] = grammar
 
+    @property
+    def terminated(self) -> bool:
+        """Its grammar is complete (it took a stop token): the sequence ends there, whatever its
+        own stop tokens (with ``ignore_eos`` too), since the grammar allows nothing after."""
+        return self.matcher is not None and self.matcher.is_terminated()
+
     def accept(self, token: int) -> None:
         """Advance the grammar past a sampled token (a ``RuntimeError`` if it refuses it: the mask
         allowed only tokens it takes)."""

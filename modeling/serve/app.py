@@ -108,6 +108,7 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start(asyncio.get_running_loop())
+        await state.grammars.prepare()  # before the first request: never on a client's time
         try:
             yield
         finally:

@@ -16,6 +16,7 @@ The child ignores SIGINT and SIGTERM (the server drains, then stops it: SIGKILL 
 in time, or if the server is interrupted while the child starts) and exits by itself when the
 server process is gone. Its exit at any other time is the engine's death for the server.
 """
+import contextlib
 import logging
 import os
 import select
@@ -203,6 +204,8 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
         engine = Engine(llm.model, tokenizer=llm.tokenizer, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
+    with contextlib.suppress(ImportError):  # without xgrammar, constrained requests are refused with a 400
+        engine.prepare_grammars()
     if spec.warmup_tokens:  # compile the kernels, capture the graphs, run a request: not on a client's time
         warm_up(engine)
         n = min(spec.warmup_tokens, engine.max_model_len - 1)

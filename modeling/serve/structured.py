@@ -11,6 +11,7 @@ constraint: a constraint xgrammar cannot take, or one that takes longer than the
 names the package.
 """
 import asyncio
+import contextlib
 from typing import Any, Dict, Optional, Tuple
 
 from ..engine.structured_outputs import Grammars, StructuredOutputs
@@ -65,19 +66,27 @@ def _response_format(fmt: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class GrammarCheck:
-    """Compiles constraints for one tokenizer off the event loop (see the module doc); the
-    ``Grammars`` are made at the first constrained request."""
+    """Compiles constraints for one tokenizer off the event loop (see the module doc); its
+    ``Grammars`` (xgrammar's table of the vocabulary: seconds for Qwen's) are made in a worker
+    thread by ``prepare``, as the server starts, or else at the first constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int, timeout: float = COMPILE_TIMEOUT_S):
         self.tokenizer, self.vocab_size, self.timeout = tokenizer, vocab_size, timeout
         self._grammars: Optional[Grammars] = None
+
+    async def prepare(self) -> None:
+        """Make the ``Grammars`` in a worker thread; nothing without xgrammar (``check`` then answers
+        a constrained request with a 400 naming the package)."""
+        if self._grammars is None:
+            with contextlib.suppress(ImportError):
+                self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
 
     async def check(self, spec: Optional[StructuredOutputs], field: str) -> None:
         if spec is None:
             return
         try:
             if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.vocab_size)
+                self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
             await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, spec), self.timeout)
         except ImportError as e:
             raise invalid(str(e), field) from None
