@@ -181,3 +181,23 @@ def recompute_greedy(model, prompts, new_tokens: int):
                 ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+@torch.no_grad()
+def randomize_(model, std=0.2):
+    """A transformers model's weights at random, logits spread out (routing far from uniform):
+    matrices ~ N(0, std^2); norm weights as each norm reads them: 1 + N(0, std^2) for a plain weight
+    (Qwen3, Qwen2 and their MoE, Qwen3.5's gated norm), N(0, std^2) for Qwen3.5's zero-centred ones;
+    Qwen3.5's A_log ~ U(-4, 1) and dt_bias ~ N(-1, 1), so heads range from a long memory to a short
+    one."""
+    zero_centred = model.config.model_type.startswith("qwen3_5")
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(-4.0, 1.0)
+        elif name.endswith("dt_bias"):
+            p.normal_(-1.0, 1.0)
+        else:
+            p.normal_(0.0, std)
+            if name.endswith("linear_attn.norm.weight") or ("norm" in name and not zero_centred):
+                p.add_(1.0)
+    return model

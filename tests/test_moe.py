@@ -28,7 +28,7 @@ from modeling.model.config import ConfigError
 from modeling.model.device import weight_bytes
 from modeling.model.loader import parameter_count
 from modeling.model.moe import SparseMoeBlock
-from tests.helpers import add_word_tokenizer, forced_logits, hf_greedy, llm_greedy, prompt, rel_err
+from tests.helpers import add_word_tokenizer, forced_logits, hf_greedy, llm_greedy, prompt, randomize_, rel_err
 
 ATTENTION = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40)
@@ -46,25 +46,6 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig, QWEN2_MOE),
     "qwen3_5_moe_text": (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, QWEN3_5_MOE),
 }
-
-
-@torch.no_grad()
-def randomize_(model, std=0.2):
-    """Weights ~ N(0, std^2) (logits spread out, routing far from uniform); norm weights as each norm
-    reads them: 1 + N(0, std^2) for a plain weight (Qwen3-MoE, Qwen2-MoE, Qwen3.5's gated norm),
-    N(0, std^2) for Qwen3.5's zero-centred ones; Qwen3.5's A_log ~ U(-4, 1) and dt_bias ~ N(-1, 1),
-    as in test_qwen3_5."""
-    zero_centred = model.config.model_type.startswith("qwen3_5")
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.uniform_(-4.0, 1.0)
-        elif name.endswith("dt_bias"):
-            p.normal_(-1.0, 1.0)
-        else:
-            p.normal_(0.0, std)
-            if name.endswith("linear_attn.norm.weight") or ("norm" in name and not zero_centred):
-                p.add_(1.0)
-    return model
 
 
 def random_hf_model(family, dtype=torch.float32, device="cpu", std=0.2, seed=0, **sizes):

@@ -19,7 +19,7 @@ from modeling import LLM, Engine, QwenConfig, QwenForCausalLM, SamplingParams
 from modeling.model.layers import AttentionLayer, GatedDeltaNetLayer
 from modeling.model.random_checkpoint import QWEN3_5_0_8B, build_random_checkpoint, random_model
 from tests.helpers import (add_word_tokenizer, engine_greedy, forced_logits, hf_greedy, llm_greedy, prompt,
-                           rel_err)
+                           randomize_, rel_err)
 
 # Two Gated DeltaNet layers (2 key heads of 16, 4 value heads of 32) and two gated attention layers
 # (4/2 heads of 32, rotary dim 8), interleaved: L F L F.
@@ -32,23 +32,6 @@ TINY_UNTIED = TINY | dict(full_attention_interval=4, tie_word_embeddings=False, 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
               temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
 HF_0_8B = {k: v for k, v in QWEN3_5_0_8B.items() if k != "model_type"}
-
-
-@torch.no_grad()
-def randomize_(model, std):
-    """Random weights with spread-out logits: matrices ~ N(0, std^2); the zero-centred norms
-    (scale 1 + w) ~ N(0, std^2); the gated norm's plain weight ~ 1 + N(0, std^2); A_log ~ U(-4, 1)
-    and dt_bias ~ N(-1, 1), so heads range from a long memory to a short one."""
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.uniform_(-4.0, 1.0)
-        elif name.endswith("dt_bias"):
-            p.normal_(-1.0, 1.0)
-        else:
-            p.normal_(0.0, std)
-            if name.endswith("linear_attn.norm.weight"):
-                p.add_(1.0)
-    return model
 
 
 def random_hf_model(dtype=torch.float32, device="cpu", std=0.2, seed=0, **sizes):
