@@ -25,6 +25,7 @@ never from each other.
 """
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -438,3 +439,59 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     if s > 1:
         sum_partials(target.view(s, m * n), out.dtype, out=out.view(-1), out_offset=out_row0 * n)
     return out
+
+
+# ------------------------------------------------------------------------------------ linear layers
+
+DECODE_MAX_M = 16
+"""Rows (tokens) up to which a linear takes its decode path (split-K GEMV; FP8: weight-only)."""
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def linear_rows(x: torch.Tensor, n: int, config, prefill_type: type):
+    """(x2 [M, K], y [..., N] in x's dtype, y2 [M, N], a view of y) for a linear of x [..., K] with N
+    outputs; y2 is None when y is empty. ``config`` (None, a DecodeConfig for M <= DECODE_MAX_M or a
+    ``prefill_type`` above) must match M: a ValueError otherwise."""
+    x2 = flat_rows(x)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        return x2, y, None
+    if config is not None and isinstance(config, DecodeConfig) != (m <= DECODE_MAX_M):
+        raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "
+                         f"{prefill_type.__name__} above)")
+    return x2, y, flat_rows(y)
+
+
+@kernel
+def _splitk_reduce_kernel(
+    part_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
+    tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
+    """y2 [M, N] = sum over s of part[s] (fp32 [S, M, N], in slice order) (+ bias), in y2's dtype."""
+    split, m, n = part.shape
+    _splitk_reduce_kernel[(m, cdiv(n, 1024))](
+        part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
+        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(y2),
+    )

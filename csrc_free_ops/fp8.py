@@ -40,9 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, cuda_properties, dot, flat_rows, grouped_tile, kernel,
-                     next_power_of_2)
-from .linear import DECODE_MAX_M, DecodeConfig, _reduce_slices
+from .common import (DECODE_MAX_M, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, cuda_properties, dot, flat_rows,
+                     grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices)
 
 BLOCK = 128
 """The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]), and the
@@ -251,7 +250,7 @@ def weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, cfg: DecodeConfig
         num_stages=cfg.num_stages if x2.element_size() == 2 else 2,
     )
     if split > 1:
-        _reduce_slices(out, bias, y2)
+        reduce_slices(out, bias, y2)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias,
@@ -261,17 +260,10 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     overrides the tiles (benchmarks, tests): a DecodeConfig (its block_k is BLOCK) for M <=
     DECODE_MAX_M, PrefillTiles above."""
     n = weight.shape[0]
-    x2 = flat_rows(x)
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    m = x2.shape[0]
-    if m == 0 or n == 0:
+    x2, y, y2 = linear_rows(x, n, config, PrefillTiles)
+    if y2 is None:
         return y
-    y2 = flat_rows(y)
-    decode = m <= DECODE_MAX_M
-    if config is not None and isinstance(config, DecodeConfig) != decode:
-        raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "
-                         "PrefillTiles above)")
-    if decode:
+    if x2.shape[0] <= DECODE_MAX_M:
         weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1]))
     else:
         q2, sx = quantize_per_token_group(x2)

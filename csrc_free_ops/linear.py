@@ -35,20 +35,10 @@ import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, column_sum, cuda_properties, dot, empty_contiguous_like,
-                    flat_rows, grouped_tile, is_traced, kernel, mm, next_power_of_2, pdl_launch_dependents,
-                    pdl_options, pdl_wait, set_allocator_unless_set, shared_memory_per_block)
-
-DECODE_MAX_M = 16
-
-
-class DecodeConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-
+from .common import (DECODE_MAX_M, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, column_sum, cuda_properties, dot,
+                    empty_contiguous_like, flat_rows, grouped_tile, is_traced, kernel, linear_rows, mm,
+                    next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, reduce_slices,
+                    set_allocator_unless_set, shared_memory_per_block)
 
 # (N, K) -> config: the fastest of `python -m bench.ops --sweep-splitk` on an H200, 2026-11-29
 # (bench/results/). Split-K pays where N is small and K long (o_proj, down); shapes with
@@ -109,33 +99,6 @@ def _splitk_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, acc, mask=mask)
-
-
-@kernel
-def _splitk_reduce_kernel(
-    part_ptr, b_ptr, y_ptr, N, stride_ps, stride_pm, stride_ym,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    pdl_wait(USE_PDL)
-    for s in range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + cols, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    pdl_launch_dependents(USE_PDL)
-    tl.store(y_ptr + m * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
-    """y2 [M, N] = sum over s of part[s] (fp32 [S, M, N], in slice order) (+ bias), in y2's dtype."""
-    split, m, n = part.shape
-    _splitk_reduce_kernel[(m, cdiv(n, 1024))](
-        part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
-        SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(y2),
-    )
 
 
 class PrefillConfig(NamedTuple):
@@ -361,7 +324,7 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
         **pdl_options(x2),
     )
     if split > 1:
-        _reduce_slices(out, bias, y2)
+        reduce_slices(out, bias, y2)
 
 
 def prefill_blocks(m: int, n: int, itemsize: int):
@@ -392,7 +355,7 @@ def splitk_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages if x2.element_size() == 2 else 2,
     )
     if split > 1:
-        _reduce_slices(out, bias, y2)
+        reduce_slices(out, bias, y2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | PrefillConfig | None = None,
@@ -401,17 +364,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | P
     tests): a DecodeConfig for M <= DECODE_MAX_M, a PrefillConfig above (which needs the TMA path)."""
     k = x.shape[-1]
     n = weight.shape[0]
-    x2 = flat_rows(x)
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    m = x2.shape[0]
-    if m == 0 or n == 0:
+    x2, y, y2 = linear_rows(x, n, config, PrefillConfig)
+    if y2 is None:
         return y
-    y2 = flat_rows(y)
-    decode = m <= DECODE_MAX_M
-    if config is not None and isinstance(config, DecodeConfig) != decode:
-        raise ValueError(f"a {type(config).__name__} for M = {m} (DecodeConfig for M <= {DECODE_MAX_M}, "
-                         "PrefillConfig above)")
-    if decode:
+    m = x2.shape[0]
+    if m <= DECODE_MAX_M:
         splitk_matmul(x2, weight, bias, y2, config or decode_config(n, k))
     elif k > 0 and tma_ok(x2, weight, y2):
         tma_matmul(x2, weight, bias, y2, config or prefill_config(m, n, k))
