@@ -33,7 +33,8 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, cuda_properties, grouped_tile, kernel, next_power_of_2, tile_product
+from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, cuda_properties, grouped_tile, kernel, next_power_of_2,
+                     tile_product)
 
 GEMV_MAX_TOKENS = 4
 """Steps of at most this many tokens take the per-pair GEMV path (no sort)."""
@@ -342,8 +343,13 @@ def _gemm(a, w, out, topk_weights, sorted_ids, expert_ids, post, a_row_div: int,
 
 
 def _gemv(a, w, out, topk_weights, ids, a_row_div: int, silu_mul: bool):
+    """One program per pair and BLOCK_N columns, BLOCK_N halved from 64 (down to 16) until the
+    programs fill TARGET_PROGRAMS: a batch-1 step has only k pairs (96 programs of 64 gate_up
+    columns at Qwen3-30B-A3B's shape, fewer than the SMs)."""
     n, k = out.shape[1], a.shape[1]
     block_n = min(64, max(16, next_power_of_2(n)))
+    while block_n > 16 and out.shape[0] * cdiv(n, block_n) < TARGET_PROGRAMS:
+        block_n //= 2
     block_k = min(128 if not INTERPRET else 64, max(16, next_power_of_2(k)))
     _gemv_kernel[(out.shape[0], cdiv(n, block_n))](a, w, out, topk_weights, ids, n, k, w.shape[0], a_row_div,
                                                     a.stride(0), w.stride(0), w.stride(1), out.stride(0),
