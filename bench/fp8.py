@@ -17,6 +17,12 @@ Each case is timed as a CUDA graph of calls (bench.ops.bench_us) over enough cop
 that they do not sit in L2. Errors: ||fp8 - reference|| / ||reference|| against the op's PyTorch
 reference (the same quantisation), and against the bf16 weight's product in fp32 (what FP8 costs).
 
+`--models NAME ...` (qwen3-0.6b, qwen3-8b) also times batch-1 decode through the engine
+(``bench.decode.ours_ms``: a 256-token prompt, then ``--steps`` decode steps, CUDA graphs) of a
+random bf16 checkpoint of that shape (written once under ``--checkpoints``) loaded as it is (our
+fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (op by op):
+``fp8_over_bf16_b1_<name>`` = FP8 time / bf16 time, same run.
+
 `--sweep` also times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the
 reference exceeds 1e-2 is not eligible) and prints the fastest per shape.
 
@@ -27,6 +33,8 @@ import datetime
 import json
 import os
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -35,6 +43,7 @@ import qwen_ops
 from bench import gpu_slug, require_cuda
 from bench.ops import bench_us, copies, linear_cases, rel_error
 from csrc_free_ops import fp8
+from modeling.model.random_checkpoint import QWEN3_0_6B, build_random_checkpoint, is_complete
 
 QWEN3_8B = dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936)
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
@@ -84,11 +93,42 @@ def sweep(m, n, k):
     return sorted(results, key=lambda r: r[0])
 
 
+MODELS = {"qwen3-0.6b": QWEN3_0_6B,
+          "qwen3-8b": dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
+"""--models: config.json fields of the random checkpoints (Qwen3-8B: its lm_head untied, in bf16)."""
+
+
+def model_decode(name: str, root: Path, steps: int) -> dict:
+    """Batch-1 decode ms/token of ``name``'s random bf16 checkpoint, as it is and quantised at load."""
+    from bench.decode import ours_ms
+    from bench.throughput import free_device_memory
+    from modeling import QwenForCausalLM
+
+    fields = MODELS[name]
+    path = root / name
+    if not is_complete(path):
+        build_random_checkpoint(path, vocab_size=fields["vocab_size"], tokenizer="words", dtype=torch.bfloat16,
+                                std=0.02, **{k: v for k, v in fields.items() if k != "vocab_size"})
+    out = {}
+    for label, quantization in (("bf16", None), ("fp8", "fp8")):
+        model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, quantization=quantization)
+        out[f"{label}_b1_ms_per_token"] = ours_ms(model, 1, 256, steps)
+        del model
+        free_device_memory()
+    out["fp8_over_bf16"] = out["fp8_b1_ms_per_token"] / out["bf16_b1_ms_per_token"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--models", nargs="*", choices=sorted(MODELS), default=[],
+                    help="also time batch-1 decode of these model shapes, bf16 against quantised at load")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per run (--models)")
+    ap.add_argument("--checkpoints", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qwen-fp8-bench")
     a = ap.parse_args()
     require_cuda("bench.fp8")
     torch.manual_seed(0)
@@ -118,6 +158,15 @@ def main():
               f"{r['fp8_us'] / r['bf16_us']:.2f} | {r['bf16_weight_bytes'] / r['bf16_us'] / 1e3:.0f} | "
               f"{r['fp8_weight_bytes'] / r['fp8_us'] / 1e3:.0f} | {r['err_vs_reference']:.1e} |" for r in decode]
     lines += ["", f"fp8_gemv_over_bf16_b1_max: {result['fp8_gemv_over_bf16_b1_max']:.2f}"]
+    if a.models:
+        lines += ["", "## Batch-1 decode through the engine, context 256 (ms/token)", "",
+                  "| model shape | bf16 | fp8 (quantised at load) | fp8 / bf16 |", "|---|---:|---:|---:|"]
+    for name in a.models:
+        row = model_decode(name, a.checkpoints, a.steps)
+        result[f"fp8_over_bf16_b1_{name.replace('-', '_').replace('.', '_')}"] = row["fp8_over_bf16"]
+        result.setdefault("models", {})[name] = row
+        lines.append(f"| {name} | {row['bf16_b1_ms_per_token']:.3f} | {row['fp8_b1_ms_per_token']:.3f} | "
+                     f"{row['fp8_over_bf16']:.2f} |")
     if a.sweep:
         lines += ["", f"## Prefill GEMM tiles, {a.tokens} tokens (fastest first, us)", ""]
         result["sweep"] = {}

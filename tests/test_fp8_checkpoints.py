@@ -24,7 +24,7 @@ from modeling import LLM, QwenForCausalLM, SamplingParams
 from modeling.model.config import ConfigError
 from modeling.model.loader import CheckpointError
 from qwen_ops import dequantize_weight_fp8_block, fp8_block_linear_reference, quantize_weight_fp8_block
-from tests.helpers import ROOT, add_word_tokenizer, hf_greedy, prompt, randomize_, rel_err
+from tests.helpers import DEVICES, ROOT, add_word_tokenizer, hf_greedy, prompt, randomize_, rel_err
 
 # q 4 x 64 = 256 rows, k and v 2 x 64 = 128 each: whole blocks, so the fused QKV stays FP8
 QWEN3 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -108,12 +108,13 @@ def test_reference_path_dequantises_and_matches_transformers_exactly(tmp_path, f
     assert torch.equal(torch.tensor(out["tokens"])[:, 6:], hf_greedy(dequantised_(hf, quantised), ids, 8))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family):
+def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family, device):
     """fp32 activations, so the kernel and the oracle quantise the same values."""
     hf = random_hf(family)
     quantised = write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
-    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
     assert model.holds_fp8 and not model.supports_fused_decode
     first = model.layers[0]
     weight = "qkv_weight" if family == "qwen3" else "in_proj_weight"
@@ -122,7 +123,7 @@ def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family):
     ids = prompt(1, 40, 256)
     before = qwen_ops.kernel_calls["fp8_block_linear"]
     with torch.no_grad():
-        logits = model(ids)
+        logits = model(ids.to(device)).cpu()
     assert qwen_ops.kernel_calls["fp8_block_linear"] > before, "the FP8 kernel did not run"
     stored = {name: (w8, s.to(torch.bfloat16).float()) for name, (w8, s) in quantised.items()}  # as saved
     with torch.no_grad():
@@ -134,17 +135,18 @@ def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family):
     assert (gaps <= 1e-3 * ref[0].abs().max()).all(), f"an argmax differs without a near-tie (gaps {gaps.tolist()})"
 
 
-def test_bf16_fp8_model_stays_near_the_fp32_one(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_fp8_model_stays_near_the_fp32_one(tmp_path, device):
     """bf16 activations round differently before they are quantised, and each value that lands on
     another e4m3 step moves by up to 1/8: two layers of this random model put the logits about 1e-1
     from the fp32 FP8 model's (the dequantised bf16 model is 2e-2 from fp32); a wrong weight or
     scale would put them about 1 away."""
     hf = random_hf("qwen3_5")
     write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
-    ids = prompt(1, 40, 256)
+    ids = prompt(1, 40, 256).to(device)
     with torch.no_grad():
-        bf16 = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-        fp32 = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        bf16 = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.bfloat16)
+        fp32 = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
         assert bf16.holds_fp8 and bf16.layers[1].qkv_weight.dtype == torch.float8_e4m3fn
         assert rel_err(bf16(ids).float(), fp32(ids)) <= 0.2
 
