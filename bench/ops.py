@@ -28,6 +28,13 @@ gated attention (8/2 x 256). Each candidate Tiles(block_m, block_n, warps, stage
 and checked against an fp32 SDPA (a config above 1e-2 relative error is not eligible), beside
 SDPA's flash and cuDNN backends. Writes attn_fwd_sweep.md.
 
+--targets runs only the summary a GPU is judged by, on the Qwen3-0.6B, Qwen3-8B and Qwen3.5-0.8B
+shapes (``TARGET_MODELS``), and writes ``<date>-<gpu>-ops-targets.json``: ``gemm_vs_cublas_median``
+and ``gemm_vs_cublas_min`` (cuBLAS time / ours, every linear at 256 and 2048 tokens),
+``gemv_bandwidth_share_median`` (the weight's bytes over the copy bandwidth, divided by our M = 1
+time: 1.0 is the floor), ``attn_vs_sdpa_min`` (the fastest SDPA backend's time / ours, causal
+attention at 256 and 2048 tokens with head dims 64, 128 and 256), and every row.
+
 --sweep-attn-bwd runs only the attention-backward tile sweep (no ops table): causal bf16 at
 B=4, S=2048 for Qwen3 heads (16/8 x 128) and Qwen2.5-0.5B heads (14/2 x 64). Each candidate
 tile config of the dK/dV and of the dQ kernel is timed alone (triton do_bench, median) with
@@ -39,6 +46,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +54,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench_cudagraph
 
-from bench import require_cuda
+from bench import gpu_slug, require_cuda
 import qwen_ops
 from csrc_free_ops import attention, common, linear
 from csrc_free_ops.attention import BwdBlocks, Tiles
@@ -350,6 +358,52 @@ def rel_error(a, ref):
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+TARGET_MODELS = {"qwen3-0.6b": SHAPES["qwen3-0.6b"],
+                 "qwen3-8b": dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936),
+                 "qwen3.5-0.8b": PREFILL_SHAPES["qwen3.5-0.8b"]}
+TARGET_HEADS = ((14, 2, 64), (16, 8, 128), (8, 2, 256))
+"""--targets' attention heads (q / kv x head_dim): Qwen2.5-0.5B, Qwen3, Qwen3.5's gated attention."""
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def targets(copy_bw: float) -> dict:
+    """The --targets summary (module doc) and its rows."""
+    gemm, gemv, attn = [], [], []
+    for model, cfg in TARGET_MODELS.items():
+        for lname, (n, k) in linear_cases(cfg).items():
+            for m in (1, 256, 2048):
+                rows = []
+                bench_linear(rows, f"{model} {lname}", m, n, k)
+                _, _, ours, _, peer, _ = rows[0]
+                row = dict(model=model, linear=lname, m=m, n=n, k=k, ours_us=ours, cublas_us=peer)
+                if m == 1:
+                    gemv.append(row | dict(bandwidth_share=n * k * 2 / copy_bw / (ours * 1e-6)))
+                else:
+                    gemm.append(row | dict(cublas_over_ours=peer / ours))
+    for hq, hk, d in TARGET_HEADS:
+        for s in (256, 2048):
+            sets = copies(lambda: (rnd(1, s, hq, d), rnd(1, s, hk, d), rnd(1, s, hk, d)), s * (hq + 2 * hk) * d * 2)
+            ours = bench_us(lambda q, k, v: torch.ops.qwen.attention(q, k, v, d ** -0.5), sets)
+            peers = {}
+            for label, backend in SDPA_BACKENDS.items():
+                def sdpa(q, k, v, backend=backend):
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                              is_causal=True, enable_gqa=True)
+                try:
+                    peers[label] = bench_us(sdpa, sets)
+                except RuntimeError as e:  # a backend that does not take this shape or GPU
+                    print(f"SDPA {label} {hq}/{hk}x{d} S={s}: {str(e).splitlines()[0][:100]}", flush=True)
+            best = min(peers, key=peers.get)
+            attn.append(dict(heads=f"{hq}/{hk}x{d}", s=s, ours_us=ours, sdpa_us=peers, sdpa_best=best,
+                             sdpa_over_ours=peers[best] / ours))
+    ratios = sorted(r["cublas_over_ours"] for r in gemm)
+    return dict(gemm_vs_cublas_median=statistics.median(ratios), gemm_vs_cublas_min=ratios[0],
+                gemv_bandwidth_share_median=statistics.median(r["bandwidth_share"] for r in gemv),
+                attn_vs_sdpa_min=min(r["sdpa_over_ours"] for r in attn), gemm=gemm, gemv=gemv, attention=attn)
+
+
 def _row(*cells):
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -449,6 +503,7 @@ def main():
     ap.add_argument("--sweep-attn-bwd", action="store_true")
     ap.add_argument("--sweep-prefill", action="store_true")
     ap.add_argument("--sweep-attn-fwd", action="store_true")
+    ap.add_argument("--targets", action="store_true", help="only the summary keys (module doc), as JSON")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
     ap.add_argument("--shapes", nargs="+", choices=sorted(PREFILL_SHAPES), default=sorted(SHAPES),
                     help="--sweep-prefill's models")
@@ -485,6 +540,14 @@ def main():
         print("fastest:", {name: blocks and tuple(map(tuple, blocks)) for name, blocks in best.items()})
         return
     copy_bw = copy_bandwidth()
+    if args.targets:
+        out = dict(gpu=gpu, date=datetime.date.today().isoformat(), torch=torch.__version__, triton=triton.__version__,
+                   copy_bandwidth_tb_s=copy_bw / 1e12, **targets(copy_bw))
+        path = os.path.join(args.out, f"{out['date']}-{gpu_slug(gpu)}-ops-targets.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print("\n".join(f"{k:28s} {v:.3f}" for k, v in out.items() if isinstance(v, float)) + f"\nwrote {path}")
+        return
     lines = [header,
              f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", ""]
     if args.sweep_splitk:
