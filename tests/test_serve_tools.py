@@ -55,17 +55,22 @@ def servers(tmp_path_factory):
 
 
 def joined(chunks) -> tuple:
-    """(tool calls joined from the streamed deltas by index, the last finish_reason)."""
-    calls, finish = {}, None
+    """(tool calls joined from the streamed deltas by index, the last finish_reason, each chunk's
+    deltas). A call's first delta holds its id, type and name, the later ones arguments only."""
+    calls, finish, deltas = {}, None, []
     for chunk in chunks:
         if not chunk.choices:
             continue
         finish = chunk.choices[0].finish_reason or finish
         for d in chunk.choices[0].delta.tool_calls or ():
+            first = d.index not in calls
+            assert (d.id is not None and d.type == "function" and d.function.name) if first else \
+                (d.id is None and d.function.name is None), d
             call = calls.setdefault(d.index, {"name": "", "arguments": ""})
             call["name"] += d.function.name or ""
             call["arguments"] += d.function.arguments or ""
-    return [calls[i] for i in sorted(calls)], finish
+        deltas.append(chunk.choices[0].delta.tool_calls or [])
+    return [calls[i] for i in sorted(calls)], finish, deltas
 
 
 @pytest.mark.parametrize("form", ["json", "xml"])
@@ -77,8 +82,8 @@ def test_forced_calls_parse_and_stream_as_the_whole(servers, form, choice):
                 temperature=1.0, seed=7)
     with ThreadPoolExecutor(2) as pool:  # the two requests share the engine's steps
         whole = pool.submit(client.chat.completions.create, **args)
-        streamed, finish = joined(pool.submit(lambda: list(client.chat.completions.create(**args, stream=True)))
-                                  .result())
+        streamed, finish, deltas = joined(
+            pool.submit(lambda: list(client.chat.completions.create(**args, stream=True))).result())
     reply = whole.result().choices[0]
     assert reply.finish_reason == "tool_calls" and not reply.message.content, reply
     (call,) = reply.message.tool_calls
@@ -92,6 +97,7 @@ def test_forced_calls_parse_and_stream_as_the_whole(servers, form, choice):
         assert set(arguments) == {"zone"} and isinstance(arguments["zone"], str)
     assert streamed == [{"name": call.function.name, "arguments": call.function.arguments}]
     assert finish == "tool_calls"
+    assert all(len({d.index for d in chunk}) == len(chunk) for chunk in deltas)  # one delta a call a chunk
 
 
 def test_the_form_follows_the_template_and_tool_choice_errors(servers):

@@ -38,36 +38,60 @@ def test_reasoning_splitter_whole_equals_streamed(opened, text, reasoning, conte
     assert whole == streamed == [reasoning, content]
 
 
+def parse_calls(parser, pieces):
+    """Feed ``pieces`` to a ToolCallParser: (content, the deltas, the calls the deltas join to)."""
+    content, deltas = "", []
+    for piece in pieces:
+        c, more = parser.push(piece)
+        content, deltas = content + c, deltas + more
+    tail, more = parser.finish()
+    calls = []
+    for d in deltas + more:
+        if "name" in d:
+            assert d["index"] == len(calls)
+            calls.append({"name": d["name"], "arguments": ""})
+        calls[d["index"]]["arguments"] += d["arguments"]
+    assert calls == parser.calls
+    return content + tail, deltas + more, calls
+
+
 def test_tool_call_parser_whole_equals_streamed():
     text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "time", "arguments": "{}"}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>'
             '<tool_call>{"name": "unclosed"')
     for pieces in ([text], list(text)):
-        p = ToolCallParser()
-        content, calls = "", []
-        for piece in pieces:
-            c, more = p.push(piece)
-            content, calls = content + c, calls + more
-        content += p.finish()[0]
+        content, deltas, calls = parse_calls(ToolCallParser(), pieces)
         assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "time", "arguments": "{}"}]
+        assert len(deltas) == 2  # a JSON call goes out whole, when its block closes
         assert content == 'Checking.\n\n\n<tool_call>\nnot json\n</tool_call><tool_call>{"name": "unclosed"'
 
 
-def test_xml_tool_calls_whole_equal_streamed_with_values_by_type():
+def test_xml_tool_calls_stream_as_openai_sends_them_with_values_by_type():
+    """The name first (arguments ""), then each parameter as it closes, then "}": joined, the
+    arguments are json.dumps of the parameters, whole or streamed a character at a time."""
     text = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n"
             "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n95112\n</parameter>\n<parameter=opts>\n"
-            '{"metric": true}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "json form"}\n</tool_call>')
+            '{"metric": true}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "json form"}\n</tool_call>'
+            "<tool_call><function=now>\n</function></tool_call>")
     types = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}
     for pieces in ([text], list(text)):
-        p = ToolCallParser("xml", types)
-        content, calls = "", []
-        for piece in pieces:
-            c, more = p.push(piece)
-            content, calls = content + c, calls + more
-        content += p.finish()[0]
+        content, deltas, calls = parse_calls(ToolCallParser("xml", types), pieces)
         assert calls == [{"name": "get_weather",
-                          "arguments": '{"city": "San Jose", "days": 3, "zip": "95112", "opts": {"metric": true}}'}]
+                          "arguments": '{"city": "San Jose", "days": 3, "zip": "95112", "opts": {"metric": true}}'},
+                         {"name": "now", "arguments": "{}"}]
+        assert [d["arguments"] for d in deltas] == ["", '{"city": "San Jose"', ', "days": 3', ', "zip": "95112"',
+                                                    ', "opts": {"metric": true}', "}", "", "{}"]
         assert content == 'Sure.\n\n<tool_call>\n{"name": "json form"}\n</tool_call>'
+
+
+def test_an_xml_call_cut_short_is_closed():
+    """A call whose header went out ends with its arguments closed: at </tool_call> without
+    </function>, or at the end of the text (max_tokens)."""
+    for text, args in (("<tool_call><function=f><parameter=a>1</parameter></tool_call>", '{"a": 1}'),
+                       ("<tool_call><function=f><parameter=a>1</parameter><parameter=b>", '{"a": 1}'),
+                       ("<tool_call><function=f>", "{}")):
+        content, _, calls = parse_calls(ToolCallParser("xml"), list(text))
+        assert calls == [{"name": "f", "arguments": args}] and content == "", text
 
 
 @pytest.mark.parametrize("opened", [True, False])

@@ -86,29 +86,20 @@ class ReasoningSplitter:
         return "", self._emit(rest, final=True)
 
 
-XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.S)
-XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+XML_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+XML_END = re.compile(r"\s*</function>")
 
 
-def parse_xml_tool_call(raw: str, types: Dict[str, Dict[str, Any]]) -> Optional[Dict[str, str]]:
-    """``{"name", "arguments"}`` of one XML ``<tool_call>`` body, or None when it is not one
-    ``<function=NAME>`` block. A value is a string when its parameter's schema (``types``: function
-    name -> parameter -> schema) says so or gives no type and it is no JSON; otherwise its JSON
-    value when it is one."""
-    m = XML_CALL.fullmatch(raw)
-    if m is None:
-        return None
-    name, params = m.group(1).strip(), types.get(m.group(1).strip(), {})
-    args: Dict[str, Any] = {}
-    for key, value in XML_PARAMETER.findall(m.group(2)):
-        key = key.strip()
-        args[key] = value
-        if (params.get(key) or {}).get("type") != "string":
-            try:
-                args[key] = json.loads(value)
-            except ValueError:
-                pass
-    return {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}
+def xml_value(key: str, value: str, params: Dict[str, Any]) -> Any:
+    """An XML parameter's value: the string as written when its schema (``params``: parameter ->
+    schema) says string, else its JSON value when it is JSON, else the string."""
+    if (params.get(key) or {}).get("type") != "string":
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    return value
 
 
 def parse_tool_call(raw: str) -> Optional[Dict[str, str]]:
@@ -125,70 +116,131 @@ def parse_tool_call(raw: str) -> Optional[Dict[str, str]]:
 
 
 class ToolCallParser:
-    """Content text in, (content, tool calls) out: each well-formed ``<tool_call>`` block of
-    ``form`` ("json" or "xml"; ``types`` as ``parse_xml_tool_call`` takes them) becomes a call; a
-    block that does not parse stays in the content as it was written, as does an unclosed one at
-    the end."""
+    """Content text in, (content, call deltas) out, as OpenAI streams ``tool_calls``: a delta is
+    ``{"index", "arguments"}`` (the call's number and the next piece of its arguments), the call's
+    first one with its ``"name"`` too. ``calls``: every call so far (name, arguments joined).
+
+    ``form`` "json": a ``<tool_call>`` block becomes one delta when it closes, if it parses
+    (``parse_tool_call``). ``form`` "xml": a block streams. Its first delta (name, arguments "")
+    goes out once ``<function=NAME>`` is read, then one per parameter as it closes (``"key":
+    value``, after the object's "{" or ", "; values by ``xml_value`` with ``types``: function name ->
+    parameter -> schema), then "}" at ``</function>`` (``{}`` without parameters), so the
+    arguments joined are ``json.dumps`` of the parameters. A block that does not start a call (no
+    ``<function=``), or a JSON block that does not parse, stays in the content as written, as
+    does an unclosed one at the end; an XML call already started ends at ``</tool_call>`` or at
+    the end of the text, its arguments closed, whatever else the block holds."""
 
     def __init__(self, form: str = "json", types: Optional[Dict[str, Dict[str, Any]]] = None):
         self.buf = ""
         self.inside = False
-        self.parse = parse_tool_call if form == "json" else lambda raw: parse_xml_tool_call(raw, types or {})
+        self.form, self.types = form, types or {}
+        self.calls: List[Dict[str, str]] = []
+        self.params: Optional[List[str]] = None  # the XML call streaming: its parameter names so far
+        self.closed = False  # its </function> was read
 
-    def push(self, text: str) -> Tuple[str, List[Dict[str, str]]]:
+    def _delta(self, fragment: str) -> Dict[str, Any]:
+        self.calls[-1]["arguments"] += fragment
+        return {"index": len(self.calls) - 1, "arguments": fragment}
+
+    def _stream_xml(self) -> List[Dict[str, Any]]:
+        """The deltas of what the buffer holds of the XML block, up to ``</tool_call>``."""
+        end = self.buf.find(TOOL_CLOSE)
+        region = self.buf if end < 0 else self.buf[:end]
+        deltas, pos = [], 0
+        if self.params is None:
+            m = XML_HEAD.match(region)
+            if m is None:
+                return deltas
+            self.params, self.closed, pos = [], False, m.end()
+            self.calls.append({"name": m.group(1).strip(), "arguments": ""})
+            deltas.append({"index": len(self.calls) - 1, "name": self.calls[-1]["name"], "arguments": ""})
+        types = self.types.get(self.calls[-1]["name"], {})
+        while not self.closed:
+            if (m := XML_PARAMETER.match(region, pos)) is not None:
+                key = m.group(1).strip()
+                value = json.dumps(xml_value(key, m.group(2), types), ensure_ascii=False)
+                deltas.append(self._delta(("{" if not self.params else ", ") + json.dumps(key) + ": " + value))
+                self.params.append(key)
+            elif (m := XML_END.match(region, pos)) is not None:
+                deltas.append(self._delta("}" if self.params else "{}"))
+                self.closed = True
+            else:
+                break
+            pos = m.end()
+        self.buf = self.buf[pos:]
+        return deltas
+
+    def _end_xml(self) -> List[Dict[str, Any]]:
+        """The started XML call's last delta (its arguments closed, if ``</function>`` never came)."""
+        deltas = [] if self.closed else [self._delta("}" if self.params else "{}")]
+        self.params = None
+        return deltas
+
+    def push(self, text: str) -> Tuple[str, List[Dict[str, Any]]]:
         self.buf += text
-        content, calls = "", []
+        content, deltas = "", []
         while True:
             if not self.inside:
                 i = self.buf.find(TOOL_OPEN)
                 if i < 0:
                     cut = len(self.buf) - held_back(self.buf, TOOL_OPEN)
                     content, self.buf = content + self.buf[:cut], self.buf[cut:]
-                    return content, calls
+                    return content, deltas
                 content, self.buf, self.inside = content + self.buf[:i], self.buf[i + len(TOOL_OPEN):], True
+                continue
+            if self.form == "xml":
+                deltas += self._stream_xml()
+            i = self.buf.find(TOOL_CLOSE)
+            if i < 0:
+                return content, deltas
+            raw, self.buf, self.inside = self.buf[:i], self.buf[i + len(TOOL_CLOSE):], False
+            if self.params is not None:
+                deltas += self._end_xml()
+                continue
+            call = parse_tool_call(raw) if self.form == "json" else None
+            if call is None:
+                content += TOOL_OPEN + raw + TOOL_CLOSE
             else:
-                i = self.buf.find(TOOL_CLOSE)
-                if i < 0:
-                    return content, calls
-                raw, self.buf, self.inside = self.buf[:i], self.buf[i + len(TOOL_CLOSE):], False
-                call = self.parse(raw)
-                if call is None:
-                    content += TOOL_OPEN + raw + TOOL_CLOSE
-                else:
-                    calls.append(call)
+                self.calls.append(call)
+                deltas.append({"index": len(self.calls) - 1, **call})
 
-    def finish(self) -> Tuple[str, List[Dict[str, str]]]:
+    def finish(self) -> Tuple[str, List[Dict[str, Any]]]:
+        if self.inside and self.params is not None:
+            self.buf, self.inside = "", False
+            return "", self._end_xml()
         rest = (TOOL_OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
         return rest, []
 
 
 class ChatOutput:
-    """A chat reply's text split into (reasoning, content, tool calls) as it streams; ``reasoning``
-    and ``tool_calls`` say which parsers run (the plan's), ``form`` and ``types`` which tool-call
-    form is parsed (``ToolCallParser``)."""
+    """A chat reply's text split into (reasoning, content, tool-call deltas) as it streams;
+    ``reasoning`` and ``tool_calls`` say which parsers run (the plan's), ``form`` and ``types``
+    which tool-call form is parsed (``ToolCallParser``, whose ``calls`` are the reply's calls)."""
 
     def __init__(self, reasoning: bool, tool_calls: bool, prompt_text: str, form: str = "json",
                  types: Optional[Dict[str, Dict[str, Any]]] = None):
         opened = prompt_text.rstrip().endswith(THINK_OPEN)
         self.splitter = ReasoningSplitter(opened, tool_calls) if reasoning else None
         self.tools = ToolCallParser(form, types) if tool_calls else None
-        self.num_calls = 0
 
-    def _route(self, reasoning: str, content: str, final: bool) -> Tuple[str, str, List[Dict[str, str]]]:
-        calls: List[Dict[str, str]] = []
+    @property
+    def calls(self) -> List[Dict[str, str]]:
+        return self.tools.calls if self.tools is not None else []
+
+    def _route(self, reasoning: str, content: str, final: bool) -> Tuple[str, str, List[Dict[str, Any]]]:
+        deltas: List[Dict[str, Any]] = []
         if self.tools is not None:
-            content, calls = self.tools.push(content)
+            content, deltas = self.tools.push(content)
             if final:
-                tail, _ = self.tools.finish()
-                content += tail
-        self.num_calls += len(calls)
-        return reasoning, content, calls
+                tail, more = self.tools.finish()
+                content, deltas = content + tail, deltas + more
+        return reasoning, content, deltas
 
-    def push(self, text: str) -> Tuple[str, str, List[Dict[str, str]]]:
+    def push(self, text: str) -> Tuple[str, str, List[Dict[str, Any]]]:
         reasoning, content = self.splitter.push(text) if self.splitter is not None else ("", text)
         return self._route(reasoning, content, final=False)
 
-    def finish(self) -> Tuple[str, str, List[Dict[str, str]]]:
+    def finish(self) -> Tuple[str, str, List[Dict[str, Any]]]:
         reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
         return self._route(reasoning, content, final=True)

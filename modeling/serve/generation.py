@@ -13,7 +13,8 @@ from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
-from .responses import TokenStrings, chat_logprobs, completion_logprobs, prompt_logprobs, tool_call
+from .responses import (TokenStrings, chat_logprobs, completion_logprobs, new_call_id, prompt_logprobs, tool_call,
+                        tool_call_delta)
 
 
 class EngineError(Exception):
@@ -27,16 +28,27 @@ class ClientGone(Exception):
 
 @dataclass
 class Piece:
-    """What one update added to a choice: text (split for chat), token ids, logprobs, and the
-    finish reason when it was the last."""
+    """What one update added to a choice: text (split for chat: reasoning, content and tool-call
+    deltas, ``ToolCallParser``'s), token ids, logprobs, and the finish reason when it was the last."""
 
     text: str = ""
     reasoning: str = ""
     content: str = ""
-    calls: List[Dict[str, str]] = field(default_factory=list)
+    call_deltas: List[Dict[str, Any]] = field(default_factory=list)
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[tuple] = field(default_factory=list)
     finish_reason: Optional[str] = None
+
+
+def merged(deltas: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One delta a call: a piece's consecutive deltas of one call joined (its name kept)."""
+    out: List[Dict[str, Any]] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            out[-1] = {**out[-1], "arguments": out[-1]["arguments"] + d["arguments"]}
+        else:
+            out.append(dict(d))
+    return out
 
 
 class Choice:
@@ -53,7 +65,7 @@ class Choice:
         self.token_ids: List[int] = []
         self.logprobs: List[tuple] = []
         self.text = self.reasoning = self.content = ""
-        self.calls: List[Dict[str, str]] = []
+        self.call_ids: Dict[int, str] = {}  # a streamed call's id, by its index
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None  # the stop string, or the stop token id (not EOS), that ended it
         self.admitted: Optional[float] = None
@@ -94,26 +106,35 @@ class Choice:
         self.text += text
         piece.text = text
         if self.chat is not None:
-            piece.reasoning, piece.content, piece.calls = self._split(text, reason is not None)
+            piece.reasoning, piece.content, piece.call_deltas = self._split(text, reason is not None)
         else:
             piece.content = text
         if reason is not None:
             self.finished_at = now
             self.finish_reason = piece.finish_reason = (
-                "tool_calls" if reason == "stop" and self.chat is not None and self.chat.num_calls else reason)
+                "tool_calls" if reason == "stop" and self.calls else reason)
         return piece
 
-    def _split(self, text: str, final: bool) -> Tuple[str, str, List[Dict[str, str]]]:
-        reasoning, content, calls = self.chat.push(text)
+    @property
+    def calls(self) -> List[Dict[str, str]]:
+        """The reply's tool calls (name, arguments): the first only without parallel_tool_calls."""
+        calls = self.chat.calls if self.chat is not None else []
+        return calls if self.parallel_tool_calls else calls[:1]
+
+    def call_id(self, index: int) -> str:
+        """The id of the reply's call ``index``, made when its first delta goes out."""
+        return self.call_ids.setdefault(index, new_call_id())
+
+    def _split(self, text: str, final: bool) -> Tuple[str, str, List[Dict[str, Any]]]:
+        reasoning, content, deltas = self.chat.push(text)
         if final:
             r, c, more = self.chat.finish()
-            reasoning, content, calls = reasoning + r, content + c, calls + more
+            reasoning, content, deltas = reasoning + r, content + c, deltas + more
         if not self.parallel_tool_calls:  # the first call only
-            calls = calls[:max(0, 1 - len(self.calls))]
+            deltas = [d for d in deltas if d["index"] == 0]
         self.reasoning += reasoning
         self.content += content
-        self.calls += calls
-        return reasoning, content, calls
+        return reasoning, content, deltas
 
 
 class Generation:
@@ -248,7 +269,7 @@ class Generation:
         message: Dict[str, Any] = {"role": "assistant", "content": c.content.strip() if c.calls else c.content}
         if self.plan.tool_calls and c.calls:
             message["content"] = message["content"] or None
-            message["tool_calls"] = [tool_call(call) for call in c.calls]
+            message["tool_calls"] = [tool_call(call, c.call_id(i)) for i, call in enumerate(c.calls)]
         if self.plan.reasoning:
             message["reasoning_content"] = c.reasoning or None
         out = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
@@ -283,9 +304,8 @@ class Generation:
                 d["reasoning_content"] = p.reasoning
             if p.content:
                 d["content"] = p.content
-            if p.calls:
-                first = len(c.calls) - len(p.calls)
-                d["tool_calls"] = [tool_call(call, first + k) for k, call in enumerate(p.calls)]
+            if p.call_deltas:
+                d["tool_calls"] = [tool_call_delta(x, c.call_id(x["index"])) for x in merged(p.call_deltas)]
             if not d and not extra and p.finish_reason is None:
                 return None
             out["delta"] = d

@@ -88,11 +88,21 @@ def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], string
     return {"content": content, "refusal": None}
 
 
-def tool_call(call: Dict[str, str], index: Optional[int] = None) -> Dict[str, Any]:
-    """One parsed call in OpenAI's shape (``index`` in a streamed delta)."""
-    out: Dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": call["name"], "arguments": call["arguments"]}}
-    return out if index is None else {"index": index, **out}
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(call: Dict[str, str], call_id: str) -> Dict[str, Any]:
+    """One parsed call (name, arguments) in OpenAI's shape."""
+    return {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def tool_call_delta(delta: Dict[str, Any], call_id: str) -> Dict[str, Any]:
+    """A streamed piece of call ``delta["index"]`` in OpenAI's shape: with its id, type and name
+    when it is the call's first (``"name"`` in it), its arguments' next piece alone after."""
+    if "name" in delta:
+        return {"index": delta["index"], **tool_call(delta, call_id)}
+    return {"index": delta["index"], "function": {"arguments": delta["arguments"]}}
 
 
 class Envelope:
