@@ -16,6 +16,7 @@ import sys
 import tempfile
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -40,8 +41,8 @@ def launched(name: str, op: str, n: int, k: int, **fixed) -> Shape:
     ``_launch_shape`` decision: tile, split, prefetch)."""
     silu, qkv = op == "norm_gate_up_silu", op == "norm_qkv_rope_store"
     block_n = fixed["D"] if qkv else None
-    bm, _, cfg, k_per_split, split, prefetch = fused_decode._launch_shape(op, 1, n, k, 2, None, block_n,
-                                                                         halves=2 if silu else 1)
+    bm, _, cfg, k_per_split, split, prefetch = fused_decode._launch_shape(
+        op, 1, n, k, torch.device("cuda"), torch.bfloat16, None, block_n, halves=2 if silu else 1)
     c = dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch, USE_PDL=True, **fixed)
     if not qkv:
         c.update(NORM=op != "linear_residual", HAS_BIAS=False, RESIDUAL=op == "linear_residual", SILU=silu,

@@ -18,9 +18,10 @@ never from each other.
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
 - `set_allocator_unless_set` (from `private_apis`): Triton's scratch allocator for kernels that
   build TMA descriptors on the device.
-- `cuda_properties`, `shared_memory_per_block`: a device's properties, cached.
+- `cuda_properties`, `shared_memory_per_block`, `device_name`, `target_programs`, `tuned` (from
+  `devices`): a device's properties, the grid size launchers aim for on it, its tuning tables.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
-- `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
+- `grouped_tile`, `row_warps`, `row_block`, `num_programs`: grid shaping.
 - `flat_rows`, `empty_contiguous_like`: launchers' views and outputs, cheap on the host.
 """
 import math
@@ -33,10 +34,9 @@ import triton.language as tl
 
 from .launch import INTERPRET, is_traced, kernel  # noqa: F401 (is_traced: for the families)
 from .private_apis import set_allocator_unless_set  # noqa: F401 (for the families)
+from .devices import (cuda_properties, device_name, shared_memory_per_block, target_programs,  # noqa: F401
+                      tuned)
 
-
-TARGET_PROGRAMS = 264
-"""Programs that make about two waves on a GPU of 132 SMs (H100, H200): the grid size the launchers aim for."""
 
 LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
@@ -94,25 +94,6 @@ def fp32(x):
     launches the kernels of a graph torch.compile traced into them, passes them as fp64 (whose
     math would be slow, and which tl.dot's fp32 accumulators refuse)."""
     return tl.cast(x, tl.float32)
-
-
-_cuda_properties: dict = {}
-
-
-def cuda_properties(device: torch.device):
-    """`torch.cuda.get_device_properties` of a CUDA device (the current one for "cuda"), cached:
-    launchers ask on every call."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _cuda_properties:
-        _cuda_properties[index] = torch.cuda.get_device_properties(index)
-    return _cuda_properties[index]
-
-
-def shared_memory_per_block(device: torch.device) -> "int | None":
-    """The shared memory one block may use on a CUDA device, in bytes: the opt-in maximum (227 KB
-    on Hopper), else the default per-block limit (ROCm builds lack the opt-in field), else None."""
-    props = cuda_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
 
 
 _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
@@ -385,16 +366,17 @@ def gemm_blocks(m: int, n: int, k: int, itemsize: int):
     return 128, 128, 64, 8, 3
 
 
-def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int) -> int:
     """K slices for a GEMM whose output has too few tiles to fill the GPU but a long K (dW over
-    all tokens, dhidden against a 150K vocabulary): about two waves of programs, each slice at
-    least 16 K-steps long. A function of the shape only (deterministic)."""
+    all tokens, dhidden against a 150K vocabulary): about `target` programs (`target_programs`),
+    each slice at least 16 K-steps long. A function of the shape and the device only
+    (deterministic)."""
     if INTERPRET:
         return 1
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    if tiles >= TARGET_PROGRAMS // 2:
+    if tiles >= target // 2:
         return 1
-    return max(1, min(cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
+    return max(1, min(cdiv(target, tiles), k // (16 * bk)))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None,
@@ -423,7 +405,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     bm, bn, bk, warps, stages = blocks or gemm_blocks(m, n, k, a.element_size())
     if accumulate:
         stages = min(stages, 2)  # the fp32 output tile read at the end needs the registers
-    s = splits if splits is not None else (1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk))
+    if splits is None:
+        splits = 1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk, target_programs(a.device))
+    s = splits
     per = cdiv(cdiv(k, s), bk) * bk
     s = cdiv(k, per)
     if s > 1 and (accumulate or bias is not None or not out.is_contiguous()):

@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (DECODE_MAX_M, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, cuda_properties, dot, flat_rows,
-                     grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices)
+from .common import (DECODE_MAX_M, INTERPRET, DecodeConfig, cdiv, cuda_properties, dot, flat_rows,
+                     grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices, target_programs, tuned)
 
 BLOCK = 128
 """The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]), and the
@@ -163,12 +163,14 @@ class PrefillTiles(NamedTuple):
     group_m: int = 8
 
 
-def prefill_tiles(m: int, n: int) -> PrefillTiles:
-    """The w8a8 GEMM's tiles: vLLM's default for block FP8 (64 x 128, 4 warps) with 3 stages;
-    under the interpreter, shrunk to the problem."""
+def prefill_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> PrefillTiles:
+    """The w8a8 GEMM's tiles for x of `dtype`: the device's stored tiles for (N, K) (the table
+    fp8_prefill, swept at 4096 rows), else vLLM's default for block FP8 (64 x 128, 4 warps) with 3
+    stages; under the interpreter, shrunk to the problem."""
     if INTERPRET:
         return PrefillTiles(min(64, max(16, next_power_of_2(m))), min(64, max(16, next_power_of_2(n))), 4, 1)
-    return PrefillTiles(64, 128)
+    stored = tuned("fp8_prefill", device, dtype, (n, k))
+    return PrefillTiles(*stored) if stored is not None else PrefillTiles(64, 128)
 
 
 def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, tiles: PrefillTiles | None = None) -> None:
@@ -177,7 +179,7 @@ def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, tiles: PrefillTiles 
     (benchmarks, tests)."""
     m, k = q2.shape
     n = weight.shape[0]
-    t = tiles or prefill_tiles(m, n)
+    t = tiles or prefill_tiles(m, n, k, y2.device, y2.dtype)
     _w8a8_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
         q2, sx, weight, weight_scale_inv, bias if bias is not None else sx, y2, m, n, k,
         q2.stride(0), sx.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
@@ -227,12 +229,12 @@ def _weight_only_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-def decode_config(n: int, k: int) -> DecodeConfig:
+def decode_config(n: int, k: int, device: torch.device) -> DecodeConfig:
     """64-wide N tiles (16 under the interpreter), one block of K a step, and enough K slices of
-    whole blocks for about two programs per SM."""
+    whole blocks for `target_programs`."""
     block_n = min(16 if INTERPRET else 64, max(16, next_power_of_2(n)))
     tiles, k_blocks = cdiv(n, block_n), cdiv(k, BLOCK)
-    return DecodeConfig(block_n, BLOCK, min(k_blocks, max(1, cdiv(TARGET_PROGRAMS, tiles))))
+    return DecodeConfig(block_n, BLOCK, min(k_blocks, max(1, cdiv(target_programs(device), tiles))))
 
 
 def weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, cfg: DecodeConfig) -> None:
@@ -264,7 +266,7 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     if y2 is None:
         return y
     if x2.shape[0] <= DECODE_MAX_M:
-        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1]))
+        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1], x.device))
     else:
         q2, sx = quantize_per_token_group(x2)
         w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, config)

@@ -52,8 +52,9 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from .common import (INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, empty_contiguous_like, fp32, head_block,
-                     head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores)
+from .common import (INTERPRET, MAX_TILES, arrive, cdiv, empty_contiguous_like, fp32, head_block,
+                     head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores,
+                     target_programs, tuned)
 from .fused_decode_blocks import (_dot_slice, _gemv_slice, _head_values, _input_slice, _program_slice, _rotated_head,
                                   _sum_row_slices, _sum_slices, _weight_slice)
 
@@ -66,34 +67,20 @@ class GemvConfig(NamedTuple):
     num_stages: int = 3
 
 
-# (op, N, K) -> config (N: output columns, I for gate_up), the fastest of
-# `python -m bench.fused_decode --sweep` on an H200 (bench/results/). Shapes not listed use
-# gemv_config's rule.
-FUSED_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {
-    ("linear_residual", 1024, 2048): GemvConfig(32, 128, 8),    # Qwen3-0.6B o_proj, Qwen3.5 out_proj
-    ("linear_residual", 1024, 3072): GemvConfig(32, 128, 12),   # Qwen3-0.6B down (12 slices of 256: prefetched)
-    ("linear_residual", 1024, 3584): GemvConfig(32, 128, 8),    # Qwen3.5 down
-    ("norm_qkv_rope_store", 4096, 1024): GemvConfig(128, 128, 8),  # Qwen3-0.6B, a tile per head of 128
-    ("norm_qkv_rope_store", 5120, 1024): GemvConfig(256, 128, 8),  # Qwen3.5 gated attention, heads of 256
-    ("norm_gate_up_silu", 3072, 1024): GemvConfig(32, 256, 4),  # Qwen3-0.6B gate_up (I = 3072)
-    ("norm_gate_up_silu", 3584, 1024): GemvConfig(32, 256, 1),  # Qwen3.5 gate_up
-    ("norm_linear", 8224, 1024): GemvConfig(64, 256, 1),        # Qwen3.5 Gated DeltaNet in_proj
-    ("norm_linear", 151936, 1024): GemvConfig(64, 256, 1),      # lm_head, Qwen3 vocab
-    ("norm_linear", 248320, 1024): GemvConfig(64, 256, 1),      # lm_head, Qwen3.5 vocab
-}
-
-
-def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None = None) -> GemvConfig:
-    """The stored config, else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for
-    qkv), 256-deep K steps, and enough K slices for about two programs per SM."""
-    if (op, n, k) in FUSED_CONFIGS:
-        return FUSED_CONFIGS[(op, n, k)]
+def gemv_config(op: str, n: int, k: int, device: torch.device, dtype: torch.dtype, m_blocks: int = 1,
+                block_n: int | None = None) -> GemvConfig:
+    """The device's stored config for (op, N, K) (the table fused_decode; N: output columns, I for
+    gate_up), else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for qkv), 256-deep
+    K steps, and enough K slices for `target_programs`."""
+    stored = tuned("fused_decode", device, dtype, (op, n, k))
+    if stored is not None:
+        return GemvConfig(*stored)
     if INTERPRET:  # programs run one by one: few, wide ones, still split in two where K allows
         block_k = 64
         return GemvConfig(block_n or 64, block_k, min(2, cdiv(k, block_k)))
     block_n = block_n or (64 if n >= 32768 else 32)
     tiles = cdiv(n, block_n) * m_blocks
-    return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
+    return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(target_programs(device) / tiles))))
 
 
 @kernel
@@ -262,8 +249,8 @@ PREFETCH_BYTES = 32 << 10
 tile (fp32) may take half as much again."""
 
 
-def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfig | None, block_n: int | None = None,
-                  halves: int = 1):
+def _launch_shape(op: str, m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, cfg: GemvConfig | None,
+                  block_n: int | None = None, halves: int = 1):
     """(BLOCK_M, row blocks, config, K per split, splits, prefetch). A program prefetches when its
     weight slice (`halves` x rows x one power-of-two K step) and its input tile fit PREFETCH_BYTES: its K slice is
     then one BLOCK_K step. Otherwise the config's pipeline is cut down (fewer stages, then shallower K
@@ -271,7 +258,8 @@ def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfi
     defaults."""
     bm = _block_m(m)
     m_blocks = cdiv(m, bm)
-    cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
+    cfg = cfg or gemv_config(op, n, k, device, dtype, m_blocks, block_n)
+    itemsize = dtype.itemsize
     rows = block_n or cfg.block_n
     step = max(16, next_power_of_2(cdiv(k, cfg.split_k)))  # a GPU dot's K is 16 at least (masked past k)
     if PREFETCH and halves * rows * step * itemsize <= PREFETCH_BYTES and bm * step * 4 <= PREFETCH_BYTES // 2:
@@ -297,7 +285,7 @@ def _partials(split: int, m: int, n: int, norm: bool, device):
 def _gemv(op, x2, weight, bias, norm_weight, residual, out, eps, offset, silu, cfg=None):
     m, k = x2.shape
     n = out.shape[1]
-    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape(op, m, n, k, weight.element_size(), cfg,
+    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape(op, m, n, k, weight.device, weight.dtype, cfg,
                                                                      halves=2 if silu else 1)
     tiles = cdiv(n, cfg.block_n)
     if split > 1 and tiles * m_blocks > MAX_TILES:
@@ -359,7 +347,7 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
     x2 = _rows(x)
     n = qkv_weight.shape[0]
     bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape("norm_qkv_rope_store", m, n, k,
-                                                                    qkv_weight.element_size(), cfg,
+                                                                    qkv_weight.device, qkv_weight.dtype, cfg,
                                                                     block_n=next_power_of_2(d))
     tiles = n // d
     if split > 1 and tiles * m_blocks > MAX_TILES:

@@ -24,7 +24,7 @@ GEMV_MAX_TOKENS) skip the sort: `_gemv_kernel` gives each pair its own programs 
 are the expert of each row). `_combine_kernel` sums each token's k rows in a fixed order (no
 atomics) and adds the gated shared expert. fp32 accumulation throughout.
 
-Configs: `MOE_CONFIGS`, keyed by (E, N, K, device name, dtype) then by the largest M a config
+Configs: the device's table moe (`devices`), keyed by (E, N, K) and then by the largest M a config
 serves; shapes not listed take `default_config`. gate_up's BLOCK_M is the sort's block; down
 takes its BLOCK_N / BLOCK_K / warps / stages from its own entry (E, H, I).
 """
@@ -33,8 +33,7 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, cuda_properties, grouped_tile, kernel, next_power_of_2,
-                     tile_product)
+from .common import INTERPRET, cdiv, grouped_tile, kernel, next_power_of_2, target_programs, tile_product, tuned
 
 GEMV_MAX_TOKENS = 4
 """Steps of at most this many tokens take the per-pair GEMV path (no sort)."""
@@ -53,34 +52,6 @@ class MoeConfig(NamedTuple):
     num_stages: int = 3
 
 
-MOE_CONFIGS: dict[tuple[int, int, int, str, str], dict[int, MoeConfig]] = {
-    # Qwen3-30B-A3B's gate_up and down, then Qwen3.5-35B-A3B's
-    (128, 1536, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 4),
-        4096: MoeConfig(128, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
-    (128, 2048, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 4), 64: MoeConfig(16, 128, 128, 1, 4, 4),
-        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 64, 8, 4, 4),
-        4096: MoeConfig(128, 128, 64, 8, 4, 3), 16384: MoeConfig(128, 128, 128, 8, 4, 3)},
-    (256, 1024, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
-        4096: MoeConfig(64, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
-    (256, 2048, 512, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
-        4096: MoeConfig(64, 128, 64, 8, 8, 3), 16384: MoeConfig(128, 128, 64, 8, 4, 3)},
-}
-"""(E, N, K, device name, dtype name) -> {largest M served: config}, from `python -m bench.moe
---sweep` on the GPU it names (bench/results/2026-12-06-h100-80gb-hbm3-moe-configs.json)."""
-
-
-def device_name(device: torch.device) -> str:
-    """The tables' device key: the CUDA device's name with spaces as underscores, or "cpu"."""
-    return cuda_properties(device).name.replace(" ", "_") if device.type == "cuda" else "cpu"
-
-
 def default_config(m: int, e: int, n: int, k: int, top_k: int, itemsize: int) -> MoeConfig:
     """A config by the pairs an expert gets on average (M * top_k / E): 16-row blocks where most
     experts see a few rows, 64 and then 128 where they see many. Under the interpreter, small tiles."""
@@ -96,11 +67,12 @@ def default_config(m: int, e: int, n: int, k: int, top_k: int, itemsize: int) ->
 
 
 def moe_config(m: int, e: int, n: int, k: int, top_k: int, device: torch.device, dtype: torch.dtype) -> MoeConfig:
-    """The stored config of the smallest bucket >= M (the largest bucket past them), else `default_config`."""
-    table = MOE_CONFIGS.get((e, n, k, device_name(device), str(dtype).replace("torch.", "")))
-    if not table:
+    """The device's stored config for (E, N, K) (the table moe) of the smallest bucket >= M (the
+    largest bucket past them), else `default_config`."""
+    buckets = tuned("moe", device, dtype, (e, n, k))
+    if not buckets:
         return default_config(m, e, n, k, top_k, dtype.itemsize)
-    return table[min((b for b in table if b >= m), default=max(table))]
+    return MoeConfig(*buckets[min((b for b in buckets if b >= m), default=max(buckets))])
 
 
 # ------------------------------------------------------------------------------------------- router
@@ -344,11 +316,11 @@ def _gemm(a, w, out, topk_weights, sorted_ids, expert_ids, post, a_row_div: int,
 
 def _gemv(a, w, out, topk_weights, ids, a_row_div: int, silu_mul: bool):
     """One program per pair and BLOCK_N columns, BLOCK_N halved from 64 (down to 16) until the
-    programs fill TARGET_PROGRAMS: a batch-1 step has only k pairs (96 programs of 64 gate_up
+    programs fill `target_programs`: a batch-1 step has only k pairs (96 programs of 64 gate_up
     columns at Qwen3-30B-A3B's shape, fewer than the SMs)."""
     n, k = out.shape[1], a.shape[1]
     block_n = min(64, max(16, next_power_of_2(n)))
-    while block_n > 16 and out.shape[0] * cdiv(n, block_n) < TARGET_PROGRAMS:
+    while block_n > 16 and out.shape[0] * cdiv(n, block_n) < target_programs(out.device):
         block_n //= 2
     block_k = min(128 if not INTERPRET else 64, max(16, next_power_of_2(k)))
     _gemv_kernel[(out.shape[0], cdiv(n, block_n))](a, w, out, topk_weights, ids, n, k, w.shape[0], a_row_div,
