@@ -375,6 +375,8 @@ class LLM(Frontend):
                 if tracked is None:
                     continue
                 request, c = tracked
+                if seq.error is not None:
+                    raise RuntimeError(f"request {request.request_id}: {seq.error}")
                 now = time.perf_counter()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now

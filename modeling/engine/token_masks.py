@@ -9,6 +9,12 @@ then) and a grammar (``GrammarMatcher``: the tokens that keep the output in the 
 per step). Longer bad words and grammars read the output so far: a step of such rows is not
 launched before the host has read the step before (``needs_history``). Should the bans leave a
 grammar row nothing, the grammar's mask wins (a grammar that must end gets its stop tokens).
+
+A grammar can reach a dead end: its output so far is a prefix of some instance, but no token of
+the vocabulary continues it (a vocabulary without single spaces, after a "," that the grammar
+must follow with one). The row's mask is then empty (``dead_end``), its sampled token means
+nothing, and the sequence ends there with finish_reason "abort" (``Sequence.append``); the other
+rows of the step go on.
 """
 
 from typing import List, Optional, Sequence as Seq, Tuple
@@ -51,6 +57,7 @@ class TokenControls:
         self.bad_words: List[Tuple[List[int], int]] = [(list(w[:-1]), w[-1]) for w in bad_words if len(w) > 1]
         self.min_tokens, self.stop_ids = params.min_tokens, tuple(stop_ids)
         self.matcher = matcher
+        self.dead_end = False
 
     @property
     def needs_history(self) -> bool:
@@ -74,6 +81,7 @@ class TokenControls:
                 clear(mask, [last])
         if grammar is not None and not mask.any():
             mask[:] = grammar
+            self.dead_end = not grammar.any() and not self.matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
