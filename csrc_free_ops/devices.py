@@ -45,6 +45,15 @@ def cuda_properties(device: torch.device):
     return _cuda_properties[index]
 
 
+def assume(properties) -> torch.device:
+    """cuda:0 taken to be a GPU of these ``properties`` (its ``name``, ``multi_processor_count``,
+    ...) for the launch decisions of a process that compiles for a GPU it does not have
+    (bench.decode_asm); returns that device."""
+    _cuda_properties[0] = properties
+    _tables.pop(0, None)
+    return torch.device("cuda", 0)
+
+
 def shared_memory_per_block(device: torch.device) -> "int | None":
     """The shared memory one block may use on a CUDA device, in bytes: the opt-in maximum (227 KB
     on Hopper), else the default per-block limit (ROCm builds lack the opt-in field), else None."""
