@@ -308,7 +308,9 @@ def sweep_attn_fwd():
             flops = 2 * hq * s * s * d  # two causal matmuls: 2 * (2 * Hq * S^2 / 2 * D)
             lines.add(f"## attention forward: {name}, S={s}, bf16 causal", "",
                 "| tiles (m, n, warps, stages) | us | TFLOPS | rel err |", "|---|---|---|---|")
-            default = attention.forward_tiles(d, s, 2)
+            gpu = q.device  # the launcher's choice on this GPU: its table's tiles, else the rule's
+            default = attention.forward_tiles(d, s, 2, common.shared_memory_per_block(gpu),
+                                              common.tuned("attention_forward", gpu, BF16, (common.next_power_of_2(d),)))
             for t in dict.fromkeys([default] + ATTN_FWD_TILES[d]):
                 label = f"{tuple(t)}{' default' if t == default else ''}"
                 try:
