@@ -3,8 +3,8 @@ shards read as slices of the checkpoint tensors and equal to the rows and column
 model's; and two ranks (processes over gloo) against one: fp32 logits of a pass without a cache
 within 1e-5, and greedy tokens through the engine (each rank runs the same engine steps, the paged
 cache and the real forward) equal but after a near-tie, for Qwen3 with 2 KV heads (untied lm_head),
-Qwen3 with 1 KV head (replicated on both ranks) and Qwen3.5 (Gated DeltaNet with 2 and with 1 key
-heads, gated attention). The ranks run the ops' PyTorch references (no TRITON_INTERPRET: the split
+Qwen3 with 1 KV head (replicated on both ranks), Qwen2 (the q, k, v bias; a transformers
+checkpoint) and Qwen3.5 (Gated DeltaNet with 2 and with 1 key heads, gated attention). The ranks run the ops' PyTorch references (no TRITON_INTERPRET: the split
 is what is tested, the kernels' agreement with the references is the op tests'), and rank 0 runs
 the one-device model too.
 """
@@ -35,6 +35,7 @@ CASES = {
     "qwen3.5": dict(model_type="qwen3_5_text"),
     "qwen3.5-1-key-head": dict(model_type="qwen3_5_text", linear_num_key_heads=1),
 }
+QWEN2 = "qwen2-qkv-bias"  # a transformers Qwen2 (tests.test_modeling.random_hf_model): untied, 4 / 2 heads of 32
 PROMPT_LEN, NEW_TOKENS = 12, 8
 
 
@@ -145,14 +146,14 @@ def recorded_reads():
         yield reads
 
 
-@pytest.mark.parametrize("case", ["qwen3-2-kv-heads", "qwen3-1-kv-head", "qwen3.5-1-key-head"])
-def test_rank_reads_only_its_slices(tmp_path, case):
+@pytest.mark.parametrize("case", ["qwen3-2-kv-heads", "qwen3-1-kv-head", QWEN2, "qwen3.5-1-key-head"])
+def test_rank_reads_only_its_slices(checkpoints, case):
     """Each rank reads its slices of every split tensor and nothing more of it (replicated tensors
     whole); its shards are the whole model's rows and columns of its heads: q, k, v rows of each
-    attention QKV (the one KV head on both ranks where there is one), the q, k, v channels, z, b, a
+    attention QKV and its bias (the one KV head on both ranks where there is one), the q, k, v channels, z, b, a
     rows of each Gated DeltaNet in_proj, gate and up rows, o_proj / down / out_proj columns, the
     vocabulary rows of the embedding and lm_head."""
-    path = build_random_checkpoint(tmp_path / case, **CASES[case])
+    path = checkpoints[case]
     config = QwenConfig.from_pretrained(path)
     whole = loader.load_state_dict(path, config, dtype=torch.float32)
     sizes = {name: shape for sources in loader.load_plan(config).values() for name, shape in sources}
@@ -220,8 +221,12 @@ def _rank(rank: int, init_method: str, paths: dict, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    from tests.test_modeling import random_hf_model, save_checkpoint  # transformers: here, not in the ranks
+
     root = tmp_path_factory.mktemp("tp")
-    return {case: str(build_random_checkpoint(root / case, **sizes)) for case, sizes in CASES.items()}
+    paths = {case: str(build_random_checkpoint(root / case, **sizes)) for case, sizes in CASES.items()}
+    paths[QWEN2] = str(save_checkpoint(random_hf_model("qwen2", False, 4, 2, 32), root / QWEN2))
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +247,7 @@ def two_ranks(checkpoints, tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, QWEN2])
 def test_two_ranks_match_one(two_ranks, case):
     """TP-2 against TP-1 (fp32): logits within 1e-5; greedy tokens equal, or a row's first
     difference at a near-tie (the TP-1 logits of the two tokens within 1e-4 of the row's largest)."""
