@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import modeling.model.loader as loader
 from modeling.model.causal_lm import QwenForCausalLM
 from modeling.model.config import QwenConfig
+from modeling.model.device import weight_bytes
 from modeling.model.random_checkpoint import build_random_checkpoint, config_dict
 from modeling.model.tensor_parallel import SINGLE, Split, TensorParallel
 from tests.helpers import engine_greedy, prompt, rel_err
@@ -152,7 +153,7 @@ def test_rank_reads_only_its_slices(checkpoints, case):
     whole); its shards are the whole model's rows and columns of its heads: q, k, v rows of each
     attention QKV and its bias (the one KV head on both ranks where there is one), the q, k, v channels, z, b, a
     rows of each Gated DeltaNet in_proj, gate and up rows, o_proj / down / out_proj columns, the
-    vocabulary rows of the embedding and lm_head."""
+    vocabulary rows of the embedding and lm_head. The memory check counts the rank's bytes."""
     path = checkpoints[case]
     config = QwenConfig.from_pretrained(path)
     whole = loader.load_state_dict(path, config, dtype=torch.float32)
@@ -168,6 +169,7 @@ def test_rank_reads_only_its_slices(checkpoints, case):
                 numel = numel // shape[splits[name].dim] * sum(b - a for a, b in parallel.ranges(splits[name]))
             assert reads[name] == numel, name
         assert shards.keys() == whole.keys()
+        assert weight_bytes(config, torch.float32, parallel=parallel) == sum(4 * t.numel() for t in shards.values())
         for target, tensor in shards.items():
             assert torch.equal(tensor, _shard_of(whole[target], target, config, parallel)), target
 
