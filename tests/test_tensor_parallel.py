@@ -4,9 +4,9 @@ model's; and two ranks (processes over gloo) against one: fp32 logits of a pass 
 within 1e-5, and greedy tokens through the engine (each rank runs the same engine steps, the paged
 cache and the real forward) equal but after a near-tie, for Qwen3 with 2 KV heads (untied lm_head),
 Qwen3 with 1 KV head (replicated on both ranks), Qwen2 (the q, k, v bias; a transformers
-checkpoint) and Qwen3.5 (Gated DeltaNet with 2 and with 1 key heads, gated attention). The ranks run the ops' PyTorch references (no TRITON_INTERPRET: the split
-is what is tested, the kernels' agreement with the references is the op tests'), and rank 0 runs
-the one-device model too.
+checkpoint) and Qwen3.5 (Gated DeltaNet with 2 and with 1 key heads, gated attention). The ranks
+run the ops' PyTorch references (no TRITON_INTERPRET: the split is what is tested, the kernels'
+agreement with the references is the op tests'), and rank 0 runs the one-device model too.
 """
 
 import math
