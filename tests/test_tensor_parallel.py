@@ -72,6 +72,9 @@ def test_local_config_and_refusals():
     assert (hybrid.linear_num_key_heads, hybrid.linear_num_value_heads, hybrid.num_attention_heads) == (1, 1, 1)
     with pytest.raises(ValueError, match="num_attention_heads 4 does not split over tensor_parallel_size 8"):
         TensorParallel(0, 8).local_config(config)
+    with pytest.raises(ValueError, match="num_key_value_heads: 3 heads do not split over 2 ranks"):
+        TensorParallel(0, 2).local_config(QwenConfig.from_dict(config_dict(512, num_attention_heads=6,
+                                                                           num_key_value_heads=3)))
     with pytest.raises(ValueError, match="vocab_size 510 does not split"):
         TensorParallel(0, 4).local_config(QwenConfig.from_dict(config_dict(510)))
     with pytest.raises(ValueError, match="mixture-of-experts and FP8 models run on one device"):

@@ -96,12 +96,19 @@ class TensorParallel:
         for name in ("num_attention_heads", "intermediate_size", "vocab_size", "linear_num_value_heads"):
             if getattr(c, name) % w:
                 raise ValueError(f"{name} {getattr(c, name)} does not split over tensor_parallel_size {w}")
-        linear_key_heads = len(self.heads(c.linear_num_key_heads)) if c.linear_num_key_heads else 0
+        linear_key_heads = self._local_heads(c, "linear_num_key_heads") if c.linear_num_key_heads else 0
         return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // w,
-                                   num_key_value_heads=len(self.heads(c.num_key_value_heads)),
+                                   num_key_value_heads=self._local_heads(c, "num_key_value_heads"),
                                    intermediate_size=c.intermediate_size // w,
                                    linear_num_key_heads=linear_key_heads,
                                    linear_num_value_heads=c.linear_num_value_heads // w)
+
+    def _local_heads(self, config: QwenConfig, name: str) -> int:
+        """How many of the heads counted by config field ``name`` this rank holds."""
+        try:
+            return len(self.heads(getattr(config, name)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum of ``x`` over the ranks (in place): a row-parallel projection's output."""
