@@ -62,8 +62,9 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     2 rows or more                            ``ops``        faster than persistent at batch 8
     ========================================  =============  ==========================================
 
-    A mixture-of-experts or FP8 model decodes op by op (``supports_fused_decode``: the fused ops fold
-    the dense MLP only, and read weights in the model's dtype).
+    A mixture-of-experts, FP8 or tensor-parallel model decodes op by op (``supports_fused_decode``:
+    the fused ops fold the dense MLP only, read weights in the model's dtype, and sum no partial
+    outputs over ranks).
     """
     if num_seqs > 1 or not model.supports_fused_decode:
         return "ops"
@@ -92,10 +93,11 @@ class StepRunner:
             raise ValueError(f"decode_kernels must be one of {', '.join(KERNELS)} (or None), got {kernels!r}")
         if kernels == "persistent" and not model.supports_persistent_decode:
             raise ValueError("decode_kernels='persistent' needs a model of attention layers without an output gate "
-                             "and with dense MLPs and weights in the model's dtype (Qwen3, Qwen2; not FP8)")
+                             "and with dense MLPs and weights in the model's dtype, on one device (Qwen3, Qwen2; "
+                             "not FP8, not tensor-parallel)")
         if kernels == "fused" and not model.supports_fused_decode:
-            raise ValueError("decode_kernels='fused' needs dense MLPs and weights in the model's dtype: a "
-                             "mixture-of-experts or FP8 model decodes op by op")
+            raise ValueError("decode_kernels='fused' needs dense MLPs, weights in the model's dtype and the model on "
+                             "one device: a mixture-of-experts, FP8 or tensor-parallel model decodes op by op")
         if kernels == "persistent" and max_num_seqs > qwen_ops.DECODE_LAYERS_MAX_ROWS:
             raise ValueError(f"decode_kernels='persistent' takes at most {qwen_ops.DECODE_LAYERS_MAX_ROWS} sequences "
                              f"a step, got max_num_seqs {max_num_seqs}")

@@ -33,6 +33,10 @@ lead its plan, each but the last a whole number of 128-row blocks, stays FP8 whe
 quantised source is dequantised into the target dtype. ``quantize=True`` quantises each linear
 weight of a bf16 / fp16 checkpoint into the same format as it loads (``quantization="fp8"``).
 
+Tensor parallelism (``parallel``, a ``modeling.model.tensor_parallel.TensorParallel``): each rank
+reads only its slice of every split tensor (``split_plan``: ``safe_open(...).get_slice(name)``, one
+read a section of its heads), replicated tensors whole; its model tensors are the rank's shards.
+
 Every file is opened through ``modeling.model.files`` (regular files only: a FIFO or a link to a device
 is refused without blocking). Before anything is allocated, the weights files must be large enough
 for the config's parameters at 2 bytes each (``check_weights_size``), so a config.json whose sizes
@@ -43,7 +47,7 @@ import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
@@ -53,8 +57,9 @@ import qwen_ops
 from . import fp8
 from .config import QwenConfig
 from .files import format_size, open_file, read_json
-from .layers import LAYER_TYPES, LoadPlan, Shape
+from .layers import LAYER_TYPES, LoadPlan, Shape, SplitPlan
 from .moe import FUSED_EXPERTS
+from .tensor_parallel import SINGLE, Split, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,6 +93,17 @@ def load_plan(config: QwenConfig, fused_experts: bool = False) -> LoadPlan:
     plan["norm"] = [(m + "norm.weight", (c.hidden_size,))]
     if not c.tie_word_embeddings:
         plan["lm_head"] = [("lm_head.weight", (c.vocab_size, c.hidden_size))]
+    return plan
+
+
+def split_plan(config: QwenConfig) -> SplitPlan:
+    """How the checkpoint tensors split over tensor-parallel ranks: the embedding and lm_head by
+    vocabulary rows, each layer's by its kind's ``split_plan``; the others are replicated."""
+    c, m = config, config.weights_prefix
+    vocab = Split(0, ((c.vocab_size, 1),))
+    plan: SplitPlan = {m + "embed_tokens.weight": vocab, "lm_head.weight": vocab}
+    for i, kind in enumerate(c.layer_types):
+        plan |= LAYER_TYPES[kind].split_plan(c, f"{m}layers.{i}.")
     return plan
 
 
@@ -148,15 +164,19 @@ def load_state_dict(
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     quantize: bool = False,
+    parallel: TensorParallel = SINGLE,
 ) -> Dict[str, torch.Tensor]:
     """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``
-    (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc).
+    (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc); with ``parallel``
+    (world size > 1) this rank's shards of them, each read as its slices only.
 
     Every tensor is checked (names, shapes, floating dtypes) before any is loaded, and every
     loaded tensor for NaN / inf (one ``isfinite`` reduction per tensor, read back once at the end).
     A tied-embedding model needs no ``lm_head.weight``; one present anyway is ignored, as are
     tensors under ``config.skipped_weight_prefixes``.
     """
+    parallel.local_config(config)  # a model that does not split is refused before anything is read
+    splits = split_plan(config) if parallel.world_size > 1 else {}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     skipped = tuple(config.skipped_weight_prefixes)
     device = torch.device(device)
@@ -194,12 +214,16 @@ def load_state_dict(
             if target in linear and quantized and _leading_blocks(sources, scales):
                 state.update(_fp8_parameter(target, sources, quantized, handles, dtype, device, finite))
                 continue
-            rows = sum(shape[0] for _, shape in sources)
-            out = torch.empty((rows, *sources[0][1][1:]), dtype=dtype, device=device)
+            shapes = [_local_shape(shape, splits.get(name), parallel) for name, shape in sources]
+            rows = sum(shape[0] for shape in shapes)
+            out = torch.empty((rows, *shapes[0][1:]), dtype=dtype, device=device)
             row = 0
-            for name, shape in sources:
+            for (name, _), shape in zip(sources, shapes):
                 part = out[row : row + shape[0]]
-                part.copy_(_read(handles, name, scales, dtype))
+                if name in splits:
+                    _read_split(handles[name], name, splits[name], parallel, part)
+                else:
+                    part.copy_(_read(handles, name, scales, dtype))
                 finite.append((name, torch.isfinite(part).all()))
                 row += shape[0]
             state[target] = out
@@ -217,6 +241,26 @@ def linear_targets(config: QwenConfig) -> set:
     """The model tensors that may hold FP8 weights: each layer's ``linear_weights``."""
     return {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
             for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
+
+
+def _local_shape(shape: Shape, split: Optional[Split], parallel: TensorParallel) -> Shape:
+    """A checkpoint tensor's shape on this rank: ``shape`` with its split dim cut to the rank's
+    elements (``shape`` itself if replicated)."""
+    if split is None:
+        return shape
+    size = sum(stop - start for start, stop in parallel.ranges(split))
+    return (*shape[: split.dim], size, *shape[split.dim + 1 :])
+
+
+def _read_split(handle, name: str, split: Split, parallel: TensorParallel, out: torch.Tensor) -> None:
+    """Copy this rank's slices of checkpoint tensor ``name`` into ``out`` (its local shape), one
+    ``get_slice`` read a section: nothing else of the tensor is read."""
+    tensor = handle.get_slice(name)
+    lead = (slice(None),) * split.dim
+    offset = 0
+    for start, stop in parallel.ranges(split):
+        out.narrow(split.dim, offset, stop - start).copy_(tensor[(*lead, slice(start, stop))])
+        offset += stop - start
 
 
 def _scale_shape(shape: Shape) -> Shape:
