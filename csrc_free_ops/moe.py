@@ -9,9 +9,12 @@ GEMMs and the combine (vLLM's fused MoE design).
         to a multiple of BM with the sentinel M * k, experts one after the other; block b of BM
         rows belongs to expert_ids[b] (-1 past num_post_padded). P = M * k + E * (BM - 1) is the
         worst case, so every size is a function of the shapes (no host sync: CUDA-graph safe).
-    fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights, ids, shared [M, H]?, shared_gate [M, 1]?)
+    fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights, ids, shared [M, H]?, shared_gate [M, 1]?,
+              w13_scale_inv [E, cdiv(2I, 128), cdiv(H, 128)]?, w2_scale_inv [E, cdiv(H, 128), cdiv(I, 128)]?)
         y = sum_j weights[:, j] * (silu(x @ w13[e_j, :I].T) * (x @ w13[e_j, I:].T)) @ w2[e_j].T
             (+ sigmoid(shared_gate) * shared)
+        A weight given with its scales (fp32) is FP8: float8_e4m3fn in the block format of Qwen's FP8
+        checkpoints, expert by expert: w[e, n, k] = weight[e, n, k] * scale_inv[e, n // 128, k // 128].
 
 fused_moe runs, for M > GEMV_MAX_TOKENS: the sort (three kernels: per-chunk counts and ranks;
 one program's prefix sums over chunks and experts and the blocks' experts; the scatter), then
@@ -24,9 +27,22 @@ GEMV_MAX_TOKENS) skip the sort: `_gemv_kernel` gives each pair its own programs 
 are the expert of each row). `_combine_kernel` sums each token's k rows in a fixed order (no
 atomics) and adds the gated shared expert. fp32 accumulation throughout.
 
+FP8 experts (an `FP8_W` constexpr of both GEMM kernels: the bf16 ones compile as without it) are
+weight-only: x and the activation between the GEMMs stay in x's dtype, and each weight tile is
+dequantised in registers.
+    GEMV:    c[i, n] = sum_k a[k] * (w[e, n, k] * s[e, n // 128, k // 128])          (fp32 tiles)
+    grouped: c[i, n] = sum over K steps t of (a[i, t] . w[e, n, t]) * s[e, n // 128, t // 128]
+Each grouped step (`common.fp8_weight_tile_product`, the dense FP8 GEMV's main loop) is one dot of
+a's tile with the FP8 tile widened to a's dtype (exact), on the tensor-core instructions of
+unquantised weights; BLOCK_K is the config's, at most 128, so a step lies in one block. Weight-only rather
+than activations quantised per token and group of 128 with FP8 dots (fp8_block_linear's prefill
+math): the weights' bytes halve as in decode, the bf16 tile configs serve unchanged (a tile needs
+no more shared memory), and no quantisation kernel or activation scales sit between the GEMMs.
+
 Configs: `MOE_CONFIGS`, keyed by (E, N, K, device name, dtype) then by the largest M a config
 serves; shapes not listed take `default_config`. gate_up's BLOCK_M is the sort's block; down
-takes its BLOCK_N / BLOCK_K / warps / stages from its own entry (E, H, I).
+takes its BLOCK_N / BLOCK_K / warps / stages from its own entry (E, H, I). FP8 experts take the
+configs of x's dtype.
 """
 from typing import NamedTuple
 
