@@ -34,10 +34,11 @@ dequantised in registers.
     grouped: c[i, n] = sum over K steps t of (a[i, t] . w[e, n, t]) * s[e, n // 128, t // 128]
 Each grouped step (`common.fp8_weight_tile_product`, the dense FP8 GEMV's main loop) is one dot of
 a's tile with the FP8 tile widened to a's dtype (exact), on the tensor-core instructions of
-unquantised weights; BLOCK_K is the config's, at most 128, so a step lies in one block. Weight-only rather
-than activations quantised per token and group of 128 with FP8 dots (fp8_block_linear's prefill
-math): the weights' bytes halve as in decode, the bf16 tile configs serve unchanged (a tile needs
-no more shared memory), and no quantisation kernel or activation scales sit between the GEMMs.
+unquantised weights; BLOCK_K is the config's, at most 128, so a step lies in one block.
+Weight-only rather than activations quantised per token and group of 128 with FP8 dots
+(fp8_block_linear's prefill math): the weights' bytes halve as in decode, the bf16 tile configs
+serve unchanged (a tile needs no more shared memory), and no quantisation kernel or activation
+scales sit between the GEMMs.
 
 Configs: `MOE_CONFIGS`, keyed by (E, N, K, device name, dtype) then by the largest M a config
 serves; shapes not listed take `default_config`. gate_up's BLOCK_M is the sort's block; down
