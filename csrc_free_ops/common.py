@@ -5,6 +5,10 @@ never from each other.
 - `dot`, `tile_product`, `mm`: fp32-accumulating tile products; `mm(a, b, out)` is the one
   strided GEMM (out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out)), split along K into fp32
   partials summed in a fixed order when the output has too few tiles to fill the GPU.
+- `FP8_BLOCK`, `fp8_block_scales`, `fp8_weight_tile_product`: weights in the block format of Qwen's
+  FP8 checkpoints (float8_e4m3fn [N, K], each FP8_BLOCK x FP8_BLOCK block times its scale
+  ws[n // FP8_BLOCK, k // FP8_BLOCK]): a block's scales, and the weight-only tile product (the
+  dense FP8 GEMV's and the FP8 experts' main loop).
 - `sum_partials`, `column_sum`: two-pass column sums, deterministic and free of atomics: each
   of P programs writes the fp32 partial sum of a fixed, contiguous range of rows to row p of
   a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the
@@ -479,3 +483,49 @@ def reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
         part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
         SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(y2),
     )
+
+
+# ------------------------------------------------------------------------------------- FP8 weights
+
+FP8_BLOCK = 128
+"""The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]): w[n, k] =
+weight[n, k] * weight_scale_inv[n // FP8_BLOCK, k // FP8_BLOCK]; the last block row and column may be partial."""
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK)
+
+
+@triton.jit
+def fp8_block_scales(ws_ptr, rows, k, stride_wsn, stride_wsk):
+    """The fp32 scales of an FP8 weight's rows `rows` at column k: ws[rows // FP8_BLOCK, k // FP8_BLOCK]."""
+    return tl.load(ws_ptr + (rows // _FP8_BLOCK) * stride_wsn + (k // _FP8_BLOCK) * stride_wsk).to(tl.float32)
+
+
+@triton.jit
+def fp8_weight_tile_product(a_ptr, w_ptr, ws_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_wn, stride_wsn,
+                            stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile a[rm, k_lo:k_hi] @ dequant(w)[rn, k_lo:k_hi].T, weight-only: w is
+    float8_e4m3fn [N, K] with block scales ws (`fp8_block_scales`), a in the model's dtype (both
+    contiguous along K). Each BLOCK_K step is its own dot of a's tile with the FP8 tile widened to
+    a's dtype (exact: every e4m3 value is a bf16 and an fp16 value), scaled per column by its
+    block's scale and added to the fp32 accumulator; BLOCK_K divides FP8_BLOCK and k_lo is a
+    multiple of FP8_BLOCK, so a step never crosses a block. Rows past M and K past k_hi read zeros;
+    columns past N read a valid (wrapped) row, for the caller to mask at the store. `rm` is int64
+    where a row times stride_am may pass 2^31."""
+    rk = tl.arange(0, BLOCK_K)
+    cols = (rn % N).to(tl.int64)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_lo + rk)[:, None]
+    ws_ptrs = ws_ptr + (cols // _FP8_BLOCK) * stride_wsn + (k_lo // _FP8_BLOCK) * stride_wsk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < k_hi - k0
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        block = dot(a, w.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+        acc += block * tl.load(ws_ptrs).to(tl.float32)[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        if BLOCK_K == _FP8_BLOCK:
+            ws_ptrs += stride_wsk
+        else:  # the next block's scales once the next step starts it
+            ws_ptrs += tl.where((k0 + BLOCK_K) // _FP8_BLOCK > k0 // _FP8_BLOCK, stride_wsk, 0)
+    return acc

@@ -21,7 +21,8 @@ Kernels:
 - `_weight_only_kernel` (decode, M <= DECODE_MAX_M): x is not quantised;
   y[m, n] = sum over K blocks g of (x[m, g] . weight[n, g]) * weight_scale_inv[n // 128, g] (+ bias).
   The fp8 weight tile is widened to x's dtype in registers (exact: every e4m3 value is a bf16 and
-  an fp16 value), and each block's fp32 product is scaled. The K axis is split as in linear's
+  an fp16 value), and each block's fp32 product is scaled (`common.fp8_weight_tile_product`, the
+  FP8 experts' main loop too). The K axis is split as in linear's
   decode kernel (slices of whole blocks), the slices summed in a fixed order by its reduce kernel.
 
 Output in x's dtype, bias added in fp32. GPUs of compute capability 8.9 or newer (`fp8_supported`).
@@ -40,12 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (DECODE_MAX_M, INTERPRET, DecodeConfig, cdiv, cuda_properties, dot, flat_rows,
-                     grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices, target_programs, tuned)
+from .common import (DECODE_MAX_M, FP8_BLOCK, INTERPRET, DecodeConfig, cdiv, cuda_properties, flat_rows,
+                     fp8_weight_tile_product, grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices,
+                     target_programs, tuned)
 
-BLOCK = 128
-"""The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]), and the
-activation group of the GEMM."""
+BLOCK = FP8_BLOCK
+"""The weight block (both axes) of Qwen's FP8 checkpoints (`common.FP8_BLOCK`), and the activation
+group of the GEMM."""
 FP8_MAX = 448.0
 """The largest float8_e4m3fn value."""
 EPS = 1e-10
@@ -202,23 +204,9 @@ def _weight_only_kernel(
     pid_s = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    cols = (rn % N).to(tl.int64)
     k_lo = pid_s * K_PER_SPLIT
-    k_hi = min(k_lo + K_PER_SPLIT, K)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_lo + rk)[:, None]
-    sw_ptrs = sw_ptr + (cols // BLOCK_K) * stride_swn + (k_lo // BLOCK_K) * stride_swk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = rk < k_hi - k0
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        block = dot(a, b.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-        acc += block * tl.load(sw_ptrs).to(tl.float32)[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        sw_ptrs += stride_swk
+    acc = fp8_weight_tile_product(x_ptr, w_ptr, sw_ptr, rm, rn, M, N, k_lo, min(k_lo + K_PER_SPLIT, K), stride_xm,
+                                  stride_wn, stride_swn, stride_swk, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
     if SPLIT_K == 1:

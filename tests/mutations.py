@@ -391,11 +391,20 @@ MUTATIONS = [
              "m.detach().to(self.save_dtype, copy=True)", "m.detach().to(self.save_dtype)", ("tests/test_train.py",)),
     Mutation("the time-budget schedule takes the smaller progress", "modeling/train/trainer.py",
              "progress = max(progress, elapsed_s", "progress = min(progress, elapsed_s", ("tests/test_train.py",)),
-    # FP8 checkpoints (tests/test_fp8_checkpoints.py) and grammars (tests/test_engine_controls.py).
+    # FP8 checkpoints and experts (tests/test_fp8_checkpoints.py, test_ops_moe.py) and grammars
+    # (tests/test_engine_controls.py).
     Mutation("FP8 scales read in the wrong block order", "modeling/model/loader.py",
              "s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX))",
              "s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX).flip(0))",
              ("tests/test_fp8_checkpoints.py",)),
+    Mutation("FP8 experts' up rows take the gate rows' block scales (GEMV)", "csrc_free_ops/moe.py",
+             "fp8_block_scales(ws_e, N + rows, k0, stride_wsn, 1)", "fp8_block_scales(ws_e, rows, k0, stride_wsn, 1)",
+             ("tests/test_ops_moe.py",)),
+    Mutation("FP8 weight tiles narrower than a block step their scales every K step", "csrc_free_ops/common.py",
+             "ws_ptrs += tl.where((k0 + BLOCK_K) // _FP8_BLOCK > k0 // _FP8_BLOCK, stride_wsk, 0)",
+             "ws_ptrs += stride_wsk", ("tests/test_ops_moe.py",)),
+    Mutation("FP8 experts quantised at load as one [E * N, K] weight", "modeling/model/loader.py",
+             "fp8.quantize(experts_out)", "fp8.quantize(out)", ("tests/test_fp8_checkpoints.py",)),
     Mutation("a completed grammar does not end its sequence", "modeling/engine/sequence.py",
              "if token in self.stop_token_ids or (self.controls is not None and self.controls.terminated):",
              "if token in self.stop_token_ids:", ("tests/test_engine_controls.py",)),

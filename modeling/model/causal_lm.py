@@ -173,8 +173,9 @@ class QwenForCausalLM(nn.Module):
     ) -> "QwenForCausalLM":
         """Build the model from ``path``'s config.json and safetensors weights, for inference
         (parameters do not require grad). ``quantization="fp8"`` quantises the layers' linear
-        weights as they load (``modeling.model.fp8``); an FP8 checkpoint loads as it is without it.
-        ``parallel``: this rank's shards only, each read as its slices of the checkpoint tensors."""
+        weights and experts as they load (``modeling.model.fp8``); an FP8 checkpoint loads as it is
+        without it. ``parallel``: this rank's shards only, each read as its slices of the checkpoint
+        tensors."""
         config = QwenConfig.from_pretrained(path)
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")

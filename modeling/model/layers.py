@@ -86,7 +86,8 @@ class DecoderLayer(nn.Module):
     ``config``: the rank's ``parallel.local_config`` (the model's config at world size 1).
 
     ``LINEAR_WEIGHTS``: the weights that may be FP8 (``modeling.model.fp8``), each with its
-    ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them).
+    ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them); a sparse MLP's
+    are its own (``SparseMoeBlock``).
     """
 
     LINEAR_WEIGHTS = ("gate_up_weight", "down_weight")
@@ -105,9 +106,7 @@ class DecoderLayer(nn.Module):
             self.mlp = None
             self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
             self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
-        for name in self.linear_weights(sparse):
-            self.register_parameter(name + "_scale_inv", None)
-            self.register_parameter(name + "_tail", None)
+        fp8.register_parts(self, self.linear_weights(sparse))
 
     @classmethod
     def linear_weights(cls, sparse: bool) -> Tuple[str, ...]:
@@ -116,13 +115,12 @@ class DecoderLayer(nn.Module):
 
     @property
     def holds_fp8(self) -> bool:
-        """Whether any of the layer's weights is FP8."""
-        return any(getattr(self, name + "_scale_inv") is not None for name in self.linear_weights(self.mlp is not None))
+        """Whether any of the layer's weights (its sparse MLP's included) is FP8."""
+        return any(p.dtype == torch.float8_e4m3fn for p in self.parameters())
 
     def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
         """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
-        return fp8.linear(h, getattr(self, name), bias, getattr(self, name + "_scale_inv"),
-                          getattr(self, name + "_tail"))
+        return fp8.module_linear(self, h, name, bias)
 
     @classmethod
     def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
