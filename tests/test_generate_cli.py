@@ -430,6 +430,7 @@ def bad_checkpoints(tmp_path, ckpt):
     (["--model", "{ckpt}", "--prompt", "hi", "--max-model-len", "1"], "--max-model-len must be >= 2"),
     (["--model", "{ckpt}", "--prompt", "hi", "--max-model-len", str(2**31)], "at most 2147483647"),
     (["--model", "{ckpt}", "--prompt", "hi", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "tpu"], "--device must be cuda, cuda:N or cpu"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "cuda:abc"], "--device must be cuda, cuda:N or cpu, got 'cuda:abc'"),
     (["--model", "{ckpt}", "--prompt", "hi", "--device", "cpu:1"], "--device cpu:1: the CPU has no index"),
@@ -451,6 +452,14 @@ def test_bad_input_exits_2_with_message(args, message, capsys, tmp_path, ckpt, b
     assert code == 2
     assert err.startswith("error: ") and message in err, err
     assert len([line for line in err.splitlines() if not line.startswith("note:")]) == 1 and out == "", err
+
+
+def test_a_split_the_heads_do_not_take_exits_2(ckpt, capsys):
+    """``--tensor-parallel-size`` the model's heads do not split over: one error line, before any
+    worker process starts."""
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "hi", "--device", "cpu", "--tensor-parallel-size", "3")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "error: num_attention_heads 4 does not split over tensor_parallel_size 3" in err
 
 
 def test_broken_weights_and_argparse_errors(ckpt, capsys, tmp_path):

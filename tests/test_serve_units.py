@@ -270,6 +270,7 @@ def test_unknown_fields_are_logged_and_ignored_or_refused_when_strict(caplog):
     (["--model", "/no/such/dir"], "--model"), (["--max-model-len", "513"], "max_position_embeddings (512)"),
     (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "inf"], "--body-timeout"),
     (["--body-timeout", "nan"], "--body-timeout"), (["--max-connections", "0"], "--max-connections"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
 ])
 def test_cli_refuses_bad_flags(argv, problem, capsys):
     from modeling.serve.__main__ import main

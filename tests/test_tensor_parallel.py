@@ -11,6 +11,7 @@ agreement with the references is the op tests'), and rank 0 runs the one-device 
 
 import math
 import os
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -267,3 +268,68 @@ def test_two_ranks_match_one(two_ranks, case):
             row = one["forced"][b, i]
             gap = row[ref_tokens[b, i]] - row[tokens[b, i]]
             assert gap <= 1e-4 * row.abs().max(), f"row {b} token {i} differs without a near-tie (gap {float(gap):.3g})"
+
+
+@pytest.mark.parametrize("case", ["qwen3-2-kv-heads", "qwen3.5"])
+def test_llm_with_workers_matches_one_device(checkpoints, case):
+    """``LLM(..., tensor_parallel_size=2)``: this process is rank 0 and starts one worker; greedy
+    and seeded tokens, n completions and prompt logprobs equal the one-device LLM's (fp64: every process runs the
+    reference ops), over
+    prefill, mixed and decode steps with the lookahead (penalties defer the sampling)."""
+    from modeling import LLM, SamplingParams
+
+    path = checkpoints[case]
+    prompts = [{"prompt_token_ids": list(range(3 + i, 30 + 5 * i))} for i in range(3)]
+    cases = [SamplingParams(max_tokens=10, temperature=0),
+             SamplingParams(max_tokens=10, temperature=0.9, seed=5, n=2, presence_penalty=0.5),
+             SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)]
+    outputs = {}
+    for size in (1, 2):
+        llm = LLM(path, device="cpu", dtype=torch.float64, tensor_parallel_size=size, progress=False)
+        try:
+            outputs[size] = [llm.generate(prompts, params, use_tqdm=False) for params in cases]
+        finally:
+            llm.close()
+    for one, two in zip(outputs[1], outputs[2]):
+        for a, b in zip(one, two):
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+            if a.prompt_logprobs is not None:
+                for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert len({tuple(c.token_ids) for r in outputs[2][1] for c in r.outputs}) > 1
+
+
+def test_a_worker_that_dies_ends_the_engine(checkpoints):
+    """A worker killed while the engine generates: the call raises ``WorkerDied`` naming rank 1
+    within ``TIMEOUT_S``, and ``close`` still returns."""
+    from modeling import LLM, SamplingParams
+    from modeling.engine.workers import TIMEOUT_S, WorkerDied
+
+    llm = LLM(checkpoints["qwen3-2-kv-heads"], device="cpu", dtype=torch.float64, tensor_parallel_size=2,
+              progress=False)
+    try:
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        killer = threading.Timer(0.5, llm.workers.procs[0].kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match="tensor-parallel worker rank 1 exited"):
+            llm.generate([{"prompt_token_ids": list(range(5, 40))}] * 4,
+                         SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - t0 < TIMEOUT_S
+        killer.join()
+    finally:
+        llm.close()
+
+
+def test_llm_refuses_a_split_that_does_not_fit(checkpoints):
+    """A size that is not an integer >= 1, or one the model's heads do not split over, is refused
+    before any process starts."""
+    from modeling import LLM
+
+    path = checkpoints["qwen3-2-kv-heads"]
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            LLM(path, device="cpu", dtype="float32", tensor_parallel_size=bad, progress=False)
+    with pytest.raises(ValueError, match="num_attention_heads 4 does not split over tensor_parallel_size 3"):
+        LLM(path, device="cpu", dtype="float32", tensor_parallel_size=3, progress=False)

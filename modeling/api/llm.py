@@ -52,6 +52,8 @@ from ..engine.sampling_params import SamplingParams, choice_seed
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from ..model.fp8 import keeps_fp8
+from ..model.tensor_parallel import SINGLE, TensorParallel
+from ..engine.workers import Workers, start as start_workers
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
 from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
@@ -59,6 +61,8 @@ from .stream import TextStream
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
+WORKER_LOAD_TIMEOUT_S = 1800
+"""The longest a tensor-parallel worker may take to load its shard."""
 MIN_AUTO_MODEL_LEN = 256
 """With ``max_model_len=None`` the engine holds at least this many positions a sequence (then powers of two)."""
 TOKEN_IDS_KEY = "prompt_token_ids"
@@ -117,6 +121,9 @@ class LLM(Frontend):
     ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
     CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights and
     experts as they load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
+    ``tensor_parallel_size``: split the model over that many devices (``cuda:0`` .. on a GPU host;
+    on the CPU, processes over gloo): this process is rank 0 and starts the others as workers
+    (``modeling.engine.workers``); ``close()`` stops them.
 
     Calls may come from several threads: each engine step runs under a lock, and a step serves
     every call's sequences (an open ``stream`` advances while another call generates).
@@ -127,7 +134,7 @@ class LLM(Frontend):
                  dtype: Union[str, torch.dtype, None] = None, max_model_len: Optional[int] = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, quantization: Optional[str] = None, progress: bool = True,
-                 **renamed: Any):
+                 tensor_parallel_size: int = 1, **renamed: Any):
         for old, value in renamed.items():
             if old in REMOVED:
                 raise TypeError(f"LLM(): {old} is no longer an argument: {REMOVED[old]}")
@@ -145,6 +152,8 @@ class LLM(Frontend):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
+        if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if isinstance(model, Checkpoint):
             self.checkpoint = model
         else:
@@ -157,13 +166,36 @@ class LLM(Frontend):
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
         fp8_weights = bool(quantization or self.config.quantization) and keeps_fp8(self.device, self.dtype)
-        check_weights_fit(self.config, self.device, self.dtype, fp8_weights)
-        self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype,
-                                                     quantization=quantization)
+        self.workers: Optional[Workers] = None
+        parallel = SINGLE
+        if tensor_parallel_size > 1:
+            parallel = TensorParallel(0, tensor_parallel_size)
+            parallel.local_config(self.config)  # a model that does not split: refused before any process starts
+        check_weights_fit(self.config, self.device, self.dtype, fp8_weights, parallel)
+        if tensor_parallel_size > 1:
+            self.workers = start_workers(self.checkpoint.path, self.dtype, quantization, self.device,
+                                         tensor_parallel_size)
+            parallel = TensorParallel.from_group()
+        try:
+            self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype,
+                                                         quantization=quantization, parallel=parallel)
+            if self.workers is not None:
+                self.workers.wait_ready(WORKER_LOAD_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
         self._engine: Optional[Engine] = None
         self._lock = threading.RLock()
         self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave their process group (nothing on one device)."""
+        if self.workers is not None:
+            self._engine = None
+            self.workers.close()
+            self.workers = None
+            torch.distributed.destroy_process_group()
 
     @classmethod
     def from_pretrained(cls, model: Union[str, Path, None] = None, **kwargs: Any) -> "LLM":
@@ -316,7 +348,7 @@ class LLM(Frontend):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         args = dict(self.engine_args, max_num_seqs=min(seqs, self.engine_args["max_num_seqs"]))
-        self._engine = Engine(self.model, max_model_len=size, tokenizer=self.tokenizer, **args)
+        self._engine = Engine(self.model, max_model_len=size, tokenizer=self.tokenizer, workers=self.workers, **args)
         return self._engine
 
     def _add(self, requests: Sequence[Tuple[Optional[str], List[int], SamplingParams]]) -> List[_Request]:

@@ -108,6 +108,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
                         "checkpoint runs in FP8 without it)")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    r.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs of this host (a worker process each; default 1)")
     for old, new in RENAMED_FLAGS.items():
         dest = new[2:].replace("-", "_")
         if new == "--enforce-eager":
@@ -185,6 +187,8 @@ def check_args(a: argparse.Namespace) -> None:
                         f"got {a.max_model_len}")
     if a.max_num_seqs < 1:
         problems.append(f"--max-num-seqs must be >= 1, got {a.max_num_seqs}")
+    if a.tensor_parallel_size < 1:
+        problems.append(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
     if a.device is not None:
         if not re.fullmatch(DEVICE_PATTERN, a.device):
             problems.append(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")

@@ -100,7 +100,7 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")
     engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager,
-                       quantization=a.quantization)
+                       quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
 
     if a.interactive:
         return interactive(a, ck, params, device, dtype, engine_args, out, template_kwargs)
@@ -151,6 +151,8 @@ def run(a: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except DoesNotFit as e:
         raise UsageError(f"the cache does not fit: {e}") from None
+    finally:
+        llm.close()
     say(totals.line())
     return 0
 

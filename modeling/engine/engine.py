@@ -40,6 +40,7 @@ from .sequence import Sequence, Status
 from .step import to_device
 from .structured_outputs import Grammars
 from .token_masks import TokenControls, bad_word_ids
+from .workers import WorkerDied, Workers, broadcast_tokens
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
@@ -110,13 +111,23 @@ class Engine:
     forces one of ``modeling.model.context.KERNELS``). Prefix caching is on for models of attention
     layers only (a recurrent state cannot be rebuilt from cached blocks). ``tokenizer`` (a
     ``QwenTokenizer``): what ``bad_words`` are tokenized with and grammars compiled for
-    (``structured_outputs.Grammars``: each constraint compiled once, at its first request)."""
+    (``structured_outputs.Grammars``: each constraint compiled once, at its first request).
+
+    A tensor-parallel model (``modeling.model.tensor_parallel``) runs with ``workers``
+    (``workers.Workers``, which ``LLM(..., tensor_parallel_size=N)`` starts): this process is rank 0,
+    schedules and samples, and the workers run each step beside it. Without workers (ranks started
+    by ``torchrun``), every rank must make the same engine calls in the same order: each runs the
+    same steps and samples the same tokens from the gathered logits."""
 
     def __init__(self, model, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: Optional[int] = None, block_size: int = BLOCK_SIZE, gpu_memory_utilization: float = 0.9,
                  prefix_caching: bool = True, num_blocks: Optional[int] = None, enforce_eager: bool = False,
-                 decode_kernels: Optional[str] = None, tokenizer=None):
+                 decode_kernels: Optional[str] = None, tokenizer=None, workers: Optional[Workers] = None):
         c = model.config
+        if workers is not None and model.parallel.world_size != workers.spec.world_size:
+            raise ValueError(f"workers of tensor_parallel_size {workers.spec.world_size} take a model split over as "
+                             f"many ranks, got one of {model.parallel.world_size}")
+        self.workers = workers
         self.model, self.tokenizer = model, tokenizer
         self._grammars: Optional[Grammars] = None  # made at the first structured request
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -134,8 +145,12 @@ class Engine:
         self.blocks = BlockManager(self.size.num_blocks, block_size, prefix_caching and not hybrid)
         slots = StateSlots(self.size.num_state_slots) if hybrid else None
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, slots)
-        self.runner = StepRunner(model, self.pool, max_num_seqs, max_num_batched_tokens,
-                                 -(-self.max_model_len // block_size), block_size, not enforce_eager, decode_kernels)
+        runner_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           max_blocks=-(-self.max_model_len // block_size), block_size=block_size,
+                           enabled=not enforce_eager, kernels=decode_kernels)
+        if workers is not None:
+            workers.send(("engine", self.size, runner_args))
+        self.runner = StepRunner(model, self.pool, **runner_args)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = EngineStats()
@@ -207,6 +222,20 @@ class Engine:
         host (``needs_history``: penalties, grammars, bad words of several tokens), the step
         launched ahead runs its forward pass only and samples after the tokens before it are read,
         so the host's mask building overlaps that forward pass."""
+        if self.workers is None:
+            return self._step()
+        try:
+            return self._step()
+        except WorkerDied:
+            raise
+        except RuntimeError:  # a collective that lost a peer: name the worker that died
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                self.workers.check()
+                time.sleep(0.1)
+            raise
+
+    def _step(self) -> List[Sequence]:
         prev, self._inflight = self._inflight, None
         if prev is None:
             prev = self._launch(None)
@@ -217,6 +246,8 @@ class Engine:
         out = self._finish(prev)
         if self._inflight is not None and self._inflight.sampled is None and self._inflight.seqs:
             self._inflight.sample()
+            if self.workers is not None:
+                broadcast_tokens(self._inflight.sampled.tokens)
         return out
 
     def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
@@ -229,14 +260,18 @@ class Engine:
             scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
             batch = self.runner.prepare(scheduled, eager=scored is not None)
         dev = self.model.device
+        pending = None  # [2, P]: the batch rows whose input is a token of the step before, and its rows there
         if batch.pending:
             src = [prev.rows[scheduled.work[i][0].request_id] for i in batch.pending]
+            cu = np.cumsum([0] + batch.query_lens)
+            pending = np.array([[cu[i] for i in batch.pending], src], np.int64)
             if scheduled.decode_only and src == batch.pending == list(range(len(src))):
                 batch.input_ids[:len(src)].copy_(prev.sampled.tokens[:len(src)])  # the same rows, in order
             else:
-                cu = np.cumsum([0] + batch.query_lens)
-                dst, src = to_device(np.array([[cu[i] for i in batch.pending], src], np.int64), dev)
+                dst, src = to_device(pending, dev)
                 batch.input_ids.index_copy_(0, dst, prev.sampled.tokens.index_select(0, src))
+        if self.workers is not None:  # before this rank's step: the collectives wait for every rank
+            self.workers.send(("step", batch.staged, pending, None if scored is None else scored.rows))
         t1 = time.perf_counter()
         seqs = [scheduled.work[i][0] for i in batch.sampling]
         prompt = None
@@ -249,6 +284,8 @@ class Engine:
         positions = [s.num_tokens for s in seqs]
         deferred = prev is not None and any(map(needs_history, seqs))  # the tokens before are not read yet
         sampled = sample_sequences(logits, seqs, positions) if seqs and not deferred else None
+        if sampled is not None and self.workers is not None:
+            broadcast_tokens(sampled.tokens)
         with self._lock:
             for seq, n in scheduled.work:
                 if seq.status is Status.FINISHED:  # aborted while the step ran: its blocks are gone
@@ -272,6 +309,8 @@ class Engine:
     def _finish(self, launched: "_Launched") -> List[Sequence]:
         """Read a launched step's tokens and give them to their sequences."""
         t0 = time.perf_counter()
+        if self.workers is not None and launched.sampled is not None:
+            self.workers.wait(launched.sampled.ready)  # a dead worker is an error, not a hang
         tokens = launched.sampled.collect() if launched.sampled is not None else []
         t1 = time.perf_counter()
         out = []
@@ -295,6 +334,8 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture the CUDA graph of every step shape now (``runner.StepRunner.capture_all``)
         instead of at each shape's first step; how many were captured (0 without CUDA graphs)."""
+        if self.workers is not None:
+            self.workers.send(("capture",))
         return self.runner.capture_all()
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams, max_tokens: int,

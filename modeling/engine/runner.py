@@ -43,7 +43,7 @@ import qwen_ops
 
 from ..model.context import KERNELS, StepContext
 from .graphs import GraphCache
-from .step import Fields, Packed, StepBatch, fields, pack, table_offset
+from .step import Fields, Packed, StagedStep, StepBatch, fields, pack, table_offset
 
 PERSISTENT_MAX_LEN = 4096
 """The longest ``max_model_len`` whose batch-1 decode steps take the persistent kernel by default."""
@@ -132,16 +132,25 @@ class StepRunner:
 
     def _stage(self, work, key) -> Packed:
         """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device."""
+        host = self._next_host()
+        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
+        self._send(host, packed.nbytes)
+        return packed
+
+    def _next_host(self) -> Tensor:
+        """The next host buffer, once its last transfer has run."""
         i = self.turn
         self.turn = (i + 1) % len(self.staging)
-        host = self.staging[i]
         if self.staged:
             self.staged[i].synchronize()
-        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
+        return self.staging[i]
+
+    def _send(self, host: Tensor, nbytes: int) -> None:
+        """Copy the first ``nbytes`` of ``host`` (the buffer ``_next_host`` gave) to the device."""
         if self.staged:
-            self.inputs[:packed.nbytes].copy_(host[:packed.nbytes], non_blocking=True)
+            i = next(k for k, h in enumerate(self.staging) if h is host)
+            self.inputs[:nbytes].copy_(host[:nbytes], non_blocking=True)
             self.staged[i].record(torch.cuda.current_stream(self.inputs.device))
-        return packed
 
     def _reset(self) -> None:
         """The all-padding batch of the shape being captured (``self.shape``): a step on it (a
@@ -204,25 +213,56 @@ class StepRunner:
         """The batch of a scheduled step (``scheduler.ScheduledStep``) in the static buffers of its
         graph shape, on its way to the device: the graph is captured first if the shape is new (the
         capture stages its own all-padding batch; not for an ``eager`` step, one that ``run`` takes
-        with prompt-logprob rows), then the step's batch is staged."""
+        with prompt-logprob rows), then the step's batch is staged. ``batch.staged`` is what a
+        tensor-parallel worker needs to stage the same batch (``load``)."""
         work = step.work
         key = self.key(step.num_tokens, len(work), step.decode_only)
         width = max(len(seq.block_table) for seq, _ in work)
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
-        if key not in self.replays and not eager:
-            self.shape = key
-            self.replays[key] = self.graphs.get(key, self._body(key))
-        packed = self._stage(work, key)
+        self._capture_new(key, eager)
+        host = self._next_host()
+        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
+        self._send(host, packed.nbytes)
         batch = self._batch(key)
         tables = [(seq.block_table, len(seq.block_table)) for seq, _ in work]
+        copied = None
         if len(tables) != len(self._tables) or any(a is not b or m != n for (a, m), (b, n) in zip(tables, self._tables)):
-            S, offset = len(work), self.views[key].table_offset  # a table grew, or other sequences: copy the rows
-            self.block_table[:S, :width].copy_(self.inputs[offset:packed.nbytes].view(torch.int32).view(S, width))
+            copied = (len(work), width)  # a table grew, or other sequences: copy the rows
+            self._copy_tables(key, packed.nbytes, *copied)
             self._tables = tables
         batch.sampling, batch.query_lens, batch.starts = packed.sampling, packed.query_lens, packed.starts
         batch.pending = packed.pending
+        if self.model.parallel.world_size > 1:
+            batch.staged = StagedStep(key, eager, host[:packed.nbytes].numpy().copy(), copied, len(packed.sampling),
+                                      list(packed.query_lens), list(packed.starts))
         return batch
+
+    def load(self, staged: "StagedStep") -> StepBatch:
+        """The batch rank 0 ``prepare``d, from its ``StagedStep``, in this (worker's) buffers: the
+        same captures at the same steps, the same bytes staged, the same table rows copied."""
+        self._capture_new(staged.key, staged.eager)
+        host = self._next_host()
+        host[:len(staged.data)].copy_(torch.from_numpy(staged.data))
+        self._send(host, len(staged.data))
+        batch = self._batch(staged.key)
+        if staged.tables is not None:
+            self._copy_tables(staged.key, len(staged.data), *staged.tables)
+            self._tables = []  # rank 0's tables are not this process's: compare nothing
+        batch.sampling = list(range(staged.num_sampling))
+        batch.query_lens, batch.starts = staged.query_lens, staged.starts
+        return batch
+
+    def _capture_new(self, key, eager: bool) -> None:
+        """Capture the graph of shape ``key`` if it is new (not for an ``eager`` step)."""
+        if key not in self.replays and not eager:
+            self.shape = key
+            self.replays[key] = self.graphs.get(key, self._body(key))
+
+    def _copy_tables(self, key, nbytes: int, num_seqs: int, width: int) -> None:
+        """Copy the staged block table rows [num_seqs, width] into the static table."""
+        offset = self.views[key].table_offset
+        self.block_table[:num_seqs, :width].copy_(self.inputs[offset:nbytes].view(torch.int32).view(num_seqs, width))
 
     def run(self, batch: StepBatch, prompt_rows: Optional[Tensor] = None) -> Tensor:
         """Run a ``prepare``d step: the logits [Ss, V] of its sampling sequences, in order. With

@@ -195,6 +195,10 @@ class SampledTokens:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def ready(self) -> bool:
+        """Whether the host copies have arrived (``collect`` would not wait)."""
+        return self._event is None or self._event.query()
+
     def collect(self) -> List[Tuple[int, Optional[LogprobEntry]]]:
         """(token, ``LogprobEntry`` or None) of each row: the sampled token's log-probability and the
         row's ``params.logprobs`` most likely tokens'."""

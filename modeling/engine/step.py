@@ -29,12 +29,27 @@ token) and ``max_query_len`` travel with it: the launchers size grids without a 
 """
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Sequence as Seq, Tuple
+from typing import List, NamedTuple, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+
+
+class StagedStep(NamedTuple):
+    """What a tensor-parallel worker needs to stage the batch rank 0 staged (``runner.StepRunner.load``):
+    its graph shape ``key``, whether it runs ``eager``ly, the packed bytes ``data`` (uint8), the block
+    table rows [S, W] copied from them (None: the table already there is the step's), and the host
+    sizes the launchers read."""
+
+    key: tuple
+    eager: bool
+    data: np.ndarray
+    tables: Optional[Tuple[int, int]]
+    num_sampling: int
+    query_lens: List[int]
+    starts: List[int]
 
 
 @dataclass
@@ -53,6 +68,7 @@ class StepBatch:
     max_query_len: int
     pending: List[int] = field(default_factory=list)
     key: tuple = ()  # the graph shape it is padded to (``runner.StepRunner.key``)
+    staged: Optional[StagedStep] = None  # a tensor-parallel model's: what the workers stage
 
     @property
     def num_seqs(self) -> int:

@@ -97,6 +97,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     e.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
                         "checkpoint runs in FP8 without it)")
+    e.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many GPUs of this host (a worker process each; default 1)")
     e.add_argument("--memory-fraction", dest="gpu_memory_utilization", type=float, help=argparse.SUPPRESS)
     e.add_argument("--no-cuda-graph", dest="enforce_eager", action="store_const", const=True, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -113,7 +115,7 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--port must be in [0, 65535], got {a.port}")
     for flag, value in (("--max-waiting", a.max_waiting), ("--max-num-seqs", a.max_num_seqs),
                         ("--max-num-batched-tokens", a.max_num_batched_tokens), ("--max-body-bytes", a.max_body_bytes),
-                        ("--max-connections", a.max_connections)):
+                        ("--max-connections", a.max_connections), ("--tensor-parallel-size", a.tensor_parallel_size)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if a.max_model_len is not None and a.max_model_len < 2:
@@ -179,7 +181,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
         a.log_level.upper(),
-        factory, quantization=a.quantization)
+        factory, quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:

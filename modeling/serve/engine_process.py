@@ -36,7 +36,8 @@ READ_BYTES = 1 << 20
 @dataclass
 class EngineSpec:
     """What the child builds: the checkpoint directory, ``--device`` and ``--dtype`` as given, the
-    ``Engine`` keyword arguments, the warm-up prompt's length (0: none) and ``--quantization``. ``factory``, when
+    ``Engine`` keyword arguments, the warm-up prompt's length (0: none), ``--quantization`` and
+    ``--tensor-parallel-size`` (the child then starts the workers: it is not a daemon). ``factory``, when
     given, builds a stand-in instead (a picklable callable: benchmarks of the server's host path,
     tests): ``factory(spec)`` returns what ``EngineCore`` drives and the "ready" info."""
 
@@ -48,6 +49,7 @@ class EngineSpec:
     log_level: str = "INFO"
     factory: Optional[Callable[["EngineSpec"], Tuple[Any, Dict[str, Any]]]] = None
     quantization: Optional[str] = None
+    tensor_parallel_size: int = 1
 
 
 class EngineStartError(Exception):
@@ -70,7 +72,7 @@ class ProcessTransport:
         self._conn, child_end = ctx.Pipe(duplex=False)  # reports: the child writes
         child_inbox, self._out = ctx.Pipe(duplex=False)  # requests: we write
         self.proc = ctx.Process(target=_child_main, args=(spec, child_inbox, child_end, os.getpid()),
-                                name="qwen-serve-engine", daemon=True)
+                                name="qwen-serve-engine", daemon=spec.tensor_parallel_size == 1)
         self.proc.start()
         child_end.close()  # the child holds the only write end: its exit is our EOF
         child_inbox.close()
@@ -199,9 +201,9 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
     import torch
 
     llm = load_llm(Checkpoint.load(spec.checkpoint, progress=False), spec.device, spec.dtype,
-                   quantization=spec.quantization)
+                   quantization=spec.quantization, tensor_parallel_size=spec.tensor_parallel_size)
     try:
-        engine = Engine(llm.model, tokenizer=llm.tokenizer, **spec.engine)
+        engine = Engine(llm.model, tokenizer=llm.tokenizer, workers=llm.workers, **spec.engine)
     except (ValueError, MemoryError, torch.OutOfMemoryError) as e:
         raise UsageError(f"the engine does not fit: {e}") from None
     with contextlib.suppress(ImportError):  # without xgrammar, constrained requests are refused with a 400
