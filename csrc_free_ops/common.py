@@ -22,6 +22,7 @@ never from each other.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
 - `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
 - `flat_rows`, `empty_contiguous_like`: launchers' views and outputs, cheap on the host.
+- `FP8_BLOCK`: the block of FP8 weights' scales (the `fp8` family and the fused decode GEMVs).
 """
 import math
 import os
@@ -445,6 +446,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
 
 DECODE_MAX_M = 16
 """Rows (tokens) up to which a linear takes its decode path (split-K GEMV; FP8: weight-only)."""
+
+
+FP8_BLOCK = 128
+"""The side of an FP8 weight's scale block (``weight_block_size`` [128, 128] of Qwen's FP8
+checkpoints): weight_scale_inv[i, j] multiplies weight[128 i : 128 (i + 1), 128 j : 128 (j + 1)]
+back to the real weight."""
 
 
 class DecodeConfig(NamedTuple):

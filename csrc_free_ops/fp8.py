@@ -40,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (DECODE_MAX_M, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, cuda_properties, dot, flat_rows,
-                     grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices)
+from .common import (DECODE_MAX_M, FP8_BLOCK, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, cuda_properties, dot,
+                     flat_rows, grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices)
 
-BLOCK = 128
+BLOCK = FP8_BLOCK
 """The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]), and the
 activation group of the GEMM."""
 FP8_MAX = 448.0

@@ -122,11 +122,11 @@ def test_every_split_factor(device, split_k):
     cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=split_k)
     x, nw, res = randn(3, 160, **f32), randn(160, **f32), randn(3, 40, **f32)
     w = randn(80, 160, **f32, scale=0.1)
-    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear split {split_k}")
-    assert_close(kernels.linear_residual(x, w[:40], res, cfg), qwen_ops.linear_residual_reference(x, w[:40], res),
+    assert_close(kernels.linear_residual(x, w[:40], res, cfg=cfg), qwen_ops.linear_residual_reference(x, w[:40], res),
                  what=f"linear_residual split {split_k}")
-    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"gate_up split {split_k}")
     args = qkv_args(3, 160, 2, 1, 16, 16, False, True, True, torch.float32, device)
     check_qkv(kernels.norm_qkv_rope_store(*args, cfg=cfg), args, what=f"qkv split {split_k}")
@@ -142,11 +142,11 @@ def test_split_k_with_several_row_blocks(device, m):
     f32 = dict(dtype=torch.float32, device=device)
     cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=2)
     x, nw, res, w = randn(m, 64, **f32), randn(64, **f32), randn(m, 16, **f32), randn(32, 64, **f32, scale=0.1)
-    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear M{m}")
-    assert_close(kernels.linear_residual(x, w[:16], res, cfg), qwen_ops.linear_residual_reference(x, w[:16], res),
+    assert_close(kernels.linear_residual(x, w[:16], res, cfg=cfg), qwen_ops.linear_residual_reference(x, w[:16], res),
                  what=f"linear_residual M{m}")
-    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"norm_gate_up_silu M{m}")
     assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
 
