@@ -33,6 +33,16 @@ dtype's rounding; only the normed x is rounded at another point, see above):
 
 The arrival counters are `common.semaphores`.
 
+FP8 weights (the FP8 flag, each op's optional weight_scale_inv): weight [N, K] float8_e4m3fn with
+weight_scale_inv [cdiv(N, 128), cdiv(K, 128)] (Qwen's block format, csrc_free_ops/fp8.py). No K
+step is deeper than a scale block (FP8_BLOCK, 128): each e4m3 tile is widened to x's dtype (exact)
+and its fp32 product scaled per output column by its block's scale,
+acc += (x' @ weight[rn, step]^T) * weight_scale_inv[rn // 128, step // 128], so the epilogues see
+the weight-only GEMV's fp32 sum (fp8_block_linear at decode). FP8 takes the same configs and
+splits as bf16 (`gemv_config`); a program prefetches only a slice of one block or less, others
+run the loop in 128-deep steps (or shallower: a config's). Without FP8 the scale arguments are not
+read and the kernels compile as before.
+
 PDL: with `use_pdl` (`pdl_options`), a kernel's launch and address set-up overlap the previous
 kernel's tail; it waits for that kernel (`pdl_wait`) before touching anything but its weights.
 Weight prefetch (`PREFETCH`): a program whose K slice fits one register-resident tile
