@@ -161,10 +161,11 @@ def test_qkv_slots_outside_the_cache_are_not_written(device):
     check_qkv(torch.ops.qwen.norm_qkv_rope_store(*args), args)
 
 
-# FP8 weights. (M, K, N): K over two scale blocks (the last partial) or inside one, N not a multiple of
-# 128 (a partial row block; gate_up's 2N rows put the gate's last rows and the up half's first in one
+# FP8 weights. (M, K, N): K over three scale blocks (the last partial; slices of 256 under the
+# interpreter's config, so the loop's steps) or inside one (prefetched), N not a multiple of 128 (a
+# partial row block; gate_up's 2N rows put the gate's last rows and the up half's first in one
 # block); on CUDA Qwen3-0.6B's o_proj and down, and partial blocks.
-FP8_CASES = {"cpu": [(1, 200, 136), (3, 72, 40)],
+FP8_CASES = {"cpu": [(1, 300, 136), (3, 72, 40)],
              "cuda": [(1, 2048, 1024), (1, 3072, 1024), (1, 1000, 300), (8, 1024, 1024)]}
 # norm_qkv_rope_store: on the CPU, heads of 32 over two scale blocks, heads of 80 across block
 # boundaries (gated); on CUDA Qwen3-0.6B and Qwen3.5's gated attention.
