@@ -1,7 +1,10 @@
-"""The `cuda` test suite in one device call: its tests dealt into groups file by file (`deal`),
-several pytest processes per GPU at once (Triton compiles on the host's cores while the GPUs run).
+"""The `cuda` test suite in one device call: its tests dealt into groups file by file and by the
+seconds an earlier run recorded (`deal`, `--times`: by default the newest
+bench/results/*-cuda-suite-times.tsv), several pytest processes per GPU at once (Triton compiles
+on the host's cores while the GPUs run).
 
     python -m bench.cuda_suite [--per-gpu N] [--gpus N] [--timeout 540] [-k EXPR] [--marker cuda] [--out DIR]
+                               [--times TSV]
 
 Without --per-gpu the processes per GPU come from its free memory and the host's cores
 (``processes_per_gpu``): each test process gives its allocator's cache back after every test
@@ -62,23 +65,46 @@ def collect(marker: str, kexpr: str | None) -> list[str]:
     return ids
 
 
-def deal(ids: list[str], n: int) -> list[list[str]]:
-    """`ids` (in collection order) into n groups. A file's tests stay together, so a process
-    compiles a file's kernels once (dealt round-robin, every process compiled nearly every kernel,
-    all at the same time); a file of more than len(ids) / 2n tests is cut into contiguous pieces of
-    that size. Pieces go largest first to the group with the fewest tests; each group keeps
-    collection order."""
-    piece = max(1, -(-len(ids) // (2 * n)))
+def deal(ids: list[str], n: int, seconds: Optional[dict] = None) -> list[list[str]]:
+    """`ids` (in collection order) into n groups of about equal time: each test weighs its recorded
+    seconds (``seconds``: id -> seconds, from an earlier run's times.tsv; the median of them for a
+    test not recorded, 1 each without any). A file's tests stay together, so a process compiles a
+    file's kernels once (dealt round-robin, every process compiled nearly every kernel, all at the
+    same time); a file weighing more than total / 2n is cut into contiguous pieces of at most that
+    (a test weighing more is a piece alone). Pieces go heaviest first to the lightest group; each
+    group keeps collection order."""
+    known = sorted((seconds or {}).values())
+    default = known[len(known) // 2] if known else 1.0
+    weight = [(seconds or {}).get(node, default) for node in ids]
+    limit = sum(weight) / (2 * n)
     runs: list[list[int]] = []
     for i, node in enumerate(ids):
-        if runs and node.split("::")[0] == ids[runs[-1][0]].split("::")[0] and len(runs[-1]) < piece:
+        if (runs and node.split("::")[0] == ids[runs[-1][0]].split("::")[0]
+                and sum(weight[j] for j in runs[-1]) + weight[i] <= limit):
             runs[-1].append(i)
         else:
             runs.append([i])
     groups: list[list[int]] = [[] for _ in range(n)]
-    for run in sorted(runs, key=len, reverse=True):
-        min(groups, key=len).extend(run)
+    loads = [0.0] * n
+    for run in sorted(runs, key=lambda r: (-sum(weight[j] for j in r), r[0])):
+        g = min(range(n), key=lambda k: (loads[k], len(groups[k])))
+        groups[g].extend(run)
+        loads[g] += sum(weight[j] for j in run)
     return [[ids[i] for i in sorted(g)] for g in groups]
+
+
+def recorded_seconds(path: Optional[Path]) -> dict:
+    """test id -> seconds of a ``times.tsv`` (seconds, group, test id); {} without a file."""
+    if path is None or not path.exists():
+        return {}
+    rows = (line.split("\t") for line in path.read_text().splitlines() if line.count("\t") == 2)
+    return {node: float(sec) for sec, _, node in rows}
+
+
+def latest_times() -> Optional[Path]:
+    """The newest committed times of a whole-suite run (bench/results/*-cuda-suite-times.tsv)."""
+    found = sorted((ROOT / "bench" / "results").glob("*-cuda-suite-times.tsv"))
+    return found[-1] if found else None
 
 
 def slowest(times: Path, k: int = 15) -> list[str]:
@@ -102,6 +128,9 @@ def main():
     p.add_argument("-k", dest="kexpr", default=None, help="a pytest -k expression")
     p.add_argument("--marker", default="cuda", help="the pytest -m expression (default: cuda)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--times", type=Path, default=latest_times(),
+                   help="an earlier run's times.tsv, to deal the tests by time (default: the newest "
+                        "bench/results/*-cuda-suite-times.tsv)")
     a = p.parse_args()
     if a.gpus is None:
         import torch
@@ -123,7 +152,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="cuda_suite-"))  # id lists, locks, per-process times
     n = min(len(ids), a.gpus * a.per_gpu)
-    groups = deal(ids, n)
+    groups = deal(ids, n, recorded_seconds(a.times))
     procs, t0 = [], time.time()
     for g in range(n):
         (scratch / f"group{g}.ids").write_text("\n".join(groups[g]) + "\n")
@@ -135,7 +164,8 @@ def main():
         procs.append((subprocess.Popen([sys.executable, "-c", RUN_IDS, str(scratch / f"group{g}.ids"), "-v", "-p",
                                         "no:cacheprovider", "-rfE", "--tb=short"], cwd=ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True), log, time.time()))
-    print(f"{len(ids)} tests in {n} groups over {a.gpus} GPU(s); logs under {out}", flush=True)
+    print(f"{len(ids)} tests in {n} groups over {a.gpus} GPU(s), dealt by "
+          + (f"the seconds in {a.times}" if a.times else "count") + f"; logs under {out}", flush=True)
     rows, total, bad = [], dict.fromkeys(("PASSED", "FAILED", "SKIPPED", "ERROR", "not run"), 0), False
     for g, (proc, log, started) in enumerate(procs):
         try:

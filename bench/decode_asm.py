@@ -2,8 +2,9 @@
 
     python -m bench.decode_asm        # one line per kernel shape (needs TRITON_INTERPRET unset)
 
-Each Qwen3-0.6B decode kernel is compiled for Hopper as the launcher would launch it at batch 1
-(``fused_decode._launch_shape``) with the launch's specialization
+Each Qwen3-0.6B decode kernel is compiled for Hopper as the launcher would launch it at batch 1 on
+an H200 (``fused_decode._launch_shape`` with the H200's tuning tables and 132 SMs:
+``csrc_free_ops.devices.assume``) with the launch's specialization
 (pointers 16-byte aligned, sizes and strides divisible by 16); the SASS (cuobjdump, shipped with
 Triton) is read for the global loads (LDG) issued before the grid-dependency wait (ACQBULK, PTX's
 griddepcontrol.wait). A prefetching program must issue its whole weight slice there, 16 bytes a
@@ -17,13 +18,15 @@ import re
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from csrc_free_ops import fused_decode
+from csrc_free_ops import devices, fused_decode
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -38,14 +41,14 @@ class Shape(NamedTuple):
     num_stages: int
 
 
-def launched(name: str, op: str, n: int, k: int, fp8: bool = False, **fixed) -> Shape:
-    """The kernel the launcher runs for a batch-1 call of ``op`` (bf16 activations) on an [n, k]
-    weight in bf16 or (``fp8``) FP8 (its ``_launch_shape`` decision: tile, split, prefetch)."""
+def launched(gpu: torch.device, name: str, op: str, n: int, k: int, fp8: bool = False, **fixed) -> Shape:
+    """The kernel the launcher runs on ``gpu`` for a batch-1 call of ``op`` (bf16 activations) on an
+    [n, k] weight in bf16 or (``fp8``) FP8 (its ``_launch_shape`` decision: tile, split, prefetch)."""
     silu, qkv = op == "norm_gate_up_silu", op == "norm_qkv_rope_store"
     block_n = fixed["D"] if qkv else None
     itemsize = 1 if fp8 else 2
-    bm, _, cfg, k_per_split, split, prefetch = fused_decode._launch_shape(op, 1, n, k, itemsize, None, block_n,
-                                                                         halves=2 if silu else 1, fp8=fp8)
+    bm, _, cfg, k_per_split, split, prefetch = fused_decode._launch_shape(
+        op, 1, n, k, gpu, torch.bfloat16, None, block_n, halves=2 if silu else 1, fp8=fp8)
     c = dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch, USE_PDL=True, FP8=fp8, **fixed)
     if not qkv:
         c.update(NORM=op != "linear_residual", HAS_BIAS=False, RESIDUAL=op == "linear_residual", SILU=silu,
@@ -55,17 +58,21 @@ def launched(name: str, op: str, n: int, k: int, fp8: bool = False, **fixed) -> 
                  (2 if silu else 1) * rows * k_per_split * itemsize, prefetch, cfg.num_warps, cfg.num_stages)
 
 
-SHAPES = [  # Qwen3-0.6B
-    launched("norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, HQ=16, HK=8, GATED=False, D=128,
-             ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
-    launched("o_proj + residual", "linear_residual", 1024, 2048),
-    launched("norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024),
-    launched("down + residual", "linear_residual", 1024, 3072),
-    launched("norm + lm_head", "norm_linear", 151936, 1024),
-    launched("FP8 norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, fp8=True, HQ=16, HK=8, GATED=False,
-             D=128, ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
-    launched("FP8 norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024, fp8=True),
-]
+def shapes(gpu: torch.device) -> list:
+    """Qwen3-0.6B's fused decode kernels as launched on ``gpu``, two of them with FP8 weights."""
+    return [
+        launched(gpu, "norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, HQ=16, HK=8, GATED=False,
+                 D=128, ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
+        launched(gpu, "o_proj + residual", "linear_residual", 1024, 2048),
+        launched(gpu, "norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024),
+        launched(gpu, "down + residual", "linear_residual", 1024, 3072),
+        launched(gpu, "norm + lm_head", "norm_linear", 151936, 1024),
+        launched(gpu, "FP8 norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, fp8=True, HQ=16, HK=8,
+                 GATED=False, D=128, ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
+        launched(gpu, "FP8 norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024, fp8=True),
+    ]
+
+
 PREFETCHED = {"norm + qkv + rope + store", "o_proj + residual", "norm + gate_up + silu", "down + residual",
               "FP8 norm + qkv + rope + store"}
 """The kernels that must prefetch (the lm_head's 2374 tiles stream in waves: the loop serves it)."""
@@ -117,7 +124,7 @@ def main() -> int:
         print("bench.decode_asm compiles for the GPU: run it with TRITON_INTERPRET unset")
         return 2
     ok = True
-    for shape in SHAPES:
+    for shape in shapes(devices.assume(SimpleNamespace(name="NVIDIA H200", multi_processor_count=132))):
         before, wide, waits = loads_before_wait(sass_of(compile_shape(shape)))
         want = shape.weight_bytes // (shape.num_warps * 32 * 16) if shape.prefetch else 0
         good = waits == 1 and (before == want if shape.prefetch else before == 0) and \

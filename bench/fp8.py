@@ -20,11 +20,12 @@ reference (the same quantisation), and against the bf16 weight's product in fp32
 `--models NAME ...` (qwen3-0.6b, qwen3-8b) also times batch-1 decode through the engine
 (``bench.decode.ours_ms``: a 256-token prompt, then ``--steps`` decode steps, CUDA graphs) of a
 random bf16 checkpoint of that shape (written once under ``--checkpoints``) loaded as it is (our
-fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (op by op):
+fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (the fused decode ops):
 ``fp8_over_bf16_b1_<name>`` = FP8 time / bf16 time, same run.
 
-`--sweep` also times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the
-reference exceeds 1e-2 is not eligible) and prints the fastest per shape.
+`--sweep` first times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the
+reference exceeds 1e-2 is not eligible), prints the fastest per shape and records it as this GPU's
+table fp8_prefill (``csrc_free_ops.devices.record``), which the prefill rows then run.
 
 Prints markdown; with --out writes <date>-<gpu>-fp8.md and .json there (the JSON names the device).
 """
@@ -42,7 +43,7 @@ import triton
 import qwen_ops
 from bench import gpu_slug, require_cuda
 from bench.ops import bench_us, copies, linear_cases, rel_error
-from csrc_free_ops import fp8
+from csrc_free_ops import devices, fp8
 from modeling.model.random_checkpoint import QWEN3_0_6B, build_random_checkpoint, is_complete
 
 QWEN3_8B = dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936)
@@ -134,6 +135,10 @@ def main():
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     shapes = {name: nk for name, nk in linear_cases(QWEN3_8B).items() if name in PROJECTIONS}
+    swept = {name: sweep(a.tokens, n, k) for name, (n, k) in shapes.items()} if a.sweep else {}
+    if swept:
+        print("recorded in", devices.record("fp8_prefill", gpu, torch.bfloat16,
+                                            {shapes[name]: ranked[0][1] for name, ranked in swept.items() if ranked}))
     prefill = [bench_shape(name, a.tokens, n, k) for name, (n, k) in shapes.items()]
     decode = [bench_shape(name, 1, n, k) for name, (n, k) in shapes.items()]
     result = {
@@ -167,13 +172,12 @@ def main():
         result.setdefault("models", {})[name] = row
         lines.append(f"| {name} | {row['bf16_b1_ms_per_token']:.3f} | {row['fp8_b1_ms_per_token']:.3f} | "
                      f"{row['fp8_over_bf16']:.2f} |")
-    if a.sweep:
+    if swept:
         lines += ["", f"## Prefill GEMM tiles, {a.tokens} tokens (fastest first, us)", ""]
-        result["sweep"] = {}
-        for name, (n, k) in shapes.items():
-            ranked = sweep(a.tokens, n, k)
-            result["sweep"][name] = [dict(us=us, tiles=tiles._asdict()) for us, tiles in ranked]
-            lines.append(f"- {name} ({n} x {k}): " + ", ".join(f"{tuple(t)} {us:.1f}" for us, t in ranked[:4]))
+        result["sweep"] = {name: [dict(us=us, tiles=tiles._asdict()) for us, tiles in ranked]
+                           for name, ranked in swept.items()}
+        lines += [f"- {name} ({shapes[name][0]} x {shapes[name][1]}): "
+                  + ", ".join(f"{tuple(t)} {us:.1f}" for us, t in ranked[:4]) for name, ranked in swept.items()]
     table = "\n".join(lines)
     print(table)
     if a.out:

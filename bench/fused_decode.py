@@ -6,13 +6,12 @@ Each case is one decode-step projection of Qwen3-0.6B or Qwen3.5-0.8B at batch 1
 as a CUDA graph of calls over enough input copies that the weights do not sit in L2
 (`bench.ops.bench_us`): the fused op at its stored config, the unfused ops it replaces, and the
 weight bytes over the time against the copy bandwidth measured in the same run. --sweep also
-times every candidate (block_n, block_k, split_k) and prints the FUSED_CONFIGS table
-for csrc_free_ops/fused_decode.py (each launched with its config's stages cut to the program's K
-steps, as `_launch_shape` does for every launch).
+times every candidate (block_n, block_k, split_k) and records the fastest per case as this GPU's
+table fused_decode (``csrc_free_ops.devices.record``; each candidate launched with its config's
+stages cut to the program's K steps, as `_launch_shape` does for every launch).
 """
 import argparse
 import datetime
-import json
 import os
 
 import torch
@@ -21,7 +20,7 @@ import triton
 import qwen_ops  # noqa: F401
 from bench import require_cuda
 from bench.ops import bench_us, copies, copy_bandwidth, rnd
-from csrc_free_ops import fused_decode as fd
+from csrc_free_ops import devices, fused_decode as fd
 
 ops = torch.ops.qwen
 EPS = 1e-6
@@ -157,13 +156,11 @@ def main():
         del sets
         torch.cuda.empty_cache()
     if best:
-        lines += ["", "FUSED_CONFIGS = {"] + [f"    {key!r}: GemvConfig{tuple(c)}," for key, c in best.items()] + ["}"]
+        lines += ["", f"recorded in {devices.record('fused_decode', torch.cuda.get_device_name(), torch.bfloat16, best)}"]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fused_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "fused_configs.json"), "w") as f:
-        json.dump({f"{op} {n}x{k}": list(c) for (op, n, k), c in best.items()}, f)
-    print("\n".join(lines[-len(best) - 2:]) if best else "", flush=True)
+    print(lines[-1] if best else "", flush=True)
 
 
 if __name__ == "__main__":

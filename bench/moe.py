@@ -2,7 +2,7 @@
 decode against its floor, and Qwen3-30B-A3B's offline throughput against its bound.
 
     python -m bench.moe [--out DIR] [--only gemm decode throughput] [--steps 128] [--requests 256]
-    python -m bench.moe --sweep [--out DIR]     # tile configs for csrc_free_ops.moe.MOE_CONFIGS
+    python -m bench.moe --sweep [--out DIR]     # tile configs: this GPU's table moe
 
 Random weights, bf16; router weights random (std 0.02), so the experts are picked near uniformly.
 
@@ -28,9 +28,9 @@ Keys: ``moe_gemm_vs_torch_min``, ``qwen3_moe_b1_ms_per_token``, ``qwen3_moe_b1_f
 ``qwen3_5_moe_b1_ms_per_token``, ``qwen3_5_moe_b1_floor_ms``, ``qwen3_moe_throughput_tokens_per_s``,
 ``qwen3_moe_throughput_bound``, each case under ``gemm``; writes ``<date>-<gpu>-moe.json`` after
 every number. ``--sweep`` times ``fused_moe`` for each candidate tile config of gate_up, then of
-down, at each token count of ``SWEEP_TOKENS`` for both expert shapes, and writes the best as
-``<date>-<gpu>-moe-configs.json`` and as the ``MOE_CONFIGS`` entries to paste into
-``csrc_free_ops/moe.py``.
+down, at each token count of ``SWEEP_TOKENS`` for both expert shapes, writes the best as
+``<date>-<gpu>-moe-configs.json`` and records them as this GPU's table moe
+(``csrc_free_ops.devices.record``: csrc_free_ops/tuning/<gpu>.json).
 """
 import argparse
 import datetime
@@ -215,16 +215,17 @@ def candidates():
 
 
 def sweep(out: dict) -> dict:
-    """The best gate_up config, then the best down config (with gate_up's block_m), per token count."""
+    """The best gate_up config, then the best down config (with gate_up's block_m), per token count;
+    recorded as this GPU's table moe (``csrc_free_ops.devices.record``)."""
     from triton.testing import do_bench
 
-    from csrc_free_ops import moe as kernels
+    from csrc_free_ops import devices, moe as kernels
 
     table = {}
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    name_of = kernels.device_name(device)
+    dtype = torch.bfloat16
+    stored = kernels.moe_config
     for name, (e, h, inter, k) in EXPERT_SHAPES.items():
-        up_key, down_key = (e, 2 * inter, h, name_of, "bfloat16"), (e, h, inter, name_of, "bfloat16")
+        up_key, down_key = (e, 2 * inter, h), (e, h, inter)
         table[up_key], table[down_key] = {}, {}
         for m in SWEEP_TOKENS:
             if m <= kernels.GEMV_MAX_TOKENS:
@@ -233,12 +234,13 @@ def sweep(out: dict) -> dict:
             timed = {}
 
             def run(up, down):
-                kernels.MOE_CONFIGS[up_key] = {m: up}
-                kernels.MOE_CONFIGS[down_key] = {m: down}
+                kernels.moe_config = lambda m, e, n, k, *rest: up if n == 2 * inter else down
                 try:
                     return do_bench(lambda: kernels.fused_moe(*args), warmup=10, rep=50, return_mode="median")
                 except Exception:  # a config that does not compile or fit shared memory
                     return float("inf")
+                finally:
+                    kernels.moe_config = stored
 
             default_down = kernels.default_config(m, e, h, inter, k, dtype.itemsize)
             for cfg in candidates():
@@ -248,11 +250,8 @@ def sweep(out: dict) -> dict:
             best_down = min(down_timed, key=down_timed.get)
             table[up_key][m], table[down_key][m] = best_up, best_down
             print(f"{name} M={m}: gate_up {best_up}, down {best_down}: {down_timed[best_down]:.3f} ms", flush=True)
-            kernels.MOE_CONFIGS.pop(up_key), kernels.MOE_CONFIGS.pop(down_key)
-    out["configs"] = {repr(key): {m: list(cfg) for m, cfg in row.items()} for key, row in table.items()}
-    print("MOE_CONFIGS entries for csrc_free_ops/moe.py:")
-    for key, row in table.items():
-        print(f"    {key!r}: {{{', '.join(f'{m}: MoeConfig{tuple(cfg)}' for m, cfg in row.items())}}},")
+    out["configs"] = {",".join(map(str, key)): {m: list(cfg) for m, cfg in row.items()} for key, row in table.items()}
+    print("recorded in", devices.record("moe", torch.cuda.get_device_name(), dtype, table))
     return out
 
 

@@ -12,13 +12,14 @@ CUDA graph of calls (the host launch cost is not what we measure), cycling throu
 enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest bytes
 the op must move over the time, and "%copy" compares it with a device-to-device copy
 measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
-config and prints the table that csrc_free_ops/linear.py's DECODE_CONFIGS keeps.
+config and records the fastest per shape as this GPU's table linear_decode
+(``csrc_free_ops.devices.record``: csrc_free_ops/tuning/<gpu>.json).
 
 --sweep-prefill runs only the prefill GEMM sweep (no ops table): every linear shape of both
 models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
 (checked against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
-the strided tiled GEMM and cuBLAS. Prints the table that csrc_free_ops/linear.py's PREFILL_CONFIGS
-keeps; writes prefill_sweep.md and prefill_configs.json. `--shapes` (qwen3-0.6b, seed; or qwen3.5-0.8b)
+the strided tiled GEMM and cuBLAS. Records the fastest per (M class, N, K) as this GPU's table
+linear_prefill; writes prefill_sweep.md. `--shapes` (qwen3-0.6b, seed; or qwen3.5-0.8b)
 and `--linears` (qkv, o_proj, gate_up, down, lm_head; Qwen3.5's in_proj, out_proj) narrow it to some
 models and projections.
 
@@ -26,7 +27,8 @@ models and projections.
 256 and 2048 tokens, for Qwen3 heads (16/8 x 128), Qwen2.5-0.5B heads (14/2 x 64) and Qwen3.5's
 gated attention (8/2 x 256). Each candidate Tiles(block_m, block_n, warps, stages) is graph-timed
 and checked against an fp32 SDPA (a config above 1e-2 relative error is not eligible), beside
-SDPA's flash and cuDNN backends. Writes attn_fwd_sweep.md.
+SDPA's flash and cuDNN backends. Writes attn_fwd_sweep.md and records, per head dim, the eligible
+tiles with the least time summed over its shapes and lengths as this GPU's table attention_forward.
 
 --targets runs only the summary a GPU is judged by, on the Qwen3-0.6B, Qwen3-8B and Qwen3.5-0.8B
 shapes (``TARGET_MODELS``), and writes ``<date>-<gpu>-ops-targets.json``: ``gemm_vs_cublas_median``
@@ -56,7 +58,7 @@ from triton.testing import do_bench_cudagraph
 
 from bench import gpu_slug, require_cuda
 import qwen_ops
-from csrc_free_ops import attention, common, linear
+from csrc_free_ops import attention, common, devices, linear
 from csrc_free_ops.attention import BwdBlocks, Tiles
 
 SHAPES = {
@@ -237,6 +239,7 @@ def sweep_prefill(cfgs, tokens=(256, 2048), linears=None):
         "|---|---|---|---|---|---|---|---|---|")
     shapes = sorted({nk for cfg in cfgs for name, nk in linear_cases(cfg).items()
                      if linears is None or name in linears})
+    sms = common.cuda_properties(torch.device("cuda")).multi_processor_count
     for n, k in shapes:
         for m in tokens:
             sets = copies(lambda: (rnd(m, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
@@ -244,12 +247,13 @@ def sweep_prefill(cfgs, tokens=(256, 2048), linears=None):
             ref = F.linear(x0, w0)
             peer = bench_us(lambda x, w: F.linear(x, w), sets)
             strided = bench_us(lambda x, w: common.mm(x, w.t(), torch.empty(m, n, dtype=BF16, device="cuda"), splits=1,
-                                                      blocks=linear.prefill_blocks(m, n, 2)), sets)
+                                                      blocks=linear.prefill_blocks(m, n, 2, common.target_programs(x0.device))),
+                               sets)
             results, failed = [], []
             for tile in PREFILL_TILES:
                 for split in (1, 2, 3, 4):
                     cfg = linear.PrefillConfig(*tile, split_k=split)
-                    if split > 1 and (common.cdiv(m, tile[0]) * common.cdiv(n, tile[1]) >= 132 or k < 512 * split):
+                    if split > 1 and (common.cdiv(m, tile[0]) * common.cdiv(n, tile[1]) >= sms or k < 512 * split):
                         continue
                     try:
                         err = rel_error(linear.linear(x0, w0, None, config=cfg), ref)
@@ -271,9 +275,6 @@ def sweep_prefill(cfgs, tokens=(256, 2048), linears=None):
                 f"| {runner[0]:.1f} {tuple(runner[1]) if runner[1] else ''} |")
             if failed:
                 print("   not eligible:", "; ".join(failed), flush=True)
-    lines.add("", "PREFILL_CONFIGS = {")
-    lines.add(*[f"    ({mc}, {n}, {k}): PrefillConfig{tuple(c)}," for (mc, n, k), c in sorted(best.items())])
-    lines.add("}", "")
     return lines, best
 
 
@@ -294,8 +295,9 @@ ATTN_FWD_TILES = {  # head_dim -> candidate Tiles(block_m, block_n, num_warps, n
 
 def sweep_attn_fwd():
     """Time the attention forward at each candidate tile config; return the table lines (printed as
-    they come)."""
-    lines = Report()
+    they come) and, per head dim, the eligible tiles with the least time summed over its cases
+    (tiles that failed or were not eligible in one case are out)."""
+    lines, totals, out = Report(), {}, set()
 
     for name, (hq, hk, d) in ATTN_FWD_SHAPES.items():
         for s in (256, 2048):
@@ -306,7 +308,9 @@ def sweep_attn_fwd():
             flops = 2 * hq * s * s * d  # two causal matmuls: 2 * (2 * Hq * S^2 / 2 * D)
             lines.add(f"## attention forward: {name}, S={s}, bf16 causal", "",
                 "| tiles (m, n, warps, stages) | us | TFLOPS | rel err |", "|---|---|---|---|")
-            default = attention.forward_tiles(d, s, 2)
+            gpu = q.device  # the launcher's choice on this GPU: its table's tiles, else the rule's
+            default = attention.forward_tiles(d, s, 2, common.shared_memory_per_block(gpu),
+                                              common.tuned("attention_forward", gpu, BF16, (common.next_power_of_2(d),)))
             for t in dict.fromkeys([default] + ATTN_FWD_TILES[d]):
                 label = f"{tuple(t)}{' default' if t == default else ''}"
                 try:
@@ -314,8 +318,12 @@ def sweep_attn_fwd():
                     us = bench_us(lambda q, k, v: attention.attention(q, k, v, d ** -0.5, True, tiles=t), sets)
                 except Exception as e:  # out of shared memory / registers: a row, not the end of the sweep
                     lines.add(_row(label, f"failed: {type(e).__name__}", "", ""))
+                    out.add((d, t))
                     continue
                 verdict = "" if err <= 1e-2 else " (not eligible)"
+                if verdict:
+                    out.add((d, t))
+                totals.setdefault(d, {})[t] = totals.get(d, {}).get(t, 0.0) + us
                 lines.add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}{verdict}"))
             for label, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION)):
                 def sdpa(q, k, v):
@@ -330,7 +338,9 @@ def sweep_attn_fwd():
                 err = rel_error(sdpa(q, k, v).transpose(1, 2), ref)
                 lines.add(_row(label, f"{us:.1f}", f"{flops / (us * 1e6):.0f}", f"{err:.1e}"))
             lines.add("")
-    return lines
+    best = {(d,): min((t for t in times if (d, t) not in out), key=times.get) for d, times in totals.items()
+            if any((d, t) not in out for t in times)}
+    return lines, best
 
 
 ATTN_BWD_SHAPES = {  # name: (batch, seq, q heads, kv heads, head_dim); bf16, causal
@@ -521,14 +531,14 @@ def main():
         lines, best = sweep_prefill([PREFILL_SHAPES[name] for name in args.shapes], args.tokens, args.linears)
         with open(os.path.join(args.out, "prefill_sweep.md"), "w") as f:
             f.write("\n".join([header + ": --sweep-prefill", ""] + lines) + "\n")
-        with open(os.path.join(args.out, "prefill_configs.json"), "w") as f:
-            json.dump({f"{mc}x{n}x{k}": list(c) for (mc, n, k), c in best.items()}, f)
+        print("recorded in", devices.record("linear_prefill", gpu, BF16, best))
         return
     if args.sweep_attn_fwd:
         print(header + ": --sweep-attn-fwd\n", flush=True)
-        lines = sweep_attn_fwd()
+        lines, best = sweep_attn_fwd()
         with open(os.path.join(args.out, "attn_fwd_sweep.md"), "w") as f:
             f.write("\n".join([header + ": --sweep-attn-fwd", ""] + lines) + "\n")
+        print("recorded in", devices.record("attention_forward", gpu, BF16, best))
         return
     if args.sweep_attn_bwd:
         print(header + ": --sweep-attn-bwd\n", flush=True)
@@ -558,9 +568,7 @@ def main():
         for n, k, t1, c1, tb, cb, peer in table:
             pct = 100 * (n * k * 2 / (tb * 1e-6)) / copy_bw
             lines.append(f"| {n} | {k} | {t1:.1f} | {tuple(c1)[:2]} | {tb:.1f} | {tuple(cb)[:3]} | {peer:.1f} | {pct:.0f}% |")
-        lines += ["", "DECODE_CONFIGS = {"] + [f"    ({n}, {k}): DecodeConfig({c.block_n}, {c.block_k}, {c.split_k})," for (n, k), c in sorted(best.items())] + ["}", ""]
-        with open(os.path.join(args.out, "splitk_configs.json"), "w") as f:
-            json.dump({f"{n}x{k}": list(c) for (n, k), c in best.items()}, f)
+        lines += ["", f"recorded in {devices.record('linear_decode', gpu, BF16, best)}", ""]
     rows = []
     for shape_name, cfg in SHAPES.items():
         for lname, (n, k) in linear_cases(cfg).items():

@@ -103,9 +103,11 @@ JSON_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": MAX_TO
 """The constraint of the json_schema level: no output of ``MAX_TOKENS`` tokens completes it (an
 item is at least a digit and a separator), so every request runs ``MAX_TOKENS`` tokens, as the
 unconstrained ones do."""
-JSON_WORDS = ("[", "]", ",", ", ", "-", *"0123456789")
-"""The words the schema's instances are made of: the last ids of the word-level vocabulary spell
-them instead of pseudo-words (``add_json_words``); no prompt holds them."""
+JSON_WORDS = ("[", "]", ", ", "-", *"0123456789")
+"""The words the schema's instances are made of (compact JSON: ", " between items): the last ids of
+the word-level vocabulary spell them instead of pseudo-words (``add_json_words``); no prompt holds
+them. No "," alone: the grammar allows it as the start of ", ", after which no word of this
+vocabulary goes on (a dead end, which fails the request)."""
 METRICS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "requests_per_s")
 
 

@@ -42,24 +42,24 @@ import torch
 
 from .attention_backward_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from .attention_forward_kernel import _attention_kernel
-from .common import INTERPRET, LOG2E, cdiv, next_power_of_2, pdl_options, shared_memory_per_block, softmax_headroom
+from .common import (INTERPRET, LOG2E, cdiv, next_power_of_2, pdl_options, shared_memory_per_block, softmax_headroom,
+                     tuned)
 
 
-FWD_TILES = {64: (64, 128, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 3)}
-"""The head dim's block (`head_block`: 128 for head dims 80 to 128) -> the forward's (BLOCK_M,
-BLOCK_N, num_warps, num_stages) for 16-bit operands; other blocks get (64, 32, 4, 2). From
-`python -m bench.ops --sweep-attn-fwd` (H200, causal, 256 and 2048 tokens:
-bench/results/2026-11-30-h200-attn-fwd-sweep.md)."""
-
-
-def forward_tiles(d: int, sq: int, itemsize: int, shared_memory: "int | None" = None) -> "Tiles":
-    """The forward's tiles: FWD_TILES, BLOCK_M shrunk for short queries and halved for fp32 (twice
-    the bytes per tile); with `shared_memory` (bytes per block), fewer stages and then narrower key
-    blocks until the q tile and `num_stages` k and v tiles fit (head_dim 256 needs 224 KB as
-    stored, which Hopper has and most other GPUs do not). A head dim that is not a power of two
-    takes the tiles of its block, which is what the kernel holds."""
+def forward_tiles(d: int, sq: int, itemsize: int, shared_memory: "int | None" = None,
+                  stored: "tuple | None" = None) -> "Tiles":
+    """The forward's tiles: `stored` (the device's table attention_forward, by the head dim's block),
+    else 64 query rows against 64 keys, 4 warps, 3 stages (128 keys for head blocks of 64; 32 keys
+    and 2 stages below 64). BLOCK_M shrunk for short queries and halved for fp32 (twice the bytes
+    per tile); with `shared_memory` (bytes per block), fewer stages and then narrower key blocks
+    until the q tile and `num_stages` k and v tiles fit (head_dim 256 needs 224 KB at 3 stages,
+    which Hopper has and most other GPUs do not). A head dim that is not a power of two takes the
+    tiles of its block, which is what the kernel holds."""
     d = next_power_of_2(d)
-    bm, bn, warps, stages = FWD_TILES.get(d, (64, 32, 4, 2))
+    if stored is not None:
+        bm, bn, warps, stages = stored
+    else:
+        bm, bn, warps, stages = (64, 128, 4, 3) if d == 64 else (64, 64, 4, 3) if d > 64 else (64, 32, 4, 2)
     if itemsize == 4:
         bm, stages = bm // 2, 2
     bm = min(bm, max(16, next_power_of_2(sq)))
@@ -100,7 +100,8 @@ def _launch(q, k, v, o, lse, scale, causal, tiles):
     if tiles is not None:
         _check_tiles(tiles)
     bm, bn, warps, stages = tiles or forward_tiles(
-        d, sq, q.element_size(), shared_memory_per_block(q.device) if q.is_cuda else None)
+        d, sq, q.element_size(), shared_memory_per_block(q.device) if q.is_cuda else None,
+        tuned("attention_forward", q.device, q.dtype, (next_power_of_2(d),)))
     headroom = softmax_headroom(v.dtype)
     _attention_kernel[(bsz * hq, cdiv(sq, bm))](
         q, k, v, ot, lse if lse is not None else q,

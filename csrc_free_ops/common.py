@@ -5,6 +5,11 @@ never from each other.
 - `dot`, `tile_product`, `mm`: fp32-accumulating tile products; `mm(a, b, out)` is the one
   strided GEMM (out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out)), split along K into fp32
   partials summed in a fixed order when the output has too few tiles to fill the GPU.
+- `FP8_BLOCK`, `fp8_block_scales`, `fp8_weight_tile_product`: weights in the block format of Qwen's
+  FP8 checkpoints (float8_e4m3fn [N, K], each FP8_BLOCK x FP8_BLOCK block times its scale
+  ws[n // FP8_BLOCK, k // FP8_BLOCK]): a block's scales (read by the FP8 experts' GEMV and the
+  fused decode GEMVs), and the weight-only tile product (the dense FP8 GEMV's and the FP8 experts'
+  main loop).
 - `sum_partials`, `column_sum`: two-pass column sums, deterministic and free of atomics: each
   of P programs writes the fp32 partial sum of a fixed, contiguous range of rows to row p of
   a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the
@@ -18,11 +23,11 @@ never from each other.
   launch is being traced by torch.compile, whether Triton runs on the CPU interpreter.
 - `set_allocator_unless_set` (from `private_apis`): Triton's scratch allocator for kernels that
   build TMA descriptors on the device.
-- `cuda_properties`, `shared_memory_per_block`: a device's properties, cached.
+- `cuda_properties`, `shared_memory_per_block`, `device_name`, `target_programs`, `tuned` (from
+  `devices`): a device's properties, the grid size launchers aim for on it, its tuning tables.
 - `use_pdl`, `pdl_options`, `pdl_wait`, `pdl_launch_dependents`: Programmatic Dependent Launch (Hopper).
-- `grouped_tile`, `row_warps`, `row_block`, `num_programs`, `TARGET_PROGRAMS`: grid shaping.
+- `grouped_tile`, `row_warps`, `row_block`, `num_programs`: grid shaping.
 - `flat_rows`, `empty_contiguous_like`: launchers' views and outputs, cheap on the host.
-- `FP8_BLOCK`: the block of FP8 weights' scales (the `fp8` family and the fused decode GEMVs).
 """
 import math
 import os
@@ -34,10 +39,9 @@ import triton.language as tl
 
 from .launch import INTERPRET, is_traced, kernel  # noqa: F401 (is_traced: for the families)
 from .private_apis import set_allocator_unless_set  # noqa: F401 (for the families)
+from .devices import (cuda_properties, device_name, shared_memory_per_block, target_programs,  # noqa: F401
+                      tuned)
 
-
-TARGET_PROGRAMS = 264
-"""Programs that make about two waves on a GPU of 132 SMs (H100, H200): the grid size the launchers aim for."""
 
 LOG2E = 1.0 / math.log(2.0)
 """Softmax kernels work in base 2: exp(x) = exp2(x * LOG2E)."""
@@ -95,25 +99,6 @@ def fp32(x):
     launches the kernels of a graph torch.compile traced into them, passes them as fp64 (whose
     math would be slow, and which tl.dot's fp32 accumulators refuse)."""
     return tl.cast(x, tl.float32)
-
-
-_cuda_properties: dict = {}
-
-
-def cuda_properties(device: torch.device):
-    """`torch.cuda.get_device_properties` of a CUDA device (the current one for "cuda"), cached:
-    launchers ask on every call."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _cuda_properties:
-        _cuda_properties[index] = torch.cuda.get_device_properties(index)
-    return _cuda_properties[index]
-
-
-def shared_memory_per_block(device: torch.device) -> "int | None":
-    """The shared memory one block may use on a CUDA device, in bytes: the opt-in maximum (227 KB
-    on Hopper), else the default per-block limit (ROCm builds lack the opt-in field), else None."""
-    props = cuda_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
 
 
 _PDL_OFF = os.environ.get("QWEN_PDL", "1") == "0"
@@ -386,16 +371,17 @@ def gemm_blocks(m: int, n: int, k: int, itemsize: int):
     return 128, 128, 64, 8, 3
 
 
-def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, target: int) -> int:
     """K slices for a GEMM whose output has too few tiles to fill the GPU but a long K (dW over
-    all tokens, dhidden against a 150K vocabulary): about two waves of programs, each slice at
-    least 16 K-steps long. A function of the shape only (deterministic)."""
+    all tokens, dhidden against a 150K vocabulary): about `target` programs (`target_programs`),
+    each slice at least 16 K-steps long. A function of the shape and the device only
+    (deterministic)."""
     if INTERPRET:
         return 1
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    if tiles >= TARGET_PROGRAMS // 2:
+    if tiles >= target // 2:
         return 1
-    return max(1, min(cdiv(TARGET_PROGRAMS, tiles), k // (16 * bk)))
+    return max(1, min(cdiv(target, tiles), k // (16 * bk)))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False, splits: int | None = None,
@@ -424,7 +410,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
     bm, bn, bk, warps, stages = blocks or gemm_blocks(m, n, k, a.element_size())
     if accumulate:
         stages = min(stages, 2)  # the fp32 output tile read at the end needs the registers
-    s = splits if splits is not None else (1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk))
+    if splits is None:
+        splits = 1 if accumulate or bias is not None else split_k(m, n, k, bm, bn, bk, target_programs(a.device))
+    s = splits
     per = cdiv(cdiv(k, s), bk) * bk
     s = cdiv(k, per)
     if s > 1 and (accumulate or bias is not None or not out.is_contiguous()):
@@ -446,12 +434,6 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = F
 
 DECODE_MAX_M = 16
 """Rows (tokens) up to which a linear takes its decode path (split-K GEMV; FP8: weight-only)."""
-
-
-FP8_BLOCK = 128
-"""The side of an FP8 weight's scale block (``weight_block_size`` [128, 128] of Qwen's FP8
-checkpoints): weight_scale_inv[i, j] multiplies weight[128 i : 128 (i + 1), 128 j : 128 (j + 1)]
-back to the real weight."""
 
 
 class DecodeConfig(NamedTuple):
@@ -502,3 +484,49 @@ def reduce_slices(part: torch.Tensor, bias, y2: torch.Tensor) -> None:
         part, bias if bias is not None else part, y2, n, part.stride(0), part.stride(1), y2.stride(0),
         SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl_options(y2),
     )
+
+
+# ------------------------------------------------------------------------------------- FP8 weights
+
+FP8_BLOCK = 128
+"""The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]): w[n, k] =
+weight[n, k] * weight_scale_inv[n // FP8_BLOCK, k // FP8_BLOCK]; the last block row and column may be partial."""
+_FP8_BLOCK = tl.constexpr(FP8_BLOCK)
+
+
+@triton.jit
+def fp8_block_scales(ws_ptr, rows, k, stride_wsn, stride_wsk):
+    """The fp32 scales of an FP8 weight's rows `rows` at column k: ws[rows // FP8_BLOCK, k // FP8_BLOCK]."""
+    return tl.load(ws_ptr + (rows // _FP8_BLOCK) * stride_wsn + (k // _FP8_BLOCK) * stride_wsk).to(tl.float32)
+
+
+@triton.jit
+def fp8_weight_tile_product(a_ptr, w_ptr, ws_ptr, rm, rn, M, N, k_lo, k_hi, stride_am, stride_wn, stride_wsn,
+                            stride_wsk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile a[rm, k_lo:k_hi] @ dequant(w)[rn, k_lo:k_hi].T, weight-only: w is
+    float8_e4m3fn [N, K] with block scales ws (`fp8_block_scales`), a in the model's dtype (both
+    contiguous along K). Each BLOCK_K step is its own dot of a's tile with the FP8 tile widened to
+    a's dtype (exact: every e4m3 value is a bf16 and an fp16 value), scaled per column by its
+    block's scale and added to the fp32 accumulator; BLOCK_K divides FP8_BLOCK and k_lo is a
+    multiple of FP8_BLOCK, so a step never crosses a block. Rows past M and K past k_hi read zeros;
+    columns past N read a valid (wrapped) row, for the caller to mask at the store. `rm` is int64
+    where a row times stride_am may pass 2^31."""
+    rk = tl.arange(0, BLOCK_K)
+    cols = (rn % N).to(tl.int64)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_lo + rk)[:, None]
+    ws_ptrs = ws_ptr + (cols // _FP8_BLOCK) * stride_wsn + (k_lo // _FP8_BLOCK) * stride_wsk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = rk < k_hi - k0
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        block = dot(a, w.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+        acc += block * tl.load(ws_ptrs).to(tl.float32)[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        if BLOCK_K == _FP8_BLOCK:
+            ws_ptrs += stride_wsk
+        else:  # the next block's scales once the next step starts it
+            ws_ptrs += tl.where((k0 + BLOCK_K) // _FP8_BLOCK > k0 // _FP8_BLOCK, stride_wsk, 0)
+    return acc

@@ -21,7 +21,8 @@ Kernels:
 - `_weight_only_kernel` (decode, M <= DECODE_MAX_M): x is not quantised;
   y[m, n] = sum over K blocks g of (x[m, g] . weight[n, g]) * weight_scale_inv[n // 128, g] (+ bias).
   The fp8 weight tile is widened to x's dtype in registers (exact: every e4m3 value is a bf16 and
-  an fp16 value), and each block's fp32 product is scaled. The K axis is split as in linear's
+  an fp16 value), and each block's fp32 product is scaled (`common.fp8_weight_tile_product`, the
+  FP8 experts' main loop too). The K axis is split as in linear's
   decode kernel (slices of whole blocks), the slices summed in a fixed order by its reduce kernel.
 
 Output in x's dtype, bias added in fp32. GPUs of compute capability 8.9 or newer (`fp8_supported`).
@@ -40,12 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (DECODE_MAX_M, FP8_BLOCK, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, cuda_properties, dot,
-                     flat_rows, grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices)
+from .common import (DECODE_MAX_M, FP8_BLOCK, INTERPRET, DecodeConfig, cdiv, cuda_properties, flat_rows,
+                     fp8_weight_tile_product, grouped_tile, kernel, linear_rows, next_power_of_2, reduce_slices,
+                     target_programs, tuned)
 
 BLOCK = FP8_BLOCK
-"""The weight block (both axes) of Qwen's FP8 checkpoints (`weight_block_size` [128, 128]), and the
-activation group of the GEMM."""
+"""The weight block (both axes) of Qwen's FP8 checkpoints (`common.FP8_BLOCK`), and the activation
+group of the GEMM."""
 FP8_MAX = 448.0
 """The largest float8_e4m3fn value."""
 EPS = 1e-10
@@ -163,12 +165,14 @@ class PrefillTiles(NamedTuple):
     group_m: int = 8
 
 
-def prefill_tiles(m: int, n: int) -> PrefillTiles:
-    """The w8a8 GEMM's tiles: vLLM's default for block FP8 (64 x 128, 4 warps) with 3 stages;
-    under the interpreter, shrunk to the problem."""
+def prefill_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> PrefillTiles:
+    """The w8a8 GEMM's tiles for x of `dtype`: the device's stored tiles for (N, K) (the table
+    fp8_prefill, swept at 4096 rows), else vLLM's default for block FP8 (64 x 128, 4 warps) with 3
+    stages; under the interpreter, shrunk to the problem."""
     if INTERPRET:
         return PrefillTiles(min(64, max(16, next_power_of_2(m))), min(64, max(16, next_power_of_2(n))), 4, 1)
-    return PrefillTiles(64, 128)
+    stored = tuned("fp8_prefill", device, dtype, (n, k))
+    return PrefillTiles(*stored) if stored is not None else PrefillTiles(64, 128)
 
 
 def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, tiles: PrefillTiles | None = None) -> None:
@@ -177,7 +181,7 @@ def w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, tiles: PrefillTiles 
     (benchmarks, tests)."""
     m, k = q2.shape
     n = weight.shape[0]
-    t = tiles or prefill_tiles(m, n)
+    t = tiles or prefill_tiles(m, n, k, y2.device, y2.dtype)
     _w8a8_kernel[(cdiv(m, t.block_m) * cdiv(n, t.block_n),)](
         q2, sx, weight, weight_scale_inv, bias if bias is not None else sx, y2, m, n, k,
         q2.stride(0), sx.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
@@ -200,23 +204,9 @@ def _weight_only_kernel(
     pid_s = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    cols = (rn % N).to(tl.int64)
     k_lo = pid_s * K_PER_SPLIT
-    k_hi = min(k_lo + K_PER_SPLIT, K)
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + (k_lo + rk)[:, None]
-    sw_ptrs = sw_ptr + (cols // BLOCK_K) * stride_swn + (k_lo // BLOCK_K) * stride_swk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = rk < k_hi - k0
-        a = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        block = dot(a, b.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-        acc += block * tl.load(sw_ptrs).to(tl.float32)[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        sw_ptrs += stride_swk
+    acc = fp8_weight_tile_product(x_ptr, w_ptr, sw_ptr, rm, rn, M, N, k_lo, min(k_lo + K_PER_SPLIT, K), stride_xm,
+                                  stride_wn, stride_swn, stride_swk, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
     if SPLIT_K == 1:
@@ -227,12 +217,12 @@ def _weight_only_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-def decode_config(n: int, k: int) -> DecodeConfig:
+def decode_config(n: int, k: int, device: torch.device) -> DecodeConfig:
     """64-wide N tiles (16 under the interpreter), one block of K a step, and enough K slices of
-    whole blocks for about two programs per SM."""
+    whole blocks for `target_programs`."""
     block_n = min(16 if INTERPRET else 64, max(16, next_power_of_2(n)))
     tiles, k_blocks = cdiv(n, block_n), cdiv(k, BLOCK)
-    return DecodeConfig(block_n, BLOCK, min(k_blocks, max(1, cdiv(TARGET_PROGRAMS, tiles))))
+    return DecodeConfig(block_n, BLOCK, min(k_blocks, max(1, cdiv(target_programs(device), tiles))))
 
 
 def weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, cfg: DecodeConfig) -> None:
@@ -264,7 +254,7 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     if y2 is None:
         return y
     if x2.shape[0] <= DECODE_MAX_M:
-        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1]))
+        weight_only_matmul(x2, weight, weight_scale_inv, bias, y2, config or decode_config(n, x.shape[-1], x.device))
     else:
         q2, sx = quantize_per_token_group(x2)
         w8a8_matmul(q2, sx, weight, weight_scale_inv, bias, y2, config)

@@ -39,9 +39,9 @@ step is deeper than a scale block (FP8_BLOCK, 128): each e4m3 tile is widened to
 and its fp32 product scaled per output column by its block's scale,
 acc += (x' @ weight[rn, step]^T) * weight_scale_inv[rn // 128, step // 128], so the epilogues see
 the weight-only GEMV's fp32 sum (fp8_block_linear at decode). FP8 takes the same configs and
-splits as bf16 (`gemv_config`); a program prefetches only a slice of one block or less, others
-run the loop in 128-deep steps (or shallower: a config's). Without FP8 the scale arguments are not
-read and the kernels compile as before.
+splits as bf16 (`gemv_config`: the device's table under x's dtype); a program prefetches only a
+slice of one block or less, others run the loop in 128-deep steps (or shallower: a config's).
+Without FP8 the scale arguments are not read and the kernels compile as before.
 
 PDL: with `use_pdl` (`pdl_options`), a kernel's launch and address set-up overlap the previous
 kernel's tail; it waits for that kernel (`pdl_wait`) before touching anything but its weights.
@@ -62,12 +62,11 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from .common import (FP8_BLOCK, INTERPRET, MAX_TILES, TARGET_PROGRAMS, arrive, cdiv, empty_contiguous_like, fp32,
-                     head_block, head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait,
-                     semaphores)
+from .common import (FP8_BLOCK, INTERPRET, MAX_TILES, arrive, cdiv, empty_contiguous_like, fp32, head_block,
+                     head_mask, kernel, next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, semaphores,
+                     target_programs, tuned)
 from .fused_decode_blocks import (_block_scales, _gemv_slice, _head_values, _input_slice, _program_slice,
-                                  _rotated_head, _scale_rows, _sum_row_slices, _sum_slices, _weight_product,
-                                  _weight_slice)
+                                  _rotated_head, _sum_row_slices, _sum_slices, _weight_product, _weight_slice)
 
 
 class GemvConfig(NamedTuple):
@@ -78,34 +77,20 @@ class GemvConfig(NamedTuple):
     num_stages: int = 3
 
 
-# (op, N, K) -> config (N: output columns, I for gate_up), the fastest of
-# `python -m bench.fused_decode --sweep` on an H200 (bench/results/). Shapes not listed use
-# gemv_config's rule.
-FUSED_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {
-    ("linear_residual", 1024, 2048): GemvConfig(32, 128, 8),    # Qwen3-0.6B o_proj, Qwen3.5 out_proj
-    ("linear_residual", 1024, 3072): GemvConfig(32, 128, 12),   # Qwen3-0.6B down (12 slices of 256: prefetched)
-    ("linear_residual", 1024, 3584): GemvConfig(32, 128, 8),    # Qwen3.5 down
-    ("norm_qkv_rope_store", 4096, 1024): GemvConfig(128, 128, 8),  # Qwen3-0.6B, a tile per head of 128
-    ("norm_qkv_rope_store", 5120, 1024): GemvConfig(256, 128, 8),  # Qwen3.5 gated attention, heads of 256
-    ("norm_gate_up_silu", 3072, 1024): GemvConfig(32, 256, 4),  # Qwen3-0.6B gate_up (I = 3072)
-    ("norm_gate_up_silu", 3584, 1024): GemvConfig(32, 256, 1),  # Qwen3.5 gate_up
-    ("norm_linear", 8224, 1024): GemvConfig(64, 256, 1),        # Qwen3.5 Gated DeltaNet in_proj
-    ("norm_linear", 151936, 1024): GemvConfig(64, 256, 1),      # lm_head, Qwen3 vocab
-    ("norm_linear", 248320, 1024): GemvConfig(64, 256, 1),      # lm_head, Qwen3.5 vocab
-}
-
-
-def gemv_config(op: str, n: int, k: int, m_blocks: int = 1, block_n: int | None = None) -> GemvConfig:
-    """The stored config, else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for
-    qkv), 256-deep K steps, and enough K slices for about two programs per SM."""
-    if (op, n, k) in FUSED_CONFIGS:
-        return FUSED_CONFIGS[(op, n, k)]
+def gemv_config(op: str, n: int, k: int, device: torch.device, dtype: torch.dtype, m_blocks: int = 1,
+                block_n: int | None = None) -> GemvConfig:
+    """The device's stored config for (op, N, K) (the table fused_decode; N: output columns, I for
+    gate_up), else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for qkv), 256-deep
+    K steps, and enough K slices for `target_programs`."""
+    stored = tuned("fused_decode", device, dtype, (op, n, k))
+    if stored is not None:
+        return GemvConfig(*stored)
     if INTERPRET:  # programs run one by one: few, wide ones, still split in two where K allows
         block_k = 64
         return GemvConfig(block_n or 64, block_k, min(2, cdiv(k, block_k)))
     block_n = block_n or (64 if n >= 32768 else 32)
     tiles = cdiv(n, block_n) * m_blocks
-    return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(TARGET_PROGRAMS / tiles))))
+    return GemvConfig(block_n, 256, min(cdiv(k, 256), max(1, round(target_programs(device) / tiles))))
 
 
 @kernel
@@ -124,16 +109,16 @@ def _gemv_kernel(
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dtype = x_ptr.dtype.element_ty
-    scale_rows = _scale_rows(sw_ptr, rn, N, 0, stride_sn, FP8)
-    scale_rows_up = _scale_rows(sw_ptr, rn, N, N, stride_sn, FP8)
+    scale_rows = rn % N  # the weight rows of the tile's columns, for their FP8 scales
+    scale_rows_up = N + rn % N
     if PREFETCH:  # the whole weight slice is in flight before the program waits for its input
         w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
         w_up = w
-        scales = _block_scales(scale_rows, k_lo, stride_sk, FP8)
+        scales = _block_scales(sw_ptr, scale_rows, k_lo, stride_sn, stride_sk, FP8)
         scales_up = scales
         if SILU:
             w_up = _weight_slice(w_ptr + N * stride_wn, rn, N, k_lo, k_hi, stride_wn, BLOCK_K)
-            scales_up = _block_scales(scale_rows_up, k_lo, stride_sk, FP8)
+            scales_up = _block_scales(sw_ptr, scale_rows_up, k_lo, stride_sn, stride_sk, FP8)
         pdl_launch_dependents(USE_PDL)  # the next kernel's programs may load their weights meanwhile
         pdl_wait(USE_PDL)
         a, ss = _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, NORM, BLOCK_K)
@@ -144,12 +129,13 @@ def _gemv_kernel(
                                      dtype)
     else:
         pdl_wait(USE_PDL)
-        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, scale_rows, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn,
-                              stride_sk, offset, NORM, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, sw_ptr, scale_rows, rm, rn, M, N, k_lo, k_hi, stride_xm,
+                              stride_wn, stride_sn, stride_sk, offset, NORM, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
         acc_up = acc
         if SILU:
-            acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, scale_rows_up, rm, rn, M, N, k_lo, k_hi,
-                                    stride_xm, stride_wn, stride_sk, offset, NORM, FP8, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc_up, _ = _gemv_slice(x_ptr, nw_ptr, w_ptr + N * stride_wn, sw_ptr, scale_rows_up, rm, rn, M, N, k_lo,
+                                    k_hi, stride_xm, stride_wn, stride_sn, stride_sk, offset, NORM, FP8, BLOCK_M,
+                                    BLOCK_N, BLOCK_K)
     if not PREFETCH:
         pdl_launch_dependents(USE_PDL)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -209,10 +195,10 @@ def _qkv_kernel(
     pid_s, pid_m, rm, k_lo, k_hi = _program_slice(K, K_PER_SPLIT, BLOCK_M)
     rn = tile * D + tl.arange(0, BLOCK_D)
     d_ok = head_mask(tl.arange(0, BLOCK_D), D)
-    scale_rows = _scale_rows(sw_ptr, rn, N, 0, stride_sn, FP8)
+    scale_rows = rn % N  # the weight rows of the tile's columns, for their FP8 scales
     if PREFETCH:  # the whole weight slice is in flight before the program waits for its input
         w = _weight_slice(w_ptr, rn, N, k_lo, k_hi, stride_wn, BLOCK_K, D)
-        scales = _block_scales(scale_rows, k_lo, stride_sk, FP8)
+        scales = _block_scales(sw_ptr, scale_rows, k_lo, stride_sn, stride_sk, FP8)
         pdl_launch_dependents(USE_PDL)  # the next kernel's programs may load their weights meanwhile
         pdl_wait(USE_PDL)
         a, ss = _input_slice(x_ptr, nw_ptr, rm, M, k_lo, k_hi, stride_xm, offset, True, BLOCK_K)
@@ -220,8 +206,8 @@ def _qkv_kernel(
                               x_ptr.dtype.element_ty)
     else:
         pdl_wait(USE_PDL)
-        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, scale_rows, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn,
-                              stride_sk, offset, True, FP8, BLOCK_M, BLOCK_D, BLOCK_K, D)
+        acc, ss = _gemv_slice(x_ptr, nw_ptr, w_ptr, sw_ptr, scale_rows, rm, rn, M, N, k_lo, k_hi, stride_xm,
+                              stride_wn, stride_sn, stride_sk, offset, True, FP8, BLOCK_M, BLOCK_D, BLOCK_K, D)
     if not PREFETCH:
         pdl_launch_dependents(USE_PDL)
     row_ok = rm < M
@@ -287,18 +273,20 @@ PREFETCH_BYTES = 32 << 10
 tile (fp32) may take half as much again."""
 
 
-def _launch_shape(op: str, m: int, n: int, k: int, itemsize: int, cfg: GemvConfig | None, block_n: int | None = None,
-                  halves: int = 1, fp8: bool = False):
+def _launch_shape(op: str, m: int, n: int, k: int, device: torch.device, dtype: torch.dtype, cfg: GemvConfig | None,
+                  block_n: int | None = None, halves: int = 1, fp8: bool = False):
     """(BLOCK_M, row blocks, config, K per split, splits, prefetch). A program prefetches when its
     weight slice (`halves` x rows x one power-of-two K step) and its input tile fit PREFETCH_BYTES: its K slice is
     then one BLOCK_K step. Otherwise the config's pipeline is cut down (fewer stages, then shallower K
     steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles would not fit the bf16
-    defaults. `fp8` (FP8 weights): the same configs and splits, no K step deeper than FP8_BLOCK, so
-    that a step never crosses a scale block (both are powers of two): a program prefetches only a
-    slice of one scale block or less."""
+    defaults. `dtype` is x's (a weight's unless FP8), the key of the device's table. `fp8` (FP8
+    weights, one byte an element): the same configs and splits as x's dtype, no K step deeper than
+    FP8_BLOCK, so that a step never crosses a scale block (both are powers of two): a program
+    prefetches only a slice of one scale block or less."""
     bm = _block_m(m)
     m_blocks = cdiv(m, bm)
-    cfg = cfg or gemv_config(op, n, k, m_blocks, block_n)
+    cfg = cfg or gemv_config(op, n, k, device, dtype, m_blocks, block_n)
+    itemsize = 1 if fp8 else dtype.itemsize
     rows = block_n or cfg.block_n
     step = max(16, next_power_of_2(cdiv(k, cfg.split_k)))  # a GPU dot's K is 16 at least (masked past k)
     fits = halves * rows * step * itemsize <= PREFETCH_BYTES and bm * step * 4 <= PREFETCH_BYTES // 2
@@ -335,7 +323,7 @@ def _gemv(op, x2, weight, weight_scale_inv, bias, norm_weight, residual, out, ep
     m, k = x2.shape
     n = out.shape[1]
     fp8 = weight_scale_inv is not None
-    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape(op, m, n, k, weight.element_size(), cfg,
+    bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape(op, m, n, k, weight.device, x2.dtype, cfg,
                                                                      halves=2 if silu else 1, fp8=fp8)
     tiles = cdiv(n, cfg.block_n)
     if split > 1 and tiles * m_blocks > MAX_TILES:
@@ -404,7 +392,7 @@ def norm_qkv_rope_store(x, norm_weight, qkv_weight, qkv_bias, q_norm_weight, k_n
     n = qkv_weight.shape[0]
     fp8 = qkv_weight_scale_inv is not None
     bm, m_blocks, cfg, k_per_split, split, prefetch = _launch_shape("norm_qkv_rope_store", m, n, k,
-                                                                    qkv_weight.element_size(), cfg,
+                                                                    qkv_weight.device, x2.dtype, cfg,
                                                                     block_n=next_power_of_2(d), fp8=fp8)
     tiles = n // d
     if split > 1 and tiles * m_blocks > MAX_TILES:

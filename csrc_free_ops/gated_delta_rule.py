@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, TARGET_PROGRAMS, cdiv, dot, fp32, head_block, head_mask, kernel, next_power_of_2
+from .common import INTERPRET, cdiv, dot, fp32, head_block, head_mask, kernel, next_power_of_2, target_programs
 from .gated_delta_rule_packing import num_slots, packed_tile, seq_block
 
 CHUNK = 64
@@ -332,15 +332,15 @@ def _output_kernel(
              mask=v_ok)
 
 
-def _value_block(dk: int, dv: int, programs_per_block: int) -> int:
+def _value_block(dk: int, dv: int, programs_per_block: int, target: int) -> int:
     """Value columns per program of the sequential kernels (a power of two; cdiv(dv, block)
     programs, the last one's columns past dv masked): the fp32 state tile [head_block(DK), BV]
     stays in registers (<= 8K elements), and narrower blocks when (batch x heads) is too small to
-    fill the GPU."""
+    make half of `target` programs (`target_programs`)."""
     if INTERPRET:
         return next_power_of_2(dv)
     bv = min(next_power_of_2(dv), 64 if dk <= 64 else 32 if dk <= 128 else 16)
-    while bv > 16 and programs_per_block * cdiv(dv, bv) < TARGET_PROGRAMS // 2:
+    while bv > 16 and programs_per_block * cdiv(dv, bv) < target // 2:
         bv //= 2
     return bv
 
@@ -382,7 +382,7 @@ def _chunk(q, k, v, g, beta, scale, norm, o, h0, ht, packed=None):
             NORM=norm, VARLEN=varlen, BT=CHUNK, DK=dk, DV=dv, BLOCK_S=block_s,
             num_warps=4 if block_k + block_v <= 256 else 8,  # Dk = Dv = 128: 237 registers, no spills (sm_90)
         )
-    bv = _value_block(dk, dv, seqs * hv)
+    bv = _value_block(dk, dv, seqs * hv, target_programs(dev))
     has_h0 = h0 is not None
     _state_kernel[(cdiv(dv, bv), seqs * hv)](
         kn, w, u, gc, hs, vn, h0 if has_h0 else gc, ht, cu, slots, cont, t, nt, hv, group,

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import gated_delta_rule as chunked
 from .common import INTERPRET, cdiv, empty_contiguous_like, flat_rows, fp32, head_block, head_mask, kernel, \
-    next_power_of_2, row_warps
+    next_power_of_2, row_warps, target_programs
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def recurrent_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, state_pool,
     seqs = state_slots.shape[0]
     if seqs * hv == 0:
         return o
-    bv = chunked._value_block(dk, dv, seqs * hv)  # (its module's: tests patch it)
+    bv = chunked._value_block(dk, dv, seqs * hv, target_programs(q.device))  # (its module's: tests patch it)
     _recurrent_kernel[(cdiv(dv, bv), seqs * hv)](
         q, k, v, a, b, A_log, dt_bias, state_pool, o, cu_seqlens, state_slots, continues, scale, hv, hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),

@@ -11,16 +11,17 @@ programs (at most one per SM) walk the list of BLOCK_M x BLOCK_N output tiles, G
 at a time so neighbouring programs share weight tiles in L2. Where the output has too few tiles
 to fill the GPU (256 tokens against N = 1024), narrow 64 x 32 tiles walking K 256 deep make a wave
 of programs, or the K axis is split as at decode (the sweep picks per shape). The configs come
-from `bench/ops.py --sweep-prefill` on an H200 and are kept in PREFILL_CONFIGS. Other inputs
-(fp32, pre-Hopper GPUs, strides TMA cannot describe) take `common.mm`, the shared tiled GEMM.
+from `bench/ops.py --sweep-prefill` on the GPU they serve, in its table linear_prefill
+(`devices`). Other inputs (fp32, pre-Hopper GPUs, strides TMA cannot describe) take `common.mm`,
+the shared tiled GEMM.
 
 Decode (M <= DECODE_MAX_M): reading the weight once is the whole cost, and with
 N = 1024 a tile per program leaves most of the GPU idle. The K axis is cut into
 SPLIT_K slices; program (n, s) writes the fp32 partial product of slice s to a
 [SPLIT_K, M, N] buffer and a second kernel sums the slices in a fixed order and
 adds the bias (deterministic: no atomics). SPLIT_K = 1 writes y directly.
-The per-shape configs come from `bench/ops.py --sweep-splitk` on an H200 and are
-kept in DECODE_CONFIGS; nothing is tuned at call time (safe in CUDA graph capture).
+The per-shape configs come from `bench/ops.py --sweep-splitk` on the GPU they serve, in its table
+linear_decode (`devices`); nothing is tuned at call time (safe in CUDA graph capture).
 
 Backward, with dy [M, N]:
 
@@ -35,37 +36,21 @@ import torch
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (DECODE_MAX_M, INTERPRET, TARGET_PROGRAMS, DecodeConfig, cdiv, column_sum, cuda_properties, dot,
+from .common import (DECODE_MAX_M, INTERPRET, DecodeConfig, cdiv, column_sum, cuda_properties, dot,
                     empty_contiguous_like, flat_rows, grouped_tile, is_traced, kernel, linear_rows, mm,
                     next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, reduce_slices,
-                    set_allocator_unless_set, shared_memory_per_block)
+                    set_allocator_unless_set, shared_memory_per_block, target_programs, tuned)
 
-# (N, K) -> config: the fastest of `python -m bench.ops --sweep-splitk` on an H200, 2026-11-29
-# (bench/results/). Split-K pays where N is small and K long (o_proj, down); shapes with
-# enough N tiles run unsplit. Shapes not listed use decode_config's rule.
-DECODE_CONFIGS: dict[tuple[int, int], DecodeConfig] = {
-    (896, 1024): DecodeConfig(32, 256, 1),     # seed o_proj
-    (896, 4864): DecodeConfig(32, 128, 8),     # seed down
-    (1024, 2048): DecodeConfig(32, 128, 4),    # Qwen3-0.6B o_proj
-    (1024, 3072): DecodeConfig(32, 128, 4),    # Qwen3-0.6B down
-    (1536, 896): DecodeConfig(32, 128, 1),     # seed qkv
-    (4096, 1024): DecodeConfig(32, 128, 1),    # Qwen3-0.6B qkv
-    (6144, 1024): DecodeConfig(64, 256, 1),    # Qwen3-0.6B gate_up
-    (9728, 896): DecodeConfig(32, 128, 1),     # seed gate_up
-    (151936, 896): DecodeConfig(64, 128, 1),   # lm_head, hidden 896
-    (151936, 1024): DecodeConfig(64, 128, 1),  # lm_head, hidden 1024
-}
-
-
-def decode_config(n: int, k: int) -> DecodeConfig:
-    """The stored config for (N, K), else: 64-wide N tiles, 128-deep K steps, and
-    enough K slices for about two programs per SM."""
-    if (n, k) in DECODE_CONFIGS:
-        return DECODE_CONFIGS[(n, k)]
+def decode_config(n: int, k: int, device: torch.device, dtype: torch.dtype) -> DecodeConfig:
+    """The device's stored config for (N, K) (the table linear_decode), else: 64-wide N tiles,
+    128-deep K steps, and enough K slices for `target_programs`."""
+    stored = tuned("linear_decode", device, dtype, (n, k))
+    if stored is not None:
+        return DecodeConfig(*stored)
     block_n = min(64, max(16, next_power_of_2(n)))
     block_k = min(128, max(16, next_power_of_2(k)))
     tiles, k_blocks = cdiv(n, block_n), cdiv(k, block_k)
-    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, cdiv(TARGET_PROGRAMS, tiles))))
+    return DecodeConfig(block_n, block_k, min(k_blocks, max(1, cdiv(target_programs(device), tiles))))
 
 
 @kernel
@@ -120,94 +105,24 @@ def prefill_m_class(m: int) -> int:
     return next((c for c in PREFILL_M_CLASSES if m <= c), PREFILL_M_CLASSES[-1])
 
 
-# (M class, N, K) -> config (prefill_m_class): the fastest of
-# `python -m bench.ops --sweep-prefill` on an H200 (bench/results/): 2026-11-29 for M class 2048,
-# 2026-12-01 for 256 (`--tokens 256`, with the narrow 64 x 32 x 256 tiles that need no K split at
-# N = 1024) and for 512 and 1024 (`--tokens 512 1024`); 2026-12-02 for 32, 64 and 128, the batched
-# decode steps of the engine (`--tokens 32 64 128 --shapes qwen3-0.6b --linears qkv o_proj gate_up
-# down`: Qwen3-0.6B's layer GEMMs only; other shapes at M <= 128 take their 256 row); 2026-12-03 for
-# Qwen3.5-0.8B's (`--tokens 256 2048 --shapes qwen3.5-0.8b --linears qkv gate_up down in_proj`).
-# Shapes not listed at any class >= M use prefill_config's rule.
-PREFILL_CONFIGS: dict[tuple[int, int, int], PrefillConfig] = {
-    (32, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 4),
-    (32, 1024, 3072): PrefillConfig(64, 32, 256, 4, 4, 4),
-    (32, 4096, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (32, 6144, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (64, 1024, 2048): PrefillConfig(64, 32, 256, 4, 3, 4),
-    (64, 1024, 3072): PrefillConfig(64, 32, 256, 4, 3, 4),
-    (64, 4096, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (64, 6144, 1024): PrefillConfig(64, 64, 64, 4, 8, 1),
-    (128, 1024, 2048): PrefillConfig(64, 64, 128, 4, 3, 4),
-    (128, 1024, 3072): PrefillConfig(64, 64, 64, 4, 8, 4),
-    (128, 4096, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (128, 6144, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (256, 896, 1024): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (256, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 4),
-    (256, 1024, 2048): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (256, 1024, 3072): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (256, 1024, 3584): PrefillConfig(64, 32, 256, 4, 4, 1),
-    (256, 1536, 896): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (256, 4096, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (256, 5120, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (256, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (256, 7168, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (256, 8224, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (256, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (256, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (256, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (512, 896, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (512, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 2),
-    (512, 1024, 2048): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (512, 1024, 3072): PrefillConfig(64, 128, 128, 4, 4, 2),
-    (512, 1536, 896): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (512, 4096, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (512, 6144, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (512, 9728, 896): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (512, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (512, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (1024, 896, 1024): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (1024, 896, 4864): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (1024, 1024, 2048): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (1024, 1024, 3072): PrefillConfig(64, 128, 128, 4, 4, 1),
-    (1024, 1536, 896): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (1024, 4096, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (1024, 6144, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (1024, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (1024, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (1024, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 896, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (2048, 896, 4864): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (2048, 1024, 2048): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (2048, 1024, 3072): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (2048, 1024, 3584): PrefillConfig(128, 128, 64, 8, 4, 1),
-    (2048, 1536, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 4096, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 5120, 1024): PrefillConfig(128, 128, 64, 4, 4, 1),
-    (2048, 6144, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 7168, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 8224, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 9728, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 151936, 896): PrefillConfig(128, 256, 64, 8, 3, 1),
-    (2048, 151936, 1024): PrefillConfig(128, 256, 64, 8, 3, 1),
-}
-
-
-def prefill_config(m: int, n: int, k: int) -> PrefillConfig:
-    """The stored config for (N, K) at the smallest class >= M that lists it, else the largest tile
-    that still gives about three quarters of a wave of programs, with the K axis split where even
-    the smallest tile leaves half the GPU idle."""
+def prefill_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> PrefillConfig:
+    """The device's stored config for (N, K) at the smallest M class >= M that lists it (the table
+    linear_prefill), else the largest tile that still gives about three quarters of a wave of
+    programs (`target_programs`), with the K axis split where even the smallest tile leaves half the
+    GPU idle."""
     for m_class in PREFILL_M_CLASSES[PREFILL_M_CLASSES.index(prefill_m_class(m)):]:
-        cfg = PREFILL_CONFIGS.get((m_class, n, k))
-        if cfg is not None:
-            return cfg
+        stored = tuned("linear_prefill", device, dtype, (m_class, n, k))
+        if stored is not None:
+            return PrefillConfig(*stored)
     if INTERPRET:  # every tile element costs numpy time there
         return PrefillConfig(32, 32, 32, 4, 1)
+    target = target_programs(device)
     for cfg in (PrefillConfig(128, 256, 64, 8, 3), PrefillConfig(128, 128, 64, 4, 4), PrefillConfig(64, 128, 64, 4, 4),
                 PrefillConfig(64, 64, 64, 4, 5)):
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-        if tiles >= 3 * TARGET_PROGRAMS // 8:
+        if tiles >= 3 * target // 8:
             return cfg
-    return cfg._replace(split_k=min(4, k // 1024)) if tiles < TARGET_PROGRAMS // 4 and k >= 2048 else cfg
+    return cfg._replace(split_k=min(4, k // 1024)) if tiles < target // 4 and k >= 2048 else cfg
 
 
 TMA_SHARED_MEMORY = 200 * 1024
@@ -327,14 +242,14 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
         reduce_slices(out, bias, y2)
 
 
-def prefill_blocks(m: int, n: int, itemsize: int):
+def prefill_blocks(m: int, n: int, itemsize: int, target: int):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `common.mm` for the GEMMs TMA cannot
-    take: the largest tile that still gives about a wave of programs. fp32 tiles are twice the
-    bytes: half as deep and fewer stages, to fit shared memory."""
+    take: the largest tile that still gives about a wave of programs (`target` / 2). fp32 tiles are
+    twice the bytes: half as deep and fewer stages, to fit shared memory."""
     if itemsize == 4:
         return (64 if m <= 64 else 128), 128, 32, 8, 2
     for bm, bn, warps, stages in ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4)):
-        if cdiv(m, bm) * cdiv(n, bn) >= TARGET_PROGRAMS // 2:
+        if cdiv(m, bm) * cdiv(n, bn) >= target // 2:
             break
     return bm, bn, 64, warps, stages
 
@@ -369,13 +284,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, config: DecodeConfig | P
         return y
     m = x2.shape[0]
     if m <= DECODE_MAX_M:
-        splitk_matmul(x2, weight, bias, y2, config or decode_config(n, k))
+        splitk_matmul(x2, weight, bias, y2, config or decode_config(n, k, x2.device, x2.dtype))
     elif k > 0 and tma_ok(x2, weight, y2):
-        tma_matmul(x2, weight, bias, y2, config or prefill_config(m, n, k))
+        tma_matmul(x2, weight, bias, y2, config or prefill_config(m, n, k, x2.device, x2.dtype))
     elif config is not None:
         raise ValueError("a PrefillConfig for a GEMM the TMA path cannot take (see tma_ok)")
     else:
-        mm(x2, weight.t(), y2, splits=1, bias=bias, blocks=prefill_blocks(m, n, x2.element_size()))
+        mm(x2, weight.t(), y2, splits=1, bias=bias, blocks=prefill_blocks(m, n, x2.element_size(), target_programs(x2.device)))
     return y
 
 

@@ -9,9 +9,12 @@ GEMMs and the combine (vLLM's fused MoE design).
         to a multiple of BM with the sentinel M * k, experts one after the other; block b of BM
         rows belongs to expert_ids[b] (-1 past num_post_padded). P = M * k + E * (BM - 1) is the
         worst case, so every size is a function of the shapes (no host sync: CUDA-graph safe).
-    fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights, ids, shared [M, H]?, shared_gate [M, 1]?)
+    fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights, ids, shared [M, H]?, shared_gate [M, 1]?,
+              w13_scale_inv [E, cdiv(2I, 128), cdiv(H, 128)]?, w2_scale_inv [E, cdiv(H, 128), cdiv(I, 128)]?)
         y = sum_j weights[:, j] * (silu(x @ w13[e_j, :I].T) * (x @ w13[e_j, I:].T)) @ w2[e_j].T
             (+ sigmoid(shared_gate) * shared)
+        A weight given with its scales (fp32) is FP8: float8_e4m3fn in the block format of Qwen's FP8
+        checkpoints, expert by expert: w[e, n, k] = weight[e, n, k] * scale_inv[e, n // 128, k // 128].
 
 fused_moe runs, for M > GEMV_MAX_TOKENS: the sort (three kernels: per-chunk counts and ranks;
 one program's prefix sums over chunks and experts and the blocks' experts; the scatter), then
@@ -24,17 +27,32 @@ GEMV_MAX_TOKENS) skip the sort: `_gemv_kernel` gives each pair its own programs 
 are the expert of each row). `_combine_kernel` sums each token's k rows in a fixed order (no
 atomics) and adds the gated shared expert. fp32 accumulation throughout.
 
-Configs: `MOE_CONFIGS`, keyed by (E, N, K, device name, dtype) then by the largest M a config
+FP8 experts (an `FP8_W` constexpr of both GEMM kernels: the bf16 ones compile as without it) are
+weight-only: x and the activation between the GEMMs stay in x's dtype, and each weight tile is
+dequantised in registers.
+    GEMV:    c[i, n] = sum_k a[k] * (w[e, n, k] * s[e, n // 128, k // 128])          (fp32 tiles)
+    grouped: c[i, n] = sum over K steps t of (a[i, t] . w[e, n, t]) * s[e, n // 128, t // 128]
+Each grouped step (`common.fp8_weight_tile_product`, the dense FP8 GEMV's main loop) is one dot of
+a's tile with the FP8 tile widened to a's dtype (exact), on the tensor-core instructions of
+unquantised weights; BLOCK_K is the config's, at most 128, so a step lies in one block.
+Weight-only rather than activations quantised per token and group of 128 with FP8 dots
+(fp8_block_linear's prefill math): the weights' bytes halve as in decode, the bf16 tile configs
+serve unchanged (a tile needs no more shared memory), and no quantisation kernel or activation
+scales sit between the GEMMs.
+
+Configs: the device's table moe (`devices`), keyed by (E, N, K) and then by the largest M a config
 serves; shapes not listed take `default_config`. gate_up's BLOCK_M is the sort's block; down
-takes its BLOCK_N / BLOCK_K / warps / stages from its own entry (E, H, I).
+takes its BLOCK_N / BLOCK_K / warps / stages from its own entry (E, H, I). FP8 experts take the
+configs of x's dtype.
 """
 from typing import NamedTuple
 
 import torch
+import triton
 import triton.language as tl
 
-from .common import (INTERPRET, TARGET_PROGRAMS, cdiv, cuda_properties, grouped_tile, kernel, next_power_of_2,
-                     tile_product)
+from .common import (FP8_BLOCK, INTERPRET, cdiv, fp8_block_scales, fp8_weight_tile_product, grouped_tile, kernel,
+                     next_power_of_2, target_programs, tile_product, tuned)
 
 GEMV_MAX_TOKENS = 4
 """Steps of at most this many tokens take the per-pair GEMV path (no sort)."""
@@ -53,34 +71,6 @@ class MoeConfig(NamedTuple):
     num_stages: int = 3
 
 
-MOE_CONFIGS: dict[tuple[int, int, int, str, str], dict[int, MoeConfig]] = {
-    # Qwen3-30B-A3B's gate_up and down, then Qwen3.5-35B-A3B's
-    (128, 1536, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 4),
-        4096: MoeConfig(128, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
-    (128, 2048, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 4), 64: MoeConfig(16, 128, 128, 1, 4, 4),
-        256: MoeConfig(32, 128, 128, 8, 4, 3), 512: MoeConfig(32, 128, 128, 8, 4, 3), 1024: MoeConfig(32, 128, 64, 8, 4, 4),
-        4096: MoeConfig(128, 128, 64, 8, 4, 3), 16384: MoeConfig(128, 128, 128, 8, 4, 3)},
-    (256, 1024, 2048, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
-        4096: MoeConfig(64, 128, 64, 8, 8, 4), 16384: MoeConfig(128, 128, 64, 8, 8, 3)},
-    (256, 2048, 512, "NVIDIA_H100_80GB_HBM3", "bfloat16"): {
-        16: MoeConfig(16, 128, 128, 1, 4, 3), 64: MoeConfig(16, 128, 128, 1, 4, 3),
-        256: MoeConfig(16, 128, 128, 1, 4, 3), 512: MoeConfig(16, 128, 128, 1, 4, 3), 1024: MoeConfig(32, 128, 128, 8, 4, 3),
-        4096: MoeConfig(64, 128, 64, 8, 8, 3), 16384: MoeConfig(128, 128, 64, 8, 4, 3)},
-}
-"""(E, N, K, device name, dtype name) -> {largest M served: config}, from `python -m bench.moe
---sweep` on the GPU it names (bench/results/2026-12-06-h100-80gb-hbm3-moe-configs.json)."""
-
-
-def device_name(device: torch.device) -> str:
-    """The tables' device key: the CUDA device's name with spaces as underscores, or "cpu"."""
-    return cuda_properties(device).name.replace(" ", "_") if device.type == "cuda" else "cpu"
-
-
 def default_config(m: int, e: int, n: int, k: int, top_k: int, itemsize: int) -> MoeConfig:
     """A config by the pairs an expert gets on average (M * top_k / E): 16-row blocks where most
     experts see a few rows, 64 and then 128 where they see many. Under the interpreter, small tiles."""
@@ -96,11 +86,12 @@ def default_config(m: int, e: int, n: int, k: int, top_k: int, itemsize: int) ->
 
 
 def moe_config(m: int, e: int, n: int, k: int, top_k: int, device: torch.device, dtype: torch.dtype) -> MoeConfig:
-    """The stored config of the smallest bucket >= M (the largest bucket past them), else `default_config`."""
-    table = MOE_CONFIGS.get((e, n, k, device_name(device), str(dtype).replace("torch.", "")))
-    if not table:
+    """The device's stored config for (E, N, K) (the table moe) of the smallest bucket >= M (the
+    largest bucket past them), else `default_config`."""
+    buckets = tuned("moe", device, dtype, (e, n, k))
+    if not buckets:
         return default_config(m, e, n, k, top_k, dtype.itemsize)
-    return table[min((b for b in table if b >= m), default=max(table))]
+    return MoeConfig(*buckets[min((b for b in buckets if b >= m), default=max(buckets))])
 
 
 # ------------------------------------------------------------------------------------------- router
@@ -246,13 +237,30 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
 # ---------------------------------------------------------------------------------- the GEMMs
 
 
+@triton.jit
+def _expert_product(a_ptr, w_ptr, ws_ptr, rows, cols, A_ROWS, N, K, stride_am, stride_wn, stride_wsn,
+                    FP8_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] tile a[rows] @ w[cols].T of one expert's weight w [N, K]: in a's dtype,
+    or (FP8_W) float8_e4m3fn dequantised in registers by its block scales ws (`fp8_weight_tile_product`)."""
+    if FP8_W:
+        acc = fp8_weight_tile_product(a_ptr, w_ptr, ws_ptr, rows.to(tl.int64), cols, A_ROWS, N, 0, K, stride_am,
+                                      stride_wn, stride_wsn, 1, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = tile_product(a_ptr, w_ptr, rows, cols, A_ROWS, N, 0, K, stride_am, 1, 1, stride_wn, BLOCK_M, BLOCK_N,
+                           BLOCK_K, EVEN_K)
+    return acc
+
+
 @kernel
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
-                         A_ROWS, N, K, num_pairs, padded_rows, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
-                         SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _grouped_gemm_kernel(a_ptr, w_ptr, ws_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, post_ptr,
+                         A_ROWS, N, K, num_pairs, padded_rows, a_row_div, stride_am, stride_we, stride_wn, stride_wse,
+                         stride_wsn, stride_cm, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8_W: tl.constexpr,
+                         EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr):
     """Tile (block, n) of the sorted rows: c[pair, n] for the block's pairs, against its expert's
-    weight w[e] [N (2N with SILU_MUL), K]. A row of pair i is a[i // a_row_div]."""
+    weight w[e] [N (2N with SILU_MUL), K] (FP8_W: float8_e4m3fn with block scales ws[e]). A row of
+    pair i is a[i // a_row_div]."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), padded_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -261,16 +269,17 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids
     valid = pairs < num_pairs
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_e = w_ptr + e * stride_we
+    ws_e = ws_ptr + e * stride_wse
     if SILU_MUL:  # gate columns rn and up columns N + rn in one [BM, 2BN] product
         r2 = tl.arange(0, 2 * BLOCK_N)
         cols = tl.where(r2 < BLOCK_N, pid_n * BLOCK_N + r2, N + pid_n * BLOCK_N + r2 - BLOCK_N)
-        acc = tile_product(a_ptr, w_e, pairs // a_row_div, cols, A_ROWS, 2 * N, 0, K, stride_am, 1, 1, stride_wn,
-                           BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K)
+        acc = _expert_product(a_ptr, w_e, ws_e, pairs // a_row_div, cols, A_ROWS, 2 * N, K, stride_am, stride_wn,
+                              stride_wsn, FP8_W, BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K)
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         y = gate * tl.sigmoid(gate) * up
     else:
-        y = tile_product(a_ptr, w_e, pairs // a_row_div, rn, A_ROWS, N, 0, K, stride_am, 1, 1, stride_wn,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        y = _expert_product(a_ptr, w_e, ws_e, pairs // a_row_div, rn, A_ROWS, N, K, stride_am, stride_wn, stride_wsn,
+                            FP8_W, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     if MUL_WEIGHT:
         y = y * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + rn[None, :], y.to(c_ptr.dtype.element_ty),
@@ -278,11 +287,13 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ptr, expert_ids
 
 
 @kernel
-def _gemv_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, ids_ptr, N, K, E, a_row_div, stride_am, stride_we, stride_wn,
-                 stride_cm, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _gemv_kernel(a_ptr, w_ptr, ws_ptr, c_ptr, topk_w_ptr, ids_ptr, N, K, E, a_row_div, stride_am, stride_we, stride_wn,
+                 stride_wse, stride_wsn, stride_cm, SILU_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                 FP8_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Pair i = program_id(0), columns of tile program_id(1): c[i, n] against w[ids[i]]; a pair
-    whose id is outside [0, E) writes nothing (the combine skips it)."""
+    whose id is outside [0, E) writes nothing (the combine skips it). FP8_W: w is float8_e4m3fn,
+    each tile widened to fp32 and multiplied by its rows' block scales ws[e] (BLOCK_K divides
+    FP8_BLOCK: a tile's columns lie in one block)."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     if (e < 0) | (e >= E):
@@ -290,16 +301,22 @@ def _gemv_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, ids_ptr, N, K, E, a_row_div, s
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_row = a_ptr + (pair // a_row_div).to(tl.int64) * stride_am
-    w_rows = w_ptr + e * stride_we + (rn % N).to(tl.int64)[:, None] * stride_wn
+    rows = (rn % N).to(tl.int64)
+    w_rows = w_ptr + e * stride_we + rows[:, None] * stride_wn
+    ws_e = ws_ptr + e * stride_wse
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + rk < K
         x = tl.load(a_row + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_rows + k0 + rk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+        if FP8_W:
+            w = w * fp8_block_scales(ws_e, rows, k0, stride_wsn, 1)[:, None]
         acc += tl.sum(w * x, axis=1)
         if SILU_MUL:
             w_up = tl.load(w_rows + N * stride_wn + k0 + rk[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            if FP8_W:
+                w_up = w_up * fp8_block_scales(ws_e, N + rows, k0, stride_wsn, 1)[:, None]
             acc_up += tl.sum(w_up * x, axis=1)
     if SILU_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
@@ -328,40 +345,54 @@ def _combine_kernel(y_ptr, ids_ptr, shared_ptr, gate_ptr, out_ptr, M, H, E, stri
     tl.store(out_ptr + rows[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _gemm(a, w, out, topk_weights, sorted_ids, expert_ids, post, a_row_div: int, silu_mul: bool, cfg: MoeConfig,
-          block_m: int):
-    """One grouped GEMM over the sorted rows into out [pairs, N] (rows by pair)."""
+def _scale_strides(w_scale_inv) -> tuple[int, int]:
+    """The expert and block-row strides of an FP8 weight's scales [E, cdiv(N, 128), cdiv(K, 128)]
+    (last dim contiguous); (0, 0) without them."""
+    return (0, 0) if w_scale_inv is None else (w_scale_inv.stride(0), w_scale_inv.stride(1))
+
+
+def _gemm(a, w, w_scale_inv, out, topk_weights, sorted_ids, expert_ids, post, a_row_div: int, silu_mul: bool,
+          cfg: MoeConfig, block_m: int):
+    """One grouped GEMM over the sorted rows into out [pairs, N] (rows by pair); an FP8 w (with
+    w_scale_inv) takes K steps of at most FP8_BLOCK, so that none crosses a scale block."""
     n = out.shape[1]
     k = a.shape[1]
     padded = sorted_ids.shape[0]
+    fp8 = w_scale_inv is not None
+    block_k = min(cfg.block_k, FP8_BLOCK) if fp8 else cfg.block_k
     grid = (cdiv(padded, block_m) * cdiv(n, cfg.block_n),)
-    _grouped_gemm_kernel[grid](a, w, out, topk_weights, sorted_ids, expert_ids, post, a.shape[0], n, k, out.shape[0],
-                               padded, a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul, EVEN_K=k % cfg.block_k == 0,
-                               BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _grouped_gemm_kernel[grid](a, w, w_scale_inv if fp8 else w, out, topk_weights, sorted_ids, expert_ids, post,
+                               a.shape[0], n, k, out.shape[0], padded, a_row_div, a.stride(0), w.stride(0), w.stride(1),
+                               *_scale_strides(w_scale_inv), out.stride(0), SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul,
+                               FP8_W=fp8, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                               BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
 
 
-def _gemv(a, w, out, topk_weights, ids, a_row_div: int, silu_mul: bool):
+def _gemv(a, w, w_scale_inv, out, topk_weights, ids, a_row_div: int, silu_mul: bool):
     """One program per pair and BLOCK_N columns, BLOCK_N halved from 64 (down to 16) until the
-    programs fill TARGET_PROGRAMS: a batch-1 step has only k pairs (96 programs of 64 gate_up
-    columns at Qwen3-30B-A3B's shape, fewer than the SMs)."""
+    programs fill `target_programs`: a batch-1 step has only k pairs (96 programs of 64 gate_up
+    columns at Qwen3-30B-A3B's shape, fewer than the SMs). BLOCK_K (at most 128) divides FP8_BLOCK."""
     n, k = out.shape[1], a.shape[1]
     block_n = min(64, max(16, next_power_of_2(n)))
-    while block_n > 16 and out.shape[0] * cdiv(n, block_n) < TARGET_PROGRAMS:
+    while block_n > 16 and out.shape[0] * cdiv(n, block_n) < target_programs(out.device):
         block_n //= 2
     block_k = min(128 if not INTERPRET else 64, max(16, next_power_of_2(k)))
-    _gemv_kernel[(out.shape[0], cdiv(n, block_n))](a, w, out, topk_weights, ids, n, k, w.shape[0], a_row_div,
-                                                    a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                                    SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul, BLOCK_N=block_n,
+    fp8 = w_scale_inv is not None
+    _gemv_kernel[(out.shape[0], cdiv(n, block_n))](a, w, w_scale_inv if fp8 else w, out, topk_weights, ids, n, k,
+                                                    w.shape[0], a_row_div, a.stride(0), w.stride(0), w.stride(1),
+                                                    *_scale_strides(w_scale_inv), out.stride(0), SILU_MUL=silu_mul,
+                                                    MUL_WEIGHT=not silu_mul, FP8_W=fp8, BLOCK_N=block_n,
                                                     BLOCK_K=block_k, num_warps=4)
 
 
 def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, shared_output=None, shared_gate=None,
-              path: str | None = None):
+              w13_scale_inv=None, w2_scale_inv=None, path: str | None = None):
     """hidden_states [M, H], w13 [E, 2I, H], w2 [E, H, I] (last dims contiguous), topk_weights
     [M, k], topk_ids [M, k] (contiguous), shared_output [M, H] and shared_gate [M, 1] (or None)
-    -> [M, H] in hidden_states' dtype. `path` ("gemv" or "sorted") overrides the choice by M."""
+    -> [M, H] in hidden_states' dtype. A weight given with its scales (w13_scale_inv [E, cdiv(2I,
+    128), cdiv(H, 128)], w2_scale_inv [E, cdiv(H, 128), cdiv(I, 128)], fp32, last dim contiguous)
+    is float8_e4m3fn. `path` ("gemv" or "sorted") overrides the choice by M."""
     m, h = hidden_states.shape
     e, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -374,14 +405,15 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, shared_output=None
     act = torch.empty((pairs, inter), dtype=dtype, device=dev)
     y = torch.empty((pairs, h), dtype=dtype, device=dev)
     if (path or ("gemv" if m <= GEMV_MAX_TOKENS else "sorted")) == "gemv":
-        _gemv(hidden_states, w13, act, topk_weights, topk_ids, top_k, True)
-        _gemv(act, w2, y, topk_weights, topk_ids, 1, False)
+        _gemv(hidden_states, w13, w13_scale_inv, act, topk_weights, topk_ids, top_k, True)
+        _gemv(act, w2, w2_scale_inv, y, topk_weights, topk_ids, 1, False)
     else:
         cfg = moe_config(m, e, two_i, h, top_k, dev, dtype)
         down = moe_config(m, e, h, inter, top_k, dev, dtype)
         sorted_ids, expert_ids, post = moe_align_block_size(topk_ids, e, cfg.block_m)
-        _gemm(hidden_states, w13, act, topk_weights, sorted_ids, expert_ids, post, top_k, True, cfg, cfg.block_m)
-        _gemm(act, w2, y, topk_weights, sorted_ids, expert_ids, post, 1, False, down, cfg.block_m)
+        _gemm(hidden_states, w13, w13_scale_inv, act, topk_weights, sorted_ids, expert_ids, post, top_k, True, cfg,
+              cfg.block_m)
+        _gemm(act, w2, w2_scale_inv, y, topk_weights, sorted_ids, expert_ids, post, 1, False, down, cfg.block_m)
     block_h = min(1024 if INTERPRET else 256, next_power_of_2(h))
     block_r = max(1, min(next_power_of_2(m), (8192 if INTERPRET else 2048) // block_h))
     has_shared = shared_output is not None

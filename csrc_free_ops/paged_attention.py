@@ -64,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, TARGET_PROGRAMS, cdiv, dot, fp32, head_block, head_mask, kernel,
-                     next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom)
+from .common import (INTERPRET, LOG2E, cdiv, dot, fp32, head_block, head_mask, kernel,
+                     next_power_of_2, pdl_launch_dependents, pdl_options, pdl_wait, softmax_headroom, target_programs)
 
 
 @kernel
@@ -250,9 +250,10 @@ def _combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_
     tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-def split_plan(bsz: int, hk: int, cache_len: int, block_n: int):
-    """(num_splits, split_len): about two waves of programs, each split a whole number of key blocks."""
-    splits = min(cdiv(cache_len, block_n), max(1, cdiv(TARGET_PROGRAMS, bsz * hk)))
+def split_plan(bsz: int, hk: int, cache_len: int, block_n: int, target: int):
+    """(num_splits, split_len): about `target` programs (`target_programs`), each split a whole
+    number of key blocks."""
+    splits = min(cdiv(cache_len, block_n), max(1, cdiv(target, bsz * hk)))
     split_len = cdiv(cdiv(cache_len, splits), block_n) * block_n
     return cdiv(cache_len, split_len), split_len
 
@@ -270,9 +271,9 @@ class Plan(NamedTuple):
 
 
 def plan(n: int, num_seqs: int, hk: int, group: int, d: int, max_query_len: int, max_context: int, itemsize: int,
-         num_splits: "int | None" = None) -> Plan:
-    """The launch for these shapes and host ints (see the module doc); `num_splits` overrides the
-    split count (tests). Query tiles: 64 rows (32 at head_dim 256) and 8 warps for 16-bit operands,
+         target: int, num_splits: "int | None" = None) -> Plan:
+    """The launch for these shapes and host ints (see the module doc) on a device whose grids aim
+    for `target` programs (`target_programs`); `num_splits` overrides the split count (tests). Query tiles: 64 rows (32 at head_dim 256) and 8 warps for 16-bit operands,
     16 x 16 tiles and 4 warps for fp32 (exact fp32 dots; the interpreter, where wide tiles cost
     nothing, takes the 16-bit ones); at least one group of rows. One tile per sequence: as few
     rows as its queries need (16 at least, for tl.dot), 4 warps. None of these spills registers
@@ -290,7 +291,7 @@ def plan(n: int, num_seqs: int, hk: int, group: int, d: int, max_query_len: int,
     warps = 4 if one_tile else tile_warps
     context = max(max_context, 1)
     if num_splits is None:
-        num_splits, split_len = split_plan(tiles, hk, context, block_n)
+        num_splits, split_len = split_plan(tiles, hk, context, block_n, target)
     else:
         split_len = cdiv(cdiv(context, num_splits), block_n) * block_n
         num_splits = cdiv(context, split_len)
@@ -308,7 +309,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
         return o
     group = hq // hk
     max_context = block_table.shape[1] * block_size
-    p = plan(n, num_seqs, hk, group, d, max_query_len, max_context, q.element_size(), num_splits)
+    p = plan(n, num_seqs, hk, group, d, max_query_len, max_context, q.element_size(), target_programs(q.device),
+             num_splits)
     if p.num_splits > 1:
         part_out = torch.empty((n, hq, p.num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, hq, p.num_splits), dtype=torch.float32, device=q.device)

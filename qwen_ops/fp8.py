@@ -100,16 +100,17 @@ def fp8_supported(device: torch.device) -> bool:
     return kernels.fp8_supported(device)
 
 
-def _check_device(op, x):
+def check_fp8_device(op: str, x: Tensor, name: str = "x"):
+    """The FP8 kernels' GPU: x (called ``name``) on one of compute capability 8.9 or newer where it is on CUDA."""
     if x.is_cuda and not kernels.fp8_supported(x.device):
         major, minor = torch.cuda.get_device_capability(x.device)
-        fail(op, f"x is on a GPU of compute capability {major}.{minor}; the FP8 kernels need 8.9 or newer")
+        fail(op, f"{name} is on a GPU of compute capability {major}.{minor}; the FP8 kernels need 8.9 or newer")
 
 
 def _check_quantize(x, group_size):
     op = "fp8_quantize_per_token_group"
     check_float(op, "x", x)
-    _check_device(op, x)
+    check_fp8_device(op, x)
     if x.shape[-1] == 0:
         fail(op, "x's last dim (K) must be positive")
     if group_size not in GROUP_SIZES:
@@ -122,7 +123,7 @@ def check_fp8_weight(op: str, x: Tensor, name: str, weight: Tensor, weight_scale
     (a GPU of compute capability 8.9 or newer). Shared by the ops that take FP8 weights
     (`fp8_block_linear`, the fused decode ops)."""
     scale_name = name + "_scale_inv"
-    _check_device(op, x)
+    check_fp8_device(op, x)
     if weight.dtype != torch.float8_e4m3fn:
         fail(op, f"{name} must be float8_e4m3fn, got {weight.dtype}")
     if weight.dim() != 2 or (weight.stride(-1) != 1 and weight.shape[-1] > 1):

@@ -8,12 +8,19 @@
         the pairs i = token * k + j grouped by expert (increasing i within one), each expert's run
         padded to a multiple of block_size with the sentinel M * k; P = M * k + E * (BM - 1).
     fused_moe(hidden_states [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [M, k], topk_ids [M, k],
-              shared_output [M, H] = None, shared_gate [M, 1] = None) -> [M, H]
+              shared_output [M, H] = None, shared_gate [M, 1] = None,
+              w13_scale_inv [E, cdiv(2I, 128), cdiv(H, 128)] = None,
+              w2_scale_inv [E, cdiv(H, 128), cdiv(I, 128)] = None) -> [M, H]
         sum_j topk_weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)) for e = topk_ids[:, j]
         (+ sigmoid(shared_gate) * shared_output), w13[e] = [gate; up] (transformers' gate_up_proj).
+        FP8 experts: a weight given with its scales (fp32) is float8_e4m3fn in the block format of
+        Qwen's FP8 checkpoints, expert by expert (qwen::fp8_block_linear's weight and
+        weight_scale_inv); the math is weight-only, on dequant(w13[e]) and dequant(w2[e]), the
+        activations as they are (not quantised).
 
 The references round where the kernels store: silu(gate) * up to x's dtype, each pair's weighted
-down projection to x's dtype, the sum (fp32) and the shared expert's term at the end. Inference
+down projection to x's dtype, the sum (fp32) and the shared expert's term at the end; FP8 experts
+are dequantised (`dequantize_weight_fp8_block`, in fp32) expert by expert first. Inference
 only: no autograd. Top-k ids outside [0, E) are rejected on the CPU; on CUDA such a pair adds nothing.
 """
 from typing import Optional
@@ -23,8 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csrc_free_ops import moe as kernels
+from csrc_free_ops.common import FP8_BLOCK, cdiv
 
 from .checks import INDEX_DTYPES, check_float, check_same, fail
+from .fp8 import check_fp8_device, dequantize_weight_fp8_block
 from .registry import acc_dtype, define, to_dtype
 
 MAX_EXPERTS = kernels.MAX_EXPERTS
@@ -61,8 +70,14 @@ def moe_align_block_size_reference(topk_ids: Tensor, num_experts: int,
     return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=dev)
 
 
+def _expert(w: Tensor, scale_inv: Optional[Tensor], e: int, dtype: torch.dtype) -> Tensor:
+    """Expert e's weight w[e] in dtype, dequantised when it is FP8 (scale_inv given)."""
+    return to_dtype(w[e], dtype) if scale_inv is None else dequantize_weight_fp8_block(w[e], scale_inv[e], dtype)
+
+
 def fused_moe_reference(hidden_states: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                        shared_output: Optional[Tensor] = None, shared_gate: Optional[Tensor] = None) -> Tensor:
+                        shared_output: Optional[Tensor] = None, shared_gate: Optional[Tensor] = None,
+                        w13_scale_inv: Optional[Tensor] = None, w2_scale_inv: Optional[Tensor] = None) -> Tensor:
     dt, dtype = acc_dtype(hidden_states), hidden_states.dtype
     m, h = hidden_states.shape
     top_k = topk_ids.shape[1]
@@ -71,9 +86,9 @@ def fused_moe_reference(hidden_states: Tensor, w13: Tensor, w2: Tensor, topk_wei
     pair_ids = topk_ids.reshape(-1).long()
     for e in pair_ids.unique().tolist():
         pairs = (pair_ids == e).nonzero()[:, 0]
-        gate, up = F.linear(x[pairs // top_k], to_dtype(w13[e], dt)).chunk(2, dim=-1)
+        gate, up = F.linear(x[pairs // top_k], _expert(w13, w13_scale_inv, e, dt)).chunk(2, dim=-1)
         act = to_dtype(to_dtype(F.silu(gate) * up, dtype), dt)
-        down = F.linear(act, to_dtype(w2[e], dt)) * to_dtype(topk_weights.reshape(-1)[pairs], dt)[:, None]
+        down = F.linear(act, _expert(w2, w2_scale_inv, e, dt)) * to_dtype(topk_weights.reshape(-1)[pairs], dt)[:, None]
         y[pairs] = to_dtype(to_dtype(down, dtype), dt)
     out = y.view(m, top_k, h).sum(1)
     if shared_output is not None:
@@ -122,14 +137,41 @@ def _fake_align(topk_ids, num_experts, block_size):
             topk_ids.new_empty((1,), dtype=torch.int32))
 
 
-def _check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, shared_output, shared_gate):
+def _check_experts(op: str, name: str, w: Tensor, scale_inv: Optional[Tensor], hidden_states: Tensor):
+    """w [E, N, K] (last dim contiguous) in hidden_states' dtype, or float8_e4m3fn with scale_inv
+    [E, cdiv(N, 128), cdiv(K, 128)] fp32 (last dim contiguous) beside it."""
+    if scale_inv is None:
+        if w.dtype == torch.float8_e4m3fn:
+            fail(op, f"{name} is float8_e4m3fn: its {name}_scale_inv must be given")
+        check_float(op, name, w, ndim=3)
+        check_same(op, "hidden_states", hidden_states, **{name: w})
+        return
+    check_fp8_device(op, hidden_states, "hidden_states")
+    if w.dtype != torch.float8_e4m3fn:
+        fail(op, f"{name} must be float8_e4m3fn where {name}_scale_inv is given, got {w.dtype}")
+    if w.dim() != 3 or (w.stride(-1) != 1 and w.shape[-1] > 1):
+        fail(op, f"{name} must be [E, N, K], contiguous in its last dim, got shape {tuple(w.shape)} "
+                 f"strides {w.stride()}")
+    if scale_inv.dtype != torch.float32:
+        fail(op, f"{name}_scale_inv must be float32, got {scale_inv.dtype}")
+    blocks = (w.shape[0], cdiv(w.shape[1], FP8_BLOCK), cdiv(w.shape[2], FP8_BLOCK))
+    if tuple(scale_inv.shape) != blocks or (scale_inv.stride(-1) != 1 and blocks[-1] > 1):
+        fail(op, f"{name}_scale_inv must be {blocks} ([E, cdiv(N, {FP8_BLOCK}), cdiv(K, {FP8_BLOCK})] of {name} "
+                 f"{tuple(w.shape)}), contiguous in its last dim, got shape {tuple(scale_inv.shape)} strides "
+                 f"{scale_inv.stride()}")
+    for t, what in ((w, name), (scale_inv, name + "_scale_inv")):
+        if t.device != hidden_states.device:
+            fail(op, f"{what} is on {t.device} but hidden_states is on {hidden_states.device}")
+
+
+def _check_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, shared_output, shared_gate, w13_scale_inv,
+                     w2_scale_inv):
     op = "fused_moe"
     check_float(op, "hidden_states", hidden_states, ndim=2)
-    check_float(op, "w13", w13, ndim=3)
-    check_float(op, "w2", w2, ndim=3)
+    _check_experts(op, "w13", w13, w13_scale_inv, hidden_states)
+    _check_experts(op, "w2", w2, w2_scale_inv, hidden_states)
     check_float(op, "topk_weights", topk_weights, ndim=2)
-    check_same(op, "hidden_states", hidden_states, w13=w13, w2=w2, shared_output=shared_output,
-               shared_gate=shared_gate)
+    check_same(op, "hidden_states", hidden_states, shared_output=shared_output, shared_gate=shared_gate)
     if topk_weights.device != hidden_states.device:
         fail(op, f"topk_weights is on {topk_weights.device} but hidden_states is on {hidden_states.device}")
     if not topk_weights.is_contiguous():

@@ -25,9 +25,9 @@ usual path:
 - every output is one of the call's allocations, not a view of one;
 - every launch was a cached one (a first compile goes through Triton: the next call records).
 
-Launchers read their config tables (`linear.DECODE_CONFIGS`, `PREFILL_CONFIGS`, ...) when a
-signature is recorded: a table changed afterwards reaches new signatures only, until the op's
-plans are cleared (`registry.plan_tables[op].clear()`).
+Launchers read their device's tuning tables (`csrc_free_ops.devices.tuned`) when a signature is
+recorded: a table changed afterwards reaches new signatures only, until the op's plans are cleared
+(`registry.plan_tables[op].clear()`).
 
 Not used under a Triton launch hook or debug mode (a profiler must see each launch), under the
 interpreter, when the inputs are not on the current device, or while `enabled` is False

@@ -51,24 +51,44 @@ def test_cuda_suite_sizes_its_processes_from_free_memory_and_cores():
 
 
 def test_cuda_suite_deals_whole_files_balanced():
-    """Every test once; a file no longer than len(ids) / 2n stays in one group; a longer one is cut
-    into contiguous pieces; groups differ by at most one piece, none is empty; each keeps
-    collection order."""
+    """Without recorded times (each test weighs 1): every test once; a file of at most len(ids) / 2n
+    tests stays in one group; a longer one is cut into contiguous pieces; groups differ by at most
+    one piece, none is empty; each keeps collection order."""
     from bench.cuda_suite import deal
 
     sizes = {"a": 11, "b": 4, "c": 3, "d": 1, "e": 1}
     ids = [f"tests/test_{f}.py::t[{i}]" for f, k in sizes.items() for i in range(k)]
     groups = deal(ids, 3)
     assert sorted(sum(groups, [])) == sorted(ids) and len(sum(groups, [])) == len(ids)
-    piece = -(-len(ids) // 6)
+    piece = len(ids) / 6
     for g in groups:
         assert g == sorted(g, key=ids.index)
-    for f in ("b", "c", "d", "e"):
+    for f in ("c", "d", "e"):
         assert sum(any(f"test_{f}.py" in i for i in g) for g in groups) == 1, f
     a_parts = [[i for i in g if "test_a.py" in i] for g in groups]
     assert all(len(p) <= 2 * piece for p in a_parts) and sum(map(bool, a_parts)) >= 2
     assert max(map(len, groups)) - min(map(len, groups)) <= piece
     assert all(all(deal(ids, k)) for k in range(1, len(ids) + 1))  # no group left empty
+
+
+def test_cuda_suite_deals_by_recorded_seconds(tmp_path):
+    """With an earlier run's seconds, groups balance time, not counts: a slow test is a piece
+    alone, a file's tests stay together up to total / 2n seconds, an unrecorded test weighs the
+    median."""
+    from bench.cuda_suite import deal, recorded_seconds
+
+    ids = [f"tests/test_slow.py::t[{i}]" for i in range(2)] + [f"tests/test_fast.py::t[{i}]" for i in range(12)]
+    ids.append("tests/test_new.py::t")
+    times = tmp_path / "times.tsv"
+    times.write_text("".join(f"{60.0 if 'slow' in node else 5.0}\t0\t{node}\n" for node in ids[:-1]) + "junk\n")
+    seconds = recorded_seconds(times)
+    assert len(seconds) == 14 and seconds[ids[0]] == 60.0
+    groups = deal(ids, 3, seconds)
+    load = [sum(seconds.get(node, 5.0) for node in g) for g in groups]
+    assert sorted(sum(groups, [])) == sorted(ids)
+    assert [sum("slow" in node for node in g) for g in groups].count(1) == 2  # each slow test alone in a group
+    assert max(load) - min(load) <= 10.0, load  # 185 s in three groups of 60, 60 and 65
+    assert recorded_seconds(tmp_path / "missing.tsv") == {}
 
 
 def test_test_times_are_written_as_each_test_ends(tmp_path, monkeypatch):

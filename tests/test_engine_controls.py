@@ -255,3 +255,34 @@ def test_prompt_logprobs_are_the_models_own(llm, monkeypatch):
     assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
     with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_grammar_dead_end_ends_its_sequence_alone(tmp_path):
+    """A vocabulary that cannot finish a grammar: the word "a" starts the only instance "ab", but no
+    word holds "b". After "a" the grammar allows nothing: that sequence ends ("abort", ``error``
+    saying why) without the token drawn from the empty mask, while the free row beside it runs to
+    its length; ``LLM`` raises naming the request (the engine used to fail the whole step, every
+    request in it)."""
+    pytest.importorskip("xgrammar")
+    from modeling.engine.sequence import DEAD_END
+    from modeling.model.random_checkpoint import build_random_checkpoint
+
+    path = build_random_checkpoint(tmp_path / "words", tokenizer="words", vocab_size=64, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    tokenizer_json = path / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    del vocab[next(w for w, i in vocab.items() if i == 63)]
+    vocab["a"] = 63
+    tokenizer_json.write_text(json.dumps(data))
+    llm = LLM(path, device="cpu", dtype=torch.float32, max_model_len=64)
+    engine = Engine(llm.model, max_num_seqs=2, max_model_len=64, tokenizer=llm.tokenizer)
+    stuck = engine.add([1, 2], SamplingParams(structured_outputs={"choice": ["ab"]}), 8)
+    free = engine.add([1, 2], SamplingParams(ignore_eos=True), 8)
+    while engine.has_work():
+        engine.step()
+    assert stuck.output_ids == [63] and stuck.finish_reason == "abort" and stuck.error == DEAD_END
+    assert free.finish_reason == "length" and len(free.output_ids) == 8 and free.error is None
+    with pytest.raises(RuntimeError, match="request 0: its grammar allows no token of the model's vocabulary"):
+        llm.generate("x", SamplingParams(max_tokens=8, structured_outputs={"choice": ["ab"]}), use_tqdm=False)

@@ -1,14 +1,17 @@
 """The engine's lookahead: a decode-only step's successor is launched before the host reads its
 tokens (the next inputs are written on the device). The tokens stay the recomputed ones
 (tests/test_engine.py); here, that the lookahead runs, and what it must not do: give a finished or
-aborted sequence a token, hold blocks after the last step, or run with penalties (whose counts
-would miss the token still on the device)."""
+aborted sequence a token, hold blocks after the last step, or sample a row whose penalties or
+grammar read the token still on the device before the host has it."""
+
+import torch
 
 from modeling.engine import Engine
 from modeling.engine.sampling_params import SamplingParams
 
 from tests.helpers import recompute_greedy
 from tests.test_engine import GREEDY, QWEN3, model_of, prompts_of
+from tests.test_engine_sampling import ref_penalised
 
 
 def engine_of(model):
@@ -51,13 +54,25 @@ def test_a_sequence_aborted_or_stopped_while_a_step_is_in_flight_gets_no_more_to
     assert engine.blocks.num_free == engine.size.num_blocks
 
 
-def test_penalties_turn_the_lookahead_off():
-    engine = engine_of(model_of(QWEN3))
-    seq = engine.add(prompts_of([10])[0], SamplingParams(repetition_penalty=1.3), 6)
+def test_rows_that_read_their_tokens_sample_after_them():
+    """Penalties count a row's output tokens on the host: the step launched ahead of such a row runs
+    its forward pass, and samples only once the tokens before it are read (the lookahead still
+    runs). The tokens are a plain loop's that applies the penalties to the whole output."""
+    model = model_of(QWEN3)
+    prompt = prompts_of([3])[0]  # its greedy output repeats a token at once: a count that misses it shows
+    engine = engine_of(model)
+    seq = engine.add(prompt, SamplingParams(repetition_penalty=2.0, frequency_penalty=2.0), 8)
+    ahead = []
     while engine.has_work():
         engine.step()
-        assert engine._inflight is None
-    assert seq.num_output == 6
+        ahead.append(engine._inflight is not None)
+    assert any(ahead) and seq.num_output == 8
+    tokens = list(prompt)
+    for _ in range(8):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens]))[0, -1]
+        tokens.append(int(ref_penalised(logits, prompt, tokens[len(prompt):], 0.0, 2.0, 2.0).argmax()))
+    assert seq.output_ids == tokens[len(prompt):]
 
 
 def test_no_step_is_launched_after_every_token_is_sampled():

@@ -98,7 +98,9 @@ def test_config_of_each_family():
 
 def test_config_of_the_hub_checkpoints():
     """Qwen3-30B-A3B's config.json fields (num_experts, norm_topk_prob true though the class
-    default is false) and the memory its weights take: 30.5 B parameters, 61 GB in bf16."""
+    default is false) and the memory its weights take: 30.5 B parameters, 61 GB in bf16, 31 GB in
+    FP8 (the attention's projections and the experts one byte each; the router, norms and
+    embeddings bf16)."""
     d = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
              moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
              head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
@@ -111,6 +113,9 @@ def test_config_of_the_hub_checkpoints():
     total = 2 * 151936 * 2048 + 48 * per_layer + 2048  # embedding and lm_head, layers, final norm
     assert parameter_count(c) == total == weight_bytes(c, torch.bfloat16) // 2
     assert 61.0e9 < weight_bytes(c, torch.bfloat16) < 61.1e9
+    fp8_per_layer = (4096 + 512 + 512) * 2048 + 2048 * 4096 + 128 * 3 * 768 * 2048
+    assert weight_bytes(c, torch.bfloat16, fp8=True) == 2 * total - 48 * fp8_per_layer
+    assert 31.1e9 < weight_bytes(c, torch.bfloat16, fp8=True) < 31.2e9
 
 
 @pytest.mark.parametrize("change, message", [

@@ -49,34 +49,24 @@ def test_attention_forward_tiles(device, tiles):
 
 
 def test_attention_forward_tiles_fit_shared_memory():
-    """forward_tiles trades stages, then key-block width, for shared memory: the stored head_dim 256
-    tiles need 224 KB, which an H200 gives a block; an A100 (163 KB) and a consumer GPU (99 KB) get
-    tiles that fit (their footprint, q + stages * (k + v), within the limit)."""
-    from csrc_free_ops.attention import FWD_TILES, Tiles, forward_tiles
+    """forward_tiles trades stages, then key-block width, for shared memory: the head_dim 256 tiles
+    of the rule need 224 KB, which Hopper gives a block; an A100 (163 KB) and a consumer GPU
+    (99 KB) get tiles that fit (their footprint, q + stages * (k + v), within the limit). A device's
+    stored tiles replace the rule's, then shrink the same way."""
+    from csrc_free_ops.attention import Tiles, forward_tiles
 
     def footprint(t, d, itemsize=2):
         return (t.block_m + 2 * t.num_stages * t.block_n) * d * itemsize
 
-    assert forward_tiles(256, 2048, 2, 232448) == Tiles(*FWD_TILES[256]) == forward_tiles(256, 2048, 2)
+    assert forward_tiles(256, 2048, 2, 232448) == Tiles(64, 64, 4, 3) == forward_tiles(256, 2048, 2)
+    assert forward_tiles(128, 2048, 2, 232448, (128, 32, 8, 2)) == Tiles(128, 32, 8, 2)
+    assert forward_tiles(128, 40, 4, None, (128, 32, 8, 3)) == Tiles(64, 32, 8, 2)
     for limit in (166912, 101376):
         for d in (64, 128, 256):
             t = forward_tiles(d, 2048, 2, limit)
             assert footprint(t, d) <= limit and t.num_stages >= 2 and t.block_n >= 16, (d, limit, t)
     assert forward_tiles(256, 2048, 2, 166912) == Tiles(64, 64, 4, 2)
     assert forward_tiles(256, 2048, 2, 101376) == Tiles(64, 32, 4, 2)
-
-
-def test_shared_memory_per_block_reads_what_the_build_has(monkeypatch):
-    """The opt-in limit where the properties have it (CUDA), the default per-block limit where they
-    do not (ROCm builds), None where neither is known: launchers then keep their stored tiles."""
-    from types import SimpleNamespace
-
-    from csrc_free_ops import common
-
-    for props, expected in ((SimpleNamespace(shared_memory_per_block_optin=232448, shared_memory_per_block=49152), 232448),
-                            (SimpleNamespace(shared_memory_per_block=65536), 65536), (SimpleNamespace(), None)):
-        monkeypatch.setattr(common, "cuda_properties", lambda device, p=props: p)
-        assert common.shared_memory_per_block(torch.device("cuda")) == expected
 
 
 @pytest.mark.parametrize("device", DEVICES)

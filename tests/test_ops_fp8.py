@@ -265,7 +265,7 @@ HOPPER_PTX = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from csrc_free_ops import fp8
+from csrc_free_ops import fp8, moe
 
 def ptx(kernel, pointers, constexprs, arch, **options):
     names = kernel.fn.arg_names
@@ -287,6 +287,13 @@ print("quantize divides exactly:", "div.rn.f32" in quantize and "div.full" not i
 print("w8a8 takes FP8 wgmma on sm_90:", ".f32.e4m3.e4m3" in hopper and "wgmma.mma_async" in hopper)
 print("w8a8 takes FP8 mma on sm_89:", ".f32.e4m3.e4m3.f32" in ada and "mma.sync" in ada)
 print("the GEMV widens FP8 to bf16 tensor-core operands:", ".f32.bf16.bf16.f32" in gemv and "mma.sync" in gemv)
+experts = ptx(moe._grouped_gemm_kernel, dict(a_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16",
+                                             topk_w_ptr="*fp32", sorted_ptr="*i32", expert_ids_ptr="*i32",
+                                             post_ptr="*i32"),
+              dict(SILU_MUL=True, MUL_WEIGHT=False, FP8_W=True, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                   GROUP_M=8), 90, num_warps=4, num_stages=3)
+print("the FP8 experts' GEMM widens FP8 to bf16 wgmma operands:", ".f32.bf16.bf16" in experts
+      and "wgmma.mma_async" in experts)
 """
 
 
@@ -294,11 +301,12 @@ def test_kernels_compile_for_hopper_and_ada():
     """No GPU needed: the kernels compiled for sm_90 (and the GEMM for sm_89, the first arch with FP8
     tensor cores) take the instructions the interpreter cannot show: the quantisation's IEEE
     division and round-to-nearest-even e4m3 conversion (what makes it bit-exact against PyTorch),
-    the GEMM's FP8 tensor-core dot, the GEMV's bf16 one."""
+    the GEMM's FP8 tensor-core dot, the GEMV's bf16 one, and the FP8 experts' grouped GEMM (64-deep
+    steps within a weight block) Hopper's bf16 wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-c", HOPPER_PTX], env=env, capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 5 and all(line.endswith(" True") for line in lines), \
+    assert out.returncode == 0 and len(lines) == 6 and all(line.endswith(" True") for line in lines), \
         out.stdout + out.stderr

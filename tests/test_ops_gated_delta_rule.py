@@ -199,7 +199,7 @@ def test_several_value_blocks(device, monkeypatch, nan_empty):
     of Dv): the state, recurrent and output kernels each read and write their own block's columns
     of v, the state and o, prefill (two chunks, an initial state) then a decode step (the packed
     recurrent op continuing the prefill's state)."""
-    monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: 16)
+    monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs, target: 16)
     monkeypatch.setattr(gdr_kernels, "_output_value_block", lambda dv: 16)
     torch.manual_seed(7)
     shape = (1, 66, 1, 2, 16, 64)

@@ -118,7 +118,7 @@ def test_chunk_varlen_equals_the_fixed_length_op(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunk_varlen_several_value_blocks(device, monkeypatch, nan_empty):
     """Value columns over four programs of 16 in the state and output kernels."""
-    monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: 16)
+    monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs, target: 16)
     monkeypatch.setattr(gdr_kernels, "_output_value_block", lambda dv: 16)
     lens = [66, 0, 3]
     q, k, v, a, braw, a_log, dt_bias, pool, cu, slots, cont = _packed(lens, 1, 2, 16, 64, torch.float32, device, 2)

@@ -242,7 +242,7 @@ def test_chunk_gated_delta_rule(device, value_block, monkeypatch, nan_outputs):
     columns split over programs of 32 (the interpreter otherwise gives one program all of them), so
     Dv = 80 and 48 end in a block half of padding (the first two shapes)."""
     if value_block:
-        monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: value_block)
+        monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs, target: value_block)
         monkeypatch.setattr(gdr_kernels, "_output_value_block", lambda dv: value_block)
     torch.manual_seed(4)
     for dtype in DTYPES[device]:
@@ -265,7 +265,7 @@ def test_recurrent_gated_delta_rule_varlen(device, value_block, monkeypatch, nan
     the slots it uses lie slots of NaN, which a read or a store past the last head's Dk or Dv
     reaches."""
     if value_block:
-        monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs: value_block)
+        monkeypatch.setattr(gdr_kernels, "_value_block", lambda dk, dv, programs, target: value_block)
     torch.manual_seed(5)
     for dtype in DTYPES[device]:
         for shape in GDN_RECURRENT[device]:

@@ -14,7 +14,7 @@ CASES = {
     "cuda": [(1, 1024, 4096), (1, 2048, 1024), (1, 1024, 6144), (1, 3072, 1024), (1, 1024, 151936),
              (1, 896, 1152), (1, 896, 9728), (1, 4864, 896), (4, 1024, 4096), (16, 3584, 896),
              (255, 896, 9728), (256, 1024, 6144), (1000, 4864, 896), (2048, 1024, 3072),
-             # PREFILL_CONFIGS' 256-token rows with narrow 64 x 32 x 256 tiles, and qkv's 4-stage tile
+             # the H200 table's 256-token rows with narrow 64 x 32 x 256 tiles, and qkv's 4-stage tile
              (256, 2048, 1024), (200, 3072, 1024), (77, 1024, 896), (256, 1024, 4096),
              # the 512 and 1024 classes: 64 x 128 x 128 tiles, K split in two for down at 512
              (512, 3072, 1024), (300, 4864, 896), (700, 2048, 1024), (1024, 896, 1536)],
@@ -33,17 +33,23 @@ def test_linear_matches_reference(device, dtype, bias):
         assert_close(torch.ops.qwen.linear(x, w, b), linear_reference(x, w, b), what=f"linear M{m} K{k} N{n}")
 
 
-def test_prefill_m_classes():
-    """M takes the configs swept at the smallest class >= M (the largest beyond it) that lists its
-    (N, K), and every stored config belongs to a class."""
+def test_prefill_m_classes(monkeypatch):
+    """M takes the device's config stored at the smallest class >= M (the largest beyond it) that
+    lists its (N, K); a shape stored at no class >= M takes the rule."""
     classes = [linear_kernels.prefill_m_class(m) for m in (17, 33, 64, 65, 129, 256, 257, 512, 513, 1024, 1025, 2048,
                                                             8192)]
     assert classes == [32, 64, 64, 128, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
-    assert {m for m, _, _ in linear_kernels.PREFILL_CONFIGS} == set(linear_kernels.PREFILL_M_CLASSES)
-    table = linear_kernels.PREFILL_CONFIGS
-    assert linear_kernels.prefill_config(40, 4096, 1024) == table[(64, 4096, 1024)]
-    # the seed's shapes have no rows below 256: M = 40 takes the 256 row, not the fallback rule
-    assert (64, 896, 4864) not in table and linear_kernels.prefill_config(40, 896, 4864) == table[(256, 896, 4864)]
+    table = {(64, 4096, 1024): (64, 32, 256, 4, 4, 1), (256, 4096, 1024): (64, 128, 128, 4, 4, 1),
+             (256, 896, 4864): (64, 128, 128, 4, 4, 4)}
+    monkeypatch.setattr(linear_kernels, "tuned", lambda name, device, dtype, key: table.get(key)
+                        if name == "linear_prefill" else None)
+    gpu, bf16 = torch.device("cuda", 0), torch.bfloat16
+    assert linear_kernels.prefill_config(40, 4096, 1024, gpu, bf16) == linear_kernels.PrefillConfig(64, 32, 256, 4, 4, 1)
+    assert linear_kernels.prefill_config(65, 4096, 1024, gpu, bf16) == linear_kernels.PrefillConfig(64, 128, 128, 4, 4, 1)
+    # no row below 256 for this shape: M = 40 takes the 256 row, not the rule
+    assert linear_kernels.prefill_config(40, 896, 4864, gpu, bf16) == linear_kernels.PrefillConfig(64, 128, 128, 4, 4, 4)
+    monkeypatch.setattr(linear_kernels, "INTERPRET", True)  # the rule, without asking the device
+    assert linear_kernels.prefill_config(300, 4096, 1024, gpu, bf16) == linear_kernels.PrefillConfig(32, 32, 32, 4, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,14 +1,16 @@
 """The mixture-of-experts ops against their references: the router's top-k (ties, renormalisation,
 a strided view of logits), the sort per expert (exactly: an expert with no pair, one pair, every
 pair, no tokens), and fused_moe on both paths (per-pair GEMV for decode-sized steps, the sorted
-grouped GEMMs) with and without the shared expert; opcheck and the errors.
+grouped GEMMs) with and without the shared expert, with FP8 experts (weight-only, blocks of 128
+partial on every axis); opcheck and the errors.
 """
 import pytest
 import torch
 
 import qwen_ops
 from csrc_free_ops import moe as kernels
-from qwen_ops import fused_moe_reference, moe_align_block_size_reference, moe_topk_softmax_reference
+from qwen_ops import (dequantize_weight_fp8_block, fused_moe_reference, moe_align_block_size_reference,
+                      moe_topk_softmax_reference, quantize_weight_fp8_block)
 from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn
 
 ops = torch.ops.qwen
@@ -150,6 +152,89 @@ def test_fused_moe_skips_ids_out_of_range(nan_empty):
         assert_close(kernels.fused_moe(*args, path=path), expected, what=path)
 
 
+# ---------------------------------------------------------------------------------- FP8 experts
+
+
+def fp8_experts(e: int, n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random experts [E, N, K] (std K^-0.5, each 128 x 128 block times its own factor from 1 to 10,
+    so that a scale read from another block shows) in the block format of Qwen's FP8 checkpoints,
+    expert by expert: (weight float8_e4m3fn, scale_inv fp32 [E, cdiv(N, 128), cdiv(K, 128)])."""
+    factors = 1 + 9 * torch.rand(e, -(-n // 128), -(-k // 128), device=device)
+    w = randn(e, n, k, dtype=torch.float32, device=device, scale=k**-0.5)
+    w = w * factors.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+    parts = [quantize_weight_fp8_block(we) for we in w]
+    return torch.stack([w for w, _ in parts]), torch.stack([s for _, s in parts])
+
+
+FP8_SIZES = {"cpu": dict(h=136, inter=72, e=5, k=3), "cuda": dict(h=2048, inter=768, e=128, k=8)}
+"""CPU: H = 136 and 2I = 144, past one block and not multiples of 128: w13 [E, 144, 136] ends in a
+partial block on both axes (its up half starts inside the first block row and ends in the
+second), w2 [E, 136, 72] has two block rows and one partial block column; 5 experts, top 3.
+CUDA: Qwen3-30B-A3B's layer."""
+
+
+def _fp8_moe_inputs(m: int, dtype, device, ids=None, seed=0, sizes=None):
+    """fused_moe's arguments with FP8 experts (no shared expert): (x, w13, w2, weights, ids, None,
+    None, w13_scale_inv, w2_scale_inv); ``sizes`` as FP8_SIZES' entries (default: the device's)."""
+    s = sizes or FP8_SIZES[device]
+    torch.manual_seed(seed)
+    x = randn(m, s["h"], dtype=dtype, device=device)
+    w13, s13 = fp8_experts(s["e"], 2 * s["inter"], s["h"], device)
+    w2, s2 = fp8_experts(s["e"], s["h"], s["inter"], device)
+    ids = distinct_ids(m, s["k"], s["e"], device, seed=seed) if ids is None else ids
+    return (x, w13, w2, torch.rand(m, s["k"], device=device), ids, None, None, s13, s2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [2, 9])
+def test_fused_moe_fp8_matches_reference(device, dtype, m, nan_empty):
+    """FP8 experts, weight-only: M = 2 takes the per-pair GEMV, 9 the sorted grouped GEMMs; on the
+    CPU top 3 of 5 experts (each gets several pairs) and, in the first row, one expert twice."""
+    ids = None
+    if device == "cpu":
+        ids = distinct_ids(m, 3, 5, device)
+        ids[0] = torch.tensor([4, 1, 4], dtype=torch.int32)
+    args = _fp8_moe_inputs(m, dtype, device, ids)
+    poison_allocator(device)
+    out = ops.fused_moe(*args)
+    assert out.shape == (m, args[0].shape[1]) and out.dtype == dtype
+    tol = 2e-2 if device == "cpu" and dtype == torch.bfloat16 else None  # as test_fused_moe_matches_reference
+    assert_close(out, fused_moe_reference(*args), rel_tol=tol, what=f"fp8 fused_moe M={m}")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("path", ["gemv", "sorted"])
+def test_fused_moe_fp8_paths_on_awkward_routing(path, nan_empty):
+    """Both paths on the routing corners of test_fused_moe_paths_on_awkward_routing (experts with no
+    pair (1), one pair (4: the last row only), every token (2); one expert twice in a row), with
+    the shared expert; then w13 FP8 and w2 not (the loader keeps each weight FP8 on its own), and
+    no tokens."""
+    ids = torch.tensor([[2, 0, 3]] * 2 + [[4, 2, 2]], dtype=torch.int32)
+    x, w13, w2, weights, _, _, _, s13, s2 = _fp8_moe_inputs(3, torch.float32, "cpu", ids)
+    shared = (randn(3, 136, dtype=torch.float32, device="cpu"), randn(3, 1, dtype=torch.float32, device="cpu"))
+    args = (x, w13, w2, weights, ids, *shared, s13, s2)
+    assert_close(kernels.fused_moe(*args, path=path), fused_moe_reference(*args), what=path)
+    w2_dense = torch.stack([dequantize_weight_fp8_block(w, s) for w, s in zip(w2, s2)])
+    args = (x[2:], w13, w2_dense, weights[2:], ids[2:], None, None, s13, None)
+    assert_close(kernels.fused_moe(*args, path=path), fused_moe_reference(*args), what=f"{path}, w2 not FP8")
+    assert kernels.fused_moe(x[:0], w13, w2, weights[:0], ids[:0], None, None, s13, s2, path=path).shape == (0, 136)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 256])
+def test_fused_moe_fp8_qwen3_30b_a3b_layer(m):
+    """Qwen3-30B-A3B's experts in FP8 at one token (GEMV) and 256 (grouped GEMMs), bf16 activations:
+    the kernel within bf16's 1e-2 of its reference and of the bf16 kernel on the dequantised experts."""
+    x, w13, w2, weights, ids, _, _, s13, s2 = _fp8_moe_inputs(m, torch.bfloat16, "cuda")
+    out = ops.fused_moe(x, w13, w2, weights, ids, None, None, s13, s2)
+    assert_close(out, fused_moe_reference(x, w13, w2, weights, ids, None, None, s13, s2), rel_tol=1e-2,
+                 what=f"M={m}")
+    dense = [torch.stack([dequantize_weight_fp8_block(w, s, torch.bfloat16) for w, s in zip(t, st)])
+             for t, st in ((w13, s13), (w2, s2))]
+    assert_close(out, ops.fused_moe(x, *dense, weights, ids), rel_tol=1e-2, what=f"M={m} vs bf16 experts")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_moe_no_tokens(device):
     args = _moe_inputs(0, 48, 40, 6, 2, torch.float32, device)
@@ -164,6 +249,18 @@ def test_moe_ops_opcheck(device):
     torch.library.opcheck(ops.moe_topk_softmax.default, (logits, 3, True))
     torch.library.opcheck(ops.moe_align_block_size.default, (distinct_ids(7, 2, 6, device), 6, 16))
     torch.library.opcheck(ops.fused_moe.default, _moe_inputs(3, 32, 16, 4, 2, torch.float32, device, shared=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_fp8_opcheck(device):
+    """As test_ops_fp8's opcheck of fp8_block_linear: without `test_schema` (it compares inputs with
+    torch.allclose, which float8 lacks); the inputs' bytes are compared here instead."""
+    args = _fp8_moe_inputs(3, torch.float32, device, sizes=dict(h=48, inter=40, e=4, k=2))
+    before = [a.clone() for a in args if a is not None]
+    torch.library.opcheck(ops.fused_moe.default, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                                  "test_aot_dispatch_dynamic"))
+    for a, b in zip([a for a in args if a is not None], before):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_moe_ops_errors():
@@ -195,6 +292,17 @@ def test_moe_ops_errors():
         ops.fused_moe(x, w13, w2, weights, ids, x, x)
     with pytest.raises(err, match="qwen.fused_moe: topk_weights must be contiguous"):
         ops.fused_moe(x, w13, w2, torch.rand(2, 3).t(), ids)
+    w8, s8 = fp8_experts(4, 32, 32, "cpu")  # w13 [4, 2I = 32, H = 32]
+    with pytest.raises(err, match="qwen.fused_moe: w13 is float8_e4m3fn: its w13_scale_inv must be given"):
+        ops.fused_moe(x, w8, w2, weights, ids)
+    with pytest.raises(err, match="qwen.fused_moe: w13 must be float8_e4m3fn where w13_scale_inv is given"):
+        ops.fused_moe(x, w13, w2, weights, ids, None, None, s8)
+    with pytest.raises(err, match="qwen.fused_moe: w13_scale_inv must be float32, got torch.bfloat16"):
+        ops.fused_moe(x, w8, w2, weights, ids, None, None, s8.bfloat16())
+    with pytest.raises(err, match=r"qwen.fused_moe: w13_scale_inv must be \(4, 1, 1\)"):
+        ops.fused_moe(x, w8, w2, weights, ids, None, None, s8.expand(4, 2, 1))
+    with pytest.raises(err, match=r"qwen.fused_moe: w2 must be \[E, N, K\]"):
+        ops.fused_moe(x, w8, w8[0], weights, ids, None, None, s8, s8[0])
 
 
 @torch.no_grad()

@@ -120,7 +120,7 @@ def test_paged_attention_every_split_count(device, splits, nan_empty):
     for bs, hq, hk, d, qlens, lens in cases:
         q, *rest = paged_batch(bs, hq, hk, d, qlens, lens, torch.float32, device)
         max_q = max(qlens)
-        p = plan(q.shape[0], len(lens), hk, hq // hk, d, max_q, rest[4].shape[1] * bs, 4, splits)
+        p = plan(q.shape[0], len(lens), hk, hq // hk, d, max_q, rest[4].shape[1] * bs, 4, 264, splits)
         assert p.num_splits == splits
         assert_close(kernel(q, *rest, 0.3, max_q, splits), paged_attention_reference(q, *rest, 0.3, max_q),
                      what=f"{splits} splits, one tile per sequence={p.one_tile_per_seq}")
@@ -136,11 +136,13 @@ def test_paged_attention_decode_length_boundaries(device, dtype, tq, nan_empty):
     and must not reach the output. At length 65 with tq = 2 the first query sees no key of the split
     from 64: its row stays masked through that split (shifted by 0, not by -inf, which would make
     NaN) and weighs nothing in the combine."""
+    from csrc_free_ops.common import target_programs
     from csrc_free_ops.paged_attention import plan
 
     lens = [n for n in (1, 2, 15, 16, 17, 63, 64, 65, 66, 95, 96) if n >= tq]
     batch = paged_batch(16, 4, 2, 16, [tq] * len(lens), lens, dtype, device)
-    p = plan(batch[0].shape[0], len(lens), 2, 2, 16, tq, batch[5].shape[1] * 16, batch[0].element_size())
+    p = plan(batch[0].shape[0], len(lens), 2, 2, 16, tq, batch[5].shape[1] * 16, batch[0].element_size(),
+             target_programs(batch[0].device))
     assert p.one_tile_per_seq and p.num_splits >= 2, p
     _check_batch(batch, f"decode rows of {tq}, lengths {lens}")
 
@@ -151,13 +153,15 @@ def test_plan_modes_and_splits_depend_on_shapes_only():
     host ints alone, and gives a short grid more splits."""
     from csrc_free_ops.paged_attention import plan
 
-    decode = plan(64, 64, 8, 2, 128, 1, 4096, 2)
+    decode = plan(64, 64, 8, 2, 128, 1, 4096, 2, 264)
     assert decode.one_tile_per_seq and decode.block_m == 16 and decode.tiles == 64
-    prefill = plan(2048, 1, 8, 2, 128, 2048, 2048, 2)
+    prefill = plan(2048, 1, 8, 2, 128, 2048, 2048, 2, 264)
     assert not prefill.one_tile_per_seq and prefill.block_q == 32 and prefill.tiles == 2048 // 32 + 1
     assert prefill.num_splits == 1
-    few = plan(4, 4, 2, 4, 256, 1, 4096, 2)
+    few = plan(4, 4, 2, 4, 256, 1, 4096, 2, 264)
     assert few.num_splits > 1 and few.split_len % few.block_n == 0 and few.num_splits * few.split_len >= 4096
+    # a GPU with fewer SMs aims for fewer programs: fewer splits of the same keys
+    assert plan(4, 4, 2, 4, 256, 1, 4096, 2, 2 * 66).num_splits < few.num_splits
 
 
 @pytest.mark.launcher

@@ -422,7 +422,7 @@ class FakeEngine:
 
         seq = SimpleNamespace(request_id=1000 + len(self.seqs), status=Status.WAITING, tokens=list(prompt_ids),
                               logprobs=None, prompt_logprobs=None, finish_reason=None, max_tokens=max_tokens,
-                              num_output=0)
+                              num_output=0, error=None)
         self.seqs.append(seq)
         return seq
 

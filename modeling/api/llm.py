@@ -115,8 +115,8 @@ class LLM(Frontend):
     ``max_model_len``: positions a sequence (prompt and output) holds at most (None: sized per
     call, grown as needed); ``max_num_seqs``, ``max_num_batched_tokens``,
     ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
-    CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights as they
-    load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
+    CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights and
+    experts as they load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
 
     Calls may come from several threads: each engine step runs under a lock, and a step serves
     every call's sequences (an open ``stream`` advances while another call generates).
@@ -375,6 +375,8 @@ class LLM(Frontend):
                 if tracked is None:
                     continue
                 request, c = tracked
+                if seq.error is not None:
+                    raise RuntimeError(f"request {request.request_id}: {seq.error}")
                 now = time.perf_counter()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now

@@ -105,8 +105,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     r.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
     r.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     r.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="fp8: quantise the layers' linear weights to FP8 as they load (an FP8 checkpoint runs in "
-                        "FP8 without it)")
+                   help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
+                        "checkpoint runs in FP8 without it)")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     for old, new in RENAMED_FLAGS.items():
         dest = new[2:].replace("-", "_")

@@ -47,7 +47,7 @@ class PoolSize:
 
 
 def cache_specs(model) -> List[CacheSpec]:
-    return [layer.cache_spec(model.config, model.dtype) for layer in model.layers]
+    return [layer.cache_spec(layer.config, model.dtype) for layer in model.layers]
 
 
 def _nbytes(shapes) -> int:

@@ -73,15 +73,30 @@ class EngineStats:
 class _Launched:
     """A step on the device: the sequences that sample in it (in logits order), their rows of
     ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
-    step may be launched before they arrive (a decode-only step, no penalties and no token mask
-    that reads the output: the next step's inputs are its tokens, and nothing reads a token the
-    host has not seen); ``prompt``: the prompt logprobs it computed, if any."""
+    step may be launched before they arrive (a decode-only step: the next step's inputs are its
+    tokens); ``prompt``: the prompt logprobs it computed, if any. A step launched ahead whose
+    sampling reads what the host has not seen yet (penalties' token counts, grammars and bad words:
+    ``needs_history``) keeps its ``logits`` and ``positions`` and samples (``sample``) once the
+    step before has been read."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
     sampled: Optional[SampledTokens]
     lookahead: bool
     prompt: Optional[PromptScores] = None
+    logits: Optional[torch.Tensor] = None
+    positions: Optional[List[int]] = None
+
+    def sample(self) -> None:
+        """Sample a deferred step's tokens (its logits stay in the step's buffers until then)."""
+        self.sampled = sample_sequences(self.logits, self.seqs, self.positions)
+        self.logits = self.positions = None
+
+
+def needs_history(seq: Sequence) -> bool:
+    """Whether sampling ``seq`` reads its tokens on the host: penalties count them, grammars and
+    bad words of several tokens follow them (``TokenControls.needs_history``)."""
+    return seq.params.has_penalty or (seq.controls is not None and seq.controls.needs_history)
 
 
 class Engine:
@@ -184,12 +199,14 @@ class Engine:
     def step(self) -> List[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included).
 
-        Lookahead: after a decode-only step without penalties or masks that read the output
-        (``TokenControls.needs_history``: grammars, bad words of several tokens), the next step is scheduled and
-        launched before the host reads the tokens of the one before (each sequence's next input is
-        that token, written into the batch on the device), so the host's scheduling and launch
-        overlap the device's work. ``step`` then returns the tokens of the step before the one it
-        launched; a token a finished sequence gets after its last is dropped."""
+        Lookahead: after a decode-only step, the next step is scheduled and launched before the host
+        reads the tokens of the one before (each sequence's next input is that token, written into
+        the batch on the device), so the host's scheduling and launch overlap the device's work.
+        ``step`` then returns the tokens of the step before the one it launched; a token a finished
+        sequence gets after its last is dropped. Where a row's sampling reads its tokens on the
+        host (``needs_history``: penalties, grammars, bad words of several tokens), the step
+        launched ahead runs its forward pass only and samples after the tokens before it are read,
+        so the host's mask building overlaps that forward pass."""
         prev, self._inflight = self._inflight, None
         if prev is None:
             prev = self._launch(None)
@@ -197,7 +214,10 @@ class Engine:
                 return []
         if prev.lookahead:
             self._inflight = self._launch(prev)
-        return self._finish(prev)
+        out = self._finish(prev)
+        if self._inflight is not None and self._inflight.sampled is None and self._inflight.seqs:
+            self._inflight.sample()
+        return out
 
     def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
         """Schedule, build and launch a step (after ``prev``, whose tokens may still be on the device)."""
@@ -226,7 +246,9 @@ class Engine:
             logits = self.runner.run(batch, to_device(scored.rows, dev))
             prompt, logits = scored.score(logits[len(seqs):]), logits[:len(seqs)]
         t2 = time.perf_counter()
-        sampled = sample_sequences(logits, seqs, [s.num_tokens for s in seqs]) if seqs else None
+        positions = [s.num_tokens for s in seqs]
+        deferred = prev is not None and any(map(needs_history, seqs))  # the tokens before are not read yet
+        sampled = sample_sequences(logits, seqs, positions) if seqs and not deferred else None
         with self._lock:
             for seq, n in scheduled.work:
                 if seq.status is Status.FINISHED:  # aborted while the step ran: its blocks are gone
@@ -243,9 +265,9 @@ class Engine:
         st.decode_steps += scheduled.decode_only
         st.schedule_s += (t1 - t0) + (time.perf_counter() - t2)
         st.launch_s += t2 - t1
-        lookahead = scheduled.decode_only and bool(seqs) and not any(
-            s.params.has_penalty or (s.controls is not None and s.controls.needs_history) for s in seqs)
-        return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead, prompt)
+        lookahead = scheduled.decode_only and bool(seqs)
+        return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead, prompt,
+                         logits if deferred else None, positions if deferred else None)
 
     def _finish(self, launched: "_Launched") -> List[Sequence]:
         """Read a launched step's tokens and give them to their sequences."""

@@ -149,15 +149,16 @@ def logit_bias_of(seqs: List[Sequence], device) -> Optional[Tuple[Tensor, Tensor
             to_device(np.array(biases, np.float32), device))
 
 
-def controlled_logits(logits: Tensor, seqs: List[Sequence]) -> Tensor:
+def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int]) -> Tensor:
     """logits [S, V] with each row's logit bias added (in fp32 or wider) and the tokens its
-    ``TokenControls`` exclude set to -inf; ``logits`` itself when no row has either."""
+    ``TokenControls`` exclude set to -inf (``positions``: the index of each row's token being
+    sampled); ``logits`` itself when no row has either."""
     bias = logit_bias_of(seqs, logits.device)
     if bias is not None:
         rows, ids, values = bias
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).index_put(
             (rows, ids), values.to(torch.promote_types(logits.dtype, torch.float32)), accumulate=True)
-    bitmask = token_bitmask(seqs, logits.shape[-1])
+    bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)])
     if bitmask is not None:
         logits = torch.ops.qwen.apply_token_bitmask(logits, to_device(bitmask.numpy(), logits.device))
     return logits
@@ -224,11 +225,11 @@ def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[L
     params = [s.params for s in seqs]
     modes = {p.mode for p in params}
     penalties = penalties_of(seqs, dev)
-    scores = controlled_logits(logits, seqs)
+    positions = positions if positions is not None else [len(s.tokens) for s in seqs]
+    scores = controlled_logits(logits, seqs, positions)
     if modes == {"greedy"} and penalties is None:
         tokens = scores.argmax(dim=-1)
     else:
-        positions = positions if positions is not None else [len(s.tokens) for s in seqs]
         floats = to_device(np.array([[p.temperature, p.top_p, p.min_p] for p in params], np.float32).T.copy(), dev)
         longs = to_device(np.array([[p.top_k for p in params], [s.seed for s in seqs], positions], np.int64), dev)
         any_min_p = any(p.min_p > 0 and p.mode != "greedy" for p in params)

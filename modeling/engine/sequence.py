@@ -24,6 +24,9 @@ class Status(enum.Enum):
 
 _ids = itertools.count()
 
+DEAD_END = "its grammar allows no token of the model's vocabulary after the output so far"
+"""``Sequence.error`` of a sequence whose grammar reached a dead end (``token_masks``)."""
+
 
 @dataclass
 class Sequence:
@@ -42,7 +45,8 @@ class Sequence:
     ``prompt_logprobs``: None unless ``params.prompt_logprobs`` is set, then None for the first
     prompt token and one ``LogprobEntry`` per prompt token after it, filled by the prefill steps
     (``prefill_logprobs``).
-    ``controls``: the tokens it may not sample (``token_masks.TokenControls``; None: any)."""
+    ``controls``: the tokens it may not sample (``token_masks.TokenControls``; None: any).
+    ``error``: why it ended without its token ("abort"), else None."""
 
     tokens: List[int]
     params: SamplingParams
@@ -66,6 +70,7 @@ class Sequence:
     prompt_logprobs: Optional[List[Optional[LogprobEntry]]] = None
     num_pending: int = 0
     controls: Optional["TokenControls"] = None  # what excludes tokens (``token_masks``), None if nothing
+    error: Optional[str] = None
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
@@ -94,10 +99,15 @@ class Sequence:
 
     def append(self, token: int, logprobs: Optional[LogprobEntry] = None) -> None:
         """Record a sampled token (with its ``LogprobEntry`` exactly when ``params.logprobs`` is set)
-        and finish the sequence if it is a stop token, completes its grammar or is the last allowed."""
+        and finish the sequence if it is a stop token, completes its grammar or is the last allowed;
+        a sequence whose grammar reached a dead end (``TokenControls.dead_end``) ends ("abort",
+        ``error`` DEAD_END) without it."""
         if (logprobs is None) != (self.logprobs is None):
             raise ValueError(f"request {self.request_id}: a logprobs entry is needed exactly when its params ask "
                              f"for logprobs (logprobs={self.params.logprobs!r}), got {logprobs!r}")
+        if self.controls is not None and self.controls.dead_end:  # this token was drawn from nothing
+            self.finish_reason, self.error = "abort", DEAD_END
+            return
         self.tokens.append(token)
         if self.controls is not None:
             self.controls.accept(token)

@@ -7,8 +7,15 @@ A sequence's ``TokenControls`` gather what excludes tokens (``SamplingParams``):
 word's last token while the output ends with its others), ``min_tokens`` (the stop tokens until
 then) and a grammar (``GrammarMatcher``: the tokens that keep the output in the grammar, filled
 per step). Longer bad words and grammars read the output so far: a step of such rows is not
-launched before the host has read the step before (``needs_history``). Should the bans leave a
-grammar row nothing, the grammar's mask wins (a grammar that must end gets its stop tokens).
+sampled before the host has read the step before (``needs_history``: the engine's step launched
+ahead runs its forward pass meanwhile). Should the bans leave a grammar row nothing, the grammar's
+mask wins (a grammar that must end gets its stop tokens).
+
+A grammar can reach a dead end: its output so far is a prefix of some instance, but no token of
+the vocabulary continues it (a vocabulary without single spaces, after a "," that the grammar
+must follow with one). The row's mask is then empty (``dead_end``), its sampled token means
+nothing, and the sequence ends there with finish_reason "abort" (``Sequence.append``); the other
+rows of the step go on.
 """
 
 from typing import List, Optional, Sequence as Seq, Tuple
@@ -51,6 +58,7 @@ class TokenControls:
         self.bad_words: List[Tuple[List[int], int]] = [(list(w[:-1]), w[-1]) for w in bad_words if len(w) > 1]
         self.min_tokens, self.stop_ids = params.min_tokens, tuple(stop_ids)
         self.matcher = matcher
+        self.dead_end = False
 
     @property
     def needs_history(self) -> bool:
@@ -62,9 +70,10 @@ class TokenControls:
         host (all ones there); ``output``: the output token ids on the host, ``num_output``: the
         tokens generated so far (those still on the device included)."""
         mask = bitmask[index].numpy()
-        if self.matcher is not None:
+        grammar = None
+        if self.matcher is not None and not self.matcher.is_terminated():  # terminated: its sequence has ended
             self.matcher.fill_next_token_bitmask(bitmask, index)
-        grammar = mask.copy() if self.matcher is not None else None
+            grammar = mask.copy()
         if self.fixed is not None:
             mask &= self.fixed
         if num_output < self.min_tokens:
@@ -74,6 +83,7 @@ class TokenControls:
                 clear(mask, [last])
         if grammar is not None and not mask.any():
             mask[:] = grammar
+            self.dead_end = not grammar.any() and not self.matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
@@ -102,14 +112,14 @@ def bad_word_ids(tokenizer, bad_words: Seq[str]) -> List[List[int]]:
     return out
 
 
-def token_bitmask(seqs, vocab: int) -> Optional[torch.Tensor]:
+def token_bitmask(seqs, vocab: int, generated: Seq[int]) -> Optional[torch.Tensor]:
     """The bitmask [len(seqs), W] int32 on the host of a step's sampling sequences (row i is
-    ``seqs[i]``'s), or None when none of them excludes a token."""
+    ``seqs[i]``'s, ``generated[i]`` the tokens it has generated before this one), or None when
+    none of them excludes a token."""
     rows = [i for i, s in enumerate(seqs) if s.controls is not None]
     if not rows:
         return None
     bitmask = torch.full((len(seqs), words(vocab)), -1, dtype=torch.int32)
     for i in rows:
-        s = seqs[i]
-        s.controls.fill(bitmask, i, s.output_ids, s.num_output + s.num_pending)
+        seqs[i].controls.fill(bitmask, i, seqs[i].output_ids, generated[i])
     return bitmask

@@ -5,6 +5,11 @@ layers) built only from ``torch.ops.qwen.*`` and an embedding lookup: an embeddi
 One forward: without a context over [B, T] tokens (training, scoring), or over an engine step's
 flat tokens with its ``modeling.model.context.StepContext``.
 
+With ``parallel`` (``modeling.model.tensor_parallel.TensorParallel``, world size W > 1) each rank
+holds its shards: the layers of its ``local_config``, the embedding's and the lm_head's vocabulary
+slices [V/W, hidden] (the lookup summed over the ranks, the logits gathered), and every rank
+returns the full logits. Such a model runs op by op (no fused or persistent decode).
+
 Shapes: B batch, T tokens, N a step's tokens, hidden = config.hidden_size, V vocab_size.
 """
 
@@ -22,6 +27,7 @@ from .config import QwenConfig
 from .context import StepContext
 from .layers import LAYER_TYPES, AttentionLayer
 from .loader import load_state_dict
+from .tensor_parallel import SINGLE, TensorParallel
 
 ops = torch.ops.qwen
 
@@ -31,16 +37,20 @@ STACKED = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight
 
 
 class QwenForCausalLM(nn.Module):
-    """Qwen3 / Qwen2 / Qwen3.5 causal LM. Parameters are created uninitialized; use ``from_pretrained``."""
+    """Qwen3 / Qwen2 / Qwen3.5 causal LM. Parameters are created uninitialized; use ``from_pretrained``.
+    ``config`` is the whole model's; ``parallel`` this rank's place in a tensor-parallel group."""
 
-    def __init__(self, config: QwenConfig):
+    def __init__(self, config: QwenConfig, parallel: TensorParallel = SINGLE):
         super().__init__()
         c = config
-        self.config = c
-        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(LAYER_TYPES[kind](c, i in c.moe_layers) for i, kind in enumerate(c.layer_types))
+        self.config, self.parallel = c, parallel
+        local = parallel.local_config(c)
+        vocab = c.vocab_size // parallel.world_size
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, c.hidden_size))
+        self.layers = nn.ModuleList(LAYER_TYPES[kind](local, i in c.moe_layers, parallel)
+                                    for i, kind in enumerate(c.layer_types))
         self.norm = nn.Parameter(torch.empty(c.hidden_size))
-        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
+        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(vocab, c.hidden_size))
         self._stacks: Optional[Tuple] = None
 
     @property
@@ -55,7 +65,7 @@ class QwenForCausalLM(nn.Module):
     def supports_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the persistent kernel (``ops.decode_layers``):
         attention layers only, without an output gate, with dense MLPs (Qwen3, Qwen2), every weight
-        in the model's dtype (not FP8)."""
+        in the model's dtype (not FP8), on one device (not tensor-parallel)."""
         return (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
                 and self.supports_fused_decode and not self.holds_fp8)
 
@@ -63,8 +73,9 @@ class QwenForCausalLM(nn.Module):
     def supports_fused_decode(self) -> bool:
         """Whether decode steps may take the fused decode ops (``kernels="fused"``): every layer's
         (``DecoderLayer.supports_fused_decode``: a dense MLP, FP8 weights included; a
-        mixture-of-experts layer runs op by op)."""
-        return all(layer.supports_fused_decode for layer in self.layers)
+        mixture-of-experts layer runs op by op) and the model on one device (a tensor-parallel one
+        runs op by op)."""
+        return self.parallel.world_size == 1 and all(layer.supports_fused_decode for layer in self.layers)
 
     @property
     def holds_fp8(self) -> bool:
@@ -82,7 +93,7 @@ class QwenForCausalLM(nn.Module):
         if context is None:
             b, t = input_ids.shape
             h = self._final_hidden(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
-            return ops.linear(h, self._head())
+            return self._logits(h)
         batch = context.batch
         if context.kernels == "persistent":
             x = ops.decode_layers(F.embedding(input_ids, self.embed_tokens), batch.positions, batch.seq_lens,
@@ -91,20 +102,22 @@ class QwenForCausalLM(nn.Module):
                                   qwen_ops.decode_layers_splits(batch.block_table.shape[1] * context.pool.kv[0].shape[2],
                                                                 input_ids.shape[0]))
             return ops.norm_linear(x, self.norm, self._head(), None, c.rms_norm_eps, c.norm_offset)
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = self.parallel.embedding(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, batch.positions, context.layer(i))
         rows = batch.logits_rows
         if residual is None:  # fused: x is the whole stream
             return ops.norm_linear(x[rows], self.norm, self._head(), None, c.rms_norm_eps, c.norm_offset)
         h = ops.add_rms_norm(x[rows], residual[rows], self.norm, c.rms_norm_eps, c.norm_offset)[0]
-        return ops.linear(h, self._head())
+        return self._logits(h)
 
     def loss(self, input_ids: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
         """Mean next-token cross-entropy over input_ids [B, T] (each row from position 0): position
         t predicts labels[:, t + 1] (labels default to input_ids; ignore_index entries count for
         nothing). The lm_head and the loss run fused (``qwen::linear_cross_entropy``): the
-        [B, T, V] logits are never built. For training, with ``requires_grad_(True)``."""
+        [B, T, V] logits are never built. For training, with ``requires_grad_(True)``, on one device."""
+        if self.parallel.world_size > 1:
+            raise ValueError("loss takes a model on one device, not a tensor-parallel one")
         b, t = input_ids.shape
         h = self._final_hidden(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
         targets = (input_ids if labels is None else labels)[:, 1:]
@@ -139,9 +152,14 @@ class QwenForCausalLM(nn.Module):
     def _head(self) -> Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    def _logits(self, h: Tensor) -> Tensor:
+        """The logits [..., V] of normed hidden states h [..., hidden]: ``linear(h, lm_head)``, each
+        rank's vocabulary slice gathered where the model is split."""
+        return self.parallel.gather_logits(ops.linear(h, self._head()))
+
     def _final_hidden(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """The normed final hidden states [B, T, hidden] of a pass without a cache."""
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = self.parallel.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
         return ops.add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.config.norm_offset)[0]
@@ -153,20 +171,26 @@ class QwenForCausalLM(nn.Module):
         device: Union[str, torch.device] = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         quantization: Optional[str] = None,
+        parallel: TensorParallel = SINGLE,
     ) -> "QwenForCausalLM":
         """Build the model from ``path``'s config.json and safetensors weights, for inference
         (parameters do not require grad). ``quantization="fp8"`` quantises the layers' linear
-        weights as they load (``modeling.model.fp8``); an FP8 checkpoint loads as it is without it."""
+        weights and experts as they load (``modeling.model.fp8``); an FP8 checkpoint loads as it is
+        without it. ``parallel``: this rank's shards only, each read as its slices of the checkpoint
+        tensors."""
         config = QwenConfig.from_pretrained(path)
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        if quantization and parallel.world_size > 1:
+            raise ValueError("quantization='fp8' takes a model on one device, not a tensor-parallel one")
         if quantization and not fp8.keeps_fp8(torch.device(device), dtype):
             raise ValueError(f"quantization='fp8' needs the FP8 kernels: a GPU of compute capability 8.9 or newer (or "
                              f"the Triton interpreter) and a float dtype other than float64, got "
                              f"{str(dtype).replace('torch.', '')} on {device}")
-        state = load_state_dict(path, config, device=device, dtype=dtype, quantize=quantization == "fp8")
+        state = load_state_dict(path, config, device=device, dtype=dtype, quantize=quantization == "fp8",
+                                parallel=parallel)
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, parallel)
         # the loader stacks rows; a parameter of more dims (the experts [E, 2I, H]) is a view of them
         shapes = {name: p.shape for name, p in model.named_parameters()}
         # FP8 weights (their rows without the tail), scales and tails replace the parameters as they are

@@ -12,6 +12,7 @@ from qwen_ops.registry import INTERPRET, runs_kernels
 
 from .config import QwenConfig
 from .files import format_size
+from .tensor_parallel import SINGLE, TensorParallel
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -94,23 +95,26 @@ def available_memory(device: torch.device) -> Optional[int]:
     return free
 
 
-def weight_bytes(config: QwenConfig, dtype: torch.dtype, fp8: bool = False) -> int:
-    """Bytes of the model's parameters in ``dtype``; with ``fp8``, the layers' linear weights at one
-    byte each (``modeling.model.fp8``: the scales add 1/16384 of that)."""
+def weight_bytes(config: QwenConfig, dtype: torch.dtype, fp8: bool = False, parallel: TensorParallel = SINGLE) -> int:
+    """Bytes of the model's parameters in ``dtype`` (a tensor-parallel rank's: its shards); with
+    ``fp8``, the layers' linear weights and experts at one byte each (``modeling.model.fp8``: the
+    scales add 1/16384 of that)."""
     from .causal_lm import QwenForCausalLM
-    from .loader import linear_targets
+    from .loader import fp8_targets
 
     with torch.device("meta"):
-        model = QwenForCausalLM(config)
-    narrow = linear_targets(config) if fp8 else set()
+        model = QwenForCausalLM(config, parallel)
+    narrow = fp8_targets(config) if fp8 else set()
     return sum(p.numel() * (1 if name in narrow else dtype.itemsize) for name, p in model.named_parameters())
 
 
-def check_weights_fit(config: QwenConfig, device: torch.device, dtype: torch.dtype, fp8: bool = False) -> None:
-    """``DoesNotFit`` when the weights alone exceed the device's free memory (checked before
-    reading them); ``fp8``: the linear weights are FP8 (``weight_bytes``)."""
-    need, free = weight_bytes(config, dtype, fp8), available_memory(device)
+def check_weights_fit(config: QwenConfig, device: torch.device, dtype: torch.dtype, fp8: bool = False,
+                      parallel: TensorParallel = SINGLE) -> None:
+    """``DoesNotFit`` when the weights alone (``parallel``: the rank's shards) exceed the device's
+    free memory (checked before reading them); ``fp8``: the linear weights and experts are FP8
+    (``weight_bytes``)."""
+    need, free = weight_bytes(config, dtype, fp8, parallel), available_memory(device)
     if free is not None and need > free:
-        kind = str(dtype).replace("torch.", "") + (", linear weights in FP8" if fp8 else "")
+        kind = str(dtype).replace("torch.", "") + (", linear weights and experts in FP8" if fp8 else "")
         raise DoesNotFit(f"the weights need {format_size(need)} ({kind}) but {device} "
                          f"has {format_size(free)} free")

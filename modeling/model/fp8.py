@@ -1,11 +1,11 @@
 """FP8 weights: Qwen's FP8 checkpoints as they are, or a checkpoint quantised as it loads
 (``quantization="fp8"``), in the block format of those checkpoints.
 
-A layer's linear weight W [N, K] (``DecoderLayer.LINEAR_WEIGHTS``) stays FP8 where the kernels take
-it (``keeps_fp8``): W holds float8_e4m3fn, ``W_scale_inv`` [cdiv(N_8, 128), cdiv(K, 128)] fp32 the
-factor that multiplies each 128 x 128 block back (w = W * W_scale_inv per block), and ``W_tail``
-[N - N_8, K] (model dtype, or None) the trailing rows the checkpoint keeps unquantised (Qwen3.5's
-Gated DeltaNet in_proj_b and in_proj_a):
+A linear weight W [N, K] (a layer's ``linear_weights``, a sparse MLP's shared expert) stays FP8
+where the kernels take it (``keeps_fp8``): W holds float8_e4m3fn, ``W_scale_inv`` [cdiv(N_8, 128),
+cdiv(K, 128)] fp32 the factor that multiplies each 128 x 128 block back (w = W * W_scale_inv per
+block), and ``W_tail`` [N - N_8, K] (model dtype, or None) the trailing rows the checkpoint keeps
+unquantised (Qwen3.5's Gated DeltaNet in_proj_b and in_proj_a):
 
     linear(h, W) = cat(fp8_block_linear(h, W, W_scale_inv, bias[:N_8]), linear(h, W_tail, bias[N_8:]))
 
@@ -16,14 +16,18 @@ DeltaNet in_proj, the one weight Qwen's checkpoints keep partly unquantised). A 
 on any other weight decodes op by op (``DecoderLayer.supports_fused_decode``). The persistent
 decode kernel takes weights in the model's dtype only: FP8 models never run it.
 
-Everything else a checkpoint quantises (a mixture-of-experts layer's experts), and every FP8
-weight where the FP8 kernels do not run (the CPU's PyTorch reference path, float64 models, GPUs
-before compute capability 8.9), is dequantised as it loads into the model's dtype.
+A mixture-of-experts layer's experts X [E, N, K] (``SparseMoeBlock.EXPERT_WEIGHTS``) stay FP8 there
+too, expert by expert in the same format: X float8_e4m3fn, ``X_scale_inv`` [E, cdiv(N, 128),
+cdiv(K, 128)] fp32, both passed to ``fused_moe`` (weight-only: the activations are not quantised).
+
+Every FP8 weight where the FP8 kernels do not run (the CPU's PyTorch reference path, float64
+models, GPUs before compute capability 8.9), and any whose parts do not stack into one block grid
+(``modeling.model.loader``), is dequantised as it loads into the model's dtype.
 """
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import qwen_ops
 from qwen_ops.registry import runs_kernels
@@ -62,6 +66,32 @@ def norm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[T
     y = ops.norm_linear(x, norm_weight, weight, None if bias is None else bias[:n8], eps, offset, scale_inv)
     return torch.cat([y, ops.norm_linear(x, norm_weight, tail, None if bias is None else bias[n8:], eps, offset)],
                      dim=-1)
+
+
+def register_parts(module: nn.Module, linears: Iterable[str] = (), experts: Iterable[str] = ()) -> None:
+    """The FP8 parts of ``module``'s weights, None until the loader sets them: ``<name>_scale_inv``
+    and ``<name>_tail`` of each linear weight, ``<name>_scale_inv`` of each experts' weight."""
+    for name in linears:
+        module.register_parameter(name + "_scale_inv", None)
+        module.register_parameter(name + "_tail", None)
+    for name in experts:
+        module.register_parameter(name + "_scale_inv", None)
+
+
+def module_linear(module: nn.Module, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
+    """``linear(h, <name>, bias)`` of ``module``'s linear weight ``name``, FP8 or not (its parts as
+    ``register_parts`` names them)."""
+    scale_inv, tail = getattr(module, name + "_scale_inv"), getattr(module, name + "_tail")
+    return linear(h, getattr(module, name), bias, scale_inv, tail)
+
+
+def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [..., N, K] -> (float8_e4m3fn [..., N, K], scale_inv fp32 [..., cdiv(N, 128), cdiv(K, 128)])
+    (``qwen_ops.quantize_weight_fp8_block``; fused experts: one leading dim, quantised expert by expert)."""
+    if weight.dim() == 2:
+        return qwen_ops.quantize_weight_fp8_block(weight)
+    parts = [quantize(w) for w in weight]
+    return torch.stack([w for w, _ in parts]), torch.stack([s for _, s in parts])
 
 
 def dequantize(weight: Tensor, scale_inv: Tensor, dtype: torch.dtype) -> Tensor:

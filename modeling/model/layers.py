@@ -7,6 +7,8 @@ subclass that declares its mixer:
 - ``init_mixer(config)``: creates the mixer's parameters;
 - ``mixer_plan(config, hf)``: for each mixer parameter, the Hugging Face tensors under the prefix
   ``hf`` (e.g. ``"model.layers.3."``) that are concatenated along dim 0 to make it, with shapes;
+- ``mixer_splits(config, hf)``: how those tensors split over tensor-parallel ranks
+  (``modeling.model.tensor_parallel.Split``; a tensor not named is replicated);
 - ``cache_spec(config, dtype)``: the tensors it keeps in the engine's pool (``CacheSpec``);
 - ``mix(x, residual, positions, context)``: the mixer, from the residual stream to the stream
   after it (below).
@@ -28,6 +30,11 @@ layers and the loader its plan from it, and the config rejects any other name. K
 ``full_attention`` (``AttentionLayer``: qwen3, qwen2, and Qwen3.5's gated attention) and
 ``linear_attention`` (``GatedDeltaNetLayer``: Qwen3.5's Gated DeltaNet).
 
+Tensor parallelism (``modeling.model.tensor_parallel``): a layer is built from its rank's
+``TensorParallel.local_config`` (its heads and intermediate rows) and holds its rank's shards; the
+output projections (o_proj, down, out_proj) are row-parallel, each followed by
+``parallel.all_reduce``, which returns its input at world size 1. Split layers run op by op.
+
 A layer of ``config.moe_layers`` (mixture of experts) has ``mlp``, a
 ``modeling.model.moe.SparseMoeBlock``, in place of the dense MLP's two weights; its plan names the
 experts as the checkpoint holds them (one by one, or fused: ``load_plan(..., fused_experts)``). It
@@ -47,12 +54,15 @@ from .config import QwenConfig
 from . import fp8
 from .context import LayerContext
 from .moe import SparseMoeBlock
+from .tensor_parallel import SINGLE, Split, TensorParallel
 
 ops = torch.ops.qwen
 
 Shape = Tuple[int, ...]
 # parameter name -> the checkpoint tensors (name, shape) concatenated along dim 0 to make it
 LoadPlan = Dict[str, List[Tuple[str, Shape]]]
+# checkpoint tensor name -> how it splits over tensor-parallel ranks (absent: replicated)
+SplitPlan = Dict[str, Split]
 Stream = Tuple[Tensor, Optional[Tensor]]
 
 
@@ -73,18 +83,22 @@ class DecoderLayer(nn.Module):
     ``config.moe_layers``) the routed experts ``mlp(h)``. The norms use ``config.norm_offset`` (1.0
     on Qwen3.5: zero-centred weights).
 
+    ``config``: the rank's ``parallel.local_config`` (the model's config at world size 1).
+
     ``LINEAR_WEIGHTS``: the weights that may be FP8 (``modeling.model.fp8``), each with its
-    ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them); ``FUSED_TAILS``:
-    those whose tail the fused decode step takes (``fp8.norm_linear``).
+    ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them); a sparse MLP's
+    are its own (``SparseMoeBlock``). ``FUSED_TAILS``: those whose tail the fused decode step takes
+    (``fp8.norm_linear``).
     """
 
     LINEAR_WEIGHTS = ("gate_up_weight", "down_weight")
     MIXER_LINEAR_WEIGHTS: Tuple[str, ...] = ()
     FUSED_TAILS: Tuple[str, ...] = ()
 
-    def __init__(self, config: QwenConfig, sparse: bool = False):
+    def __init__(self, config: QwenConfig, sparse: bool = False, parallel: TensorParallel = SINGLE):
         super().__init__()
         c = self.config = config
+        self.parallel = parallel
         self.input_norm = nn.Parameter(torch.empty(c.hidden_size))
         self.init_mixer(c)  # the kind's parameters, between the norms as in the checkpoint
         self.post_norm = nn.Parameter(torch.empty(c.hidden_size))
@@ -94,9 +108,7 @@ class DecoderLayer(nn.Module):
             self.mlp = None
             self.gate_up_weight = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
             self.down_weight = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
-        for name in self.linear_weights(sparse):
-            self.register_parameter(name + "_scale_inv", None)
-            self.register_parameter(name + "_tail", None)
+        fp8.register_parts(self, self.linear_weights(sparse))
 
     @classmethod
     def linear_weights(cls, sparse: bool) -> Tuple[str, ...]:
@@ -105,8 +117,8 @@ class DecoderLayer(nn.Module):
 
     @property
     def holds_fp8(self) -> bool:
-        """Whether any of the layer's weights is FP8."""
-        return any(getattr(self, name + "_scale_inv") is not None for name in self.linear_weights(self.mlp is not None))
+        """Whether any of the layer's weights (its sparse MLP's included) is FP8."""
+        return any(p.dtype == torch.float8_e4m3fn for p in self.parameters())
 
     @property
     def supports_fused_decode(self) -> bool:
@@ -117,8 +129,7 @@ class DecoderLayer(nn.Module):
 
     def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
         """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
-        return fp8.linear(h, getattr(self, name), bias, getattr(self, name + "_scale_inv"),
-                          getattr(self, name + "_tail"))
+        return fp8.module_linear(self, h, name, bias)
 
     @classmethod
     def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
@@ -136,6 +147,16 @@ class DecoderLayer(nn.Module):
                                           (hf + "mlp.up_proj.weight", (inter, hidden))],
                        "down_weight": [(hf + "mlp.down_proj.weight", (hidden, inter))]}
 
+    @classmethod
+    def split_plan(cls, config: QwenConfig, hf: str) -> SplitPlan:
+        """How the layer's checkpoint tensors split over tensor-parallel ranks (a dense layer's:
+        mixture-of-experts layers are not split): the mixer's, then gate_proj and up_proj by rows
+        and down_proj by columns, in intermediate rows."""
+        rows = ((config.intermediate_size, 1),)
+        return cls.mixer_splits(config, hf) | {hf + "mlp.gate_proj.weight": Split(0, rows),
+                                               hf + "mlp.up_proj.weight": Split(0, rows),
+                                               hf + "mlp.down_proj.weight": Split(1, rows)}
+
     def forward(self, x: Tensor, residual: Optional[Tensor], positions: Tensor,
                 context: Optional[LayerContext] = None) -> Stream:
         """The stream (x, residual) after this layer (see the module doc); positions: x's
@@ -149,7 +170,8 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
-        return self._linear(ops.silu_mul(self._linear(h, "gate_up_weight")), "down_weight"), residual
+        down = self._linear(ops.silu_mul(self._linear(h, "gate_up_weight")), "down_weight")
+        return self.parallel.all_reduce(down), residual
 
     def _project_in(self, x: Tensor, residual: Optional[Tensor], name: str, bias: Optional[Tensor],
                     fused: bool) -> Stream:
@@ -166,11 +188,12 @@ class DecoderLayer(nn.Module):
         return self._linear(h, name, bias), residual
 
     def _project_out(self, o: Tensor, name: str, x: Tensor, residual: Optional[Tensor], fused: bool) -> Stream:
-        """The stream after the mixer's output projection ``linear(o, <name>)``: added to the
-        layer's input stream x in the projection (fused), else left for the next norm to add."""
+        """The stream after the mixer's output projection ``linear(o, <name>)`` (row-parallel:
+        summed over the ranks): added to the layer's input stream x in the projection (fused), else
+        left for the next norm to add."""
         if fused:
             return ops.linear_residual(o, getattr(self, name), x, getattr(self, name + "_scale_inv")), None
-        return self._linear(o, name), residual
+        return self.parallel.all_reduce(self._linear(o, name)), residual
 
 
 class AttentionLayer(DecoderLayer):
@@ -214,6 +237,20 @@ class AttentionLayer(DecoderLayer):
             plan["k_norm"] = [(attn + "k_norm.weight", (d,))]
         plan["o_weight"] = [(attn + "o_proj.weight", (hidden, c.num_attention_heads * d))]
         return plan
+
+    @staticmethod
+    def mixer_splits(config: QwenConfig, hf: str) -> SplitPlan:
+        """q_proj's rows by query heads (with the output gate, each head's [query | gate]), k_proj's
+        and v_proj's by key-value heads (replicated where there are fewer than ranks), their biases
+        alike; o_proj's columns by query heads."""
+        c, attn = config, hf + "self_attn."
+        q = Split(0, ((c.num_attention_heads, c.q_size // c.num_attention_heads),))
+        kv = Split(0, ((c.num_key_value_heads, c.head_dim),))
+        splits = {attn + "q_proj.weight": q, attn + "k_proj.weight": kv, attn + "v_proj.weight": kv,
+                  attn + "o_proj.weight": Split(1, ((c.num_attention_heads, c.head_dim),))}
+        if c.qkv_bias:
+            splits |= {attn + "q_proj.bias": q, attn + "k_proj.bias": kv, attn + "v_proj.bias": kv}
+        return splits
 
     @staticmethod
     def cache_spec(config: QwenConfig, dtype: torch.dtype) -> CacheSpec:
@@ -304,6 +341,20 @@ class GatedDeltaNetLayer(DecoderLayer):
             "norm_weight": [(la + "norm.weight", (c.linear_value_head_dim,))],
             "out_weight": [(la + "out_proj.weight", (hidden, Vd))],
         }
+
+    @staticmethod
+    def mixer_splits(config: QwenConfig, hf: str) -> SplitPlan:
+        """By heads: in_proj_qkv's and conv1d's channels in their q, k (key heads, replicated where
+        there are fewer than ranks) and v (value heads) sections; in_proj_z's rows, in_proj_b's,
+        in_proj_a's, dt_bias and A_log by value heads; out_proj's columns by value heads."""
+        c, la = config, hf + "linear_attn."
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        keys, values = (Hk, c.linear_key_head_dim), (Hv, c.linear_value_head_dim)
+        channels, per_head = Split(0, (keys, keys, values)), Split(0, ((Hv, 1),))
+        return {la + "in_proj_qkv.weight": channels, la + "conv1d.weight": channels,
+                la + "in_proj_z.weight": Split(0, (values,)), la + "in_proj_b.weight": per_head,
+                la + "in_proj_a.weight": per_head, la + "dt_bias": per_head, la + "A_log": per_head,
+                la + "out_proj.weight": Split(1, (values,))}
 
     @staticmethod
     def cache_spec(config: QwenConfig, dtype: torch.dtype) -> CacheSpec:

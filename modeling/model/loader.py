@@ -26,12 +26,20 @@ once converted to the target dtype, finite: a NaN or inf (or a value that overfl
 dtype) is a ``CheckpointError`` naming the tensor.
 
 FP8 checkpoints (``config.quantization`` "fp8"): a weight ``X.weight`` stored as F8_E4M3 comes with
-``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)]; which weights are quantised is read from the
-tensors present. A layer's linear weight (``DecoderLayer.linear_weights``) whose quantised sources
-lead its plan, each but the last a whole number of 128-row blocks, stays FP8 where
-``modeling.model.fp8.keeps_fp8`` says so, with its unquantised sources as the tail; any other
-quantised source is dequantised into the target dtype. ``quantize=True`` quantises each linear
-weight of a bf16 / fp16 checkpoint into the same format as it loads (``quantization="fp8"``).
+``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)] (fused experts ``X`` [E, N, K]: ``X_scale_inv``
+[E, cdiv(N, 128), cdiv(K, 128)]); which weights are quantised is read from the tensors present.
+Where ``modeling.model.fp8.keeps_fp8`` says so, a linear weight (``linear_targets``) whose
+quantised sources lead its plan, each but the last a whole number of 128-row blocks, stays FP8 with
+its unquantised sources as the tail; a mixture-of-experts layer's experts (``expert_targets``) stay
+FP8 [E, N, K] with scales [E, cdiv(N, 128), cdiv(K, 128)] where every source is quantised and each
+expert's sources stack so (the gate's rows a whole number of blocks: I a multiple of 128, as in
+every Qwen MoE). Any other quantised source is dequantised into the target dtype. ``quantize=True``
+quantises those weights of a bf16 / fp16 checkpoint into the same format as it loads
+(``quantization="fp8"``).
+
+Tensor parallelism (``parallel``, a ``modeling.model.tensor_parallel.TensorParallel``): each rank
+reads only its slice of every split tensor (``split_plan``: ``safe_open(...).get_slice(name)``, one
+read a section of its heads), replicated tensors whole; its model tensors are the rank's shards.
 
 Every file is opened through ``modeling.model.files`` (regular files only: a FIFO or a link to a device
 is refused without blocking). Before anything is allocated, the weights files must be large enough
@@ -43,18 +51,17 @@ import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
 
-import qwen_ops
-
 from . import fp8
 from .config import QwenConfig
 from .files import format_size, open_file, read_json
-from .layers import LAYER_TYPES, LoadPlan, Shape
-from .moe import FUSED_EXPERTS
+from .layers import LAYER_TYPES, LoadPlan, Shape, SplitPlan
+from .moe import FUSED_EXPERTS, SparseMoeBlock
+from .tensor_parallel import SINGLE, Split, TensorParallel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,6 +95,17 @@ def load_plan(config: QwenConfig, fused_experts: bool = False) -> LoadPlan:
     plan["norm"] = [(m + "norm.weight", (c.hidden_size,))]
     if not c.tie_word_embeddings:
         plan["lm_head"] = [("lm_head.weight", (c.vocab_size, c.hidden_size))]
+    return plan
+
+
+def split_plan(config: QwenConfig) -> SplitPlan:
+    """How the checkpoint tensors split over tensor-parallel ranks: the embedding and lm_head by
+    vocabulary rows, each layer's by its kind's ``split_plan``; the others are replicated."""
+    c, m = config, config.weights_prefix
+    vocab = Split(0, ((c.vocab_size, 1),))
+    plan: SplitPlan = {m + "embed_tokens.weight": vocab, "lm_head.weight": vocab}
+    for i, kind in enumerate(c.layer_types):
+        plan |= LAYER_TYPES[kind].split_plan(c, f"{m}layers.{i}.")
     return plan
 
 
@@ -148,15 +166,19 @@ def load_state_dict(
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     quantize: bool = False,
+    parallel: TensorParallel = SINGLE,
 ) -> Dict[str, torch.Tensor]:
     """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``
-    (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc).
+    (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc); with ``parallel``
+    (world size > 1) this rank's shards of them, each read as its slices only.
 
     Every tensor is checked (names, shapes, floating dtypes) before any is loaded, and every
     loaded tensor for NaN / inf (one ``isfinite`` reduction per tensor, read back once at the end).
     A tied-embedding model needs no ``lm_head.weight``; one present anyway is ignored, as are
     tensors under ``config.skipped_weight_prefixes``.
     """
+    parallel.local_config(config)  # a model that does not split is refused before anything is read
+    splits = split_plan(config) if parallel.world_size > 1 else {}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
     skipped = tuple(config.skipped_weight_prefixes)
     device = torch.device(device)
@@ -187,6 +209,7 @@ def load_state_dict(
                                   "quantization_config")
         _check(handles, expected, scales, ignored)
         linear = linear_targets(config) if keep_fp8 else set()
+        experts = expert_targets(config) if keep_fp8 else set()
         state = {}
         finite = []  # (name, 0-dim bool tensor on the device): read back once, not once per tensor
         for target, sources in plan.items():
@@ -194,17 +217,27 @@ def load_state_dict(
             if target in linear and quantized and _leading_blocks(sources, scales):
                 state.update(_fp8_parameter(target, sources, quantized, handles, dtype, device, finite))
                 continue
-            rows = sum(shape[0] for _, shape in sources)
-            out = torch.empty((rows, *sources[0][1][1:]), dtype=dtype, device=device)
+            if target in experts and _expert_blocks(sources, scales, config.num_experts):
+                state.update(_fp8_experts(target, sources, handles, dtype, device, finite, config.num_experts))
+                continue
+            shapes = [_local_shape(shape, splits.get(name), parallel) for name, shape in sources]
+            rows = sum(shape[0] for shape in shapes)
+            out = torch.empty((rows, *shapes[0][1:]), dtype=dtype, device=device)
             row = 0
-            for name, shape in sources:
+            for (name, _), shape in zip(sources, shapes):
                 part = out[row : row + shape[0]]
-                part.copy_(_read(handles, name, scales, dtype))
+                if name in splits:
+                    _read_split(handles[name], name, splits[name], parallel, part)
+                else:
+                    part.copy_(_read(handles, name, scales, dtype))
                 finite.append((name, torch.isfinite(part).all()))
                 row += shape[0]
             state[target] = out
             if quantize and target in linear:
-                state[target], state[target + SCALE_SUFFIX] = qwen_ops.quantize_weight_fp8_block(out)
+                state[target], state[target + SCALE_SUFFIX] = fp8.quantize(out)
+            elif quantize and target in experts:
+                experts_out = out.view(config.num_experts, -1, out.shape[-1])
+                state[target], state[target + SCALE_SUFFIX] = fp8.quantize(experts_out)
         if finite:
             ok = torch.stack([f for _, f in finite]).cpu()
             if not ok.all():
@@ -214,9 +247,45 @@ def load_state_dict(
 
 
 def linear_targets(config: QwenConfig) -> set:
-    """The model tensors that may hold FP8 weights: each layer's ``linear_weights``."""
-    return {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
-            for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
+    """The model tensors that may hold FP8 linear weights (``modeling.model.fp8.linear``): each
+    layer's ``linear_weights``, and a sparse MLP's shared expert."""
+    layers = {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
+              for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
+    return layers | _sparse_mlp_targets(config, SparseMoeBlock.LINEAR_WEIGHTS)
+
+
+def expert_targets(config: QwenConfig) -> set:
+    """The model tensors that may hold FP8 experts [E, N, K] (``fused_moe``'s w13 and w2)."""
+    return _sparse_mlp_targets(config, SparseMoeBlock.EXPERT_WEIGHTS)
+
+
+def fp8_targets(config: QwenConfig) -> set:
+    """Every model tensor that may hold FP8 weights."""
+    return linear_targets(config) | expert_targets(config)
+
+
+def _sparse_mlp_targets(config: QwenConfig, names) -> set:
+    return {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in names}
+
+
+def _local_shape(shape: Shape, split: Optional[Split], parallel: TensorParallel) -> Shape:
+    """A checkpoint tensor's shape on this rank: ``shape`` with its split dim cut to the rank's
+    elements (``shape`` itself if replicated)."""
+    if split is None:
+        return shape
+    size = sum(stop - start for start, stop in parallel.ranges(split))
+    return (*shape[: split.dim], size, *shape[split.dim + 1 :])
+
+
+def _read_split(handle, name: str, split: Split, parallel: TensorParallel, out: torch.Tensor) -> None:
+    """Copy this rank's slices of checkpoint tensor ``name`` into ``out`` (its local shape), one
+    ``get_slice`` read a section: nothing else of the tensor is read."""
+    tensor = handle.get_slice(name)
+    lead = (slice(None),) * split.dim
+    offset = 0
+    for start, stop in parallel.ranges(split):
+        out.narrow(split.dim, offset, stop - start).copy_(tensor[(*lead, slice(start, stop))])
+        offset += stop - start
 
 
 def _scale_shape(shape: Shape) -> Shape:
@@ -232,6 +301,14 @@ def _leading_blocks(sources, scales: Dict[str, Shape]) -> bool:
     return all(flags[:n]) and all(shape[0] % fp8.BLOCK == 0 for _, shape in sources[: n - 1])
 
 
+def _expert_blocks(sources, scales: Dict[str, Shape], experts: int) -> bool:
+    """Whether every source is quantised and each expert's sources (``len(sources) / experts`` in a
+    row, or one fused source of all experts) stack into one block grid (``_leading_blocks``)."""
+    group = max(1, len(sources) // experts)
+    return (all(name + SCALE_SUFFIX in scales for name, _ in sources)
+            and all(_leading_blocks(sources[i : i + group], scales) for i in range(0, len(sources), group)))
+
+
 def _read(handles: Dict, name: str, scales: Dict[str, Shape], dtype: torch.dtype) -> torch.Tensor:
     """Checkpoint tensor ``name``, dequantised into ``dtype`` if it is an FP8 weight."""
     t = handles[name].get_tensor(name)
@@ -241,12 +318,12 @@ def _read(handles: Dict, name: str, scales: Dict[str, Shape], dtype: torch.dtype
 
 def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: torch.dtype, device: torch.device,
                    finite: list) -> Dict[str, torch.Tensor]:
-    """``target`` (the first ``quantized`` sources, FP8), ``target_scale_inv`` (their scales, fp32)
-    and, if sources remain, ``target_tail`` (them, in ``dtype``)."""
+    """``target`` (the first ``quantized`` sources, FP8, stacked along dim 0), ``target_scale_inv``
+    (their scales, fp32) and, if sources remain, ``target_tail`` (them, in ``dtype``)."""
     head, rest = sources[:quantized], sources[quantized:]
-    k = sources[0][1][1]
-    weight = torch.empty((sum(shape[0] for _, shape in head), k), dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((sum(_scale_shape(shape)[0] for _, shape in head), _scale_shape(head[0][1])[1]),
+    inner = sources[0][1][1:]
+    weight = torch.empty((sum(shape[0] for _, shape in head), *inner), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((sum(_scale_shape(shape)[0] for _, shape in head), *_scale_shape(head[0][1])[1:]),
                         dtype=torch.float32, device=device)
     row = block = 0
     for name, shape in head:
@@ -259,7 +336,7 @@ def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: t
         row, block = row + shape[0], block + _scale_shape(shape)[0]
     out = {target: weight, target + SCALE_SUFFIX: scale}
     if rest:
-        tail = torch.empty((sum(shape[0] for _, shape in rest), k), dtype=dtype, device=device)
+        tail = torch.empty((sum(shape[0] for _, shape in rest), *inner), dtype=dtype, device=device)
         row = 0
         for name, shape in rest:
             tail[row : row + shape[0]].copy_(handles[name].get_tensor(name))
@@ -267,6 +344,14 @@ def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: t
             row += shape[0]
         out[target + "_tail"] = tail
     return out
+
+
+def _fp8_experts(target: str, sources, handles: Dict, dtype: torch.dtype, device: torch.device, finite: list,
+                 experts: int) -> Dict[str, torch.Tensor]:
+    """``target`` [E, N, K] FP8 and ``target_scale_inv`` [E, cdiv(N, 128), cdiv(K, 128)]: every source
+    (``_expert_blocks``) stacked as ``_fp8_parameter`` stacks them, then one slice per expert."""
+    parts = _fp8_parameter(target, sources, len(sources), handles, dtype, device, finite)
+    return {name: t.view(experts, -1, t.shape[-1]) for name, t in parts.items()}
 
 
 def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:

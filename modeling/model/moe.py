@@ -5,12 +5,16 @@ shared expert (of ``shared_expert_intermediate_size`` Is) behind a sigmoid gate.
     logits = linear(h, router_weight)                 [N, E] (+ the shared expert's gate: [N, E + 1])
     weights, ids = moe_topk_softmax(logits[:, :E], k, config.norm_topk_prob)
     shared = linear(silu_mul(linear(h, shared_gate_up)), shared_down)
-    y = fused_moe(h, experts_gate_up, experts_down, weights, ids, shared, logits[:, E:])
+    y = fused_moe(h, experts_gate_up, experts_down, weights, ids, shared, logits[:, E:],
+                  experts_gate_up_scale_inv, experts_down_scale_inv)
       = sum_j weights[:, j] * expert_{ids[:, j]}(h) + sigmoid(logits[:, E]) * shared
 
 Parameters: ``router_weight`` [E (+1), H] (the router, then the shared expert's gate: one GEMM
 gives both), ``experts_gate_up`` [E, 2I, H] (each expert's [gate; up]), ``experts_down`` [E, H, I],
-``shared_gate_up`` [2Is, H], ``shared_down`` [H, Is]. Checkpoints hold the experts either one by one
+``shared_gate_up`` [2Is, H], ``shared_down`` [H, Is]. FP8 (``modeling.model.fp8``): the experts
+with their ``*_scale_inv`` [E, cdiv(N, 128), cdiv(K, 128)] (``EXPERT_WEIGHTS``), the shared
+expert's two as a dense layer's linear weights (``LINEAR_WEIGHTS``); the router stays in the
+model's dtype. Checkpoints hold the experts either one by one
 (``mlp.experts.{e}.gate_proj.weight`` ...: the Hub's files) or fused (``mlp.experts.gate_up_proj``
 [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]: transformers 5's ``save_pretrained(...,
 save_original_format=False)``); ``plan`` names either.
@@ -21,6 +25,7 @@ from torch import Tensor, nn
 
 import qwen_ops  # noqa: F401  (registers torch.ops.qwen)
 
+from . import fp8
 from .config import QwenConfig
 
 ops = torch.ops.qwen
@@ -32,6 +37,11 @@ FUSED_EXPERTS = "mlp.experts.gate_up_proj"
 class SparseMoeBlock(nn.Module):
     """The routed experts and the gated shared expert of one layer (see the module doc)."""
 
+    EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
+    """The experts' weights [E, N, K], FP8 with ``<name>_scale_inv`` where the loader keeps them so."""
+    LINEAR_WEIGHTS = ("shared_gate_up", "shared_down")
+    """The shared expert's weights: FP8 as a dense layer's (``modeling.model.fp8.linear``)."""
+
     def __init__(self, config: QwenConfig):
         super().__init__()
         c = self.config = config
@@ -42,6 +52,7 @@ class SparseMoeBlock(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(e, hidden, inter))
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden)) if shared else None
         self.shared_down = nn.Parameter(torch.empty(hidden, shared)) if shared else None
+        fp8.register_parts(self, self.LINEAR_WEIGHTS if shared else (), self.EXPERT_WEIGHTS)
 
     @staticmethod
     def plan(config: QwenConfig, hf: str, fused_experts: bool):
@@ -75,7 +86,9 @@ class SparseMoeBlock(nn.Module):
         weights, ids = ops.moe_topk_softmax(logits[:, :e], c.num_experts_per_tok, c.norm_topk_prob)
         shared = gate = None
         if self.shared_gate_up is not None:
-            shared = ops.linear(ops.silu_mul(ops.linear(h2, self.shared_gate_up)), self.shared_down)
+            gate_up = fp8.module_linear(self, h2, "shared_gate_up")
+            shared = fp8.module_linear(self, ops.silu_mul(gate_up), "shared_down")
             gate = logits[:, e:]
-        y = ops.fused_moe(h2, self.experts_gate_up, self.experts_down, weights, ids, shared, gate)
+        y = ops.fused_moe(h2, self.experts_gate_up, self.experts_down, weights, ids, shared, gate,
+                          self.experts_gate_up_scale_inv, self.experts_down_scale_inv)
         return y.view(h.shape)

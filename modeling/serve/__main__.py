@@ -95,8 +95,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
     e.add_argument("--enforce-eager", action="store_true", help="run every engine step eagerly (no CUDA graphs)")
     e.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="fp8: quantise the layers' linear weights to FP8 as they load (an FP8 checkpoint runs in "
-                        "FP8 without it)")
+                   help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
+                        "checkpoint runs in FP8 without it)")
     e.add_argument("--memory-fraction", dest="gpu_memory_utilization", type=float, help=argparse.SUPPRESS)
     e.add_argument("--no-cuda-graph", dest="enforce_eager", action="store_const", const=True, help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -13,7 +13,8 @@ Out: ("step", t0, events, changes, kv_usage): after each step, t0 its start (per
        report (admitted, or preempted);
      ("status", changes, kv_usage): when adds or aborts changed the engine, or a step failed, and no
        step followed;
-     ("failed", rids, message): a step raised, these requests were failed (their blocks freed);
+     ("failed", rids, message): a step raised, these requests were failed (their blocks freed), or
+       one request's grammar reached a dead end (``Sequence.error``);
      ("dead", message): ``MAX_CONSECUTIVE_FAILURES`` steps failed in a row: the loop has stopped.
 """
 import logging
@@ -96,6 +97,10 @@ class EngineCore:
         for seq in sampled:
             rid = self.rids.get(seq.request_id)
             if rid is None:  # aborted meanwhile
+                continue
+            if seq.error is not None:  # this request alone fails
+                self.forget(rid)
+                self.send(("failed", [rid], seq.error))
                 continue
             events.append((rid, seq.tokens[-1], seq.logprobs[-1] if self.wants_logprobs[rid] else None,
                            seq.finish_reason, seq.prompt_logprobs if seq.num_output == 1 else None))

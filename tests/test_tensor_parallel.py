@@ -1,0 +1,269 @@
+"""Tensor parallelism (``modeling.model.tensor_parallel``) on the CPU: the split rules; each rank's
+shards read as slices of the checkpoint tensors and equal to the rows and columns of the whole
+model's; and two ranks (processes over gloo) against one: fp32 logits of a pass without a cache
+within 1e-5, and greedy tokens through the engine (each rank runs the same engine steps, the paged
+cache and the real forward) equal but after a near-tie, for Qwen3 with 2 KV heads (untied lm_head),
+Qwen3 with 1 KV head (replicated on both ranks), Qwen2 (the q, k, v bias; a transformers
+checkpoint) and Qwen3.5 (Gated DeltaNet with 2 and with 1 key heads, gated attention). The ranks
+run the ops' PyTorch references (no TRITON_INTERPRET: the split is what is tested, the kernels'
+agreement with the references is the op tests'), and rank 0 runs the one-device model too.
+"""
+
+import math
+import os
+import time
+from collections import Counter
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import modeling.model.loader as loader
+from modeling.model.causal_lm import QwenForCausalLM
+from modeling.model.config import QwenConfig
+from modeling.model.device import weight_bytes
+from modeling.model.random_checkpoint import build_random_checkpoint, config_dict
+from modeling.model.tensor_parallel import SINGLE, Split, TensorParallel
+from tests.helpers import engine_greedy, prompt, rel_err
+
+WORLD = 2
+CASES = {
+    "qwen3-2-kv-heads": dict(tie_word_embeddings=False),
+    "qwen3-1-kv-head": dict(num_key_value_heads=1),
+    "qwen3.5": dict(model_type="qwen3_5_text"),
+    "qwen3.5-1-key-head": dict(model_type="qwen3_5_text", linear_num_key_heads=1),
+}
+QWEN2 = "qwen2-qkv-bias"  # a transformers Qwen2 (tests.test_modeling.random_hf_model): untied, 4 / 2 heads of 32
+PROMPT_LEN, NEW_TOKENS = 12, 8
+
+
+def test_heads_split_evenly_or_replicate():
+    """n >= W heads: rank r takes [r n/W, (r+1) n/W); n < W: head r n // W (the one its query
+    heads read); anything else is refused."""
+    assert [TensorParallel(r, 2).heads(4) for r in range(2)] == [range(0, 2), range(2, 4)]
+    assert [TensorParallel(r, 2).heads(1) for r in range(2)] == [range(0, 1), range(0, 1)]
+    assert [TensorParallel(r, 4).heads(2) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert SINGLE.heads(3) == range(3)
+    with pytest.raises(ValueError, match="3 heads do not split over 2 ranks"):
+        TensorParallel(0, 2).heads(3)
+    with pytest.raises(ValueError, match="3 heads do not replicate over 4 ranks"):
+        TensorParallel(0, 4).heads(3)
+
+
+def test_ranges_take_each_section_by_heads():
+    """A fused tensor (the Gated DeltaNet's q, k, v channels: 2, 2 and 4 heads of 32) splits
+    section by section."""
+    split = Split(0, ((2, 32), (2, 32), (4, 32)))
+    assert TensorParallel(0, 2).ranges(split) == [(0, 32), (64, 96), (128, 192)]
+    assert TensorParallel(1, 2).ranges(split) == [(32, 64), (96, 128), (192, 256)]
+    assert TensorParallel(1, 4).ranges(split) == [(0, 32), (64, 96), (160, 192)]
+
+
+def test_local_config_and_refusals():
+    config = QwenConfig.from_dict(config_dict(512, num_key_value_heads=1))
+    assert SINGLE.local_config(config) is config
+    local = TensorParallel(1, 2).local_config(config)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 128)
+    assert (local.hidden_size, local.vocab_size, local.head_dim) == (128, 512, 32)
+    hybrid = TensorParallel(0, 4).local_config(QwenConfig.from_dict(config_dict(512, model_type="qwen3_5_text")))
+    assert (hybrid.linear_num_key_heads, hybrid.linear_num_value_heads, hybrid.num_attention_heads) == (1, 1, 1)
+    with pytest.raises(ValueError, match="num_attention_heads 4 does not split over tensor_parallel_size 8"):
+        TensorParallel(0, 8).local_config(config)
+    with pytest.raises(ValueError, match="num_key_value_heads: 3 heads do not split over 2 ranks"):
+        TensorParallel(0, 2).local_config(QwenConfig.from_dict(config_dict(512, num_attention_heads=6,
+                                                                           num_key_value_heads=3)))
+    with pytest.raises(ValueError, match="vocab_size 510 does not split"):
+        TensorParallel(0, 4).local_config(QwenConfig.from_dict(config_dict(510)))
+    with pytest.raises(ValueError, match="mixture-of-experts and FP8 models run on one device"):
+        TensorParallel(0, 2).local_config(QwenConfig.from_dict(config_dict(512) | dict(
+            model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)))
+
+
+def test_one_device_adds_nothing():
+    """World size 1: the collectives return their input, the lookup is the plain embedding."""
+    x = torch.randn(3, 8)
+    assert SINGLE.all_reduce(x) is x and SINGLE.gather_logits(x) is x
+    ids = torch.tensor([0, 2, 1])
+    assert torch.equal(SINGLE.embedding(ids, x), x[ids])
+
+
+def test_split_model_runs_op_by_op():
+    """A split model takes neither the fused decode ops nor the persistent kernel, and does not
+    train; its shards are its rank's sizes."""
+    config = QwenConfig.from_dict(config_dict(512, tie_word_embeddings=False))
+    with torch.device("meta"):
+        model = QwenForCausalLM(config, TensorParallel(1, 2))
+    assert not model.supports_fused_decode and not model.supports_persistent_decode
+    with pytest.raises(ValueError, match="loss takes a model on one device"):
+        model.loss(torch.zeros(1, 4, dtype=torch.long))
+    layer = model.layers[0]
+    assert model.embed_tokens.shape == model.lm_head.shape == (256, 128)
+    assert layer.qkv_weight.shape == ((2 + 2 * 1) * 32, 128) and layer.o_weight.shape == (128, 2 * 32)
+    assert layer.gate_up_weight.shape == (2 * 128, 128) and layer.down_weight.shape == (128, 128)
+
+
+@contextmanager
+def recorded_reads():
+    """Patch the loader's ``safe_open``: the elements read of each tensor, whole (``get_tensor``)
+    or as slices (``get_slice(name)[...]``), counted by name."""
+    reads = Counter()
+    real = loader.safe_open
+
+    class Slice:
+        def __init__(self, tensor_slice, name):
+            self.slice, self.name = tensor_slice, name
+
+        def __getitem__(self, index):
+            part = self.slice[index]
+            reads[self.name] += part.numel()
+            return part
+
+        def __getattr__(self, attr):  # get_shape, get_dtype: the header only
+            return getattr(self.slice, attr)
+
+    class Handle:
+        def __init__(self, *args, **kwargs):
+            self.handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            t = self.handle.get_tensor(name)
+            reads[name] += t.numel()
+            return t
+
+        def get_slice(self, name):
+            return Slice(self.handle.get_slice(name), name)
+
+    with mock.patch.object(loader, "safe_open", Handle):
+        yield reads
+
+
+@pytest.mark.parametrize("case", ["qwen3-2-kv-heads", "qwen3-1-kv-head", QWEN2, "qwen3.5-1-key-head"])
+def test_rank_reads_only_its_slices(checkpoints, case):
+    """Each rank reads its slices of every split tensor and nothing more of it (replicated tensors
+    whole); its shards are the whole model's rows and columns of its heads: q, k, v rows of each
+    attention QKV and its bias (the one KV head on both ranks where there is one), the q, k, v channels, z, b, a
+    rows of each Gated DeltaNet in_proj, gate and up rows, o_proj / down / out_proj columns, the
+    vocabulary rows of the embedding and lm_head. The memory check counts the rank's bytes."""
+    path = checkpoints[case]
+    config = QwenConfig.from_pretrained(path)
+    whole = loader.load_state_dict(path, config, dtype=torch.float32)
+    sizes = {name: shape for sources in loader.load_plan(config).values() for name, shape in sources}
+    splits = loader.split_plan(config)
+    for rank in range(WORLD):
+        parallel = TensorParallel(rank, WORLD)
+        with recorded_reads() as reads:
+            shards = loader.load_state_dict(path, config, dtype=torch.float32, parallel=parallel)
+        for name, shape in sizes.items():
+            numel = math.prod(shape)
+            if name in splits:  # the rank's elements along the split dim, whole along the others
+                numel = numel // shape[splits[name].dim] * sum(b - a for a, b in parallel.ranges(splits[name]))
+            assert reads[name] == numel, name
+        assert shards.keys() == whole.keys()
+        assert weight_bytes(config, torch.float32, parallel=parallel) == sum(4 * t.numel() for t in shards.values())
+        for target, tensor in shards.items():
+            assert torch.equal(tensor, _shard_of(whole[target], target, config, parallel)), target
+
+
+def _shard_of(tensor: torch.Tensor, target: str, config: QwenConfig, parallel: TensorParallel) -> torch.Tensor:
+    """Rank ``parallel.rank``'s rows / columns of the whole model's tensor ``target``, from the
+    sources of the plan and their splits."""
+    sources = loader.load_plan(config)[target]
+    splits = loader.split_plan(config)
+    parts, row = [], 0
+    for name, shape in sources:
+        source = tensor[row : row + shape[0]]
+        row += shape[0]
+        split = splits.get(name)
+        if split is None:
+            parts.append(source)
+            continue
+        parts.append(torch.cat([source.narrow(split.dim, a, b - a) for a, b in parallel.ranges(split)], split.dim))
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def _run(model) -> dict:
+    """The model's logits [2, PROMPT_LEN, V] of the prompt without a cache, and its greedy tokens
+    [2, NEW_TOKENS] through the engine."""
+    ids = prompt(2, PROMPT_LEN, model.config.vocab_size)
+    return dict(logits=model(ids), tokens=engine_greedy(model, ids, NEW_TOKENS))
+
+
+def _rank(rank: int, init_method: str, paths: dict, out: str) -> None:
+    """One rank of the two: each checkpoint's TP-2 ``_run``; rank 0 also the one-device model's,
+    with the logits of its prompt and tokens (``forced``: row i chose token i), and saves them."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    try:
+        parallel = TensorParallel.from_group()
+        results = {}
+        for case, path in paths.items():
+            tp = _run(QwenForCausalLM.from_pretrained(path, dtype=torch.float32, parallel=parallel))
+            if rank == 0:
+                model = QwenForCausalLM.from_pretrained(path, dtype=torch.float32)
+                one = _run(model)
+                ids = prompt(2, PROMPT_LEN, model.config.vocab_size)
+                with torch.no_grad():
+                    one["forced"] = model(torch.cat([ids, one["tokens"]], 1))[:, PROMPT_LEN - 1 : -1]
+                results[case] = dict(tp=tp, one=one)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from tests.test_modeling import random_hf_model, save_checkpoint  # transformers: here, not in the ranks
+
+    root = tmp_path_factory.mktemp("tp")
+    paths = {case: str(build_random_checkpoint(root / case, **sizes)) for case, sizes in CASES.items()}
+    paths[QWEN2] = str(save_checkpoint(random_hf_model("qwen2", False, 4, 2, 32), root / QWEN2))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    """Every case's ``_rank`` results from two processes over gloo."""
+    root = tmp_path_factory.mktemp("tp-run")
+    out = str(root / "results.pt")
+    with mock.patch.dict(os.environ):
+        os.environ.pop("TRITON_INTERPRET", None)  # the ranks run the references
+        context = mp.start_processes(_rank, (f"file://{root / 'init'}", checkpoints, out), nprocs=WORLD,
+                                     join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the two ranks did not finish in 300 s")
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", [*CASES, QWEN2])
+def test_two_ranks_match_one(two_ranks, case):
+    """TP-2 against TP-1 (fp32): logits within 1e-5; greedy tokens equal, or a row's first
+    difference at a near-tie (the TP-1 logits of the two tokens within 1e-4 of the row's largest)."""
+    tp, one = two_ranks[case]["tp"], two_ranks[case]["one"]
+    assert rel_err(tp["logits"], one["logits"]) < 1e-5
+    tokens, ref_tokens = tp["tokens"], one["tokens"]
+    assert len(set(ref_tokens.flatten().tolist())) > 2  # not a trivial repetition
+    for b in range(tokens.shape[0]):
+        differ = (tokens[b] != ref_tokens[b]).nonzero()
+        if len(differ):
+            i = int(differ[0])
+            row = one["forced"][b, i]
+            gap = row[ref_tokens[b, i]] - row[tokens[b, i]]
+            assert gap <= 1e-4 * row.abs().max(), f"row {b} token {i} differs without a near-tie (gap {float(gap):.3g})"
