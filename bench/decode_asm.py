@@ -8,7 +8,10 @@ an H200 (``fused_decode._launch_shape`` with the H200's tuning tables and 132 SM
 (pointers 16-byte aligned, sizes and strides divisible by 16); the SASS (cuobjdump, shipped with
 Triton) is read for the global loads (LDG) issued before the grid-dependency wait (ACQBULK, PTX's
 griddepcontrol.wait). A prefetching program must issue its whole weight slice there, 16 bytes a
-load: slice bytes / (threads x 16) LDG.E.128 ahead of the wait. tests/test_decode_asm.py runs this.
+load: slice bytes / (threads x 16) LDG.E.128 ahead of the wait. Two more take FP8 weights (the
+e4m3 tiles and their scales, compiled only where the weights are FP8): the QKV kernel, whose
+slices are one scale block deep and prefetch, and gate_up's, whose 256-deep slices take the loop.
+tests/test_decode_asm.py runs this.
 """
 import os
 import re
@@ -38,24 +41,25 @@ class Shape(NamedTuple):
     num_stages: int
 
 
-def launched(gpu: torch.device, name: str, op: str, n: int, k: int, **fixed) -> Shape:
-    """The kernel the launcher runs on ``gpu`` for a batch-1 bf16 call of ``op`` on an [n, k] weight
-    (its ``_launch_shape`` decision: tile, split, prefetch)."""
+def launched(gpu: torch.device, name: str, op: str, n: int, k: int, fp8: bool = False, **fixed) -> Shape:
+    """The kernel the launcher runs on ``gpu`` for a batch-1 call of ``op`` (bf16 activations) on an
+    [n, k] weight in bf16 or (``fp8``) FP8 (its ``_launch_shape`` decision: tile, split, prefetch)."""
     silu, qkv = op == "norm_gate_up_silu", op == "norm_qkv_rope_store"
     block_n = fixed["D"] if qkv else None
+    itemsize = 1 if fp8 else 2
     bm, _, cfg, k_per_split, split, prefetch = fused_decode._launch_shape(
-        op, 1, n, k, gpu, torch.bfloat16, None, block_n, halves=2 if silu else 1)
-    c = dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch, USE_PDL=True, **fixed)
+        op, 1, n, k, gpu, torch.bfloat16, None, block_n, halves=2 if silu else 1, fp8=fp8)
+    c = dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_K=cfg.block_k, PREFETCH=prefetch, USE_PDL=True, FP8=fp8, **fixed)
     if not qkv:
         c.update(NORM=op != "linear_residual", HAS_BIAS=False, RESIDUAL=op == "linear_residual", SILU=silu,
                  BLOCK_N=cfg.block_n)
     rows = block_n or cfg.block_n
-    return Shape(name, "_qkv_kernel" if qkv else "_gemv_kernel", c, (2 if silu else 1) * rows * k_per_split * 2,
-                 prefetch, cfg.num_warps, cfg.num_stages)
+    return Shape(name, "_qkv_kernel" if qkv else "_gemv_kernel", c,
+                 (2 if silu else 1) * rows * k_per_split * itemsize, prefetch, cfg.num_warps, cfg.num_stages)
 
 
 def shapes(gpu: torch.device) -> list:
-    """Qwen3-0.6B's fused decode kernels as launched on ``gpu``."""
+    """Qwen3-0.6B's fused decode kernels as launched on ``gpu``, two of them with FP8 weights."""
     return [
         launched(gpu, "norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, HQ=16, HK=8, GATED=False,
                  D=128, ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
@@ -63,14 +67,20 @@ def shapes(gpu: torch.device) -> list:
         launched(gpu, "norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024),
         launched(gpu, "down + residual", "linear_residual", 1024, 3072),
         launched(gpu, "norm + lm_head", "norm_linear", 151936, 1024),
+        launched(gpu, "FP8 norm + qkv + rope + store", "norm_qkv_rope_store", 4096, 1024, fp8=True, HQ=16, HK=8,
+                 GATED=False, D=128, ROT=128, HAS_BIAS=False, HAS_QK_NORM=True),
+        launched(gpu, "FP8 norm + gate_up + silu", "norm_gate_up_silu", 3072, 1024, fp8=True),
     ]
 
 
-PREFETCHED = {"norm + qkv + rope + store", "o_proj + residual", "norm + gate_up + silu", "down + residual"}
+PREFETCHED = {"norm + qkv + rope + store", "o_proj + residual", "norm + gate_up + silu", "down + residual",
+              "FP8 norm + qkv + rope + store"}
 """The kernels that must prefetch (the lm_head's 2374 tiles stream in waves: the loop serves it)."""
 POINTERS = {"_gemv_kernel": {"part_ptr": "*fp32", "ss_ptr": "*fp32", "sem_ptr": "*i32"},
             "_qkv_kernel": {"part_ptr": "*fp32", "ss_ptr": "*fp32", "sem_ptr": "*i32", "pos_ptr": "*i64",
                             "slot_ptr": "*i64"}}
+FP8_POINTERS = {"w_ptr": "*fp8e4nv", "sw_ptr": "*fp32"}
+"""An FP8 kernel's weight and its scales (a bf16 kernel never reads sw_ptr)."""
 FLOATS = ("eps", "offset", "log2_theta")
 UNALIGNED = ("M",)  # the row count: not divisible by 16 at decode
 
@@ -82,7 +92,8 @@ def compile_shape(shape: Shape):
         if n in shape.constexprs:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
-            sig[n] = POINTERS[shape.kernel].get(n, "*bf16")
+            fp8 = FP8_POINTERS if shape.constexprs["FP8"] else {}
+            sig[n] = fp8.get(n) or POINTERS[shape.kernel].get(n, "*bf16")
         else:
             sig[n] = "fp32" if n in FLOATS else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -119,7 +130,7 @@ def main() -> int:
         good = waits == 1 and (before == want if shape.prefetch else before == 0) and \
             shape.prefetch == (shape.name in PREFETCHED)
         ok &= good
-        print(f"{shape.name:28s} {'prefetch' if shape.prefetch else 'loop    '} 16-byte loads before the wait: "
+        print(f"{shape.name:30s} {'prefetch' if shape.prefetch else 'loop    '} 16-byte loads before the wait: "
               f"{before:3d} of {wide:3d} (want {want}) {'ok' if good else 'WRONG'}")
     return 0 if ok else 1
 

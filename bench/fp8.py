@@ -20,7 +20,7 @@ reference (the same quantisation), and against the bf16 weight's product in fp32
 `--models NAME ...` (qwen3-0.6b, qwen3-8b) also times batch-1 decode through the engine
 (``bench.decode.ours_ms``: a 256-token prompt, then ``--steps`` decode steps, CUDA graphs) of a
 random bf16 checkpoint of that shape (written once under ``--checkpoints``) loaded as it is (our
-fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (op by op):
+fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (the fused decode ops):
 ``fp8_over_bf16_b1_<name>`` = FP8 time / bf16 time, same run.
 
 `--sweep` first times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the

@@ -7,8 +7,9 @@ never from each other.
   partials summed in a fixed order when the output has too few tiles to fill the GPU.
 - `FP8_BLOCK`, `fp8_block_scales`, `fp8_weight_tile_product`: weights in the block format of Qwen's
   FP8 checkpoints (float8_e4m3fn [N, K], each FP8_BLOCK x FP8_BLOCK block times its scale
-  ws[n // FP8_BLOCK, k // FP8_BLOCK]): a block's scales, and the weight-only tile product (the
-  dense FP8 GEMV's and the FP8 experts' main loop).
+  ws[n // FP8_BLOCK, k // FP8_BLOCK]): a block's scales (read by the FP8 experts' GEMV and the
+  fused decode GEMVs), and the weight-only tile product (the dense FP8 GEMV's and the FP8 experts'
+  main loop).
 - `sum_partials`, `column_sum`: two-pass column sums, deterministic and free of atomics: each
   of P programs writes the fp32 partial sum of a fixed, contiguous range of rows to row p of
   a [P, N] buffer, and a second kernel adds the P rows in a fixed order. P depends only on the

@@ -13,6 +13,18 @@ step whose tiles were loaded ahead, as one product of `_input_slice` and `_weigh
 (`_dot_slice`). Weight rows past N wrap to valid rows (their columns are masked at the store);
 with ROWS (a head of ROWS rows in a head_block(ROWS) tile) rows past ROWS are not read.
 
+FP8 weights (FP8): weight [N, K] float8_e4m3fn with weight_scale_inv [cdiv(N, 128), cdiv(K, 128)],
+the factor of each 128 x 128 block (csrc_free_ops/fp8.py). BLOCK_K divides 128 and a slice starts
+at a multiple of BLOCK_K, so a K step lies inside one block column g: each step's tile is widened
+to x's dtype (exact: every e4m3 value is a bf16 and an fp16 value) and its fp32 product scaled per
+output column by the scale of that column's row block in g (`_block_scales`, through
+`common.fp8_block_scales`):
+
+    acc += (x'[rm, step] @ weight[rn, step]^T) * weight_scale_inv[rn // 128, g]
+
+the weight-only GEMV's math (`fp8_block_linear` at decode). Without FP8 the scale arguments are
+not read: the bf16 kernels compile as they would without them.
+
 Norm (NORM): rms_norm(x) @ W^T = rsqrt(mean(x^2) + eps) * ((x * (w + offset)) @ W^T), the rsqrt
 being one scalar per row. So the main loop multiplies by x' = x * (w + offset), rounded to the
 weight dtype like the normed x of the unfused path (fp16 keeps it in fp32 and runs the product on
@@ -33,7 +45,7 @@ is read from `part` twice, once in each order.
 import triton
 import triton.language as tl
 
-from .common import dot, head_block, head_mask
+from .common import dot, fp8_block_scales, head_block, head_mask
 from .rope import rotary_cos_sin
 
 
@@ -75,20 +87,44 @@ def _dot_slice(a, b, acc, NORM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_slice(x_ptr, nw_ptr, w_ptr, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, offset,
-                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROWS: tl.constexpr = None):
+def _block_scales(sw_ptr, rows, k0, stride_sn, stride_sk, FP8: tl.constexpr):
+    """With FP8, the fp32 scales [BLOCK_N] of a weight tile's columns, weight rows `rows`, in the
+    block column of K offset k0 (`common.fp8_block_scales`); without, sw_ptr itself (nothing loaded)."""
+    scales = sw_ptr
+    if FP8:  # one return after the branch: the compiler would type-check a return in each
+        scales = fp8_block_scales(sw_ptr, rows, k0, stride_sn, stride_sk)
+    return scales
+
+
+@triton.jit
+def _weight_product(a, b, scales, acc, NORM: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
+    """acc + a @ b for an `_input_slice` a and a `_weight_slice` b (`_dot_slice`); with FP8, b is
+    an e4m3 tile inside one scale block: widened to dtype (x's) and its fp32 product scaled per
+    column, acc + (a @ b) * scales."""
+    if FP8:
+        acc += _dot_slice(a, b.to(dtype), tl.zeros(acc.shape, dtype=tl.float32), NORM) * scales[None, :]
+    else:
+        acc = _dot_slice(a, b, acc, NORM)
+    return acc
+
+
+@triton.jit
+def _gemv_slice(x_ptr, nw_ptr, w_ptr, sw_ptr, scale_rows, rm, rn, M, N, k_lo, k_hi, stride_xm, stride_wn, stride_sn,
+                stride_sk, offset, NORM: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = None):
     """(acc, ss): acc [BLOCK_M, BLOCK_N] fp32 = x'[rm, k_lo:k_hi] @ weight[rn, k_lo:k_hi]^T with x' = x,
     or with NORM x' = x * (norm weight + offset) in fp32 and ss [BLOCK_M] = sum of x^2 over the slice;
     BLOCK_K-deep steps, software-pipelined by Triton. With ROWS, weight rows past the tile's first
-    ROWS are not read (`_weight_slice`): their columns of acc are zero."""
+    ROWS are not read (`_weight_slice`): their columns of acc are zero. With FP8, each step's
+    product is scaled by its block's scales (`_block_scales` of the weight rows `scale_rows`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         b = _weight_slice(w_ptr, rn, N, k0, k_hi, stride_wn, BLOCK_K, ROWS)
+        scales = _block_scales(sw_ptr, scale_rows, k0, stride_sn, stride_sk, FP8)
         a, s = _input_slice(x_ptr, nw_ptr, rm, M, k0, k_hi, stride_xm, offset, NORM, BLOCK_K)
         ss += s
-        acc = _dot_slice(a, b, acc, NORM)
+        acc = _weight_product(a, b, scales, acc, NORM, FP8, x_ptr.dtype.element_ty)
     return acc, ss
 
 

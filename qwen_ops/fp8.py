@@ -117,25 +117,34 @@ def _check_quantize(x, group_size):
         fail(op, f"group_size must be a power of two from {GROUP_SIZES[0]} to {GROUP_SIZES[-1]}, got {group_size}")
 
 
+def check_fp8_weight(op: str, x: Tensor, name: str, weight: Tensor, weight_scale_inv: Tensor):
+    """`name` [N, K] float8_e4m3fn (last dim contiguous) with its scales `<name>_scale_inv`
+    [cdiv(N, 128), cdiv(K, 128)] fp32 or bf16, both on x's device, where the FP8 kernels must run
+    (a GPU of compute capability 8.9 or newer). Shared by the ops that take FP8 weights
+    (`fp8_block_linear`, the fused decode ops)."""
+    scale_name = name + "_scale_inv"
+    check_fp8_device(op, x)
+    if weight.dtype != torch.float8_e4m3fn:
+        fail(op, f"{name} must be float8_e4m3fn, got {weight.dtype}")
+    if weight.dim() != 2 or (weight.stride(-1) != 1 and weight.shape[-1] > 1):
+        fail(op, f"{name} must be [N, K], contiguous in its last dim, got shape {tuple(weight.shape)} "
+                 f"strides {weight.stride()}")
+    if weight_scale_inv.dtype not in SCALE_DTYPES:
+        fail(op, f"{scale_name} must be float32 or bfloat16, got {weight_scale_inv.dtype}")
+    blocks = (cdiv(weight.shape[0], BLOCK), cdiv(weight.shape[1], BLOCK))
+    if tuple(weight_scale_inv.shape) != blocks:
+        fail(op, f"{scale_name} must have shape {blocks} (blocks of {BLOCK} x {BLOCK} of {name} "
+                 f"{tuple(weight.shape)}), got {tuple(weight_scale_inv.shape)}")
+    for t_name, t in ((name, weight), (scale_name, weight_scale_inv)):
+        if t.device != x.device:
+            fail(op, f"{t_name} is on {t.device} but x is on {x.device}")
+
+
 def _check_linear(x, weight, weight_scale_inv, bias):
     op = "fp8_block_linear"
     check_float(op, "x", x)
-    check_fp8_device(op, x)
-    if weight.dtype != torch.float8_e4m3fn:
-        fail(op, f"weight must be float8_e4m3fn, got {weight.dtype}")
-    if weight.dim() != 2 or (weight.stride(-1) != 1 and weight.shape[-1] > 1):
-        fail(op, f"weight must be [N, K], contiguous in its last dim, got shape {tuple(weight.shape)} "
-                 f"strides {weight.stride()}")
-    if weight_scale_inv.dtype not in SCALE_DTYPES:
-        fail(op, f"weight_scale_inv must be float32 or bfloat16, got {weight_scale_inv.dtype}")
+    check_fp8_weight(op, x, "weight", weight, weight_scale_inv)
     n, k = weight.shape
-    blocks = (cdiv(n, BLOCK), cdiv(k, BLOCK))
-    if tuple(weight_scale_inv.shape) != blocks:
-        fail(op, f"weight_scale_inv must have shape {blocks} (blocks of {BLOCK} x {BLOCK} of weight "
-                 f"{tuple(weight.shape)}), got {tuple(weight_scale_inv.shape)}")
-    for name, t in (("weight", weight), ("weight_scale_inv", weight_scale_inv)):
-        if t.device != x.device:
-            fail(op, f"{name} is on {t.device} but x is on {x.device}")
     if k != x.shape[-1]:
         fail(op, f"weight is {tuple(weight.shape)} ([N, K]) but x's last dim is {x.shape[-1]}")
     if k == 0:

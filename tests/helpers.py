@@ -98,6 +98,18 @@ def gpu_memory_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def opcheck_without_schema_test(op, args):
+    """``torch.library.opcheck`` without ``test_schema``, whose check that no input was mutated
+    compares the inputs with ``torch.allclose``, which PyTorch does not implement for float8 tensors:
+    the bytes of the inputs the schema does not let the op write are compared here instead."""
+    written = {i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    kept = [(a, a.clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in written]
+    torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
+    for a, before in kept:
+        assert torch.equal(a.view(torch.uint8), before.view(torch.uint8)), f"{op}: an input changed"
+
+
 def padded(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     """A NaN tensor of ``shape`` that is a view of a longer storage (one row more on each side): a
     kernel reading or writing the row before or after it (a slot or a length a check should have
@@ -168,6 +180,40 @@ def forced_logits(engine, prompt, tokens) -> torch.Tensor:
     with mock.patch.object(engine_module, "sample_sequences", forced):
         engine.generate([list(prompt)], SamplingParams(), len(tokens))
     return torch.cat(seen)
+
+
+def greedy_logits(engine, prompt, new_tokens: int):
+    """Greedy decoding of one sequence of ``prompt`` through the engine: (tokens, logits
+    [new_tokens, V] fp32), row i the logits that chose tokens[i]."""
+    from unittest import mock
+
+    import modeling.engine.engine as engine_module
+    from modeling import SamplingParams
+
+    seen, sample = [], engine_module.sample_sequences
+
+    def recorded(logits, seqs, positions=None):
+        seen.append(logits[:1].float().clone())
+        return sample(logits, seqs, positions)
+
+    with mock.patch.object(engine_module, "sample_sequences", recorded):
+        tokens = engine.generate([list(prompt)], SamplingParams(), new_tokens)[0]
+    return tokens, torch.cat(seen)
+
+
+def assert_same_greedy_but_near_ties(got, want, rel_tol: float, tie: float):
+    """Two decode paths' ``greedy_logits`` of one prompt: the tokens equal, except that the first
+    that differs may follow a near-tie (in ``want``'s logits, the two tokens within ``tie`` times the
+    row's largest magnitude; random weights give nearly flat logits), and the logits of the steps
+    with the same history (up to that one) within ``rel_tol``."""
+    (tokens, logits), (want_tokens, want_logits) = got, want
+    differ = [i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b]
+    same = differ[0] + 1 if differ else len(tokens)
+    assert rel_err(logits[:same], want_logits[:same]) < rel_tol
+    if differ:
+        row = want_logits[differ[0]]
+        gap = (row[want_tokens[differ[0]]] - row[tokens[differ[0]]]).abs()
+        assert gap <= tie * row.abs().max(), f"token {differ[0]} differs without a near-tie (gap {float(gap):.3g})"
 
 
 def recompute_greedy(model, prompts, new_tokens: int):

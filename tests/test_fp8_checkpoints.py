@@ -12,6 +12,7 @@ at load.
   kernels run, within the same 2e-2 of that oracle (its experts dequantised: their math is
   weight-only) on both of fused_moe's paths; the reference path (float64) dequantises them and is
   transformers on the dequantised weights.
+- The engine's fused decode step on FP8 weights: the op-by-op FP8 step's greedy tokens and logits.
 """
 import json
 import os
@@ -25,13 +26,14 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 import qwen_ops
-from modeling import LLM, QwenForCausalLM, SamplingParams
+from modeling import LLM, Engine, QwenForCausalLM, SamplingParams
 from modeling.model import fp8
 from modeling.model.config import ConfigError
 from modeling.model.loader import CheckpointError
 from modeling.model.moe import SparseMoeBlock
 from qwen_ops import dequantize_weight_fp8_block, fp8_block_linear_reference, quantize_weight_fp8_block
-from tests.helpers import DEVICES, ROOT, add_word_tokenizer, hf_greedy, prompt, randomize_, rel_err
+from tests.helpers import (DEVICES, ROOT, add_word_tokenizer, assert_same_greedy_but_near_ties, greedy_logits,
+                           hf_greedy, prompt, randomize_, rel_err)
 from tests.test_moe import PathSpy, random_hf_model
 
 # q 4 x 64 = 256 rows, k and v 2 x 64 = 128 each: whole blocks, so the fused QKV stays FP8
@@ -53,12 +55,14 @@ EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 """An expert's projection in a checkpoint of experts one by one: (the experts' module, expert, projection)."""
 
 
-def random_hf(family: str, seed: int = 0):
+def random_hf(family: str, seed: int = 0, **sizes):
+    """A random transformers model of ``family`` (QWEN3 or QWEN3_5, with ``sizes`` changed)."""
     torch.manual_seed(seed)
     if family == "qwen3":
-        model = Qwen3ForCausalLM._from_config(Qwen3Config(**QWEN3), attn_implementation="eager", dtype=torch.float32)
+        model = Qwen3ForCausalLM._from_config(Qwen3Config(**QWEN3 | sizes), attn_implementation="eager",
+                                              dtype=torch.float32)
     else:
-        model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**QWEN3_5), attn_implementation="eager",
+        model = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**QWEN3_5 | sizes), attn_implementation="eager",
                                                 dtype=torch.float32)
     return randomize_(model.eval())
 
@@ -152,7 +156,7 @@ def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family, device):
     hf = random_hf(family)
     quantised = write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
     model = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
-    assert model.holds_fp8 and not model.supports_fused_decode
+    assert model.holds_fp8 and model.supports_fused_decode
     first = model.layers[0]
     weight = "qkv_weight" if family == "qwen3" else "in_proj_weight"
     assert getattr(first, weight).dtype == torch.float8_e4m3fn and first.down_weight.dtype == torch.float8_e4m3fn
@@ -186,6 +190,40 @@ def test_bf16_fp8_model_stays_near_the_fp32_one(tmp_path, device):
         fp32 = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
         assert bf16.holds_fp8 and bf16.layers[1].qkv_weight.dtype == torch.float8_e4m3fn
         assert rel_err(bf16(ids).float(), fp32(ids)) <= 0.2
+
+
+FUSED_DECODE_OPS = ("norm_qkv_rope_store", "linear_residual", "norm_gate_up_silu", "norm_linear")
+# The interpreter's cheapest models whose projections all stay FP8 (the parts of a fused weight but
+# its last a whole number of 128-row blocks: q and k; gate; in_proj_qkv and in_proj_z), K of 64 (one
+# partial block); Qwen3 with one layer, Qwen3.5 with one of each kind.
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1,
+             head_dim=128)
+FUSED_SIZES = {"qwen3": SMALL | dict(num_hidden_layers=1), "qwen3_5": SMALL | dict(linear_num_key_heads=1,
+                                                                                   linear_num_value_heads=2)}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fused_decode_on_fp8_weights(tmp_path, family):
+    """An FP8 model's decode steps of one sequence take the fused decode ops over its FP8 weights
+    (Qwen3.5: the Gated DeltaNet in_proj's unquantised b and a rows through a second norm_linear),
+    and the persistent kernel is refused: greedy tokens equal to the op-by-op FP8 step's except
+    after a near-tie (the two tokens' op-by-op logits within 1e-4 of the row's largest), the logits
+    within 1e-5 (fp32) up to there."""
+    write_fp8_checkpoint(random_hf(family, **FUSED_SIZES[family]), tmp_path)
+    model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.holds_fp8 and model.supports_fused_decode and not model.supports_persistent_decode
+    assert all(getattr(layer, name).dtype == torch.float8_e4m3fn for layer in model.layers
+               for name in layer.linear_weights(False))
+    with pytest.raises(ValueError, match="decode_kernels='persistent' needs .*not FP8"):
+        Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="persistent")
+    engine = Engine(model, max_num_seqs=1, max_model_len=8)
+    assert engine.runner.decode_kernels(1) == "fused"
+    ids = prompt(1, 3, 128)[0].tolist()
+    before = {op: qwen_ops.kernel_calls[op] for op in FUSED_DECODE_OPS}
+    fused = greedy_logits(engine, ids, 3)
+    assert all(qwen_ops.kernel_calls[op] > before[op] for op in FUSED_DECODE_OPS), "a fused decode op did not run"
+    ops = greedy_logits(Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="ops"), ids, 3)
+    assert_same_greedy_but_near_ties(fused, ops, rel_tol=1e-5, tie=1e-4)
 
 
 def test_quantization_fp8_at_load(tmp_path):

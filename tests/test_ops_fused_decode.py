@@ -7,7 +7,8 @@ import torch
 import qwen_ops
 from csrc_free_ops import fused_decode as kernels
 from csrc_free_ops.common import semaphores
-from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, poison_allocator, randn
+from qwen_ops import quantize_weight_fp8_block
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, opcheck_without_schema_test, poison_allocator, randn
 
 
 def _tol(dtype, device):
@@ -122,11 +123,11 @@ def test_every_split_factor(device, split_k):
     cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=split_k)
     x, nw, res = randn(3, 160, **f32), randn(160, **f32), randn(3, 40, **f32)
     w = randn(80, 160, **f32, scale=0.1)
-    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear split {split_k}")
-    assert_close(kernels.linear_residual(x, w[:40], res, cfg), qwen_ops.linear_residual_reference(x, w[:40], res),
+    assert_close(kernels.linear_residual(x, w[:40], res, cfg=cfg), qwen_ops.linear_residual_reference(x, w[:40], res),
                  what=f"linear_residual split {split_k}")
-    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"gate_up split {split_k}")
     args = qkv_args(3, 160, 2, 1, 16, 16, False, True, True, torch.float32, device)
     check_qkv(kernels.norm_qkv_rope_store(*args, cfg=cfg), args, what=f"qkv split {split_k}")
@@ -142,11 +143,11 @@ def test_split_k_with_several_row_blocks(device, m):
     f32 = dict(dtype=torch.float32, device=device)
     cfg = kernels.GemvConfig(block_n=16, block_k=32, split_k=2)
     x, nw, res, w = randn(m, 64, **f32), randn(64, **f32), randn(m, 16, **f32), randn(32, 64, **f32, scale=0.1)
-    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0), what=f"norm_linear M{m}")
-    assert_close(kernels.linear_residual(x, w[:16], res, cfg), qwen_ops.linear_residual_reference(x, w[:16], res),
+    assert_close(kernels.linear_residual(x, w[:16], res, cfg=cfg), qwen_ops.linear_residual_reference(x, w[:16], res),
                  what=f"linear_residual M{m}")
-    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg),
+    assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, cfg=cfg),
                  qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0), what=f"norm_gate_up_silu M{m}")
     assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
 
@@ -158,6 +159,115 @@ def test_qkv_slots_outside_the_cache_are_not_written(device):
     args = qkv_args(3, 40, 2, 1, 16, 16, False, False, True, torch.float32, device)
     args[9] = torch.tensor([QKV_SLOTS, -1, 2**32 + 2], device=device)
     check_qkv(torch.ops.qwen.norm_qkv_rope_store(*args), args)
+
+
+# FP8 weights. (M, K, N): K over three scale blocks (the last partial; slices of 256 under the
+# interpreter's config, so the loop's steps) or inside one (prefetched), N not a multiple of 128 (a
+# partial row block; gate_up's 2N rows put the gate's last rows and the up half's first in one
+# block); on CUDA Qwen3-0.6B's o_proj and down, and partial blocks.
+FP8_CASES = {"cpu": [(1, 300, 136), (3, 72, 40)],
+             "cuda": [(1, 2048, 1024), (1, 3072, 1024), (1, 1000, 300), (8, 1024, 1024)]}
+# norm_qkv_rope_store: on the CPU, heads of 32 over two scale blocks, heads of 80 across block
+# boundaries (gated); on CUDA Qwen3-0.6B and Qwen3.5's gated attention.
+FP8_QKV = {"cpu": [(2, 200, 4, 2, 32, 32, False, True, False), (3, 136, 2, 1, 80, 40, True, False, True)],
+           "cuda": [(1, 1024, 16, 8, 128, 128, False, False, True), (2, 1024, 8, 2, 256, 64, True, False, True)]}
+
+
+def fp8(weight, scale_dtype=torch.float32):
+    """weight in the block FP8 format: (float8_e4m3fn weight, weight_scale_inv in scale_dtype)."""
+    w8, scale = quantize_weight_fp8_block(weight)
+    return w8, scale.to(scale_dtype)
+
+
+def fp8_qkv_args(spec, dtype, device):
+    """qkv_args with qkv_weight in the block FP8 format, its scales the last argument."""
+    args = qkv_args(*spec, dtype, device)
+    args[2], scale = fp8(args[2])
+    return args + [scale]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_weights(device, dtype):
+    """Each op with its weight in the block FP8 format against its reference, which dequantises the
+    weight (gate_up's scales in bf16, as some checkpoints hold them)."""
+    tol = _tol(dtype, device)
+    for m, k, n in FP8_CASES[device]:
+        x, nw = randn(m, k, dtype=dtype, device=device), randn(k, dtype=dtype, device=device)
+        w, s = fp8(randn(n, k, dtype=torch.float32, device=device, scale=k**-0.5))
+        gate_up, gate_up_s = fp8(randn(2 * n, k, dtype=torch.float32, device=device, scale=k**-0.5), torch.bfloat16)
+        b, residual = randn(n, dtype=dtype, device=device), randn(m, n, dtype=dtype, device=device)
+        poison_allocator(device)
+        assert_close(torch.ops.qwen.norm_linear(x, nw, w, b, 1e-6, 1.0, s),
+                     qwen_ops.norm_linear_reference(x, nw, w, b, 1e-6, 1.0, s), tol, f"fp8 norm_linear M{m} K{k} N{n}")
+        assert_close(torch.ops.qwen.linear_residual(x, w, residual, s),
+                     qwen_ops.linear_residual_reference(x, w, residual, s), tol, f"fp8 linear_residual M{m} K{k} N{n}")
+        assert_close(torch.ops.qwen.norm_gate_up_silu(x, nw, gate_up, 1e-6, 0.0, gate_up_s),
+                     qwen_ops.norm_gate_up_silu_reference(x, nw, gate_up, 1e-6, 0.0, gate_up_s), tol,
+                     f"fp8 norm_gate_up_silu M{m} K{k} I{n}")
+    for spec in FP8_QKV[device]:
+        args = fp8_qkv_args(spec, dtype, device)
+        poison_allocator(device)
+        check_qkv(torch.ops.qwen.norm_qkv_rope_store(*args), args, tol, f"fp8 norm_qkv_rope_store {spec}")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "loop"])
+def test_fp8_k_steps_and_splits(device, prefetch, monkeypatch):
+    """FP8 weights with K = 300 (three scale blocks, the last partial) in three slices of at most
+    128, each loaded ahead or in the pipelined loop's steps of 64 (two a block); and in one slice,
+    whose 256-deep steps are cut to 128 (the loop, prefetching or not). The arrival counters are
+    back at zero."""
+    monkeypatch.setattr(kernels, "PREFETCH", prefetch)
+    f32 = dict(dtype=torch.float32, device=device)
+    x, nw, residual = randn(3, 300, **f32), randn(300, **f32), randn(3, 40, **f32)
+    w, s = fp8(randn(80, 300, **f32, scale=0.1))
+    args = fp8_qkv_args((3, 300, 2, 1, 16, 16, False, True, True), torch.float32, device)
+    for cfg in (kernels.GemvConfig(block_n=16, block_k=64, split_k=3), kernels.GemvConfig(32, 256, 1)):
+        assert_close(kernels.norm_linear(x, nw, w, None, 1e-6, 0.0, s, cfg=cfg),
+                     qwen_ops.norm_linear_reference(x, nw, w, None, 1e-6, 0.0, s), what=f"norm_linear {cfg}")
+        assert_close(kernels.linear_residual(x, w[:40], residual, s, cfg=cfg),
+                     qwen_ops.linear_residual_reference(x, w[:40], residual, s), what=f"linear_residual {cfg}")
+        assert_close(kernels.norm_gate_up_silu(x, nw, w, 1e-6, 0.0, s, cfg=cfg),
+                     qwen_ops.norm_gate_up_silu_reference(x, nw, w, 1e-6, 0.0, s), what=f"norm_gate_up_silu {cfg}")
+        check_qkv(kernels.norm_qkv_rope_store(*args[:-1], args[-1], cfg=cfg), args, what=f"qkv {cfg}")
+    assert int(semaphores(torch.device(device)).abs().sum()) == 0, "arrival counters not reset"
+
+
+def _fp8_samples(device):
+    f32 = dict(dtype=torch.float32, device=device)
+    x, nw, b, residual = randn(2, 200, **f32), randn(200, **f32), randn(24, **f32), randn(2, 24, **f32)
+    w, s = fp8(randn(24, 200, **f32))
+    return {"norm_linear": (x, nw, w, b, 1e-6, 1.0, s), "linear_residual": (x, w, residual, s),
+            "norm_gate_up_silu": (x, nw, w, 1e-6, 0.0, s),
+            "norm_qkv_rope_store": tuple(fp8_qkv_args((2, 40, 4, 2, 16, 16, False, False, True), torch.float32,
+                                                      device))}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["norm_linear", "linear_residual", "norm_gate_up_silu", "norm_qkv_rope_store"])
+def test_fp8_opcheck(device, name):
+    """opcheck of the FP8 calls, without its schema test, which cannot compare float8 inputs
+    (`opcheck_without_schema_test`; tests/test_ops_contract.py runs the full opcheck without scales)."""
+    opcheck_without_schema_test(getattr(torch.ops.qwen, name).default, _fp8_samples(device)[name])
+
+
+def test_fp8_bad_input():
+    x, nw = torch.randn(2, 8), torch.randn(8)
+    w, s = fp8(torch.randn(6, 8))
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.norm_linear: weight is float8_e4m3fn: pass its "
+                                                   "weight_scale_inv"):
+        torch.ops.qwen.norm_linear(x, nw, w, None, 1e-6, 0.0)
+    with pytest.raises(qwen_ops.QwenOpError, match=r"qwen.linear_residual: weight_scale_inv must have shape \(1, 1\)"):
+        torch.ops.qwen.linear_residual(x, w, torch.randn(2, 6), torch.ones(2, 1))
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.norm_gate_up_silu: gate_up_weight must be float8_e4m3fn"):
+        torch.ops.qwen.norm_gate_up_silu(x, nw, torch.randn(6, 8), 1e-6, 0.0, s)
+    args = fp8_qkv_args((2, 40, 4, 2, 16, 16, False, False, True), torch.float32, "cpu")
+    args[-1] = args[-1].half()
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.norm_qkv_rope_store: qkv_weight_scale_inv must be float32 "
+                                                   "or bfloat16"):
+        torch.ops.qwen.norm_qkv_rope_store(*args)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -62,9 +62,11 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     2 rows or more                            ``ops``        faster than persistent at batch 8
     ========================================  =============  ==========================================
 
-    A mixture-of-experts, FP8 or tensor-parallel model decodes op by op (``supports_fused_decode``:
-    the fused ops fold the dense MLP only, read weights in the model's dtype, and sum no partial
-    outputs over ranks).
+    A mixture-of-experts or tensor-parallel model decodes op by op (``supports_fused_decode``: the
+    fused ops fold the dense MLP only and sum no partial outputs over ranks). An FP8 model takes the
+    fused ops, which read its FP8 weights and scales, where a bf16 one would take the persistent
+    kernel (weights in the model's dtype only); that choice is not measured yet: the fused FP8
+    GEMVs read the weight bytes of the op-by-op FP8 GEMVs, in fewer launches.
     """
     if num_seqs > 1 or not model.supports_fused_decode:
         return "ops"
@@ -96,8 +98,9 @@ class StepRunner:
                              "and with dense MLPs and weights in the model's dtype, on one device (Qwen3, Qwen2; "
                              "not FP8, not tensor-parallel)")
         if kernels == "fused" and not model.supports_fused_decode:
-            raise ValueError("decode_kernels='fused' needs dense MLPs, weights in the model's dtype and the model on "
-                             "one device: a mixture-of-experts, FP8 or tensor-parallel model decodes op by op")
+            raise ValueError("decode_kernels='fused' needs dense MLPs, the model on one device and, in FP8 weights, "
+                             "unquantised rows only in a Gated DeltaNet in_proj: a mixture-of-experts or "
+                             "tensor-parallel model decodes op by op")
         if kernels == "persistent" and max_num_seqs > qwen_ops.DECODE_LAYERS_MAX_ROWS:
             raise ValueError(f"decode_kernels='persistent' takes at most {qwen_ops.DECODE_LAYERS_MAX_ROWS} sequences "
                              f"a step, got max_num_seqs {max_num_seqs}")

@@ -64,16 +64,18 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the persistent kernel (``ops.decode_layers``):
-        attention layers only, without an output gate, with dense MLPs (Qwen3, Qwen2)."""
+        attention layers only, without an output gate, with dense MLPs (Qwen3, Qwen2), every weight
+        in the model's dtype (not FP8), on one device (not tensor-parallel)."""
         return (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
-                and self.supports_fused_decode)
+                and self.supports_fused_decode and not self.holds_fp8)
 
     @property
     def supports_fused_decode(self) -> bool:
-        """Whether decode steps may take the fused decode ops (``kernels="fused"``): every MLP dense
-        (a mixture-of-experts layer runs op by op), every weight in the model's dtype (FP8
-        weights run op by op) and the model on one device (a tensor-parallel one runs op by op)."""
-        return not self.config.moe_layers and not self.holds_fp8 and self.parallel.world_size == 1
+        """Whether decode steps may take the fused decode ops (``kernels="fused"``): every layer's
+        (``DecoderLayer.supports_fused_decode``: a dense MLP, FP8 weights included; a
+        mixture-of-experts layer runs op by op) and the model on one device (a tensor-parallel one
+        runs op by op)."""
+        return self.parallel.world_size == 1 and all(layer.supports_fused_decode for layer in self.layers)
 
     @property
     def holds_fp8(self) -> bool:

@@ -9,6 +9,13 @@ unquantised (Qwen3.5's Gated DeltaNet in_proj_b and in_proj_a):
 
     linear(h, W) = cat(fp8_block_linear(h, W, W_scale_inv, bias[:N_8]), linear(h, W_tail, bias[N_8:]))
 
+A fused decode step (``kernels="fused"``) passes the scales to the fused decode ops, which read the
+FP8 weight as it is (``qwen::norm_linear``, ``linear_residual``, ``norm_gate_up_silu``,
+``norm_qkv_rope_store``); a tail takes a second ``norm_linear`` (``norm_linear`` here: the Gated
+DeltaNet in_proj, the one weight Qwen's checkpoints keep partly unquantised). A layer with a tail
+on any other weight decodes op by op (``DecoderLayer.supports_fused_decode``). The persistent
+decode kernel takes weights in the model's dtype only: FP8 models never run it.
+
 A mixture-of-experts layer's experts X [E, N, K] (``SparseMoeBlock.EXPERT_WEIGHTS``) stay FP8 there
 too, expert by expert in the same format: X float8_e4m3fn, ``X_scale_inv`` [E, cdiv(N, 128),
 cdiv(K, 128)] fp32, both passed to ``fused_moe`` (weight-only: the activations are not quantised).
@@ -47,6 +54,18 @@ def linear(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None, scale_inv: 
     if tail is None:
         return y
     return torch.cat([y, ops.linear(h, tail, None if bias is None else bias[n8:])], dim=-1)
+
+
+def norm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, offset: float,
+                scale_inv: Optional[Tensor] = None, tail: Optional[Tensor] = None) -> Tensor:
+    """``norm_linear(x, norm_weight, weight, bias, eps, offset)`` (the fused decode op), or with
+    ``scale_inv`` the FP8 weight's, its tail through a second ``norm_linear``."""
+    if tail is None:
+        return ops.norm_linear(x, norm_weight, weight, bias, eps, offset, scale_inv)
+    n8 = weight.shape[0]
+    y = ops.norm_linear(x, norm_weight, weight, None if bias is None else bias[:n8], eps, offset, scale_inv)
+    return torch.cat([y, ops.norm_linear(x, norm_weight, tail, None if bias is None else bias[n8:], eps, offset)],
+                     dim=-1)
 
 
 def register_parts(module: nn.Module, linears: Iterable[str] = (), experts: Iterable[str] = ()) -> None:

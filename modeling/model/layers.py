@@ -87,11 +87,13 @@ class DecoderLayer(nn.Module):
 
     ``LINEAR_WEIGHTS``: the weights that may be FP8 (``modeling.model.fp8``), each with its
     ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them); a sparse MLP's
-    are its own (``SparseMoeBlock``).
+    are its own (``SparseMoeBlock``). ``FUSED_TAILS``: those whose tail the fused decode step takes
+    (``fp8.norm_linear``).
     """
 
     LINEAR_WEIGHTS = ("gate_up_weight", "down_weight")
     MIXER_LINEAR_WEIGHTS: Tuple[str, ...] = ()
+    FUSED_TAILS: Tuple[str, ...] = ()
 
     def __init__(self, config: QwenConfig, sparse: bool = False, parallel: TensorParallel = SINGLE):
         super().__init__()
@@ -117,6 +119,13 @@ class DecoderLayer(nn.Module):
     def holds_fp8(self) -> bool:
         """Whether any of the layer's weights (its sparse MLP's included) is FP8."""
         return any(p.dtype == torch.float8_e4m3fn for p in self.parameters())
+
+    @property
+    def supports_fused_decode(self) -> bool:
+        """Whether the fused decode ops take this layer: a dense MLP, and no FP8 weight with a tail
+        outside ``FUSED_TAILS``."""
+        return self.mlp is None and all(getattr(self, name + "_tail") is None for name in self.linear_weights(False)
+                                        if name not in self.FUSED_TAILS)
 
     def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
         """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
@@ -155,8 +164,9 @@ class DecoderLayer(nn.Module):
         c = self.config
         x, residual = self.mix(x, residual, positions, context)
         if context is not None and context.fused:
-            h = ops.norm_gate_up_silu(x, self.post_norm, self.gate_up_weight, c.rms_norm_eps, c.norm_offset)
-            return ops.linear_residual(h, self.down_weight, x), None
+            h = ops.norm_gate_up_silu(x, self.post_norm, self.gate_up_weight, c.rms_norm_eps, c.norm_offset,
+                                      self.gate_up_weight_scale_inv)
+            return ops.linear_residual(h, self.down_weight, x, self.down_weight_scale_inv), None
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
@@ -169,7 +179,8 @@ class DecoderLayer(nn.Module):
         the norm (the first layer's: its x)."""
         c = self.config
         if fused:
-            return ops.norm_linear(x, self.input_norm, getattr(self, name), bias, c.rms_norm_eps, c.norm_offset), None
+            return fp8.norm_linear(x, self.input_norm, getattr(self, name), bias, c.rms_norm_eps, c.norm_offset,
+                                   getattr(self, name + "_scale_inv"), getattr(self, name + "_tail")), None
         if residual is None:
             h, residual = ops.rms_norm(x, self.input_norm, c.rms_norm_eps, c.norm_offset), x
         else:
@@ -181,7 +192,7 @@ class DecoderLayer(nn.Module):
         summed over the ranks): added to the layer's input stream x in the projection (fused), else
         left for the next norm to add."""
         if fused:
-            return ops.linear_residual(o, getattr(self, name), x), None
+            return ops.linear_residual(o, getattr(self, name), x, getattr(self, name + "_scale_inv")), None
         return self.parallel.all_reduce(self._linear(o, name)), residual
 
 
@@ -256,7 +267,8 @@ class AttentionLayer(DecoderLayer):
             k_pool, v_pool = context.entry
             qg = ops.norm_qkv_rope_store(x, self.input_norm, self.qkv_weight, self.qkv_bias, self.q_norm, self.k_norm,
                                          k_pool, v_pool, positions, context.batch.slot_mapping, c.rms_norm_eps,
-                                         c.norm_offset, c.rope_theta, c.rotary_dim, Hq, c.attn_output_gate)
+                                         c.norm_offset, c.rope_theta, c.rotary_dim, Hq, c.attn_output_gate,
+                                         self.qkv_weight_scale_inv)
             q = qg[..., :D]
             gate = qg[..., D:] if c.attn_output_gate else None
         else:
@@ -305,6 +317,7 @@ class GatedDeltaNetLayer(DecoderLayer):
     """
 
     MIXER_LINEAR_WEIGHTS = ("in_proj_weight", "out_weight")
+    FUSED_TAILS = ("in_proj_weight",)  # in_proj_b and in_proj_a, unquantised in Qwen's FP8 checkpoints
 
     def init_mixer(self, c: QwenConfig) -> None:
         C, Vd, Hv = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
