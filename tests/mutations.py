@@ -434,6 +434,8 @@ MUTATIONS = [
              ("tests/test_tensor_parallel.py",)),
     Mutation("a worker stages its step without rank 0's block table rows", "modeling/engine/runner.py",
              "        if staged.tables is not None:\n", "        if False:\n", ("tests/test_tensor_parallel.py",)),
+    Mutation("a grammar-only row's dead end goes unnoticed (batch fill)", "modeling/engine/token_masks.py",
+             "            seqs[i].controls.dead_end = dead\n", "            pass\n", ("tests/test_engine_controls.py",)),
     Mutation("a completed grammar does not end its sequence", "modeling/engine/sequence.py",
              "if token in self.stop_token_ids or (self.controls is not None and self.controls.terminated):",
              "if token in self.stop_token_ids:", ("tests/test_engine_controls.py",)),

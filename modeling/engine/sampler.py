@@ -158,9 +158,10 @@ def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int]
         rows, ids, values = bias
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).index_put(
             (rows, ids), values.to(torch.promote_types(logits.dtype, torch.float32)), accumulate=True)
-    bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)])
-    if bitmask is not None:
-        logits = torch.ops.qwen.apply_token_bitmask(logits, to_device(bitmask.numpy(), logits.device))
+    bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
+                            pin=logits.is_cuda)
+    if bitmask is not None:  # pinned: the copy does not block the host
+        logits = torch.ops.qwen.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
     return logits
 
 

@@ -11,6 +11,11 @@ sampled before the host has read the step before (``needs_history``: the engine'
 ahead runs its forward pass meanwhile). Should the bans leave a grammar row nothing, the grammar's
 mask wins (a grammar that must end gets its stop tokens).
 
+The masks are built on the host between reading a step's tokens and sampling the next one, so
+they must take less time than a forward pass: the rows held to a grammar alone (the common case)
+are filled together by xgrammar's ``BatchGrammarMatcher`` (its threads, outside the GIL), with
+their dead ends found in one pass over the bitmask; the other rows one by one (``fill``).
+
 A grammar can reach a dead end: its output so far is a prefix of some instance, but no token of
 the vocabulary continues it (a vocabulary without single spaces, after a "," that the grammar
 must follow with one). The row's mask is then empty (``dead_end``), its sampled token means
@@ -59,6 +64,12 @@ class TokenControls:
         self.min_tokens, self.stop_ids = params.min_tokens, tuple(stop_ids)
         self.matcher = matcher
         self.dead_end = False
+
+    @property
+    def grammar_only(self) -> bool:
+        """Only a grammar, not completed, excludes tokens: its row is the grammar's mask."""
+        return (self.fixed is None and self.min_tokens <= 0 and not self.bad_words and self.matcher is not None
+                and not self.matcher.is_terminated())
 
     @property
     def needs_history(self) -> bool:
@@ -112,14 +123,35 @@ def bad_word_ids(tokenizer, bad_words: Seq[str]) -> List[List[int]]:
     return out
 
 
-def token_bitmask(seqs, vocab: int, generated: Seq[int]) -> Optional[torch.Tensor]:
-    """The bitmask [len(seqs), W] int32 on the host of a step's sampling sequences (row i is
-    ``seqs[i]``'s, ``generated[i]`` the tokens it has generated before this one), or None when
-    none of them excludes a token."""
+_batch_matcher = None
+
+
+def fill_grammars(matchers: list, bitmask: torch.Tensor, rows: List[int]) -> None:
+    """Write each matcher's next-token mask into its row of ``bitmask`` (rows ``rows``), together
+    (xgrammar's ``BatchGrammarMatcher``, made at the first call)."""
+    global _batch_matcher
+    if _batch_matcher is None:
+        from .structured_outputs import xgrammar
+
+        _batch_matcher = xgrammar().BatchGrammarMatcher()
+    _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
+def token_bitmask(seqs, vocab: int, generated: Seq[int], pin: bool = False) -> Optional[torch.Tensor]:
+    """The bitmask [len(seqs), W] int32 on the host (in pinned memory with ``pin``) of a step's
+    sampling sequences (row i is ``seqs[i]``'s, ``generated[i]`` the tokens it has generated before
+    this one), or None when none of them excludes a token."""
     rows = [i for i, s in enumerate(seqs) if s.controls is not None]
     if not rows:
         return None
-    bitmask = torch.full((len(seqs), words(vocab)), -1, dtype=torch.int32)
+    bitmask = torch.empty((len(seqs), words(vocab)), dtype=torch.int32, pin_memory=pin).fill_(-1)
+    grammar = [i for i in rows if seqs[i].controls.grammar_only]
+    if grammar:
+        fill_grammars([seqs[i].controls.matcher for i in grammar], bitmask, grammar)
+        empty = ~bitmask.numpy()[grammar].any(axis=1)
+        for i, dead in zip(grammar, empty.tolist()):
+            seqs[i].controls.dead_end = dead
     for i in rows:
-        seqs[i].controls.fill(bitmask, i, seqs[i].output_ids, generated[i])
+        if not seqs[i].controls.grammar_only:
+            seqs[i].controls.fill(bitmask, i, seqs[i].output_ids, generated[i])
     return bitmask
