@@ -21,6 +21,7 @@ from any thread; ``step`` from one thread at a time.
 import random
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence as Seq
 
@@ -39,7 +40,7 @@ from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
 from .step import to_device
 from .structured_outputs import Grammars
-from .token_masks import TokenControls, bad_word_ids
+from .token_masks import TokenControls, bad_word_ids, token_bitmask
 from .workers import WorkerDied, Workers, broadcast_tokens
 
 BLOCK_SIZE = 16
@@ -78,7 +79,8 @@ class _Launched:
     tokens); ``prompt``: the prompt logprobs it computed, if any. A step launched ahead whose
     sampling reads what the host has not seen yet (penalties' token counts, grammars and bad words:
     ``needs_history``) keeps its ``logits`` and ``positions`` and samples (``sample``) once the
-    step before has been read."""
+    step before has been read, with the token masks built meanwhile in a worker thread (``masks``:
+    their future, ``token_masks.token_bitmask``'s bitmask)."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
@@ -87,11 +89,13 @@ class _Launched:
     prompt: Optional[PromptScores] = None
     logits: Optional[torch.Tensor] = None
     positions: Optional[List[int]] = None
+    masks: Optional[Future] = None
 
     def sample(self) -> None:
         """Sample a deferred step's tokens (its logits stay in the step's buffers until then)."""
-        self.sampled = sample_sequences(self.logits, self.seqs, self.positions)
-        self.logits = self.positions = None
+        bitmask = self.masks.result() if self.masks is not None else None
+        self.sampled = sample_sequences(self.logits, self.seqs, self.positions, bitmask)
+        self.logits = self.positions = self.masks = None
 
 
 def needs_history(seq: Sequence) -> bool:
@@ -155,6 +159,7 @@ class Engine:
         self._rng = random.Random()
         self.stats = EngineStats()
         self._inflight: Optional[_Launched] = None  # a launched step whose tokens the host has not read
+        self._mask_thread: Optional[ThreadPoolExecutor] = None  # builds deferred steps' token masks
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
@@ -220,8 +225,11 @@ class Engine:
         ``step`` then returns the tokens of the step before the one it launched; a token a finished
         sequence gets after its last is dropped. Where a row's sampling reads its tokens on the
         host (``needs_history``: penalties, grammars, bad words of several tokens), the step
-        launched ahead runs its forward pass only and samples after the tokens before it are read,
-        so the host's mask building overlaps that forward pass."""
+        launched ahead runs its forward pass only and samples after the tokens before it are read:
+        its token masks are built in a worker thread (xgrammar and NumPy leave the GIL) while this
+        call returns its tokens and the next one schedules and packs its step, and it is sampled
+        just before that step needs its tokens (or before its own are read). All of it overlaps
+        the forward pass."""
         if self.workers is None:
             return self._step()
         try:
@@ -244,11 +252,20 @@ class Engine:
         if prev.lookahead:
             self._inflight = self._launch(prev)
         out = self._finish(prev)
-        if self._inflight is not None and self._inflight.sampled is None and self._inflight.seqs:
-            self._inflight.sample()
-            if self.workers is not None:
-                broadcast_tokens(self._inflight.sampled.tokens)
+        nxt = self._inflight
+        if nxt is not None and nxt.sampled is None and nxt.seqs:  # its masks, while the host goes on
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="qwen-token-masks")
+            generated = [p - s.num_prompt for p, s in zip(nxt.positions, nxt.seqs)]
+            nxt.masks = self._mask_thread.submit(token_bitmask, list(nxt.seqs), self.model.config.vocab_size,
+                                                 generated, self.model.device.type == "cuda")
         return out
+
+    def _sample(self, launched: "_Launched") -> None:
+        """Sample a deferred step (its masks' thread joined) and send its tokens to the workers."""
+        launched.sample()
+        if self.workers is not None:
+            broadcast_tokens(launched.sampled.tokens)
 
     def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
         """Schedule, build and launch a step (after ``prev``, whose tokens may still be on the device)."""
@@ -258,7 +275,12 @@ class Engine:
             if not scheduled.work:
                 return None
             scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
+            if prev is not None and prev.sampled is None and prev.seqs and self.workers is not None:
+                self._sample(prev)  # before prepare: a new shape's capture runs collectives, which the workers
+                #                     meet only after this broadcast
             batch = self.runner.prepare(scheduled, eager=scored is not None)
+        if prev is not None and prev.sampled is None and prev.seqs:
+            self._sample(prev)  # after packing this step, so the masks' thread had that time
         dev = self.model.device
         pending = None  # [2, P]: the batch rows whose input is a token of the step before, and its rows there
         if batch.pending:
@@ -309,6 +331,8 @@ class Engine:
     def _finish(self, launched: "_Launched") -> List[Sequence]:
         """Read a launched step's tokens and give them to their sequences."""
         t0 = time.perf_counter()
+        if launched.sampled is None and launched.seqs:  # deferred, and no step launched after it
+            self._sample(launched)
         if self.workers is not None and launched.sampled is not None:
             self.workers.wait(launched.sampled.ready)  # a dead worker is an error, not a hang
         tokens = launched.sampled.collect() if launched.sampled is not None else []

@@ -149,17 +149,20 @@ def logit_bias_of(seqs: List[Sequence], device) -> Optional[Tuple[Tensor, Tensor
             to_device(np.array(biases, np.float32), device))
 
 
-def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int]) -> Tensor:
+def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int],
+                      bitmask: Optional[Tensor] = None) -> Tensor:
     """logits [S, V] with each row's logit bias added (in fp32 or wider) and the tokens its
     ``TokenControls`` exclude set to -inf (``positions``: the index of each row's token being
-    sampled); ``logits`` itself when no row has either."""
+    sampled; ``bitmask``: the rows' ``token_bitmask`` when already built, else built here);
+    ``logits`` itself when no row has either."""
     bias = logit_bias_of(seqs, logits.device)
     if bias is not None:
         rows, ids, values = bias
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).index_put(
             (rows, ids), values.to(torch.promote_types(logits.dtype, torch.float32)), accumulate=True)
-    bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
-                            pin=logits.is_cuda)
+    if bitmask is None:
+        bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
+                                pin=logits.is_cuda)
     if bitmask is not None:  # pinned: the copy does not block the host
         logits = torch.ops.qwen.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
     return logits
@@ -220,18 +223,20 @@ def _to_host(t: Tensor) -> Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None) -> SampledTokens:
+def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None,
+                     bitmask: Optional[Tensor] = None) -> SampledTokens:
     """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
     ``params``, ``seed`` and position (``positions``, default ``len(tokens)``: the index of the token
     being sampled), its logit bias and token mask (``controlled_logits``), and the logprobs its
-    ``params.logprobs`` asks for, of the raw logits (``token_logprobs``). A batch of greedy rows
-    without penalties or logprobs is one argmax."""
+    ``params.logprobs`` asks for, of the raw logits (``token_logprobs``); ``bitmask``: the rows'
+    token masks when already built. A batch of greedy rows without penalties or logprobs is one
+    argmax."""
     dev = logits.device
     params = [s.params for s in seqs]
     modes = {p.mode for p in params}
     penalties = penalties_of(seqs, dev)
     positions = positions if positions is not None else [len(s.tokens) for s in seqs]
-    scores = controlled_logits(logits, seqs, positions)
+    scores = controlled_logits(logits, seqs, positions, bitmask)
     if modes == {"greedy"} and penalties is None:
         tokens = scores.argmax(dim=-1)
     else:

@@ -14,7 +14,8 @@ mask wins (a grammar that must end gets its stop tokens).
 The masks are built on the host between reading a step's tokens and sampling the next one, so
 they must take less time than a forward pass: the rows held to a grammar alone (the common case)
 are filled together by xgrammar's ``BatchGrammarMatcher`` (its threads, outside the GIL), with
-their dead ends found in one pass over the bitmask; the other rows one by one (``fill``).
+their dead ends found in one pass over the bitmask; the other rows one by one (``fill``). The
+engine builds a step's masks in a worker thread while its own thread goes on (``Engine.step``).
 
 A grammar can reach a dead end: its output so far is a prefix of some instance, but no token of
 the vocabulary continues it (a vocabulary without single spaces, after a "," that the grammar
