@@ -2,6 +2,7 @@
 
     python -m bench.decode [--out DIR] [--all]        # on the GPU: measure, write decode JSON
     python -m bench.decode --render FILE.json         # anywhere: docs/performance.md section + plot
+    python -m bench.decode --tp N [--checkpoints DIR] # N GPUs: Qwen3-8B batch 1 at TP 1 and N (decode-tp JSON)
 
 Rows (random weights, bf16, greedy, ms per decode step; one step decodes the whole batch):
 
@@ -39,6 +40,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -121,16 +123,16 @@ def weight_bytes(model) -> int:
 
 
 def ours_ms(model, batch: int, context: int, steps: int, kernels=None, eager: bool = False, reps: int = 3,
-            params=None) -> float:
+            params=None, workers=None) -> float:
     """ms per decode-only step of the engine: ``batch`` prompts of ``context`` tokens (one prefill
     step), then ``steps`` decode steps timed from their first token on; the median of ``reps`` runs
     after a warm-up run (graph captures). ``kernels``: ``Engine(decode_kernels=...)``; ``params``:
-    the ``SamplingParams`` (default greedy)."""
+    the ``SamplingParams`` (default greedy); ``workers``: a tensor-parallel model's (``LLM.workers``)."""
     from modeling import Engine, SamplingParams
 
     params = params or SamplingParams()
     engine = Engine(model, max_num_seqs=batch, max_num_batched_tokens=batch * context,
-                    max_model_len=context + steps + 1, decode_kernels=kernels, enforce_eager=eager)
+                    max_model_len=context + steps + 1, decode_kernels=kernels, enforce_eager=eager, workers=workers)
     g = torch.Generator().manual_seed(context)
     prompts = [torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist() for _ in range(batch)]
 
@@ -376,17 +378,29 @@ def main():
     p.add_argument("--quick", action="store_true", help="only Qwen3-0.6B's rows of ours (no peers, no profiles "
                    "of the forced kernels, no Qwen3.5)")
     p.add_argument("--render", metavar="JSON", help="only rewrite docs/performance.md from a result file")
+    p.add_argument("--tp", type=int, metavar="N", help="only Qwen3-8B's batch-1 rows at tensor-parallel sizes 1 and N "
+                   "(bench.tensor_parallel)")
+    p.add_argument("--checkpoints", type=Path, default=None, help="--tp's random checkpoint directory")
     a = p.parse_args()
     if a.render:
         return render(a.render)
     require_cuda("bench.decode", "--render works anywhere")
+    if a.tp:
+        from bench import tensor_parallel as tp
+
+        res = dict(gpu=torch.cuda.get_device_name(), gpus=a.tp, date=datetime.date.today().isoformat(),
+                   torch=torch.__version__, **tp.decode_rows(tp.checkpoint(a.checkpoints or tp.DEFAULT_ROOT),
+                                                             (1, a.tp), a.steps))
+        print(json.dumps(res, indent=1))
+        print(f"wrote {save(a.out, res, 'decode-tp')}")
+        return
     print(f"wrote {save(a.out, measure(a))}")
 
 
-def save(out_dir: str, res: dict) -> str:
+def save(out_dir: str, res: dict, name: str = "decode") -> str:
     os.makedirs(out_dir, exist_ok=True)
     slug = gpu_slug(res["gpu"])
-    path = os.path.join(out_dir, f"{res['date']}-{slug}-decode.json")
+    path = os.path.join(out_dir, f"{res['date']}-{slug}-{name}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     return path

@@ -2,6 +2,10 @@
 
     python -m bench.throughput [--out DIR] [--requests 256] [--peer-requests 8] [--no-peer] [--profile] [--ttft-only]
                                [--block-sizes 16 32 64 128]
+    python -m bench.throughput --tp N [--checkpoints DIR] [--requests 256]
+
+``--tp N`` (N GPUs) runs only Qwen3-8B's throughput at tensor-parallel sizes 1 and N
+(``bench.tensor_parallel``) and writes ``<date>-<gpu>-throughput-tp.json``.
 
 On the GPU (bf16, random weights, one process):
 
@@ -149,6 +153,8 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="profile the kernels of 64 requests, a prefix hit and Qwen3.5's eight prompts")
     p.add_argument("--ttft-only", action="store_true", help="skip the throughput run (and the peer)")
+    p.add_argument("--tp", type=int, metavar="N", help="only Qwen3-8B's throughput at tensor-parallel sizes 1 and N")
+    p.add_argument("--checkpoints", help="--tp's random checkpoint directory")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[],
                    help="first, the throughput run at each of these KV block sizes")
     a = p.parse_args()
@@ -164,6 +170,16 @@ def main():
 
     os.makedirs(a.out, exist_ok=True)
     slug = gpu_slug(out["gpu"])
+    if a.tp:
+        from bench import tensor_parallel as tp
+
+        out.update(gpus=a.tp, **tp.throughput_rows(tp.checkpoint(a.checkpoints or tp.DEFAULT_ROOT), (1, a.tp),
+                                                   a.requests))
+        path = os.path.join(a.out, f"{out['date']}-{slug}-throughput-tp.json")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out, indent=1))
+        return
     path = os.path.join(a.out, f"{out['date']}-{slug}-throughput.json")
 
     def report(key, value, unit):

@@ -333,3 +333,15 @@ def test_llm_refuses_a_split_that_does_not_fit(checkpoints):
             LLM(path, device="cpu", dtype="float32", tensor_parallel_size=bad, progress=False)
     with pytest.raises(ValueError, match="num_attention_heads 4 does not split over tensor_parallel_size 3"):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=3, progress=False)
+
+
+def test_tp_bench_rows_on_the_cpu(checkpoints):
+    """``bench.decode --tp``'s rows (``bench.tensor_parallel.decode_rows``): the checkpoint loaded at
+    sizes 1 and 2 in turn (the workers stopped between), each size's ms a token and the ratio."""
+    from bench import tensor_parallel as tp
+
+    rows = tp.decode_rows(checkpoints["qwen3-2-kv-heads"], (1, 2), steps=3, context=8, device="cpu",
+                          dtype=torch.float64)
+    assert set(rows) == {"qwen3_8b_b1_ms_tp1", "qwen3_8b_b1_ms_tp2", "qwen3_8b_b1_tp2_over_tp1"}
+    assert rows["qwen3_8b_b1_tp2_over_tp1"] == rows["qwen3_8b_b1_ms_tp2"] / rows["qwen3_8b_b1_ms_tp1"] > 0
+    assert not dist.is_initialized()
