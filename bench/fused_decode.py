@@ -1,6 +1,6 @@
 """The fused decode ops against the op sequences they replace, and their config sweep (GPU).
 
-    python -m bench.fused_decode [--out DIR] [--sweep]
+    python -m bench.fused_decode [--out DIR] [--sweep] [--fp8]
 
 Each case is one decode-step projection of Qwen3-0.6B or Qwen3.5-0.8B at batch 1, bf16, timed
 as a CUDA graph of calls over enough input copies that the weights do not sit in L2
@@ -9,6 +9,12 @@ weight bytes over the time against the copy bandwidth measured in the same run. 
 times every candidate (block_n, block_k, split_k) and records the fastest per case as this GPU's
 table fused_decode (``csrc_free_ops.devices.record``; each candidate launched with its config's
 stages cut to the program's K steps, as `_launch_shape` does for every launch).
+
+--fp8: the layer projections of Qwen3-0.6B and Qwen3-8B (``FP8_CASES``) with FP8 weights in Qwen's
+block format (``qwen_ops.quantize_weight_fp8_block``), each fused op against itself on the bf16
+weight (the FP8 weight bytes over the time against the copy bandwidth); --sweep then records the
+fastest config per case under float8_e4m3fn, which FP8 weights take before x's dtype's entry
+(``fused_decode.gemv_config``).
 """
 import argparse
 import datetime
@@ -41,8 +47,25 @@ CASES = {
 }
 
 
-def make_args(op, n, k, extra):
-    """A fresh argument tuple (the weight is the big part) for one call of the fused op."""
+QWEN3_8B_QKV = dict(hq=32, hk=8, d=128, rot=128, gated=False)
+FP8_CASES = {
+    **{name: case for name, case in CASES.items() if name.startswith("qwen3-0.6b") and "lm_head" not in name},
+    "qwen3-8b qkv+rope+store": ("norm_qkv_rope_store", 6144, 4096, QWEN3_8B_QKV),
+    "qwen3-8b o_proj+residual": ("linear_residual", 4096, 4096, {}),
+    "qwen3-8b norm+gate_up+silu": ("norm_gate_up_silu", 24576, 4096, {}),
+    "qwen3-8b down+residual": ("linear_residual", 4096, 12288, {}),
+}
+"""--fp8's cases: the projections an FP8 checkpoint holds in FP8 (its lm_head stays bf16)."""
+
+
+def make_args(op, n, k, extra, fp8: bool = False):
+    """A fresh argument tuple (the weight is the big part) for one call of the fused op; ``fp8``:
+    the weight in FP8, its scales last (the launchers' next positional argument)."""
+    if fp8:
+        args = make_args(op, n, k, extra)
+        i = 1 if op == "linear_residual" else 2
+        weight, scales = qwen_ops.quantize_weight_fp8_block(args[i])
+        return (*args[:i], weight, *args[i + 1:], scales)
     x, nw = rnd(1, 1, k), rnd(k, scale=0.1) + 1
     w = rnd(n, k, scale=k**-0.5)
     if op == "norm_qkv_rope_store":  # x [N, K]; paged caches of 32 blocks of 16, position 300 at slot 300
@@ -82,12 +105,16 @@ def unfused(op, extra):
     }[op]
 
 
-def candidates(op, n, k, extra):
+def candidates(op, n, k, extra, fp8: bool = False):
+    """(block_n, block_k, split) configs; FP8 weights: K steps of one scale block, wider tiles (an
+    element is half the bytes)."""
     block_ns = [extra["d"]] if op == "norm_qkv_rope_store" else [16, 32, 64] if n < 32768 else [64, 128, 256]
+    if fp8 and op != "norm_qkv_rope_store":
+        block_ns += [2 * block_ns[-1], 4 * block_ns[-1]]
     for block_n in block_ns:
         tiles = triton.cdiv(n // 2 if op == "norm_gate_up_silu" else n, block_n)
-        for block_k in (128, 256):
-            for split in (1, 2, 4, 8, 16):
+        for block_k in (128,) if fp8 else (128, 256):
+            for split in (1, 2, 4, 8, 16, 32) if fp8 else (1, 2, 4, 8, 16):
                 if split * block_k <= k and (split == 1 or 64 <= tiles * split <= 1056):
                     yield fd.GemvConfig(block_n, block_k, split)
 
@@ -118,28 +145,36 @@ def main():
     ap = argparse.ArgumentParser(prog="python -m bench.fused_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (FP8_CASES) against bf16; --sweep records "
+                    "their configs under float8_e4m3fn")
     args = ap.parse_args()
     require_cuda("bench.fused_decode")
     torch.manual_seed(0)
     qwen_ops.reserve_semaphores("cuda")
     bw = copy_bandwidth()
     head = (f"# bench/fused_decode.py on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch "
-            f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, batch 1, bf16")
+            f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, batch 1, bf16"
+            f"{', FP8 weights' if args.fp8 else ''}")
     lines = [head, ""]
     print(head, flush=True)
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "fused_decode.log"), "w")
-    lines += step_rows()
-    lines += ["", "| case | weight MB | fused us | %copy | unfused us | best config | best us |", "|---|---|---|---|---|---|---|"]
+    if not args.fp8:
+        lines += step_rows()
+    peer = "bf16 weight us" if args.fp8 else "unfused us"
+    lines += ["", f"| case | weight MB | fused us | %copy | {peer} | best config | best us |", "|---|---|---|---|---|---|---|"]
     best = {}
-    for name, (op, n, k, extra) in CASES.items():
-        nbytes = n * k * 2
-        sets = copies(lambda: make_args(op, n, k, extra), nbytes)
+    for name, (op, n, k, extra) in (FP8_CASES if args.fp8 else CASES).items():
+        nbytes = n * k * (1 if args.fp8 else 2)
+        sets = copies(lambda: make_args(op, n, k, extra, args.fp8), nbytes)
         t_fused = bench_us(fused(op), sets)
-        t_unfused = bench_us(unfused(op, extra), sets)
+        if args.fp8:
+            t_peer = bench_us(fused(op), copies(lambda: make_args(op, n, k, extra), 2 * nbytes))
+        else:
+            t_peer = bench_us(unfused(op, extra), sets)
         win = (t_fused, None)
         if args.sweep:
-            for cfg in candidates(op, n, k, extra):
+            for cfg in candidates(op, n, k, extra, args.fp8):
                 try:
                     win = min(win, (bench_us(fused(op, cfg), sets), cfg), key=lambda r: r[0])
                 except triton.runtime.errors.OutOfResources:
@@ -148,7 +183,7 @@ def main():
                 best[(op, n // 2 if op == "norm_gate_up_silu" else n, k)] = win[1]
         pct = 100 * nbytes / (win[0] * 1e-6) / bw
         line = (f"| {name} | {nbytes / 1e6:.1f} | {t_fused:.1f} | {100 * nbytes / (t_fused * 1e-6) / bw:.0f}% | "
-                f"{t_unfused:.1f} | {tuple(win[1]) if win[1] else 'stored'} | {win[0]:.1f} ({pct:.0f}%) |")
+                f"{t_peer:.1f} | {tuple(win[1]) if win[1] else 'stored'} | {win[0]:.1f} ({pct:.0f}%) |")
         lines.append(line)
         print(line, flush=True)
         log.write(line + "\n")
@@ -156,9 +191,10 @@ def main():
         del sets
         torch.cuda.empty_cache()
     if best:
-        lines += ["", f"recorded in {devices.record('fused_decode', torch.cuda.get_device_name(), torch.bfloat16, best)}"]
+        dtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
+        lines += ["", f"recorded in {devices.record('fused_decode', torch.cuda.get_device_name(), dtype, best)}"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fused_decode.md"), "w") as f:
+    with open(os.path.join(args.out, "fused_decode_fp8.md" if args.fp8 else "fused_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(lines[-1] if best else "", flush=True)
 

@@ -78,11 +78,14 @@ class GemvConfig(NamedTuple):
 
 
 def gemv_config(op: str, n: int, k: int, device: torch.device, dtype: torch.dtype, m_blocks: int = 1,
-                block_n: int | None = None) -> GemvConfig:
+                block_n: int | None = None, fp8: bool = False) -> GemvConfig:
     """The device's stored config for (op, N, K) (the table fused_decode; N: output columns, I for
-    gate_up), else: BLOCK_N rows per tile (`block_n`: fixed by the op, one head for qkv), 256-deep
-    K steps, and enough K slices for `target_programs`."""
-    stored = tuned("fused_decode", device, dtype, (op, n, k))
+    gate_up; `fp8`: FP8 weights take the entry under float8_e4m3fn first, from `python -m
+    bench.fused_decode --sweep --fp8`, else x's `dtype`'s), else: BLOCK_N rows per tile (`block_n`:
+    fixed by the op, one head for qkv), 256-deep K steps, and enough K slices for `target_programs`."""
+    stored = tuned("fused_decode", device, torch.float8_e4m3fn, (op, n, k)) if fp8 else None
+    if stored is None:
+        stored = tuned("fused_decode", device, dtype, (op, n, k))
     if stored is not None:
         return GemvConfig(*stored)
     if INTERPRET:  # programs run one by one: few, wide ones, still split in two where K allows
@@ -280,12 +283,12 @@ def _launch_shape(op: str, m: int, n: int, k: int, device: torch.device, dtype: 
     then one BLOCK_K step. Otherwise the config's pipeline is cut down (fewer stages, then shallower K
     steps) until it fits SMEM_BUDGET: fp32 weights or 256-row head tiles would not fit the bf16
     defaults. `dtype` is x's (a weight's unless FP8), the key of the device's table. `fp8` (FP8
-    weights, one byte an element): the same configs and splits as x's dtype, no K step deeper than
-    FP8_BLOCK, so that a step never crosses a scale block (both are powers of two): a program
-    prefetches only a slice of one scale block or less."""
+    weights, one byte an element): the table's FP8 entry, else x's dtype's config and splits; no K
+    step deeper than FP8_BLOCK, so that a step never crosses a scale block (both are powers of two):
+    a program prefetches only a slice of one scale block or less."""
     bm = _block_m(m)
     m_blocks = cdiv(m, bm)
-    cfg = cfg or gemv_config(op, n, k, device, dtype, m_blocks, block_n)
+    cfg = cfg or gemv_config(op, n, k, device, dtype, m_blocks, block_n, fp8)
     itemsize = 1 if fp8 else dtype.itemsize
     rows = block_n or cfg.block_n
     step = max(16, next_power_of_2(cdiv(k, cfg.split_k)))  # a GPU dot's K is 16 at least (masked past k)

@@ -78,6 +78,11 @@ def test_launchers_take_the_stored_config_else_the_rule_of_the_device(fake_gpu):
     # the rule: 64-wide tiles, 128-deep K steps; 1024 columns are 16 tiles, so 132 / 16 -> 9 slices
     assert linear.decode_config(1024, 3072, fake_gpu, bf16) == linear.DecodeConfig(64, 128, 9)
     assert fused_decode.gemv_config("linear_residual", 1024, 2048, fake_gpu, bf16) == fused_decode.GemvConfig(32, 128, 8)
+    # FP8 weights: x's dtype's entry until an FP8 one is recorded (bench.fused_decode --sweep --fp8)
+    assert fused_decode.gemv_config("linear_residual", 1024, 2048, fake_gpu, bf16, fp8=True) == (32, 128, 8, 4, 3)
+    devices.record("fused_decode", "Test GPU", torch.float8_e4m3fn, {("linear_residual", 1024, 2048): (128, 128, 4)})
+    assert fused_decode.gemv_config("linear_residual", 1024, 2048, fake_gpu, bf16, fp8=True) == (128, 128, 4, 4, 3)
+    assert fused_decode.gemv_config("linear_residual", 1024, 2048, fake_gpu, bf16) == (32, 128, 8, 4, 3)
     assert moe.moe_config(8, 128, 1536, 2048, 8, fake_gpu, bf16) == moe.MoeConfig(16, 128, 128, 1, 4, 3)
     assert moe.moe_config(1000, 128, 1536, 2048, 8, fake_gpu, bf16) == moe.MoeConfig(128, 128, 64, 8, 8, 4)
     assert moe.moe_config(99999, 128, 1536, 2048, 8, fake_gpu, bf16) == moe.MoeConfig(128, 128, 64, 8, 8, 4)
