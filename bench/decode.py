@@ -385,7 +385,9 @@ def main():
     if a.render:
         return render(a.render)
     require_cuda("bench.decode", "--render works anywhere")
-    if a.tp:
+    if a.tp is not None:
+        if a.tp < 2:
+            p.error(f"--tp takes a size of 2 or more (size 1 runs beside it), got {a.tp}")
         from bench import tensor_parallel as tp
 
         res = dict(gpu=torch.cuda.get_device_name(), gpus=a.tp, date=datetime.date.today().isoformat(),

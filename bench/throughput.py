@@ -170,7 +170,9 @@ def main():
 
     os.makedirs(a.out, exist_ok=True)
     slug = gpu_slug(out["gpu"])
-    if a.tp:
+    if a.tp is not None:
+        if a.tp < 2:
+            p.error(f"--tp takes a size of 2 or more (size 1 runs beside it), got {a.tp}")
         from bench import tensor_parallel as tp
 
         out.update(gpus=a.tp, **tp.throughput_rows(tp.checkpoint(a.checkpoints or tp.DEFAULT_ROOT), (1, a.tp),

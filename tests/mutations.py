@@ -267,12 +267,12 @@ MUTATIONS = [
              "        f.logits_rows[len(sampling):] = 0\n", "", ("tests/test_engine.py",)),
     Mutation("step graphs captured after the step's batch is staged (the capture stages its own)",
              "modeling/engine/runner.py",
-             "        if key not in self.replays and not eager:\n            self.shape = key\n"
-             "            self.replays[key] = self.graphs.get(key, self._body(key))\n"
-             "        packed = self._stage(work, key)\n",
-             "        packed = self._stage(work, key)\n"
-             "        if key not in self.replays and not eager:\n            self.shape = key\n"
-             "            self.replays[key] = self.graphs.get(key, self._body(key))\n",
+             "        self._capture_new(key, eager)\n        host = self._next_host()\n"
+             "        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())\n"
+             "        self._send(host, packed.nbytes)\n",
+             "        host = self._next_host()\n"
+             "        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())\n"
+             "        self._send(host, packed.nbytes)\n        self._capture_new(key, eager)\n",
              ("tests/test_engine.py",)),
     Mutation("a mixed step's padding tokens keep the KV slots of an earlier step", "modeling/engine/step.py",
              "    f.slot_mapping[N:] = -1\n", "", ("tests/test_engine.py",)),
@@ -429,9 +429,14 @@ MUTATIONS = [
              "            batch.input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))\n", "",
              ("tests/test_tensor_parallel.py",)),
     Mutation("a dead worker is not named when a collective fails", "modeling/engine/engine.py",
-             "            while time.monotonic() < deadline:\n                self.workers.check()",
-             "            while time.monotonic() < deadline:\n                pass",
+             "                while time.monotonic() < deadline:\n                    self.workers.check()",
+             "                while time.monotonic() < deadline:\n                    pass",
              ("tests/test_tensor_parallel.py",)),
+    Mutation("the LLM drops a step in flight when it builds a larger engine", "modeling/api/llm.py",
+             "            engine.drain()  # a step in flight", "            pass  # a step in flight",
+             ("tests/test_tensor_parallel.py",)),
+    Mutation("close drops a step in flight", "modeling/api/llm.py",
+             "                        engine.drain()\n", "                        pass\n", ("tests/test_tensor_parallel.py",)),
     Mutation("a worker stages its step without rank 0's block table rows", "modeling/engine/runner.py",
              "        if staged.tables is not None:\n", "        if False:\n", ("tests/test_tensor_parallel.py",)),
     Mutation("a grammar-only row's dead end goes unnoticed (batch fill)", "modeling/engine/token_masks.py",

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from contextlib import contextmanager
 from unittest import mock
 
@@ -345,3 +346,63 @@ def test_tp_bench_rows_on_the_cpu(checkpoints):
     assert set(rows) == {"qwen3_8b_b1_ms_tp1", "qwen3_8b_b1_ms_tp2", "qwen3_8b_b1_tp2_over_tp1"}
     assert rows["qwen3_8b_b1_tp2_over_tp1"] == rows["qwen3_8b_b1_ms_tp2"] / rows["qwen3_8b_b1_ms_tp1"] > 0
     assert not dist.is_initialized()
+
+
+def test_a_step_in_flight_is_read_before_a_larger_engine_and_close(checkpoints):
+    """Penalties defer sampling, and a call that ends on a stop token leaves the step launched
+    ahead in flight, its workers waiting for its tokens: the LLM reads it before it builds a larger
+    engine (a 300-token prompt next: the same tokens as one device) and before ``close``, which then
+    returns at once instead of after the collectives' timeout."""
+    from modeling import LLM, SamplingParams
+
+    path = checkpoints["qwen3-2-kv-heads"]
+    short = {"prompt_token_ids": list(range(3, 30))}
+    long = {"prompt_token_ids": [(7 * i) % 500 + 1 for i in range(300)]}
+    params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.5)
+    tokens = {}
+    for size in (1, 2):
+        llm = LLM(path, device="cpu", dtype=torch.float64, tensor_parallel_size=size, progress=False)
+        try:
+            first = llm.generate(short, params, use_tqdm=False)[0].outputs[0].token_ids
+            stop = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i])
+            stopped = llm.generate(short, replace(params, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+            assert stopped.finish_reason == "stop" and llm.engine._inflight is not None  # a deferred step in flight
+            tokens[size] = [first, stopped.token_ids, llm.generate(long, params, use_tqdm=False)[0].outputs[0].token_ids]
+            assert llm.engine.max_model_len >= 310
+            llm.generate(short, replace(params, stop_token_ids=[stop]), use_tqdm=False)
+        finally:
+            t0 = time.monotonic()
+            llm.close()
+            assert time.monotonic() - t0 < 10
+    assert tokens[1] == tokens[2]
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        llm.generate(short, params, use_tqdm=False)
+
+
+def test_a_failed_step_leaves_the_engine_refusing_steps(checkpoints, monkeypatch):
+    """A step of rank 0 that raises after its workers started it (here its sampling) leaves them
+    waiting for a collective it will not make: the error comes out, every later step is refused
+    with ``WorkerDied`` saying so, and ``close`` does not wait for the workers' timeout."""
+    import modeling.engine.engine as engine_module
+    from modeling import LLM, SamplingParams
+    from modeling.engine.workers import WorkerDied
+
+    llm = LLM(checkpoints["qwen3-2-kv-heads"], device="cpu", dtype=torch.float64, tensor_parallel_size=2,
+              progress=False)
+    try:
+        prompt = {"prompt_token_ids": list(range(3, 20))}
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+
+        def broken(*args, **kwargs):
+            raise ValueError("sampling broke")
+
+        monkeypatch.setattr(engine_module, "sample_sequences", broken)
+        with pytest.raises(ValueError, match="sampling broke"):
+            llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
+        monkeypatch.undo()
+        with pytest.raises(WorkerDied, match="out of step"):
+            llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        t0 = time.monotonic()
+        llm.close()
+        assert time.monotonic() - t0 < 10

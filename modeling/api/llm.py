@@ -34,6 +34,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 - Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``stream.TextStream``.
 """
 
+import contextlib
 import gc
 import itertools
 import threading
@@ -53,7 +54,7 @@ from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from ..model.fp8 import keeps_fp8
 from ..model.tensor_parallel import SINGLE, TensorParallel
-from ..engine.workers import Workers, start as start_workers
+from ..engine.workers import TIMEOUT_S, Workers, start as start_workers
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
 from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
@@ -167,6 +168,7 @@ class LLM(Frontend):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
         fp8_weights = bool(quantization or self.config.quantization) and keeps_fp8(self.device, self.dtype)
         self.workers: Optional[Workers] = None
+        self._closed = False
         parallel = SINGLE
         if tensor_parallel_size > 1:
             parallel = TensorParallel(0, tensor_parallel_size)
@@ -175,8 +177,9 @@ class LLM(Frontend):
         if tensor_parallel_size > 1:
             self.workers = start_workers(self.checkpoint.path, self.dtype, quantization, self.device,
                                          tensor_parallel_size)
-            parallel = TensorParallel.from_group()
         try:
+            if self.workers is not None:
+                parallel = TensorParallel.from_group()
             self.model = QwenForCausalLM.from_pretrained(self.checkpoint.path, device=self.device, dtype=self.dtype,
                                                          quantization=quantization, parallel=parallel)
             if self.workers is not None:
@@ -190,12 +193,23 @@ class LLM(Frontend):
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and leave their process group (nothing on one device)."""
-        if self.workers is not None:
-            self._engine = None
-            self.workers.close()
-            self.workers = None
-            torch.distributed.destroy_process_group()
+        """Drop the engine (its running requests end with "abort"), stop the tensor-parallel
+        workers and leave their process group; the LLM takes no calls after. Safe to call twice."""
+        with getattr(self, "_lock", None) or contextlib.nullcontext():
+            self._closed = True
+            engine, self._engine = getattr(self, "_engine", None), None
+            for _, c in getattr(self, "_tracked", {}).values():
+                if not c.finished:
+                    c.finish_reason = "abort"
+            getattr(self, "_tracked", {}).clear()
+            if self.workers is not None:
+                broken = engine is not None and engine.failed
+                if engine is not None and not broken:
+                    with contextlib.suppress(Exception):  # a step in flight: the workers wait for its tokens
+                        engine.drain()
+                self.workers.close(wait=1.0 if broken else TIMEOUT_S)
+                self.workers = None
+                torch.distributed.destroy_process_group()
 
     @classmethod
     def from_pretrained(cls, model: Union[str, Path, None] = None, **kwargs: Any) -> "LLM":
@@ -329,6 +343,8 @@ class LLM(Frontend):
     def _engine_for(self, need: int, num_seqs: int) -> Engine:
         """The engine, built (or built again, larger) so that a sequence holds ``need`` positions and
         ``num_seqs`` sequences run together (at most ``max_num_seqs``; more wait their turn)."""
+        if self._closed:
+            raise RuntimeError("this LLM was closed (LLM.close()): it takes no more calls")
         limit = self.max_model_len or self.config.max_position_embeddings
         need, num_seqs = min(need, limit), min(num_seqs, self.engine_args["max_num_seqs"])
         engine = self._engine
@@ -343,6 +359,7 @@ class LLM(Frontend):
                     f"a request of {need} positions needs a larger engine than the running one ({engine.max_model_len} "
                     "positions) while other requests (open streams) run in it: finish them first, or set max_model_len")
             size, seqs = max(size, engine.max_model_len), max(seqs, engine.scheduler.max_num_seqs)
+            engine.drain()  # a step in flight: tensor-parallel workers wait for its tokens
             self._engine = engine = None
             gc.collect()  # the step graphs hold the old engine in a reference cycle
             if self.device.type == "cuda":

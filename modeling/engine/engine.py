@@ -52,7 +52,8 @@ prefix-cache granularity (a hit reuses whole blocks only)."""
 @dataclass
 class EngineStats:
     """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
-    (scheduling, packing the batch, committing its blocks), ``launch_s`` (launching the step or
+    (scheduling, packing the batch, committing its blocks; sampling a deferred step, the wait for
+    its masks included), ``launch_s`` (launching the step or
     replaying its graph), ``sample_s`` (sampling up to the tokens on the host: this absorbs the
     wait for the device, so a device-bound engine shows it largest)."""
 
@@ -152,14 +153,15 @@ class Engine:
         runner_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_blocks=-(-self.max_model_len // block_size), block_size=block_size,
                            enabled=not enforce_eager, kernels=decode_kernels)
+        self.runner = StepRunner(model, self.pool, **runner_args)  # its argument checks before any worker acts
         if workers is not None:
             workers.send(("engine", self.size, runner_args))
-        self.runner = StepRunner(model, self.pool, **runner_args)
         self._lock = threading.Lock()
         self._rng = random.Random()
         self.stats = EngineStats()
         self._inflight: Optional[_Launched] = None  # a launched step whose tokens the host has not read
         self._mask_thread: Optional[ThreadPoolExecutor] = None  # builds deferred steps' token masks
+        self._failed: Optional[str] = None  # a tensor-parallel step that raised: the workers are out of step
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
             stop_token_ids: Seq[int] = ()) -> Sequence:
@@ -232,16 +234,31 @@ class Engine:
         the forward pass."""
         if self.workers is None:
             return self._step()
+        if self._failed is not None:
+            raise WorkerDied(f"a step of this tensor-parallel engine failed ({self._failed}): its workers are out of "
+                             "step with it; start it again")
         try:
             return self._step()
-        except WorkerDied:
+        except BaseException as e:  # the workers may wait for a collective this rank will not make
+            self._failed = f"{type(e).__name__}: {e}"
+            if isinstance(e, RuntimeError) and not isinstance(e, WorkerDied):  # a collective that lost a peer?
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    self.workers.check()
+                    time.sleep(0.1)
             raise
-        except RuntimeError:  # a collective that lost a peer: name the worker that died
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                self.workers.check()
-                time.sleep(0.1)
-            raise
+
+    @property
+    def failed(self) -> bool:
+        """A step of this tensor-parallel engine raised: its workers are out of step, it runs no more."""
+        return self._failed is not None
+
+    def drain(self) -> List[Sequence]:
+        """Read the step still in flight, if any (sampled first if it was deferred): the sequences
+        that got a token. Before an engine is dropped or captures graphs, so that tensor-parallel
+        workers do not wait for a token broadcast that never comes."""
+        launched, self._inflight = self._inflight, None
+        return self._finish(launched) if launched is not None else []
 
     def _step(self) -> List[Sequence]:
         prev, self._inflight = self._inflight, None
@@ -358,6 +375,7 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture the CUDA graph of every step shape now (``runner.StepRunner.capture_all``)
         instead of at each shape's first step; how many were captured (0 without CUDA graphs)."""
+        self.drain()
         if self.workers is not None:
             self.workers.send(("capture",))
         return self.runner.capture_all()

@@ -24,6 +24,7 @@ nothing, and the sequence ends there with finish_reason "abort" (``Sequence.appe
 rows of the step go on.
 """
 
+import threading
 from typing import List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
@@ -124,18 +125,18 @@ def bad_word_ids(tokenizer, bad_words: Seq[str]) -> List[List[int]]:
     return out
 
 
-_batch_matcher = None
+_per_thread = threading.local()
 
 
 def fill_grammars(matchers: list, bitmask: torch.Tensor, rows: List[int]) -> None:
     """Write each matcher's next-token mask into its row of ``bitmask`` (rows ``rows``), together
-    (xgrammar's ``BatchGrammarMatcher``, made at the first call)."""
-    global _batch_matcher
-    if _batch_matcher is None:
+    (xgrammar's ``BatchGrammarMatcher``: one per thread, made at the thread's first call)."""
+    batch = getattr(_per_thread, "batch_matcher", None)
+    if batch is None:
         from .structured_outputs import xgrammar
 
-        _batch_matcher = xgrammar().BatchGrammarMatcher()
-    _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        batch = _per_thread.batch_matcher = xgrammar().BatchGrammarMatcher()
+    batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 def token_bitmask(seqs, vocab: int, generated: Seq[int], pin: bool = False) -> Optional[torch.Tensor]:

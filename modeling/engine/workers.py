@@ -17,11 +17,18 @@ run a step, then receive its sampled tokens; ("capture",): capture every graph s
 A worker that dies ends the engine with ``WorkerDied`` naming its rank: rank 0 checks the workers
 before each step, while it waits for a step's tokens (a collective replayed in a CUDA graph has no
 timeout of its own), and when a collective fails (gloo's fail when a peer's socket closes); every
-rank's process group has a timeout of ``TIMEOUT_S``. Every process sets ``NCCL_ENV`` (no NVLink
-multicast: NCCL's NVLS, symmetric memory's and NVSHMEM's).
+rank's process group has a timeout of ``TIMEOUT_S``. Any error in a step of rank 0 may leave the
+workers waiting for a collective it will not make: the engine then refuses further steps
+(``Engine.step``), and the server stops. ``Engine.drain`` finishes a step still in flight before
+an engine is dropped. Every process sets ``NCCL_ENV`` (no NVLink multicast: NCCL's NVLS, symmetric
+memory's and NVSHMEM's).
 """
 
+import contextlib
+import ctypes
+import gc
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -36,6 +43,8 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 60
 """Seconds a collective may wait for a peer, and the longest a dead worker goes unnoticed."""
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+PR_SET_PDEATHSIG = 1
+"""Linux's prctl option: the signal a process gets when its parent exits."""
 POLL_S = 0.5
 """How often rank 0 checks the workers while it waits for a step's tokens."""
 
@@ -109,8 +118,13 @@ class Workers:
 
     def send(self, message: tuple) -> None:
         self.check()
-        for conn in self.conns:
-            conn.send(message)
+        try:
+            for conn in self.conns:
+                conn.send(message)
+        except OSError:  # a pipe closed by a worker that exited since the check
+            time.sleep(0.5)
+            self.check()
+            raise
 
     def wait(self, ready: Callable[[], bool]) -> None:
         """Wait until ``ready()``, checking the workers every ``POLL_S`` (``WorkerDied``)."""
@@ -121,15 +135,16 @@ class Workers:
                 self.check()
                 last = time.monotonic()
 
-    def close(self) -> None:
-        """Stop the workers (killed if they do not exit within ``TIMEOUT_S``)."""
+    def close(self, wait: float = TIMEOUT_S) -> None:
+        """Stop the workers (killed if they do not exit within ``wait`` seconds: a worker out of step
+        waits in a collective until its timeout)."""
         for conn in self.conns:
             try:
                 conn.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
         for proc in self.procs:
-            proc.join(TIMEOUT_S)
+            proc.join(wait)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -171,9 +186,16 @@ class StepMirror:
 
 
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
-    """A worker process: join the group, load this rank's shard, then follow rank 0's messages."""
+    """A worker process: join the group, load this rank's shard, then follow rank 0's messages. It
+    dies with rank 0 (Linux: the parent-death signal), ignores Ctrl-C (rank 0 handles it and stops
+    the workers) and ends on SIGTERM, whatever handlers the process that started rank 0 had."""
     from ..model.causal_lm import QwenForCausalLM
     from ..model.tensor_parallel import TensorParallel
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
     device = init_group(spec, rank)
     try:
@@ -187,7 +209,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             if kind == "stop":
                 return
             if kind == "engine":
-                mirror = None  # the old pool's memory first
+                mirror = None  # the old pool's memory first (the step graphs hold the runner in a cycle)
+                gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 mirror = StepMirror(model, *message[1:])
@@ -196,7 +219,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             elif kind == "capture":
                 with torch.inference_mode():
                     mirror.runner.capture_all()
-    except EOFError:  # rank 0 has gone
+    except (EOFError, BrokenPipeError):  # rank 0 has gone
         return
     finally:
         dist.destroy_process_group()

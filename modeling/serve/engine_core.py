@@ -15,7 +15,8 @@ Out: ("step", t0, events, changes, kv_usage): after each step, t0 its start (per
        step followed;
      ("failed", rids, message): a step raised, these requests were failed (their blocks freed), or
        one request's grammar reached a dead end (``Sequence.error``);
-     ("dead", message): ``MAX_CONSECUTIVE_FAILURES`` steps failed in a row: the loop has stopped.
+     ("dead", message): ``MAX_CONSECUTIVE_FAILURES`` steps failed in a row, or one raised
+       ``WorkerDied`` (a tensor-parallel worker gone or out of step): the loop has stopped.
 """
 import logging
 import time
@@ -79,6 +80,8 @@ class EngineCore:
         try:
             sampled = self.engine.step()
         except Exception as e:  # every request in the engine fails; the loop goes on
+            from ..engine.workers import WorkerDied  # here: the server's process never imports torch for it
+
             self.failures += 1
             log.exception("engine step failed (%d in a row); failing the requests in the engine", self.failures)
             rids = list(self.seqs)
@@ -87,6 +90,9 @@ class EngineCore:
                 self.forget(rid)
             self.send(("failed", rids, f"{type(e).__name__}: {e}"))
             self.dirty = True  # their blocks were freed: the KV usage the server last got is stale
+            if isinstance(e, WorkerDied):  # a tensor-parallel worker is gone or out of step: no step can run
+                self.send(("dead", f"{type(e).__name__}: {e}"))
+                return False
             if self.failures >= MAX_CONSECUTIVE_FAILURES:
                 log.error("the engine failed %d steps in a row: it is unusable", self.failures)
                 self.send(("dead", f"{type(e).__name__}: {e}"))

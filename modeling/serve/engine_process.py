@@ -258,4 +258,8 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
         except (EOFError, OSError):  # the server closed its end
             return ("stop",)
 
-    EngineCore(engine, conn.send).run(get)
+    try:
+        EngineCore(engine, conn.send).run(get)
+    finally:
+        if getattr(engine, "workers", None) is not None:  # tensor parallelism: stop the workers this process started
+            engine.workers.close()
