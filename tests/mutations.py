@@ -267,12 +267,8 @@ MUTATIONS = [
              "        f.logits_rows[len(sampling):] = 0\n", "", ("tests/test_engine.py",)),
     Mutation("step graphs captured after the step's batch is staged (the capture stages its own)",
              "modeling/engine/runner.py",
-             "        self._capture_new(key, eager)\n        host = self._next_host()\n"
-             "        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())\n"
-             "        self._send(host, packed.nbytes)\n",
-             "        host = self._next_host()\n"
-             "        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())\n"
-             "        self._send(host, packed.nbytes)\n        self._capture_new(key, eager)\n",
+             "        self._capture_new(key, eager)\n        packed, host = self._stage(work, key)\n",
+             "        packed, host = self._stage(work, key)\n        self._capture_new(key, eager)\n",
              ("tests/test_engine.py",)),
     Mutation("a mixed step's padding tokens keep the KV slots of an earlier step", "modeling/engine/step.py",
              "    f.slot_mapping[N:] = -1\n", "", ("tests/test_engine.py",)),

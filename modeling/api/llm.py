@@ -198,10 +198,11 @@ class LLM(Frontend):
         with getattr(self, "_lock", None) or contextlib.nullcontext():
             self._closed = True
             engine, self._engine = getattr(self, "_engine", None), None
-            for _, c in getattr(self, "_tracked", {}).values():
+            tracked = getattr(self, "_tracked", {})  # absent when a failed __init__ calls close
+            for _, c in tracked.values():
                 if not c.finished:
                     c.finish_reason = "abort"
-            getattr(self, "_tracked", {}).clear()
+            tracked.clear()
             if self.workers is not None:
                 broken = engine is not None and engine.failed
                 if engine is not None and not broken:

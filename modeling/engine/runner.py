@@ -34,7 +34,7 @@ has run (an event), since the engine packs the next step while the device still 
 """
 
 from dataclasses import replace
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -133,26 +133,26 @@ class StepRunner:
         """The kernels of a decode-only step of ``num_seqs`` rows (its graph's)."""
         return self.kernels or decode_kernels(self.model, num_seqs, self.max_model_len)
 
-    def _stage(self, work, key) -> Packed:
-        """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device."""
-        host = self._next_host()
+    def _stage(self, work, key) -> Tuple[Packed, Tensor]:
+        """Pack ``work`` for graph shape ``key`` into the next host buffer and copy it to the device:
+        the packed batch and the bytes it took on the host."""
+        i, host = self._next_host()
         packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
-        self._send(host, packed.nbytes)
-        return packed
+        self._send(i, packed.nbytes)
+        return packed, host[:packed.nbytes]
 
-    def _next_host(self) -> Tensor:
-        """The next host buffer, once its last transfer has run."""
+    def _next_host(self) -> Tuple[int, Tensor]:
+        """The next host buffer and its index, once its last transfer has run."""
         i = self.turn
         self.turn = (i + 1) % len(self.staging)
         if self.staged:
             self.staged[i].synchronize()
-        return self.staging[i]
+        return i, self.staging[i]
 
-    def _send(self, host: Tensor, nbytes: int) -> None:
-        """Copy the first ``nbytes`` of ``host`` (the buffer ``_next_host`` gave) to the device."""
+    def _send(self, i: int, nbytes: int) -> None:
+        """Copy the first ``nbytes`` of host buffer ``i`` to the device (on the CPU it is the device's)."""
         if self.staged:
-            i = next(k for k, h in enumerate(self.staging) if h is host)
-            self.inputs[:nbytes].copy_(host[:nbytes], non_blocking=True)
+            self.inputs[:nbytes].copy_(self.staging[i][:nbytes], non_blocking=True)
             self.staged[i].record(torch.cuda.current_stream(self.inputs.device))
 
     def _reset(self) -> None:
@@ -224,9 +224,7 @@ class StepRunner:
         if width > self.block_table.shape[1]:
             raise ValueError(f"a sequence holds {width} KV blocks; the step graphs take {self.block_table.shape[1]}")
         self._capture_new(key, eager)
-        host = self._next_host()
-        packed = pack(work, key, self.block_size, self.pool.padding_slot, host.numpy())
-        self._send(host, packed.nbytes)
+        packed, host = self._stage(work, key)
         batch = self._batch(key)
         tables = [(seq.block_table, len(seq.block_table)) for seq, _ in work]
         copied = None
@@ -237,7 +235,7 @@ class StepRunner:
         batch.sampling, batch.query_lens, batch.starts = packed.sampling, packed.query_lens, packed.starts
         batch.pending = packed.pending
         if self.model.parallel.world_size > 1:
-            batch.staged = StagedStep(key, eager, host[:packed.nbytes].numpy().copy(), copied, len(packed.sampling),
+            batch.staged = StagedStep(key, eager, host.numpy().copy(), copied, len(packed.sampling),
                                       list(packed.query_lens), list(packed.starts))
         return batch
 
@@ -245,9 +243,9 @@ class StepRunner:
         """The batch rank 0 ``prepare``d, from its ``StagedStep``, in this (worker's) buffers: the
         same captures at the same steps, the same bytes staged, the same table rows copied."""
         self._capture_new(staged.key, staged.eager)
-        host = self._next_host()
+        i, host = self._next_host()
         host[:len(staged.data)].copy_(torch.from_numpy(staged.data))
-        self._send(host, len(staged.data))
+        self._send(i, len(staged.data))
         batch = self._batch(staged.key)
         if staged.tables is not None:
             self._copy_tables(staged.key, len(staged.data), *staged.tables)

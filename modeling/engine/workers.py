@@ -40,6 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .cache_pool import CachePool
+from .runner import StepRunner
+from .step import to_device
+
 TIMEOUT_S = 60
 """Seconds a collective may wait for a peer, and the longest a dead worker goes unnoticed."""
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -160,9 +164,6 @@ class StepMirror:
     rank 0 staged (``StepRunner.load``) and keeping its sampled tokens."""
 
     def __init__(self, model, size, runner_args: dict):
-        from .cache_pool import CachePool
-        from .runner import StepRunner
-
         self.model = model
         self.pool = CachePool(model, size)
         self.runner = StepRunner(model, self.pool, **runner_args)
@@ -172,8 +173,6 @@ class StepMirror:
     def step(self, staged, pending: Optional[np.ndarray], prompt_rows: Optional[np.ndarray]) -> None:
         """Run rank 0's step: ``pending`` [2, P] (batch rows, rows of the last step's tokens) are the
         inputs to take from the tokens on the device; ``prompt_rows`` the extra logits rows."""
-        from .step import to_device
-
         dev = self.model.device
         batch = self.runner.load(staged)
         if pending is not None:
