@@ -33,8 +33,10 @@ from bench import require_cuda
 ROOT = Path(__file__).resolve().parents[1]
 RUN_IDS = "import sys, pytest; sys.exit(pytest.main(open(sys.argv[1]).read().splitlines() + sys.argv[2:]))"
 GIB = 1 << 30
-PROCESS_BYTES = 8 * GIB
-"""GPU memory one test process may hold at once: its CUDA context and one ordinary test's tensors."""
+PROCESS_BYTES = 6 * GIB
+"""GPU memory one test process may hold at once: its CUDA context and one ordinary test's tensors
+(the largest unlocked ones compare a full-size fp32 model with transformers': two copies of
+Qwen3.5-0.8B's 3.4 GB of weights)."""
 HEAVY_BYTES = 32 * GIB
 """GPU memory of the largest test (a training step's ops compiled at Qwen3-0.6B shapes, in a
 subprocess); such tests run one at a time on a GPU."""

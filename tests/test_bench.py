@@ -40,9 +40,10 @@ def test_cuda_suite_sizes_its_processes_from_free_memory_and_cores():
     many as the free memory holds without overcommitting it, and no more than the host's cores feed."""
     from bench.cuda_suite import GIB, HEAVY_BYTES, PROCESS_BYTES, processes_per_gpu
 
-    assert processes_per_gpu(int(79.1 * GIB), 16) == 6  # an 80 GB H100 on 16 cores (four ran out of memory)
+    assert processes_per_gpu(int(79.1 * GIB), 16) == 8  # an 80 GB H100 on 16 cores
+    assert processes_per_gpu(int(79.1 * GIB), 24) == 8  # ... on more cores: its memory decides
     assert processes_per_gpu(int(139.5 * GIB), 16) == 8  # an H200: the cores decide
-    assert processes_per_gpu(int(79.1 * GIB), 128 // 8) == 6  # one GPU of eight, with its share of the cores
+    assert processes_per_gpu(int(60 * GIB), 128 // 8) == 5  # a GPU of which 60 GB are free
     assert processes_per_gpu(20 * GIB, 16) == 1 and processes_per_gpu(0, 16) == 1
     assert processes_per_gpu(None, 2) == 1 and processes_per_gpu(None, 9) == 4  # no GPU: the cores alone
     for free in range(0, 200 * GIB, GIB):

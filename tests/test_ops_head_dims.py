@@ -72,32 +72,34 @@ def _attention_inputs(b, sq, sk, hq, hk, d, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_attention_forward_and_backward(device, nan_outputs):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_attention_forward_and_backward(device, dtype, nan_outputs):
     """attention, attention_with_lse and attention_backward (with the forward's lse and a gradient
     reaching it, and with lse recomputed)."""
+    if dtype not in DTYPES[device]:
+        pytest.skip(f"{dtype} is not among the {device} dtypes")
     torch.manual_seed(0)
-    for dtype in DTYPES[device]:
-        for b, sq, sk, hq, hk, d in ATTENTION[device]:
-            q, k, v = _attention_inputs(b, sq, sk, hq, hk, d, dtype, device)
-            scale = d ** -0.5
-            for causal in (True, False):
-                what = f"{dtype} b{b} sq{sq} sk{sk} hq{hq} hk{hk} d{d} causal={causal}"
-                ref_o, ref_lse = attention_with_lse_reference(q, k, v, scale, causal)
-                o, lse = ops.attention_with_lse(q, k, v, scale, causal)
-                assert_close(o, ref_o, what="attention_with_lse o " + what)
-                assert_close(lse, ref_lse, what="attention_with_lse lse " + what)
-                assert_close(ops.attention(q, k, v, scale, causal), ref_o, what="attention " + what)
-                if dtype not in BACKWARD_DTYPES[device]:
-                    continue
-                do = prand(b, sq, hq, d, dtype=dtype, device=device)
-                dlse = randn(b, hq, sq, dtype=torch.float32, device=device)
-                o = padded(o)
-                ref = attention_backward_reference(do, q, k, v, o, lse, scale, causal, dlse)
-                recomputed = attention_backward_reference(do, q, k, v, o, None, scale, causal)
-                for how, lse_in, dlse_in, want in (("saved", lse, dlse, ref), ("recomputed", None, None, recomputed)):
-                    got = ops.attention_backward(do, q, k, v, o, lse_in, scale, causal, dlse_in)
-                    for name, a, r in zip(("dq", "dk", "dv"), got, want):
-                        assert_close(a, r, what=f"attention_backward {name} (lse {how}) {what}")
+    for b, sq, sk, hq, hk, d in ATTENTION[device]:
+        q, k, v = _attention_inputs(b, sq, sk, hq, hk, d, dtype, device)
+        scale = d ** -0.5
+        for causal in (True, False):
+            what = f"{dtype} b{b} sq{sq} sk{sk} hq{hq} hk{hk} d{d} causal={causal}"
+            ref_o, ref_lse = attention_with_lse_reference(q, k, v, scale, causal)
+            o, lse = ops.attention_with_lse(q, k, v, scale, causal)
+            assert_close(o, ref_o, what="attention_with_lse o " + what)
+            assert_close(lse, ref_lse, what="attention_with_lse lse " + what)
+            assert_close(ops.attention(q, k, v, scale, causal), ref_o, what="attention " + what)
+            if dtype not in BACKWARD_DTYPES[device]:
+                continue
+            do = prand(b, sq, hq, d, dtype=dtype, device=device)
+            dlse = randn(b, hq, sq, dtype=torch.float32, device=device)
+            o = padded(o)
+            ref = attention_backward_reference(do, q, k, v, o, lse, scale, causal, dlse)
+            recomputed = attention_backward_reference(do, q, k, v, o, None, scale, causal)
+            for how, lse_in, dlse_in, want in (("saved", lse, dlse, ref), ("recomputed", None, None, recomputed)):
+                got = ops.attention_backward(do, q, k, v, o, lse_in, scale, causal, dlse_in)
+                for name, a, r in zip(("dq", "dk", "dv"), got, want):
+                    assert_close(a, r, what=f"attention_backward {name} (lse {how}) {what}")
 
 
 @pytest.mark.launcher

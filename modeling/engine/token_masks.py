@@ -13,7 +13,7 @@ mask wins (a grammar that must end gets its stop tokens).
 
 The masks are built on the host between reading a step's tokens and sampling the next one, so
 they must take less time than a forward pass: the rows held to a grammar alone (the common case)
-are filled together by xgrammar's ``BatchGrammarMatcher`` (its threads, outside the GIL), with
+are filled together by xgrammar's ``BatchGrammarMatcher`` (one call into its C++), with
 their dead ends found in one pass over the bitmask; the other rows one by one (``fill``). The
 engine builds a step's masks in a worker thread while its own thread goes on (``Engine.step``).
 
@@ -130,12 +130,13 @@ _per_thread = threading.local()
 
 def fill_grammars(matchers: list, bitmask: torch.Tensor, rows: List[int]) -> None:
     """Write each matcher's next-token mask into its row of ``bitmask`` (rows ``rows``), together
-    (xgrammar's ``BatchGrammarMatcher``: one per thread, made at the thread's first call)."""
+    (xgrammar's ``BatchGrammarMatcher``: one per thread, made at the thread's first call, filling on
+    that thread: its own pool of threads filled 64 rows slower than one thread, docs/performance.md)."""
     batch = getattr(_per_thread, "batch_matcher", None)
     if batch is None:
         from .structured_outputs import xgrammar
 
-        batch = _per_thread.batch_matcher = xgrammar().BatchGrammarMatcher()
+        batch = _per_thread.batch_matcher = xgrammar().BatchGrammarMatcher(max_threads=1)
     batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
