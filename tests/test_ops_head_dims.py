@@ -71,13 +71,12 @@ def _attention_inputs(b, sq, sk, hq, hk, d, dtype, device):
             prand(b, sk, hk, d, dtype=dtype, device=device))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param(device, dtype, id=f"{str(dtype)[6:]}-{device}", marks=[pytest.mark.cuda] if device == "cuda" else [])
+    for device, dtypes in DTYPES.items() for dtype in dtypes])
 def test_attention_forward_and_backward(device, dtype, nan_outputs):
     """attention, attention_with_lse and attention_backward (with the forward's lse and a gradient
     reaching it, and with lse recomputed)."""
-    if dtype not in DTYPES[device]:
-        pytest.skip(f"{dtype} is not among the {device} dtypes")
     torch.manual_seed(0)
     for b, sq, sk, hq, hk, d in ATTENTION[device]:
         q, k, v = _attention_inputs(b, sq, sk, hq, hk, d, dtype, device)
