@@ -414,3 +414,32 @@ def test_a_failed_step_leaves_the_engine_refusing_steps(checkpoints, monkeypatch
         procs = llm.workers.procs
         llm.close()
     assert procs[0].exitcode == -signal.SIGKILL  # stopped at once, not left to its collective's timeout
+
+
+def _free_rank(rank: int, init_method: str, free: list, out: str) -> None:
+    """One rank of ``least_free_memory`` with ``free[rank]`` bytes free (None: cannot tell)."""
+    import modeling.engine.workers as workers
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=len(free))
+    try:
+        with mock.patch.object(workers, "available_memory", lambda device: free[rank]):
+            least = workers.least_free_memory(torch.device("cpu"))
+        torch.save(least, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("free,least", [([5 << 30, 3 << 30], 3 << 30), ([2 << 30, 7 << 30], 2 << 30),
+                                        ([4 << 30, None], None)])
+def test_every_rank_sizes_its_pool_from_the_fullest_device(tmp_path, free, least):
+    """``least_free_memory``: every rank gets the least free memory of any rank (rank 0's pool size,
+    which the workers build too), or None when a rank cannot tell."""
+    context = mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", free, str(tmp_path / "least")),
+                                 nprocs=len(free), join=False, start_method="spawn")
+    deadline = time.monotonic() + 300  # a hang guard: a collective has no timeout of its own here
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the ranks did not finish in 300 s")
+    assert [torch.load(tmp_path / f"least.{rank}") for rank in range(len(free))] == [least] * len(free)

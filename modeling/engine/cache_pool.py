@@ -21,7 +21,7 @@ graph replay needs.
 """
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -71,10 +71,10 @@ def bytes_per_state_slot(model) -> int:
 
 
 def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float,
-             reserve_bytes: int = 0) -> PoolSize:
+             reserve_bytes: int = 0, free_bytes: Optional[int] = None) -> PoolSize:
     """The pool for ``model``: one state slot per sequence (hybrid models), and as many KV blocks as
-    ``gpu_memory_utilization`` of the device's free memory (the host's, on the CPU) holds after the
-    slots and ``reserve_bytes`` (the step's activations), but never fewer than one full-length
+    ``gpu_memory_utilization`` of the device's free memory (the host's, on the CPU; ``free_bytes``
+    when given) holds after the slots and ``reserve_bytes`` (the step's activations), but never fewer than one full-length
     sequence needs nor more than
     ``max_num_seqs`` full-length sequences need. ``DoesNotFit`` (a ``MemoryError``) when one
     full-length sequence does not fit."""
@@ -85,7 +85,7 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_
     per_seq = -(-max_model_len // block_size)
     most = per_seq * max_num_seqs
     per_block = bytes_per_block(model, block_size)
-    free = available_memory(model.device)
+    free = available_memory(model.device) if free_bytes is None else free_bytes
     if free is None or per_block == 0:  # (no attention layer: the blocks hold nothing)
         return PoolSize(most, block_size, slots)
     budget = free * gpu_memory_utilization - reserve_bytes - slots * slot_bytes

@@ -41,7 +41,7 @@ from .sequence import Sequence, Status
 from .step import to_device
 from .structured_outputs import Grammars
 from .token_masks import TokenControls, bad_word_ids, token_bitmask
-from .workers import WorkerDied, Workers, broadcast_tokens
+from .workers import WorkerDied, Workers, broadcast_tokens, least_free_memory
 
 BLOCK_SIZE = 16
 """Positions per KV block: the fastest of `python -m bench.throughput --block-sizes 16 32 64 128`
@@ -143,7 +143,11 @@ class Engine:
         self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         hybrid = any(kind != "full_attention" for kind in c.layer_types)
         reserve = max_num_batched_tokens * c.hidden_size * 64 * model.dtype.itemsize  # the step's activations
-        self.size = size_for(model, block_size, max_num_seqs, self.max_model_len, gpu_memory_utilization, reserve)
+        free = None
+        if workers is not None:  # every rank's pool from the fullest device's free memory
+            workers.send(("free",))
+            free = least_free_memory(model.device)
+        self.size = size_for(model, block_size, max_num_seqs, self.max_model_len, gpu_memory_utilization, reserve, free)
         if num_blocks is not None:
             self.size.num_blocks = num_blocks
         self.pool = CachePool(model, self.size)
@@ -153,7 +157,7 @@ class Engine:
         runner_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                            max_blocks=-(-self.max_model_len // block_size), block_size=block_size,
                            enabled=not enforce_eager, kernels=decode_kernels)
-        self.runner = StepRunner(model, self.pool, **runner_args)  # its argument checks before any worker acts
+        self.runner = StepRunner(model, self.pool, **runner_args)  # its argument checks before the workers build
         if workers is not None:
             workers.send(("engine", self.size, runner_args))
         self._lock = threading.Lock()

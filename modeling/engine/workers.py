@@ -1,7 +1,8 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process, ranks 1 .. W-1 are worker
 processes it starts, one per device (``Workers``; ``LLM(..., tensor_parallel_size=W)`` and
 ``python -m modeling.serve --tensor-parallel-size W``). Every rank holds its shard of the model
-(``modeling.model.tensor_parallel``) and a cache pool of its heads with rank 0's number of blocks.
+(``modeling.model.tensor_parallel``) and a cache pool of its heads with rank 0's number of blocks,
+sized from the least memory any rank has free.
 
 Rank 0 schedules and samples. Each step it sends the workers the batch it staged
 (``step.StagedStep``: the packed bytes, the graph shape, the block table rows), before it runs
@@ -10,8 +11,10 @@ step (the collectives inside are captured on every rank together), and its colle
 0 alone samples from the gathered logits, then broadcasts the sampled tokens: a worker keeps them
 for the next step's inputs that the lookahead leaves on the device (``StepBatch.pending``).
 
-Messages (a pipe per worker): ("engine", size, runner arguments): build the pool and the step
-runner (again, larger, when ``LLM`` resizes its engine); ("step", staged, pending, prompt_rows):
+Messages (a pipe per worker): ("free",): drop the pool and step runner, then meet rank 0 in
+``least_free_memory`` (every rank's pool is sized from the fullest device's free memory);
+("engine", size, runner arguments): build the pool and the step runner (again, larger, when
+``LLM`` resizes its engine); ("step", staged, pending, prompt_rows):
 run a step, then receive its sampled tokens; ("capture",): capture every graph shape; ("stop",).
 
 A worker that dies ends the engine with ``WorkerDied`` naming its rank: rank 0 checks the workers
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..model.device import available_memory
 from .cache_pool import CachePool
 from .runner import StepRunner
 from .step import to_device
@@ -154,6 +158,15 @@ class Workers:
                 proc.join()
 
 
+def least_free_memory(device: torch.device) -> Optional[int]:
+    """The least memory free over the ranks (each its own device's ``available_memory``; None when a
+    rank cannot tell), which sizes every rank's pool: the fullest device decides."""
+    free = available_memory(device)
+    least = torch.tensor([-1 if free is None else free], dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return None if least.item() < 0 else int(least.item())
+
+
 def broadcast_tokens(tokens: torch.Tensor) -> None:
     """Rank 0's sampled tokens [S] int64 to every rank (the workers' ``StepMirror.step``)."""
     dist.broadcast(tokens.contiguous(), src=0)
@@ -207,11 +220,13 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             kind = message[0]
             if kind == "stop":
                 return
-            if kind == "engine":
+            if kind == "free":
                 mirror = None  # the old pool's memory first (the step graphs hold the runner in a cycle)
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                least_free_memory(device)
+            elif kind == "engine":
                 mirror = StepMirror(model, *message[1:])
             elif kind == "step":
                 mirror.step(*message[1:])
