@@ -147,14 +147,18 @@ def token_bitmask(seqs, vocab: int, generated: Seq[int], pin: bool = False) -> O
     rows = [i for i, s in enumerate(seqs) if s.controls is not None]
     if not rows:
         return None
-    bitmask = torch.empty((len(seqs), words(vocab)), dtype=torch.int32, pin_memory=pin).fill_(-1)
-    grammar = [i for i in rows if seqs[i].controls.grammar_only]
+    grammar, other = [], []
+    for i in rows:
+        (grammar if seqs[i].controls.grammar_only else other).append(i)
+    bitmask = torch.empty((len(seqs), words(vocab)), dtype=torch.int32, pin_memory=pin)
+    host = bitmask.numpy()
+    if len(grammar) < len(seqs):  # the grammar rows are written whole by their fill
+        host[np.setdiff1d(np.arange(len(seqs)), grammar)] = -1
     if grammar:
         fill_grammars([seqs[i].controls.matcher for i in grammar], bitmask, grammar)
-        empty = ~bitmask.numpy()[grammar].any(axis=1)
+        empty = ~(host if len(grammar) == len(seqs) else host[grammar]).any(axis=1)
         for i, dead in zip(grammar, empty.tolist()):
             seqs[i].controls.dead_end = dead
-    for i in rows:
-        if not seqs[i].controls.grammar_only:
-            seqs[i].controls.fill(bitmask, i, seqs[i].output_ids, generated[i])
+    for i in other:
+        seqs[i].controls.fill(bitmask, i, seqs[i].output_ids, generated[i])
     return bitmask
