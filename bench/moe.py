@@ -3,6 +3,7 @@ decode against its floor, and Qwen3-30B-A3B's offline throughput against its bou
 
     python -m bench.moe [--out DIR] [--only gemm decode throughput] [--steps 128] [--requests 256]
     python -m bench.moe --sweep [--out DIR]     # tile configs: this GPU's table moe
+    python -m bench.moe --only decode --fp8     # Qwen3-30B-A3B's FP8 decode against its FP8 floor
 
 Random weights, bf16; router weights random (std 0.02), so the experts are picked near uniformly.
 
@@ -23,6 +24,11 @@ Random weights, bf16; router weights random (std 0.02), so the experts are picke
   per second after a warm-up run; the bound is the run's output tokens over (every weight, all
   experts, read once per engine step of the run, plus each decode token's reads of its context's
   keys and values) / the copy bandwidth.
+
+With ``--fp8`` the decode rows are Qwen3-30B-A3B's weights quantised as ``quantization="fp8"``
+quantises them (``random_model(..., quantization="fp8")``: the experts, the attention's
+projections in FP8 blocks of 128, the router, embeddings and lm_head in bf16), keys
+``qwen3_moe_fp8_b1_ms_per_token`` and ``qwen3_moe_fp8_b1_floor_ms`` (its FP8 bytes).
 
 Keys: ``moe_gemm_vs_torch_min``, ``qwen3_moe_b1_ms_per_token``, ``qwen3_moe_b1_floor_ms``,
 ``qwen3_5_moe_b1_ms_per_token``, ``qwen3_5_moe_b1_floor_ms``, ``qwen3_moe_throughput_tokens_per_s``,
@@ -129,7 +135,8 @@ def token_bytes(model, context: int) -> int:
     total = 0.0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
-        if name.endswith(("mlp.experts_gate_up", "mlp.experts_down")):
+        if name.endswith(("mlp.experts_gate_up", "mlp.experts_down", "mlp.experts_gate_up_scale_inv",
+                          "mlp.experts_down_scale_inv")):
             size *= share
         elif name == "embed_tokens" and not c.tie_word_embeddings:
             size = c.hidden_size * p.element_size()
@@ -148,14 +155,19 @@ def _numel(shape) -> int:
     return n
 
 
-def decode_rows(out: dict, steps: int, bandwidth: float, report) -> None:
+def decode_rows(out: dict, steps: int, bandwidth: float, report, fp8: bool = False) -> None:
+    """Batch-1 decode of both models against their floors; ``fp8``: Qwen3-30B-A3B with its weights
+    quantised as ``quantization="fp8"`` does (keys ``qwen3_moe_fp8_b1_*``)."""
     from bench.decode import ours_ms
     from bench.throughput import free_device_memory
     from modeling import QwenConfig
     from modeling.model.random_checkpoint import random_model
 
-    for key, shape in (("qwen3_moe", QWEN3_30B_A3B), ("qwen3_5_moe", QWEN3_5_35B_A3B)):
-        model = random_model(QwenConfig.from_dict(shape), dtype=torch.bfloat16, device="cuda", std=0.02)
+    models = [("qwen3_moe_fp8", QWEN3_30B_A3B)] if fp8 else [("qwen3_moe", QWEN3_30B_A3B),
+                                                             ("qwen3_5_moe", QWEN3_5_35B_A3B)]
+    for key, shape in models:
+        model = random_model(QwenConfig.from_dict(shape), dtype=torch.bfloat16, device="cuda", std=0.02,
+                             quantization="fp8" if fp8 else None)
         report(f"{key}_b1_floor_ms", token_bytes(model, CONTEXT) / bandwidth * 1e3, "ms")
         report(f"{key}_b1_ms_per_token", ours_ms(model, 1, CONTEXT, steps), "ms")
         out[f"{key}_b1_x_floor"] = out[f"{key}_b1_ms_per_token"] / out[f"{key}_b1_floor_ms"]
@@ -265,6 +277,8 @@ def main():
     p.add_argument("--steps", type=int, default=128, help="decode steps timed per run")
     p.add_argument("--requests", type=int, default=256, help="requests of the throughput workload")
     p.add_argument("--sweep", action="store_true", help="only the tile-config sweep")
+    p.add_argument("--fp8", action="store_true", help="decode: Qwen3-30B-A3B quantised to FP8 (the gemm and "
+                   "throughput rows stay bf16)")
     a = p.parse_args()
     require_cuda("bench.moe")
     from bench.decode import copy_bandwidth
@@ -272,7 +286,7 @@ def main():
     out = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__)
     os.makedirs(a.out, exist_ok=True)
     slug = gpu_slug(out["gpu"])
-    path = os.path.join(a.out, f"{out['date']}-{slug}-moe{'-configs' if a.sweep else ''}.json")
+    path = os.path.join(a.out, f"{out['date']}-{slug}-moe{'-configs' if a.sweep else '-fp8' if a.fp8 else ''}.json")
 
     def save():
         with open(path, "w") as f:  # after every number: a run cut short keeps what it measured
@@ -300,7 +314,7 @@ def main():
                       f"x{case['torch_over_ours']:.2f}  rel err {case['rel_err_vs_torch']:.1e}", flush=True)
         report("moe_gemm_vs_torch_min", min(c["torch_over_ours"] for c in out["gemm"]), "")
     if "decode" in a.only:
-        decode_rows(out, a.steps, bandwidth, report)
+        decode_rows(out, a.steps, bandwidth, report, a.fp8)
     if "throughput" in a.only:
         throughput_rows(out, a.requests, bandwidth, report)
     print(f"wrote {path}")

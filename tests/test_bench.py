@@ -353,3 +353,23 @@ def test_moe_benchmark_floor_counts_what_one_token_reads():
     params = layers * (attention + experts) + h + vocab * h + h  # embedding row, lm_head, final norm
     kv = layers * 256 * 2 * 4 * 128
     assert token_bytes(model, 256) == 2 * (params + kv)
+
+
+def test_moe_benchmark_fp8_floor_counts_fp8_bytes_and_scales():
+    """bench.moe --fp8's floor: a model quantised as ``quantization="fp8"`` does counts one byte a
+    weight of its FP8 projections and experts, their fp32 block scales (the experts' at the picked
+    share), and the rest in bf16. One small layer: hidden 128, q 4 and kv 2 heads of 64, 8 experts
+    of 128 with 2 picked, vocabulary 256."""
+    from bench.moe import QWEN3_30B_A3B, token_bytes
+    from modeling import QwenConfig
+    from modeling.model.random_checkpoint import random_model
+
+    sizes = dict(QWEN3_30B_A3B, vocab_size=256, hidden_size=128, moe_intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2)
+    model = random_model(QwenConfig.from_dict(sizes), dtype=torch.bfloat16, quantization="fp8")
+    qkv = 512 * 128 + 4 * 1 * 4  # FP8 [512, 128], scales [4, 1]
+    o = 128 * 256 + 1 * 2 * 4  # FP8 [128, 256], scales [1, 2]
+    experts = (8 * 256 * 128 + 8 * 2 * 1 * 4 + 8 * 128 * 128 + 8 * 1 * 1 * 4) * 2 // 8  # gate_up, down: 2 of 8
+    bf16 = 2 * (2 * 64 + 2 * 128 + 8 * 128 + 128 + 256 * 128 + 128)  # q/k norms, norms, router, embedding row, lm_head, final norm
+    kv = 256 * 2 * 2 * 64 * 2
+    assert token_bytes(model, 256) == qkv + o + experts + bf16 + kv

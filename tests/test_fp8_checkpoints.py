@@ -319,6 +319,41 @@ def test_quantization_fp8_at_load_of_a_moe_checkpoint(tmp_path):
     assert torch.equal(mlp.router_weight, ref.router_weight) and mlp.router_weight.dtype == torch.bfloat16
 
 
+@torch.no_grad()
+def test_random_model_quantised_as_at_load(tmp_path):
+    """``random_model(..., quantization="fp8")`` (the benchmarks' FP8 models, made in memory): the
+    parameters a checkpoint quantised at load holds (names, dtypes, shapes; experts, the shared
+    expert and the attention's projections FP8, the router bf16), each FP8 one the quantisation of
+    the same seed's bf16 ``random_model`` parameter and the others equal to it."""
+    from modeling.model.config import QwenConfig
+    from modeling.model.random_checkpoint import random_model
+
+    random_hf_model("qwen2_moe").to(torch.bfloat16).save_pretrained(tmp_path)
+    config = QwenConfig.from_pretrained(tmp_path)
+    loaded = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization="fp8")
+    model = random_model(config, dtype=torch.bfloat16, quantization="fp8", seed=3)
+    plain = dict(random_model(config, dtype=torch.bfloat16, seed=3).named_parameters())
+
+    def layout(m):
+        return {name: (p.dtype, tuple(p.shape)) for name, p in m.named_parameters()}
+
+    assert layout(model) == layout(loaded)
+    params = dict(model.named_parameters())
+    quantised = [name for name, p in params.items() if p.dtype == torch.float8_e4m3fn]
+    assert any(".experts_" in name for name in quantised) and any("shared" in name for name in quantised)
+    for name, p in params.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name in quantised:
+            w8, s = fp8.quantize(plain[name])
+            assert torch.equal(p.view(torch.uint8), w8.view(torch.uint8)), name
+            assert torch.equal(params[name + "_scale_inv"], s), name
+        else:
+            assert torch.equal(p, plain[name]), name
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+        random_model(config, quantization="int8")
+
+
 def test_llm_generates_from_an_fp8_checkpoint(tmp_path):
     hf = random_hf("qwen3_5")
     write_fp8_checkpoint(hf, tmp_path)

@@ -189,6 +189,13 @@ class QwenForCausalLM(nn.Module):
                              f"{str(dtype).replace('torch.', '')} on {device}")
         state = load_state_dict(path, config, device=device, dtype=dtype, quantize=quantization == "fp8",
                                 parallel=parallel)
+        return cls.from_state(config, state, parallel)
+
+    @classmethod
+    def from_state(cls, config: QwenConfig, state: dict, parallel: TensorParallel = SINGLE) -> "QwenForCausalLM":
+        """The model of ``config`` holding ``state``'s tensors as they are, for inference: the
+        loader's fused tensors (``load_state_dict``), FP8 weights with their ``*_scale_inv`` (and
+        ``*_tail``) in place of the parameters they stand for."""
         with torch.device("meta"):
             model = cls(config, parallel)
         # the loader stacks rows; a parameter of more dims (the experts [E, 2I, H]) is a view of them

@@ -36,10 +36,11 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 import torch
 from safetensors.torch import save_file
 
+from . import fp8
 from .causal_lm import QwenForCausalLM
 from .config import QwenConfig
 from .files import read_json
-from .loader import load_plan
+from .loader import expert_targets, linear_targets, load_plan
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -354,13 +355,22 @@ def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
 
 @torch.no_grad()
 def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device] = "cpu",
-                 std: float = 0.02, seed: int = 0) -> QwenForCausalLM:
+                 std: float = 0.02, seed: int = 0, quantization: Optional[str] = None) -> QwenForCausalLM:
     """A ``QwenForCausalLM`` with random weights, built in memory on ``device``, each parameter made
-    in ``dtype`` directly (a 61 GB bf16 model never holds an fp32 copy)."""
+    in ``dtype`` directly (a 61 GB bf16 model never holds an fp32 copy). ``quantization="fp8"``:
+    the weights ``from_pretrained(..., quantization="fp8")`` quantises, quantised as each is made
+    (a 30B mixture of experts never holds its bf16 weights)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     with torch.device("meta"):
-        model = QwenForCausalLM(config)
+        shapes = {name: tuple(p.shape) for name, p in QwenForCausalLM(config).named_parameters()}
+    quantized = linear_targets(config) | expert_targets(config) if quantization else set()
     g = torch.Generator(device=device).manual_seed(seed)
-    state = {name: random_tensor(name, tuple(p.shape), std, g, dtype=dtype, device=device,
-                                 norm_center=norm_center(config, name)) for name, p in model.named_parameters()}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.requires_grad_(False)
+    state = {}
+    for name, shape in shapes.items():
+        t = random_tensor(name, shape, std, g, dtype=dtype, device=device, norm_center=norm_center(config, name))
+        if name in quantized:
+            state[name], state[name + "_scale_inv"] = fp8.quantize(t)
+        else:
+            state[name] = t
+    return QwenForCausalLM.from_state(config, state)
