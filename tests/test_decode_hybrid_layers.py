@@ -86,3 +86,142 @@ def test_decode_hybrid_layers(device, dtype):
     for i, case in enumerate(CASES[device]):
         splits = 1 + 2 * i
         _check(_args(*case, dtype, device, splits=splits, padding=i == 1), dtype, device, f"{case} S{splits}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_hybrid_layers_padding_rows_write_nothing(device):
+    """A padding row (length 0, as a captured engine step pads with, in the pool's last slot) writes
+    no key, value, conv state or recurrent state, whatever its block table row and slot hold; a
+    slot outside the pool is written by no row either. Every output row is finite."""
+    case = CASES[device][0]
+    args = _args(*case, torch.float32, device)
+    args[2] = torch.zeros_like(args[2])
+    before = [args[i].clone() for i in CACHES]
+    out = torch.ops.qwen.decode_hybrid_layers(*args)
+    assert torch.isfinite(out).all()
+    assert all(torch.equal(args[i], b) for i, b in zip(CACHES, before))
+    args[2] = torch.full_like(args[2], 2)
+    args[4] = torch.full_like(args[4], args[23].shape[1])  # one past the pool
+    torch.ops.qwen.decode_hybrid_layers(*args)
+    assert all(torch.equal(args[i], b) for i, b in zip(CACHES[2:], before[2:]))
+
+
+def _small():
+    """Two layers (Gated DeltaNet, attention) of hidden 32, two sequences in blocks of 16."""
+    return _args(2, 32, 24, (G, A), (2, 1, 16, 8), (1, 2, 16, 16, 4), 16, 2, torch.float32, "cpu", splits=2)
+
+
+def test_decode_hybrid_layers_opcheck():
+    torch.library.opcheck(torch.ops.qwen.decode_hybrid_layers.default, tuple(_small()))
+
+
+def test_decode_hybrid_layers_errors():
+    args = _small()
+    rows = qwen_ops.DECODE_LAYERS_MAX_ROWS
+    bad = {
+        f"x must hold at most {rows} rows": dict(x=randn(rows + 1, 32, dtype=torch.float32, device="cpu")),
+        "layer_kinds must list": dict(layer_kinds=[G, 2]),
+        r"k_cache .* must both be \[NA = 2": dict(layer_kinds=[A, A]),
+        "in_proj_weight must be contiguous with shape": dict(in_proj_weight=args[16][:, :-1]),
+        "conv_states must be contiguous with shape": dict(conv_states=args[22][..., :-1]),
+        "ssm_states must be float32": dict(ssm_states=args[23].double()),
+        "state_slots must be int64": dict(state_slots=args[4].int()),
+        "num_heads": dict(num_heads=0),
+        "rotary_dim": dict(rotary_dim=7),
+        "block_table must be": dict(block_table=args[3][:, :0]),
+        "cache_seqlens must lie in": dict(cache_seqlens=args[2] + 1000),
+    }
+    for message, change in bad.items():
+        a = list(args)
+        for name, value in change.items():
+            a[NAMES.index(name)] = value
+        with pytest.raises(qwen_ops.QwenOpError, match=message):
+            torch.ops.qwen.decode_hybrid_layers(*a)
+
+
+# Qwen3.5's layers with awkward sizes: hidden 48, 6 value heads over 2 key heads, partial rotary
+SMALL_QWEN3_5 = dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=48, intermediate_size=40,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                     linear_value_head_dim=32, full_attention_interval=2, tie_word_embeddings=True)
+
+
+def test_reference_is_the_models_fused_decode_step():
+    """The reference against the model's layers run as a fused engine decode step (the ops the
+    layers call, with LayerContext's pool entries): the same stream and the same pool after."""
+    from types import SimpleNamespace
+
+    from modeling import QwenConfig
+    from modeling.model.context import LayerContext
+    from modeling.model.random_checkpoint import random_model
+
+    config = QwenConfig.from_dict(SMALL_QWEN3_5)
+    model = random_model(config, dtype=torch.float32, std=0.2)
+    layers = model.layers
+    kinds = [G if kind == "linear_attention" else A for kind in config.layer_types]
+    attn = [layer for layer, kind in zip(layers, kinds) if kind == A]
+    gdn = [layer for layer, kind in zip(layers, kinds) if kind == G]
+    stack = lambda group, name: torch.stack([getattr(layer, name) for layer in group])  # noqa: E731
+    m, bs, per_seq = 3, 16, 2
+    args = _args(m, config.hidden_size, config.intermediate_size, tuple(kinds),
+                 (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rotary_dim),
+                 (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                  config.linear_value_head_dim, config.linear_conv_kernel_dim), bs, per_seq, torch.float32, "cpu",
+                 splits=1)
+    weights = {"input_norm": stack(layers, "input_norm"), "post_norm": stack(layers, "post_norm"),
+               "gate_up_weight": stack(layers, "gate_up_weight"), "down_weight": stack(layers, "down_weight"),
+               "qkv_weight": stack(attn, "qkv_weight"), "q_norm": stack(attn, "q_norm"),
+               "k_norm": stack(attn, "k_norm"), "o_weight": stack(attn, "o_weight"),
+               "in_proj_weight": stack(gdn, "in_proj_weight"), "conv_weight": stack(gdn, "conv_weight")[:, :, 0],
+               "A_log": stack(gdn, "A_log"), "dt_bias": stack(gdn, "dt_bias"), "norm_weight": stack(gdn, "norm_weight"),
+               "out_weight": stack(gdn, "out_weight")}
+    for name, w in weights.items():
+        args[NAMES.index(name)] = w
+    args[NAMES.index("eps")], args[NAMES.index("offset")] = config.rms_norm_eps, config.norm_offset
+    args[NAMES.index("theta")] = config.rope_theta
+    pool = [args[i].clone() for i in CACHES]
+    ref = qwen_ops.decode_hybrid_layers_reference(*args)
+
+    positions, seqlens, table, slots = args[1], args[2], args[3], args[4]
+    batch = SimpleNamespace(positions=positions, seq_lens=seqlens, block_table=table, state_slots=slots,
+                            slot_mapping=table[torch.arange(m), positions // bs].long() * bs + positions % bs,
+                            cu_seqlens_q=torch.arange(m + 1, dtype=torch.int32), continues=seqlens > 1,
+                            max_query_len=1)
+    x, a, g = args[0], 0, 0
+    for layer, kind in zip(layers, kinds):
+        if kind == A:
+            entry, a = (pool[0][a], pool[1][a]), a + 1
+        else:
+            entry, g = (pool[2][g], pool[3][g]), g + 1
+        x, _ = layer(x, None, positions, LayerContext(batch, entry, True))
+    assert_close(x, ref, 5 * REL_TOL[torch.float32], "the model's fused step")
+    for i, p in zip(CACHES, pool):
+        assert_close(p, args[i], 5 * REL_TOL[torch.float32], NAMES[i])
+
+
+@pytest.mark.cuda
+def test_decode_hybrid_layers_replays_in_cuda_graph():
+    """The kernel captured once in a CUDA graph (its buffers and plan made by an eager call before),
+    replayed with other rows, positions, lengths, block tables and slots, gives what eager calls
+    give; no wait timed out."""
+    case = CASES["cuda"][1]
+    args = _args(*case, torch.bfloat16, "cuda")
+    qwen_ops.reserve_decode_buffers("cuda")
+    torch.ops.qwen.decode_hybrid_layers(*args)  # compile and make the plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.qwen.decode_hybrid_layers(*args)
+    for seed in (1, 2, 3):
+        fresh = _args(*case, torch.bfloat16, "cuda", seed=seed, padding=seed == 2)
+        for i in range(5):  # x, positions, cache_seqlens, block_table, state_slots
+            args[i].copy_(fresh[i])
+        caches = [args[i].clone() for i in CACHES]
+        graph.replay()
+        replayed = [static_out.clone()] + [args[i].clone() for i in CACHES]
+        for i, c in zip(CACHES, caches):
+            args[i].copy_(c)
+        eager = torch.ops.qwen.decode_hybrid_layers(*args)
+        assert torch.equal(replayed[0], eager), f"replay {seed}: the output differs from eager"
+        for i, r in zip(CACHES, replayed[1:]):
+            assert torch.equal(r, args[i]), f"replay {seed}: {NAMES[i]}"
+    assert error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
