@@ -94,20 +94,20 @@ def _decode_hybrid_layers_kernel(
         row = plan_ptr + layer * 4
         j = t - tl.load(row)
         ph = tl.load(row + 1)
-        gated = tl.load(row + 2) == 1
+        deltanet = tl.load(row + 2) == 1  # GATED_DELTANET
         idx = tl.load(row + 3).to(tl.int64)
         if layer == 0:  # the layer's input: the embeddings, then the output of the layer before
             x_in = x_ptr
         else:
             x_in = out_ptr
-        if gated:
+        if deltanet:
             n_mix = N_P + N_C + n_delta + N_W
             mph = ph + 3
         else:
             n_mix = N_QKV + n_attn + N_O
             mph = ph + 2
         if j < n_mix:
-            if gated:
+            if deltanet:
                 if j < N_P:
                     done = _qkv_task(x_in, in_norm_ptr + layer * H, in_w_ptr + idx * (NP * H), in_w_ptr, proj_ptr,
                                      cnt_ptr, err_ptr, j * RP, M, ph, N_DN, done, eps, offset, NP, H, False, BLOCK_M,
@@ -121,7 +121,7 @@ def _decode_hybrid_layers_kernel(
                     done = _delta_rule_task(y_ptr, proj_ptr, alog_ptr + idx * HV, dtb_ptr + idx * HV,
                                             state_ptr + idx * P * (HV * DK * DV), slot_ptr, seqlens_ptr, dr_ptr,
                                             cnt_ptr, err_ptr, d_id // (HV * NV), (d_id // NV) % HV, (d_id % NV) * BV,
-                                            P, ph + 1, N_C, done, dk_scale, NP, HKL, HV, DK, DV, BV, SPIN_LIMIT)
+                                            M, P, ph + 1, N_C, done, dk_scale, NP, HKL, HV, DK, DV, BV, SPIN_LIMIT)
                 else:
                     done = _gated_out_task(dr_ptr, proj_ptr, gn_ptr + idx * DV, out_w_ptr + idx * (H * VD), x_in,
                                            h_ptr, cnt_ptr, err_ptr, (j - N_P - N_C - n_delta) * RW, M, ph + 2,
@@ -146,8 +146,8 @@ def _decode_hybrid_layers_kernel(
                                           SPIN_LIMIT, cnt_ptr, False)
         elif j < n_mix + N_GU:
             done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H),
-                                 act_ptr, cnt_ptr, err_ptr, (j - n_mix) * RG, M, mph, tl.where(gated, N_W, N_O), done,
-                                 eps, offset, I, H, BLOCK_M, RG, SPIN_LIMIT, cnt_ptr, False)
+                                 act_ptr, cnt_ptr, err_ptr, (j - n_mix) * RG, M, mph, tl.where(deltanet, N_W, N_O),
+                                 done, eps, offset, I, H, BLOCK_M, RG, SPIN_LIMIT, cnt_ptr, False)
         else:
             done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
                                   err_ptr, (j - n_mix - N_GU) * RD, M, mph + 1, N_GU, done, H, I, BLOCK_M, RD,

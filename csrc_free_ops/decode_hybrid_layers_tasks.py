@@ -68,7 +68,7 @@ def _conv_task(proj_ptr, w_ptr, conv_ptr, slot_ptr, seqlens_ptr, y_ptr, cnt_ptr,
 
 @triton.jit
 def _delta_rule_task(y_ptr, proj_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, seqlens_ptr, o_ptr, cnt_ptr, err_ptr,
-                     m, h, v0, P, phase, target, done, scale, NP: tl.constexpr, HKL: tl.constexpr,
+                     m, h, v0, M, P, phase, target, done, scale, NP: tl.constexpr, HKL: tl.constexpr,
                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                      SPIN_LIMIT: tl.constexpr):
     """One token of sequence m through value head h's state columns [v0, v0 + BV) (the math of
@@ -81,7 +81,7 @@ def _delta_rule_task(y_ptr, proj_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, se
     dk_ok = head_mask(dk, DK)
     cv = v0 + tl.arange(0, BV)
     cv_ok = cv < DV
-    slot, keeps, continues = _keeps(seqlens_ptr, slot_ptr, m, True, P)
+    slot, keeps, continues = _keeps(seqlens_ptr, slot_ptr, m, m < M, P)
     s_ptrs = state_ptr + slot * (HV * DK * DV) + h * (DK * DV) + dk[:, None] * DV + cv[None, :]
     s_ok = dk_ok[:, None] & cv_ok[None, :]
     s = tl.load(s_ptrs, mask=tl.where(continues, s_ok, False), other=0.0).to(tl.float32)

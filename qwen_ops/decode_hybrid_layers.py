@@ -22,7 +22,8 @@ order; Hk' key heads of Dk, Hv value heads of Dv, Kd = Hk' Dk, Vd = Hv Dv, C = 2
 conv of K taps): in_proj_weight [NG, C + Vd + 2Hv, H] (rows qkv | z | b | a), conv_weight
 [NG, C, K], A_log, dt_bias [NG, Hv] (any float dtype), norm_weight [NG, Dv], out_weight [NG, H, Vd];
 the pool's slots conv_states [NG, P, C, K-1] (x's dtype) and ssm_states [NG, P, Hv, Dk, Dv] (fp32;
-float64 for float64 x), both contiguous.
+float64 for float64 x), both contiguous. num_splits (>= 1) splits each (sequence, kv head)'s
+attention as decode_layers' does; the result does not depend on it beyond fp32 rounding.
 
 By definition, per layer (the reference composes the ops' references; each row is a sequence of
 one token that continues its slot where cache_seqlens > 1, else starts from zeros):
@@ -41,7 +42,8 @@ one token that continues its slot where cache_seqlens > 1, else starts from zero
 Mutates k_cache, v_cache (the new keys and values at their positions, where the position is below
 cache_seqlens and within the block table's reach), conv_states and ssm_states (row state_slots[m]
 of each layer, where cache_seqlens[m] > 0 and the slot lies in [0, P)): a padding row writes
-nothing. No autograd: inference decode only.
+nothing. The first call of each shape puts the kernel's layer plan on the device: make it outside
+a CUDA graph capture (as the engine's warm-up steps do). No autograd: inference decode only.
 """
 from typing import List
 

@@ -225,3 +225,55 @@ def test_decode_hybrid_layers_replays_in_cuda_graph():
         for i, r in zip(CACHES, replayed[1:]):
             assert torch.equal(r, args[i]), f"replay {seed}: {NAMES[i]}"
     assert error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
+
+
+def test_engine_decode_steps_through_the_hybrid_kernel_equal_the_default_steps():
+    """fp32, a small random Qwen3.5 (a Gated DeltaNet and a gated attention layer): the engine's decode
+    steps through the hybrid persistent kernel (``decode_kernels="persistent"``, over the pool's
+    stacked caches and state slots, under the interpreter) give the greedy tokens of the default
+    steps; three sequences in the 4-row graph shape (a padding row in the pool's padding slot),
+    then fewer as they finish. The kernel is never the default choice."""
+    from modeling import Engine
+    from tests.test_engine import GREEDY, model_of, prompts_of
+
+    model = model_of(dict(SMALL_QWEN3_5, num_hidden_layers=2), dtype=torch.float32)
+    prompts = prompts_of([3, 7, 4], vocab=SMALL_QWEN3_5["vocab_size"])
+    lengths = (3, 2, 3)
+    engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, block_size=16)
+    assert engine.runner.decode_kernels(1) != "persistent"
+    seqs = [engine.add(p, GREEDY, n) for p, n in zip(prompts, lengths)]
+    while engine.has_work():
+        engine.step()
+    want = [s.output_ids for s in seqs]
+    engine = Engine(model, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, block_size=16,
+                    decode_kernels="persistent")
+    seqs = [engine.add(p, GREEDY, n) for p, n in zip(prompts, lengths)]
+    calls = qwen_ops.kernel_calls["decode_hybrid_layers"]
+    while engine.has_work():
+        engine.step()
+    assert qwen_ops.kernel_calls["decode_hybrid_layers"] > calls, "the hybrid kernel did not run"
+    assert [s.output_ids for s in seqs] == want
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_model_decode_hybrid_layers(batch):
+    """The engine's decode steps through the hybrid kernel against the op-by-op steps (Qwen3.5-0.8B's
+    shape, 4 layers of random weights: three Gated DeltaNet, one gated attention): fp32 greedy
+    tokens equal over 48 steps; bf16 logits of teacher-forced steps within the fused path's bound;
+    no wait timed out."""
+    from modeling import Engine, QwenConfig, SamplingParams
+    from modeling.model.random_checkpoint import QWEN3_5_0_8B, random_model
+    from tests.helpers import forced_logits
+
+    config = QwenConfig.from_dict(dict(QWEN3_5_0_8B, num_hidden_layers=4))
+    model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
+    prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
+    tokens = {k: Engine(model, max_num_seqs=batch, max_model_len=128, decode_kernels=k).generate(
+        prompts, SamplingParams(), 48) for k in ("ops", "persistent")}
+    assert tokens["persistent"] == tokens["ops"]
+    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
+    logits = {k: forced_logits(Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=k), list(range(5, 45)),
+                               [7, 9, 11, 13]) for k in ("ops", "persistent")}
+    assert_close(logits["persistent"], logits["ops"], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
+    assert error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
