@@ -47,6 +47,11 @@ PHASES = {ATTENTION: 5, GATED_DELTANET: 6}
 CONV_CHANNELS = 32 if INTERPRET else int(os.environ.get("QWEN_DECODE_HYBRID_CONV_CHANNELS", "128"))
 """Channels of a conv task (a power of two)."""
 
+KV_BLOCK_ELEMS = BLOCK_T * 128
+"""Elements (positions x padded head dim) of an attention task's step over the cache: decode_layers'
+BLOCK_T positions at head dims up to 128, 16 at Qwen3.5's 256 (the split's first block of keys and
+values stays in registers across the wait; 32 positions of 256 spill: `kv_block`)."""
+
 VALUE_BLOCK = 16 if INTERPRET else int(os.environ.get("QWEN_DECODE_HYBRID_VALUE_BLOCK", "32"))
 """State columns (of Dv) of a delta rule task at most (a power of two): a [Dk, VALUE_BLOCK] fp32 slice."""
 
@@ -154,15 +159,21 @@ def _decode_hybrid_layers_kernel(
                                   SPIN_LIMIT, cnt_ptr, False)
 
 
+def kv_block(d: int) -> int:
+    """Cached positions per step of an attention task over heads of d (KV_BLOCK_ELEMS, at least 16)."""
+    return max(16, min(BLOCK_T, KV_BLOCK_ELEMS // next_power_of_2(d)))
+
+
 def tile_plan(h: int, inter: int, nqkv: int, attn_width: int, nproj: int, channels: int, hv: int, dv: int,
               itemsize: int) -> dict:
     """The rows (channels, state columns) of each task kind's tile: RQ qkv, RO o_proj, RP in_proj,
-    RC conv, BV delta rule, RW out_proj (whose K is laid out [Hv, Dv] by heads), RG gate_up (of
-    each half), RD down."""
+    RC conv, BV delta rule, RW out_proj (its K laid out [Hv, Dv] by heads; half a tile's elements,
+    as each row's normed and gated input is built in registers beside it: a whole tile spills at
+    eight rows), RG gate_up (of each half), RD down."""
     return dict(RQ=tile_rows(nqkv, h, itemsize), RO=tile_rows(h, attn_width, itemsize),
                 RP=tile_rows(nproj, h, itemsize), RC=min(CONV_CHANNELS, next_power_of_2(channels)),
                 BV=min(VALUE_BLOCK, next_power_of_2(dv)),
-                RW=tile_rows(h, next_power_of_2(hv) * next_power_of_2(dv), itemsize),
+                RW=tile_rows(h, 2 * next_power_of_2(hv) * next_power_of_2(dv), itemsize),
                 RG=tile_rows(2 * inter, h, itemsize) // 2 or 1, RD=tile_rows(h, inter, itemsize))
 
 
@@ -240,7 +251,7 @@ def decode_hybrid_layers(x, positions, cache_seqlens, block_table, state_slots, 
             k_cache.stride(3), block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E,
             dk ** -0.5)
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HKL=hkl, HV=hv, DK=dk, DV=dv, K=taps,
-                BLOCK_M=next_power_of_2(m), **tiles, S=num_splits, BLOCK_T=BLOCK_T, HEADROOM=headroom,
+                BLOCK_M=next_power_of_2(m), **tiles, S=num_splits, BLOCK_T=kv_block(d), HEADROOM=headroom,
                 P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT, num_warps=NUM_WARPS, num_stages=1)
     if INTERPRET:
         _decode_hybrid_layers_kernel[(1,)](*args, **meta)

@@ -88,6 +88,14 @@ def test_decode_hybrid_layers(device, dtype):
         _check(_args(*case, dtype, device, splits=splits, padding=i == 1), dtype, device, f"{case} S{splits}")
 
 
+def test_decode_hybrid_layers_head_dim_256():
+    """Qwen3.5's attention head dim of 256 and rotary dim of 64, whose attention tasks step over
+    the cache 16 positions at a time (`kv_block`), with splits of several steps."""
+    assert kernels.kv_block(256) == 16
+    args = _args(2, 32, 24, (A, G), (2, 1, 256, 64), (1, 2, 16, 16, 4), 16, 4, torch.float32, "cpu", splits=2)
+    _check(args, torch.float32, "cpu", "head dim 256")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_hybrid_layers_padding_rows_write_nothing(device):
     """A padding row (length 0, as a captured engine step pads with, in the pool's last slot) writes
