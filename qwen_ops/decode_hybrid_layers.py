@@ -82,6 +82,10 @@ def decode_hybrid_layers_reference(
     out_weight: Tensor, conv_states: Tensor, ssm_states: Tensor, eps: float, offset: float, theta: float,
     rotary_dim: int, num_heads: int, num_splits: int = 1,
 ) -> Tensor:
+    """x [M, H] -> x after every layer [M, H], by the module doc's composition, layer by layer in
+    layer_kinds' order (the a-th attention layer reads [a] of the attention stacks, the g-th Gated
+    DeltaNet layer [g] of its own). A row that writes no state (cache_seqlens 0, or a slot outside
+    the pool) runs from zero states in a scratch slot."""
     m = x.shape[0]
     bs, hk, d = k_cache.shape[2:]
     pos = positions.long()
