@@ -15,10 +15,11 @@ from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, randn
 A, G = kernels.ATTENTION, kernels.GATED_DELTANET
 
 # (M, hidden, I, layer kinds, (Hq, Hk, D, rotary dim), (Hk', Hv, Dk, Dv, K), block size, blocks per
-# sequence): awkward sizes on the CPU (hidden and I not powers of two, 3 and 6 value heads, a head
-# dim of 48, partial rotary, GQA groups of 3 and 1); Qwen3.5-0.8B's layer shapes on CUDA
+# sequence): awkward sizes on the CPU (hidden and I not powers of two, 3 and 6 value heads, head
+# dims of 48, partial rotary, GQA groups of 3 and 1, conv kernels of 4 and 3); Qwen3.5-0.8B's layer
+# shapes on CUDA
 CASES = {"cpu": [(1, 40, 72, (G, G, A), (6, 2, 32, 16), (2, 6, 16, 32, 4), 16, 2),
-                 (3, 48, 40, (G, A, G, A), (2, 2, 48, 24), (1, 3, 32, 16, 3), 16, 3)],
+                 (3, 48, 40, (G, A, G, A), (2, 2, 48, 24), (1, 3, 48, 48, 3), 16, 3)],
          "cuda": [(1, 1024, 3584, (G, G, G, A) * 2, (8, 2, 256, 64), (16, 16, 128, 128, 4), 16, 24),
                   (5, 1024, 3584, (G, G, G, A) * 2, (8, 2, 256, 64), (16, 16, 128, 128, 4), 16, 150)]}
 
