@@ -13,6 +13,7 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
   persistent kernel at batch 1 for Qwen3, the fused decode ops for Qwen3.5, op by op at batch
   8) and each forced (``ours, persistent kernel`` / ``fused ops`` / ``op by op``:
   ``Engine(decode_kernels=...)``), batch 1 at context 256 and 2048, batch 8 at context 256;
+  Qwen3.5's hybrid persistent kernel (``decode_hybrid_layers``) at batch 1 and 8, context 256;
 - ours, eager: the same steps without CUDA graphs (one Python launch per op);
 - ours, weights after the PDL wait: the fused step with ``fused_decode.PREFETCH`` off (each
   program of a fused GEMV streams its weights only after the previous kernel has finished);
@@ -291,6 +292,9 @@ def measure(args) -> dict:
     row("qwen3.5-0.8b", OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
     out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
     row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['ops']}", 1, 256, ours_ms(model, 1, 256, args.steps, "ops"))
+    for batch in (1, 8):  # the hybrid persistent kernel, taken only where asked for
+        row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['persistent']}", batch, 256,
+            ours_ms(model, batch, 256, args.steps, "persistent"))
     hybrid = kernel_profile(model)
     out["qwen3_5_kernels_per_token"] = round(sum(n for n, _ in hybrid.values()))
     print_profile("Qwen3.5 default decode step", hybrid)

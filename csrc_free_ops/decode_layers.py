@@ -123,7 +123,7 @@ def _decode_layers_kernel(
                                    attn_ptr, po_ptr, plse_ptr, arr_base + layer * (M * HK), cnt_ptr, err_ptr,
                                    a_id // (HK * S), (a_id // S) % HK, a_id % S, ph + 1, N_QKV, done,
                                    stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
-                                   eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, S, BLOCK_T,
+                                   eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, False, S, BLOCK_T,
                                    HEADROOM, P_SCALE, SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn + N_O:
             done = _residual_task(attn_ptr, o_w_ptr + layer.to(tl.int64) * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,

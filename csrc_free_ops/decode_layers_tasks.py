@@ -6,7 +6,9 @@ of cached keys and values) before it waits on the phase before.
     _qkv_task       qkv[m, rows] = rms_norm(x[m]) @ w[rows]^T (+ bias), rounded
     _attention_task split s of (sequence m, kv head g): per-head RMSNorm and RoPE of the group's
                     q heads and of k, the new k and v written at the token's position, the split's
-                    share of the cached positions attended; the last split to arrive combines
+                    share of the cached positions attended; the last split to arrive combines;
+                    GATED (Qwen3.5's gated attention): q's rows per head [query | gate] and the
+                    output o * sigmoid(gate), rounded as sigmoid_mul rounds it
     _residual_task  out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T)  (o_proj and down)
     _gate_up_task   act[m, rows] = silu(g) * u of rms_norm(h[m]) @ w^T's gate and up rows
 
@@ -179,6 +181,14 @@ def _gate_up_task(h_ptr, nw_ptr, w_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phas
 
 
 @triton.jit
+def _output_gate(o, gate_ptrs, mask, dtype: tl.constexpr):
+    """sigmoid_mul(o, gate): o rounded to dtype, times sigmoid(gate) in fp32 (the output gate of
+    Qwen3.5's attention; the gate as the qkv projection stored it)."""
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return _rounded(o, dtype) * tl.sigmoid(gate)
+
+
+@triton.jit
 def _kv_block(k_base, v_base, bt_row, cols, hi, pos, d, d_ok, stride_kb, stride_kt, BS):
     """The cached keys [BLOCK_D, BLOCK_T] (transposed) and values [BLOCK_T, BLOCK_D] of positions
     `cols` below `hi`, through the block table; zero at the new token's position `pos` (its k and v
@@ -195,16 +205,19 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
                     arr_ptr, cnt_ptr, err_ptr, m, g, s, phase, target, done, stride_bt, stride_kb, stride_kt,
                     stride_kh, CACHE_LEN, BS, eps, offset, log2_theta, qk_scale,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                    HAS_QK_NORM: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr,
-                    P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+                    HAS_QK_NORM: tl.constexpr, GATED: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr,
+                    HEADROOM: tl.constexpr, P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr,
+                    TIMELINE: tl.constexpr):
     """Split s of sequence m's kv head g (see the module doc); counts (m, g) in on `phase` once its
     output is stored. The split's first block of cached keys and values is loaded before the wait
     for the qkv phase (`phase` - 1), as the GEMV tasks load their weights: only the new token's
-    column depends on that phase, and it comes from registers."""
+    column depends on that phase, and it comes from registers. GATED: qkv's query part is [Hq, 2D]
+    (head h's query, then its gate), and the output is gated."""
     G: tl.constexpr = HQ // HK
+    QS: tl.constexpr = 2 if GATED else 1  # query rows a head
     BLOCK_G: tl.constexpr = max(16, triton.next_power_of_2(G))
     BLOCK_D: tl.constexpr = head_block(D)
-    NQKV: tl.constexpr = (HQ + 2 * HK) * D
+    NQKV: tl.constexpr = (QS * HQ + 2 * HK) * D
     dtype = attn_ptr.dtype.element_ty
     seqlen = tl.minimum(tl.maximum(tl.load(seqlens_ptr + m), 0), CACHE_LEN)
     pos = tl.load(pos_ptr + m).to(tl.int64)
@@ -224,11 +237,11 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     one = tl.zeros((1,), dtype=tl.int32)
     row = qkv_ptr + m * NQKV
     fpos = pos.to(tl.float32)
-    q = _head(row, qn_ptr, g * G + r, d, r_ok[:, None] & d_ok[None, :], fpos, eps, offset, log2_theta,
+    q = _head(row, qn_ptr, (g * G + r) * QS, d, r_ok[:, None] & d_ok[None, :], fpos, eps, offset, log2_theta,
               HAS_QK_NORM, D, ROT).to(dtype)
-    k_new = tl.sum(_head(row + HQ * D, kn_ptr, g + one, d, d_ok[None, :], fpos, eps, offset, log2_theta,
+    k_new = tl.sum(_head(row + QS * HQ * D, kn_ptr, g + one, d, d_ok[None, :], fpos, eps, offset, log2_theta,
                          HAS_QK_NORM, D, ROT), axis=0).to(kc_ptr.dtype.element_ty)
-    v_new = tl.load(row + (HQ + HK) * D + g * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
+    v_new = tl.load(row + (QS * HQ + HK) * D + g * D + d, mask=d_ok, other=0.0, cache_modifier=".cg")
     if (s == 0) & (pos >= 0) & (pos < seqlen):  # the new token's k and v, written once (not by a padding row)
         slot = tl.load(bt_row + pos // BS).to(tl.int64) * stride_kb + (pos % BS) * stride_kt
         tl.store(k_base + slot + d, k_new, mask=d_ok)
@@ -259,6 +272,9 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     o_ptrs = attn_ptr + m * (HQ * D) + (g * G + r)[:, None] * D + d[None, :]
     if S == 1:
+        if GATED:
+            gates = row + ((g * G + r) * 2 + 1)[:, None] * D + d[None, :]
+            out = _output_gate(out, gates, r_ok[:, None] & d_ok[None, :], dtype)
         tl.store(o_ptrs, out.to(dtype), mask=r_ok[:, None] & d_ok[None, :])
         _finish(cnt_ptr, phase)
     else:
@@ -277,6 +293,8 @@ def _attention_task(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, seqlens_ptr, bt_ptr, kc_pt
                 parts = tl.load(po_ptr + rows[:, None] * D + d[None, :], mask=(sp < S)[:, None] & d_ok[None, :],
                                 other=0.0, cache_modifier=".cg")
                 o = tl.sum(parts * w[:, None], axis=0)
+                if GATED:
+                    o = _output_gate(o, row + ((g * G + j) * 2 + 1) * D + d, d_ok, dtype)
                 tl.store(attn_ptr + m * (HQ * D) + (g * G + j) * D + d, o.to(dtype), mask=d_ok)
             _finish(cnt_ptr, phase)
     return done

@@ -18,6 +18,9 @@ from .cross_entropy import (linear_cross_entropy, linear_cross_entropy_backward,
                             linear_cross_entropy_with_lse, linear_cross_entropy_with_lse_reference)
 from .decode_layers import MAX_ROWS as DECODE_LAYERS_MAX_ROWS
 from .decode_layers import decode_layers, decode_layers_reference, decode_layers_splits, reserve_decode_buffers
+from .decode_hybrid_layers import ATTENTION as DECODE_HYBRID_ATTENTION
+from .decode_hybrid_layers import GATED_DELTANET as DECODE_HYBRID_GATED_DELTANET
+from .decode_hybrid_layers import decode_hybrid_layers, decode_hybrid_layers_reference
 from .fp8 import (dequantize_weight_fp8_block, fp8_block_linear, fp8_block_linear_reference,
                   fp8_quantize_per_token_group, fp8_quantize_per_token_group_reference, fp8_supported,
                   quantize_weight_fp8_block)
@@ -51,7 +54,7 @@ __all__ = [
     "recurrent_gated_delta_rule_varlen_reference",
     "dequantize_weight_fp8_block", "fp8_block_linear", "fp8_block_linear_reference", "fp8_quantize_per_token_group",
     "fp8_quantize_per_token_group_reference", "fp8_supported", "quantize_weight_fp8_block",
-    "DECODE_LAYERS_MAX_ROWS", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",
+    "DECODE_LAYERS_MAX_ROWS", "DECODE_HYBRID_ATTENTION", "DECODE_HYBRID_GATED_DELTANET", "decode_hybrid_layers", "decode_hybrid_layers_reference", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",
     "linear_cross_entropy_with_lse_reference", "linear_reference", "rms_norm", "rms_norm_backward",

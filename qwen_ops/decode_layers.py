@@ -137,18 +137,23 @@ def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv
                  f"{tuple(block_table.shape)}")
 
 
-def _check_values(x, positions, cache_seqlens, block_table, *rest):
-    """CPU tensors only (on CUDA the kernel clamps lengths and skips writes outside the table)."""
-    k_cache = rest[9]
+def check_cache_values(op: str, cache_seqlens, block_table, k_cache) -> None:
+    """CPU tensors only (on CUDA the kernel clamps lengths and skips writes outside the table): the
+    lengths within the block table's reach, the blocks a sequence reads within the cache k_cache
+    [NL, NB, BS, ...]."""
     reach = block_table.shape[1] * k_cache.shape[2]
     if not cache_seqlens.numel():
         return
     if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > reach:
-        fail("decode_layers", f"cache_seqlens must lie in [0, {reach}] (the block table's reach)")
+        fail(op, f"cache_seqlens must lie in [0, {reach}] (the block table's reach)")
     read = torch.arange(block_table.shape[1])[None, :] * k_cache.shape[2] < cache_seqlens[:, None].long()
     used = block_table[read]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[1]):
-        fail("decode_layers", f"block_table entries a sequence reads must lie in [0, {k_cache.shape[1]})")
+        fail(op, f"block_table entries a sequence reads must lie in [0, {k_cache.shape[1]})")
+
+
+def _check_values(x, positions, cache_seqlens, block_table, *rest):
+    check_cache_values("decode_layers", cache_seqlens, block_table, rest[9])
 
 
 decode_layers = define(decode_layers_reference, kernels.decode_layers, check=_check,

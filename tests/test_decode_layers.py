@@ -174,8 +174,9 @@ def test_inference_weights_are_stacked_before_any_step_is_captured():
     """An engine whose decode steps may take the persistent kernel stacks the layer weights of its
     model when it is made, before any step is captured (a step captured before the stacking would
     go on reading the freed per-layer tensors); ``stack_layer_weights`` refuses a model being
-    trained and one the kernel does not take, and an engine that never takes the kernel (the CPU's
-    table, a hybrid model) leaves the weights as they are."""
+    trained and one the kernels do not take, and an engine that never takes the kernel (the CPU's
+    table, a hybrid model by default) leaves the weights as they are. A hybrid model asked for the
+    persistent kernel stacks its weights for ``decode_hybrid_layers``."""
     from modeling import Engine, QwenConfig
     from modeling.model.random_checkpoint import random_model
     from tests.test_engine import QWEN3, QWEN3_5
@@ -197,11 +198,18 @@ def test_inference_weights_are_stacked_before_any_step_is_captured():
     model = random_model(QwenConfig.from_dict(QWEN3), dtype=torch.float32, device="cpu", std=0.2)
     with pytest.raises(ValueError, match="for inference models: a parameter requires grad"):
         model.requires_grad_(True).stack_layer_weights()
-    with pytest.raises(ValueError, match="attention layers without an output gate only"):
-        random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, device="cpu", std=0.2).stack_layer_weights()
+    hybrid = random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, device="cpu", std=0.2)
+    before = hybrid.layers[0].in_proj_weight.data_ptr()
+    Engine(hybrid, max_num_seqs=2, max_model_len=32, decode_kernels="persistent")
+    assert hybrid.layers[0].in_proj_weight.data_ptr() != before
+    assert hybrid._kinds == [1, 0, 1, 0]  # Gated DeltaNet, gated attention, ...
+    moe = QwenConfig.from_dict(dict(QWEN3_5, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, shared_expert_intermediate_size=16))
+    with pytest.raises(ValueError, match="the persistent decode kernels take .* with dense MLPs"):
+        random_model(moe, dtype=torch.float32, device="cpu", std=0.2).stack_layer_weights()
     with pytest.raises(ValueError, match="decode_kernels='persistent' needs a model of attention layers"):
-        Engine(random_model(QwenConfig.from_dict(QWEN3_5), dtype=torch.float32, std=0.2), max_num_seqs=2,
-               max_model_len=32, decode_kernels="persistent")
+        Engine(random_model(moe, dtype=torch.float32, std=0.2), max_num_seqs=2, max_model_len=32,
+               decode_kernels="persistent")
 
 
 @pytest.mark.cuda

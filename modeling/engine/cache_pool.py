@@ -14,7 +14,9 @@ kernel address it this way):
 - a Gated DeltaNet layer: ``conv`` [num_slots + 1, C, K-1] (the model dtype) and ``state``
   [num_slots + 1, Hv, Dk, Dv] (fp32; float64 for float64 models), one slot per running sequence
   (``Sequence.state_slot``), the same slot in every layer, and the padding slot (the last) that
-  the padding rows of a captured step read and write.
+  the padding rows of a captured step read and write. The layers' per-sequence tensors are views
+  of one tensor per kind stacked [NG, num_slots + 1, ...] (``states``): what the hybrid persistent
+  decode kernel reads for every layer at once.
 
 The pool is sized from the memory the device has free (``size_for``) and never moves, as CUDA
 graph replay needs.
@@ -101,7 +103,8 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_
 class CachePool:
     """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec`` ((k, v) for attention,
     (conv, state) for Gated DeltaNet). ``kv``: the attention layers' k and v stacked
-    [NA, num_blocks, block_size, Hk, D] (their entries are views of them)."""
+    [NA, num_blocks, block_size, Hk, D]; ``states``: the Gated DeltaNet layers' conv and state
+    stacked [NG, num_state_slots + 1, ...] (the entries are views of them)."""
 
     def __init__(self, model, size: PoolSize):
         dev = model.device
@@ -114,11 +117,16 @@ class CachePool:
         blocks = (max(size.num_blocks, 1), size.block_size)
         self.kv = tuple(torch.zeros((len(stacked), *blocks, *shape), dtype=dtype, device=dev)
                         for shape, dtype in (stacked[0] if stacked else ()))
-        per_position = iter(zip(*self.kv))
+        states = [s.per_sequence for s in specs if s.per_sequence]
+        if any(p != states[0] for p in states):
+            raise ValueError("the layers keep per-sequence state of different shapes: one stacked pool takes one")
+        slots = size.num_state_slots + 1  # and the padding slot
+        self.states = tuple(torch.zeros((len(states), slots, *shape), dtype=dtype, device=dev)
+                            for shape, dtype in (states[0] if states else ()))
+        per_position, per_sequence = iter(zip(*self.kv)), iter(zip(*self.states))
         layers: List[Tuple[torch.Tensor, ...]] = []
         for spec in specs:
             entry = next(per_position) if spec.per_position else ()
-            entry += tuple(torch.zeros((size.num_state_slots + 1, *shape), dtype=dtype, device=dev)
-                           for shape, dtype in spec.per_sequence)  # and the padding slot
+            entry += next(per_sequence) if spec.per_sequence else ()
             layers.append(entry)
         self.layers = tuple(layers)

@@ -66,7 +66,9 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     fused ops fold the dense MLP only and sum no partial outputs over ranks). An FP8 model takes the
     fused ops, which read its FP8 weights and scales, where a bf16 one would take the persistent
     kernel (weights in the model's dtype only); that choice is not measured yet: the fused FP8
-    GEMVs read the weight bytes of the op-by-op FP8 GEMVs, in fewer launches.
+    GEMVs read the weight bytes of the op-by-op FP8 GEMVs, in fewer launches. Qwen3.5's hybrid
+    persistent kernel (``decode_hybrid_layers``) runs only where asked for (``decode_kernels=
+    "persistent"``): it is not measured against the others yet.
     """
     if num_seqs > 1 or not model.supports_fused_decode:
         return "ops"
@@ -93,10 +95,11 @@ class StepRunner:
         dev = model.device
         if kernels is not None and kernels not in KERNELS:
             raise ValueError(f"decode_kernels must be one of {', '.join(KERNELS)} (or None), got {kernels!r}")
-        if kernels == "persistent" and not model.supports_persistent_decode:
+        persistent = model.supports_persistent_decode or model.supports_hybrid_persistent_decode
+        if kernels == "persistent" and not persistent:
             raise ValueError("decode_kernels='persistent' needs a model of attention layers without an output gate "
-                             "and with dense MLPs and weights in the model's dtype, on one device (Qwen3, Qwen2; "
-                             "not FP8, not tensor-parallel)")
+                             "(Qwen3, Qwen2) or of Gated DeltaNet and gated attention layers (Qwen3.5), with dense "
+                             "MLPs and weights in the model's dtype, on one device (not FP8, not tensor-parallel)")
         if kernels == "fused" and not model.supports_fused_decode:
             raise ValueError("decode_kernels='fused' needs dense MLPs, the model on one device and, in FP8 weights, "
                              "unquantised rows only in a Gated DeltaNet in_proj: a mixture-of-experts or "

@@ -25,7 +25,7 @@ import qwen_ops
 from . import fp8
 from .config import QwenConfig
 from .context import StepContext
-from .layers import LAYER_TYPES, AttentionLayer
+from .layers import LAYER_TYPES, AttentionLayer, GatedDeltaNetLayer
 from .loader import load_state_dict
 from .tensor_parallel import SINGLE, TensorParallel
 
@@ -34,6 +34,13 @@ ops = torch.ops.qwen
 STACKED = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm", "gate_up_weight",
            "down_weight")
 """The layer weights the persistent decode kernel reads, each stacked over the layers [NL, ...]."""
+
+HYBRID_STACKED = ((None, ("input_norm", "post_norm", "gate_up_weight", "down_weight")),
+                  (AttentionLayer, ("qkv_weight", "q_norm", "k_norm", "o_weight")),
+                  (GatedDeltaNetLayer, ("in_proj_weight", "conv_weight", "A_log", "dt_bias", "norm_weight",
+                                        "out_weight")))
+"""The layer weights the hybrid persistent decode kernel reads (``ops.decode_hybrid_layers``), in its
+arguments' order: each stacked over every layer (None) or over the layers of one kind."""
 
 
 class QwenForCausalLM(nn.Module):
@@ -52,6 +59,7 @@ class QwenForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.empty(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(vocab, c.hidden_size))
         self._stacks: Optional[Tuple] = None
+        self._kinds: Optional[list] = None  # the hybrid kernel's layer_kinds, once stacked for it
 
     @property
     def device(self) -> torch.device:
@@ -68,6 +76,16 @@ class QwenForCausalLM(nn.Module):
         in the model's dtype (not FP8), on one device (not tensor-parallel)."""
         return (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
                 and self.supports_fused_decode and not self.holds_fp8)
+
+    @property
+    def supports_hybrid_persistent_decode(self) -> bool:
+        """Whether decode steps may run every layer in the hybrid persistent kernel
+        (``ops.decode_hybrid_layers``) when asked (``decode_kernels="persistent"``, never the
+        engine's default): Gated DeltaNet and gated attention layers, both (Qwen3.5), with per-head
+        q/k norms and no qkv bias, dense MLPs, every weight in the model's dtype, on one device."""
+        c = self.config
+        return ({type(layer) for layer in self.layers} == {AttentionLayer, GatedDeltaNetLayer} and c.attn_output_gate
+                and c.qk_norm and not c.qkv_bias and not self.holds_fp8 and self.supports_fused_decode)
 
     @property
     def supports_fused_decode(self) -> bool:
@@ -96,11 +114,17 @@ class QwenForCausalLM(nn.Module):
             return self._logits(h)
         batch = context.batch
         if context.kernels == "persistent":
-            x = ops.decode_layers(F.embedding(input_ids, self.embed_tokens), batch.positions, batch.seq_lens,
-                                  batch.block_table, *self._stacks, *context.pool.kv, c.rms_norm_eps, c.norm_offset,
-                                  c.rope_theta, c.rotary_dim, c.num_attention_heads,
-                                  qwen_ops.decode_layers_splits(batch.block_table.shape[1] * context.pool.kv[0].shape[2],
-                                                                input_ids.shape[0]))
+            x, pool = F.embedding(input_ids, self.embed_tokens), context.pool
+            splits = qwen_ops.decode_layers_splits(batch.block_table.shape[1] * pool.kv[0].shape[2], input_ids.shape[0])
+            if self._kinds is None:
+                x = ops.decode_layers(x, batch.positions, batch.seq_lens, batch.block_table, *self._stacks, *pool.kv,
+                                      c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
+                                      splits)
+            else:
+                s = self._stacks
+                x = ops.decode_hybrid_layers(x, batch.positions, batch.seq_lens, batch.block_table, batch.state_slots,
+                                             self._kinds, *s[:8], *pool.kv, *s[8:], *pool.states, c.rms_norm_eps,
+                                             c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads, splits)
             return ops.norm_linear(x, self.norm, self._head(), None, c.rms_norm_eps, c.norm_offset)
         x, residual = self.parallel.embedding(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
@@ -125,29 +149,41 @@ class QwenForCausalLM(nn.Module):
                                         ignore_index)
 
     def stack_layer_weights(self) -> None:
-        """Stack each weight of ``STACKED`` over the layers [NL, ...], as the persistent decode
-        kernel reads them; the layers' parameters become views of the stacks (no second copy).
-        For an inference model that supports the kernel; the engine calls it before it captures
-        any step (a captured step reads the weights by address, so they never move after). Made
-        again if the parameters were replaced since (``model.to(dtype)``)."""
-        if not self.supports_persistent_decode:
-            raise ValueError("the persistent decode kernel takes attention layers without an output gate only")
+        """Stack each weight the persistent decode kernel reads: ``STACKED`` over the layers
+        [NL, ...] (``decode_layers``), or for a hybrid model ``HYBRID_STACKED`` over every layer or
+        the layers of one kind (``decode_hybrid_layers``; the conv weights [NG, C, K]); the layers'
+        parameters become views of the stacks (no second copy). For an inference model that
+        supports a kernel; the engine calls it before it captures any step (a captured step reads
+        the weights by address, so they never move after). Made again if the parameters were
+        replaced since (``model.to(dtype)``)."""
+        if self.supports_persistent_decode:
+            groups = [(list(self.layers), name) for name in STACKED]
+        elif self.supports_hybrid_persistent_decode:
+            groups = [([layer for layer in self.layers if kind is None or isinstance(layer, kind)], name)
+                      for kind, names in HYBRID_STACKED for name in names]
+        else:
+            raise ValueError("the persistent decode kernels take attention layers without an output gate (Qwen3, "
+                             "Qwen2) or Qwen3.5's Gated DeltaNet and gated attention layers, with dense MLPs and "
+                             "weights in the model's dtype")
         if any(p.requires_grad for p in self.parameters()):
             raise ValueError("stack_layer_weights is for inference models: a parameter requires grad")
-        if self._stacks is not None and all(t is None or getattr(self.layers[-1], name).data_ptr() == t[-1].data_ptr()
-                                            for name, t in zip(STACKED, self._stacks)):
+        if self._stacks is not None and all(t is None or getattr(layers[-1], name).data_ptr() == t[-1].data_ptr()
+                                            for (layers, name), t in zip(groups, self._stacks)):
             return  # stacked, and no parameter replaced since (``model.to`` makes new ones)
         stacks = []
-        for name in STACKED:
-            params = [getattr(layer, name) for layer in self.layers]
+        for layers, name in groups:
+            params = [getattr(layer, name) for layer in layers]
             if params[0] is None:
                 stacks.append(None)
                 continue
             stack = torch.stack([p.detach() for p in params])
-            for layer, view in zip(self.layers, stack):
+            for layer, view in zip(layers, stack):
                 setattr(layer, name, nn.Parameter(view, requires_grad=False))
-            stacks.append(stack)
+            stacks.append(stack.flatten(2) if name == "conv_weight" else stack)  # [NG, C, 1, K] as [NG, C, K]
         self._stacks = tuple(stacks)
+        self._kinds = None if self.supports_persistent_decode else [
+            qwen_ops.DECODE_HYBRID_GATED_DELTANET if isinstance(layer, GatedDeltaNetLayer) else
+            qwen_ops.DECODE_HYBRID_ATTENTION for layer in self.layers]
 
     def _head(self) -> Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
