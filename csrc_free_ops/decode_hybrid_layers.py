@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .common import INTERPRET, LOG2E, cdiv, fp32, kernel, next_power_of_2, softmax_headroom
 from .decode_hybrid_layers_tasks import _conv_task, _delta_rule_task, _gated_out_task
-from .decode_layers import BLOCK_T, MAX_ROWS, NUM_WARPS, SPIN_LIMIT, error_flag, programs, tile_rows  # noqa: F401
+from .decode_layers import BLOCK_T, MAX_ROWS, NUM_WARPS, SPIN_LIMIT, error_flag, launch, tile_rows  # noqa: F401
 from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task
 
 ATTENTION = 0
@@ -199,7 +199,6 @@ def plan(layer_kinds, tasks: dict) -> list:
 
 
 _plans: dict = {}  # (device, plan rows) -> the plan on the device
-_grids: dict = {}  # (device, dtypes, constexprs) -> the launch grid
 
 
 def _device_plan(rows: list, device: torch.device) -> torch.Tensor:
@@ -253,13 +252,5 @@ def decode_hybrid_layers(x, positions, cache_seqlens, block_table, state_slots, 
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HKL=hkl, HV=hv, DK=dk, DV=dv, K=taps,
                 BLOCK_M=next_power_of_2(m), **tiles, S=num_splits, BLOCK_T=kv_block(d), HEADROOM=headroom,
                 P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT, num_warps=NUM_WARPS, num_stages=1)
-    if INTERPRET:
-        _decode_hybrid_layers_kernel[(1,)](*args, **meta)
-        return out
-    key = (dev.index, x.dtype, k_cache.dtype, tuple(meta.items()))
-    grid = _grids.get(key)
-    if grid is None:  # compiled once, not launched, to size the grid from its registers
-        compiled = _decode_hybrid_layers_kernel.fn.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
-        grid = _grids[key] = (programs(compiled, dev),)
-    _decode_hybrid_layers_kernel[grid](*args, launch_cooperative_grid=True, **meta)
+    launch(_decode_hybrid_layers_kernel, args, meta, dev, (x.dtype, k_cache.dtype))
     return out

@@ -225,19 +225,26 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
                 BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
                 TIMELINE=timeline is not None,
                 num_warps=NUM_WARPS, num_stages=1)
-    if INTERPRET:
-        _decode_layers_kernel[(1,)](*args, **meta)
-        return out
-    key = (dev.index, x.dtype, qkv_weight.dtype, k_cache.dtype, tuple(meta.items()))
-    grid = _grids.get(key)
-    if grid is None:  # compiled once, not launched, to size the grid from its registers
-        compiled = _decode_layers_kernel.fn.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
-        grid = _grids[key] = (programs(compiled, dev),)
-    _decode_layers_kernel[grid](*args, launch_cooperative_grid=True, **meta)
+    launch(_decode_layers_kernel, args, meta, dev, (x.dtype, qkv_weight.dtype, k_cache.dtype))
     return out
 
 
-_grids: dict = {}  # (device, dtypes, constexprs) -> the launch grid
+def launch(persistent_kernel, args: tuple, meta: dict, device: torch.device, dtypes: tuple) -> None:
+    """Launch a persistent kernel: one program under the interpreter (which runs programs one after
+    another), else a cooperative grid of as many programs as fit on ``device`` (``programs``: the
+    kernel compiled once per device, dtypes and constexprs, not launched, to read its registers)."""
+    if INTERPRET:
+        persistent_kernel[(1,)](*args, **meta)
+        return
+    key = (persistent_kernel, device.index, dtypes, tuple(meta.items()))
+    grid = _grids.get(key)
+    if grid is None:
+        compiled = persistent_kernel.fn.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
+        grid = _grids[key] = (programs(compiled, device),)
+    persistent_kernel[grid](*args, launch_cooperative_grid=True, **meta)
+
+
+_grids: dict = {}  # (kernel, device, dtypes, constexprs) -> the launch grid
 
 
 def error_flag(device: torch.device) -> torch.Tensor:
