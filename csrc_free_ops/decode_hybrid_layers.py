@@ -252,5 +252,5 @@ def decode_hybrid_layers(x, positions, cache_seqlens, block_table, state_slots, 
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HKL=hkl, HV=hv, DK=dk, DV=dv, K=taps,
                 BLOCK_M=next_power_of_2(m), **tiles, S=num_splits, BLOCK_T=kv_block(d), HEADROOM=headroom,
                 P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT, num_warps=NUM_WARPS, num_stages=1)
-    launch(_decode_hybrid_layers_kernel, args, meta, dev, (x.dtype, k_cache.dtype))
+    launch(_decode_hybrid_layers_kernel, args, meta, dev)
     return out

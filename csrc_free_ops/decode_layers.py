@@ -225,17 +225,19 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
                 BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
                 TIMELINE=timeline is not None,
                 num_warps=NUM_WARPS, num_stages=1)
-    launch(_decode_layers_kernel, args, meta, dev, (x.dtype, qkv_weight.dtype, k_cache.dtype))
+    launch(_decode_layers_kernel, args, meta, dev)
     return out
 
 
-def launch(persistent_kernel, args: tuple, meta: dict, device: torch.device, dtypes: tuple) -> None:
+def launch(persistent_kernel, args: tuple, meta: dict, device: torch.device) -> None:
     """Launch a persistent kernel: one program under the interpreter (which runs programs one after
     another), else a cooperative grid of as many programs as fit on ``device`` (``programs``: the
-    kernel compiled once per device, dtypes and constexprs, not launched, to read its registers)."""
+    kernel compiled once per device, tensor dtypes and constexprs, each a variant of its own
+    registers, not launched, to read them)."""
     if INTERPRET:
         persistent_kernel[(1,)](*args, **meta)
         return
+    dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
     key = (persistent_kernel, device.index, dtypes, tuple(meta.items()))
     grid = _grids.get(key)
     if grid is None:

@@ -230,8 +230,13 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
 
 
 def _check_values(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, *rest):
-    """CPU tensors only (the kernel clamps lengths and skips writes outside the table and the pool)."""
+    """CPU tensors only (the kernel clamps lengths and skips writes outside the table and the pool;
+    two rows that write one state slot would race)."""
     check_cache_values("decode_hybrid_layers", cache_seqlens, block_table, rest[8])
+    writing = state_slots[cache_seqlens > 0].tolist()
+    if len(set(writing)) < len(writing):
+        fail("decode_hybrid_layers", f"state_slots must differ between the rows with cache_seqlens > 0 (each writes its "
+                                     f"slot), got {state_slots.tolist()} for cache_seqlens {cache_seqlens.tolist()}")
 
 
 decode_hybrid_layers = define(decode_hybrid_layers_reference, kernels.decode_hybrid_layers, check=_check,

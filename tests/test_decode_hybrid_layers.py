@@ -139,6 +139,7 @@ def test_decode_hybrid_layers_errors():
         "rotary_dim": dict(rotary_dim=7),
         "block_table must be": dict(block_table=args[3][:, :0]),
         "cache_seqlens must lie in": dict(cache_seqlens=args[2] + 1000),
+        "state_slots must differ between the rows": dict(state_slots=torch.zeros_like(args[4])),
     }
     for message, change in bad.items():
         a = list(args)
