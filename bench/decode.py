@@ -28,7 +28,10 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
 JSON keys for the headline numbers: ``ours_b1_ms_per_token`` (Qwen3-0.6B, batch 1, context 256),
 ``ours_b8_ms_per_step``, ``qwen3_5_b1_ms_per_token`` (Qwen3.5-0.8B, batch 1, context 256),
 ``floor_ms``, ``qwen3_5_floor_ms``, ``kernels_per_token`` and ``qwen3_5_kernels_per_token`` (the
-default decode step's kernels, from the profiler).
+default decode step's kernels, from the profiler); the larger shapes (``LARGE``) at batch 1,
+context 256, the default path and the persistent kernel forced: ``qwen3_8b_b1_ms_per_token``,
+``qwen3_8b_floor_ms``, ``qwen3_5_9b_b1_ms_per_token``, ``qwen3_5_9b_floor_ms``. The floor counts an
+untied embedding as the one row a token reads.
 
 Shapes: Qwen3-0.6B (all rows) and Qwen3.5-0.8B; with ``--all`` also the seed's shape (hidden 896,
 8/2 heads of 128, intermediate 4864, 24 layers) and Qwen3-1.7B (28 layers, hidden 2048, 16/8
@@ -59,6 +62,20 @@ SHAPES = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),
 }
+LARGE = {
+    "qwen3-8b": dict(SHAPES["qwen3-0.6b"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                       tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                       rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+}
+"""The larger shapes people run on one GPU, batch 1 against their floors: Qwen3-8B (36 layers,
+hidden 4096, 32 / 8 heads of 128, intermediate 12288, untied) and Qwen3.5-9B (32 layers: 8 x (3
+Gated DeltaNet with 16 key / 32 value heads of 128, 1 gated attention with 16 / 4 heads of 256),
+hidden 4096, intermediate 12288, untied)."""
 OURS = "ours"
 KERNEL_ROWS = {"persistent": "persistent kernel", "fused": "fused ops", "ops": "op by op"}
 AFTER_WAIT = "ours, fused ops, weights after the PDL wait"
@@ -120,7 +137,10 @@ def copy_bandwidth() -> float:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """The weight bytes one decode token reads: every parameter, an untied embedding as its one row."""
+    embedding = model.embed_tokens
+    unread = 0 if model.lm_head is None else (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - unread
 
 
 def ours_ms(model, batch: int, context: int, steps: int, kernels=None, eager: bool = False, reps: int = 3,
@@ -300,6 +320,17 @@ def measure(args) -> dict:
     print_profile("Qwen3.5 default decode step", hybrid)
     with weights_after_wait():
         row("qwen3.5-0.8b", AFTER_WAIT, 1, 256, ours_ms(model, 1, 256, args.steps, "fused"))
+    del model
+    torch.cuda.empty_cache()
+    for name, key in (("qwen3-8b", "qwen3_8b"), ("qwen3.5-9b", "qwen3_5_9b")):  # the larger dense shapes
+        model = random_model(QwenConfig.from_dict(LARGE[name]), dtype=torch.bfloat16, device="cuda", std=0.02)
+        out[f"{key}_floor_ms"] = weight_bytes(model) / bandwidth * 1e3
+        row(name, "floor (weights / copy bandwidth)", 1, 0, out[f"{key}_floor_ms"])
+        row(name, OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
+        out[f"{key}_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
+        row(name, f"{OURS}, {KERNEL_ROWS['persistent']}", 1, 256, ours_ms(model, 1, 256, args.steps, "persistent"))
+        del model
+        torch.cuda.empty_cache()
     return out
 
 

@@ -373,3 +373,25 @@ def test_moe_benchmark_fp8_floor_counts_fp8_bytes_and_scales():
     bf16 = 2 * (2 * 64 + 2 * 128 + 8 * 128 + 128 + 256 * 128 + 128)  # q/k norms, norms, router, embedding row, lm_head, final norm
     kv = 256 * 2 * 2 * 64 * 2
     assert token_bytes(model, 256) == qkv + o + experts + bf16 + kv
+
+
+def test_decode_benchmark_large_shapes_and_their_floor():
+    """bench.decode's larger shapes load as configs of the sizes they name, and the floor's bytes
+    count an untied embedding as the one row a token reads (a tied one is the lm_head, read whole)."""
+    from bench.decode import LARGE, SHAPES, weight_bytes
+    from modeling import QwenConfig, QwenForCausalLM
+
+    def params(shape):
+        with torch.device("meta"):
+            model = QwenForCausalLM(QwenConfig.from_dict(shape)).to(torch.bfloat16)
+        return model, sum(p.numel() for p in model.parameters())
+
+    model, n = params(LARGE["qwen3-8b"])
+    assert 8.1e9 < n < 8.3e9 and model.lm_head is not None
+    assert weight_bytes(model) == 2 * (n - (151936 - 1) * 4096)
+    model, n = params(LARGE["qwen3.5-9b"])
+    kinds = model.config.layer_types
+    assert len(kinds) == 32 and kinds.count("full_attention") == 8 and 8.9e9 < n < 9.0e9  # its text model: 8.95B
+    assert weight_bytes(model) == 2 * (n - (248320 - 1) * 4096)
+    model, n = params(SHAPES["qwen3-0.6b"])
+    assert model.lm_head is None and weight_bytes(model) == 2 * n
