@@ -29,7 +29,7 @@ JSON keys for the headline numbers: ``ours_b1_ms_per_token`` (Qwen3-0.6B, batch 
 ``ours_b8_ms_per_step``, ``qwen3_5_b1_ms_per_token`` (Qwen3.5-0.8B, batch 1, context 256),
 ``floor_ms``, ``qwen3_5_floor_ms``, ``kernels_per_token`` and ``qwen3_5_kernels_per_token`` (the
 default decode step's kernels, from the profiler); the larger shapes (``LARGE``) at batch 1,
-context 256, the default path and the persistent kernel forced: ``qwen3_8b_b1_ms_per_token``,
+context 256, the default path, then the persistent kernel and the fused ops forced: ``qwen3_8b_b1_ms_per_token``,
 ``qwen3_8b_floor_ms``, ``qwen3_5_9b_b1_ms_per_token``, ``qwen3_5_9b_floor_ms``. The floor counts an
 untied embedding as the one row a token reads.
 
@@ -328,7 +328,8 @@ def measure(args) -> dict:
         row(name, "floor (weights / copy bandwidth)", 1, 0, out[f"{key}_floor_ms"])
         row(name, OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
         out[f"{key}_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
-        row(name, f"{OURS}, {KERNEL_ROWS['persistent']}", 1, 256, ours_ms(model, 1, 256, args.steps, "persistent"))
+        for kernels in ("persistent", "fused"):
+            row(name, f"{OURS}, {KERNEL_ROWS[kernels]}", 1, 256, ours_ms(model, 1, 256, args.steps, kernels))
         del model
         torch.cuda.empty_cache()
     return out
