@@ -43,7 +43,7 @@ def _args(m, hidden, inter, kinds, attn, gdn, bs, per_seq, dtype, device, splits
     num_blocks, slots = m * per_seq + 3, m + 2
     table = torch.randperm(num_blocks, device=device)[:m * per_seq].view(m, per_seq).to(torch.int32)
     seqlens = torch.randint(2, per_seq * bs + 1, (m,), device=device, dtype=torch.int32)
-    seqlens[0] = 1
+    seqlens[:1] = 1
     state_slots = torch.randperm(slots - 1, device=device)[:m]
     if padding:
         seqlens[-1] = 0

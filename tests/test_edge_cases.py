@@ -101,6 +101,14 @@ def _layers(m, dt, dev):
             _r(2, 2, 16, 1, 16, dt=dt, dev=dev), 1e-6, 0.0, 1e4, 16, 2, 1)
 
 
+def _hybrid_layers(m, dt, dev):
+    """decode_hybrid_layers arguments: m sequences, a Gated DeltaNet and an attention layer of hidden
+    32 (tests/test_decode_hybrid_layers.py's small case)."""
+    from tests.test_decode_hybrid_layers import A, G, _args
+
+    return tuple(_args(m, 32, 24, (G, A), (2, 1, 16, 8), (1, 2, 16, 16, 4), 16, 2, dt, dev, splits=2))
+
+
 def _slots(n, hk, d, dt, dev, num_blocks=2):
     """kv_cache_store_slots arguments: n <= 3 tokens into a cache of num_blocks blocks of 16, at
     slots 0, 17, -1."""
@@ -230,6 +238,7 @@ CASES = [
     ("norm_qkv_rope_store", "N=0", lambda dt, dev: _qkv(0, dt, dev)),
     ("norm_qkv_rope_store", "num_blocks=0", lambda dt, dev: _qkv(2, dt, dev, num_blocks=0)),
     ("decode_layers", "M=0", lambda dt, dev: _layers(0, dt, dev)),
+    ("decode_hybrid_layers", "M=0", lambda dt, dev: _hybrid_layers(0, dt, dev)),
     ("causal_conv1d", "B=0", lambda dt, dev: (_r(0, 3, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev), None)),
     ("causal_conv1d", "T=0 state", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(8, 4, dt=dt, dev=dev),
@@ -323,6 +332,7 @@ REFUSED = [
 ]
 
 MUTATED = {"kv_cache_store_slots": (2, 3), "norm_qkv_rope_store": (6, 7), "decode_layers": (13, 14),
+           "decode_hybrid_layers": (14, 15, 22, 23),
            "causal_conv1d": (2,), "chunk_gated_delta_rule": (6,),
            "recurrent_gated_delta_rule_varlen": (7,)}
 """Arguments an op writes in place: compared with the reference's after the call."""
