@@ -51,12 +51,12 @@ import torch
 from torch import Tensor
 
 from csrc_free_ops import decode_hybrid_layers as kernels
-from csrc_free_ops.decode_hybrid_layers import ATTENTION, GATED_DELTANET, MAX_ROWS
+from csrc_free_ops.decode_hybrid_layers import ATTENTION, GATED_DELTANET
 
 from .activation import sigmoid_mul_reference
 from .causal_conv1d import causal_conv1d_reference
-from .checks import check_float, check_head_dim, check_index, check_same, fail
-from .decode_layers import check_cache_values
+from .checks import check_float, check_head_dim, check_same, fail
+from .decode_layers import check_cache_values, check_kv_caches, check_rows, check_stacked, check_step
 from .fused_decode import linear_residual_reference, norm_gate_up_silu_reference
 from .gated_delta_rule import gated_rms_norm_reference, recurrent_gated_delta_rule_varlen_reference
 from .linear import linear_reference
@@ -139,25 +139,12 @@ def decode_hybrid_layers_reference(
     return x
 
 
-def _check_shapes(op: str, shapes: dict) -> None:
-    """Each tensor of `shapes` (name -> (tensor, shape)) a float tensor, contiguous, of that shape."""
-    for name, (t, shape) in shapes.items():
-        check_float(op, name, t)
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            fail(op, f"{name} must be contiguous with shape {shape} (layers stacked), got {tuple(t.shape)}")
-
-
 def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, input_norm, post_norm, gate_up_weight,
            down_weight, qkv_weight, q_norm, k_norm, o_weight, k_cache, v_cache, in_proj_weight, conv_weight, A_log,
            dt_bias, norm_weight, out_weight, conv_states, ssm_states, eps, offset, theta, rotary_dim, num_heads,
            num_splits=1):
     op = "decode_hybrid_layers"
-    check_float(op, "x", x, ndim=2)
-    m, hidden = x.shape
-    if m > MAX_ROWS:
-        fail(op, f"x must hold at most {MAX_ROWS} rows (one new token per sequence), got {m}")
-    if not x.is_contiguous():
-        fail(op, f"x must be contiguous, got strides {x.stride()}")
+    m, hidden = check_rows(op, x)
     check_same(op, "x", x, input_norm=input_norm, post_norm=post_norm, gate_up_weight=gate_up_weight,
                down_weight=down_weight, qkv_weight=qkv_weight, q_norm=q_norm, k_norm=k_norm, o_weight=o_weight,
                k_cache=k_cache, v_cache=v_cache, in_proj_weight=in_proj_weight, conv_weight=conv_weight,
@@ -168,18 +155,7 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
                  f"(Gated DeltaNet), got {list(layer_kinds)}")
     nl, na = len(layer_kinds), sum(1 for kind in layer_kinds if kind == ATTENTION)
     ng = nl - na
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_float(op, name, t, ndim=5)
-        if t.shape != k_cache.shape or t.shape[0] != na or t.stride(3) != t.shape[4] or \
-                t.stride(2) != t.shape[3] * t.shape[4]:
-            fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                     f"[NA = {na}, NB, BS, Hk, D], contiguous over [BS, Hk, D]")
-    if k_cache.stride() != v_cache.stride():
-        fail(op, f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}")
-    _, _, _, hk, d = k_cache.shape
-    check_head_dim(op, d)
-    if num_heads <= 0 or hk == 0 or num_heads % hk:
-        fail(op, f"num_heads ({num_heads}) must be a positive multiple of the cache's kv heads ({hk})")
+    hk, d = check_kv_caches(op, k_cache, v_cache, f"NA = {na}", na, num_heads)
     check_float(op, "ssm_states", ssm_states, ndim=5)
     check_float(op, "conv_weight", conv_weight, ndim=3)
     if ssm_states.dtype != (torch.float64 if x.dtype == torch.float64 else torch.float32):
@@ -200,7 +176,7 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
     if inter == 0:
         fail(op, "down_weight's intermediate size is 0")
     vd = hv * dv
-    _check_shapes(op, {
+    check_stacked(op, {
         "input_norm": (input_norm, (nl, hidden)), "post_norm": (post_norm, (nl, hidden)),
         "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)), "down_weight": (down_weight, (nl, hidden, inter)),
         "qkv_weight": (qkv_weight, (na, (2 * num_heads + 2 * hk) * d, hidden)), "q_norm": (q_norm, (na, d)),
@@ -212,21 +188,9 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if t.device != x.device:
             fail(op, f"{name} is on {t.device} but x is on {x.device}")
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
-        fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
-    if not 0.0 < theta < float("inf"):
-        fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
-    if not 1 <= num_splits <= 64:
-        fail(op, f"num_splits must be in [1, 64], got {num_splits}")
-    check_index(op, "positions", positions, (m,))
-    check_index(op, "cache_seqlens", cache_seqlens, (m,))
+    check_step(op, m, positions, cache_seqlens, block_table, theta, rotary_dim, d, num_splits)
     if state_slots.dtype != torch.int64 or tuple(state_slots.shape) != (m,):
         fail(op, f"state_slots must be int64 of shape ({m},), got {state_slots.dtype} {tuple(state_slots.shape)}")
-    if cache_seqlens.dtype != torch.int32 or block_table.dtype != torch.int32:
-        fail(op, f"cache_seqlens and block_table must be int32, got {cache_seqlens.dtype} and {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != m or block_table.shape[1] == 0 or block_table.stride(1) != 1:
-        fail(op, f"block_table must be [{m}, max_blocks] (max_blocks > 0) with unit stride over blocks, got "
-                 f"{tuple(block_table.shape)}")
 
 
 def _check_values(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, *rest):

@@ -78,52 +78,51 @@ def decode_layers_reference(
     return x
 
 
-def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias, q_norm, k_norm, o_weight,
-           post_norm, gate_up_weight, down_weight, k_cache, v_cache, eps, offset, theta, rotary_dim, num_heads,
-           num_splits=1):
-    op = "decode_layers"
+def check_rows(op: str, x: Tensor) -> tuple:
+    """x [M, H], M <= MAX_ROWS, contiguous: (M, H)."""
     check_float(op, "x", x, ndim=2)
-    m, hidden = x.shape
-    if m > MAX_ROWS:
-        fail(op, f"x must hold at most {MAX_ROWS} rows (one new token per sequence), got {m}")
+    if x.shape[0] > MAX_ROWS:
+        fail(op, f"x must hold at most {MAX_ROWS} rows (one new token per sequence), got {x.shape[0]}")
     if not x.is_contiguous():
         fail(op, f"x must be contiguous, got strides {x.stride()}")
-    check_same(op, "x", x, input_norm=input_norm, qkv_weight=qkv_weight, qkv_bias=qkv_bias, q_norm=q_norm,
-               k_norm=k_norm, o_weight=o_weight, post_norm=post_norm, gate_up_weight=gate_up_weight,
-               down_weight=down_weight, k_cache=k_cache, v_cache=v_cache, positions=positions,
-               cache_seqlens=cache_seqlens, block_table=block_table)
+    return tuple(x.shape)
+
+
+def check_kv_caches(op: str, k_cache: Tensor, v_cache: Tensor, layers: str, num_layers: Optional[int],
+                    num_heads: int) -> tuple:
+    """k_cache and v_cache [``layers``, NB, BS, Hk, D] alike, contiguous over [BS, Hk, D] (with
+    ``num_layers`` layers, when given), num_heads a multiple of Hk: (Hk, D)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_float(op, name, t, ndim=5)
-        if t.shape != k_cache.shape or t.stride(3) != t.shape[4] or t.stride(2) != t.shape[3] * t.shape[4]:
+        if t.shape != k_cache.shape or (num_layers is not None and t.shape[0] != num_layers) or \
+                t.stride(3) != t.shape[4] or t.stride(2) != t.shape[3] * t.shape[4]:
             fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
-                     f"[NL, NB, BS, Hk, D], contiguous over [BS, Hk, D] and with the same strides")
+                     f"[{layers}, NB, BS, Hk, D], contiguous over [BS, Hk, D] and with the same strides")
     if k_cache.stride() != v_cache.stride():
         fail(op, f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}")
-    nl, _, _, hk, d = k_cache.shape
+    hk, d = k_cache.shape[3:]
     check_head_dim(op, d)
-    if nl == 0:
-        fail(op, "the model has no layers (k_cache's dim 0 is 0)")
     if num_heads <= 0 or hk == 0 or num_heads % hk:
         fail(op, f"num_heads ({num_heads}) must be a positive multiple of the cache's kv heads ({hk})")
-    nqkv = (num_heads + 2 * hk) * d
-    inter = down_weight.shape[-1] if down_weight.dim() == 3 else 0
-    shapes = {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
-              "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
-              "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
-              "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)), "down_weight": (down_weight,
-                                                                                        (nl, hidden, inter))}
+    return hk, d
+
+
+def check_stacked(op: str, shapes: dict) -> None:
+    """Each tensor of ``shapes`` (name -> (tensor or None, shape)) a float tensor, contiguous, of that shape."""
     for name, (t, shape) in shapes.items():
         if t is None:
             continue
         check_float(op, name, t)
         if tuple(t.shape) != shape or not t.is_contiguous():
             fail(op, f"{name} must be contiguous with shape {shape} (layers stacked), got {tuple(t.shape)}")
-    if inter == 0:
-        fail(op, "down_weight's intermediate size is 0")
-    if (q_norm is None) != (k_norm is None):
-        fail(op, "give both q_norm and k_norm, or neither")
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
-        fail(op, f"rotary_dim must be even and in (0, head_dim={d}], got {rotary_dim}")
+
+
+def check_step(op: str, m: int, positions: Tensor, cache_seqlens: Tensor, block_table: Tensor, theta: float,
+               rotary_dim: int, head_dim: int, num_splits: int) -> None:
+    """The step's rows (positions, cache_seqlens [M] int32, block_table [M, max_blocks] int32), RoPE
+    and the attention splits."""
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        fail(op, f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
     if not 0.0 < theta < float("inf"):
         fail(op, f"theta (the RoPE base) must be positive and finite, got {theta}")
     if not 1 <= num_splits <= 64:
@@ -135,6 +134,33 @@ def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv
     if block_table.dim() != 2 or block_table.shape[0] != m or block_table.shape[1] == 0 or block_table.stride(1) != 1:
         fail(op, f"block_table must be [{m}, max_blocks] (max_blocks > 0) with unit stride over blocks, got "
                  f"{tuple(block_table.shape)}")
+
+
+def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias, q_norm, k_norm, o_weight,
+           post_norm, gate_up_weight, down_weight, k_cache, v_cache, eps, offset, theta, rotary_dim, num_heads,
+           num_splits=1):
+    op = "decode_layers"
+    m, hidden = check_rows(op, x)
+    check_same(op, "x", x, input_norm=input_norm, qkv_weight=qkv_weight, qkv_bias=qkv_bias, q_norm=q_norm,
+               k_norm=k_norm, o_weight=o_weight, post_norm=post_norm, gate_up_weight=gate_up_weight,
+               down_weight=down_weight, k_cache=k_cache, v_cache=v_cache, positions=positions,
+               cache_seqlens=cache_seqlens, block_table=block_table)
+    hk, d = check_kv_caches(op, k_cache, v_cache, "NL", None, num_heads)
+    nl = k_cache.shape[0]
+    if nl == 0:
+        fail(op, "the model has no layers (k_cache's dim 0 is 0)")
+    nqkv = (num_heads + 2 * hk) * d
+    inter = down_weight.shape[-1] if down_weight.dim() == 3 else 0
+    check_stacked(op, {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
+                       "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
+                       "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
+                       "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)),
+                       "down_weight": (down_weight, (nl, hidden, inter))})
+    if inter == 0:
+        fail(op, "down_weight's intermediate size is 0")
+    if (q_norm is None) != (k_norm is None):
+        fail(op, "give both q_norm and k_norm, or neither")
+    check_step(op, m, positions, cache_seqlens, block_table, theta, rotary_dim, d, num_splits)
 
 
 def check_cache_values(op: str, cache_seqlens, block_table, k_cache) -> None:
