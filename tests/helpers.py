@@ -247,3 +247,25 @@ def randomize_(model, std=0.2):
             if name.endswith("linear_attn.norm.weight") or ("norm" in name and not zero_centred):
                 p.add_(1.0)
     return model
+
+
+def assert_persistent_decode_matches_ops(shape: dict, batch: int) -> None:
+    """The engine's decode steps through the persistent kernel (``decode_kernels="persistent"``)
+    against the op-by-op steps, on the GPU, ``shape`` with 4 layers of random weights: fp32 greedy
+    tokens of ``batch`` sequences equal over 48 steps; bf16 logits of teacher-forced steps within
+    the fused path's bound; no wait of the kernel timed out."""
+    from csrc_free_ops.decode_layers import error_flag
+    from modeling import Engine, QwenConfig, SamplingParams
+    from modeling.model.random_checkpoint import random_model
+
+    config = QwenConfig.from_dict(dict(shape, num_hidden_layers=4))
+    model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
+    prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
+    tokens = {k: Engine(model, max_num_seqs=batch, max_model_len=128, decode_kernels=k).generate(
+        prompts, SamplingParams(), 48) for k in ("ops", "persistent")}
+    assert tokens["persistent"] == tokens["ops"]
+    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
+    logits = {k: forced_logits(Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=k), list(range(5, 45)),
+                               [7, 9, 11, 13]) for k in ("ops", "persistent")}
+    assert_close(logits["persistent"], logits["ops"], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
+    assert error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"

@@ -10,7 +10,7 @@ import torch
 import qwen_ops
 from csrc_free_ops import decode_hybrid_layers as kernels
 from csrc_free_ops.decode_layers import error_flag
-from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, randn
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, assert_persistent_decode_matches_ops, randn
 
 A, G = kernels.ATTENTION, kernels.GATED_DELTANET
 
@@ -268,22 +268,8 @@ def test_engine_decode_steps_through_the_hybrid_kernel_equal_the_default_steps()
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_model_decode_hybrid_layers(batch):
-    """The engine's decode steps through the hybrid kernel against the op-by-op steps (Qwen3.5-0.8B's
-    shape, 4 layers of random weights: three Gated DeltaNet, one gated attention): fp32 greedy
-    tokens equal over 48 steps; bf16 logits of teacher-forced steps within the fused path's bound;
-    no wait timed out."""
-    from modeling import Engine, QwenConfig, SamplingParams
-    from modeling.model.random_checkpoint import QWEN3_5_0_8B, random_model
-    from tests.helpers import forced_logits
+    """The engine's steps through the hybrid kernel against op by op, Qwen3.5-0.8B's shape (three
+    Gated DeltaNet layers, one gated attention: ``assert_persistent_decode_matches_ops``)."""
+    from modeling.model.random_checkpoint import QWEN3_5_0_8B
 
-    config = QwenConfig.from_dict(dict(QWEN3_5_0_8B, num_hidden_layers=4))
-    model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
-    prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
-    tokens = {k: Engine(model, max_num_seqs=batch, max_model_len=128, decode_kernels=k).generate(
-        prompts, SamplingParams(), 48) for k in ("ops", "persistent")}
-    assert tokens["persistent"] == tokens["ops"]
-    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
-    logits = {k: forced_logits(Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=k), list(range(5, 45)),
-                               [7, 9, 11, 13]) for k in ("ops", "persistent")}
-    assert_close(logits["persistent"], logits["ops"], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
-    assert error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
+    assert_persistent_decode_matches_ops(QWEN3_5_0_8B, batch)

@@ -8,7 +8,7 @@ import torch
 
 import qwen_ops
 from csrc_free_ops import decode_layers as kernels
-from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, randn
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, assert_persistent_decode_matches_ops, randn
 
 # (M, hidden, Hq, Hk, D, I, layers, block_size, blocks per sequence): awkward sizes on the CPU
 # (hidden and I not powers of two, a head dim of 48, GQA groups of 1 and 3); Qwen3-0.6B's layer
@@ -150,24 +150,11 @@ def test_decode_layers_replays_in_cuda_graph():
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_model_decode_layers(batch):
-    """The engine's decode steps through the persistent kernel against the op-by-op steps
-    (Qwen3-0.6B's shape, 4 layers of random weights): fp32 greedy tokens equal over 48 steps; bf16
-    logits of teacher-forced steps within the fused path's bound; no wait timed out."""
-    from modeling import Engine, QwenConfig, SamplingParams
-    from modeling.model.random_checkpoint import QWEN3_0_6B, random_model
-    from tests.helpers import forced_logits
+    """The engine's steps through the persistent kernel against op by op, Qwen3-0.6B's shape
+    (``assert_persistent_decode_matches_ops``)."""
+    from modeling.model.random_checkpoint import QWEN3_0_6B
 
-    config = QwenConfig.from_dict(dict(QWEN3_0_6B, num_hidden_layers=4))
-    model = random_model(config, dtype=torch.float32, device="cuda", std=0.05)
-    prompts = [list(range(3 + 5 * b, 20 + 7 * b)) for b in range(batch)]
-    tokens = {k: Engine(model, max_num_seqs=batch, max_model_len=128, decode_kernels=k).generate(
-        prompts, SamplingParams(), 48) for k in ("ops", "persistent")}
-    assert tokens["persistent"] == tokens["ops"]
-    model = random_model(config, dtype=torch.bfloat16, device="cuda", std=0.05)
-    logits = {k: forced_logits(Engine(model, max_num_seqs=1, max_model_len=64, decode_kernels=k), list(range(5, 45)),
-                               [7, 9, 11, 13]) for k in ("ops", "persistent")}
-    assert_close(logits["persistent"], logits["ops"], 3 * REL_TOL[torch.bfloat16], "bf16 teacher-forced logits")
-    assert kernels.error_flag(torch.device("cuda")).item() == 0, "a wait of the persistent kernel timed out"
+    assert_persistent_decode_matches_ops(QWEN3_0_6B, batch)
 
 
 def test_inference_weights_are_stacked_before_any_step_is_captured():
