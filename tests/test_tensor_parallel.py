@@ -226,6 +226,18 @@ def _rank(rank: int, init_method: str, paths: dict, out: str) -> None:
         dist.destroy_process_group()
 
 
+def join_ranks(context, seconds: float = 300) -> None:
+    """Wait for the ranks of ``context`` (``mp.start_processes``); kill them and fail after
+    ``seconds``: a hang guard (a gloo collective waiting on a dead peer has no timeout here), far
+    above their run time on a loaded machine, not a timing check."""
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the ranks did not finish in {seconds:g} s")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from tests.test_modeling import random_hf_model, save_checkpoint  # transformers: here, not in the ranks
@@ -245,12 +257,7 @@ def two_ranks(checkpoints, tmp_path_factory):
         os.environ.pop("TRITON_INTERPRET", None)  # the ranks run the references
         context = mp.start_processes(_rank, (f"file://{root / 'init'}", checkpoints, out), nprocs=WORLD,
                                      join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the two ranks did not finish in 300 s")
+    join_ranks(context)
     return torch.load(out)
 
 
@@ -436,10 +443,5 @@ def test_every_rank_sizes_its_pool_from_the_fullest_device(tmp_path, free, least
     which the workers build too), or None when a rank cannot tell."""
     context = mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", free, str(tmp_path / "least")),
                                  nprocs=len(free), join=False, start_method="spawn")
-    deadline = time.monotonic() + 300  # a hang guard: a collective has no timeout of its own here
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the ranks did not finish in 300 s")
+    join_ranks(context)
     assert [torch.load(tmp_path / f"least.{rank}") for rank in range(len(free))] == [least] * len(free)
