@@ -1,6 +1,7 @@
 """Test setup: without a GPU the Triton kernels run on CPU through Triton's interpreter.
 
 TRITON_INTERPRET must be set before triton is imported, so it is set here, first.
+The interpreter skips re-patching triton.language at each helper call (tests/fast_interpreter.py).
 flash-linear-attention, if installed, is hidden from transformers (below).
 Tests marked `cuda` need a GPU and are skipped without one.
 """
@@ -19,6 +20,11 @@ if not torch.cuda.is_available():
 sys.modules.setdefault("fla", None)
 
 import pytest  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.fast_interpreter import skip_nested_patches
+
+    skip_nested_patches()
 
 
 @pytest.fixture(autouse=True)

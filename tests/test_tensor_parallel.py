@@ -423,25 +423,29 @@ def test_a_failed_step_leaves_the_engine_refusing_steps(checkpoints, monkeypatch
     assert procs[0].exitcode == -signal.SIGKILL  # stopped at once, not left to its collective's timeout
 
 
-def _free_rank(rank: int, init_method: str, free: list, out: str) -> None:
-    """One rank of ``least_free_memory`` with ``free[rank]`` bytes free (None: cannot tell)."""
+def _free_rank(rank: int, init_method: str, cases: list, out: str) -> None:
+    """One rank of ``least_free_memory`` in each case, with ``free[rank]`` bytes free (None: cannot
+    tell) for each case's ``free``; saves what it got per case."""
     import modeling.engine.workers as workers
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=len(free))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=len(cases[0]))
     try:
-        with mock.patch.object(workers, "available_memory", lambda device: free[rank]):
-            least = workers.least_free_memory(torch.device("cpu"))
-        torch.save(least, f"{out}.{rank}")
+        got = []
+        for free in cases:
+            with mock.patch.object(workers, "available_memory", lambda device: free[rank]):
+                got.append(workers.least_free_memory(torch.device("cpu")))
+        torch.save(got, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("free,least", [([5 << 30, 3 << 30], 3 << 30), ([2 << 30, 7 << 30], 2 << 30),
-                                        ([4 << 30, None], None)])
-def test_every_rank_sizes_its_pool_from_the_fullest_device(tmp_path, free, least):
+def test_every_rank_sizes_its_pool_from_the_fullest_device(tmp_path):
     """``least_free_memory``: every rank gets the least free memory of any rank (rank 0's pool size,
-    which the workers build too), or None when a rank cannot tell."""
-    context = mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", free, str(tmp_path / "least")),
-                                 nprocs=len(free), join=False, start_method="spawn")
+    which the workers build too), or None when a rank cannot tell. Two ranks, three cases in turn."""
+    cases = [([5 << 30, 3 << 30], 3 << 30), ([2 << 30, 7 << 30], 2 << 30), ([4 << 30, None], None)]
+    frees = [free for free, _ in cases]
+    context = mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", frees, str(tmp_path / "least")),
+                                 nprocs=2, join=False, start_method="spawn")
     join_ranks(context)
-    assert [torch.load(tmp_path / f"least.{rank}") for rank in range(len(free))] == [least] * len(free)
+    expected = [least for _, least in cases]
+    assert [torch.load(tmp_path / f"least.{rank}") for rank in range(2)] == [expected] * 2
