@@ -40,7 +40,6 @@ import itertools
 import threading
 import time
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -49,7 +48,7 @@ import torch
 from ..common import is_int
 from ..engine import Engine, Status
 from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
-from ..engine.sampling_params import SamplingParams, choice_seed
+from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from ..model.fp8 import keeps_fp8
@@ -393,7 +392,7 @@ class LLM(Frontend):
                                        [Completion(j, self.tokenizer, params) for j in range(params.n)])
                     added.append(request)
                     for c in request.completions:
-                        seq = engine.add(ids, _choice_params(params, c.index), budget, stop_ids)
+                        seq = engine.add(ids, choice_params(params, c.index), budget, stop_ids)
                         request.seqs.append(seq)
                         self._tracked[seq.request_id] = (request, c)
             except BaseException:
@@ -466,14 +465,6 @@ class LLM(Frontend):
                 self._abort([r for r in added if id(r) in left])
             if bar is not None:
                 bar.close()
-
-
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of completion ``i`` of a request: its own seed (``choice_seed``); the prompt
-    logprobs are the first completion's only."""
-    if i == 0:
-        return params
-    return replace(params, seed=choice_seed(params.seed, i), prompt_logprobs=None)
 
 
 def _progress(total: int, enabled: bool):

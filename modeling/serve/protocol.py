@@ -11,7 +11,6 @@ checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, re
 penalty), as vLLM does by default.
 """
 
-import hashlib
 import logging
 import re
 from dataclasses import dataclass, replace
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..api.frontend import Frontend, TemplateKwargsError
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
-from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params, choice_seed  # noqa: F401
 from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
 from .chat_output import TOOL_PARSERS
@@ -239,15 +238,6 @@ class Plan:
         return len(self.prompts) * self.n
 
 
-def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
-    """The seed of choice ``i`` of a request seeded with ``seed``: the seed itself for choice 0 (so
-    n=1 samples as the engine does with that seed), a hash of (seed, i) for the others."""
-    if seed is None or i == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % INT64_LIMIT
-
-
 def _refuse_neutral(req: _Request) -> None:
     for name, why in REFUSED.items():
         if name not in type(req).model_fields:
@@ -411,12 +401,9 @@ def _prompt_logprobs(req: _Request) -> Optional[int]:
 
 
 def _per_choice(base: SamplingParams, num_prompts: int, n: int, every: bool = False) -> List[SamplingParams]:
-    """Choice j of each prompt: its own seed (``choice_seed``); the prompt logprobs computed by the
-    prompt's first choice only (the others' prefills may then hit the prefix cache), or by each
-    choice when ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
-    return [replace(base, seed=choice_seed(base.seed, j),
-                    prompt_logprobs=base.prompt_logprobs if j == 0 or every else None)
-            for _ in range(num_prompts) for j in range(n)]
+    """Choice j of each prompt: ``choice_params``; every choice computes the prompt logprobs when
+    ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
+    return [choice_params(base, j, every) for _ in range(num_prompts) for j in range(n)]
 
 
 def _include_usage(req: _Request) -> bool:
@@ -485,13 +472,18 @@ def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]
     return named
 
 
+def _mentions(llm: Frontend, text: str) -> bool:
+    """Whether ``text`` occurs in the checkpoint's chat template or in one of its named ones."""
+    template = llm.chat_template
+    return any(text in source for source in (template.source, *template.named.values()))
+
+
 def tool_form(llm: Frontend, parser: Optional[str]) -> str:
     """The tool-call form to parse and force: ``parser`` (``--tool-call-parser``) when given, else
     "xml" when the chat template writes ``<function=`` calls, else "json"."""
     if parser is not None:
         return TOOL_PARSERS[parser]
-    template = llm.chat_template
-    return "xml" if any("<function=" in src for src in (template.source, *template.named.values())) else "json"
+    return "xml" if _mentions(llm, "<function=") else "json"
 
 
 
@@ -502,9 +494,8 @@ def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Option
     _check_tools(tools)
     if not tools:
         return None
-    template = llm.chat_template
-    if not any("tools" in source for source in (template.source, *template.named.values())):
-        raise unsupported("tools", f"the checkpoint's chat template ({template.origin}) does not render tools")
+    if not _mentions(llm, "tools"):
+        raise unsupported("tools", f"the checkpoint's chat template ({llm.chat_template.origin}) does not render tools")
     return tools
 
 
@@ -518,9 +509,7 @@ def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
 def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
     """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
     the request did not pass ``enable_thinking: false``."""
-    template = llm.chat_template
-    knows = any("<think>" in source for source in (template.source, *template.named.values()))
-    return knows and template_kwargs.get("enable_thinking", True) is not False
+    return _mentions(llm, "<think>") and template_kwargs.get("enable_thinking", True) is not False
 
 
 def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
