@@ -241,10 +241,8 @@ class LLM(Frontend):
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
         (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
         requests = self._requests(prompts, sampling_params)
-        outputs: List[Optional[RequestOutput]] = [None] * len(requests)
-        for i, out in self._run(requests, use_tqdm):
-            outputs[i] = out
-        return outputs  # type: ignore[return-value]
+        outputs = dict(self._run(requests, use_tqdm))
+        return [outputs[i] for i in range(len(requests))]
 
     def iter_generate(self, prompts: PromptLike,
                       sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -322,23 +320,20 @@ class LLM(Frontend):
     def _prompt(self, prompt: Prompt, index: int, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
         """A prompt's text (None when given as token ids) and its token ids, cut to the last
         ``params.truncate_prompt_tokens``."""
-        text, ids = self._prompt_ids(prompt, index)
-        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
-
-    def _prompt_ids(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
         if isinstance(prompt, Mapping):
             if set(prompt) != {TOKEN_IDS_KEY}:
                 raise ValueError(f"prompts[{index}]: a dict prompt holds one key, {TOKEN_IDS_KEY!r}, "
                                  f"got the keys {list(prompt)!r}")
-            return None, checked_token_ids(prompt[TOKEN_IDS_KEY], f"prompts[{index}][{TOKEN_IDS_KEY!r}]",
-                                           self.config.vocab_size)
-        if not isinstance(prompt, str):
+            text, ids = None, checked_token_ids(prompt[TOKEN_IDS_KEY], f"prompts[{index}][{TOKEN_IDS_KEY!r}]",
+                                                self.config.vocab_size)
+        elif not isinstance(prompt, str):
             raise ValueError(f"prompts[{index}] must be a str or a {{{TOKEN_IDS_KEY!r}: [...]}} dict, "
                              f"got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError(f"prompts[{index}] is empty")
-        return prompt, ids
+        else:
+            text, ids = prompt, self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError(f"prompts[{index}] is empty")
+        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
 
     def _engine_for(self, need: int, num_seqs: int) -> Engine:
         """The engine, built (or built again, larger) so that a sequence holds ``need`` positions and

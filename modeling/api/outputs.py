@@ -72,21 +72,10 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
 
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> List[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason
-
-    @property
-    def stop_reason(self) -> Union[int, str, None]:
-        return self.outputs[0].stop_reason
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
 
 
 class StopStrings:
