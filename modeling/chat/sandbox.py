@@ -48,7 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatt
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
-from .budget import (_BUDGET, _CHECKED_METHODS, _PLAIN, LimitExceeded, _callable_name, _check_bits, _check_call,
+from .budget import (_BUDGET, _CHECKED_METHODS, LimitExceeded, _callable_name, _check_bits, _check_call,
                      _check_chars, _check_power, _check_repeat, _checked, _counted, _field_size, _lazy_args,
                      _printf_size, _small)
 from .builtins import (_CHECKED_FILTERS, _bounded_filter, _GenerationBlock, _lipsum, _range, _raise_exception,
@@ -174,10 +174,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """A call in a template: the deadline, the arguments and the result checked."""
         if getattr(__obj, "__self__", None) is __self:  # one of the checks _Bounds inserted
             return __obj(*args)
-        budget = _BUDGET.get()
-        budget.tick()
-        if kwargs or not set(map(type, args)) <= _PLAIN:
-            args, kwargs = _lazy_args(args, kwargs)
+        budget, args, kwargs = _lazy_args(args, kwargs)
         if args and (getattr(__obj, "__name__", None) in _CHECKED_METHODS or isinstance(__obj, (Macro, LoopContext))):
             args = _check_call(__obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)

@@ -128,7 +128,11 @@ class ChatTemplate:
         special = _special_tokens(tokenizer_config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            return cls(_read_text(jinja_file), special, origin=jinja_file.name, limits=limits)
+            try:
+                source = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ChatTemplateError(f"cannot read {jinja_file.name}: {e}") from None
+            return cls(source, special, origin=jinja_file.name, limits=limits)
         template = tokenizer_config.get("chat_template")
         origin = "tokenizer_config.json"
         if template is None:
@@ -228,13 +232,6 @@ def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ChatTemplateError(f"cannot read {path.name}: {e}") from None
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
