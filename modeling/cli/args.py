@@ -134,8 +134,7 @@ def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.removed_flag is not None:
         problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
-    given = {name: getattr(a, name) for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
-                                                 "frequency_penalty", "repetition_penalty", "seed", "logprobs")}
+    given = {name: getattr(a, name) for name in (*SAMPLING_FLAGS, "seed", "logprobs")}
     try:
         SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:

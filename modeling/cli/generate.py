@@ -140,7 +140,8 @@ def run(a: argparse.Namespace) -> int:
             out.write("\n")
             totals.add(stream.output)
         else:
-            for i, o in llm.iter_generate(prompts, params, use_tqdm=_progress_bar_fits()):
+            # a progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)
+            for i, o in llm.iter_generate(prompts, params, use_tqdm=sys.stderr is not None and sys.stderr.isatty()):
                 totals.add(o)
                 if a.json:
                     out.json(json_output(o, i))
@@ -154,12 +155,6 @@ def run(a: argparse.Namespace) -> int:
         llm.close()
     say(totals.line())
     return 0
-
-
-def _progress_bar_fits() -> bool:
-    """A progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)."""
-    err = sys.stderr
-    return err is not None and err.isatty()
 
 
 if __name__ == "__main__":

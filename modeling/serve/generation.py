@@ -292,11 +292,7 @@ class Generation:
         extra = self.plan.return_token_ids or self.plan.logprobs is not None
         out: Dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": p.finish_reason}
         if self.chat:
-            d: Dict[str, Any] = {}
-            if p.reasoning:
-                d["reasoning_content"] = p.reasoning
-            if p.content:
-                d["content"] = p.content
+            d: Dict[str, Any] = {k: v for k, v in (("reasoning_content", p.reasoning), ("content", p.content)) if v}
             if p.call_deltas:
                 d["tool_calls"] = [tool_call_delta(x, c.call_id(x["index"])) for x in merged(p.call_deltas)]
             if not d and not extra and p.finish_reason is None:

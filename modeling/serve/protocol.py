@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..api.frontend import Frontend, TemplateKwargsError
+from ..common import is_int
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params, choice_seed  # noqa: F401
@@ -139,6 +140,7 @@ REFUSED = {
 """OpenAI parameters this server refuses (400) unless neutral, and why."""
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+"""pydantic's names for the members of a union in an error's location (``str``, ``list[int]``)."""
 _UNION_MESSAGES = {"stop": "must be a string or a list of strings",
                    "tool_choice": "must be \"auto\", \"none\" or an object"}
 
@@ -172,7 +174,7 @@ def unknown_fields(req: Fields, prefix: str = "") -> List[str]:
 def _validation_error(e: ValidationError) -> APIError:
     """The 400 of pydantic's first error (it names the field)."""
     err = e.errors()[0]
-    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
+    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not (isinstance(x, str) and _TYPE_TAG.search(x))]
     param = str(loc[0]) if loc else None
     if err["type"] == "json_invalid":
         return invalid(f"the request body is not valid JSON: {err['msg']}")
@@ -183,20 +185,11 @@ def _validation_error(e: ValidationError) -> APIError:
     if err["type"] == "missing":
         return invalid(f"'{_path(loc)}' is required", param)
     message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
-    return invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param)
-
-
-def _is_type_tag(x: Any) -> bool:
-    """pydantic's names for the members of a union in an error's location (``str``, ``list[int]``)."""
-    return isinstance(x, str) and bool(_TYPE_TAG.search(x))
+    return invalid(f"'{_path(loc)}' {message or err['msg'][:1].lower() + err['msg'][1:]}", param)
 
 
 def _path(loc: List[Any]) -> str:
     return "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else str(x)) for i, x in enumerate(loc))
-
-
-def _lower(msg: str) -> str:
-    return msg[:1].lower() + msg[1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +331,7 @@ def _stop_ids(llm: Frontend, params: SamplingParams) -> List[int]:
 def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
     """``prompt`` as OpenAI takes it: a str, a list of str, a list of token ids, or a list of lists
     of token ids (a token id is an integer in the vocabulary, never a float or a bool)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(is_int, prompt))):
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
@@ -364,10 +357,6 @@ def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
         else:
             raise invalid(f"'{where}' must be a string or a list of token ids", "prompt")
     return out
-
-
-def _is_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
