@@ -35,7 +35,7 @@ The budget and the size checks live in ``budget``, the checked filters and the g
 ``builtins``; this module holds the environment, its hooks, the tree rewrite and the formatters.
 """
 
-from functools import update_wrapper
+from functools import lru_cache, update_wrapper
 from types import BuiltinMethodType, MethodType
 from typing import Optional
 
@@ -255,18 +255,12 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return markup_join(values) if context.eval_ctx.autoescape else "".join(texts)
 
 
-def _build() -> BoundedSandbox:
+@lru_cache(maxsize=None)
+def environment() -> BoundedSandbox:
+    """The environment chat templates compile in (one, built on first use, shared by all threads)."""
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters.update(_CHECKED_FILTERS)
     env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals.update(range=_range, lipsum=_lipsum, raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_TemplateNamespace)
     return env
-
-
-_ENVIRONMENT = _build()
-
-
-def environment() -> BoundedSandbox:
-    """The environment chat templates compile in (one, shared by all threads)."""
-    return _ENVIRONMENT
