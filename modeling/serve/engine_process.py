@@ -88,9 +88,8 @@ class ProcessTransport:
             raise
 
     def _wait_ready(self) -> Dict[str, Any]:
-        while not self._conn.poll(START_POLL_S):
-            if not self.proc.is_alive():
-                break
+        while not self._conn.poll(START_POLL_S) and self.proc.is_alive():
+            pass
         try:
             msg = self._conn.recv()
         except EOFError:  # it exited without a word (killed, or crashed in the interpreter)
