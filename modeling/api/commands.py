@@ -1,7 +1,8 @@
 """What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
-share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), the values their
-flags take (``DTYPE_CHOICES``, ``DEVICE_PATTERN``), and the checkpoint and model their flags name
-(``load_checkpoint``, ``load_llm``), each failure a ``UsageError`` naming the flag.
+share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), ``prog_name``, the
+notes for deprecated flags (``say_renamed``), the values their flags take (``DTYPE_CHOICES``,
+``DEVICE_PATTERN``), and the checkpoint and model their flags name (``load_checkpoint``,
+``load_llm``), each failure a ``UsageError`` naming the flag.
 
 Imports nothing heavy at the top: a command line handles Ctrl-C and bad input from its first
 instant, while torch is still loading."""
