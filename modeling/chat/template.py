@@ -166,9 +166,7 @@ class ChatTemplate:
             if not isinstance(m, Mapping):
                 raise ChatTemplateError(f"a chat message must be a dict, got {type(m).__name__}")
             chat.append(_alias_reasoning({k: _plain(v) for k, v in m.items() if v is not None}))
-        source = self.source
-        if tools is not None and "tool_use" in self.named:
-            source = self.named["tool_use"]
+        source = self.named["tool_use"] if tools is not None and "tool_use" in self.named else self.source
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
         from .budget import LimitExceeded, bounded
