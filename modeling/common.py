@@ -37,8 +37,7 @@ def one_line(e: Optional[BaseException], typed: bool = True, limit: Optional[int
     if e is None:
         return "unknown error"
     text = " ".join(str(e).split())
-    if typed:
-        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
-    else:
-        text = text or type(e).__name__
+    if typed and text:
+        text = f"{type(e).__name__}: {text}"
+    text = text or type(e).__name__
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."

@@ -67,9 +67,7 @@ class Checkpoint:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
         config = load_config(path)
         check_weights_size(path, config)
-        tokenizer = QwenTokenizer.from_pretrained(path)
-        defaults = generation_defaults(path)
-        return cls(path, config, tokenizer, defaults)
+        return cls(path, config, QwenTokenizer.from_pretrained(path), generation_defaults(path))
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -1,15 +1,17 @@
 """What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
-share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), the values their
-flags take (``DTYPE_CHOICES``, ``DEVICE_PATTERN``), and the checkpoint and model their flags name
-(``load_checkpoint``, ``load_llm``), each failure a ``UsageError`` naming the flag.
+share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), ``prog_name``, the
+notes for deprecated flags (``say_renamed``), the values their flags take (``DTYPE_CHOICES``,
+``DEVICE_PATTERN``), and the checkpoint and model their flags name (``load_checkpoint``,
+``load_llm``), each failure a ``UsageError`` naming the flag.
 
 Imports nothing heavy at the top: a command line handles Ctrl-C and bad input from its first
 instant, while torch is still loading."""
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from ..common import one_line
 
@@ -34,6 +36,22 @@ def say(msg: str) -> None:
         err.flush()
     except (OSError, ValueError):
         pass
+
+
+def prog_name(module: str, *script_names: str) -> str:
+    """The console script's name (``qwen-generate``, ``qwen-serve``), or ``python -m MODULE`` when run
+    as a module (``script_names``: other names ``sys.argv[0]`` then has)."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return f"python -m {module}" if name in ("", "-c", "__main__.py", *script_names) else name
+
+
+def say_renamed(argv: Optional[Sequence[str]], renamed: Mapping[str, str]) -> None:
+    """A note for each earlier flag of ``renamed`` (old -> new) given in ``argv`` (None: the
+    command line's), naming the new one."""
+    given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
+    for old, new in renamed.items():
+        if old in given:
+            say(f"note: {old} is deprecated: use {new}")
 
 
 def load_checkpoint(a: argparse.Namespace):

@@ -1,14 +1,10 @@
 """The text side of a checkpoint, without its weights: tokenizer, chat template, stop token ids and
 generation defaults. ``LLM`` is a ``Frontend`` with the model loaded; the server's HTTP process is
 one alone (its engine, with the weights, runs in a process of its own)."""
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..chat.template import ChatTemplate
 from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
-from ..model.config import QwenConfig
 from .checkpoint import Checkpoint
-from .tokenizer import QwenTokenizer
 
 Message = Mapping[str, Any]
 RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
@@ -20,26 +16,16 @@ class TemplateKwargsError(ValueError):
 
 
 class Frontend:
-    """What a loaded ``Checkpoint`` says about text."""
+    """What a loaded ``Checkpoint`` says about text: its ``path``, ``config`` (``QwenConfig``),
+    ``tokenizer`` (``QwenTokenizer``) and ``chat_template`` (``ChatTemplate``) are the checkpoint's."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
 
-    @property
-    def path(self) -> Path:
-        return self.checkpoint.path
-
-    @property
-    def config(self) -> QwenConfig:
-        return self.checkpoint.config
-
-    @property
-    def tokenizer(self) -> QwenTokenizer:
-        return self.checkpoint.tokenizer
-
-    @property
-    def chat_template(self) -> ChatTemplate:
-        return self.checkpoint.chat_template
+    path = property(lambda self: self.checkpoint.path)
+    config = property(lambda self: self.checkpoint.config)
+    tokenizer = property(lambda self: self.checkpoint.tokenizer)
+    chat_template = property(lambda self: self.checkpoint.chat_template)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (greedy when it has none)."""

@@ -40,7 +40,6 @@ import itertools
 import threading
 import time
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -49,7 +48,7 @@ import torch
 from ..common import is_int
 from ..engine import Engine, Status
 from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
-from ..engine.sampling_params import SamplingParams, choice_seed
+from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from ..model.fp8 import keeps_fp8
@@ -242,10 +241,8 @@ class LLM(Frontend):
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
         (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
         requests = self._requests(prompts, sampling_params)
-        outputs: List[Optional[RequestOutput]] = [None] * len(requests)
-        for i, out in self._run(requests, use_tqdm):
-            outputs[i] = out
-        return outputs  # type: ignore[return-value]
+        outputs = dict(self._run(requests, use_tqdm))
+        return [outputs[i] for i in range(len(requests))]
 
     def iter_generate(self, prompts: PromptLike,
                       sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -323,23 +320,20 @@ class LLM(Frontend):
     def _prompt(self, prompt: Prompt, index: int, params: SamplingParams) -> Tuple[Optional[str], List[int]]:
         """A prompt's text (None when given as token ids) and its token ids, cut to the last
         ``params.truncate_prompt_tokens``."""
-        text, ids = self._prompt_ids(prompt, index)
-        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
-
-    def _prompt_ids(self, prompt: Prompt, index: int) -> Tuple[Optional[str], List[int]]:
         if isinstance(prompt, Mapping):
             if set(prompt) != {TOKEN_IDS_KEY}:
                 raise ValueError(f"prompts[{index}]: a dict prompt holds one key, {TOKEN_IDS_KEY!r}, "
                                  f"got the keys {list(prompt)!r}")
-            return None, checked_token_ids(prompt[TOKEN_IDS_KEY], f"prompts[{index}][{TOKEN_IDS_KEY!r}]",
-                                           self.config.vocab_size)
-        if not isinstance(prompt, str):
+            text, ids = None, checked_token_ids(prompt[TOKEN_IDS_KEY], f"prompts[{index}][{TOKEN_IDS_KEY!r}]",
+                                                self.config.vocab_size)
+        elif not isinstance(prompt, str):
             raise ValueError(f"prompts[{index}] must be a str or a {{{TOKEN_IDS_KEY!r}: [...]}} dict, "
                              f"got {type(prompt).__name__}")
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError(f"prompts[{index}] is empty")
-        return prompt, ids
+        else:
+            text, ids = prompt, self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError(f"prompts[{index}] is empty")
+        return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
 
     def _engine_for(self, need: int, num_seqs: int) -> Engine:
         """The engine, built (or built again, larger) so that a sequence holds ``need`` positions and
@@ -393,7 +387,7 @@ class LLM(Frontend):
                                        [Completion(j, self.tokenizer, params) for j in range(params.n)])
                     added.append(request)
                     for c in request.completions:
-                        seq = engine.add(ids, _choice_params(params, c.index), budget, stop_ids)
+                        seq = engine.add(ids, choice_params(params, c.index), budget, stop_ids)
                         request.seqs.append(seq)
                         self._tracked[seq.request_id] = (request, c)
             except BaseException:
@@ -466,14 +460,6 @@ class LLM(Frontend):
                 self._abort([r for r in added if id(r) in left])
             if bar is not None:
                 bar.close()
-
-
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The params of completion ``i`` of a request: its own seed (``choice_seed``); the prompt
-    logprobs are the first completion's only."""
-    if i == 0:
-        return params
-    return replace(params, seed=choice_seed(params.seed, i), prompt_logprobs=None)
 
 
 def _progress(total: int, enabled: bool):

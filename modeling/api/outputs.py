@@ -72,21 +72,10 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[List[Optional[Dict[int, Logprob]]]] = None
 
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> List[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason
-
-    @property
-    def stop_reason(self) -> Union[int, str, None]:
-        return self.outputs[0].stop_reason
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
 
 
 class StopStrings:
@@ -191,6 +180,22 @@ class TextRow:
         self.pieces.append(out)
         return out
 
+    def step(self, token: int, finish_reason: Optional[str],
+             stop_token_ids: Sequence[int]) -> Tuple[str, Optional[str], Union[int, str, None]]:
+        """The text ``token`` adds (none for a stop token: EOS or a stop token id, the engine's
+        ``finish_reason`` "stop"), and the finish and stop reasons when it ends the completion: a
+        stop string matched (the stop reason), or the engine finished it (a stop token id not EOS
+        is the stop reason). Its end adds the text still held back."""
+        text = self.push(token) if finish_reason != "stop" else ""
+        reason, stop_reason = finish_reason, None
+        if self.stops.matched is not None:
+            reason, stop_reason = "stop", self.stops.matched
+        elif finish_reason == "stop" and token in stop_token_ids:
+            stop_reason = token
+        if reason is not None:
+            text += self.finish()
+        return text, reason, stop_reason
+
 
 class Completion:
     """One sequence's output as the engine hands over its tokens (``push``): the token ids, the text
@@ -216,26 +221,13 @@ class Completion:
         finish reason when it was the last); returns the text it adds."""
         if self.finished:
             return ""
-        stop_token = finish_reason == "stop"  # EOS or a stop token id: not part of the output
-        text = ""
-        if not stop_token:
+        if finish_reason != "stop":  # EOS or a stop token id: not part of the output
             self.token_ids.append(token)
             if self.logprobs is not None:
-                self.logprobs.append(self._logprobs(token, logprobs))
+                self.logprobs.append(logprob_dict(self.text_of, token, logprobs))
                 self.cumulative_logprob += logprobs[0]
-            text = self.row.push(token)
-        if self.row.stops.matched is not None:
-            self.finish_reason, self.stop_reason = "stop", self.row.stops.matched
-        elif finish_reason is not None:
-            self.finish_reason = finish_reason
-            if stop_token and token in self.params.stop_token_ids:
-                self.stop_reason = token
-        if self.finished:
-            text += self.row.finish()
+        text, self.finish_reason, self.stop_reason = self.row.step(token, finish_reason, self.params.stop_token_ids)
         return text
-
-    def _logprobs(self, token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
-        return logprob_dict(self.text_of, token, entry)
 
     def text_of(self, token: int) -> str:
         """A token's own text, special tokens included (``Logprob.decoded_token``)."""

@@ -19,12 +19,7 @@ class TextStream:
         self._llm, self._request = llm, request
         self.prompt = request.prompt
         self._sent = 0  # characters of the completion's text handed out
-        self._output: Optional[RequestOutput] = None
-
-    @property
-    def output(self) -> Optional[RequestOutput]:
-        """The ``RequestOutput`` once the stream is exhausted (None before)."""
-        return self._output
+        self.output: Optional[RequestOutput] = None  # once the stream is exhausted (or closed)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -37,8 +32,8 @@ class TextStream:
                 piece, self._sent = text[self._sent:], len(text)
                 return piece
             if completion.finished:
-                if self._output is None:
-                    self._output = self._request.output()
+                if self.output is None:
+                    self.output = self._request.output()
                 raise StopIteration
             if self._llm._step() is None:  # the engine holds nothing to run: it was aborted
                 self._llm._abort([self._request])
@@ -53,8 +48,8 @@ class TextStream:
     def close(self) -> None:
         """Stop the generation (if it still runs)."""
         self._llm._abort([self._request])
-        if self._output is None:
-            self._output = self._request.output()
+        if self.output is None:
+            self.output = self._request.output()
 
     def __enter__(self) -> "TextStream":
         return self

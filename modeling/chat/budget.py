@@ -90,8 +90,6 @@ class _Size(NamedTuple):
 def _children(value: Any) -> Optional[Iterable[Any]]:
     """The values a container holds (a dict's keys and values, a namespace's attributes, a
     cycler's items); None for anything that is not a container."""
-    if isinstance(value, dict):
-        return (x for item in value.items() for x in item)
     if isinstance(value, (list, tuple, set, frozenset)):
         return value
     if isinstance(value, Namespace):
@@ -239,13 +237,16 @@ def _is_lazy(x: Any) -> bool:
     return type(x) not in _PLAIN and type(x) not in _ITERATORS_OF_HELD_VALUES and isinstance(x, Iterator)
 
 
-def _lazy_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """The arguments of a call or filter, lazy sequences among them ``_counted`` as they are consumed."""
-    if any(map(_is_lazy, args)):
+def _lazy_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[_Budget, Tuple[Any, ...], Dict[str, Any]]:
+    """Before a call or filter: the deadline checked; the rendering's budget, and the arguments,
+    lazy sequences among them ``_counted`` as they are consumed."""
+    budget = _BUDGET.get()
+    budget.tick()
+    if (kwargs or not set(map(type, args)) <= _PLAIN) and any(map(_is_lazy, args)):
         args = tuple(_counted(a) if _is_lazy(a) else a for a in args)
     if kwargs and any(map(_is_lazy, kwargs.values())):
         kwargs = {k: _counted(v) if _is_lazy(v) else v for k, v in kwargs.items()}
-    return args, kwargs
+    return budget, args, kwargs
 
 
 def _count(x: Any) -> int:

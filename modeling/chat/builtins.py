@@ -16,7 +16,7 @@ import jinja2.filters as jinja_filters
 from jinja2 import nodes, pass_environment, pass_eval_context
 from jinja2.utils import Namespace, generate_lorem_ipsum
 
-from .budget import (_BUDGET, _PLAIN, _check_chars, _check_size, _checked, _count, _lazy_args, _measure, _printf_size,
+from .budget import (_BUDGET, _check_chars, _check_size, _checked, _count, _lazy_args, _measure, _printf_size,
                      _replaced_size, _small, _Size)
 
 
@@ -145,10 +145,7 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
 
     @wraps(f)
     def bounded_filter(*args, **kwargs):
-        budget = _BUDGET.get()
-        budget.tick()
-        if kwargs or not set(map(type, args)) <= _PLAIN:
-            args, kwargs = _lazy_args(args, kwargs)
+        budget, args, kwargs = _lazy_args(args, kwargs)
         result = f(*args, **kwargs)
         return result if _small(result, budget) else _checked(result, what)
 

@@ -35,7 +35,7 @@ The budget and the size checks live in ``budget``, the checked filters and the g
 ``builtins``; this module holds the environment, its hooks, the tree rewrite and the formatters.
 """
 
-from functools import update_wrapper
+from functools import lru_cache, update_wrapper
 from types import BuiltinMethodType, MethodType
 from typing import Optional
 
@@ -48,7 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEscapeFormatt
 from jinja2.visitor import NodeTransformer
 from markupsafe import Markup
 
-from .budget import (_BUDGET, _CHECKED_METHODS, _PLAIN, LimitExceeded, _callable_name, _check_bits, _check_call,
+from .budget import (_BUDGET, _CHECKED_METHODS, LimitExceeded, _callable_name, _check_bits, _check_call,
                      _check_chars, _check_power, _check_repeat, _checked, _counted, _field_size, _lazy_args,
                      _printf_size, _small)
 from .builtins import (_CHECKED_FILTERS, _bounded_filter, _GenerationBlock, _lipsum, _range, _raise_exception,
@@ -174,10 +174,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """A call in a template: the deadline, the arguments and the result checked."""
         if getattr(__obj, "__self__", None) is __self:  # one of the checks _Bounds inserted
             return __obj(*args)
-        budget = _BUDGET.get()
-        budget.tick()
-        if kwargs or not set(map(type, args)) <= _PLAIN:
-            args, kwargs = _lazy_args(args, kwargs)
+        budget, args, kwargs = _lazy_args(args, kwargs)
         if args and (getattr(__obj, "__name__", None) in _CHECKED_METHODS or isinstance(__obj, (Macro, LoopContext))):
             args = _check_call(__obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
@@ -258,18 +255,12 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return markup_join(values) if context.eval_ctx.autoescape else "".join(texts)
 
 
-def _build() -> BoundedSandbox:
+@lru_cache(maxsize=None)
+def environment() -> BoundedSandbox:
+    """The environment chat templates compile in (one, built on first use, shared by all threads)."""
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters.update(_CHECKED_FILTERS)
     env.filters.update({name: _bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals.update(range=_range, lipsum=_lipsum, raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_TemplateNamespace)
     return env
-
-
-_ENVIRONMENT = _build()
-
-
-def environment() -> BoundedSandbox:
-    """The environment chat templates compile in (one, shared by all threads)."""
-    return _ENVIRONMENT

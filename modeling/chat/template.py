@@ -128,7 +128,11 @@ class ChatTemplate:
         special = _special_tokens(tokenizer_config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            return cls(_read_text(jinja_file), special, origin=jinja_file.name, limits=limits)
+            try:
+                source = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ChatTemplateError(f"cannot read {jinja_file.name}: {e}") from None
+            return cls(source, special, origin=jinja_file.name, limits=limits)
         template = tokenizer_config.get("chat_template")
         origin = "tokenizer_config.json"
         if template is None:
@@ -162,9 +166,7 @@ class ChatTemplate:
             if not isinstance(m, Mapping):
                 raise ChatTemplateError(f"a chat message must be a dict, got {type(m).__name__}")
             chat.append(_alias_reasoning({k: _plain(v) for k, v in m.items() if v is not None}))
-        source = self.source
-        if tools is not None and "tool_use" in self.named:
-            source = self.named["tool_use"]
+        source = self.named["tool_use"] if tools is not None and "tool_use" in self.named else self.source
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
         from .budget import LimitExceeded, bounded
@@ -228,13 +230,6 @@ def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ChatTemplateError(f"cannot read {path.name}: {e}") from None
 
 
 def _read_json(path: Path) -> Dict[str, Any]:

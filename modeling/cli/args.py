@@ -3,11 +3,10 @@ and the prompts they name (``read_prompts``). Exit statuses are here too."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError
+from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, prog_name
 from ..engine.prompts import MAX_MODEL_LEN
 
 if TYPE_CHECKING:
@@ -33,18 +32,11 @@ BATCH_FILE_LIMIT = 64 << 20
 # argparse, json, torch... are imported inside the functions.
 
 
-def prog_name() -> str:
-    """``qwen-generate`` (or whatever the console script is called), ``python -m modeling.generate``
-    when run as a module."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "python -m modeling.generate" if name in ("", "-c", "generate.py", "__main__.py") else name
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog=prog_name(),
+        prog=prog_name("modeling.generate", "generate.py"),
         description="Generate text with a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint, dense or mixture of experts "
                     "(model_type qwen3, qwen2, qwen3_5, qwen3_5_text, qwen3_moe, qwen2_moe, qwen3_5_moe or "
                     "qwen3_5_moe_text) on the torch.ops.qwen Triton kernels (without CUDA: the PyTorch "
@@ -133,12 +125,6 @@ def _as_flag(problem: str) -> str:
     return f"--{name.replace('_', '-')} {rest}"
 
 
-def renamed_flags(argv: Sequence[str]) -> List[str]:
-    """Notes for the earlier flags given (``RENAMED_FLAGS``), each naming the new one."""
-    given = {arg.split("=", 1)[0] for arg in argv}
-    return [f"note: {old} is deprecated: use {new}" for old, new in RENAMED_FLAGS.items() if old in given]
-
-
 def check_args(a: argparse.Namespace) -> None:
     """Every problem with the flags alone, in one message (before any model is read)."""
     import re
@@ -148,8 +134,7 @@ def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.removed_flag is not None:
         problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
-    given = {name: getattr(a, name) for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
-                                                 "frequency_penalty", "repetition_penalty", "seed", "logprobs")}
+    given = {name: getattr(a, name) for name in (*SAMPLING_FLAGS, "seed", "logprobs")}
     try:
         SamplingParams(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
@@ -163,19 +148,13 @@ def check_args(a: argparse.Namespace) -> None:
         problems.append("give a prompt: --prompt TEXT, --batch-file FILE or --interactive")
     elif a.prompt is not None and a.batch_file is not None:
         problems.append("give either --prompt or --batch-file, not both")
-    for flag, value in (("--prompt", a.prompt), ("--system", a.system)):
-        if value is None:
-            continue
-        problem = _unicode_problem(value)
+    for flag, value in (("--prompt", a.prompt), ("--system", a.system), *(("--stop", stop) for stop in a.stop)):
+        problem = _unicode_problem(value) if value is not None else None
         if problem:
             problems.append(f"{flag} {problem}")
-        elif flag == "--prompt" and not value.strip():
+        elif flag == "--prompt" and value is not None and not value.strip():
             problems.append("the prompt is empty")
-    for stop in a.stop:
-        problem = _unicode_problem(stop)
-        if problem:
-            problems.append(f"--stop {problem}")
-        elif not stop:
+        elif flag == "--stop" and not value:
             problems.append("--stop needs a non-empty string")
     if (a.system is not None or a.no_thinking) and not (a.chat or a.interactive):
         flag = "--system" if a.system is not None else "--no-thinking"

@@ -20,10 +20,10 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ..api.commands import UsageError, load_checkpoint, load_llm, say
+from ..api.commands import UsageError, load_checkpoint, load_llm, say, say_renamed
 from ..common import one_line
-from .args import (INTERRUPTED, PIPE_CLOSED, RUNTIME_ERROR, USAGE_ERROR, check_args, parse_args, read_prompts,
-                   renamed_flags, sampling_params)
+from .args import (INTERRUPTED, PIPE_CLOSED, RENAMED_FLAGS, RUNTIME_ERROR, USAGE_ERROR, check_args, parse_args,
+                   read_prompts, sampling_params)
 from .interactive import interactive
 from .output import Totals, Writer, _silence_stdout, _tolerant_stdout, escape_line, json_output
 
@@ -38,8 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             a = parse_args(argv)
         except SystemExit as e:  # argparse has printed its usage message (or --help)
             return USAGE_ERROR if e.code else 0
-        for note in renamed_flags(sys.argv[1:] if argv is None else argv):
-            say(note)
+        say_renamed(argv, RENAMED_FLAGS)
         check_args(a)
         return run(a)
     except UsageError as e:
@@ -141,7 +140,8 @@ def run(a: argparse.Namespace) -> int:
             out.write("\n")
             totals.add(stream.output)
         else:
-            for i, o in llm.iter_generate(prompts, params, use_tqdm=_progress_bar_fits()):
+            # a progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)
+            for i, o in llm.iter_generate(prompts, params, use_tqdm=sys.stderr is not None and sys.stderr.isatty()):
                 totals.add(o)
                 if a.json:
                     out.json(json_output(o, i))
@@ -155,12 +155,6 @@ def run(a: argparse.Namespace) -> int:
         llm.close()
     say(totals.line())
     return 0
-
-
-def _progress_bar_fits() -> bool:
-    """A progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)."""
-    err = sys.stderr
-    return err is not None and err.isatty()
 
 
 if __name__ == "__main__":

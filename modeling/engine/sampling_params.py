@@ -7,7 +7,7 @@ the text-level ones (``stop``, ``skip_special_tokens``) as they build a completi
 
 import hashlib
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
 from ..common import is_int
@@ -278,3 +278,12 @@ def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
         return seed
     digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % INT64_LIMIT
+
+
+def choice_params(params: SamplingParams, i: int, every: bool = False) -> SamplingParams:
+    """The params of completion ``i`` of a request: its own seed (``choice_seed``); the prompt
+    logprobs computed by the first completion only (the others' prefills may then hit the prefix
+    cache), or by each when ``every``."""
+    if i == 0:
+        return params
+    return replace(params, seed=choice_seed(params.seed, i), prompt_logprobs=params.prompt_logprobs if every else None)

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, load_checkpoint, say
+from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, load_checkpoint, prog_name, say, say_renamed
 from .chat_output import TOOL_PARSERS
 
 API_KEY_ENV = "QWEN_API_KEY"
@@ -36,14 +36,9 @@ def tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
-def prog_name() -> str:
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "python -m modeling.serve" if name in ("", "-c", "__main__.py") else name
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog=prog_name(),
+        prog=prog_name("modeling.serve"),
         description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the "
                     "continuous-batching engine.",
@@ -139,10 +134,7 @@ def main(argv: Optional[Sequence[str]] = None, factory: Optional[Callable] = Non
         a = parse_args(argv)
     except SystemExit as e:
         return 2 if e.code else 0
-    given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
-    for old, new in RENAMED_FLAGS.items():
-        if old in given:
-            say(f"note: {old} is deprecated: use {new}")
+    say_renamed(argv, RENAMED_FLAGS)
     try:
         check_args(a)
         return serve(a, factory)

@@ -27,8 +27,7 @@ class DrainingServer(uvicorn.Server):
                 self.force_exit = True
                 return
             self.state.draining = True
-            loop = self.state.loop
-            counts = loop.counts() if loop is not None else {"running": 0, "waiting": 0}
+            counts = self.state.loop.counts()
             log.info("%s: draining (%d running, %d waiting; up to %g s), then exiting", signal.Signals(sig).name,
                      counts["running"], counts["waiting"], self.config.timeout_graceful_shutdown)
             self.should_exit = True

@@ -88,16 +88,16 @@ class EngineCore:
             for rid in rids:
                 self.engine.abort(self.seqs[rid])
                 self.forget(rid)
-            self.send(("failed", rids, f"{type(e).__name__}: {e}"))
+            message = f"{type(e).__name__}: {e}"
+            self.send(("failed", rids, message))
             self.dirty = True  # their blocks were freed: the KV usage the server last got is stale
-            if isinstance(e, WorkerDied):  # a tensor-parallel worker is gone or out of step: no step can run
-                self.send(("dead", f"{type(e).__name__}: {e}"))
-                return False
-            if self.failures >= MAX_CONSECUTIVE_FAILURES:
+            dead = isinstance(e, WorkerDied)  # a tensor-parallel worker is gone or out of step: no step can run
+            if not dead and self.failures >= MAX_CONSECUTIVE_FAILURES:
                 log.error("the engine failed %d steps in a row: it is unusable", self.failures)
-                self.send(("dead", f"{type(e).__name__}: {e}"))
-                return False
-            return True
+                dead = True
+            if dead:
+                self.send(("dead", message))
+            return not dead
         self.failures = 0
         events: List[Tuple[int, int, Optional[tuple], Optional[str]]] = []
         for seq in sampled:

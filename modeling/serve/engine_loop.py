@@ -176,11 +176,7 @@ class EngineClient:
             sink.put(batch)
 
     def _fail(self, rids: List[int], message: str) -> None:
-        sinks = {}
-        for rid in rids:
-            e = self._entries.pop(rid)
-            sinks[id(e.sink)] = e.sink
-        for sink in sinks.values():
+        for sink in dict.fromkeys(self._entries.pop(rid).sink for rid in rids):  # each once, in order
             sink.put(EngineFailure(message))
 
 

@@ -88,9 +88,8 @@ class ProcessTransport:
             raise
 
     def _wait_ready(self) -> Dict[str, Any]:
-        while not self._conn.poll(START_POLL_S):
-            if not self.proc.is_alive():
-                break
+        while not self._conn.poll(START_POLL_S) and self.proc.is_alive():
+            pass
         try:
             msg = self._conn.recv()
         except EOFError:  # it exited without a word (killed, or crashed in the interpreter)
@@ -110,10 +109,7 @@ class ProcessTransport:
     def _readable(self) -> None:
         """Every report the pipe holds, in one read (``Connection.recv`` takes two and a poll a
         report), unframed here; a report's end that has not come yet waits for the next read."""
-        try:
-            data = os.read(self._conn.fileno(), READ_BYTES)
-        except OSError:
-            data = b""
+        data = self._read()
         if not data:  # EOF: the child holds the only write end
             self._loop.remove_reader(self._conn.fileno())
             self.proc.join(START_POLL_S)
@@ -129,6 +125,13 @@ class ProcessTransport:
             start += 4 + size
             self._callback(msg)
         del self._received[:start]
+
+    def _read(self) -> bytes:
+        """What the report pipe holds, at most ``READ_BYTES``; b"" at EOF (or a failed read)."""
+        try:
+            return os.read(self._conn.fileno(), READ_BYTES)
+        except OSError:
+            return b""
 
     def put(self, msg: tuple) -> None:
         """Send ``msg`` now, as far as the pipe takes it; never blocks."""
@@ -170,14 +173,10 @@ class ProcessTransport:
                                                       max(0.0, deadline - time.monotonic()))
                 if writable:
                     self._flush()
-                if self._conn in readable:  # dropped unframed: _readable may have read a report's start
-                    try:
-                        data = os.read(self._conn.fileno(), READ_BYTES)
-                    except OSError:
-                        data = b""
-                    if not data:  # it is exiting
-                        self.proc.join(max(0.0, deadline - time.monotonic()))
-                        break
+                # dropped unframed: _readable may have read a report's start; b"": it is exiting
+                if self._conn in readable and not self._read():
+                    self.proc.join(max(0.0, deadline - time.monotonic()))
+                    break
         self._kill()
 
     def _kill(self) -> None:

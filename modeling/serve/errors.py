@@ -9,10 +9,8 @@ draining, the engine unusable or too many connections.
 
 from typing import Any, Dict, Optional
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-"""The ``type`` of each status, as OpenAI names them."""
+TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+"""The ``type`` of each status, as OpenAI names them (any other: ``invalid_request_error``)."""
 
 
 class APIError(Exception):
@@ -21,9 +19,6 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> Dict[str, Any]:
-        return error_body(self.status, self.message, self.param, self.code)
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:

@@ -92,16 +92,9 @@ class Choice:
             if ev.logprobs is not None:
                 self.logprobs.append(ev.logprobs)
                 piece.logprobs.append(ev.logprobs)
-            if ev.finish_reason != "stop":  # a stop token (EOS, stop_token_ids) is not text
-                text += self.row.push(ev.token)
-            if self.row.stops.matched is not None:
-                reason, self.stop_reason = "stop", self.row.stops.matched
-            elif ev.finish_reason is not None:
-                reason = ev.finish_reason
-                if reason == "stop" and ev.token in self.params.stop_token_ids:
-                    self.stop_reason = ev.token
+            more, reason, self.stop_reason = self.row.step(ev.token, ev.finish_reason, self.params.stop_token_ids)
+            text += more
             if reason is not None:
-                text += self.row.finish()
                 break
         self.text += text
         piece.text = text
@@ -299,11 +292,7 @@ class Generation:
         extra = self.plan.return_token_ids or self.plan.logprobs is not None
         out: Dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": p.finish_reason}
         if self.chat:
-            d: Dict[str, Any] = {}
-            if p.reasoning:
-                d["reasoning_content"] = p.reasoning
-            if p.content:
-                d["content"] = p.content
+            d: Dict[str, Any] = {k: v for k, v in (("reasoning_content", p.reasoning), ("content", p.content)) if v}
             if p.call_deltas:
                 d["tool_calls"] = [tool_call_delta(x, c.call_id(x["index"])) for x in merged(p.call_deltas)]
             if not d and not extra and p.finish_reason is None:

@@ -11,7 +11,6 @@ checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, re
 penalty), as vLLM does by default.
 """
 
-import hashlib
 import logging
 import re
 from dataclasses import dataclass, replace
@@ -20,9 +19,10 @@ from typing import Any, Dict, List, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..api.frontend import Frontend, TemplateKwargsError
+from ..common import is_int
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
-from ..engine.sampling_params import INT64_LIMIT, MAX_LOGPROBS, SamplingParams
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params, choice_seed  # noqa: F401
 from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
 from .chat_output import TOOL_PARSERS
@@ -140,6 +140,7 @@ REFUSED = {
 """OpenAI parameters this server refuses (400) unless neutral, and why."""
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+"""pydantic's names for the members of a union in an error's location (``str``, ``list[int]``)."""
 _UNION_MESSAGES = {"stop": "must be a string or a list of strings",
                    "tool_choice": "must be \"auto\", \"none\" or an object"}
 
@@ -173,7 +174,7 @@ def unknown_fields(req: Fields, prefix: str = "") -> List[str]:
 def _validation_error(e: ValidationError) -> APIError:
     """The 400 of pydantic's first error (it names the field)."""
     err = e.errors()[0]
-    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not _is_type_tag(x)]
+    loc = [x for i, x in enumerate(err["loc"]) if i == 0 or not (isinstance(x, str) and _TYPE_TAG.search(x))]
     param = str(loc[0]) if loc else None
     if err["type"] == "json_invalid":
         return invalid(f"the request body is not valid JSON: {err['msg']}")
@@ -184,20 +185,11 @@ def _validation_error(e: ValidationError) -> APIError:
     if err["type"] == "missing":
         return invalid(f"'{_path(loc)}' is required", param)
     message = _UNION_MESSAGES.get(param) if len(loc) == 1 else None
-    return invalid(f"'{_path(loc)}' {message or _lower(err['msg'])}", param)
-
-
-def _is_type_tag(x: Any) -> bool:
-    """pydantic's names for the members of a union in an error's location (``str``, ``list[int]``)."""
-    return isinstance(x, str) and bool(_TYPE_TAG.search(x))
+    return invalid(f"'{_path(loc)}' {message or err['msg'][:1].lower() + err['msg'][1:]}", param)
 
 
 def _path(loc: List[Any]) -> str:
     return "".join(f"[{x}]" if isinstance(x, int) else (f".{x}" if i else str(x)) for i, x in enumerate(loc))
-
-
-def _lower(msg: str) -> str:
-    return msg[:1].lower() + msg[1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,15 +229,6 @@ class Plan:
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
-
-
-def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
-    """The seed of choice ``i`` of a request seeded with ``seed``: the seed itself for choice 0 (so
-    n=1 samples as the engine does with that seed), a hash of (seed, i) for the others."""
-    if seed is None or i == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % INT64_LIMIT
 
 
 def _refuse_neutral(req: _Request) -> None:
@@ -348,7 +331,7 @@ def _stop_ids(llm: Frontend, params: SamplingParams) -> List[int]:
 def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
     """``prompt`` as OpenAI takes it: a str, a list of str, a list of token ids, or a list of lists
     of token ids (a token id is an integer in the vocabulary, never a float or a bool)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(is_int, prompt))):
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
@@ -374,10 +357,6 @@ def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
         else:
             raise invalid(f"'{where}' must be a string or a list of token ids", "prompt")
     return out
-
-
-def _is_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
@@ -411,12 +390,9 @@ def _prompt_logprobs(req: _Request) -> Optional[int]:
 
 
 def _per_choice(base: SamplingParams, num_prompts: int, n: int, every: bool = False) -> List[SamplingParams]:
-    """Choice j of each prompt: its own seed (``choice_seed``); the prompt logprobs computed by the
-    prompt's first choice only (the others' prefills may then hit the prefix cache), or by each
-    choice when ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
-    return [replace(base, seed=choice_seed(base.seed, j),
-                    prompt_logprobs=base.prompt_logprobs if j == 0 or every else None)
-            for _ in range(num_prompts) for j in range(n)]
+    """Choice j of each prompt: ``choice_params``; every choice computes the prompt logprobs when
+    ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
+    return [choice_params(base, j, every) for _ in range(num_prompts) for j in range(n)]
 
 
 def _include_usage(req: _Request) -> bool:
@@ -485,13 +461,18 @@ def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]
     return named
 
 
+def _mentions(llm: Frontend, text: str) -> bool:
+    """Whether ``text`` occurs in the checkpoint's chat template or in one of its named ones."""
+    template = llm.chat_template
+    return any(text in source for source in (template.source, *template.named.values()))
+
+
 def tool_form(llm: Frontend, parser: Optional[str]) -> str:
     """The tool-call form to parse and force: ``parser`` (``--tool-call-parser``) when given, else
     "xml" when the chat template writes ``<function=`` calls, else "json"."""
     if parser is not None:
         return TOOL_PARSERS[parser]
-    template = llm.chat_template
-    return "xml" if any("<function=" in src for src in (template.source, *template.named.values())) else "json"
+    return "xml" if _mentions(llm, "<function=") else "json"
 
 
 
@@ -502,9 +483,8 @@ def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Option
     _check_tools(tools)
     if not tools:
         return None
-    template = llm.chat_template
-    if not any("tools" in source for source in (template.source, *template.named.values())):
-        raise unsupported("tools", f"the checkpoint's chat template ({template.origin}) does not render tools")
+    if not _mentions(llm, "tools"):
+        raise unsupported("tools", f"the checkpoint's chat template ({llm.chat_template.origin}) does not render tools")
     return tools
 
 
@@ -518,9 +498,7 @@ def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
 def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
     """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
     the request did not pass ``enable_thinking: false``."""
-    template = llm.chat_template
-    knows = any("<think>" in source for source in (template.source, *template.named.values()))
-    return knows and template_kwargs.get("enable_thinking", True) is not False
+    return _mentions(llm, "<think>") and template_kwargs.get("enable_thinking", True) is not False
 
 
 def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:

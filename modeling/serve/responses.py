@@ -12,10 +12,6 @@ from ..api.tokenizer import QwenTokenizer
 from ..engine.sequence import LogprobEntry
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 """The encoder of every event (one for the server: ``json.dumps`` with arguments builds one a call)."""
 
@@ -110,7 +106,7 @@ class Envelope:
 
     def __init__(self, kind: str, model: str):
         self.chat = kind == "chat"
-        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

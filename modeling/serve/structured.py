@@ -88,9 +88,7 @@ class GrammarCheck:
             if self._grammars is None:
                 self._grammars = await asyncio.to_thread(Grammars, self.tokenizer, self.vocab_size)
             await asyncio.wait_for(asyncio.to_thread(self._grammars.compile, spec), self.timeout)
-        except ImportError as e:
-            raise invalid(str(e), field) from None
-        except ValueError as e:
+        except (ImportError, ValueError) as e:
             raise invalid(str(e), field) from None
         except asyncio.TimeoutError:
             raise invalid(f"the {spec.kind} constraint took longer than {self.timeout:g} s to compile",
