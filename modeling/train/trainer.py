@@ -15,7 +15,6 @@ from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_t
 from .files import (_device_name, _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json,
                     read_state)
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
-from .progress import _progress_bar
 
 if TYPE_CHECKING:
     from .cli import StopSignals
@@ -292,8 +291,10 @@ class Trainer:
     def run(self) -> str:
         """Train until the schedule, ``--stop-at``, the time budget, patience or an interrupt stops
         the run, then save; returns why it stopped (the log's ``stopped``). This invocation's
-        starting point is saved first, so the directory can be resumed from the start on."""
+        starting point is saved first, so the directory can be resumed from the start on. Progress:
+        a tqdm bar on stderr (steps, elapsed, and a postfix with loss, tokens/s and ETA)."""
         import torch
+        from tqdm import tqdm
 
         a = self.a
         start = time.perf_counter()
@@ -309,7 +310,8 @@ class Trainer:
                     f"{self.tokens_per_step} tokens" + (f", at most {a.max_minutes:g} min" if a.max_minutes else "")
                     + f"; {self.device.type} {a.dtype}")
         self._flush(elapsed(), "running")
-        bar = _progress_bar(self.max_steps, self.step, a.progress)
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not a.progress, dynamic_ncols=True, mininterval=1.0,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]", file=sys.stderr)
         if not self.log["val"] and self.stop.signum is None:  # a fresh run, or one stopped before this
             self._eval_and_report(elapsed(), bar)
         stop_at = min(self.max_steps, a.stop_at) if a.stop_at else self.max_steps
