@@ -189,7 +189,11 @@ class SamplingParams:
 
     @property
     def mode(self) -> str:
-        return sampling_mode(self.temperature, self.top_k, self.top_p)
+        """What the sampler must compute: ``greedy`` (temperature 0 or top-k 1: the argmax),
+        ``sample`` (the temperature alone) or ``top`` (a top-k or top-p cut: a sort)."""
+        if self.temperature == 0 or self.top_k == 1:
+            return "greedy"
+        return "sample" if self.top_k == 0 and self.top_p >= 1 else "top"
 
 
 def _is_real(x) -> bool:
@@ -229,16 +233,6 @@ OPTIONAL = ("seed", "logprobs", "max_tokens", "truncate_prompt_tokens", "prompt_
 def _in_range(value, kind: type, low, high, open_low: bool) -> bool:
     return ((is_int(value) if kind is int else _is_real(value)) and (low < value if open_low else low <= value)
             and value <= high)
-
-
-def sampling_mode(temperature: float, top_k: int, top_p: float) -> str:
-    """What the sampler must compute for these values: ``greedy`` (temperature 0 or top-k 1: the
-    argmax), ``sample`` (the temperature alone) or ``top`` (a top-k or top-p cut: a sort)."""
-    if temperature == 0 or top_k == 1:
-        return "greedy"
-    if top_k == 0 and top_p >= 1:
-        return "sample"
-    return "top"
 
 
 def choice_seed(seed: Optional[int], i: int) -> Optional[int]:
