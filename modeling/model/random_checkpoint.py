@@ -151,61 +151,26 @@ def write_tokenizer_files(path: Union[str, Path], tok, max_length: int, tokenize
     }, indent=2))
 
 
-def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: int = 4096):
-    """``write_tokenizer_files`` for ``build_tokenizer(vocab_size)``; returns the ``tokenizers.Tokenizer``."""
-    tok = build_tokenizer(vocab_size)
-    write_tokenizer_files(path, tok, max_length)
-    return tok
-
-
 def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
     """A Hugging Face style Qwen3 config.json dict (Qwen3.5 with ``model_type="qwen3_5_text"``):
     ``DEFAULT_SIZES`` (``QWEN3_5_SIZES``) and the defaults below (tied embedding, silu, ...), each
     overridden by the field of that name in ``sizes`` (``tie_word_embeddings=False`` gives a model
     with its own lm_head). Another ``model_type`` is a ``ValueError``."""
     model_type = sizes.get("model_type", "qwen3")
-    if model_type == "qwen3_5_text":
-        return _qwen3_5_config_dict(vocab_size, **sizes)
-    if model_type != "qwen3":
+    if model_type not in ("qwen3", "qwen3_5_text"):
         raise ValueError(f"model_type must be 'qwen3' or 'qwen3_5_text', got {model_type!r}")
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-        **DEFAULT_SIZES,
-        **sizes,
-    }
-
-
-def _qwen3_5_config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
-    d = dict(QWEN3_5_SIZES, **sizes)
-    n, interval = d["num_hidden_layers"], d.pop("full_attention_interval")
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "attn_output_gate": True,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-        **d,
-        "layer_types": d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                                for i in range(n)],
-    }
+    d = {"architectures": ["Qwen3_5ForCausalLM" if model_type == "qwen3_5_text" else "Qwen3ForCausalLM"],
+         "model_type": model_type, "vocab_size": vocab_size, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 0, "eos_token_id": 2,
+         "torch_dtype": "float32"}
+    if model_type == "qwen3":
+        return d | {"rope_theta": 1000000.0, "use_sliding_window": False} | DEFAULT_SIZES | sizes
+    d |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+          "attn_output_gate": True} | QWEN3_5_SIZES | sizes
+    interval = d.pop("full_attention_interval")
+    d["layer_types"] = d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                                for i in range(d["num_hidden_layers"])]
+    return d
 
 
 def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
@@ -307,7 +272,8 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
                               {"eos_token_id": None, "pad_token_id": None})
         fields.update(bos_token_id=None, eos_token_id=None)
     else:
-        tok = write_tokenizer(tmp, vocab_size)
+        tok = build_tokenizer(vocab_size)
+        write_tokenizer_files(tmp, tok, 4096)
     cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **{**fields, **sizes})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     config = QwenConfig.from_dict(cfg)
