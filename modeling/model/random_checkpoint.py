@@ -40,7 +40,7 @@ from . import fp8
 from .causal_lm import QwenForCausalLM
 from .config import QwenConfig
 from .files import read_json
-from .loader import expert_targets, linear_targets, load_plan
+from .loader import fp8_targets, load_plan
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -330,7 +330,7 @@ def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in QwenForCausalLM(config).named_parameters()}
-    quantized = linear_targets(config) | expert_targets(config) if quantization else set()
+    quantized = fp8_targets(config) if quantization else set()
     g = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in shapes.items():
