@@ -67,10 +67,11 @@ class Trainer:
         import torch
 
         from ..model.config import QwenConfig
+        from ..model.device import DTYPES
 
         self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
         self.device = torch.device(a.device)
-        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        self.dtype, self.save_dtype = DTYPES[a.dtype], DTYPES[a.save_dtype]
         torch.manual_seed(a.seed)
 
         text = read_text(a.data)[:a.max_chars]
@@ -208,11 +209,6 @@ class Trainer:
         else:
             self.evals_since_best += 1
         return val_loss, val_bpc
-
-    @property
-    def save_dtype(self):
-        import torch
-        return torch.bfloat16 if self.a.save_dtype == "bf16" else torch.float32
 
     # ----- files
 
