@@ -375,21 +375,17 @@ class GatedDeltaNetLayer(DecoderLayer):
         proj, residual = self._project_in(x, residual, "in_proj_weight", None, fused)  # [..., C + Vd + 2Hv]
         b = proj[..., C + Vd : C + Vd + Hv]
         a = proj[..., C + Vd + Hv :]
-        weight = self.conv_weight[:, 0]  # [C, K]
-        if context is None:
-            y = ops.causal_conv1d(proj[..., :C], weight)
-        else:
+        conv_pool = state_pool = None  # no context: each row from a zero state, nothing kept
+        packed = (None, None, None)
+        if context is not None:
             conv_pool, state_pool = context.entry
             packed = (context.batch.cu_seqlens_q, context.batch.state_slots, context.batch.continues)
-            y = ops.causal_conv1d(proj[..., :C], weight, conv_pool, *packed)
+        y = ops.causal_conv1d(proj[..., :C], self.conv_weight[:, 0], conv_pool, *packed)  # weight [C, K]
         q = y[..., :Kd].view(*lead, Hk, Dk)
         k = y[..., Kd : 2 * Kd].view(*lead, Hk, Dk)
         v = y[..., 2 * Kd :].view(*lead, Hv, Dv)
         scale = Dk**-0.5
-        if context is None:
-            g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm=True)
-        elif context.batch.max_query_len <= 1:
+        if context is not None and context.batch.max_query_len <= 1:
             o = ops.recurrent_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, state_pool, *packed,
                                                       scale, True)
         else:
