@@ -256,21 +256,17 @@ def linear_targets(config: QwenConfig) -> set:
     layer's ``linear_weights``, and a sparse MLP's shared expert."""
     layers = {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
               for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
-    return layers | _sparse_mlp_targets(config, SparseMoeBlock.LINEAR_WEIGHTS)
+    return layers | {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in SparseMoeBlock.LINEAR_WEIGHTS}
 
 
 def expert_targets(config: QwenConfig) -> set:
     """The model tensors that may hold FP8 experts [E, N, K] (``fused_moe``'s w13 and w2)."""
-    return _sparse_mlp_targets(config, SparseMoeBlock.EXPERT_WEIGHTS)
+    return {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in SparseMoeBlock.EXPERT_WEIGHTS}
 
 
 def fp8_targets(config: QwenConfig) -> set:
     """Every model tensor that may hold FP8 weights."""
     return linear_targets(config) | expert_targets(config)
-
-
-def _sparse_mlp_targets(config: QwenConfig, names) -> set:
-    return {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in names}
 
 
 def _local_shape(shape: Shape, split: Optional[Split], parallel: TensorParallel) -> Shape:
