@@ -84,13 +84,6 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-def _device_name(device) -> str:
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
 def _versions() -> Dict[str, str]:
     import torch
     v = {"torch": str(torch.__version__)}

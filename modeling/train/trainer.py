@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..common import one_line
 from .constants import LOG_FILE, STATE_VERSION, UsageError
 from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
-from .files import (_device_name, _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json,
-                    read_state)
+from .files import _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json, read_state
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
 
 if TYPE_CHECKING:
@@ -142,7 +141,8 @@ class Trainer:
                      "train_eval_tokens": n, "chat_rows": self.chat_rows,
                      "chat_train_tokens": self.chat_ids.numel() if self.chat_rows else None,
                      "chat_val_tokens": self.val_chat.n_tokens if self.chat_rows else None},
-            "device": _device_name(self.device), "versions": _versions(),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "versions": _versions(),
             "train": [], "val": [], "runs": [],
         }
         if a.resume:
