@@ -183,7 +183,8 @@ class SampledTokens:
     def __init__(self, tokens: Tensor, logprobs: Optional[Tuple[Tensor, Tensor, Tensor]], asking: List[int],
                  counts: List[int]):
         self.tokens, self.asking, self.counts = tokens, asking, counts
-        self._host = [_to_host(t) for t in (tokens, *(logprobs or ()))]
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda
+                      else t for t in (tokens, *(logprobs or ()))]  # on the host, or on their way there
         self._event = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
@@ -205,12 +206,6 @@ class SampledTokens:
             for j, (i, n) in enumerate(zip(self.asking, self.counts)):
                 entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
         return list(zip(tokens, entries))
-
-
-def _to_host(t: Tensor) -> Tensor:
-    if not t.is_cuda:
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None,
