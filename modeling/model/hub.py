@@ -71,9 +71,7 @@ def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> 
     files; else ``ModelNotFound`` naming the missing or unreadable file (``name``: how the user
     called it)."""
     path = Path(path)
-    what = f"{name!r}" if name is not None and name != str(path) else f"{str(path)!r}"
-    if name is not None and name != str(path):
-        what += f" ({path})"
+    what = f"{name!r} ({path})" if name is not None and name != str(path) else f"{str(path)!r}"
     if not path.exists():
         raise ModelNotFound(f"{what}: no such directory")
     if not path.is_dir():

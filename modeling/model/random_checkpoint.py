@@ -173,20 +173,15 @@ def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
     return d
 
 
-def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
-                  device: Union[str, torch.device] = "cpu", norm_center: float = 1.0) -> torch.Tensor:
-    """N(0, std^2); a norm weight (1-d, name containing 'norm') gets norm_center + N(0, std^2)."""
+def random_tensor(config: QwenConfig, name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
+                  device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """N(0, std^2); a norm weight (1-d, name containing 'norm') is centred on 1, or on 0 for a
+    zero-centred norm (Qwen3.5's ``1 + weight`` norms; its Gated DeltaNet output norm has a plain
+    weight): 1 - config.norm_offset + N(0, std^2)."""
     t = torch.randn(shape, generator=generator, dtype=torch.float32, device=device) * std
     if "norm" in name and len(shape) == 1:
-        t += norm_center
+        t += 1.0 if "linear_attn.norm" in name or name.endswith("norm_weight") else 1.0 - config.norm_offset
     return t.to(dtype)
-
-
-def norm_center(config: QwenConfig, name: str) -> float:
-    """The value a random norm weight centres on: 1, or 0 for a zero-centred norm (Qwen3.5's
-    ``1 + weight`` norms; its Gated DeltaNet output norm has a plain weight)."""
-    plain = "linear_attn.norm" in name or name.endswith("norm_weight")
-    return 1.0 - config.norm_offset if not plain else 1.0
 
 
 MARKER = ".random-checkpoint"
@@ -282,7 +277,7 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
     tensors = {}
     for sources in load_plan(config).values():
         for name, shape in sources:
-            tensors[name] = random_tensor(name, shape, std, g, dtype, norm_center=norm_center(config, name))
+            tensors[name] = random_tensor(config, name, shape, std, g, dtype)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
     (tmp / "README.md").write_text(
@@ -334,7 +329,7 @@ def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device
     g = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in shapes.items():
-        t = random_tensor(name, shape, std, g, dtype=dtype, device=device, norm_center=norm_center(config, name))
+        t = random_tensor(config, name, shape, std, g, dtype, device)
         if name in quantized:
             state[name], state[name + "_scale_inv"] = fp8.quantize(t)
         else:
