@@ -254,9 +254,8 @@ class Trainer:
         _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
-        state = read_state(self.state_path)
         try:
-            self._restore(state)
+            self._restore(read_state(self.state_path))
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # a state whose parts do not fit
             raise UsageError(f"--resume: {self.state_path} does not hold a state of this run "
                              f"({one_line(e, limit=200)})") from None
