@@ -229,9 +229,8 @@ class Trainer:
             steps=self.step, max_steps=self.max_steps, tokens_seen=self.tokens_seen,
             epochs_seen=self.tokens_seen / self.train_ids.numel(), wall_time_s=round(elapsed_s, 2),
             tokens_per_s=round(self.tokens_seen / elapsed_s, 1) if elapsed_s > 0 else None, stopped=stopped,
-            best={"step": self.best_step, "val_loss": best["val_loss"] if best else None,
-                  "val_bits_per_char": best["val_bits_per_char"] if best else None,
-                  "val_chat_loss": best["val_chat_loss"] if best else None},
+            best={"step": self.best_step, **{k: best[k] if best else None
+                                             for k in ("val_loss", "val_bits_per_char", "val_chat_loss")}},
         )
         _write_json(self.out / LOG_FILE, self.log)
 
