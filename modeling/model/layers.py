@@ -127,10 +127,6 @@ class DecoderLayer(nn.Module):
         return self.mlp is None and all(getattr(self, name + "_tail") is None for name in self.linear_weights(False)
                                         if name not in self.FUSED_TAILS)
 
-    def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
-        """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
-        return fp8.module_linear(self, h, name, bias)
-
     @classmethod
     def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
         """Every parameter of the layer, in checkpoint order (the mixer's between the norms); a
@@ -170,7 +166,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
-        down = self._linear(ops.silu_mul(self._linear(h, "gate_up_weight")), "down_weight")
+        down = fp8.module_linear(self, ops.silu_mul(fp8.module_linear(self, h, "gate_up_weight")), "down_weight")
         return self.parallel.all_reduce(down), residual
 
     def _project_in(self, x: Tensor, residual: Optional[Tensor], name: str, bias: Optional[Tensor],
@@ -185,7 +181,7 @@ class DecoderLayer(nn.Module):
             h, residual = ops.rms_norm(x, self.input_norm, c.rms_norm_eps, c.norm_offset), x
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps, c.norm_offset)
-        return self._linear(h, name, bias), residual
+        return fp8.module_linear(self, h, name, bias), residual
 
     def _project_out(self, o: Tensor, name: str, x: Tensor, residual: Optional[Tensor], fused: bool) -> Stream:
         """The stream after the mixer's output projection ``linear(o, <name>)`` (row-parallel:
@@ -193,7 +189,7 @@ class DecoderLayer(nn.Module):
         left for the next norm to add."""
         if fused:
             return ops.linear_residual(o, getattr(self, name), x, getattr(self, name + "_scale_inv")), None
-        return self.parallel.all_reduce(self._linear(o, name)), residual
+        return self.parallel.all_reduce(fp8.module_linear(self, o, name)), residual
 
 
 class AttentionLayer(DecoderLayer):
