@@ -229,7 +229,6 @@ def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
         _build(path, seed, std, vocab_size, sizes, tokenizer, dtype)
     return path
@@ -288,7 +287,9 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
 
 @contextmanager
 def _lock(path: Path):
-    """An exclusive lock on ``<path>.lock`` (POSIX advisory lock; a no-op where fcntl is missing)."""
+    """An exclusive lock on ``<path>.lock`` (POSIX advisory lock; a no-op where fcntl is missing),
+    ``path``'s parent created first if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # Windows
@@ -307,7 +308,6 @@ def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
     or incomplete (checked again under the lock, so concurrent callers build it once)."""
     path = Path(path) if path is not None else default_random_model_dir()
     if not is_complete(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
         with _lock(path):
             if not is_complete(path):
                 _build(path, 0, None, 512, {})
