@@ -173,7 +173,7 @@ MUTATIONS = [
     Mutation("weights files not checked against config.json's sizes", "modeling/model/loader.py",
              "if least > have:", "if False:", ("tests/test_loading_errors.py",)),
     Mutation("random checkpoint config ties the embedding whatever it is given", "modeling/model/random_checkpoint.py",
-             "        **sizes,\n    }\n", "        **sizes,\n        \"tie_word_embeddings\": True,\n    }\n",
+             "| DEFAULT_SIZES | sizes\n", "| DEFAULT_SIZES | sizes | {\"tie_word_embeddings\": True}\n",
              ("tests/test_random_checkpoint.py",)),
     # Kernel and op holes (tests/test_ops_*.py, test_plans.py, test_training_ops.py).
     Mutation("fused GEMV arrival counters shared by row blocks", "csrc_free_ops/fused_decode.py",
@@ -408,7 +408,7 @@ MUTATIONS = [
              "ws_ptrs += tl.where((k0 + BLOCK_K) // _FP8_BLOCK > k0 // _FP8_BLOCK, stride_wsk, 0)",
              "ws_ptrs += stride_wsk", ("tests/test_ops_moe.py",)),
     Mutation("FP8 experts quantised at load as one [E * N, K] weight", "modeling/model/loader.py",
-             "fp8.quantize(experts_out)", "fp8.quantize(out)", ("tests/test_fp8_checkpoints.py",)),
+             "fp8.quantize(weight)", "fp8.quantize(out)", ("tests/test_fp8_checkpoints.py",)),
     # FP8 weights in the fused decode ops (tests/test_ops_fused_decode.py, tests/test_fp8_checkpoints.py).
     Mutation("fused FP8 GEMV scales every K step by the first block column's scales",
              "csrc_free_ops/fused_decode_blocks.py",

@@ -78,9 +78,8 @@ class BlockManager:
 
     def _new_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)  # the least recently freed
-        if self.hash_of[block] is not None:  # its cached prefix is forgotten
-            self.cached.pop(self.hash_of[block], None)
-            self.hash_of[block] = None
+        self.cached.pop(self.hash_of[block], None)  # its cached prefix, if any, is forgotten
+        self.hash_of[block] = None
         self.ref_count[block] = 1
         return block
 
@@ -154,8 +153,7 @@ class BlockManager:
             block = table[i]
             if h in self.cached:  # this block, or another one holding the same prefix
                 continue
-            if self.hash_of[block] is not None:
-                self.cached.pop(self.hash_of[block], None)
+            self.cached.pop(self.hash_of[block], None)
             self.hash_of[block], self.cached[h] = h, block
 
     def free(self, table: Sequence[int]) -> None:

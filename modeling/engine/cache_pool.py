@@ -22,6 +22,7 @@ The pool is sized from the memory the device has free (``size_for``) and never m
 graph replay needs.
 """
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -53,13 +54,7 @@ def cache_specs(model) -> List[CacheSpec]:
 
 
 def _nbytes(shapes) -> int:
-    total = 0
-    for shape, dtype in shapes:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
-        total += n
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes)
 
 
 def bytes_per_block(model, block_size: int = 1) -> int:
@@ -111,18 +106,18 @@ class CachePool:
         self.size = size
         self.padding_slot = size.num_state_slots
         specs = cache_specs(model)
-        stacked = [s.per_position for s in specs if s.per_position]
-        if any(p != stacked[0] for p in stacked):
-            raise ValueError("the layers keep per-position state of different shapes: one stacked pool takes one")
-        blocks = (max(size.num_blocks, 1), size.block_size)
-        self.kv = tuple(torch.zeros((len(stacked), *blocks, *shape), dtype=dtype, device=dev)
-                        for shape, dtype in (stacked[0] if stacked else ()))
-        states = [s.per_sequence for s in specs if s.per_sequence]
-        if any(p != states[0] for p in states):
-            raise ValueError("the layers keep per-sequence state of different shapes: one stacked pool takes one")
-        slots = size.num_state_slots + 1  # and the padding slot
-        self.states = tuple(torch.zeros((len(states), slots, *shape), dtype=dtype, device=dev)
-                            for shape, dtype in (states[0] if states else ()))
+
+        def stack(kind: str, lead: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
+            """One tensor [n, *lead, *shape] for each of the ``kind`` tensors of the n layers that keep them."""
+            kept = [getattr(s, kind) for s in specs if getattr(s, kind)]
+            if any(p != kept[0] for p in kept):
+                raise ValueError(f"the layers keep {kind.replace('_', '-')} state of different shapes: one stacked "
+                                 "pool takes one")
+            return tuple(torch.zeros((len(kept), *lead, *shape), dtype=dtype, device=dev)
+                         for shape, dtype in (kept[0] if kept else ()))
+
+        self.kv = stack("per_position", (max(size.num_blocks, 1), size.block_size))
+        self.states = stack("per_sequence", (size.num_state_slots + 1,))  # and the padding slot
         per_position, per_sequence = iter(zip(*self.kv)), iter(zip(*self.states))
         layers: List[Tuple[torch.Tensor, ...]] = []
         for spec in specs:

@@ -79,7 +79,7 @@ class _Launched:
     step may be launched before they arrive (a decode-only step: the next step's inputs are its
     tokens); ``prompt``: the prompt logprobs it computed, if any. A step launched ahead whose
     sampling reads what the host has not seen yet (penalties' token counts, grammars and bad words:
-    ``needs_history``) keeps its ``logits`` and ``positions`` and samples (``sample``) once the
+    ``needs_history``) keeps its ``logits`` and ``positions`` and samples (``Engine._sample``) once the
     step before has been read, with the token masks built meanwhile in a worker thread (``masks``:
     their future, ``token_masks.token_bitmask``'s bitmask)."""
 
@@ -91,12 +91,6 @@ class _Launched:
     logits: Optional[torch.Tensor] = None
     positions: Optional[List[int]] = None
     masks: Optional[Future] = None
-
-    def sample(self) -> None:
-        """Sample a deferred step's tokens (its logits stay in the step's buffers until then)."""
-        bitmask = self.masks.result() if self.masks is not None else None
-        self.sampled = sample_sequences(self.logits, self.seqs, self.positions, bitmask)
-        self.logits = self.positions = self.masks = None
 
 
 def needs_history(seq: Sequence) -> bool:
@@ -283,8 +277,11 @@ class Engine:
         return out
 
     def _sample(self, launched: "_Launched") -> None:
-        """Sample a deferred step (its masks' thread joined) and send its tokens to the workers."""
-        launched.sample()
+        """Sample a deferred step (its masks' thread joined; its logits stay in the step's buffers until
+        then) and send its tokens to the workers."""
+        bitmask = launched.masks.result() if launched.masks is not None else None
+        launched.sampled = sample_sequences(launched.logits, launched.seqs, launched.positions, bitmask)
+        launched.logits = launched.positions = launched.masks = None
         if self.workers is not None:
             broadcast_tokens(launched.sampled.tokens)
 

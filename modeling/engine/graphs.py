@@ -31,21 +31,18 @@ class GraphCache:
         if not self.enabled:
             return body
         if key not in self.graphs:
-            self.graphs[key] = self._capture(body)
+            self.reset()
+            current = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                for _ in range(WARMUP_STEPS):
+                    body()
+            current.wait_stream(self.stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                body()
+            self.graphs[key] = graph
         return self.graphs[key].replay
 
     def keys(self):
         return self.graphs.keys()
-
-    def _capture(self, body: Callable[[], None]) -> "torch.cuda.CUDAGraph":
-        self.reset()
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            for _ in range(WARMUP_STEPS):
-                body()
-        current.wait_stream(self.stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            body()
-        return graph

@@ -20,6 +20,7 @@ never computed, so a sequence whose entries are incomplete skips the prefix-cach
 from typing import List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from .sampler import token_logprobs
@@ -76,11 +77,7 @@ class PromptScores:
     def collect(self) -> None:
         """Append each sequence's entries (its own ``params.prompt_logprobs`` top tokens); a
         sequence finished meanwhile (aborted) is left as it is."""
-        chosen, values, ids = [], [], []
-        for c, v, i in self.parts:
-            chosen += c.tolist()
-            values += v.tolist()
-            ids += i.tolist()
+        chosen, values, ids = (torch.cat(column).tolist() for column in zip(*self.parts))
         r = 0
         for seq, count in zip(self.seqs, self.counts):
             k = seq.params.prompt_logprobs

@@ -198,10 +198,9 @@ class StepRunner:
 
     def capture_all(self) -> int:
         """Capture the graph of every shape (``all_keys``) not captured yet; how many were."""
-        todo = [key for key in self.all_keys() if key not in self.graphs.keys()] if self.graphs.enabled else []
+        todo = [key for key in self.all_keys() if key not in self.replays] if self.graphs.enabled else []
         for key in todo:
-            self.shape = key
-            self.graphs.get(key, self._body(key))
+            self._capture_new(key, False)
         return len(todo)
 
     def key(self, num_tokens: int, num_seqs: int, decode_only: bool) -> tuple:

@@ -138,28 +138,18 @@ def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tens
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
-def logit_bias_of(seqs: List[Sequence], device) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
-    """(rows, token ids, biases) [B] of the sequences' ``logit_bias`` entries (int64, int64, fp32),
-    None if no sequence has one."""
-    entries = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias or ()]
-    if not entries:
-        return None
-    rows, ids, biases = zip(*entries)
-    return (to_device(np.array(rows, np.int64), device), to_device(np.array(ids, np.int64), device),
-            to_device(np.array(biases, np.float32), device))
-
-
 def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int],
                       bitmask: Optional[Tensor] = None) -> Tensor:
     """logits [S, V] with each row's logit bias added (in fp32 or wider) and the tokens its
     ``TokenControls`` exclude set to -inf (``positions``: the index of each row's token being
     sampled; ``bitmask``: the rows' ``token_bitmask`` when already built, else built here);
     ``logits`` itself when no row has either."""
-    bias = logit_bias_of(seqs, logits.device)
-    if bias is not None:
-        rows, ids, values = bias
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).index_put(
-            (rows, ids), values.to(torch.promote_types(logits.dtype, torch.float32)), accumulate=True)
+    bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias or ()]
+    if bias:
+        rows, ids, values = (to_device(np.array(column, dtype), logits.device)
+                             for column, dtype in zip(zip(*bias), (np.int64, np.int64, np.float32)))
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        logits = logits.to(wide).index_put((rows, ids), values.to(wide), accumulate=True)
     if bitmask is None:
         bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
                                 pin=logits.is_cuda)
@@ -193,7 +183,8 @@ class SampledTokens:
     def __init__(self, tokens: Tensor, logprobs: Optional[Tuple[Tensor, Tensor, Tensor]], asking: List[int],
                  counts: List[int]):
         self.tokens, self.asking, self.counts = tokens, asking, counts
-        self._host = [_to_host(t) for t in (tokens, *(logprobs or ()))]
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda
+                      else t for t in (tokens, *(logprobs or ()))]  # on the host, or on their way there
         self._event = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
@@ -215,12 +206,6 @@ class SampledTokens:
             for j, (i, n) in enumerate(zip(self.asking, self.counts)):
                 entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
         return list(zip(tokens, entries))
-
-
-def _to_host(t: Tensor) -> Tensor:
-    if not t.is_cuda:
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None,

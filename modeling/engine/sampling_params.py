@@ -6,6 +6,7 @@ the text-level ones (``stop``, ``skip_special_tokens``) as they build a completi
 """
 
 import hashlib
+import math
 import numbers
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
@@ -99,9 +100,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
-        problems = sampling_errors(self.temperature, self.top_k, self.top_p, self.seed)
-        problems += penalty_errors(self.min_p, self.presence_penalty, self.frequency_penalty,
-                                   self.repetition_penalty, self.logprobs)
+        values = {name: getattr(self, name) for name, *_ in VALUE_CHECKS}
+        problems = [f"{name} {text}, got {values[name]!r}" for name, *check, text in VALUE_CHECKS
+                    if not ((name in OPTIONAL and values[name] is None) or _in_range(values[name], *check))]
         problems += self._control_errors()
         if isinstance(self.structured_outputs, Mapping):
             try:
@@ -130,46 +131,26 @@ class SamplingParams:
         for t in stop_ids:
             if not (is_int(t) and 0 <= t < INT64_LIMIT):
                 problems.append(f"stop_token_ids must be integers >= 0, got {t!r}")
-        if not (is_int(self.n) and 1 <= self.n <= MAX_N):
-            problems.append(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            problems.append(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if problems:
             raise ValueError("; ".join(problems))
         # plain Python values (numpy / torch scalars in, ints and floats out) and tuples
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_k", int(self.top_k))
-        object.__setattr__(self, "top_p", float(self.top_p))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
-        if self.max_tokens is not None:
-            object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        for name, kind, *_ in VALUE_CHECKS:
+            if values[name] is not None:
+                object.__setattr__(self, name, kind(values[name]))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
-        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
-        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            object.__setattr__(self, name, float(getattr(self, name)))
-        if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", int(self.logprobs))
-        object.__setattr__(self, "n", int(self.n))
-        object.__setattr__(self, "min_tokens", int(self.min_tokens))
-        object.__setattr__(self, "include_stop_str_in_output", bool(self.include_stop_str_in_output))
         if self.logit_bias is not None:
             pairs = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
             object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        for name in ("truncate_prompt_tokens", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, int(getattr(self, name)))
 
     def _control_errors(self) -> list:
-        """Messages naming each invalid value of the logit controls and the prompt options."""
+        """Messages naming each invalid value of the logit controls."""
         errors = []
-        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
-            errors.append(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and is_int(self.min_tokens) and is_int(self.max_tokens) \
                 and self.min_tokens > self.max_tokens:
             errors.append(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
@@ -192,13 +173,6 @@ class SamplingParams:
         if isinstance(self.bad_words, str) or not hasattr(words, "__iter__") \
                 or not all(isinstance(w, str) and w.strip() and _is_unicode(w) for w in words):
             errors.append(f"bad_words must be a sequence of non-blank strings, got {self.bad_words!r}")
-        if self.truncate_prompt_tokens is not None and not (is_int(self.truncate_prompt_tokens)
-                                                            and self.truncate_prompt_tokens >= 1):
-            errors.append(f"truncate_prompt_tokens must be an integer >= 1 (or None), got {self.truncate_prompt_tokens!r}")
-        if self.prompt_logprobs is not None and not (is_int(self.prompt_logprobs)
-                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            errors.append(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), "
-                          f"got {self.prompt_logprobs!r}")
         return errors
 
     @property
@@ -215,7 +189,11 @@ class SamplingParams:
 
     @property
     def mode(self) -> str:
-        return sampling_mode(self.temperature, self.top_k, self.top_p)
+        """What the sampler must compute: ``greedy`` (temperature 0 or top-k 1: the argmax),
+        ``sample`` (the temperature alone) or ``top`` (a top-k or top-p cut: a sort)."""
+        if self.temperature == 0 or self.top_k == 1:
+            return "greedy"
+        return "sample" if self.top_k == 0 and self.top_p >= 1 else "top"
 
 
 def _is_real(x) -> bool:
@@ -230,45 +208,31 @@ def _is_unicode(s: str) -> bool:
         return False
 
 
-def sampling_errors(temperature: float, top_k: int, top_p: float, seed: Optional[int] = None) -> list:
-    """Messages naming each invalid value (empty when all are valid)."""
-    errors = []
-    if not (_is_real(temperature) and 0 <= temperature <= FLOAT32_MAX):
-        errors.append(f"temperature must be a finite number >= 0 (at most 3.4e38, float32's largest), "
-                      f"got {temperature!r}")
-    if not (is_int(top_k) and 0 <= top_k < INT64_LIMIT):
-        errors.append(f"top_k must be an integer in [0, 2**63) (0 disables it), got {top_k!r}")
-    if not (_is_real(top_p) and 0 < top_p <= 1):
-        errors.append(f"top_p must lie in (0, 1] (1 disables it), got {top_p!r}")
-    if seed is not None and not (is_int(seed) and 0 <= seed < INT64_LIMIT):
-        errors.append(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    return errors
+VALUE_CHECKS = (
+    ("temperature", float, 0, FLOAT32_MAX, False, "must be a finite number >= 0 (at most 3.4e38, float32's largest)"),
+    ("top_k", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63) (0 disables it)"),
+    ("top_p", float, 0, 1, True, "must lie in (0, 1] (1 disables it)"),
+    ("seed", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63)"),
+    ("min_p", float, 0, 1, False, "must lie in [0, 1] (0 disables it)"),
+    ("presence_penalty", float, -2, 2, False, "must lie in [-2, 2] (0 disables it)"),
+    ("frequency_penalty", float, -2, 2, False, "must lie in [-2, 2] (0 disables it)"),
+    ("repetition_penalty", float, 0, FLOAT32_MAX, True, "must be a finite number > 0 (1 disables it)"),
+    ("logprobs", int, 0, MAX_LOGPROBS, False, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)"),
+    ("n", int, 1, MAX_N, False, f"must be an integer in [1, {MAX_N}]"),
+    ("max_tokens", int, 1, math.inf, False, "must be an integer >= 1 (or None)"),
+    ("min_tokens", int, 0, math.inf, False, "must be an integer >= 0"),
+    ("truncate_prompt_tokens", int, 1, math.inf, False, "must be an integer >= 1 (or None)"),
+    ("prompt_logprobs", int, 0, MAX_LOGPROBS, False, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)"),
+)
+"""The numeric fields of ``SamplingParams``: (name, type, low, high, whether low is excluded, what
+the value must be). Each is an integer (``is_int``) or a real number (not a bool) in [low, high]
+(or (low, high]), stored as a plain int or float; ``OPTIONAL`` ones may be None."""
+OPTIONAL = ("seed", "logprobs", "max_tokens", "truncate_prompt_tokens", "prompt_logprobs")
 
 
-def penalty_errors(min_p: float, presence_penalty: float, frequency_penalty: float, repetition_penalty: float,
-                   logprobs: Optional[int]) -> list:
-    """Messages naming each invalid value of min-p, the penalties and logprobs (empty when all are valid)."""
-    errors = []
-    if not (_is_real(min_p) and 0 <= min_p <= 1):
-        errors.append(f"min_p must lie in [0, 1] (0 disables it), got {min_p!r}")
-    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not (_is_real(value) and -2 <= value <= 2):
-            errors.append(f"{name} must lie in [-2, 2] (0 disables it), got {value!r}")
-    if not (_is_real(repetition_penalty) and 0 < repetition_penalty <= FLOAT32_MAX):
-        errors.append(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition_penalty!r}")
-    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
-        errors.append(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {logprobs!r}")
-    return errors
-
-
-def sampling_mode(temperature: float, top_k: int, top_p: float) -> str:
-    """What the sampler must compute for these values: ``greedy`` (temperature 0 or top-k 1: the
-    argmax), ``sample`` (the temperature alone) or ``top`` (a top-k or top-p cut: a sort)."""
-    if temperature == 0 or top_k == 1:
-        return "greedy"
-    if top_k == 0 and top_p >= 1:
-        return "sample"
-    return "top"
+def _in_range(value, kind: type, low, high, open_low: bool) -> bool:
+    return ((is_int(value) if kind is int else _is_real(value)) and (low < value if open_low else low <= value)
+            and value <= high)
 
 
 def choice_seed(seed: Optional[int], i: int) -> Optional[int]:

@@ -31,9 +31,10 @@ from .tensor_parallel import SINGLE, TensorParallel
 
 ops = torch.ops.qwen
 
-STACKED = ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm", "gate_up_weight",
-           "down_weight")
-"""The layer weights the persistent decode kernel reads, each stacked over the layers [NL, ...]."""
+STACKED = ((None, ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm",
+                   "gate_up_weight", "down_weight")),)
+"""The layer weights the persistent decode kernel reads (``ops.decode_layers``), in its arguments'
+order, each stacked over the layers [NL, ...] (the format of ``HYBRID_STACKED``)."""
 
 HYBRID_STACKED = ((None, ("input_norm", "post_norm", "gate_up_weight", "down_weight")),
                   (AttentionLayer, ("qkv_weight", "q_norm", "k_norm", "o_weight")),
@@ -109,9 +110,7 @@ class QwenForCausalLM(nn.Module):
         ``context.batch.logits_rows`` (each sampling sequence's last token)."""
         c = self.config
         if context is None:
-            b, t = input_ids.shape
-            h = self._final_hidden(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
-            return self._logits(h)
+            return self._logits(self._final_hidden(input_ids))
         batch = context.batch
         if context.kernels == "persistent":
             x, pool = F.embedding(input_ids, self.embed_tokens), context.pool
@@ -142,8 +141,7 @@ class QwenForCausalLM(nn.Module):
         [B, T, V] logits are never built. For training, with ``requires_grad_(True)``, on one device."""
         if self.parallel.world_size > 1:
             raise ValueError("loss takes a model on one device, not a tensor-parallel one")
-        b, t = input_ids.shape
-        h = self._final_hidden(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
+        h = self._final_hidden(input_ids)
         targets = (input_ids if labels is None else labels)[:, 1:]
         return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),
                                         ignore_index)
@@ -156,12 +154,10 @@ class QwenForCausalLM(nn.Module):
         supports a kernel; the engine calls it before it captures any step (a captured step reads
         the weights by address, so they never move after). Made again if the parameters were
         replaced since (``model.to(dtype)``)."""
-        if self.supports_persistent_decode:
-            groups = [(list(self.layers), name) for name in STACKED]
-        elif self.supports_hybrid_persistent_decode:
-            groups = [([layer for layer in self.layers if kind is None or isinstance(layer, kind)], name)
-                      for kind, names in HYBRID_STACKED for name in names]
-        else:
+        table = STACKED if self.supports_persistent_decode else HYBRID_STACKED
+        groups = [([layer for layer in self.layers if kind is None or isinstance(layer, kind)], name)
+                  for kind, names in table for name in names]
+        if not (self.supports_persistent_decode or self.supports_hybrid_persistent_decode):
             raise ValueError("the persistent decode kernels take attention layers without an output gate (Qwen3, "
                              "Qwen2) or Qwen3.5's Gated DeltaNet and gated attention layers, with dense MLPs and "
                              "weights in the model's dtype")
@@ -193,8 +189,11 @@ class QwenForCausalLM(nn.Module):
         rank's vocabulary slice gathered where the model is split."""
         return self.parallel.gather_logits(ops.linear(h, self._head()))
 
-    def _final_hidden(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """The normed final hidden states [B, T, hidden] of a pass without a cache."""
+    def _final_hidden(self, input_ids: Tensor) -> Tensor:
+        """The normed final hidden states [B, T, hidden] of a pass without a cache over input_ids
+        [B, T], each row from position 0."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x, residual = self.parallel.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)

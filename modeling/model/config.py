@@ -358,15 +358,12 @@ def _moe_fields(d: Mapping[str, Any], model_type: str, n: int) -> Dict[str, Any]
         return dict(fields, norm_topk_prob=True, moe_layers=tuple(range(n)))
     step = _size(d, "decoder_sparse_step", 1)
     dense = d.get("mlp_only_layers") or []
-    if not isinstance(dense, (list, tuple)) or not all(_is_index(i, n) for i in dense):
+    if not isinstance(dense, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                                                       for i in dense):
         raise ConfigError(f"mlp_only_layers must be a list of layer indices below num_hidden_layers={n}, got "
                           f"{_show(dense)}")
     return dict(fields, norm_topk_prob=_bool(d, "norm_topk_prob", False),
                 moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0))
-
-
-def _is_index(i: Any, n: int) -> bool:
-    return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
 
 
 FAMILY_LAYER_TYPES = {"dense": ("full_attention",), "hybrid": ("linear_attention", "full_attention")}

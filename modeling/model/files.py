@@ -36,15 +36,11 @@ def open_file(path: PathLike, error: Error = ValueError) -> BinaryIO:
     ``error`` with one line naming it when it is missing, not a regular file, or unreadable."""
     name = _name(path)
     try:
-        mode = os.stat(path).st_mode
+        _check_regular(path, os.stat(path).st_mode, error)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise error(f"{name} not found" if not os.path.islink(path) else
                     f"{name} is a link to {os.path.realpath(path)}, which does not exist") from None
-    except OSError as e:
-        raise error(f"cannot read {name}: {e.strerror or e}") from None
-    _check_regular(path, mode, error)
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
     except OSError as e:
         raise error(f"cannot read {name}: {e.strerror or e}") from None
     f = os.fdopen(fd, "rb")

@@ -53,12 +53,6 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.fullmatch(name)) and ".." not in name and not name.endswith(".")
 
 
-def _offline_variable():
-    """The environment variable that turns offline mode on, or None."""
-    return next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if (os.environ.get(v) or "").upper() in _TRUE),
-                None)
-
-
 def hub_cache_dir() -> Path:
     """The Hub cache, read from the environment now, with huggingface_hub's precedence:
     ``HF_HUB_CACHE``, ``HUGGINGFACE_HUB_CACHE``, ``$HF_HOME/hub``,
@@ -77,9 +71,7 @@ def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> 
     files; else ``ModelNotFound`` naming the missing or unreadable file (``name``: how the user
     called it)."""
     path = Path(path)
-    what = f"{name!r}" if name is not None and name != str(path) else f"{str(path)!r}"
-    if name is not None and name != str(path):
-        what += f" ({path})"
+    what = f"{name!r} ({path})" if name is not None and name != str(path) else f"{str(path)!r}"
     if not path.exists():
         raise ModelNotFound(f"{what}: no such directory")
     if not path.is_dir():
@@ -122,8 +114,9 @@ def resolve_model(name_or_path: Union[str, Path], revision: Optional[str] = None
         if not local.exists():
             raise ModelNotFound(f"{name!r}: no such directory, and not a Hub id of the form ORG/NAME")
         return check_checkpoint_dir(local, name)
-    if offline is None:
-        variable = _offline_variable()
+    if offline is None:  # the environment variable that turns offline mode on, if one does
+        variable = next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+                         if (os.environ.get(v) or "").upper() in _TRUE), None)
         offline, why_offline = variable is not None, f"offline mode is on ({variable}=1)"
     else:
         why_offline = "offline mode is on"

@@ -127,10 +127,6 @@ class DecoderLayer(nn.Module):
         return self.mlp is None and all(getattr(self, name + "_tail") is None for name in self.linear_weights(False)
                                         if name not in self.FUSED_TAILS)
 
-    def _linear(self, h: Tensor, name: str, bias: Optional[Tensor] = None) -> Tensor:
-        """``linear(h, <name>, bias)`` of the weight ``name``, FP8 or not (``modeling.model.fp8.linear``)."""
-        return fp8.module_linear(self, h, name, bias)
-
     @classmethod
     def load_plan(cls, config: QwenConfig, hf: str, sparse: bool = False, fused_experts: bool = False) -> LoadPlan:
         """Every parameter of the layer, in checkpoint order (the mixer's between the norms); a
@@ -170,7 +166,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
-        down = self._linear(ops.silu_mul(self._linear(h, "gate_up_weight")), "down_weight")
+        down = fp8.module_linear(self, ops.silu_mul(fp8.module_linear(self, h, "gate_up_weight")), "down_weight")
         return self.parallel.all_reduce(down), residual
 
     def _project_in(self, x: Tensor, residual: Optional[Tensor], name: str, bias: Optional[Tensor],
@@ -185,7 +181,7 @@ class DecoderLayer(nn.Module):
             h, residual = ops.rms_norm(x, self.input_norm, c.rms_norm_eps, c.norm_offset), x
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_norm, c.rms_norm_eps, c.norm_offset)
-        return self._linear(h, name, bias), residual
+        return fp8.module_linear(self, h, name, bias), residual
 
     def _project_out(self, o: Tensor, name: str, x: Tensor, residual: Optional[Tensor], fused: bool) -> Stream:
         """The stream after the mixer's output projection ``linear(o, <name>)`` (row-parallel:
@@ -193,7 +189,7 @@ class DecoderLayer(nn.Module):
         left for the next norm to add."""
         if fused:
             return ops.linear_residual(o, getattr(self, name), x, getattr(self, name + "_scale_inv")), None
-        return self.parallel.all_reduce(self._linear(o, name)), residual
+        return self.parallel.all_reduce(fp8.module_linear(self, o, name)), residual
 
 
 class AttentionLayer(DecoderLayer):
@@ -262,23 +258,18 @@ class AttentionLayer(DecoderLayer):
         c = self.config
         lead, Hq, Hk, D = x.shape[:-1], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         fused = context is not None and context.fused
-        gate = None
-        if fused:
+        if fused:  # q after its norm and RoPE, k and v stored
             k_pool, v_pool = context.entry
             qg = ops.norm_qkv_rope_store(x, self.input_norm, self.qkv_weight, self.qkv_bias, self.q_norm, self.k_norm,
                                          k_pool, v_pool, positions, context.batch.slot_mapping, c.rms_norm_eps,
                                          c.norm_offset, c.rope_theta, c.rotary_dim, Hq, c.attn_output_gate,
                                          self.qkv_weight_scale_inv)
-            q = qg[..., :D]
-            gate = qg[..., D:] if c.attn_output_gate else None
         else:
             qkv, residual = self._project_in(x, residual, "qkv_weight", self.qkv_bias, False)
             Q = c.q_size  # Hq * D, or Hq * 2D with the output gate
-            if c.attn_output_gate:
-                qg = qkv[..., :Q].view(*lead, Hq, 2 * D)  # per head [query | gate]
-                q, gate = qg[..., :D], qg[..., D:]
-            else:
-                q = qkv[..., :Q].view(*lead, Hq, D)
+            qg = qkv[..., :Q].view(*lead, Hq, Q // Hq)
+        q, gate = qg[..., :D], (qg[..., D:] if c.attn_output_gate else None)  # per head [query | gate]
+        if not fused:
             k = qkv[..., Q : Q + Hk * D].view(*lead, Hk, D)
             v = qkv[..., Q + Hk * D :].view(*lead, Hk, D)
             q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps,
@@ -375,21 +366,17 @@ class GatedDeltaNetLayer(DecoderLayer):
         proj, residual = self._project_in(x, residual, "in_proj_weight", None, fused)  # [..., C + Vd + 2Hv]
         b = proj[..., C + Vd : C + Vd + Hv]
         a = proj[..., C + Vd + Hv :]
-        weight = self.conv_weight[:, 0]  # [C, K]
-        if context is None:
-            y = ops.causal_conv1d(proj[..., :C], weight)
-        else:
+        conv_pool = state_pool = None  # no context: each row from a zero state, nothing kept
+        packed = (None, None, None)
+        if context is not None:
             conv_pool, state_pool = context.entry
             packed = (context.batch.cu_seqlens_q, context.batch.state_slots, context.batch.continues)
-            y = ops.causal_conv1d(proj[..., :C], weight, conv_pool, *packed)
+        y = ops.causal_conv1d(proj[..., :C], self.conv_weight[:, 0], conv_pool, *packed)  # weight [C, K]
         q = y[..., :Kd].view(*lead, Hk, Dk)
         k = y[..., Kd : 2 * Kd].view(*lead, Hk, Dk)
         v = y[..., 2 * Kd :].view(*lead, Hv, Dv)
         scale = Dk**-0.5
-        if context is None:
-            g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, use_qk_l2norm=True)
-        elif context.batch.max_query_len <= 1:
+        if context is not None and context.batch.max_query_len <= 1:
             o = ops.recurrent_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, state_pool, *packed,
                                                       scale, True)
         else:

@@ -51,7 +51,7 @@ import math
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -212,17 +212,11 @@ def load_state_dict(
         experts = expert_targets(config) if keep_fp8 else set()
         state = {}
         finite = []  # (name, 0-dim bool tensor on the device): read back once, not once per tensor
-        for target, sources in plan.items():
-            quantized = sum(1 for name, _ in sources if name + SCALE_SUFFIX in scales)
-            if target in linear and quantized and _leading_blocks(sources, scales):
-                state.update(_fp8_parameter(target, sources, quantized, handles, dtype, device, finite))
-                continue
-            if target in experts and _expert_blocks(sources, scales, config.num_experts):
-                state.update(_fp8_experts(target, sources, handles, dtype, device, finite, config.num_experts))
-                continue
+
+        def stack(sources) -> torch.Tensor:
+            """The sources (this rank's slices of those that split) stacked along dim 0 in ``dtype``."""
             shapes = [_local_shape(shape, splits.get(name), parallel) for name, shape in sources]
-            rows = sum(shape[0] for shape in shapes)
-            out = torch.empty((rows, *shapes[0][1:]), dtype=dtype, device=device)
+            out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=dtype, device=device)
             row = 0
             for (name, _), shape in zip(sources, shapes):
                 part = out[row : row + shape[0]]
@@ -232,12 +226,23 @@ def load_state_dict(
                     part.copy_(_read(handles, name, scales, dtype))
                 finite.append((name, torch.isfinite(part).all()))
                 row += shape[0]
-            state[target] = out
-            if quantize and target in linear:
-                state[target], state[target + SCALE_SUFFIX] = fp8.quantize(out)
-            elif quantize and target in experts:
-                experts_out = out.view(config.num_experts, -1, out.shape[-1])
-                state[target], state[target + SCALE_SUFFIX] = fp8.quantize(experts_out)
+            return out
+
+        for target, sources in plan.items():
+            quantized = sum(1 for name, _ in sources if name + SCALE_SUFFIX in scales)
+            if (target in linear and quantized and _leading_blocks(sources, scales)
+                    or target in experts and _expert_blocks(sources, scales, config.num_experts)):
+                parts = _fp8_blocks(sources[:quantized], handles, device, finite)  # every source, for experts
+                if target in experts:
+                    parts = [t.view(config.num_experts, -1, t.shape[-1]) for t in parts]
+                state[target], state[target + SCALE_SUFFIX] = parts
+                if quantized < len(sources):  # the unquantised rows after them
+                    state[target + "_tail"] = stack(sources[quantized:])
+                continue
+            out = state[target] = stack(sources)
+            if quantize and (target in linear or target in experts):
+                weight = out if target in linear else out.view(config.num_experts, -1, out.shape[-1])
+                state[target], state[target + SCALE_SUFFIX] = fp8.quantize(weight)
         if finite:
             ok = torch.stack([f for _, f in finite]).cpu()
             if not ok.all():
@@ -251,21 +256,17 @@ def linear_targets(config: QwenConfig) -> set:
     layer's ``linear_weights``, and a sparse MLP's shared expert."""
     layers = {f"layers.{i}.{name}" for i, kind in enumerate(config.layer_types)
               for name in LAYER_TYPES[kind].linear_weights(i in config.moe_layers)}
-    return layers | _sparse_mlp_targets(config, SparseMoeBlock.LINEAR_WEIGHTS)
+    return layers | {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in SparseMoeBlock.LINEAR_WEIGHTS}
 
 
 def expert_targets(config: QwenConfig) -> set:
     """The model tensors that may hold FP8 experts [E, N, K] (``fused_moe``'s w13 and w2)."""
-    return _sparse_mlp_targets(config, SparseMoeBlock.EXPERT_WEIGHTS)
+    return {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in SparseMoeBlock.EXPERT_WEIGHTS}
 
 
 def fp8_targets(config: QwenConfig) -> set:
     """Every model tensor that may hold FP8 weights."""
     return linear_targets(config) | expert_targets(config)
-
-
-def _sparse_mlp_targets(config: QwenConfig, names) -> set:
-    return {f"layers.{i}.mlp.{name}" for i in config.moe_layers for name in names}
 
 
 def _local_shape(shape: Shape, split: Optional[Split], parallel: TensorParallel) -> Shape:
@@ -316,17 +317,15 @@ def _read(handles: Dict, name: str, scales: Dict[str, Shape], dtype: torch.dtype
     return fp8.dequantize(t, handles[scale].get_tensor(scale), dtype) if scale in scales else t
 
 
-def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: torch.dtype, device: torch.device,
-                   finite: list) -> Dict[str, torch.Tensor]:
-    """``target`` (the first ``quantized`` sources, FP8, stacked along dim 0), ``target_scale_inv``
-    (their scales, fp32) and, if sources remain, ``target_tail`` (them, in ``dtype``)."""
-    head, rest = sources[:quantized], sources[quantized:]
+def _fp8_blocks(sources, handles: Dict, device: torch.device, finite: list) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 sources stacked along dim 0 and their scales (fp32) stacked alike: each but the last
+    a whole number of 128-row blocks (``_leading_blocks``)."""
     inner = sources[0][1][1:]
-    weight = torch.empty((sum(shape[0] for _, shape in head), *inner), dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((sum(_scale_shape(shape)[0] for _, shape in head), *_scale_shape(head[0][1])[1:]),
+    weight = torch.empty((sum(shape[0] for _, shape in sources), *inner), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((sum(_scale_shape(shape)[0] for _, shape in sources), *_scale_shape(sources[0][1])[1:]),
                         dtype=torch.float32, device=device)
     row = block = 0
-    for name, shape in head:
+    for name, shape in sources:
         weight[row : row + shape[0]].copy_(handles[name].get_tensor(name))
         s = scale[block : block + _scale_shape(shape)[0]]
         s.copy_(handles[name + SCALE_SUFFIX].get_tensor(name + SCALE_SUFFIX))
@@ -334,24 +333,7 @@ def _fp8_parameter(target: str, sources, quantized: int, handles: Dict, dtype: t
         finite.append((name, ((weight[row : row + shape[0]].view(torch.uint8) & 0x7F) != 0x7F).all()))
         finite.append((name + SCALE_SUFFIX, torch.isfinite(s).all()))
         row, block = row + shape[0], block + _scale_shape(shape)[0]
-    out = {target: weight, target + SCALE_SUFFIX: scale}
-    if rest:
-        tail = torch.empty((sum(shape[0] for _, shape in rest), *inner), dtype=dtype, device=device)
-        row = 0
-        for name, shape in rest:
-            tail[row : row + shape[0]].copy_(handles[name].get_tensor(name))
-            finite.append((name, torch.isfinite(tail[row : row + shape[0]]).all()))
-            row += shape[0]
-        out[target + "_tail"] = tail
-    return out
-
-
-def _fp8_experts(target: str, sources, handles: Dict, dtype: torch.dtype, device: torch.device, finite: list,
-                 experts: int) -> Dict[str, torch.Tensor]:
-    """``target`` [E, N, K] FP8 and ``target_scale_inv`` [E, cdiv(N, 128), cdiv(K, 128)]: every source
-    (``_expert_blocks``) stacked as ``_fp8_parameter`` stacks them, then one slice per expert."""
-    parts = _fp8_parameter(target, sources, len(sources), handles, dtype, device, finite)
-    return {name: t.view(experts, -1, t.shape[-1]) for name, t in parts.items()}
+    return weight, scale
 
 
 def _non_finite(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:

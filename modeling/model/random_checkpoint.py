@@ -40,7 +40,7 @@ from . import fp8
 from .causal_lm import QwenForCausalLM
 from .config import QwenConfig
 from .files import read_json
-from .loader import expert_targets, linear_targets, load_plan
+from .loader import fp8_targets, load_plan
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -151,77 +151,37 @@ def write_tokenizer_files(path: Union[str, Path], tok, max_length: int, tokenize
     }, indent=2))
 
 
-def write_tokenizer(path: Union[str, Path], vocab_size: int = 512, max_length: int = 4096):
-    """``write_tokenizer_files`` for ``build_tokenizer(vocab_size)``; returns the ``tokenizers.Tokenizer``."""
-    tok = build_tokenizer(vocab_size)
-    write_tokenizer_files(path, tok, max_length)
-    return tok
-
-
 def config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
     """A Hugging Face style Qwen3 config.json dict (Qwen3.5 with ``model_type="qwen3_5_text"``):
     ``DEFAULT_SIZES`` (``QWEN3_5_SIZES``) and the defaults below (tied embedding, silu, ...), each
     overridden by the field of that name in ``sizes`` (``tie_word_embeddings=False`` gives a model
     with its own lm_head). Another ``model_type`` is a ``ValueError``."""
     model_type = sizes.get("model_type", "qwen3")
-    if model_type == "qwen3_5_text":
-        return _qwen3_5_config_dict(vocab_size, **sizes)
-    if model_type != "qwen3":
+    if model_type not in ("qwen3", "qwen3_5_text"):
         raise ValueError(f"model_type must be 'qwen3' or 'qwen3_5_text', got {model_type!r}")
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-        **DEFAULT_SIZES,
-        **sizes,
-    }
+    d = {"architectures": ["Qwen3_5ForCausalLM" if model_type == "qwen3_5_text" else "Qwen3ForCausalLM"],
+         "model_type": model_type, "vocab_size": vocab_size, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 0, "eos_token_id": 2,
+         "torch_dtype": "float32"}
+    if model_type == "qwen3":
+        return d | {"rope_theta": 1000000.0, "use_sliding_window": False} | DEFAULT_SIZES | sizes
+    d |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+          "attn_output_gate": True} | QWEN3_5_SIZES | sizes
+    interval = d.pop("full_attention_interval")
+    d["layer_types"] = d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                                for i in range(d["num_hidden_layers"])]
+    return d
 
 
-def _qwen3_5_config_dict(vocab_size: int, **sizes: Any) -> Dict[str, Any]:
-    d = dict(QWEN3_5_SIZES, **sizes)
-    n, interval = d["num_hidden_layers"], d.pop("full_attention_interval")
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "attn_output_gate": True,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-        **d,
-        "layer_types": d.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                                for i in range(n)],
-    }
-
-
-def random_tensor(name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
-                  device: Union[str, torch.device] = "cpu", norm_center: float = 1.0) -> torch.Tensor:
-    """N(0, std^2); a norm weight (1-d, name containing 'norm') gets norm_center + N(0, std^2)."""
+def random_tensor(config: QwenConfig, name: str, shape, std: float, generator: torch.Generator, dtype=torch.float32,
+                  device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """N(0, std^2); a norm weight (1-d, name containing 'norm') is centred on 1, or on 0 for a
+    zero-centred norm (Qwen3.5's ``1 + weight`` norms; its Gated DeltaNet output norm has a plain
+    weight): 1 - config.norm_offset + N(0, std^2)."""
     t = torch.randn(shape, generator=generator, dtype=torch.float32, device=device) * std
     if "norm" in name and len(shape) == 1:
-        t += norm_center
+        t += 1.0 if "linear_attn.norm" in name or name.endswith("norm_weight") else 1.0 - config.norm_offset
     return t.to(dtype)
-
-
-def norm_center(config: QwenConfig, name: str) -> float:
-    """The value a random norm weight centres on: 1, or 0 for a zero-centred norm (Qwen3.5's
-    ``1 + weight`` norms; its Gated DeltaNet output norm has a plain weight)."""
-    plain = "linear_attn.norm" in name or name.endswith("norm_weight")
-    return 1.0 - config.norm_offset if not plain else 1.0
 
 
 MARKER = ".random-checkpoint"
@@ -269,7 +229,6 @@ def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):
         _build(path, seed, std, vocab_size, sizes, tokenizer, dtype)
     return path
@@ -307,7 +266,8 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
                               {"eos_token_id": None, "pad_token_id": None})
         fields.update(bos_token_id=None, eos_token_id=None)
     else:
-        tok = write_tokenizer(tmp, vocab_size)
+        tok = build_tokenizer(vocab_size)
+        write_tokenizer_files(tmp, tok, 4096)
     cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **{**fields, **sizes})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     config = QwenConfig.from_dict(cfg)
@@ -316,7 +276,7 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
     tensors = {}
     for sources in load_plan(config).values():
         for name, shape in sources:
-            tensors[name] = random_tensor(name, shape, std, g, dtype, norm_center=norm_center(config, name))
+            tensors[name] = random_tensor(config, name, shape, std, g, dtype)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
     (tmp / "README.md").write_text(
@@ -327,7 +287,9 @@ def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: in
 
 @contextmanager
 def _lock(path: Path):
-    """An exclusive lock on ``<path>.lock`` (POSIX advisory lock; a no-op where fcntl is missing)."""
+    """An exclusive lock on ``<path>.lock`` (POSIX advisory lock; a no-op where fcntl is missing),
+    ``path``'s parent created first if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # Windows
@@ -346,7 +308,6 @@ def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
     or incomplete (checked again under the lock, so concurrent callers build it once)."""
     path = Path(path) if path is not None else default_random_model_dir()
     if not is_complete(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
         with _lock(path):
             if not is_complete(path):
                 _build(path, 0, None, 512, {})
@@ -364,11 +325,11 @@ def random_model(config: QwenConfig, dtype: torch.dtype = torch.bfloat16, device
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in QwenForCausalLM(config).named_parameters()}
-    quantized = linear_targets(config) | expert_targets(config) if quantization else set()
+    quantized = fp8_targets(config) if quantization else set()
     g = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in shapes.items():
-        t = random_tensor(name, shape, std, g, dtype=dtype, device=device, norm_center=norm_center(config, name))
+        t = random_tensor(config, name, shape, std, g, dtype, device)
         if name in quantized:
             state[name], state[name + "_scale_inv"] = fp8.quantize(t)
         else:

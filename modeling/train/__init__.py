@@ -60,7 +60,7 @@ continues with ``--resume`` to the weights of a run without a stop. ``OUT/.train
 
 The package: ``data`` (text, dialogue, tokenizer, validation windows), ``model_init`` (config,
 initialisation, Hugging Face names, dropout), ``trainer`` (``Trainer``, ``Evaluator``, ``lr_at``),
-``files`` (safe writes, the resume state read back), ``progress``, ``plot``, ``constants`` and ``cli`` (``main``, the output
+``files`` (safe writes, the resume state read back), ``plot``, ``constants`` and ``cli`` (``main``, the output
 directory's lock, the stop signals). The names below are what its callers and tests use.
 """
 

@@ -117,16 +117,13 @@ def check_args(a: argparse.Namespace) -> None:
         if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
             problems.append(f"--{name.replace('_', '-')} must be a finite number {'>=' if inclusive else '>'} {low:g}, "
                             f"got {value}")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(a, name) < 1:
-            problems.append(f"--{name} must be in [0, 1), got {getattr(a, name)}")
-    if not 0 <= a.dropout < 1:
-        problems.append("--dropout must be in [0, 1)")
-    if not 0 < a.val_fraction < 1:
-        problems.append("--val-fraction must be in (0, 1)")
-    if not 0 <= a.chat_fraction <= 1:
-        problems.append("--chat-fraction must be in [0, 1]")
-    elif a.chat_fraction and a.batch_size and round(a.batch_size * a.chat_fraction) < 1:
+    for name, interval in (("beta1", "[0, 1)"), ("beta2", "[0, 1)"), ("dropout", "[0, 1)"), ("val_fraction", "(0, 1)"),
+                           ("chat_fraction", "[0, 1]")):
+        value = getattr(a, name)
+        above = 0 <= value if interval[0] == "[" else 0 < value  # "[" and "]" include the bound
+        if not (above and (value <= 1 if interval[-1] == "]" else value < 1)):
+            problems.append(f"--{name.replace('_', '-')} must be in {interval}, got {value}")
+    if 0 < a.chat_fraction <= 1 and a.batch_size and round(a.batch_size * a.chat_fraction) < 1:
         problems.append(f"--chat-fraction {a.chat_fraction:g} of --batch-size {a.batch_size} is no sequence")
     if a.seq_len is not None and a.seq_len < 2:
         problems.append("--seq-len must be >= 2")

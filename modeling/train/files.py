@@ -38,11 +38,9 @@ def read_state(path: Path) -> Dict[str, Any]:
             state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # pickle, zip and torch errors of a file torch.save did not write
             raise UsageError(f"--resume: {path} is not a resume state (torch.load: {type(e).__name__})") from None
-    if not isinstance(state, dict) or "version" not in state:
-        raise UsageError(f"--resume: {path} is not a resume state of this trainer")
-    if state["version"] != STATE_VERSION:
+    if isinstance(state, dict) and state.get("version", STATE_VERSION) != STATE_VERSION:
         raise UsageError(f"--resume: {path}: resume state version {state['version']!r}, expected {STATE_VERSION}")
-    if any(k not in state for k in STATE_KEYS) or not isinstance(state["args"], dict):
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS) or not isinstance(state["args"], dict):
         raise UsageError(f"--resume: {path} is not a resume state of this trainer")
     return state
 
@@ -82,13 +80,6 @@ def _rate(x: float) -> str:
 
 def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
-def _device_name(device) -> str:
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def _versions() -> Dict[str, str]:

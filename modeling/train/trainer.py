@@ -12,10 +12,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from ..common import one_line
 from .constants import LOG_FILE, STATE_VERSION, UsageError
 from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
-from .files import (_device_name, _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json,
-                    read_state)
+from .files import _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json, read_state
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
-from .progress import _progress_bar
 
 if TYPE_CHECKING:
     from .cli import StopSignals
@@ -68,10 +66,11 @@ class Trainer:
         import torch
 
         from ..model.config import QwenConfig
+        from ..model.device import DTYPES
 
         self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
         self.device = torch.device(a.device)
-        self.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+        self.dtype, self.save_dtype = DTYPES[a.dtype], DTYPES[a.save_dtype]
         torch.manual_seed(a.seed)
 
         text = read_text(a.data)[:a.max_chars]
@@ -142,7 +141,8 @@ class Trainer:
                      "train_eval_tokens": n, "chat_rows": self.chat_rows,
                      "chat_train_tokens": self.chat_ids.numel() if self.chat_rows else None,
                      "chat_val_tokens": self.val_chat.n_tokens if self.chat_rows else None},
-            "device": _device_name(self.device), "versions": _versions(),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "versions": _versions(),
             "train": [], "val": [], "runs": [],
         }
         if a.resume:
@@ -210,11 +210,6 @@ class Trainer:
             self.evals_since_best += 1
         return val_loss, val_bpc
 
-    @property
-    def save_dtype(self):
-        import torch
-        return torch.bfloat16 if self.a.save_dtype == "bf16" else torch.float32
-
     # ----- files
 
     def write_model(self) -> None:
@@ -234,9 +229,8 @@ class Trainer:
             steps=self.step, max_steps=self.max_steps, tokens_seen=self.tokens_seen,
             epochs_seen=self.tokens_seen / self.train_ids.numel(), wall_time_s=round(elapsed_s, 2),
             tokens_per_s=round(self.tokens_seen / elapsed_s, 1) if elapsed_s > 0 else None, stopped=stopped,
-            best={"step": self.best_step, "val_loss": best["val_loss"] if best else None,
-                  "val_bits_per_char": best["val_bits_per_char"] if best else None,
-                  "val_chat_loss": best["val_chat_loss"] if best else None},
+            best={"step": self.best_step, **{k: best[k] if best else None
+                                             for k in ("val_loss", "val_bits_per_char", "val_chat_loss")}},
         )
         _write_json(self.out / LOG_FILE, self.log)
 
@@ -259,9 +253,8 @@ class Trainer:
         _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
-        state = read_state(self.state_path)
         try:
-            self._restore(state)
+            self._restore(read_state(self.state_path))
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # a state whose parts do not fit
             raise UsageError(f"--resume: {self.state_path} does not hold a state of this run "
                              f"({one_line(e, limit=200)})") from None
@@ -292,8 +285,10 @@ class Trainer:
     def run(self) -> str:
         """Train until the schedule, ``--stop-at``, the time budget, patience or an interrupt stops
         the run, then save; returns why it stopped (the log's ``stopped``). This invocation's
-        starting point is saved first, so the directory can be resumed from the start on."""
+        starting point is saved first, so the directory can be resumed from the start on. Progress:
+        a tqdm bar on stderr (steps, elapsed, and a postfix with loss, tokens/s and ETA)."""
         import torch
+        from tqdm import tqdm
 
         a = self.a
         start = time.perf_counter()
@@ -309,7 +304,8 @@ class Trainer:
                     f"{self.tokens_per_step} tokens" + (f", at most {a.max_minutes:g} min" if a.max_minutes else "")
                     + f"; {self.device.type} {a.dtype}")
         self._flush(elapsed(), "running")
-        bar = _progress_bar(self.max_steps, self.step, a.progress)
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not a.progress, dynamic_ncols=True, mininterval=1.0,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]", file=sys.stderr)
         if not self.log["val"] and self.stop.signum is None:  # a fresh run, or one stopped before this
             self._eval_and_report(elapsed(), bar)
         stop_at = min(self.max_steps, a.stop_at) if a.stop_at else self.max_steps
