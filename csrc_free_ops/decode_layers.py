@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .common import (INTERPRET, LOG2E, cdiv, cuda_properties, device_buffer, fp32, kernel, next_power_of_2,
                      softmax_headroom)
-from .decode_layers_tasks import _attention_task, _gate_up_task, _now, _qkv_task, _residual_task
+from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task, _stamp
 
 PHASES = tl.constexpr(5)
 """Phases per layer: qkv, attention, o, gate_up, down."""
@@ -71,10 +71,21 @@ MAX_ROWS = 8
 """Sequences per launch at most (each tile loops over its rows with the weights in registers)."""
 
 timeline = None
-"""None, or an int64 CUDA tensor of 3 x (the call's tasks: `phase_tasks`) elements: then each task t
+"""None, or an int64 CUDA tensor of 3 x (the call's tasks: `phase_tasks`; the hybrid kernel's
+`decode_hybrid_layers.step_tasks`) elements: then each task t of this kernel or of the hybrid one
 stamps %globaltimer (ns) at timeline[3t] when it starts, [3t + 1] when its wait is met and
 [3t + 2] when it ends (`python -m bench.decode_layers --timeline`; a kernel compiled with the
 stamps, not the op's default)."""
+
+
+def timeline_stamps(tasks: int, device: torch.device):
+    """`timeline` for a call of `tasks` tasks on `device`, or None without one; ValueError unless it
+    is int64 on the device with at least 3 x tasks elements."""
+    if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != device
+                                 or timeline.numel() < 3 * tasks):
+        raise ValueError(f"decode_layers.timeline must be an int64 tensor of at least {3 * tasks} elements on "
+                         f"{device}, got {timeline.dtype} [{timeline.numel()}] on {timeline.device}")
+    return timeline
 
 
 @kernel
@@ -106,8 +117,7 @@ def _decode_layers_kernel(
         j = t % per_layer
         ph = layer * PHASES
         stamp = tl_ptr + t * 3
-        if TIMELINE:
-            tl.store(stamp, _now())
+        _stamp(stamp, TIMELINE)
         if layer == 0:  # the layer's input: the embeddings, then the output of the layer before
             x_in = x_ptr
         else:
@@ -137,8 +147,7 @@ def _decode_layers_kernel(
             done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
                                   err_ptr, (j - N_QKV - n_attn - N_O - N_GU) * RD, M, ph + 3, N_GU, done, H, I,
                                   BLOCK_M, RD, SPIN_LIMIT, stamp, TIMELINE)
-        if TIMELINE:
-            tl.store(stamp + 2, _now())
+        _stamp(stamp + 2, TIMELINE)
 
 
 def tile_rows(n: int, k: int, itemsize: int) -> int:
@@ -207,23 +216,19 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
     counters = torch.zeros(nl * PHASES.value + nl * m * hk, dtype=torch.int32, device=dev)
     headroom = softmax_headroom(k_cache.dtype)
     rq, ro, rg, rd = tile_plan(nqkv, h, num_heads * d, inter, size)
-    if timeline is not None:
-        need = 3 * nl * sum(phase_tasks(m, nqkv, h, num_heads * d, inter, hk, num_splits, size))
-        if timeline.dtype != torch.int64 or timeline.device != dev or timeline.numel() < need:
-            raise ValueError(f"decode_layers.timeline must be an int64 tensor of at least {need} elements on {dev}, "
-                             f"got {timeline.dtype} [{timeline.numel()}] on {timeline.device}")
+    stamps = timeline_stamps(nl * sum(phase_tasks(m, nqkv, h, num_heads * d, inter, hk, num_splits, size)), dev)
     args = (x, out, positions, cache_seqlens, block_table, input_norm, qkv_weight,
             qkv_bias if qkv_bias is not None else qkv_weight, q_norm if q_norm is not None else input_norm,
             k_norm if k_norm is not None else input_norm, o_weight, post_norm, gate_up_weight, down_weight,
             k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
-            timeline if timeline is not None else counters,
+            stamps if stamps is not None else counters,
             m, nl, block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E)
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
                 HAS_QK_NORM=q_norm is not None, BLOCK_M=next_power_of_2(m),
                 RQ=rq, RO=ro, RG=rg, RD=rd, S=num_splits,
                 BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
-                TIMELINE=timeline is not None,
+                TIMELINE=stamps is not None,
                 num_warps=NUM_WARPS, num_stages=1)
     launch(_decode_layers_kernel, args, meta, dev)
     return out

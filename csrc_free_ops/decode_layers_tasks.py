@@ -15,7 +15,8 @@ of cached keys and values) before it waits on the phase before.
 A task counts itself in on its phase's completion counter (`_finish`: a barrier, then a release
 add); a wait (`_wait`) polls the counter of the phase it depends on with acquire loads, and gives
 up after SPIN_LIMIT polls by setting the device's error flag. Activations are read with `.cg`
-(through L2, where the other programs' stores are).
+(through L2, where the other programs' stores are). With TIMELINE a task stamps %globaltimer
+(`_stamp`) at its start, when its wait is met and at its end.
 """
 import triton
 import triton.language as tl
@@ -37,8 +38,7 @@ def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr, stamp
             spins += 1
         if seen < target:
             tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
-    if TIMELINE:
-        tl.store(stamp_ptr + 1, _now())
+    _stamp(stamp_ptr + 1, TIMELINE)
     return tl.maximum(done, phase)
 
 
@@ -46,6 +46,13 @@ def _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT: tl.constexpr, stamp
 def _now():
     """The SM's %globaltimer, ns (the timeline's clock; CUDA only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stamp(ptr, TIMELINE: tl.constexpr):
+    """TIMELINE: store `_now()` at ptr (a task's start, wait met or end); else nothing."""
+    if TIMELINE:
+        tl.store(ptr, _now())
 
 
 @triton.jit
