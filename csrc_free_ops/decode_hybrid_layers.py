@@ -25,6 +25,9 @@ for an attention layer), so a layer's first task waits on the phase just before 
 layer before's down. The launcher's plan [NL + 1, 4] int32 gives each layer (its first task,
 its first phase, its kind, its index among the layers of its kind); row NL holds the step's task
 and phase counts. A program walks its tasks in order and advances its layer as it goes.
+
+With csrc_free_ops.decode_layers.timeline set, task t (of the whole step's list, `step_tasks`)
+stamps %globaltimer at timeline[3t], [3t + 1] and [3t + 2] as decode_layers' tasks do.
 """
 import math
 import os
@@ -34,8 +37,9 @@ import triton.language as tl
 
 from .common import INTERPRET, LOG2E, cdiv, fp32, kernel, next_power_of_2, softmax_headroom
 from .decode_hybrid_layers_tasks import _conv_task, _delta_rule_task, _gated_out_task
-from .decode_layers import BLOCK_T, MAX_ROWS, NUM_WARPS, SPIN_LIMIT, error_flag, launch, tile_rows  # noqa: F401
-from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task
+from .decode_layers import (BLOCK_T, MAX_ROWS, NUM_WARPS, SPIN_LIMIT, error_flag, launch, tile_rows,  # noqa: F401
+                            timeline_stamps)
+from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task, _stamp
 
 ATTENTION = 0
 GATED_DELTANET = 1
@@ -61,7 +65,7 @@ def _decode_hybrid_layers_kernel(
     in_norm_ptr, post_norm_ptr, gu_w_ptr, down_w_ptr,
     qkv_w_ptr, qn_ptr, kn_ptr, o_w_ptr, kc_ptr, vc_ptr,
     in_w_ptr, conv_w_ptr, alog_ptr, dtb_ptr, gn_ptr, out_w_ptr, conv_ptr, state_ptr,
-    qkv_ptr, attn_ptr, proj_ptr, y_ptr, dr_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr,
+    qkv_ptr, attn_ptr, proj_ptr, y_ptr, dr_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
     M, NL, P, stride_bt, stride_kl, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
     eps, offset, log2_theta, qk_scale, dk_scale,
     H: tl.constexpr, I: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
@@ -69,6 +73,7 @@ def _decode_hybrid_layers_kernel(
     BLOCK_M: tl.constexpr, RQ: tl.constexpr, RO: tl.constexpr, RP: tl.constexpr, RC: tl.constexpr,
     BV: tl.constexpr, RW: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr, S: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    TIMELINE: tl.constexpr,
 ):
     eps, offset, log2_theta, qk_scale, dk_scale = fp32(eps), fp32(offset), fp32(log2_theta), fp32(qk_scale), \
         fp32(dk_scale)
@@ -93,6 +98,8 @@ def _decode_hybrid_layers_kernel(
     nxt = tl.load(plan_ptr + 4)  # the first task of layer + 1
     done = -1  # the highest phase this program has seen complete
     for t in range(tl.program_id(0), total, tl.num_programs(0)):
+        stamp = tl_ptr + t * 3
+        _stamp(stamp, TIMELINE)
         while t >= nxt:
             layer += 1
             nxt = tl.load(plan_ptr + (layer + 1) * 4)
@@ -116,26 +123,28 @@ def _decode_hybrid_layers_kernel(
                 if j < N_P:
                     done = _qkv_task(x_in, in_norm_ptr + layer * H, in_w_ptr + idx * (NP * H), in_w_ptr, proj_ptr,
                                      cnt_ptr, err_ptr, j * RP, M, ph, N_DN, done, eps, offset, NP, H, False, BLOCK_M,
-                                     RP, SPIN_LIMIT, cnt_ptr, False)
+                                     RP, SPIN_LIMIT, stamp, TIMELINE)
                 elif j < N_P + N_C:
                     done = _conv_task(proj_ptr, conv_w_ptr + idx * (C * K), conv_ptr + idx * P * (C * (K - 1)),
                                       slot_ptr, seqlens_ptr, y_ptr, cnt_ptr, err_ptr, (j - N_P) * RC, M, P, ph, N_P,
-                                      done, NP, C, K, BLOCK_M, RC, SPIN_LIMIT)
+                                      done, NP, C, K, BLOCK_M, RC, SPIN_LIMIT, stamp, TIMELINE)
                 elif j < N_P + N_C + n_delta:
                     d_id = j - N_P - N_C  # (m, value head, value block), the block fastest
                     done = _delta_rule_task(y_ptr, proj_ptr, alog_ptr + idx * HV, dtb_ptr + idx * HV,
                                             state_ptr + idx * P * (HV * DK * DV), slot_ptr, seqlens_ptr, dr_ptr,
                                             cnt_ptr, err_ptr, d_id // (HV * NV), (d_id // NV) % HV, (d_id % NV) * BV,
-                                            M, P, ph + 1, N_C, done, dk_scale, NP, HKL, HV, DK, DV, BV, SPIN_LIMIT)
+                                            M, P, ph + 1, N_C, done, dk_scale, NP, HKL, HV, DK, DV, BV, SPIN_LIMIT,
+                                            stamp, TIMELINE)
                 else:
                     done = _gated_out_task(dr_ptr, proj_ptr, gn_ptr + idx * DV, out_w_ptr + idx * (H * VD), x_in,
                                            h_ptr, cnt_ptr, err_ptr, (j - N_P - N_C - n_delta) * RW, M, ph + 2,
-                                           n_delta, done, eps, H, NP, C, HV, DV, BLOCK_M, RW, SPIN_LIMIT)
+                                           n_delta, done, eps, H, NP, C, HV, DV, BLOCK_M, RW, SPIN_LIMIT, stamp,
+                                           TIMELINE)
             else:
                 if j < N_QKV:
                     done = _qkv_task(x_in, in_norm_ptr + layer * H, qkv_w_ptr + idx * (NQKV * H), qkv_w_ptr,
                                      qkv_ptr, cnt_ptr, err_ptr, j * RQ, M, ph, N_DN, done, eps, offset, NQKV, H,
-                                     False, BLOCK_M, RQ, SPIN_LIMIT, cnt_ptr, False)
+                                     False, BLOCK_M, RQ, SPIN_LIMIT, stamp, TIMELINE)
                 elif j < N_QKV + n_attn:
                     a_id = j - N_QKV  # (m, g, s), s fastest
                     done = _attention_task(qkv_ptr, qn_ptr + idx * D, kn_ptr + idx * D, pos_ptr, seqlens_ptr,
@@ -144,19 +153,20 @@ def _decode_hybrid_layers_kernel(
                                            a_id // (HK * S), (a_id // S) % HK, a_id % S, ph + 1, N_QKV, done,
                                            stride_bt, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
                                            eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, True, True, S,
-                                           BLOCK_T, HEADROOM, P_SCALE, SPIN_LIMIT, cnt_ptr, False)
+                                           BLOCK_T, HEADROOM, P_SCALE, SPIN_LIMIT, stamp, TIMELINE)
                 else:
                     done = _residual_task(attn_ptr, o_w_ptr + idx * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,
                                           (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M, RO,
-                                          SPIN_LIMIT, cnt_ptr, False)
+                                          SPIN_LIMIT, stamp, TIMELINE)
         elif j < n_mix + N_GU:
             done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H),
                                  act_ptr, cnt_ptr, err_ptr, (j - n_mix) * RG, M, mph, tl.where(deltanet, N_W, N_O),
-                                 done, eps, offset, I, H, BLOCK_M, RG, SPIN_LIMIT, cnt_ptr, False)
+                                 done, eps, offset, I, H, BLOCK_M, RG, SPIN_LIMIT, stamp, TIMELINE)
         else:
             done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
                                   err_ptr, (j - n_mix - N_GU) * RD, M, mph + 1, N_GU, done, H, I, BLOCK_M, RD,
-                                  SPIN_LIMIT, cnt_ptr, False)
+                                  SPIN_LIMIT, stamp, TIMELINE)
+        _stamp(stamp + 2, TIMELINE)
 
 
 def kv_block(d: int) -> int:
@@ -186,14 +196,29 @@ def phase_tasks(tiles: dict, m: int, h: int, inter: int, nqkv: int, hk: int, spl
                              cdiv(h, tiles["RW"])] + mlp}
 
 
-def plan(layer_kinds, tasks: dict) -> list:
-    """The kernel's plan rows (see the module doc): per layer (first task, first phase, kind, index
-    among its kind), then (tasks, phases, 0, 0)."""
+def step_tasks(m: int, layer_kinds, down_weight, k_cache, in_proj_weight, conv_weight, ssm_states, num_heads: int,
+               num_splits: int) -> tuple:
+    """(tiles, tasks) of a step of m rows over the op's weights and caches: `tile_plan`'s dict, and
+    the tasks of each phase of each layer ([NL] lists of PHASES[kind] counts, in the task list's
+    order: layer l's tasks start at the sum of the layers' before, as the plan's rows say)."""
+    h, inter = down_weight.shape[1:]
+    hk, d = k_cache.shape[3:]
+    _, _, hv, _, dv = ssm_states.shape
+    channels, nproj = conv_weight.shape[1], in_proj_weight.shape[1]
+    nqkv = (2 * num_heads + 2 * hk) * d
+    tiles = tile_plan(h, inter, nqkv, num_heads * d, nproj, channels, hv, dv, down_weight.element_size())
+    kinds = phase_tasks(tiles, m, h, inter, nqkv, hk, num_splits, nproj, channels, hv, dv)
+    return tiles, [kinds[kind] for kind in layer_kinds]
+
+
+def plan(layer_kinds, tasks: list) -> list:
+    """The kernel's plan rows (see the module doc) from `step_tasks`' tasks: per layer (first task,
+    first phase, kind, index among its kind), then (tasks, phases, 0, 0)."""
     rows, task, phase, seen = [], 0, 0, {ATTENTION: 0, GATED_DELTANET: 0}
-    for kind in layer_kinds:
+    for kind, counts in zip(layer_kinds, tasks):
         rows.append([task, phase, kind, seen[kind]])
         seen[kind] += 1
-        task += sum(tasks[kind])
+        task += sum(counts)
         phase += PHASES[kind]
     return rows + [[task, phase, 0, 0]]
 
@@ -224,16 +249,18 @@ def decode_hybrid_layers(x, positions, cache_seqlens, block_table, state_slots, 
     channels, taps = conv_weight.shape[1:]
     nproj = in_proj_weight.shape[1]
     hkl = (channels - hv * dv) // (2 * dk)
-    nqkv = (2 * num_heads + 2 * hk) * d
+    nqkv = qkv_weight.shape[1]
     out = torch.empty_like(x)
     if m == 0:
         return out
     dev = x.device
-    size = gate_up_weight.element_size()
-    tiles = tile_plan(h, inter, nqkv, num_heads * d, nproj, channels, hv, dv, size)
-    rows = plan(layer_kinds, phase_tasks(tiles, m, h, inter, nqkv, hk, num_splits, nproj, channels, hv, dv))
+    tiles, tasks = step_tasks(m, layer_kinds, down_weight, k_cache, in_proj_weight, conv_weight, ssm_states,
+                              num_heads, num_splits)
+    rows = plan(layer_kinds, tasks)
+    stamps = timeline_stamps(rows[-1][0], dev)
     group = num_heads // hk
     na = sum(1 for kind in layer_kinds if kind == ATTENTION)
+    counters = torch.zeros(rows[-1][1] + na * m * hk, dtype=torch.int32, device=dev)
     scratch = dict(dtype=x.dtype, device=dev)
     parts = torch.empty((m * hk * num_splits * group, d) if num_splits > 1 else (0, d), dtype=torch.float32,
                         device=dev)
@@ -245,12 +272,13 @@ def decode_hybrid_layers(x, positions, cache_seqlens, block_table, state_slots, 
             torch.empty((m, nproj), **scratch), torch.empty((m, channels), **scratch),
             torch.empty((m, hv * dv), **scratch), torch.empty((m, h), **scratch), torch.empty((m, inter), **scratch),
             parts, torch.empty(parts.shape[:1], dtype=torch.float32, device=dev),
-            torch.zeros(rows[-1][1] + na * m * hk, dtype=torch.int32, device=dev), error_flag(dev),
+            counters, error_flag(dev), stamps if stamps is not None else counters,
             m, nl, pool, block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             k_cache.stride(3), block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E,
             dk ** -0.5)
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HKL=hkl, HV=hv, DK=dk, DV=dv, K=taps,
                 BLOCK_M=next_power_of_2(m), **tiles, S=num_splits, BLOCK_T=kv_block(d), HEADROOM=headroom,
-                P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT, num_warps=NUM_WARPS, num_stages=1)
+                P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT, TIMELINE=stamps is not None, num_warps=NUM_WARPS,
+                num_stages=1)
     launch(_decode_hybrid_layers_kernel, args, meta, dev)
     return out

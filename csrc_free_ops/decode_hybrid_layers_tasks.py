@@ -3,7 +3,8 @@ beside the attention and MLP tasks of decode_layers_tasks.py whose wait, release
 Each loads what does not depend on the phase before (weights, a sequence's old state) before it
 waits; each runs for every row m < M, and a row writes its state only where `_keeps` (a real
 sequence, cache_seqlens > 0, with a slot in [0, P)); it continues its slot's state where
-cache_seqlens > 1, else starts from zeros (its first token).
+cache_seqlens > 1, else starts from zeros (its first token). TIMELINE: the wait stamps the time it
+was met at stamp_ptr[1] (decode_layers_tasks' `_wait`).
 
     _conv_task        channels [c0, c0 + ROWS): y[m, c] = silu(sum_j<K-1 w[c, j] state[m, c, j]
                       + w[c, K-1] x[m, c]) with x = proj[m, :C]; the conv state shifted by one in
@@ -35,7 +36,7 @@ def _keeps(seqlens_ptr, slot_ptr, rows, ok, P):
 @triton.jit
 def _conv_task(proj_ptr, w_ptr, conv_ptr, slot_ptr, seqlens_ptr, y_ptr, cnt_ptr, err_ptr, c0, M, P, phase, target,
                done, NP: tl.constexpr, C: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-               SPIN_LIMIT: tl.constexpr):
+               SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """The conv update of channels [c0, c0 + ROWS) for every row (see the module doc); conv_ptr the
     layer's pool [P, C, K-1]. The weights and the old states are loaded (and their taps summed)
     before the wait for `phase` (the in_proj tiles); counts itself in on phase + 1."""
@@ -53,7 +54,7 @@ def _conv_task(proj_ptr, w_ptr, conv_ptr, slot_ptr, seqlens_ptr, y_ptr, cnt_ptr,
     s_ok = c_ok[None, :, None] & j_ok[None, None, :]
     old = tl.load(rows[:, :, None] + rj[None, None, :], mask=continues[:, None, None] & s_ok, other=0.0)
     acc = tl.sum(old.to(tl.float32) * w_old.to(tl.float32)[None, :, :], axis=2)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, cnt_ptr, False)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     ok = m_ok[:, None] & c_ok[None, :]
     x = tl.load(proj_ptr + rm[:, None] * NP + rc[None, :], mask=ok, other=0.0, cache_modifier=".cg")
     acc += x.to(tl.float32) * w_new[None, :]
@@ -70,7 +71,7 @@ def _conv_task(proj_ptr, w_ptr, conv_ptr, slot_ptr, seqlens_ptr, y_ptr, cnt_ptr,
 def _delta_rule_task(y_ptr, proj_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, seqlens_ptr, o_ptr, cnt_ptr, err_ptr,
                      m, h, v0, M, P, phase, target, done, scale, NP: tl.constexpr, HKL: tl.constexpr,
                      HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                     SPIN_LIMIT: tl.constexpr):
+                     SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """One token of sequence m through value head h's state columns [v0, v0 + BV) (the math of
     gated_delta_rule_step._recurrent_kernel): q, k, v from the conv output y [M, C], a and b from
     proj [M, NP]; state_ptr the layer's pool [P, Hv, Dk, Dv] fp32. The state slice and the gate
@@ -87,7 +88,7 @@ def _delta_rule_task(y_ptr, proj_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, se
     s = tl.load(s_ptrs, mask=tl.where(continues, s_ok, False), other=0.0).to(tl.float32)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, cnt_ptr, False)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     hk = h // (HV // HKL)
     row = y_ptr + m * C
     q = tl.load(row + hk * DK + dk, mask=dk_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -112,7 +113,8 @@ def _delta_rule_task(y_ptr, proj_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, se
 @triton.jit
 def _gated_out_task(o_ptr, proj_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done,
                     eps, N: tl.constexpr, NP: tl.constexpr, Z0: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr,
+                    TIMELINE: tl.constexpr):
     """out[m, rows] = res[m, rows] + round(gated_rms_norm(o[m], z[m], nw) @ w[rows]^T), o [M, Hv Dv]
     the delta rule's output, z = proj[m, Z0:Z0 + Hv Dv]; each value head normed over its Dv with
     gated_rms_norm's roundings. The weight tile [ROWS, Hv, Dv] (whole K, by heads) is loaded
@@ -126,7 +128,7 @@ def _gated_out_task(o_ptr, proj_ptr, nw_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, e
     w = tl.load(w_ptr + rn[:, None, None].to(tl.int64) * VD + cols[None, :, :],
                 mask=(rn < N)[:, None, None] & ok[None, :, :], other=0.0)
     nw = tl.load(nw_ptr + rd, mask=head_mask(rd, DV), other=0.0).to(tl.float32)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, cnt_ptr, False)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(BLOCK_M):
         if m < M:

@@ -9,6 +9,7 @@ import torch
 
 import qwen_ops
 from csrc_free_ops import decode_hybrid_layers as kernels
+from csrc_free_ops import decode_layers
 from csrc_free_ops.decode_layers import error_flag
 from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, assert_persistent_decode_matches_ops, randn
 
@@ -147,6 +148,23 @@ def test_decode_hybrid_layers_errors():
             a[NAMES.index(name)] = value
         with pytest.raises(qwen_ops.QwenOpError, match=message):
             torch.ops.qwen.decode_hybrid_layers(*a)
+
+
+def test_decode_hybrid_layers_timeline_must_fit_the_step():
+    """decode_layers.timeline set to a tensor of the wrong dtype, or one element short of 3 stamps a
+    task of the step (`step_tasks`), fails before the launch with a ValueError that says so."""
+    args = _small()
+    layer_kinds, splits = args[5], args[-1]
+    _, tasks = kernels.step_tasks(2, layer_kinds, *(args[NAMES.index(n)] for n in (
+        "down_weight", "k_cache", "in_proj_weight", "conv_weight", "ssm_states", "num_heads")), splits)
+    need = 3 * sum(map(sum, tasks))
+    for wrong in (torch.zeros(need, dtype=torch.int32), torch.zeros(need - 1, dtype=torch.int64)):
+        decode_layers.timeline = wrong
+        try:
+            with pytest.raises(ValueError, match=f"must be an int64 tensor of at least {need} elements on cpu"):
+                torch.ops.qwen.decode_hybrid_layers(*args)
+        finally:
+            decode_layers.timeline = None
 
 
 # Qwen3.5's layers with awkward sizes: hidden 48, 6 value heads over 2 key heads, partial rotary
