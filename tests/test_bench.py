@@ -293,22 +293,61 @@ def test_serve_client_against_the_servers_on_cpu(server, words_checkpoint, tmp_p
 def test_decode_layers_phase_table_reads_a_synthetic_timeline():
     """bench.decode_layers --timeline's arithmetic on stamps whose answer is known: each phase's
     tasks start when the phase before ends, wait 0.5 us, then compute 1 us (the second task 2 us)."""
-    from bench.decode_layers import phase_table
+    from bench.decode_layers import PHASE_NAMES, phase_table
 
-    counts, layers, t = [2, 1, 1, 2, 1], 4, 0.0
-    stamps = torch.zeros(layers, sum(counts), 3, dtype=torch.int64)
-    for layer in range(layers):
-        i = 0
-        for n in counts:
-            for k in range(n):
-                stamps[layer, i] = torch.tensor([t, t + 0.5, t + 1.5 + k]) * 1000
-                i += 1
-            t += 1.5 + (n - 1)
+    counts, layers = [2, 1, 1, 2, 1], 4
+    stamps, t = _synthetic_timeline([counts] * layers)
+    lines = phase_table(stamps, [(None, PHASE_NAMES, counts)] * layers)
+    assert lines[0] == f"timeline: 7 tasks a layer {counts}, kernel span {t:.1f} us"
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in phase_table(stamps, counts) if line.startswith("| ") and "---" not in line}
+            for line in lines if line.startswith("| ") and "---" not in line}
     assert rows["qkv"] == ["2.50", "1.00", "2.00", "0.50", "0.00"]
     assert rows["attn"] == ["1.50", "1.00", "1.00", "0.50", "0.00"]
     assert rows["layer"][0] == f"{t / layers:.2f}"
+
+
+def _synthetic_timeline(layers: list, slow_waits: int = 0) -> tuple:
+    """(stamps [tasks, 3] ns, their end in us) of layers' phases (each a list of task counts): each
+    phase's tasks start when the phase before ends, wait 0.5 us (5 us in the first `slow_waits`
+    layers), then compute 1 us (task k: 1 + k us)."""
+    rows, t = [], 0.0
+    for layer, counts in enumerate(layers):
+        wait = 5.0 if layer < slow_waits else 0.5
+        for n in counts:
+            rows += [[t, t + wait, t + wait + 1 + k] for k in range(n)]
+            t += wait + n
+    return (torch.tensor(rows, dtype=torch.float64) * 1000).long(), t
+
+
+def test_decode_layers_phase_table_reads_a_synthetic_hybrid_timeline():
+    """bench.decode_layers --model qwen3.5 --timeline's arithmetic: one table per layer kind, of
+    that kind's phases, the medians over its layers from the third on (the first two wait 5 us,
+    the others 0.5): a phase of n tasks spans 0.5 + n us, computes 1 .. n us, its last task ready
+    0.5 us after the phase before ends."""
+    from bench.decode_layers import HYBRID_PHASES, phase_table
+    from csrc_free_ops.decode_hybrid_layers import ATTENTION as A, GATED_DELTANET as G
+
+    counts = {G: [1, 2, 1, 3, 1, 1], A: [2, 1, 1, 1, 2]}
+    kinds = [G, A, G, G, A, G]
+    stamps, t = _synthetic_timeline([counts[k] for k in kinds], slow_waits=2)
+    lines = phase_table(stamps, [(*HYBRID_PHASES[k], counts[k]) for k in kinds])
+    assert lines[0] == f"timeline: kernel span {t:.1f} us"
+    assert "Gated DeltaNet layers: 9 tasks a layer [1, 2, 1, 3, 1, 1]" in lines
+    assert "gated attention layers: 7 tasks a layer [2, 1, 1, 1, 2]" in lines
+    rows, kind = {}, None
+    for line in lines:
+        if " layers: " in line:
+            kind = line.split(" layers: ")[0]
+        elif line.startswith("| ") and "---" not in line and "phase" not in line:
+            rows[kind, line.split("|")[1].strip()] = [c.strip() for c in line.split("|")[2:-1]]
+    assert [name for k, name in rows if k == "Gated DeltaNet"] == ["in_proj", "conv", "delta", "out", "gate_up",
+                                                                  "down", "layer"]
+    assert rows["Gated DeltaNet", "out"] == ["3.50", "2.00", "3.00", "0.50", "0.00"]
+    assert rows["Gated DeltaNet", "conv"] == ["2.50", "1.00", "2.00", "0.50", "0.00"]
+    assert rows["Gated DeltaNet", "layer"][0] == "12.00"
+    assert rows["gated attention", "qkv"] == ["2.50", "1.00", "2.00", "0.50", "0.00"]
+    assert rows["gated attention", "down"] == ["2.50", "1.00", "2.00", "0.50", "0.00"]
+    assert rows["gated attention", "layer"][0] == "9.50"
 
 
 def test_engine_decode_timing_counts_the_decode_steps_it_times():
