@@ -4,6 +4,10 @@ through the fused decode ops.
 
 On the CPU interpreter one program runs every task in order (its waits are met as it reaches
 them); on CUDA the grid is every co-resident program and the waits are real."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,7 +15,8 @@ import qwen_ops
 from csrc_free_ops import decode_hybrid_layers as kernels
 from csrc_free_ops import decode_layers
 from csrc_free_ops.decode_layers import error_flag
-from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, assert_persistent_decode_matches_ops, randn
+from tests.helpers import (DEVICES, DTYPES, REL_TOL, ROOT, assert_close, assert_persistent_decode_matches_ops,
+                           randn)
 
 A, G = kernels.ATTENTION, kernels.GATED_DELTANET
 
@@ -165,6 +170,41 @@ def test_decode_hybrid_layers_timeline_must_fit_the_step():
                 torch.ops.qwen.decode_hybrid_layers(*args)
         finally:
             decode_layers.timeline = None
+
+
+TIMELINE_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from csrc_free_ops import decode_hybrid_layers as hybrid
+
+kernel = hybrid._decode_hybrid_layers_kernel
+names = kernel.fn.arg_names
+const = dict(H=32, I=24, HQ=2, HK=1, D=16, ROT=8, HKL=1, HV=2, DK=16, DV=16, K=4, BLOCK_M=2, RQ=16, RO=8, RP=16, RC=32,
+             BV=16, RW=8, RG=8, RD=8, S=2, BLOCK_T=16, HEADROOM=8.0, P_SCALE=2.0 ** -8, SPIN_LIMIT=hybrid.SPIN_LIMIT)
+pointers = dict(pos_ptr="*i64", slot_ptr="*i64", seqlens_ptr="*i32", bt_ptr="*i32", plan_ptr="*i32", cnt_ptr="*i32",
+                err_ptr="*i32", tl_ptr="*i64", state_ptr="*fp32", po_ptr="*fp32", plse_ptr="*fp32")
+floats = {"eps", "offset", "log2_theta", "qk_scale", "dk_scale"}
+for timeline in (False, True):
+    c = dict(const, TIMELINE=timeline)
+    sig = {n: "constexpr" if n in c else pointers.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n in floats
+           else "i32" for n in names}
+    src = ASTSource(kernel.fn, sig, {(names.index(n),): v for n, v in c.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1)).asm["ptx"]
+    print(timeline, ptx.count("%globaltimer"))
+"""
+
+
+def test_timeline_compiles_for_hopper():
+    """No GPU needed: the hybrid kernel compiled for sm_90 (small shapes) with TIMELINE reads
+    %globaltimer (the start, the waits and the end of a task: `_now` cannot run under the
+    interpreter), and without it not at all."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-c", TIMELINE_PTX], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    counts = dict(line.split() for line in out.stdout.splitlines())
+    assert out.returncode == 0 and counts["False"] == "0" and int(counts["True"]) >= 3, out.stdout + out.stderr
 
 
 # Qwen3.5's layers with awkward sizes: hidden 48, 6 value heads over 2 key heads, partial rotary
