@@ -258,18 +258,23 @@ class AttentionLayer(DecoderLayer):
         c = self.config
         lead, Hq, Hk, D = x.shape[:-1], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         fused = context is not None and context.fused
-        if fused:  # q after its norm and RoPE, k and v stored
+        gate = None
+        if fused:
             k_pool, v_pool = context.entry
             qg = ops.norm_qkv_rope_store(x, self.input_norm, self.qkv_weight, self.qkv_bias, self.q_norm, self.k_norm,
                                          k_pool, v_pool, positions, context.batch.slot_mapping, c.rms_norm_eps,
                                          c.norm_offset, c.rope_theta, c.rotary_dim, Hq, c.attn_output_gate,
                                          self.qkv_weight_scale_inv)
+            q = qg[..., :D]
+            gate = qg[..., D:] if c.attn_output_gate else None
         else:
             qkv, residual = self._project_in(x, residual, "qkv_weight", self.qkv_bias, False)
             Q = c.q_size  # Hq * D, or Hq * 2D with the output gate
-            qg = qkv[..., :Q].view(*lead, Hq, Q // Hq)
-        q, gate = qg[..., :D], (qg[..., D:] if c.attn_output_gate else None)  # per head [query | gate]
-        if not fused:
+            if c.attn_output_gate:
+                qg = qkv[..., :Q].view(*lead, Hq, 2 * D)  # per head [query | gate]
+                q, gate = qg[..., :D], qg[..., D:]
+            else:
+                q = qkv[..., :Q].view(*lead, Hq, D)
             k = qkv[..., Q : Q + Hk * D].view(*lead, Hk, D)
             v = qkv[..., Q + Hk * D :].view(*lead, Hk, D)
             q, k = ops.rope(q, k, positions, c.rope_theta, c.rotary_dim, self.q_norm, self.k_norm, c.rms_norm_eps,
