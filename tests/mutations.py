@@ -238,8 +238,8 @@ MUTATIONS = [
     Mutation("LLM.generate reads a dict prompt's keys as text", "modeling/api/llm.py",
              "        if isinstance(prompts, (str, Mapping)):\n            given = [prompts]",
              "        if isinstance(prompts, str):\n            given = [prompts]", ("tests/test_llm.py",)),
-    Mutation("a seeded request's other completions sample with its seed", "modeling/api/llm.py",
-             "seed=choice_seed(params.seed, i), prompt_logprobs=None", "seed=params.seed, prompt_logprobs=None",
+    Mutation("a seeded request's other completions sample with its seed", "modeling/engine/sampling_params.py",
+             "seed=choice_seed(params.seed, i),", "seed=params.seed,",
              ("tests/test_llm.py",)),
     Mutation("a stop string leaves its sequence running in the engine", "modeling/api/llm.py",
              "                    if seq.status is not Status.FINISHED:  # a stop string: the engine does not know\n"
