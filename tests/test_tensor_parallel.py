@@ -12,7 +12,6 @@ agreement with the references is the op tests'), and rank 0 runs the one-device 
 import math
 import os
 import signal
-import time
 from collections import Counter
 from dataclasses import replace
 from contextlib import contextmanager
@@ -226,18 +225,6 @@ def _rank(rank: int, init_method: str, paths: dict, out: str) -> None:
         dist.destroy_process_group()
 
 
-def join_ranks(context, seconds: float = 300) -> None:
-    """Wait for the ranks of ``context`` (``mp.start_processes``); kill them and fail after
-    ``seconds``: a hang guard (a gloo collective waiting on a dead peer has no timeout here), far
-    above their run time on a loaded machine, not a timing check."""
-    deadline = time.monotonic() + seconds
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail(f"the ranks did not finish in {seconds:g} s")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from tests.test_modeling import random_hf_model, save_checkpoint  # transformers: here, not in the ranks
@@ -255,9 +242,8 @@ def two_ranks(checkpoints, tmp_path_factory):
     out = str(root / "results.pt")
     with mock.patch.dict(os.environ):
         os.environ.pop("TRITON_INTERPRET", None)  # the ranks run the references
-        context = mp.start_processes(_rank, (f"file://{root / 'init'}", checkpoints, out), nprocs=WORLD,
-                                     join=False, start_method="spawn")
-    join_ranks(context)
+        # join: returns when both finish; a rank that fails ends the other and raises here
+        mp.start_processes(_rank, (f"file://{root / 'init'}", checkpoints, out), nprocs=WORLD, start_method="spawn")
     return torch.load(out)
 
 
@@ -444,8 +430,7 @@ def test_every_rank_sizes_its_pool_from_the_fullest_device(tmp_path):
     which the workers build too), or None when a rank cannot tell. Two ranks, three cases in turn."""
     cases = [([5 << 30, 3 << 30], 3 << 30), ([2 << 30, 7 << 30], 2 << 30), ([4 << 30, None], None)]
     frees = [free for free, _ in cases]
-    context = mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", frees, str(tmp_path / "least")),
-                                 nprocs=2, join=False, start_method="spawn")
-    join_ranks(context)
+    mp.start_processes(_free_rank, (f"file://{tmp_path / 'init'}", frees, str(tmp_path / "least")), nprocs=2,
+                       start_method="spawn")
     expected = [least for _, least in cases]
     assert [torch.load(tmp_path / f"least.{rank}") for rank in range(2)] == [expected] * 2
