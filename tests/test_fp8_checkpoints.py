@@ -144,15 +144,18 @@ def test_reference_path_dequantises_and_matches_transformers_exactly(tmp_path, f
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_fp8_kernels_match_the_quantised_oracle(tmp_path, family, device):
-    """fp32 activations, so the kernel and the oracle quantise the same values. On the GPU the FP8
-    tensor cores sum each block's products with fewer bits than fp32 (the op alone is ~1e-4 from
-    its reference, tests/test_ops_fp8.py), and each layer quantises its activations again: a value
-    moved across an e4m3 rounding boundary moves a whole step (1/16 to 1/8). Perturbing every FP8
-    linear's output of the oracle by 1e-4 (relative, random) moves these models' logits 4.9e-2
-    (Qwen3) and 4.5e-2 (Qwen3.5) and flips argmaxes at gaps up to 1.8% of the largest logit, which is
-    what the GPU measured (4.9e-2, 4.5e-2): there the bounds are 0.1 and 5%, still far below a
-    wrong weight or scale's (about 1)."""
-    bound, tie = (2e-2, 1e-3) if device == "cpu" else (0.1, 5e-2)
+    """fp32 activations, so the kernel and the oracle quantise the same values up to the order of
+    fp32 sums, which differs between the oracle's BLAS and the interpreter (and between CPUs): a
+    value on an e4m3 rounding boundary moves a whole step, so on the CPU the logits differ by about
+    1e-2 (relative) and an argmax flipped at a gap of 0.4% of the largest logit on one machine
+    (bounds 2e-2 and 1%). On the GPU the FP8 tensor cores sum each block's products with fewer bits
+    than fp32 (the op alone is ~1e-4 from its reference, tests/test_ops_fp8.py), and each layer
+    quantises its activations again: a value moved across an e4m3 rounding boundary moves a whole
+    step (1/16 to 1/8). Perturbing every FP8 linear's output of the oracle by 1e-4 (relative,
+    random) moves these models' logits 4.9e-2 (Qwen3) and 4.5e-2 (Qwen3.5) and flips argmaxes at
+    gaps up to 1.8% of the largest logit, which is what the GPU measured (4.9e-2, 4.5e-2): there the
+    bounds are 0.1 and 5%, still far below a wrong weight or scale's (about 1)."""
+    bound, tie = (2e-2, 1e-2) if device == "cpu" else (0.1, 5e-2)
     hf = random_hf(family)
     quantised = write_fp8_checkpoint(hf, tmp_path, scale_dtype=torch.bfloat16)
     model = QwenForCausalLM.from_pretrained(tmp_path, device=device, dtype=torch.float32)
