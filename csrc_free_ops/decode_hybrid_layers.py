@@ -121,9 +121,9 @@ def _decode_hybrid_layers_kernel(
         if j < n_mix:
             if deltanet:
                 if j < N_P:
-                    done = _qkv_task(x_in, in_norm_ptr + layer * H, in_w_ptr + idx * (NP * H), in_w_ptr, proj_ptr,
-                                     cnt_ptr, err_ptr, j * RP, M, ph, N_DN, done, eps, offset, NP, H, False, BLOCK_M,
-                                     RP, SPIN_LIMIT, stamp, TIMELINE)
+                    done = _qkv_task(x_in, in_norm_ptr + layer * H, in_w_ptr + idx * (NP * H), in_w_ptr, in_w_ptr,
+                                     proj_ptr, cnt_ptr, err_ptr, j * RP, M, ph, N_DN, done, eps, offset, NP, H, False,
+                                     BLOCK_M, RP, False, SPIN_LIMIT, stamp, TIMELINE)
                 elif j < N_P + N_C:
                     done = _conv_task(proj_ptr, conv_w_ptr + idx * (C * K), conv_ptr + idx * P * (C * (K - 1)),
                                       slot_ptr, seqlens_ptr, y_ptr, cnt_ptr, err_ptr, (j - N_P) * RC, M, P, ph, N_P,
@@ -143,8 +143,8 @@ def _decode_hybrid_layers_kernel(
             else:
                 if j < N_QKV:
                     done = _qkv_task(x_in, in_norm_ptr + layer * H, qkv_w_ptr + idx * (NQKV * H), qkv_w_ptr,
-                                     qkv_ptr, cnt_ptr, err_ptr, j * RQ, M, ph, N_DN, done, eps, offset, NQKV, H,
-                                     False, BLOCK_M, RQ, SPIN_LIMIT, stamp, TIMELINE)
+                                     qkv_w_ptr, qkv_ptr, cnt_ptr, err_ptr, j * RQ, M, ph, N_DN, done, eps, offset,
+                                     NQKV, H, False, BLOCK_M, RQ, False, SPIN_LIMIT, stamp, TIMELINE)
                 elif j < N_QKV + n_attn:
                     a_id = j - N_QKV  # (m, g, s), s fastest
                     done = _attention_task(qkv_ptr, qn_ptr + idx * D, kn_ptr + idx * D, pos_ptr, seqlens_ptr,
@@ -155,17 +155,18 @@ def _decode_hybrid_layers_kernel(
                                            eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, True, True, S,
                                            BLOCK_T, HEADROOM, P_SCALE, SPIN_LIMIT, stamp, TIMELINE)
                 else:
-                    done = _residual_task(attn_ptr, o_w_ptr + idx * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,
-                                          (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M, RO,
-                                          SPIN_LIMIT, stamp, TIMELINE)
+                    done = _residual_task(attn_ptr, o_w_ptr + idx * (H * HO), o_w_ptr, x_in, h_ptr, cnt_ptr,
+                                          err_ptr, (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M,
+                                          RO, False, SPIN_LIMIT, stamp, TIMELINE)
         elif j < n_mix + N_GU:
             done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H),
-                                 act_ptr, cnt_ptr, err_ptr, (j - n_mix) * RG, M, mph, tl.where(deltanet, N_W, N_O),
-                                 done, eps, offset, I, H, BLOCK_M, RG, SPIN_LIMIT, stamp, TIMELINE)
+                                 gu_w_ptr, act_ptr, cnt_ptr, err_ptr, (j - n_mix) * RG, M, mph,
+                                 tl.where(deltanet, N_W, N_O), done, eps, offset, I, H, BLOCK_M, RG, False, SPIN_LIMIT,
+                                 stamp, TIMELINE)
         else:
-            done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
-                                  err_ptr, (j - n_mix - N_GU) * RD, M, mph + 1, N_GU, done, H, I, BLOCK_M, RD,
-                                  SPIN_LIMIT, stamp, TIMELINE)
+            done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), down_w_ptr, h_ptr, out_ptr,
+                                  cnt_ptr, err_ptr, (j - n_mix - N_GU) * RD, M, mph + 1, N_GU, done, H, I, BLOCK_M, RD,
+                                  False, SPIN_LIMIT, stamp, TIMELINE)
         _stamp(stamp + 2, TIMELINE)
 
 

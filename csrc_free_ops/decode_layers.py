@@ -41,6 +41,12 @@ tile's loads go out together, before the wait. Every GEMV is elementwise product
 fp32 (M = 1..8 rows: no tensor-core tile would be full); attention uses tl.dot over a 16-row block
 of the group's heads.
 
+FP8 weights (the four linear weights float8_e4m3fn with their stacked block scales
+`*_weight_scale_inv` [NL, cdiv(N, 128), cdiv(K, 128)], Qwen's block format: csrc_free_ops/fp8.py):
+a tile is read as stored, [rows, K / 128, 128], with its rows' scales, both before the wait; its
+GEMV sums each 128-wide group of K in fp32 and scales it by its block's scale, the weight-only
+product of `fp8_block_linear` and the fused decode ops (x is never quantised).
+
 Under the interpreter programs run one after another, so a spin-wait on a later program would
 never end: P = 1 there, and that program meets every dependency in task order.
 """
@@ -50,7 +56,7 @@ import os
 import torch
 import triton.language as tl
 
-from .common import (INTERPRET, LOG2E, cdiv, cuda_properties, device_buffer, fp32, kernel, next_power_of_2,
+from .common import (_FP8_BLOCK, INTERPRET, LOG2E, cdiv, cuda_properties, device_buffer, fp32, kernel, next_power_of_2,
                      softmax_headroom)
 from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task, _stamp
 
@@ -92,11 +98,11 @@ def timeline_stamps(tasks: int, device: torch.device):
 def _decode_layers_kernel(
     x_ptr, out_ptr, pos_ptr, seqlens_ptr, bt_ptr,
     in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gu_w_ptr, down_w_ptr,
-    kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
+    qkv_s_ptr, o_s_ptr, gu_s_ptr, down_s_ptr, kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
     M, NL, stride_bt, stride_kl, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
     eps, offset, log2_theta, qk_scale,
     H: tl.constexpr, I: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr,
     RQ: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr, S: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     TIMELINE: tl.constexpr,
@@ -108,6 +114,11 @@ def _decode_layers_kernel(
     N_O: tl.constexpr = (H + RO - 1) // RO
     N_GU: tl.constexpr = (I + RG - 1) // RG
     N_DN: tl.constexpr = (H + RD - 1) // RD
+    B: tl.constexpr = _FP8_BLOCK  # a layer's FP8 block scales of each weight: SQ, SO, SG, SD
+    SQ: tl.constexpr = ((NQKV + B - 1) // B) * ((H + B - 1) // B)
+    SO: tl.constexpr = ((H + B - 1) // B) * ((HO + B - 1) // B)
+    SG: tl.constexpr = ((2 * I + B - 1) // B) * ((H + B - 1) // B)
+    SD: tl.constexpr = ((H + B - 1) // B) * ((I + B - 1) // B)
     n_attn = M * HK * S
     per_layer = N_QKV + n_attn + N_O + N_GU + N_DN
     arr_base = cnt_ptr + NL * PHASES
@@ -124,8 +135,9 @@ def _decode_layers_kernel(
             x_in = out_ptr
         if j < N_QKV:
             done = _qkv_task(x_in, in_norm_ptr + layer * H, qkv_w_ptr + layer.to(tl.int64) * (NQKV * H),
-                             qkv_b_ptr + layer * NQKV, qkv_ptr, cnt_ptr, err_ptr, j * RQ, M, ph, N_DN, done, eps,
-                             offset, NQKV, H, HAS_BIAS, BLOCK_M, RQ, SPIN_LIMIT, stamp, TIMELINE)
+                             qkv_s_ptr + layer * SQ, qkv_b_ptr + layer * NQKV, qkv_ptr, cnt_ptr, err_ptr, j * RQ, M,
+                             ph, N_DN, done, eps, offset, NQKV, H, HAS_BIAS, BLOCK_M, RQ, FP8, SPIN_LIMIT, stamp,
+                             TIMELINE)
         elif j < N_QKV + n_attn:
             a_id = j - N_QKV  # (m, g, s), s fastest
             done = _attention_task(qkv_ptr, qn_ptr + layer * D, kn_ptr + layer * D, pos_ptr, seqlens_ptr, bt_ptr,
@@ -136,17 +148,17 @@ def _decode_layers_kernel(
                                    eps, offset, log2_theta, qk_scale, HQ, HK, D, ROT, HAS_QK_NORM, False, S, BLOCK_T,
                                    HEADROOM, P_SCALE, SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn + N_O:
-            done = _residual_task(attn_ptr, o_w_ptr + layer.to(tl.int64) * (H * HO), x_in, h_ptr, cnt_ptr, err_ptr,
-                                  (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO, BLOCK_M, RO,
-                                  SPIN_LIMIT, stamp, TIMELINE)
+            done = _residual_task(attn_ptr, o_w_ptr + layer.to(tl.int64) * (H * HO), o_s_ptr + layer * SO, x_in,
+                                  h_ptr, cnt_ptr, err_ptr, (j - N_QKV - n_attn) * RO, M, ph + 1, M * HK, done, H, HO,
+                                  BLOCK_M, RO, FP8, SPIN_LIMIT, stamp, TIMELINE)
         elif j < N_QKV + n_attn + N_O + N_GU:
-            done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H), act_ptr,
-                                 cnt_ptr, err_ptr, (j - N_QKV - n_attn - N_O) * RG, M, ph + 2, N_O, done, eps,
-                                 offset, I, H, BLOCK_M, RG, SPIN_LIMIT, stamp, TIMELINE)
+            done = _gate_up_task(h_ptr, post_norm_ptr + layer * H, gu_w_ptr + layer.to(tl.int64) * (2 * I * H),
+                                 gu_s_ptr + layer * SG, act_ptr, cnt_ptr, err_ptr, (j - N_QKV - n_attn - N_O) * RG, M,
+                                 ph + 2, N_O, done, eps, offset, I, H, BLOCK_M, RG, FP8, SPIN_LIMIT, stamp, TIMELINE)
         else:
-            done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), h_ptr, out_ptr, cnt_ptr,
-                                  err_ptr, (j - N_QKV - n_attn - N_O - N_GU) * RD, M, ph + 3, N_GU, done, H, I,
-                                  BLOCK_M, RD, SPIN_LIMIT, stamp, TIMELINE)
+            done = _residual_task(act_ptr, down_w_ptr + layer.to(tl.int64) * (H * I), down_s_ptr + layer * SD, h_ptr,
+                                  out_ptr, cnt_ptr, err_ptr, (j - N_QKV - n_attn - N_O - N_GU) * RD, M, ph + 3, N_GU,
+                                  done, H, I, BLOCK_M, RD, FP8, SPIN_LIMIT, stamp, TIMELINE)
         _stamp(stamp + 2, TIMELINE)
 
 
@@ -195,7 +207,8 @@ def programs(compiled, device: torch.device) -> int:
 
 def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias, q_norm, k_norm,
                   o_weight, post_norm, gate_up_weight, down_weight, k_cache, v_cache, eps: float, offset: float,
-                  theta: float, rotary_dim: int, num_heads: int, num_splits: int):
+                  theta: float, rotary_dim: int, num_heads: int, num_splits: int, qkv_weight_scale_inv=None,
+                  o_weight_scale_inv=None, gate_up_weight_scale_inv=None, down_weight_scale_inv=None):
     m, h = x.shape
     nl, nqkv, _ = qkv_weight.shape
     _, nb, bs, hk, d = k_cache.shape
@@ -217,15 +230,16 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
     headroom = softmax_headroom(k_cache.dtype)
     rq, ro, rg, rd = tile_plan(nqkv, h, num_heads * d, inter, size)
     stamps = timeline_stamps(nl * sum(phase_tasks(m, nqkv, h, num_heads * d, inter, hk, num_splits, size)), dev)
+    scales = (qkv_weight_scale_inv, o_weight_scale_inv, gate_up_weight_scale_inv, down_weight_scale_inv)
     args = (x, out, positions, cache_seqlens, block_table, input_norm, qkv_weight,
             qkv_bias if qkv_bias is not None else qkv_weight, q_norm if q_norm is not None else input_norm,
             k_norm if k_norm is not None else input_norm, o_weight, post_norm, gate_up_weight, down_weight,
-            k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
+            *(s if s is not None else input_norm for s in scales), k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
             stamps if stamps is not None else counters,
             m, nl, block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E)
     meta = dict(H=h, I=inter, HQ=num_heads, HK=hk, D=d, ROT=rotary_dim, HAS_BIAS=qkv_bias is not None,
-                HAS_QK_NORM=q_norm is not None, BLOCK_M=next_power_of_2(m),
+                HAS_QK_NORM=q_norm is not None, FP8=qkv_weight_scale_inv is not None, BLOCK_M=next_power_of_2(m),
                 RQ=rq, RO=ro, RG=rg, RD=rd, S=num_splits,
                 BLOCK_T=BLOCK_T, HEADROOM=headroom, P_SCALE=2.0 ** -headroom, SPIN_LIMIT=SPIN_LIMIT,
                 TIMELINE=stamps is not None,

@@ -12,6 +12,9 @@ of cached keys and values) before it waits on the phase before.
     _residual_task  out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T)  (o_proj and down)
     _gate_up_task   act[m, rows] = silu(g) * u of rms_norm(h[m]) @ w^T's gate and up rows
 
+With FP8 the GEMV tasks read float8_e4m3fn weight tiles and their block scales (`_tile_scales`),
+K in groups of one scale block (`_k_offsets`).
+
 A task counts itself in on its phase's completion counter (`_finish`: a barrier, then a release
 add); a wait (`_wait`) polls the counter of the phase it depends on with acquire loads, and gives
 up after SPIN_LIMIT polls by setting the device's error flag. Activations are read with `.cg`
@@ -21,7 +24,7 @@ up after SPIN_LIMIT polls by setting the device's error flag. Activations are re
 import triton
 import triton.language as tl
 
-from .common import arrive, dot, head_block, head_mask
+from .common import _FP8_BLOCK, arrive, dot, head_block, head_mask
 from .rope import rotary_cos_sin
 
 
@@ -63,38 +66,78 @@ def _finish(cnt_ptr, phase):
 
 
 @triton.jit
-def _weight_tile(w_ptr, row0, N, K, stride_n, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """weight[row0:row0 + ROWS, :K] as [ROWS, BLOCK_K], zero outside [N, K]."""
-    rn = row0 + tl.arange(0, ROWS)
-    rk = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_n + rk[None, :],
-                   mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+def _k_offsets(BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """The offsets of a row's K: [BLOCK_K]; FP8: [G, GS], one scale block of K a group (GS = 128,
+    or BLOCK_K where K fits one block)."""
+    if FP8:
+        GS: tl.constexpr = min(_FP8_BLOCK, BLOCK_K)
+        rk = tl.arange(0, BLOCK_K // GS)[:, None] * GS + tl.arange(0, GS)[None, :]
+    else:
+        rk = tl.arange(0, BLOCK_K)
+    return rk
 
 
 @triton.jit
-def _row(ptr, K, BLOCK_K: tl.constexpr):
-    """An activation row [BLOCK_K] in fp32 (zero past K), read through L2."""
-    rk = tl.arange(0, BLOCK_K)
+def _weight_tile(w_ptr, row0, N, K, stride_n, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """weight[row0:row0 + ROWS, :K], zero outside [N, K]: [ROWS, BLOCK_K]; FP8: [ROWS, G, GS] (K in
+    the groups of `_k_offsets`), float8_e4m3fn as stored."""
+    rn = row0 + tl.arange(0, ROWS)
+    rk = _k_offsets(BLOCK_K, FP8)
+    if FP8:
+        ptrs = w_ptr + rn[:, None, None].to(tl.int64) * stride_n + rk[None, :, :]
+        mask = (rn[:, None, None] < N) & (rk[None, :, :] < K)
+    else:
+        ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_n + rk[None, :]
+        mask = (rn[:, None] < N) & (rk[None, :] < K)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_scales(sw_ptr, rows, N, K: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """FP8: the fp32 block scales [ROWS, G] of weight rows `rows` (sw [cdiv(N, 128), cdiv(K, 128)],
+    contiguous), zero past N and past K's blocks; else sw_ptr itself (nothing loaded)."""
+    scales = sw_ptr
+    if FP8:  # one return after the branch: the compiler would type-check a return in each
+        SK: tl.constexpr = (K + _FP8_BLOCK - 1) // _FP8_BLOCK
+        g = tl.arange(0, BLOCK_K // min(_FP8_BLOCK, BLOCK_K))
+        scales = tl.load(sw_ptr + (rows // _FP8_BLOCK)[:, None] * SK + g[None, :],
+                         mask=(rows < N)[:, None] & (g < SK)[None, :], other=0.0).to(tl.float32)
+    return scales
+
+
+@triton.jit
+def _row(ptr, K, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """An activation row in fp32 (zero past K), read through L2: [BLOCK_K]; FP8: [G, GS]."""
+    rk = _k_offsets(BLOCK_K, FP8)
     return tl.load(ptr + rk, mask=rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
-def _normed_row(ptr, nw_ptr, K, eps, offset, w_dtype: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(a, rstd) of rms_norm(x) = rstd * a: a = x * (norm weight + offset), rounded to the weight
-    dtype for bf16 weights as fused_decode's main loop rounds it (fp16 and fp32 keep it fp32)."""
-    x = _row(ptr, K, BLOCK_K)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-    rk = tl.arange(0, BLOCK_K)
+def _normed_row(ptr, nw_ptr, K, eps, offset, dtype: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+    """(a, rstd) of rms_norm(x) = rstd * a: a = x * (norm weight + offset), rounded to x's dtype
+    where it is bf16 as fused_decode's main loop rounds it (fp16 and fp32 keep it fp32); shaped as
+    `_row`."""
+    x = _row(ptr, K, BLOCK_K, FP8)
+    squares = tl.sum(x * x, axis=0)
+    if FP8:
+        squares = tl.sum(squares, axis=0)
+    rstd = tl.rsqrt(squares / K + eps)
+    rk = _k_offsets(BLOCK_K, FP8)
     a = x * (tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32) + offset)
-    if w_dtype == tl.bfloat16:
+    if dtype == tl.bfloat16:
         a = a.to(tl.bfloat16).to(tl.float32)
     return a, rstd
 
 
 @triton.jit
-def _gemv(w, a):
-    """w [ROWS, BLOCK_K] (registers) times a [BLOCK_K] fp32 -> [ROWS] fp32."""
-    return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+def _gemv(w, a, scales, FP8: tl.constexpr):
+    """w (a `_weight_tile`, registers) times a (a `_row`) -> [ROWS] fp32; FP8: each group's sum
+    times its block's scale (`_tile_scales`), the weight-only product of fp8_block_linear."""
+    if FP8:
+        y = tl.sum(tl.sum(w.to(tl.float32) * a[None, :, :], axis=2) * scales, axis=1)
+    else:
+        y = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    return y
 
 
 @triton.jit
@@ -125,19 +168,20 @@ def _head(ptr, nw_ptr, rows, cols, ok, pos, eps, offset, log2_theta, HAS_NORM: t
 
 
 @triton.jit
-def _qkv_task(x_ptr, nw_ptr, w_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
-              N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-              SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+def _qkv_task(x_ptr, nw_ptr, w_ptr, sw_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps,
+              offset, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+              ROWS: tl.constexpr, FP8: tl.constexpr, SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """qkv[m, row0:row0 + ROWS] = rms_norm(x[m]) @ w[rows]^T (+ bias), rounded, for every row m;
-    the weight tile is loaded before the wait for phase - 1 (the layer before)."""
+    the weight tile (FP8: and its scales, sw) is loaded before the wait for phase - 1 (the layer before)."""
     BK: tl.constexpr = triton.next_power_of_2(K)
-    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
+    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK, FP8)
+    scales = _tile_scales(sw_ptr, rn, N, K, BK, FP8)
+    done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     for m in tl.static_range(BLOCK_M):
         if m < M:
-            a, rstd = _normed_row(x_ptr + m * K, nw_ptr, K, eps, offset, w_ptr.dtype.element_ty, BK)
-            y = _gemv(w, a) * rstd
+            a, rstd = _normed_row(x_ptr + m * K, nw_ptr, K, eps, offset, x_ptr.dtype.element_ty, BK, FP8)
+            y = _gemv(w, a, scales, FP8) * rstd
             if HAS_BIAS:
                 y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             tl.store(qkv_ptr + m * N + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < N)
@@ -146,19 +190,20 @@ def _qkv_task(x_ptr, nw_ptr, w_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, row0, M, p
 
 
 @triton.jit
-def _residual_task(a_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, N: tl.constexpr,
-                   K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-                   stamp_ptr, TIMELINE: tl.constexpr):
-    """out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T) (o_proj and down): the weight tile is
-    loaded before the wait for `phase`; counts itself in on phase + 1."""
+def _residual_task(a_ptr, w_ptr, sw_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done,
+                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
+                   SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
+    """out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T) (o_proj and down): the weight tile (FP8:
+    and its scales) is loaded before the wait for `phase`; counts itself in on phase + 1."""
     BK: tl.constexpr = triton.next_power_of_2(K)
-    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
+    w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK, FP8)
+    scales = _tile_scales(sw_ptr, rn, N, K, BK, FP8)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     dtype = out_ptr.dtype.element_ty
     for m in tl.static_range(BLOCK_M):
         if m < M:
-            y = _rounded(_gemv(w, _row(a_ptr + m * K, K, BK)), dtype)
+            y = _rounded(_gemv(w, _row(a_ptr + m * K, K, BK, FP8), scales, FP8), dtype)
             y += tl.load(res_ptr + m * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(out_ptr + m * N + rn, y.to(dtype), mask=rn < N)
     _finish(cnt_ptr, phase + 1)
@@ -166,22 +211,25 @@ def _residual_task(a_ptr, w_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row0, M, ph
 
 
 @triton.jit
-def _gate_up_task(h_ptr, nw_ptr, w_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
-                  I: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+def _gate_up_task(h_ptr, nw_ptr, w_ptr, sw_ptr, act_ptr, cnt_ptr, err_ptr, row0, M, phase, target, done, eps, offset,
+                  I: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
                   SPIN_LIMIT: tl.constexpr, stamp_ptr, TIMELINE: tl.constexpr):
     """act[m, rows] = silu(g) * u with g, u = rows and I + rows of rms_norm(h[m]) @ w^T, rounded
-    as norm_gate_up_silu rounds them; the two weight tiles are loaded before the wait for `phase`."""
+    as norm_gate_up_silu rounds them; the two weight tiles (FP8: and their scales, rows of the
+    whole [2I, K] weight's) are loaded before the wait for `phase`."""
     BK: tl.constexpr = triton.next_power_of_2(K)
-    wg = _weight_tile(w_ptr, row0, I, K, K, ROWS, BK)
-    wu = _weight_tile(w_ptr + I * K, row0, I, K, K, ROWS, BK)
-    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     rn = row0 + tl.arange(0, ROWS)
+    wg = _weight_tile(w_ptr, row0, I, K, K, ROWS, BK, FP8)
+    wu = _weight_tile(w_ptr + I * K, row0, I, K, K, ROWS, BK, FP8)
+    sg = _tile_scales(sw_ptr, rn, I, K, BK, FP8)
+    su = _tile_scales(sw_ptr, I + rn, 2 * I, K, BK, FP8)
+    done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     dtype = act_ptr.dtype.element_ty
     for m in tl.static_range(BLOCK_M):
         if m < M:
-            a, rstd = _normed_row(h_ptr + m * K, nw_ptr, K, eps, offset, w_ptr.dtype.element_ty, BK)
-            gate = _rounded(_gemv(wg, a) * rstd, dtype)
-            up = _rounded(_gemv(wu, a) * rstd, dtype)
+            a, rstd = _normed_row(h_ptr + m * K, nw_ptr, K, eps, offset, h_ptr.dtype.element_ty, BK, FP8)
+            gate = _rounded(_gemv(wg, a, sg, FP8) * rstd, dtype)
+            up = _rounded(_gemv(wu, a, su, FP8) * rstd, dtype)
             tl.store(act_ptr + m * I + rn, (gate * tl.sigmoid(gate) * up).to(dtype), mask=rn < I)
     _finish(cnt_ptr, phase + 1)
     return done

@@ -3,7 +3,9 @@ decode step, in one persistent kernel (csrc_free_ops/decode_layers.py).
 
     decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias,
                   q_norm, k_norm, o_weight, post_norm, gate_up_weight, down_weight, k_cache, v_cache,
-                  eps, offset, theta, rotary_dim, num_heads, num_splits) -> x after the last layer
+                  eps, offset, theta, rotary_dim, num_heads, num_splits, qkv_weight_scale_inv=None,
+                  o_weight_scale_inv=None, gate_up_weight_scale_inv=None, down_weight_scale_inv=None)
+        -> x after the last layer
 
 x [M, H]: the new token of each of M <= 8 sequences (M = 0: nothing to do) (the embeddings); positions [M] int32/int64 its
 position; cache_seqlens [M] int32 the cached positions including it; the paged cache k_cache,
@@ -13,7 +15,11 @@ layer; a contiguous [NL, B, L, Hk, D] cache is NB = B, BS = L, block_table[m] = 
 are the layers' stacked [NL, ...]: input_norm, post_norm [NL, H]; qkv_weight [NL, (Hq + 2Hk) D, H],
 qkv_bias [NL, (Hq + 2Hk) D] or None; q_norm, k_norm [NL, D] or None (both or neither); o_weight
 [NL, H, Hq D]; gate_up_weight [NL, 2I, H]; down_weight [NL, H, I]. num_splits (>= 1) splits each
-(sequence, kv head)'s attention; the result does not depend on it beyond fp32 rounding.
+(sequence, kv head)'s attention; the result does not depend on it beyond fp32 rounding. FP8
+weights: the four linear weights float8_e4m3fn, each with its stacked block scales
+``<name>_scale_inv`` [NL, cdiv(N, 128), cdiv(K, 128)] fp32 or bf16 (all four or none; Qwen's
+block format, ``fp8_block_linear``), on a GPU of compute capability 8.9 or newer; the math is
+the fused decode ops' over the dequantised weights (x is never quantised).
 
 By definition, per layer l (the reference composes the ops' references):
 
@@ -34,13 +40,14 @@ import torch
 from torch import Tensor
 
 from csrc_free_ops import decode_layers as kernels
+from csrc_free_ops.common import cdiv
 from csrc_free_ops.decode_layers import MAX_ROWS
 from csrc_free_ops.decode_layers import default_splits as decode_layers_splits  # noqa: F401  (exported)
 
 from .checks import check_float, check_head_dim, check_index, check_same, fail
-from .fused_decode import linear_residual_reference, norm_gate_up_silu_reference, reserve_semaphores
-from .linear import linear_reference
-from .norm import rms_norm_reference
+from .fp8 import BLOCK as FP8_BLOCK, SCALE_DTYPES, check_fp8_device
+from .fused_decode import (linear_residual_reference, norm_gate_up_silu_reference, norm_linear_reference,
+                           reserve_semaphores)
 from .paged_attention import kv_cache_store_slots_reference, paged_attention_reference
 from .registry import define
 from .rope import rope_reference
@@ -51,6 +58,8 @@ def decode_layers_reference(
     qkv_bias: Optional[Tensor], q_norm: Optional[Tensor], k_norm: Optional[Tensor], o_weight: Tensor,
     post_norm: Tensor, gate_up_weight: Tensor, down_weight: Tensor, k_cache: Tensor, v_cache: Tensor, eps: float,
     offset: float, theta: float, rotary_dim: int, num_heads: int, num_splits: int = 1,
+    qkv_weight_scale_inv: Optional[Tensor] = None, o_weight_scale_inv: Optional[Tensor] = None,
+    gate_up_weight_scale_inv: Optional[Tensor] = None, down_weight_scale_inv: Optional[Tensor] = None,
 ) -> Tensor:
     m = x.shape[0]
     bs, hk, d = k_cache.shape[2:]
@@ -61,9 +70,11 @@ def decode_layers_reference(
     slots = torch.where(reach, blocks * bs + pos % bs, -1)
     cu = torch.arange(m + 1, dtype=torch.int32, device=x.device)
     q_rows = num_heads * d
+    scales = (qkv_weight_scale_inv, o_weight_scale_inv, gate_up_weight_scale_inv, down_weight_scale_inv)
     for layer in range(qkv_weight.shape[0]):
         bias = qkv_bias[layer] if qkv_bias is not None else None
-        qkv = linear_reference(rms_norm_reference(x, input_norm[layer], eps, offset), qkv_weight[layer], bias)
+        s_qkv, s_o, s_gu, s_down = (t[layer] if t is not None else None for t in scales)
+        qkv = norm_linear_reference(x, input_norm[layer], qkv_weight[layer], bias, eps, offset, s_qkv)
         q = qkv[:, :q_rows].reshape(m, 1, num_heads, d)
         k = qkv[:, q_rows:q_rows + hk * d].reshape(m, 1, hk, d)
         v = qkv[:, q_rows + hk * d:].reshape(m, hk, d)
@@ -72,9 +83,9 @@ def decode_layers_reference(
         kv_cache_store_slots_reference(k[:, 0], v, k_cache[layer], v_cache[layer], slots)
         o = paged_attention_reference(q[:, 0], k_cache[layer], v_cache[layer], cu, cache_seqlens, block_table,
                                       d ** -0.5, 1)
-        x = linear_residual_reference(o.reshape(m, q_rows), o_weight[layer], x)
-        h = norm_gate_up_silu_reference(x, post_norm[layer], gate_up_weight[layer], eps, offset)
-        x = linear_residual_reference(h, down_weight[layer], x)
+        x = linear_residual_reference(o.reshape(m, q_rows), o_weight[layer], x, s_o)
+        h = norm_gate_up_silu_reference(x, post_norm[layer], gate_up_weight[layer], eps, offset, s_gu)
+        x = linear_residual_reference(h, down_weight[layer], x, s_down)
     return x
 
 
@@ -136,26 +147,64 @@ def check_step(op: str, m: int, positions: Tensor, cache_seqlens: Tensor, block_
                  f"{tuple(block_table.shape)}")
 
 
+LINEAR_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+"""The linear weights of a layer, in the order of their optional ``*_scale_inv`` arguments (FP8)."""
+
+
+def check_fp8_stacks(op: str, x: Tensor, weights: dict, scales: dict) -> None:
+    """All or none of the weights' FP8 scales (``scales``: weight name -> its ``<name>_scale_inv``
+    or None): with them, each weight [NL, N, K] is float8_e4m3fn, its scales [NL, cdiv(N, 128),
+    cdiv(K, 128)] fp32 or bf16, contiguous, on x's device, and x's GPU takes FP8."""
+    given = [name for name, t in scales.items() if t is not None]
+    if given and len(given) != len(scales):
+        fail(op, f"give the FP8 scales of all of {', '.join(scales)} (the *_scale_inv arguments), or none; "
+                 f"got {', '.join(n + '_scale_inv' for n in given)}")
+    if not given:
+        return
+    check_fp8_device(op, x)
+    for name, t in scales.items():
+        w = weights[name]
+        if w.dtype != torch.float8_e4m3fn:
+            fail(op, f"{name} must be float8_e4m3fn where {name}_scale_inv is given, got {w.dtype}")
+        shape = (w.shape[0], cdiv(w.shape[1], FP8_BLOCK), cdiv(w.shape[2], FP8_BLOCK))
+        if t.dtype not in SCALE_DTYPES or tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
+            fail(op, f"{name}_scale_inv must be float32 or bfloat16, contiguous, with shape {shape} on {x.device} "
+                     f"(a block scale of {name} per {FP8_BLOCK} x {FP8_BLOCK}), got {t.dtype} {tuple(t.shape)} "
+                     f"on {t.device}")
+
+
 def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv_bias, q_norm, k_norm, o_weight,
            post_norm, gate_up_weight, down_weight, k_cache, v_cache, eps, offset, theta, rotary_dim, num_heads,
-           num_splits=1):
+           num_splits=1, qkv_weight_scale_inv=None, o_weight_scale_inv=None, gate_up_weight_scale_inv=None,
+           down_weight_scale_inv=None):
     op = "decode_layers"
     m, hidden = check_rows(op, x)
-    check_same(op, "x", x, input_norm=input_norm, qkv_weight=qkv_weight, qkv_bias=qkv_bias, q_norm=q_norm,
-               k_norm=k_norm, o_weight=o_weight, post_norm=post_norm, gate_up_weight=gate_up_weight,
-               down_weight=down_weight, k_cache=k_cache, v_cache=v_cache, positions=positions,
-               cache_seqlens=cache_seqlens, block_table=block_table)
+    weights = dict(zip(LINEAR_WEIGHTS, (qkv_weight, o_weight, gate_up_weight, down_weight)))
+    check_fp8_stacks(op, x, weights, dict(zip(LINEAR_WEIGHTS, (qkv_weight_scale_inv, o_weight_scale_inv,
+                                                                gate_up_weight_scale_inv, down_weight_scale_inv))))
+    fp8 = qkv_weight_scale_inv is not None
+    check_same(op, "x", x, input_norm=input_norm, qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+               post_norm=post_norm, k_cache=k_cache, v_cache=v_cache, positions=positions,
+               cache_seqlens=cache_seqlens, block_table=block_table,
+               **({name: w for name, w in weights.items() if not fp8}))
     hk, d = check_kv_caches(op, k_cache, v_cache, "NL", None, num_heads)
     nl = k_cache.shape[0]
     if nl == 0:
         fail(op, "the model has no layers (k_cache's dim 0 is 0)")
     nqkv = (num_heads + 2 * hk) * d
     inter = down_weight.shape[-1] if down_weight.dim() == 3 else 0
-    check_stacked(op, {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
-                       "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
-                       "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
-                       "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)),
-                       "down_weight": (down_weight, (nl, hidden, inter))})
+    stacked = {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
+               "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
+               "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
+               "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)),
+               "down_weight": (down_weight, (nl, hidden, inter))}
+    if fp8:  # their dtype is checked above; here their shapes and layout
+        for name in LINEAR_WEIGHTS:
+            w, shape = stacked.pop(name)
+            if tuple(w.shape) != shape or not w.is_contiguous() or w.device != x.device:
+                fail(op, f"{name} must be contiguous with shape {shape} (layers stacked) on {x.device}, got "
+                         f"{tuple(w.shape)} on {w.device}")
+    check_stacked(op, stacked)
     if inter == 0:
         fail(op, "down_weight's intermediate size is 0")
     if (q_norm is None) != (k_norm is None):

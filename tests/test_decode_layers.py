@@ -70,6 +70,26 @@ def test_decode_layers_bias_no_qk_norm(device):
     _check(tuple(args), torch.float32, device, f"{case} bias")
 
 
+def _fp8(args: tuple) -> tuple:
+    """``_args`` with the four linear weights in Qwen's FP8 block format, their scales appended."""
+    args, scales = list(args), []
+    for i in (5, 9, 11, 12):  # qkv, o, gate_up, down
+        parts = [qwen_ops.quantize_weight_fp8_block(w) for w in args[i]]
+        args[i] = torch.stack([w for w, _ in parts])
+        scales.append(torch.stack([s for _, s in parts]))
+    return tuple(args + scales)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_layers_fp8(device):
+    """FP8 weights: on the CPU K of 160 and 136 (two scale blocks, the last partial) and 40 rows
+    of o_proj's K (one block, narrower than 128); Qwen3-0.6B's layer on CUDA."""
+    case = (2, 160, 4, 2, 48, 136, 2, 16, 2) if device == "cpu" else CASES["cuda"][0]
+    for splits in (1, 3):
+        _check(_fp8(_args(*case, torch.bfloat16, device, splits=splits)), torch.bfloat16, device,
+               f"{case} fp8 S{splits}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_layers_reaches_every_position(device):
     """A row writes its new key and value only at a position below its length and within the

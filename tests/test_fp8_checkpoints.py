@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwe
 
 import qwen_ops
 from modeling import LLM, Engine, QwenForCausalLM, SamplingParams
+from modeling.engine.runner import decode_kernels
 from modeling.model import fp8
 from modeling.model.config import ConfigError
 from modeling.model.loader import CheckpointError
@@ -208,17 +210,20 @@ FUSED_SIZES = {"qwen3": SMALL | dict(num_hidden_layers=1), "qwen3_5": SMALL | di
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_fused_decode_on_fp8_weights(tmp_path, family):
     """An FP8 model's decode steps of one sequence take the fused decode ops over its FP8 weights
-    (Qwen3.5: the Gated DeltaNet in_proj's unquantised b and a rows through a second norm_linear),
-    and the persistent kernel is refused: greedy tokens equal to the op-by-op FP8 step's except
-    after a near-tie (the two tokens' op-by-op logits within 1e-4 of the row's largest), the logits
-    within 1e-5 (fp32) up to there."""
+    (Qwen3.5: the Gated DeltaNet in_proj's unquantised b and a rows through a second norm_linear)
+    by default; asked for, Qwen3's take the persistent kernel's FP8 tiles, and Qwen3.5's hybrid
+    kernel is refused. Greedy tokens equal to the op-by-op FP8 step's except after a near-tie (the
+    two tokens' op-by-op logits within 1e-4 of the row's largest), the logits within 1e-5 (fp32) up
+    to there."""
     write_fp8_checkpoint(random_hf(family, **FUSED_SIZES[family]), tmp_path)
     model = QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    assert model.holds_fp8 and model.supports_fused_decode and not model.supports_persistent_decode
+    assert model.holds_fp8 and model.supports_fused_decode
+    assert model.supports_persistent_decode == (family == "qwen3")
     assert all(getattr(layer, name).dtype == torch.float8_e4m3fn for layer in model.layers
                for name in layer.linear_weights(False))
-    with pytest.raises(ValueError, match="decode_kernels='persistent' needs .*not FP8"):
-        Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="persistent")
+    if family == "qwen3_5":
+        with pytest.raises(ValueError, match="decode_kernels='persistent' needs .*FP8 weights in Qwen3 and Qwen2 only"):
+            Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="persistent")
     engine = Engine(model, max_num_seqs=1, max_model_len=8)
     assert engine.runner.decode_kernels(1) == "fused"
     ids = prompt(1, 3, 128)[0].tolist()
@@ -227,6 +232,24 @@ def test_fused_decode_on_fp8_weights(tmp_path, family):
     assert all(qwen_ops.kernel_calls[op] > before[op] for op in FUSED_DECODE_OPS), "a fused decode op did not run"
     ops = greedy_logits(Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="ops"), ids, 3)
     assert_same_greedy_but_near_ties(fused, ops, rel_tol=1e-5, tie=1e-4)
+    if family == "qwen3":
+        calls = qwen_ops.kernel_calls["decode_layers"]
+        persistent = greedy_logits(Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="persistent"), ids, 3)
+        assert qwen_ops.kernel_calls["decode_layers"] > calls, "the persistent kernel did not run"
+        assert_same_greedy_but_near_ties(persistent, ops, rel_tol=1e-5, tie=1e-4)
+
+
+def test_decode_kernel_table_keeps_fp8_models_off_the_persistent_kernel():
+    """``runner.decode_kernels``' table on CUDA: one sequence of a Qwen3 model takes the persistent
+    kernel, of the same model in FP8 the fused ops (the persistent kernel's FP8 tiles are not
+    measured against them yet), at most 4096 positions; two sequences op by op."""
+    def model(fp8):
+        return SimpleNamespace(supports_fused_decode=True, supports_persistent_decode=True, holds_fp8=fp8,
+                               device=torch.device("cuda"))
+    assert decode_kernels(model(False), 1, 4096) == "persistent"
+    assert decode_kernels(model(True), 1, 4096) == "fused"
+    assert decode_kernels(model(False), 1, 8192) == "fused"
+    assert decode_kernels(model(True), 2, 4096) == "ops"
 
 
 def test_quantization_fp8_at_load(tmp_path):

@@ -65,14 +65,15 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     A mixture-of-experts or tensor-parallel model decodes op by op (``supports_fused_decode``: the
     fused ops fold the dense MLP only and sum no partial outputs over ranks). An FP8 model takes the
     fused ops, which read its FP8 weights and scales, where a bf16 one would take the persistent
-    kernel (weights in the model's dtype only); that choice is not measured yet: the fused FP8
-    GEMVs read the weight bytes of the op-by-op FP8 GEMVs, in fewer launches. Qwen3.5's hybrid
+    kernel: the persistent kernel's FP8 tiles (``decode_kernels="persistent"``) are not measured
+    against them yet. Qwen3.5's hybrid
     persistent kernel (``decode_hybrid_layers``) runs only where asked for (``decode_kernels=
     "persistent"``): it is not measured against the others yet.
     """
     if num_seqs > 1 or not model.supports_fused_decode:
         return "ops"
-    if model.supports_persistent_decode and model.device.type == "cuda" and max_model_len <= PERSISTENT_MAX_LEN:
+    if model.supports_persistent_decode and not model.holds_fp8 and model.device.type == "cuda" and \
+            max_model_len <= PERSISTENT_MAX_LEN:
         return "persistent"
     return "fused"
 
@@ -99,7 +100,7 @@ class StepRunner:
         if kernels == "persistent" and not persistent:
             raise ValueError("decode_kernels='persistent' needs a model of attention layers without an output gate "
                              "(Qwen3, Qwen2) or of Gated DeltaNet and gated attention layers (Qwen3.5), with dense "
-                             "MLPs and weights in the model's dtype, on one device (not FP8, not tensor-parallel)")
+                             "MLPs, on one device (not tensor-parallel; FP8 weights in Qwen3 and Qwen2 only)")
         if kernels == "fused" and not model.supports_fused_decode:
             raise ValueError("decode_kernels='fused' needs dense MLPs, the model on one device and, in FP8 weights, "
                              "unquantised rows only in a Gated DeltaNet in_proj: a mixture-of-experts or "

@@ -32,9 +32,11 @@ from .tensor_parallel import SINGLE, TensorParallel
 ops = torch.ops.qwen
 
 STACKED = ((None, ("input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "post_norm",
-                   "gate_up_weight", "down_weight")),)
+                   "gate_up_weight", "down_weight", "qkv_weight_scale_inv", "o_weight_scale_inv",
+                   "gate_up_weight_scale_inv", "down_weight_scale_inv")),)
 """The layer weights the persistent decode kernel reads (``ops.decode_layers``), in its arguments'
-order, each stacked over the layers [NL, ...] (the format of ``HYBRID_STACKED``)."""
+order (the FP8 scales, None without them, last: after num_splits), each stacked over the layers
+[NL, ...] (the format of ``HYBRID_STACKED``)."""
 
 HYBRID_STACKED = ((None, ("input_norm", "post_norm", "gate_up_weight", "down_weight")),
                   (AttentionLayer, ("qkv_weight", "q_norm", "k_norm", "o_weight")),
@@ -74,9 +76,14 @@ class QwenForCausalLM(nn.Module):
     def supports_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the persistent kernel (``ops.decode_layers``):
         attention layers only, without an output gate, with dense MLPs (Qwen3, Qwen2), every weight
-        in the model's dtype (not FP8), on one device (not tensor-parallel)."""
-        return (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
-                and self.supports_fused_decode and not self.holds_fp8)
+        in the model's dtype or every layer's four linear weights FP8, on one device (not
+        tensor-parallel)."""
+        if not (all(isinstance(layer, AttentionLayer) for layer in self.layers) and not self.config.attn_output_gate
+                and self.supports_fused_decode):
+            return False
+        scaled = [getattr(layer, name + "_scale_inv") is not None
+                  for layer in self.layers for name in layer.linear_weights(False)]
+        return all(scaled) or not self.holds_fp8
 
     @property
     def supports_hybrid_persistent_decode(self) -> bool:
@@ -116,9 +123,10 @@ class QwenForCausalLM(nn.Module):
             x, pool = F.embedding(input_ids, self.embed_tokens), context.pool
             splits = qwen_ops.decode_layers_splits(batch.block_table.shape[1] * pool.kv[0].shape[2], input_ids.shape[0])
             if self._kinds is None:
-                x = ops.decode_layers(x, batch.positions, batch.seq_lens, batch.block_table, *self._stacks, *pool.kv,
+                s = self._stacks
+                x = ops.decode_layers(x, batch.positions, batch.seq_lens, batch.block_table, *s[:9], *pool.kv,
                                       c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
-                                      splits)
+                                      splits, *s[9:])
             else:
                 s = self._stacks
                 x = ops.decode_hybrid_layers(x, batch.positions, batch.seq_lens, batch.block_table, batch.state_slots,
@@ -159,8 +167,8 @@ class QwenForCausalLM(nn.Module):
                   for kind, names in table for name in names]
         if not (self.supports_persistent_decode or self.supports_hybrid_persistent_decode):
             raise ValueError("the persistent decode kernels take attention layers without an output gate (Qwen3, "
-                             "Qwen2) or Qwen3.5's Gated DeltaNet and gated attention layers, with dense MLPs and "
-                             "weights in the model's dtype")
+                             "Qwen2; FP8 weights too) or Qwen3.5's Gated DeltaNet and gated attention layers (weights "
+                             "in the model's dtype), with dense MLPs")
         if any(p.requires_grad for p in self.parameters()):
             raise ValueError("stack_layer_weights is for inference models: a parameter requires grad")
         if self._stacks is not None and all(t is None or getattr(layers[-1], name).data_ptr() == t[-1].data_ptr()

@@ -14,7 +14,9 @@ FP8 weight as it is (``qwen::norm_linear``, ``linear_residual``, ``norm_gate_up_
 ``norm_qkv_rope_store``); a tail takes a second ``norm_linear`` (``norm_linear`` here: the Gated
 DeltaNet in_proj, the one weight Qwen's checkpoints keep partly unquantised). A layer with a tail
 on any other weight decodes op by op (``DecoderLayer.supports_fused_decode``). The persistent
-decode kernel takes weights in the model's dtype only: FP8 models never run it.
+decode kernel (``qwen::decode_layers``) takes a Qwen3 or Qwen2 model whose every layer holds its
+four linear weights in FP8, their scales stacked over the layers, when asked for
+(``decode_kernels="persistent"``); Qwen3.5's hybrid kernel takes weights in the model's dtype only.
 
 A mixture-of-experts layer's experts X [E, N, K] (``SparseMoeBlock.EXPERT_WEIGHTS``) stay FP8 there
 too, expert by expert in the same format: X float8_e4m3fn, ``X_scale_inv`` [E, cdiv(N, 128),
