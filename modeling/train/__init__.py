@@ -58,19 +58,18 @@ its starting point before anything else (a fresh run: step 0, before the step-0 
 continues with ``--resume`` to the weights of a run without a stop. ``OUT/.train.lock`` (an
 ``fcntl.flock``) keeps a second run out of a directory that one is writing.
 
-The package: ``data`` (text, dialogue, tokenizer, validation windows), ``model_init`` (config,
-initialisation, Hugging Face names, dropout), ``trainer`` (``Trainer``, ``Evaluator``, ``lr_at``),
-``files`` (safe writes, the resume state read back), ``plot``, ``constants`` and ``cli`` (``main``, the output
-directory's lock, the stop signals). The names below are what its callers and tests use.
+The package: ``trainer`` (``Trainer``, ``Evaluator``, ``lr_at``; the data, the model's config,
+initialisation and Hugging Face names, dropout, safe writes, the names the modules share), ``plot``
+and ``cli`` (``main``, the output directory's lock, the stop signals). The names below are what its
+callers and tests use.
 """
 
 from .cli import OutLock, StopSignals, check_args, main, parse_args, prepare
-from .constants import (DATA_FILE, GENERATION_DEFAULTS, LOCK_FILE, LOG_FILE, MODEL_FILES, PLOT_FILE, STATE_FILE,
-                        UsageError)
-from .data import bits_per_char, dialogue_chat, eval_batches, eval_windows, speeches, split_text, train_tokenizer
-from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, model_config_dict
 from .plot import plot
-from .trainer import Evaluator, Trainer, lr_at
+from .trainer import (DATA_FILE, GENERATION_DEFAULTS, LOCK_FILE, LOG_FILE, MODEL_FILES, PLOT_FILE, STATE_FILE, Evaluator,
+                      Trainer, UsageError, attach_dropout, bits_per_char, build_model, count_parameters, dialogue_chat,
+                      eval_batches, eval_windows, hf_tensors, lr_at, model_config_dict, speeches, split_text,
+                      train_tokenizer)
 
 __all__ = ["DATA_FILE", "GENERATION_DEFAULTS", "LOCK_FILE", "LOG_FILE", "MODEL_FILES", "PLOT_FILE", "STATE_FILE",
            "Evaluator", "OutLock", "StopSignals", "Trainer", "UsageError", "attach_dropout", "bits_per_char",
