@@ -262,7 +262,7 @@ def test_bad_templates_and_messages(tmp_path, tokenizer_file):
     with pytest.raises(ChatTemplateError, match="must be a string"):
         ChatTemplate.from_pretrained(path)
     (path / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(ChatTemplateError, match="cannot read tokenizer_config.json"):
+    with pytest.raises(ChatTemplateError, match="unreadable tokenizer_config.json"):
         ChatTemplate.from_pretrained(path)
     t = ChatTemplate.chatml()
     for bad in ([], "hello", [["user", "hi"]]):

@@ -29,13 +29,13 @@ template and the bound.
 unless flags override, and for ``Checkpoint.default_sampling_params``.
 """
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..common import is_int, one_line
+from ..model.files import SIDE_FILE_LIMIT, read_file, read_json
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -124,19 +124,19 @@ class ChatTemplate:
     def from_pretrained(cls, path: Union[str, Path], limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
         """The template of the checkpoint directory ``path`` (see the module docstring for the order)."""
         path = Path(path)
-        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        tokenizer_config = read_json(path / "tokenizer_config.json", ChatTemplateError, optional=True)
         special = _special_tokens(tokenizer_config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
             try:
-                source = jinja_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
+                source = read_file(jinja_file, SIDE_FILE_LIMIT, ChatTemplateError).decode("utf-8")
+            except UnicodeDecodeError as e:
                 raise ChatTemplateError(f"cannot read {jinja_file.name}: {e}") from None
             return cls(source, special, origin=jinja_file.name, limits=limits)
         template = tokenizer_config.get("chat_template")
         origin = "tokenizer_config.json"
         if template is None:
-            template = _read_json(path / "chat_template.json").get("chat_template")
+            template = read_json(path / "chat_template.json", ChatTemplateError, optional=True).get("chat_template")
             origin = "chat_template.json"
         if template is None:
             return cls.chatml(special, limits)
@@ -231,19 +231,6 @@ def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-def _read_json(path: Path) -> Dict[str, Any]:
-    """The JSON object in ``path``; {} if the file is absent; ``ChatTemplateError`` if unreadable."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ChatTemplateError(f"cannot read {path.name}: {one_line(e)}") from None
-    if not isinstance(data, dict):
-        raise ChatTemplateError(f"{path.name} is not a JSON object")
-    return data
-
-
 def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
     """``bos_token``, ``eos_token``, ... of tokenizer_config.json (a string or an AddedToken dict
     with ``content``); unset ones are left out, so a template sees them undefined."""
@@ -294,7 +281,7 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     ``ValueError`` naming the field for a value that is out of range.
     """
     path = Path(path)
-    config = _read_json(path / "generation_config.json") if path.is_dir() else _read_json(path)
+    config = read_json(path / "generation_config.json" if path.is_dir() else path, ChatTemplateError, optional=True)
     max_new = config.get("max_new_tokens")
     if max_new is not None and (not is_int(max_new) or max_new < 1):
         raise ValueError(f"generation_config.json: max_new_tokens must be an integer >= 1, got {max_new!r}")
