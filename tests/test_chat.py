@@ -635,5 +635,5 @@ def test_generation_defaults(tmp_path):
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])
 def test_generation_defaults_bad_values(tmp_path, fields, field):
-    with pytest.raises(ValueError, match=f"generation_config.json: {field} must be"):
+    with pytest.raises(ValueError, match=f"generation_config.json: {field} must "):
         generation_defaults(write_generation_config(tmp_path, **fields))
