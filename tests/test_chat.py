@@ -262,7 +262,7 @@ def test_bad_templates_and_messages(tmp_path, tokenizer_file):
     with pytest.raises(ChatTemplateError, match="must be a string"):
         ChatTemplate.from_pretrained(path)
     (path / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(ChatTemplateError, match="cannot read tokenizer_config.json"):
+    with pytest.raises(ChatTemplateError, match="unreadable tokenizer_config.json"):
         ChatTemplate.from_pretrained(path)
     t = ChatTemplate.chatml()
     for bad in ([], "hello", [["user", "hi"]]):
@@ -635,5 +635,5 @@ def test_generation_defaults(tmp_path):
     (dict(max_new_tokens=0), "max_new_tokens"),
 ])
 def test_generation_defaults_bad_values(tmp_path, fields, field):
-    with pytest.raises(ValueError, match=f"generation_config.json: {field} must be"):
+    with pytest.raises(ValueError, match=f"generation_config.json: {field} must "):
         generation_defaults(write_generation_config(tmp_path, **fields))

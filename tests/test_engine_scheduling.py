@@ -225,9 +225,6 @@ def test_scheduler_refuses_what_can_never_fit():
     sch = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="needs 5 KV blocks; the pool has 4"):
         sch.add(seq(15, max_tokens=5))
-    unchunked = Scheduler(BlockManager(64, 4), 2, 8, StateSlots(2), chunked_prefill=False)
-    with pytest.raises(ValueError, match="not chunked"):
-        unchunked.add(seq(9))
 
 
 def test_state_slots_are_held_while_running_and_given_back():

@@ -29,13 +29,13 @@ template and the bound.
 unless flags override, and for ``Checkpoint.default_sampling_params``.
 """
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..common import is_int, one_line
+from ..common import one_line
+from ..model.files import SIDE_FILE_LIMIT, read_file, read_json
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -124,19 +124,19 @@ class ChatTemplate:
     def from_pretrained(cls, path: Union[str, Path], limits: RenderLimits = RenderLimits()) -> "ChatTemplate":
         """The template of the checkpoint directory ``path`` (see the module docstring for the order)."""
         path = Path(path)
-        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        tokenizer_config = read_json(path / "tokenizer_config.json", ChatTemplateError, optional=True)
         special = _special_tokens(tokenizer_config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
             try:
-                source = jinja_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
+                source = read_file(jinja_file, SIDE_FILE_LIMIT, ChatTemplateError).decode("utf-8")
+            except UnicodeDecodeError as e:
                 raise ChatTemplateError(f"cannot read {jinja_file.name}: {e}") from None
             return cls(source, special, origin=jinja_file.name, limits=limits)
         template = tokenizer_config.get("chat_template")
         origin = "tokenizer_config.json"
         if template is None:
-            template = _read_json(path / "chat_template.json").get("chat_template")
+            template = read_json(path / "chat_template.json", ChatTemplateError, optional=True).get("chat_template")
             origin = "chat_template.json"
         if template is None:
             return cls.chatml(special, limits)
@@ -169,7 +169,7 @@ class ChatTemplate:
         source = self.named["tool_use"] if tools is not None and "tool_use" in self.named else self.source
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
-        from .budget import LimitExceeded, bounded
+        from .sandbox import LimitExceeded, bounded
 
         try:
             with bounded(self.limits):
@@ -186,8 +186,7 @@ class ChatTemplate:
         if compiled is None:
             import jinja2
 
-            from .budget import bounded
-            from .sandbox import environment
+            from .sandbox import bounded, environment
 
             try:
                 with bounded(self.limits):
@@ -232,19 +231,6 @@ def _alias_reasoning(message: Dict[str, Any]) -> Dict[str, Any]:
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
-def _read_json(path: Path) -> Dict[str, Any]:
-    """The JSON object in ``path``; {} if the file is absent; ``ChatTemplateError`` if unreadable."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ChatTemplateError(f"cannot read {path.name}: {one_line(e)}") from None
-    if not isinstance(data, dict):
-        raise ChatTemplateError(f"{path.name} is not a JSON object")
-    return data
-
-
 def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
     """``bos_token``, ``eos_token``, ... of tokenizer_config.json (a string or an AddedToken dict
     with ``content``); unset ones are left out, so a template sees them undefined."""
@@ -280,10 +266,6 @@ class GenerationDefaults:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-# transformers' GenerationConfig defaults for a field that generation_config.json leaves out
-_HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0)
-
-
 def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     """Sampling defaults from ``path/generation_config.json`` (greedy when the file is absent).
 
@@ -292,33 +274,26 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     GenerationConfig's default (temperature 1.0, top-k 50, top-p 1.0). ``min_p`` is a sampling
     control too (taken with ``do_sample`` only; absent: off); ``repetition_penalty`` applies to
     greedy decoding as well (absent: 1.0, off). ``max_new_tokens`` is taken when present. Raises
-    ``ValueError`` naming the field for a value that is out of range.
+    ``ValueError`` naming the field for a value outside ``SamplingParams``' range for it.
     """
+    from ..engine.sampling_params import VALUE_CHECKS, in_range
+
     path = Path(path)
-    config = _read_json(path / "generation_config.json") if path.is_dir() else _read_json(path)
-    max_new = config.get("max_new_tokens")
-    if max_new is not None and (not is_int(max_new) or max_new < 1):
-        raise ValueError(f"generation_config.json: max_new_tokens must be an integer >= 1, got {max_new!r}")
-    rep = config.get("repetition_penalty")
-    rep = 1.0 if rep is None else rep
-    if not _is_number(rep) or not 0 < rep < float("inf"):
-        raise ValueError(f"generation_config.json: repetition_penalty must be a finite number > 0, got {rep!r}")
+    config = read_json(path / "generation_config.json" if path.is_dir() else path, ChatTemplateError, optional=True)
+    checks = {name: check for name, *check in VALUE_CHECKS}
+
+    def value(field: str, default: Any, name: Optional[str] = None) -> Any:
+        """The file's ``field`` (``default`` when absent or null), checked as SamplingParams' ``name``."""
+        v = config.get(field)
+        if v is None:
+            return default
+        kind, low, high, open_low, text = checks[name or field]
+        if not in_range(v, kind, low, high, open_low):
+            raise ValueError(f"generation_config.json: {field} {text}, got {v!r}")
+        return kind(v)
+
+    max_new, rep = value("max_new_tokens", None, "max_tokens"), value("repetition_penalty", 1.0)
     if not config.get("do_sample", False):
-        return GenerationDefaults(max_new_tokens=max_new, repetition_penalty=float(rep))
-    values = {k: config.get(k) if config.get(k) is not None else d for k, d in _HF_DEFAULTS.items()}
-    t, k, p = values["temperature"], values["top_k"], values["top_p"]
-    if not _is_number(t) or not 0 <= t < float("inf"):
-        raise ValueError(f"generation_config.json: temperature must be a finite number >= 0, got {t!r}")
-    if not is_int(k) or k < 0:
-        raise ValueError(f"generation_config.json: top_k must be an integer >= 0, got {k!r}")
-    if not _is_number(p) or not 0 < p <= 1:
-        raise ValueError(f"generation_config.json: top_p must be in (0, 1], got {p!r}")
-    min_p = config.get("min_p")
-    min_p = 0.0 if min_p is None else min_p
-    if not _is_number(min_p) or not 0 <= min_p <= 1:
-        raise ValueError(f"generation_config.json: min_p must be in [0, 1], got {min_p!r}")
-    return GenerationDefaults(float(t), int(k), float(p), max_new, float(rep), float(min_p))
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+        return GenerationDefaults(max_new_tokens=max_new, repetition_penalty=rep)
+    return GenerationDefaults(value("temperature", 1.0), value("top_k", 50), value("top_p", 1.0), max_new, rep,
+                              value("min_p", 0.0))

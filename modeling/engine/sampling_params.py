@@ -102,7 +102,7 @@ class SamplingParams:
     def __post_init__(self):
         values = {name: getattr(self, name) for name, *_ in VALUE_CHECKS}
         problems = [f"{name} {text}, got {values[name]!r}" for name, *check, text in VALUE_CHECKS
-                    if not ((name in OPTIONAL and values[name] is None) or _in_range(values[name], *check))]
+                    if not ((name in OPTIONAL and values[name] is None) or in_range(values[name], *check))]
         problems += self._control_errors()
         if isinstance(self.structured_outputs, Mapping):
             try:
@@ -230,7 +230,7 @@ the value must be). Each is an integer (``is_int``) or a real number (not a bool
 OPTIONAL = ("seed", "logprobs", "max_tokens", "truncate_prompt_tokens", "prompt_logprobs")
 
 
-def _in_range(value, kind: type, low, high, open_low: bool) -> bool:
+def in_range(value, kind: type, low, high, open_low: bool) -> bool:
     return ((is_int(value) if kind is int else _is_real(value)) and (low < value if open_low else low <= value)
             and value <= high)
 

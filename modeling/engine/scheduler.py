@@ -11,9 +11,6 @@ the queue, to be recomputed from its tokens (prompt and output so far) when read
 is never dropped; one that cannot fit the pool even alone is refused when it is added. A sequence
 whose prompt logprobs are still to be computed is admitted without the prefix-cache lookup
 (``prefill_logprobs``).
-
-``chunked_prefill=False`` (hybrid models whose recurrent layers continue their state through
-chunks only with the varlen kernels): a prompt is computed in one step, never cut.
 """
 
 from collections import deque
@@ -57,10 +54,9 @@ class StateSlots:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 state_slots: Optional[StateSlots] = None, chunked_prefill: bool = True):
+                 state_slots: Optional[StateSlots] = None):
         self.blocks, self.state_slots = blocks, state_slots
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.chunked_prefill = chunked_prefill
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
         self.preemptions = 0
@@ -70,9 +66,6 @@ class Scheduler:
         if need > self.blocks.num_blocks:
             raise ValueError(f"a request of {len(seq.tokens)} prompt tokens and {seq.max_tokens} new ones needs "
                              f"{need} KV blocks; the pool has {self.blocks.num_blocks}")
-        if not self.chunked_prefill and len(seq.tokens) > self.max_num_batched_tokens:
-            raise ValueError(f"a prompt of {len(seq.tokens)} tokens exceeds the step's token budget "
-                             f"({self.max_num_batched_tokens}) and this model's prompts are not chunked")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -126,8 +119,6 @@ class Scheduler:
             if seq.num_pending:  # preempted with a token still on its way to the host: next step
                 break
             prompt = seq.tokens
-            if not self.chunked_prefill and len(prompt) > budget:
-                break
             lookup = not seq.needs_prompt_logprobs  # cached positions would go unscored
             if (not self.blocks.can_allocate(prompt, seq.prefix_hashes, lookup)
                     or (self.state_slots is not None and not self.state_slots.free)):

@@ -1,49 +1,19 @@
 """QwenConfig: the architecture hyper-parameters read from a Hugging Face ``config.json``.
 
-Supported ``model_type`` values:
+docs/modeling.md ("Supported checkpoints") lists the ``model_type`` values (qwen3, qwen2, the
+Qwen3.5 and mixture-of-experts families), the fields read and their defaults, and what is refused;
+its "Qwen3.5" and "Mixture of experts" sections hold those families' specifics (zero-centred norms,
+``norm_offset`` 1.0; the sparse layers, ``config.moe_layers``). ``layer_types`` names the kind of
+each layer; the kinds this package implements are ``FAMILY_LAYER_TYPES`` (each a key of
+``modeling.model.layers.LAYER_TYPES``, which imports this module: never the other way round).
+``rope_settings`` is shared with ``modeling.model.transformers_patch``.
 
-- ``qwen3``: RMSNorm on q and k per head (``q_norm``/``k_norm``), no qkv bias.
-- ``qwen2``: bias on q, k and v, no q/k norm (Qwen2 and Qwen2.5 checkpoints).
-- ``qwen3_5_text``: Qwen3.5 (dense), the hybrid of Gated DeltaNet (``linear_attention``) and gated
-  attention (``full_attention``) layers; text-only checkpoints (``Qwen3_5ForCausalLM``, weights
-  under ``model.``).
-- ``qwen3_5``: the hub's multimodal wrapper (``Qwen3_5ForConditionalGeneration``): the text model's
-  fields under ``text_config``, its weights under ``model.language_model.``; the vision tower
-  (``model.visual.``) and the multi-token-prediction head (``mtp.``) are skipped.
-- ``qwen3_moe``, ``qwen2_moe``: qwen3 and qwen2 whose MLPs are routed experts (mixture of experts,
-  ``MOE_MODEL_TYPES``) in the layers ``decoder_sparse_step`` and ``mlp_only_layers`` name (layer i
-  is sparse unless listed in ``mlp_only_layers``, when (i + 1) % ``decoder_sparse_step`` == 0); the
-  others keep the dense MLP of ``intermediate_size``. qwen2_moe adds a shared expert behind a
-  sigmoid gate and takes its q/k/v bias from ``qkv_bias`` (default true); the router renormalises
-  the top-k weights where ``norm_topk_prob`` (default false) says so.
-- ``qwen3_5_moe_text``, ``qwen3_5_moe``: Qwen3.5 with routed experts and a gated shared expert in
-  every layer (the router always renormalises); the wrapper's ``text_config`` as for ``qwen3_5``.
-
-Qwen3.5 specifics: every RMSNorm is zero-centred (``x * rsqrt(mean(x^2) + eps) * (1 + weight)``,
-``norm_offset`` 1.0) except the Gated DeltaNet's output norm; q_proj holds per head
-``[query | gate]`` and the attention output is multiplied by sigmoid(gate); RoPE covers the first
-``partial_rotary_factor`` (default 0.25) of each head. Its M-RoPE sections (``mrope_section``)
-reduce to plain 1-D RoPE for text, where the temporal, height and width positions are equal.
-
-``layer_types`` names the kind of each layer (``config.json``'s ``layer_types``; without it every
-layer is ``full_attention`` for qwen3 / qwen2, and for Qwen3.5 layer i is ``full_attention`` when
-(i + 1) % ``full_attention_interval`` (default 4) == 0, else ``linear_attention``); the kinds this
-package implements are ``FAMILY_LAYER_TYPES`` (each a key of ``modeling.model.layers.LAYER_TYPES``, which imports
-this module: never the other way round). ``rope_settings`` is shared
-with ``modeling.model.transformers_patch``.
-
-Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers (not ``3.0``, not
-``true``) between 1 and their limit in ``MAX_SIZES`` (``MAX_SIZE`` for the others), so nothing is
-sized from an absurd value; flags are JSON booleans (the string ``"false"`` is refused, not read as
-true); ``rope_theta``, ``rms_norm_eps`` and ``partial_rotary_factor`` are finite numbers. An absent
-or null field takes its default. Everything a kernel would refuse at the first forward is refused
-here too: a head_dim the attention kernels do not take (``qwen_ops.checks.HEAD_DIMS``: multiples of 16
-up to 256), a rotary dim that is 0 or odd, Gated DeltaNet head dims (the same rule) or conv kernel
-sizes the kernels do not take.
-``quantization_config``: only Qwen's FP8 one (``FP8_QUANTIZATION``), read into ``quantization``
-"fp8" (``modeling.model.fp8``); any other is refused.
-``QwenConfig.from_pretrained`` reads config.json with ``modeling.model.files.read_json`` (a regular file
-under ``SIDE_FILE_LIMIT``) and starts each error with ``config.json:``.
+Every field is type-checked (``ConfigError`` naming it): sizes are JSON integers between 1 and
+their limit in ``MAX_SIZES`` (``MAX_SIZE`` for the others), flags JSON booleans, and ``rope_theta``,
+``rms_norm_eps`` and ``partial_rotary_factor`` finite numbers; what a kernel would refuse at the
+first forward is refused here too (head dims: ``qwen_ops.checks.HEAD_DIMS``). ``quantization_config``:
+only Qwen's FP8 one (``FP8_QUANTIZATION``), read into ``quantization`` "fp8". ``from_pretrained``
+reads config.json with ``modeling.model.files.read_json`` and starts each error with ``config.json:``.
 """
 
 import math

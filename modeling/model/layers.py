@@ -2,16 +2,10 @@
 in the engine's cache pool, and one forward.
 
 Every layer is a pre-norm block, token mixer then SwiGLU MLP (``DecoderLayer``); a kind is a
-subclass that declares its mixer:
-
-- ``init_mixer(config)``: creates the mixer's parameters;
-- ``mixer_plan(config, hf)``: for each mixer parameter, the Hugging Face tensors under the prefix
-  ``hf`` (e.g. ``"model.layers.3."``) that are concatenated along dim 0 to make it, with shapes;
-- ``mixer_splits(config, hf)``: how those tensors split over tensor-parallel ranks
-  (``modeling.model.tensor_parallel.Split``; a tensor not named is replicated);
-- ``cache_spec(config, dtype)``: the tensors it keeps in the engine's pool (``CacheSpec``);
-- ``mix(x, residual, positions, context)``: the mixer, from the residual stream to the stream
-  after it (below).
+subclass that declares its mixer: ``init_mixer``, ``mixer_plan``, ``mixer_splits``, ``cache_spec``
+and ``mix`` (docs/modeling.md, "Layer kinds"). ``mixer_plan(config, hf)`` names the Hugging Face
+tensors under the prefix ``hf`` (e.g. ``"model.layers.3."``) concatenated along dim 0 to make each
+mixer parameter, with shapes.
 
 ``forward(x, residual, positions, context)`` is the only forward. ``context`` is None for a
 training or scoring pass (x [B, T, hidden], each row a sequence from position 0, no cache) and a
@@ -25,20 +19,12 @@ The residual stream is a pair (x, residual) whose value is x + residual: op by o
 output x waits to be added into the next norm (``add_rms_norm``); fused, x is the whole stream
 and residual is None. The first layer gets (embedding, None).
 
-``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes: the model builds its
-layers and the loader its plan from it, and the config rejects any other name. Kinds:
-``full_attention`` (``AttentionLayer``: qwen3, qwen2, and Qwen3.5's gated attention) and
-``linear_attention`` (``GatedDeltaNetLayer``: Qwen3.5's Gated DeltaNet).
-
-Tensor parallelism (``modeling.model.tensor_parallel``): a layer is built from its rank's
-``TensorParallel.local_config`` (its heads and intermediate rows) and holds its rank's shards; the
-output projections (o_proj, down, out_proj) are row-parallel, each followed by
-``parallel.all_reduce``, which returns its input at world size 1. Split layers run op by op.
-
-A layer of ``config.moe_layers`` (mixture of experts) has ``mlp``, a
-``modeling.model.moe.SparseMoeBlock``, in place of the dense MLP's two weights; its plan names the
-experts as the checkpoint holds them (one by one, or fused: ``load_plan(..., fused_experts)``). It
-runs op by op: the fused decode kernels fold the dense MLP only.
+``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes (``full_attention``:
+``AttentionLayer``; ``linear_attention``: ``GatedDeltaNetLayer``). Under tensor parallelism a layer
+is built from its rank's ``TensorParallel.local_config`` and holds its rank's shards; the output
+projections are followed by ``parallel.all_reduce`` (its input at world size 1). A layer of
+``config.moe_layers`` has ``mlp``, a ``modeling.model.moe.SparseMoeBlock``, in place of the dense
+MLP's two weights (``load_plan(..., fused_experts)``: the experts as the checkpoint holds them).
 
 Shapes: hidden = config.hidden_size, Hq/Hk query/key-value heads, D head_dim, I intermediate_size.
 """

@@ -1,50 +1,29 @@
-"""Load a Hugging Face Qwen checkpoint (safetensors) into the fused layout of ``modeling.model.causal_lm``.
-
-The checkpoint is ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
-Tensors are read one at a time with ``safe_open`` and copied straight into their target
-tensor on the target device and dtype, so the host never holds a second full copy.
+"""Load a Hugging Face Qwen checkpoint (safetensors: ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``) into the fused layout of ``modeling.model.causal_lm``
+(``load_state_dict``; ``check_weights_size``; ``CheckpointError``). docs/modeling.md ("Loading",
+"FP8", "Tensor parallelism") describes the checks, the reads and what stays FP8.
 
 The plan (``load_plan``) names, for each model tensor, the checkpoint tensors concatenated along
 dim 0 to make it. Each layer's part comes from its class in ``modeling.model.layers.LAYER_TYPES``
-(``load_plan(config, "model.layers.{i}.")``); for an attention layer:
+(``load_plan(config, "model.layers.{i}.")``); names start with ``config.weights_prefix``, and those
+under ``config.skipped_weight_prefixes`` are ignored. For an attention layer:
 
 - ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
 - ``layers.{i}.qkv_bias``   [(Hq + 2*Hk) * D]         <- q_proj, k_proj, v_proj biases (qwen2)
 - ``layers.{i}.gate_up_weight`` [2 * I, hidden]       <- gate_proj, up_proj weights
 
 and for a Gated DeltaNet layer (Qwen3.5), ``layers.{i}.in_proj_weight`` <- in_proj_qkv, in_proj_z,
-in_proj_b, in_proj_a. A mixture-of-experts layer's ``layers.{i}.mlp.*`` (``modeling.model.moe``)
-come from the experts one by one (the Hub's layout: ``mlp.experts.{e}.gate_proj.weight`` ...) or
-fused (transformers 5's: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``): the
-loader takes the layout the checkpoint holds (``fused_experts``). The text model's names start
-with ``config.weights_prefix`` (``model.``, or ``model.language_model.`` in the multimodal
-wrapper); tensors under ``config.skipped_weight_prefixes`` (Qwen3.5's vision tower and MTP head)
-are ignored.
+in_proj_b, in_proj_a. A mixture-of-experts layer's experts come one by one or fused
+(``fused_experts``: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
 
-Each tensor must be floating point (F16, BF16, F32 or F64; F64 is converted down like F32) and,
-once converted to the target dtype, finite: a NaN or inf (or a value that overflows the target
-dtype) is a ``CheckpointError`` naming the tensor.
-
-FP8 checkpoints (``config.quantization`` "fp8"): a weight ``X.weight`` stored as F8_E4M3 comes with
-``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)] (fused experts ``X`` [E, N, K]: ``X_scale_inv``
-[E, cdiv(N, 128), cdiv(K, 128)]); which weights are quantised is read from the tensors present.
-Where ``modeling.model.fp8.keeps_fp8`` says so, a linear weight (``linear_targets``) whose
-quantised sources lead its plan, each but the last a whole number of 128-row blocks, stays FP8 with
-its unquantised sources as the tail; a mixture-of-experts layer's experts (``expert_targets``) stay
-FP8 [E, N, K] with scales [E, cdiv(N, 128), cdiv(K, 128)] where every source is quantised and each
-expert's sources stack so (the gate's rows a whole number of blocks: I a multiple of 128, as in
-every Qwen MoE). Any other quantised source is dequantised into the target dtype. ``quantize=True``
-quantises those weights of a bf16 / fp16 checkpoint into the same format as it loads
-(``quantization="fp8"``).
-
-Tensor parallelism (``parallel``, a ``modeling.model.tensor_parallel.TensorParallel``): each rank
-reads only its slice of every split tensor (``split_plan``: ``safe_open(...).get_slice(name)``, one
-read a section of its heads), replicated tensors whole; its model tensors are the rank's shards.
-
-Every file is opened through ``modeling.model.files`` (regular files only: a FIFO or a link to a device
-is refused without blocking). Before anything is allocated, the weights files must be large enough
-for the config's parameters at 2 bytes each (``check_weights_size``), so a config.json whose sizes
-are far off the weights is refused from the files' sizes alone.
+FP8 (``config.quantization`` "fp8"; ``quantize=True`` quantises a bf16 / fp16 checkpoint the same
+way): ``X.weight`` F8_E4M3 beside ``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)] (fused experts
+[E, N, K]: [E, cdiv(N, 128), cdiv(K, 128)]). Where ``modeling.model.fp8.keeps_fp8`` says so, a
+linear weight (``linear_targets``) whose quantised sources lead its plan, each but the last a whole
+number of 128-row blocks, stays FP8 with its unquantised sources as the tail, and experts
+(``expert_targets``) whose every source is quantised and stacks so stay FP8; any other quantised
+source is dequantised. Tensor parallelism: each rank reads only its slice of every split tensor
+(``split_plan``), replicated tensors whole.
 """
 
 import math

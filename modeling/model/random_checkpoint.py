@@ -230,20 +230,43 @@ def build_random_checkpoint(path: Union[str, Path], seed: int = 0, std: Optional
         raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
     with _lock(path):
-        _build(path, seed, std, vocab_size, sizes, tokenizer, dtype)
+        _build(path, seed, std, vocab_size, tokenizer, dtype, **sizes)
     return path
 
 
-def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any],
-           tokenizer: str = "bpe", dtype: torch.dtype = torch.float32) -> None:
-    """build_random_checkpoint's body; the caller holds the lock."""
+def _build(path: Path, seed: int = 0, std: Optional[float] = None, vocab_size: int = 512, tokenizer: str = "bpe",
+           dtype: torch.dtype = torch.float32, **sizes: Any) -> None:
+    """build_random_checkpoint's body (its defaults: ``ensure_random_checkpoint``'s checkpoint); the
+    caller holds the lock."""
     if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not _is_ours(path))):
         raise FileExistsError(f"{str(path)!r} exists and is not a random checkpoint built here; "
                               "refusing to replace it")
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     os.chmod(tmp, 0o755)
     try:
-        _write_checkpoint(tmp, seed, std, vocab_size, sizes, tokenizer, dtype)
+        fields: Dict[str, Any] = {"torch_dtype": str(dtype).removeprefix("torch.")}
+        if tokenizer == "words":
+            tok = build_word_tokenizer(vocab_size)
+            write_tokenizer_files(tmp, tok, 4096, {"eos_token": None, "pad_token": None, "unk_token": UNK_TOKEN,
+                                                   "clean_up_tokenization_spaces": False},
+                                  {"eos_token_id": None, "pad_token_id": None})
+            fields.update(bos_token_id=None, eos_token_id=None)
+        else:
+            tok = build_tokenizer(vocab_size)
+            write_tokenizer_files(tmp, tok, 4096)
+        cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **{**fields, **sizes})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        config = QwenConfig.from_dict(cfg)
+        std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
+        g = torch.Generator().manual_seed(seed)
+        tensors = {name: random_tensor(config, name, shape, std, g, dtype)
+                   for sources in load_plan(config).values() for name, shape in sources}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
+        (tmp / "README.md").write_text(
+            f"Random {family} weights written by modeling.model.random_checkpoint (seed "
+            f"{seed}, std {std:.4g}, {tokenizer} tokenizer): a test fixture, its text is gibberish.\n")
+        (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
         if path.exists():  # ours or empty: move it aside into a directory we own, then swap
             old = Path(tempfile.mkdtemp(prefix=path.name + ".old.", dir=path.parent))
             os.replace(path, old / "checkpoint")
@@ -254,35 +277,6 @@ def _build(path: Path, seed: int, std: Optional[float], vocab_size: int, sizes: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_checkpoint(tmp: Path, seed: int, std: Optional[float], vocab_size: int, sizes: Dict[str, Any],
-                      tokenizer: str, dtype: torch.dtype) -> None:
-    fields: Dict[str, Any] = {"torch_dtype": str(dtype).removeprefix("torch.")}
-    if tokenizer == "words":
-        tok = build_word_tokenizer(vocab_size)
-        write_tokenizer_files(tmp, tok, 4096, {"eos_token": None, "pad_token": None, "unk_token": UNK_TOKEN,
-                                               "clean_up_tokenization_spaces": False},
-                              {"eos_token_id": None, "pad_token_id": None})
-        fields.update(bos_token_id=None, eos_token_id=None)
-    else:
-        tok = build_tokenizer(vocab_size)
-        write_tokenizer_files(tmp, tok, 4096)
-    cfg = config_dict(tok.get_vocab_size(with_added_tokens=True), **{**fields, **sizes})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    config = QwenConfig.from_dict(cfg)
-    std = min(0.2, 2.0 / config.hidden_size**0.5) if std is None else std
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for sources in load_plan(config).values():
-        for name, shape in sources:
-            tensors[name] = random_tensor(config, name, shape, std, g, dtype)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    family = "Qwen3.5" if config.linear_conv_kernel_dim else "Qwen3"
-    (tmp / "README.md").write_text(
-        f"Random {family} weights written by modeling.model.random_checkpoint (seed "
-        f"{seed}, std {std:.4g}, {tokenizer} tokenizer): a test fixture, its text is gibberish.\n")
-    (tmp / MARKER).write_text(json.dumps({f: (tmp / f).stat().st_size for f in FILES}))
 
 
 @contextmanager
@@ -310,7 +304,7 @@ def ensure_random_checkpoint(path: Optional[Union[str, Path]] = None) -> Path:
     if not is_complete(path):
         with _lock(path):
             if not is_complete(path):
-                _build(path, 0, None, 512, {})
+                _build(path)
     return path
 
 
