@@ -20,8 +20,9 @@ reference (the same quantisation), and against the bf16 weight's product in fp32
 `--models NAME ...` (qwen3-0.6b, qwen3-8b) also times batch-1 decode through the engine
 (``bench.decode.ours_ms``: a 256-token prompt, then ``--steps`` decode steps, CUDA graphs) of a
 random bf16 checkpoint of that shape (written once under ``--checkpoints``) loaded as it is (our
-fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (the fused decode ops):
-``fp8_over_bf16_b1_<name>`` = FP8 time / bf16 time, same run.
+fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (the default: the fused
+decode ops; then the persistent kernel's FP8 tiles, ``decode_kernels="persistent"``):
+``fp8_over_bf16_b1_<name>`` and ``fp8_persistent_over_bf16_b1_<name>`` = FP8 time / bf16 time, same run.
 
 `--sweep` first times the prefill GEMM at each of SWEEP_TILES (a tile whose error against the
 reference exceeds 1e-2 is not eligible), prints the fastest per shape and records it as this GPU's
@@ -115,9 +116,12 @@ def model_decode(name: str, root: Path, steps: int) -> dict:
     for label, quantization in (("bf16", None), ("fp8", "fp8")):
         model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, quantization=quantization)
         out[f"{label}_b1_ms_per_token"] = ours_ms(model, 1, 256, steps)
+        if quantization:  # the persistent kernel's FP8 tiles, asked for
+            out["fp8_persistent_b1_ms_per_token"] = ours_ms(model, 1, 256, steps, "persistent")
         del model
         free_device_memory()
-    out["fp8_over_bf16"] = out["fp8_b1_ms_per_token"] / out["bf16_b1_ms_per_token"]
+    for label in ("fp8", "fp8_persistent"):
+        out[f"{label}_over_bf16"] = out[f"{label}_b1_ms_per_token"] / out["bf16_b1_ms_per_token"]
     return out
 
 
@@ -165,13 +169,17 @@ def main():
     lines += ["", f"fp8_gemv_over_bf16_b1_max: {result['fp8_gemv_over_bf16_b1_max']:.2f}"]
     if a.models:
         lines += ["", "## Batch-1 decode through the engine, context 256 (ms/token)", "",
-                  "| model shape | bf16 | fp8 (quantised at load) | fp8 / bf16 |", "|---|---:|---:|---:|"]
+                  "| model shape | bf16 | fp8 (quantised at load), fused ops | fp8 / bf16 | fp8, persistent kernel "
+                  "| fp8 persistent / bf16 |", "|---|---:|---:|---:|---:|---:|"]
     for name in a.models:
         row = model_decode(name, a.checkpoints, a.steps)
-        result[f"fp8_over_bf16_b1_{name.replace('-', '_').replace('.', '_')}"] = row["fp8_over_bf16"]
+        key = name.replace('-', '_').replace('.', '_')
+        result[f"fp8_over_bf16_b1_{key}"] = row["fp8_over_bf16"]
+        result[f"fp8_persistent_over_bf16_b1_{key}"] = row["fp8_persistent_over_bf16"]
         result.setdefault("models", {})[name] = row
         lines.append(f"| {name} | {row['bf16_b1_ms_per_token']:.3f} | {row['fp8_b1_ms_per_token']:.3f} | "
-                     f"{row['fp8_over_bf16']:.2f} |")
+                     f"{row['fp8_over_bf16']:.2f} | {row['fp8_persistent_b1_ms_per_token']:.3f} | "
+                     f"{row['fp8_persistent_over_bf16']:.2f} |")
     if swept:
         lines += ["", f"## Prefill GEMM tiles, {a.tokens} tokens (fastest first, us)", ""]
         result["sweep"] = {name: [dict(us=us, tiles=tiles._asdict()) for us, tiles in ranked]
