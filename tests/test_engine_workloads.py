@@ -40,9 +40,9 @@ def test_a_random_workload_gives_every_request_its_solo_tokens(config, seed):
     hybrid = config is QWEN3_5
     rng = random.Random(seed)
     requests = workload(rng, config["vocab_size"])
-    # 7 blocks of 16 positions: fewer than the running requests can need at once (preemption); a
-    # hybrid model's prompts are not chunked, so its budget holds the longest prompt
-    engine = Engine(model, num_blocks=7, max_num_batched_tokens=96 if hybrid else 24, **SETTINGS)
+    # 7 blocks of 16 positions: fewer than the running requests can need at once (preemption); 24
+    # tokens a step: longer prompts are chunked
+    engine = Engine(model, num_blocks=7, max_num_batched_tokens=24, **SETTINGS)
     seqs, step = {}, 0
     while len(seqs) < len(requests) or engine.has_work():
         for i, (arrival, prompt, max_tokens, params, _) in enumerate(requests):
