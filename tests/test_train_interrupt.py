@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from modeling import train
-from modeling.train.trainer import DATA_LIMIT
+from modeling.train.constants import DATA_LIMIT
 from tests.helpers import isolated, needs_fifo
 
 ROOT = Path(__file__).resolve().parents[1]

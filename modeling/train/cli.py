@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .constants import DATA_FILE, LOCK_FILE, LOG_FILE, MODEL_FILES, PER_INVOCATION, PLOT_FILE, PRESETS, RESUME_OVERRIDES, STATE_FILE, STOP_SIGNALS, UsageError
+from .files import read_state
+from .model_init import take_init_settings
 from .plot import plot
-from .trainer import (DATA_FILE, LOCK_FILE, LOG_FILE, MODEL_FILES, PER_INVOCATION, PLOT_FILE, PRESETS, RESUME_OVERRIDES,
-                      STATE_FILE, STOP_SIGNALS, Trainer, UsageError, read_state, take_init_settings)
+from .trainer import Trainer
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

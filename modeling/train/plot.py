@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from .trainer import LOG_FILE, PLOT_FILE, UsageError
+from .constants import LOG_FILE, PLOT_FILE, UsageError
 
 
 def plot(path: Path) -> Path:

@@ -1,338 +1,22 @@
-"""The trainer: the names ``cli`` and ``plot`` share with it (the output directory's files, the
-presets, the settings ``--init`` and ``--resume`` carry over), the data (Tiny Shakespeare split by
-characters, its speeches and dialogue as ChatML, the tokenizer, the validation windows), the model
-(config, initialisation, Hugging Face names, dropout), safe writes and the resume state read back,
-the validation loss (``Evaluator``), the schedule (``lr_at``) and the training loop (``Trainer``:
-steps, validation, saves, resume); the package doc (``modeling.train``) describes the recipe."""
+"""The training loop (``Trainer``: steps, validation, saves, resume) and its schedule (``lr_at``),
+the validation loss (``Evaluator``); the package doc (``modeling.train``) describes the recipe."""
 
 import argparse
-import json
 import math
-import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..common import one_line
+from .constants import LOG_FILE, STATE_VERSION, UsageError
+from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
+from .files import _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json, read_state
+from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
 
 if TYPE_CHECKING:
     from .cli import StopSignals
-
-
-DATA_FILE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
-DATA_LIMIT = 1 << 30
-"""Bytes --data may have (Tiny Shakespeare has 1.1 MB): the whole text, its tokens and the BPE
-training all sit in memory."""
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "generation_config.json")
-LOG_FILE = "training_log.json"
-PLOT_FILE = "loss_curve.png"
-STATE_FILE = "resume_state.pt"
-LOCK_FILE = ".train.lock"
-GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_k": 40, "top_p": 0.95}
-STATE_VERSION = 2  # 2: the state holds the best weights
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-MAX_SPEAKER = 40  # characters of a speaker line ("KING RICHARD III:")
-# --init DIR: these settings come from DIR/config.json (setting -> its config.json key)
-INIT_SETTINGS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "layers": "num_hidden_layers",
-                 "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-                 "intermediate_size": "intermediate_size", "seq_len": "max_position_embeddings",
-                 "rope_theta": "rope_theta"}
-
-# Defaults: the shipped model (about 7.2M parameters, 14.4 MB in bf16). "tiny": a CPU smoke run.
-PRESETS: Dict[str, Dict[str, Any]] = {
-    "default": dict(vocab_size=2048, hidden_size=384, layers=5, heads=6, kv_heads=2, head_dim=64,
-                    intermediate_size=768, seq_len=512, batch_size=16, epochs=50.0, eval_every=50,
-                    log_every=10, warmup_steps=100),
-    "tiny": dict(vocab_size=320, hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16,
-                 intermediate_size=64, seq_len=32, batch_size=4, steps=20, eval_every=10,
-                 log_every=1, warmup_steps=2, eval_batch_size=512, max_chars=200_000),
-}
-# On --resume every setting comes from the resume state, except these when given again ...
-RESUME_OVERRIDES = ("steps", "epochs", "max_minutes", "eval_every", "log_every", "state_every", "patience",
-                    "device", "dtype")
-# ... and these, which belong to one invocation (never taken from the state).
-PER_INVOCATION = ("stop_at", "progress", "plot_after")
-
-
-class UsageError(Exception):
-    """Bad input: printed as ``error: <message>``, exit status 2."""
-
-
-# --------------------------------------------------------------------------------------------
-# the data
-
-
-def split_text(text: str, val_fraction: float) -> Tuple[str, str]:
-    """(train, validation): the validation split is the last ``round(len * val_fraction)`` characters."""
-    n_val = round(len(text) * val_fraction)
-    if not 0 < n_val < len(text):
-        raise UsageError(f"--val-fraction {val_fraction} leaves an empty split of a {len(text)}-character text")
-    return text[:-n_val], text[-n_val:]
-
-
-def speeches(text: str) -> List[str]:
-    """The speeches of a play's text, in order: each blank-line-separated block whose first line
-    names its speaker (``NAME:``), without that line. Blocks without a speaker line (the rest of a
-    speech after a blank line) and speaker lines with nothing under them are left out."""
-    out = []
-    for block in text.split("\n\n"):
-        head, sep, body = block.strip("\n").partition("\n")
-        if sep and head.endswith(":") and len(head) <= MAX_SPEAKER and body.strip():
-            out.append(body)
-    return out
-
-
-def dialogue_chat(text: str) -> str:
-    """``text``'s dialogue as ChatML (``modeling.chat.template.format_chat``): its speeches in turn a
-    user and an assistant message, each speech the reply to the one before and each message ended
-    by ``<|im_end|>``, as ``--chat`` and ``--interactive`` put a conversation to the model."""
-    from ..chat.template import format_chat
-
-    roles = ("user", "assistant")
-    return format_chat([{"role": roles[i % 2], "content": c} for i, c in enumerate(speeches(text))],
-                       add_generation_prompt=False)
-
-
-def train_tokenizer(text: str, vocab_size: int):
-    """``random_checkpoint.build_tokenizer`` trained on ``text`` (one document): a byte-level BPE with
-    ``SPECIAL_TOKENS`` as ids 0, 1, 2 and all 256 byte symbols, so any UTF-8 text encodes."""
-    from ..model.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
-
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise UsageError(f"--vocab-size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} specials")
-    return build_tokenizer(vocab_size, [text])
-
-
-def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:
-    """Bits per character of a split: nats per token * tokens in the split / characters / ln 2."""
-    return nats_per_token * n_tokens / n_chars / math.log(2)
-
-
-# --------------------------------------------------------------------------------------------
-# validation
-
-
-def eval_windows(n_tokens: int, seq_len: int) -> List[Tuple[int, int]]:
-    """Windows (start, first counted position) of length min(seq_len, n_tokens) that predict every
-    token of a split but the first exactly once: window starts step by seq_len - 1 (each window's
-    first token is the previous one's last); the last window is moved back to end at the split's
-    end and counts only the tokens after the previous window's. Position j of a window predicts
-    token start + j for j >= the first counted position (>= 1)."""
-    t = min(seq_len, n_tokens)
-    if t < 2:
-        raise ValueError(f"a split of {n_tokens} tokens has nothing to predict")
-    out = []
-    for s in range(0, n_tokens - 1, t - 1):
-        start = min(s, n_tokens - t)
-        out.append((start, s - start + 1))
-    return out
-
-
-def eval_batches(ids, seq_len: int, batch_size: int):
-    """[(input_ids [b, T], labels [b, T] with -100 where not counted, tokens counted)] covering
-    ``eval_windows``; on ids' device."""
-    import torch
-
-    windows = eval_windows(ids.numel(), seq_len)
-    t = min(seq_len, ids.numel())
-    ar = torch.arange(t, device=ids.device)
-    batches = []
-    for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size]
-        x = ids[torch.tensor([s for s, _ in chunk], device=ids.device)[:, None] + ar]
-        first = torch.tensor([f for _, f in chunk], device=ids.device)[:, None]
-        labels = torch.where(ar[None] >= first, x, torch.full_like(x, -100))
-        batches.append((x, labels, sum(t - f for _, f in chunk)))
-    return batches
-
-
-# --------------------------------------------------------------------------------------------
-# the model
-
-
-def model_config_dict(a: argparse.Namespace, vocab_size: int) -> Dict[str, Any]:
-    """config.json: ``random_checkpoint.config_dict`` with this run's sizes."""
-    from ..model.random_checkpoint import config_dict
-
-    cfg = config_dict(vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      head_dim=a.head_dim, max_position_embeddings=a.seq_len)
-    cfg.update(rope_theta=float(a.rope_theta), initializer_range=a.init_std,
-               torch_dtype="bfloat16" if a.save_dtype == "bf16" else "float32")
-    return cfg
-
-
-def build_model(config, seed: int, std: float):
-    """``QwenForCausalLM(config)`` in fp32 on the CPU, initialised like transformers' Qwen3:
-    every matrix (embedding included) ~ N(0, std^2) from a generator seeded with ``seed``, every
-    norm weight 1."""
-    import torch
-
-    from ..model.causal_lm import QwenForCausalLM
-
-    with torch.device("cpu"):
-        model = QwenForCausalLM(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                if "norm" not in name.rsplit(".", 1)[-1]:
-                    raise ValueError(f"unexpected 1-d parameter {name!r}: only norm weights are expected in a qwen3")
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=g)
-    return model
-
-
-def take_init_settings(a: argparse.Namespace) -> None:
-    """--init DIR: the model's settings (``INIT_SETTINGS``) from DIR/config.json, which must describe a
-    model this trainer builds (a tied-embedding qwen3); UsageError otherwise, or when one of them is
-    given on the command line too."""
-    from ..model.config import QwenConfig
-
-    given = [f"--{k.replace('_', '-')}" for k in INIT_SETTINGS if k in a.given]
-    if given:
-        raise UsageError(f"--init {a.init}: the model's settings come from its config.json; drop {', '.join(given)}")
-    try:
-        cfg = QwenConfig.from_pretrained(a.init)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--init {a.init}: {e}") from None
-    for k, key in INIT_SETTINGS.items():
-        setattr(a, k, getattr(cfg, key))
-    if QwenConfig.from_dict(model_config_dict(a, cfg.vocab_size)) != cfg:
-        raise UsageError(f"--init {a.init}: not a model this trainer builds (a {cfg.model_type} with "
-                         f"tie_word_embeddings={cfg.tie_word_embeddings}; it builds tied-embedding qwen3 models)")
-
-
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def hf_tensors(named: Dict[str, Any], config, dtype) -> Dict[str, Any]:
-    """Our fused tensors (``name -> tensor`` as in the model's state_dict) split back into the
-    Hugging Face tensors of ``loader.load_plan``, in ``dtype`` on the CPU, contiguous."""
-    from ..model.loader import load_plan
-
-    out = {}
-    for target, sources in load_plan(config).items():
-        t, row = named[target], 0
-        for name, shape in sources:
-            out[name] = t[row:row + shape[0]].detach().to(device="cpu", dtype=dtype).contiguous()
-            row += shape[0]
-        if row != t.shape[0]:
-            raise ValueError(f"{target}: {t.shape[0]} rows, the load plan accounts for {row}")
-    return out
-
-
-def attach_dropout(model, p: float) -> list:
-    """``F.dropout(p)`` (training mode only) on the embedding (the first layer's input) and on each
-    layer's output, the MLP's, which the next layer (or the final norm) adds to the residual
-    stream. Returns the hook handles."""
-    import torch.nn.functional as F
-
-    def drop_embedding(module, args):
-        if not module.training:
-            return None
-        if not args:
-            raise RuntimeError("--dropout: the decoder layer is no longer called with positional arguments")
-        return (F.dropout(args[0], p, True),) + tuple(args[1:])
-
-    def drop_mlp_output(module, args, out):
-        if not module.training:
-            return None
-        if not (isinstance(out, tuple) and len(out) == 2 and out[0].shape == out[1].shape):
-            raise RuntimeError("--dropout: a decoder layer no longer returns (mlp output, residual)")
-        return F.dropout(out[0], p, True), out[1]
-
-    handles = [model.layers[0].register_forward_pre_hook(drop_embedding)]
-    handles += [layer.register_forward_hook(drop_mlp_output) for layer in model.layers]
-    return handles
-
-
-# --------------------------------------------------------------------------------------------
-# files: fsynced temporary files moved over the old ones, the resume state read back; messages
-
-
-STATE_KEYS = ("version", "args", "step", "tokens_seen", "elapsed_s", "weights", "optimizer", "best", "best_weights",
-              "rng", "log")
-"""What a resume state holds (``Trainer.save_state``)."""
-
-
-def read_state(path: Path) -> Dict[str, Any]:
-    """The resume state at ``path``: a regular file (``modeling.model.files.open_file``) that
-    ``torch.load`` reads (weights only) as this trainer's ``STATE_VERSION``, with every part of
-    ``STATE_KEYS``; a UsageError naming it otherwise (a corrupt or foreign file, a device, a
-    directory), never a traceback."""
-    import torch
-
-    from ..model.files import open_file
-
-    with open_file(path, lambda message: UsageError(f"--resume: {message}")) as f:
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # pickle, zip and torch errors of a file torch.save did not write
-            raise UsageError(f"--resume: {path} is not a resume state (torch.load: {type(e).__name__})") from None
-    if isinstance(state, dict) and state.get("version", STATE_VERSION) != STATE_VERSION:
-        raise UsageError(f"--resume: {path}: resume state version {state['version']!r}, expected {STATE_VERSION}")
-    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS) or not isinstance(state["args"], dict):
-        raise UsageError(f"--resume: {path} is not a resume state of this trainer")
-    return state
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    data = (json.dumps(obj, indent=2) + "\n").encode()
-    _replace_file(path, lambda f: f.write(data))
-
-
-def _replace_file(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """``path`` written by ``write(f)`` into a temporary file beside it, fsynced, moved over ``path``
-    with ``os.replace`` and the folder fsynced: after a crash ``path`` holds its old or its new
-    content, never a mix. Mode 0644."""
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    _fsync_files(path.parent, ())
-
-
-def _fsync_files(folder: Path, names: Sequence[str]) -> None:
-    """fsync the files ``names`` of ``folder``, then the folder itself (its entries)."""
-    for p in [folder / n for n in names] + [folder]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _rate(x: float) -> str:
-    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-
-
-def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
-def _versions() -> Dict[str, str]:
-    import torch
-    v = {"torch": str(torch.__version__)}
-    try:
-        import triton
-        v["triton"] = str(triton.__version__)
-    except ImportError:
-        pass
-    return v
-
-
-# --------------------------------------------------------------------------------------------
-# the validation loss
-
 
 class Evaluator:
     """The mean next-token loss over a whole split (``eval_batches``) and its bits per character."""
@@ -381,31 +65,18 @@ class Trainer:
     def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice, stop: "StopSignals"):
         import torch
 
-        from tokenizers import Tokenizer
-
-        from ..chat.template import CHATML_TEMPLATE
         from ..model.config import QwenConfig
         from ..model.device import DTYPES
-        from ..model.files import decode_utf8, read_file
-        from ..model.loader import load_state_dict
-        from ..model.random_checkpoint import write_tokenizer_files
 
         self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
         self.device = torch.device(a.device)
         self.dtype, self.save_dtype = DTYPES[a.dtype], DTYPES[a.save_dtype]
         torch.manual_seed(a.seed)
 
-        # --data: a regular file (read as a checkpoint's files are: a FIFO, a device or a directory is
-        # refused, never waited on) of at most DATA_LIMIT bytes, in UTF-8
-        data = read_file(a.data, DATA_LIMIT, lambda message: UsageError(f"--data {a.data}: {message}"))
-        text = decode_utf8(data, f"--data {a.data}", UsageError)[:a.max_chars]
+        text = read_text(a.data)[:a.max_chars]
         train_text, val_text = split_text(text, a.val_fraction)
         if a.resume or a.init:
-            path = (out if a.resume else Path(a.init)) / "tokenizer.json"
-            try:
-                tok = Tokenizer.from_file(str(path))
-            except Exception as e:  # tokenizers raises a bare Exception
-                raise UsageError(f"cannot read {path}: {' '.join(str(e).split())}") from None
+            tok = _read_tokenizer(out if a.resume else Path(a.init))
         else:
             tok = train_tokenizer(train_text, a.vocab_size)
         vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -436,10 +107,7 @@ class Trainer:
 
         cpu_model = build_model(self.config, a.seed, a.init_std)
         if a.init and not a.resume:
-            try:
-                cpu_model.load_state_dict(load_state_dict(a.init, cpu_model.config, dtype=torch.float32), strict=True)
-            except (OSError, ValueError, RuntimeError) as e:
-                raise UsageError(f"--init {a.init}: {' '.join(str(e).split())}") from None
+            load_init_weights(cpu_model, a.init)
         self.n_params = count_parameters(cpu_model)
         self.names = [name for name, _ in cpu_model.named_parameters()]
         fp32_params = [p.detach().clone() for p in cpu_model.parameters()]  # the init, before any bf16 rounding
@@ -480,7 +148,7 @@ class Trainer:
         if a.resume:
             self._load_state()
         else:  # written once the settings have passed every check, before the first save
-            write_tokenizer_files(out, tok, a.seq_len, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
+            write_tokenizer_files(out, tok, a.seq_len)
             _fsync_files(out, ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
             _write_json(out / "config.json", cfg)
 
