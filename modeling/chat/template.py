@@ -169,7 +169,7 @@ class ChatTemplate:
         source = self.named["tool_use"] if tools is not None and "tool_use" in self.named else self.source
         variables = {**self.special_tokens, **{k: _plain(v) for k, v in kwargs.items()}}
         compiled = self._compile(source)
-        from .sandbox import LimitExceeded, bounded
+        from .budget import LimitExceeded, bounded
 
         try:
             with bounded(self.limits):
@@ -186,7 +186,8 @@ class ChatTemplate:
         if compiled is None:
             import jinja2
 
-            from .sandbox import bounded, environment
+            from .budget import bounded
+            from .sandbox import environment
 
             try:
                 with bounded(self.limits):
