@@ -285,7 +285,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
 
     from modeling.engine import Engine
     from modeling.serve.app import ServerState, Settings, create_app
-    from modeling.serve.engine_core import MAX_CONSECUTIVE_FAILURES
+    from modeling.serve.engine_loop import MAX_CONSECUTIVE_FAILURES
     from modeling.serve.engine_loop import EngineClient, ThreadTransport
 
     engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, enforce_eager=True)
@@ -472,7 +472,7 @@ class ListTransport:
 
 
 def run_core(engine, client):
-    from modeling.serve.engine_core import EngineCore
+    from modeling.serve.engine_loop import EngineCore
 
     EngineCore(engine, client.on_message).run(
         lambda block: client.transport.inbox.pop(0) if client.transport.inbox else (("stop",) if block else None))
