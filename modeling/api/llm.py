@@ -31,7 +31,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
   built again, larger, when a later call needs more. Its cache pool takes at most
   ``gpu_memory_utilization`` of the free device memory (``modeling.engine.cache_pool.size_for``;
   ``DoesNotFit`` says what fits).
-- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``stream.TextStream``.
+- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``TextStream``.
 """
 
 import contextlib
@@ -57,7 +57,6 @@ from ..engine.workers import TIMEOUT_S, Workers, start as start_workers
 from .checkpoint import Checkpoint
 from .frontend import Frontend, Message
 from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
-from .stream import TextStream
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
@@ -107,6 +106,62 @@ class _Request:
             return None
         text = self.completions[0].text_of
         return [None] + [logprob_dict(text, t, e) for t, e in zip(self.ids[1:], entries[1:])]
+
+
+class TextStream:
+    """``LLM.stream``'s iterator: text pieces as they are ready; ``output`` (a ``RequestOutput``)
+    once it is exhausted. Each ``next`` steps the engine (under the ``LLM``'s lock) until the
+    completion has new text; a step serves every sequence in the engine, so other calls' requests
+    advance too, and the stream's advances while they run. ``close()`` (or leaving a ``with``
+    block, or dropping the iterator) stops the generation: its completion ends with
+    ``finish_reason`` "abort"."""
+
+    def __init__(self, llm: "LLM", request: _Request):
+        self._llm, self._request = llm, request
+        self.prompt = request.prompt
+        self._sent = 0  # characters of the completion's text handed out
+        self.output: Optional[RequestOutput] = None  # once the stream is exhausted (or closed)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        completion = self._request.completions[0]
+        while True:
+            text = completion.row.text
+            if len(text) > self._sent:
+                piece, self._sent = text[self._sent:], len(text)
+                return piece
+            if completion.finished:
+                if self.output is None:
+                    self.output = self._request.output()
+                raise StopIteration
+            if self._llm._step() is None:  # the engine holds nothing to run: it was aborted
+                self._llm._abort([self._request])
+
+    @property
+    def text(self) -> str:
+        """The whole completion (consumes what is left of the stream)."""
+        for _ in self:
+            pass
+        return self._request.completions[0].row.text
+
+    def close(self) -> None:
+        """Stop the generation (if it still runs)."""
+        self._llm._abort([self._request])
+        if self.output is None:
+            self.output = self._request.output()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        request = getattr(self, "_request", None)
+        if request is not None and not request.finished:
+            self._llm._abort([request])
 
 
 class LLM(Frontend):
