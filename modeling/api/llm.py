@@ -54,8 +54,7 @@ from ..model.device import backend_name, check_weights_fit, resolve_device, reso
 from ..model.fp8 import keeps_fp8
 from ..model.tensor_parallel import SINGLE, TensorParallel
 from ..engine.workers import TIMEOUT_S, Workers, start as start_workers
-from .checkpoint import Checkpoint
-from .frontend import Frontend, Message
+from .checkpoint import Checkpoint, Message
 from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
 
 DEFAULT_MAX_TOKENS = 64
@@ -164,9 +163,9 @@ class TextStream:
             self._llm._abort([request])
 
 
-class LLM(Frontend):
-    """A checkpoint loaded for generation on the engine (see the module doc); its text side
-    (tokenizer, chat template, stop ids, defaults) is ``Frontend``'s.
+class LLM:
+    """A checkpoint loaded for generation on the engine (see the module doc); its ``path``,
+    ``config``, ``tokenizer`` and ``chat_template`` are its ``checkpoint``'s.
 
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
@@ -277,6 +276,19 @@ class LLM(Frontend):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ what it is
+    path = property(lambda self: self.checkpoint.path)
+    config = property(lambda self: self.checkpoint.config)
+    tokenizer = property(lambda self: self.checkpoint.tokenizer)
+    chat_template = property(lambda self: self.checkpoint.chat_template)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (greedy when it has none)."""
+        return self.checkpoint.default_sampling_params()
+
+    def render_chat(self, messages: Sequence[Message], *args: Any, **kwargs: Any) -> str:
+        """The prompt text of a conversation (``Checkpoint.render_chat``)."""
+        return self.checkpoint.render_chat(messages, *args, **kwargs)
+
     @property
     def backend(self) -> str:
         """"Triton kernels (CUDA)", "Triton interpreter (CPU)" or "PyTorch reference ops (CPU)"."""
@@ -437,7 +449,7 @@ class LLM(Frontend):
             added: List[_Request] = []
             try:
                 for (text, ids, params), budget in zip(requests, budgets):
-                    stop_ids = self.stop_ids(params)
+                    stop_ids = self.checkpoint.stop_ids(params)
                     request = _Request(str(next(self._ids)), text, ids,
                                        [Completion(j, self.tokenizer, params) for j in range(params.n)])
                     added.append(request)

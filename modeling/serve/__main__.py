@@ -159,7 +159,6 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     except ImportError as e:
         raise UsageError(f"the server needs the 'serve' extra (missing {e.name}): "
                          "pip install 'qwen-triton-ops[serve]'") from None
-    from ..api.frontend import Frontend
     from .engine_loop import EngineClient
     from .engine_process import EngineSpec, EngineStartError, ProcessTransport
 
@@ -196,8 +195,8 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
             server.should_exit = True
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
-    state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                                       a.body_timeout, a.strict_requests, a.tool_call_parser))
+    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
+                                         a.body_timeout, a.strict_requests, a.tool_call_parser))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))
