@@ -20,44 +20,18 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ..api.commands import UsageError, load_checkpoint, load_llm, say, say_renamed
-from ..common import one_line
-from .args import (INTERRUPTED, PIPE_CLOSED, RENAMED_FLAGS, RUNTIME_ERROR, USAGE_ERROR, check_args, parse_args,
-                   read_prompts, sampling_params)
+from ..api.commands import UsageError, command_main, load_checkpoint, load_llm, say
+from .args import PIPE_CLOSED, RENAMED_FLAGS, check_args, parse_args, read_prompts, sampling_params
 from .interactive import interactive
-from .output import Totals, Writer, _silence_stdout, _tolerant_stdout, escape_line, json_output
+from .output import Totals, Writer, _tolerant_stdout, escape_line, json_output
 
 if TYPE_CHECKING:
     import argparse
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        _tolerant_stdout()
-        try:
-            a = parse_args(argv)
-        except SystemExit as e:  # argparse has printed its usage message (or --help)
-            return USAGE_ERROR if e.code else 0
-        say_renamed(argv, RENAMED_FLAGS)
-        check_args(a)
-        return run(a)
-    except UsageError as e:
-        say(f"error: {e}")
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        say("interrupted")
-        return INTERRUPTED
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
-        _silence_stdout()
-        return PIPE_CLOSED
-    except Exception as e:  # no tracebacks for users; the message says what failed
-        say(f"error: {type(e).__name__}: {one_line(e, typed=False)}")
-        try:  # e.g. stdout on a full disk: what is still buffered would fail again at exit
-            if sys.stdout is not None:
-                sys.stdout.flush()
-        except (OSError, ValueError):
-            _silence_stdout()
-        return RUNTIME_ERROR
+    _tolerant_stdout()
+    return command_main(argv, parse_args, RENAMED_FLAGS, check_args, run, PIPE_CLOSED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,9 +69,6 @@ def run(a: argparse.Namespace) -> int:
     if device.type == "cpu":
         why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
         say(f"note: {why}: running eagerly on the CPU ({backend_name(device, dtype).split(' (')[0]}), slowly")
-    if a.max_model_len is not None and a.max_model_len > config.max_position_embeddings:
-        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings})")
     engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager,
                        quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
 
