@@ -47,7 +47,7 @@ import torch
 
 from ..common import is_int
 from ..engine import Engine, Status
-from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
+from ..engine.prompts import ContextLengthError, check_engine_args, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
@@ -199,11 +199,7 @@ class LLM:
                 max_model_len = value
             else:
                 max_num_seqs = value
-        if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
-            raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not (is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
