@@ -475,7 +475,6 @@ def tool_form(ck: Checkpoint, parser: Optional[str]) -> str:
     return "xml" if _mentions(ck, "<function=") else "json"
 
 
-
 def render_tools(tools: Optional[List[Dict[str, Any]]], ck: Checkpoint) -> Optional[List[Dict[str, Any]]]:
     """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
     none; a 400 for tools given to a chat template that never reads them (they would be dropped
@@ -493,6 +492,17 @@ def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+
+
+def render_chat(ck: Checkpoint, messages: List[Dict[str, Any]], add_generation_prompt: bool,
+                template_kwargs: Dict[str, Any], tools: Optional[List[Dict[str, Any]]]) -> str:
+    """The prompt text of a conversation (``Checkpoint.render_chat``), or a 400 saying why not."""
+    try:
+        return ck.render_chat(messages, add_generation_prompt, chat_template_kwargs=template_kwargs, tools=tools)
+    except TemplateKwargsError as e:
+        raise invalid(str(e), "chat_template_kwargs") from None
+    except (ChatTemplateError, ValueError) as e:
+        raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
 
 
 def thinking_on(ck: Checkpoint, template_kwargs: Dict[str, Any]) -> bool:
@@ -515,12 +525,10 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int, to
     messages = chat_messages(req.messages)
     tools = _tools(req, ck)
     kwargs = dict(req.chat_template_kwargs or {})
+    text = render_chat(ck, messages, req.add_generation_prompt, kwargs, tools)
     try:
-        text = ck.render_chat(messages, req.add_generation_prompt, chat_template_kwargs=kwargs, tools=tools)
         ids = ck.tokenizer.encode(text)
-    except TemplateKwargsError as e:
-        raise invalid(str(e), "chat_template_kwargs") from None
-    except (ChatTemplateError, ValueError) as e:
+    except ValueError as e:
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:
         raise invalid("the rendered conversation is empty", "messages")

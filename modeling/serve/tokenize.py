@@ -12,11 +12,10 @@ import json
 from importlib import metadata
 from typing import Any, Dict, List, Optional
 
-from ..api.checkpoint import Checkpoint, TemplateKwargsError
-from ..chat.template import ChatTemplateError
+from ..api.checkpoint import Checkpoint
 from ..engine.prompts import checked_token_ids
 from .errors import invalid
-from .protocol import Fields, chat_messages, parse, render_tools
+from .protocol import Fields, chat_messages, parse, render_chat, render_tools
 
 PACKAGE = "qwen-triton-ops"
 
@@ -55,14 +54,8 @@ def tokenize_request(body: bytes, strict: bool) -> Fields:
 def tokenize(req: Fields, ck: Checkpoint, max_model_len: int) -> Dict[str, Any]:
     """The response of ``/tokenize``."""
     if isinstance(req, TokenizeChatRequest):
-        kwargs = dict(req.chat_template_kwargs or {})
-        try:
-            text = ck.render_chat(chat_messages(req.messages), req.add_generation_prompt, chat_template_kwargs=kwargs,
-                                   tools=render_tools(req.tools, ck))
-        except TemplateKwargsError as e:
-            raise invalid(str(e), "chat_template_kwargs") from None
-        except (ChatTemplateError, ValueError) as e:
-            raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
+        text = render_chat(ck, chat_messages(req.messages), req.add_generation_prompt,
+                           dict(req.chat_template_kwargs or {}), render_tools(req.tools, ck))
         where = "messages"
     else:
         text, where = req.prompt, "prompt"
