@@ -14,7 +14,7 @@ from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
 from modeling.serve.generation import Generation  # noqa: E402
 from modeling.serve.protocol import CompletionRequest, Plan, Prompt, choice_seed, parse  # noqa: E402
-from modeling.serve.responses import TokenStrings  # noqa: E402
+from modeling.api.outputs import TokenStrings  # noqa: E402
 
 
 def split_whole_and_streamed(make, text):

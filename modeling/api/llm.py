@@ -55,7 +55,7 @@ from ..model.fp8 import keeps_fp8
 from ..model.tensor_parallel import SINGLE, TensorParallel
 from ..engine.workers import TIMEOUT_S, Workers, start as start_workers
 from .checkpoint import Checkpoint, Message
-from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
+from .outputs import Completion, RequestMetrics, RequestOutput, TokenStrings, logprob_dict
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
@@ -103,8 +103,8 @@ class _Request:
         entries = self.seqs[0].prompt_logprobs if self.seqs else None
         if entries is None:
             return None
-        text = self.completions[0].text_of
-        return [None] + [logprob_dict(text, t, e) for t, e in zip(self.ids[1:], entries[1:])]
+        strings = self.completions[0].strings
+        return [None] + [logprob_dict(strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
 
 
 class TextStream:
@@ -127,7 +127,7 @@ class TextStream:
     def __next__(self) -> str:
         completion = self._request.completions[0]
         while True:
-            text = completion.row.text
+            text = completion.text
             if len(text) > self._sent:
                 piece, self._sent = text[self._sent:], len(text)
                 return piece
@@ -143,7 +143,7 @@ class TextStream:
         """The whole completion (consumes what is left of the stream)."""
         for _ in self:
             pass
-        return self._request.completions[0].row.text
+        return self._request.completions[0].text
 
     def close(self) -> None:
         """Stop the generation (if it still runs)."""
@@ -237,6 +237,7 @@ class LLM:
             self.close()
             raise
         self._engine: Optional[Engine] = None
+        self._strings = TokenStrings(self.tokenizer)
         self._lock = threading.RLock()
         self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
         self._ids = itertools.count()
@@ -447,7 +448,7 @@ class LLM:
                 for (text, ids, params), budget in zip(requests, budgets):
                     stop_ids = self.checkpoint.stop_ids(params)
                     request = _Request(str(next(self._ids)), text, ids,
-                                       [Completion(j, self.tokenizer, params) for j in range(params.n)])
+                                       [Completion(j, self._strings, params) for j in range(params.n)])
                     added.append(request)
                     for c in request.completions:
                         seq = engine.add(ids, choice_params(params, c.index), budget, stop_ids)

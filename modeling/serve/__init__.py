@@ -6,8 +6,8 @@
   log line.
 - ``protocol``: request bodies validated into a ``Plan`` (prompts' token ids, each choice's
   ``SamplingParams``).
-- ``generation``: one request's choices in the engine, their text (``modeling.api.outputs.TextRow``) and
-  the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes and SSE events.
+- ``generation``: one request's choices in the engine, their text (``modeling.api.outputs.Completion``)
+  and the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes and SSE events.
 - ``chat_output``: Qwen3's ``<think>`` block and Qwen's ``<tool_call>`` blocks parsed out of a reply.
 - ``engine_loop``: the loop that steps the engine and reports each step (``EngineCore``, in the
   engine's process or a thread, ``ThreadTransport``) and the server's side of it (``EngineClient``

@@ -25,12 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..api.checkpoint import Checkpoint
+from ..api.outputs import TokenStrings
 from .engine_loop import EngineClient
 from .errors import APIError, error_body
 from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
-from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
+from .responses import SSE_DONE, Envelope, sse, usage
 from .structured import GrammarCheck
 from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
 
