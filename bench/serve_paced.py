@@ -220,10 +220,10 @@ def trace_server(path: str) -> None:
 def trace_engine(path: str) -> None:
     """In the engine's process: wrap ``EngineCore`` to stamp each request's add, the step that
     gave its first token, and that step's report; a JSON line a request appended to ``path``."""
-    from modeling.serve import engine_core
+    from modeling.serve import engine_loop
 
     got: dict = {}  # rid -> its add's stamp, until its first token
-    handle, step = engine_core.EngineCore.handle, engine_core.EngineCore.step
+    handle, step = engine_loop.EngineCore.handle, engine_loop.EngineCore.step
 
     def traced_handle(core, msg):
         if msg[0] == "add":
@@ -251,7 +251,7 @@ def trace_engine(path: str) -> None:
                     with open(path, "a") as f:
                         f.write(json.dumps(line) + "\n")
         return ok
-    engine_core.EngineCore.handle, engine_core.EngineCore.step = traced_handle, traced_step
+    engine_loop.EngineCore.handle, engine_loop.EngineCore.step = traced_handle, traced_step
 
 
 def paced_engine(spec, step_ms: float, counter: Optional[str], trace: Optional[str] = None):

@@ -25,7 +25,7 @@ _EXPORTS = {
     "QwenTokenizer": ".api.tokenizer",
     "RequestOutput": ".api.outputs",
     "SamplingParams": ".engine.sampling_params",
-    "TextStream": ".api.stream",
+    "TextStream": ".api.llm",
     "TransformersPatch": ".model.transformers_patch",
     "format_chat": ".chat.template",
     "generation_defaults": ".chat.template",
@@ -45,9 +45,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .model.config import ConfigError, QwenConfig  # noqa: F401
     from .engine.engine import Engine  # noqa: F401
     from .model.hub import ModelNotFound, resolve_model  # noqa: F401
-    from .api.llm import LLM  # noqa: F401
+    from .api.llm import LLM, TextStream  # noqa: F401
     from .api.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from .api.stream import TextStream  # noqa: F401
     from .model.loader import CheckpointError, load_state_dict  # noqa: F401
     from .model.causal_lm import QwenForCausalLM  # noqa: F401
     from .engine.sampling_params import SamplingParams  # noqa: F401

@@ -357,7 +357,7 @@ MUTATIONS = [
     Mutation("without max_tokens the default is not cut to the room left", "modeling/serve/protocol.py",
              "min(default or room, room)", "default or room", ("tests/test_serve_units.py",)),
     Mutation("a matched stop string leaves its choice running in the engine", "modeling/serve/generation.py",
-             "            if c.row.stops.matched is not None:\n                self.loop.abort(c.rid)", "            if False:\n                pass",
+             "            if c.stops.matched is not None:\n                self.loop.abort(c.rid)", "            if False:\n                pass",
              ("tests/test_serve_units.py",)),
     # Kernel bounds: each bad value fails a test by assertion, never by crashing the interpreter.
     Mutation("paged_attention_reference gives NaN for a query that sees no key", "qwen_ops/paged_attention.py",

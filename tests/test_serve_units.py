@@ -14,7 +14,7 @@ from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
 from modeling.serve.generation import Generation  # noqa: E402
 from modeling.serve.protocol import CompletionRequest, Plan, Prompt, choice_seed, parse  # noqa: E402
-from modeling.serve.responses import TokenStrings  # noqa: E402
+from modeling.api.outputs import TokenStrings  # noqa: E402
 
 
 def split_whole_and_streamed(make, text):
@@ -191,11 +191,11 @@ def test_without_max_tokens_a_prompt_near_the_context_gets_the_room_left(llm):
     from modeling.serve.protocol import ChatCompletionRequest, plan_chat, plan_completion
 
     near = parse(CompletionRequest, json.dumps({"prompt": [5] * 509}).encode())
-    assert plan_completion(near, llm, 512).max_tokens == [3]
+    assert plan_completion(near, llm.checkpoint, 512).max_tokens == [3]
     far = parse(CompletionRequest, json.dumps({"prompt": [5] * 9}).encode())
-    assert plan_completion(far, llm, 512).max_tokens == [16]
+    assert plan_completion(far, llm.checkpoint, 512).max_tokens == [16]
     chat = parse(ChatCompletionRequest, json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode())
-    plan = plan_chat(chat, llm, 512)
+    plan = plan_chat(chat, llm.checkpoint, 512)
     assert plan.max_tokens == [512 - len(plan.prompts[0].ids)]
 
 
@@ -285,7 +285,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
 
     from modeling.engine import Engine
     from modeling.serve.app import ServerState, Settings, create_app
-    from modeling.serve.engine_core import MAX_CONSECUTIVE_FAILURES
+    from modeling.serve.engine_loop import MAX_CONSECUTIVE_FAILURES
     from modeling.serve.engine_loop import EngineClient, ThreadTransport
 
     engine = Engine(llm.model, max_num_seqs=4, max_model_len=128, enforce_eager=True)
@@ -295,7 +295,7 @@ def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "run", broken)  # after scheduling: the blocks are taken
     dead = []
-    state = ServerState(llm, EngineClient(ThreadTransport(engine), engine.max_model_len, dead.append), Settings("m"))
+    state = ServerState(llm.checkpoint, EngineClient(ThreadTransport(engine), engine.max_model_len, dead.append), Settings("m"))
     body = {"prompt": "ROMEO:", "max_tokens": 4}
     def errors_500():
         return state.metrics.registry.get_sample_value("qwen_serve_request_errors_total", {"status": "500"})
@@ -346,11 +346,11 @@ def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
     tool = {"type": "function",
             "function": {"name": "get_weather", "description": "Weather of a city", "parameters": schema}}
     body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "max_tokens": 8}
-    plan = plan_chat(parse(ChatCompletionRequest, json.dumps(body).encode()), qwen3_llm, 512)
+    plan = plan_chat(parse(ChatCompletionRequest, json.dumps(body).encode()), qwen3_llm.checkpoint, 512)
     assert plan.tool_calls and plan.reasoning
     assert "get_weather" in plan.prompt_text and plan.prompt_text.endswith("<|im_start|>assistant\n")
     off = plan_chat(parse(ChatCompletionRequest, json.dumps(
-        {**body, "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "none"}).encode()), qwen3_llm, 512)
+        {**body, "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "none"}).encode()), qwen3_llm.checkpoint, 512)
     assert not off.reasoning and not off.tool_calls and "get_weather" not in off.prompt_text
     assert off.prompt_text.endswith("<think>\n\n</think>\n\n")
     assert plan.prompts[0].ids == qwen3_llm.tokenizer.encode(plan.prompt_text)
@@ -472,7 +472,7 @@ class ListTransport:
 
 
 def run_core(engine, client):
-    from modeling.serve.engine_core import EngineCore
+    from modeling.serve.engine_loop import EngineCore
 
     EngineCore(engine, client.on_message).run(
         lambda block: client.transport.inbox.pop(0) if client.transport.inbox else (("stop",) if block else None))

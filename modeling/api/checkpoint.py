@@ -1,11 +1,13 @@
 """Where a model comes from, and the files beside its weights: ``Checkpoint`` (config, tokenizer,
-chat template, generation defaults: cheap to load, so the command line checks its input against
-it before reading any weight), ``load_config`` (one-line errors), and ``default_model_dir``, the
-model used when none is named (the one shipped in ``modeling/default_model``). Every file is read
+chat template, stop ids, generation defaults: cheap to load, so the command line checks its input
+against it before reading any weight; the server's HTTP process holds one alone, its engine with
+the weights running in a process of its own), ``load_config`` (one-line errors), and
+``default_model_dir``, the model used when none is named (the one shipped in
+``modeling/default_model``). Every file is read
 through ``modeling.model.files``: regular files only, each under a size limit."""
 
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
 from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
@@ -36,6 +38,15 @@ def load_config(path: Union[str, Path]) -> QwenConfig:
     config.json is a ``ConfigError`` with one line that says what is wrong (not a regular file, not
     a JSON object, a missing field, a wrong type, a size out of bounds...)."""
     return QwenConfig.from_pretrained(Path(path))
+
+
+Message = Mapping[str, Any]
+RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
+"""What ``render_chat`` gives the chat template itself: never a ``chat_template_kwargs`` key."""
+
+
+class TemplateKwargsError(ValueError):
+    """A ``chat_template_kwargs`` key that is one of ``RENDER_ARGUMENTS``."""
 
 
 class Checkpoint:
@@ -78,7 +89,35 @@ class Checkpoint:
 
     def default_sampling_params(self) -> SamplingParams:
         """generation_config.json's sampling values (repetition penalty and min-p included) and
-        ``max_new_tokens`` as ``SamplingParams``."""
+        ``max_new_tokens`` as ``SamplingParams`` (greedy when it has none)."""
         d = self.defaults
         return SamplingParams(d.temperature, d.top_k, d.top_p, max_tokens=d.max_new_tokens,
                               repetition_penalty=d.repetition_penalty, min_p=d.min_p)
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                    tools: Optional[List[Dict[str, Any]]] = None) -> str:
+        """The prompt text of a conversation, rendered with the checkpoint's chat template;
+        ``TemplateKwargsError`` for a ``chat_template_kwargs`` key of ``RENDER_ARGUMENTS``."""
+        kwargs = dict(chat_template_kwargs or {})
+        taken = [k for k in RENDER_ARGUMENTS if k in kwargs]
+        if taken:
+            raise TemplateKwargsError(f"chat_template_kwargs may not set {taken[0]!r}, which the chat template "
+                                      "gets from its own argument")
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **kwargs)
+
+    def stop_ids(self, params: SamplingParams) -> List[int]:
+        """EOS (unless ``ignore_eos``) and ``params.stop_token_ids``, each once; a ``ValueError`` for
+        a stop token id outside the vocabulary (it could never be sampled)."""
+        vocab = self.config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:4]} lie outside the model's vocabulary [0, {vocab})")
+        ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
+                                 + list(params.stop_token_ids)))
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(ids)} stop token ids (EOS and stop_token_ids): at most {MAX_STOP_IDS}")
+        return ids

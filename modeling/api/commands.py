@@ -1,8 +1,9 @@
 """What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
-share: ``UsageError`` (bad input: exit status 2), ``say`` (one line on stderr), ``prog_name``, the
-notes for deprecated flags (``say_renamed``), the values their flags take (``DTYPE_CHOICES``,
-``DEVICE_PATTERN``), and the checkpoint and model their flags name (``load_checkpoint``,
-``load_llm``), each failure a ``UsageError`` naming the flag.
+share: ``command_main`` (parse, check and run, each failure an exit status), ``UsageError`` (bad
+input: exit status 2), ``say`` (one line on stderr), ``prog_name``, the notes for deprecated flags
+(``say_renamed``), the model and engine flags both take (``add_model_flags``, ``DEVICE_PATTERN``),
+and the checkpoint and model their flags name (``load_checkpoint``, ``load_llm``), each failure a
+``UsageError`` naming the flag.
 
 Imports nothing heavy at the top: a command line handles Ctrl-C and bad input from its first
 instant, while torch is still loading."""
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from ..common import one_line
 
 if TYPE_CHECKING:
     import argparse
 
-DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 DEVICE_PATTERN = r"(cuda|cpu)(:\d+)?"
+USAGE_ERROR, RUNTIME_ERROR, INTERRUPTED = 2, 1, 130
+"""Exit statuses: bad input, any other failure, Ctrl-C."""
 
 
 class UsageError(Exception):
@@ -45,6 +47,67 @@ def prog_name(module: str, *script_names: str) -> str:
     return f"python -m {module}" if name in ("", "-c", "__main__.py", *script_names) else name
 
 
+def command_main(argv: Optional[Sequence[str]], parse: Callable, renamed: Mapping[str, str], check: Callable,
+                 run: Callable[..., int], pipe_closed: Optional[int] = None) -> int:
+    """A command line's exit status: ``parse(argv)`` (argparse's own exit: ``USAGE_ERROR``, or 0 after
+    --help), a note for each ``renamed`` flag given, ``check(a)``, then ``run(a)``'s status. A
+    ``UsageError`` is ``error: <message>`` and ``USAGE_ERROR``, Ctrl-C ``INTERRUPTED``, any other
+    failure one line (no traceback) and ``RUNTIME_ERROR``; with ``pipe_closed``, a broken pipe (the
+    reader went away, ``| head``) is that status, quietly."""
+    try:
+        try:
+            a = parse(argv)
+        except SystemExit as e:  # argparse has printed its usage message (or --help)
+            return USAGE_ERROR if e.code else 0
+        say_renamed(argv, renamed)
+        check(a)
+        return run(a)
+    except UsageError as e:
+        say(f"error: {e}")
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        say("interrupted")
+        return INTERRUPTED
+    except Exception as e:
+        if pipe_closed is not None and isinstance(e, BrokenPipeError):
+            silence_stdout()
+            return pipe_closed
+        say(f"error: {type(e).__name__}: {one_line(e, typed=False)}")
+        try:  # e.g. stdout on a full disk: what is still buffered would fail again at exit
+            if sys.stdout is not None:
+                sys.stdout.flush()
+        except (OSError, ValueError):
+            silence_stdout()
+        return RUNTIME_ERROR
+
+
+def silence_stdout() -> None:
+    """After a broken pipe: point fd 1 at /dev/null, so the interpreter's final flush is quiet."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(fd, sys.stdout.fileno())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def add_model_flags(model, engine) -> None:
+    """The flags both command lines take: where the model comes from (in the ``model`` argument
+    group) and how it runs (in ``engine``'s)."""
+    model.add_argument("--revision", help="branch, tag or commit of a Hub id (default main)")
+    model.add_argument("--offline", action="store_true", help="use only the local Hub cache (as HF_HUB_OFFLINE=1 does)")
+    engine.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="weights and KV cache dtype (default bf16 on CUDA, fp32 on CPU)")
+    engine.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    engine.add_argument("--quantization", choices=["fp8"],
+                        help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
+                             "checkpoint runs in FP8 without it)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over this many GPUs of this host (a worker process each; default 1)")
+
+
 def say_renamed(argv: Optional[Sequence[str]], renamed: Mapping[str, str]) -> None:
     """A note for each earlier flag of ``renamed`` (old -> new) given in ``argv`` (None: the
     command line's), naming the new one."""
@@ -55,18 +118,23 @@ def say_renamed(argv: Optional[Sequence[str]], renamed: Mapping[str, str]) -> No
 
 
 def load_checkpoint(a: argparse.Namespace):
-    """The ``Checkpoint`` of ``--model`` (``--revision``, ``--offline``); the shipped model without one."""
+    """The ``Checkpoint`` of ``--model`` (``--revision``, ``--offline``); the shipped model without one.
+    A ``UsageError`` also when ``--max-model-len`` exceeds its max_position_embeddings."""
     from ..model.hub import ModelNotFound
     from .checkpoint import Checkpoint
 
     name = a.model
     try:
-        return Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True, notice=say)
+        ck = Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True, notice=say)
     except ModelNotFound as e:
         raise UsageError(f"--model {e}") from None
     except ValueError as e:  # ConfigError, the tokenizer's files, generation_config.json
         where = f"--model {name!r}" if name is not None else "the default model"
         raise UsageError(f"{where}: {e}") from None
+    limit = ck.config.max_position_embeddings
+    if a.max_model_len is not None and a.max_model_len > limit:
+        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
+    return ck
 
 
 def load_llm(ck, device, dtype, **kwargs: Any):

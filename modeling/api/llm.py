@@ -31,7 +31,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
   built again, larger, when a later call needs more. Its cache pool takes at most
   ``gpu_memory_utilization`` of the free device memory (``modeling.engine.cache_pool.size_for``;
   ``DoesNotFit`` says what fits).
-- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``stream.TextStream``.
+- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``TextStream``.
 """
 
 import contextlib
@@ -47,17 +47,15 @@ import torch
 
 from ..common import is_int
 from ..engine import Engine, Status
-from ..engine.prompts import MAX_MODEL_LEN, ContextLengthError, checked_token_ids
+from ..engine.prompts import ContextLengthError, check_engine_args, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
 from ..model.fp8 import keeps_fp8
 from ..model.tensor_parallel import SINGLE, TensorParallel
 from ..engine.workers import TIMEOUT_S, Workers, start as start_workers
-from .checkpoint import Checkpoint
-from .frontend import Frontend, Message
-from .outputs import Completion, RequestMetrics, RequestOutput, logprob_dict
-from .stream import TextStream
+from .checkpoint import Checkpoint, Message
+from .outputs import Completion, RequestMetrics, RequestOutput, TokenStrings, logprob_dict
 
 DEFAULT_MAX_TOKENS = 64
 """New tokens per completion when neither the call nor the checkpoint's generation_config.json says."""
@@ -105,13 +103,69 @@ class _Request:
         entries = self.seqs[0].prompt_logprobs if self.seqs else None
         if entries is None:
             return None
-        text = self.completions[0].text_of
-        return [None] + [logprob_dict(text, t, e) for t, e in zip(self.ids[1:], entries[1:])]
+        strings = self.completions[0].strings
+        return [None] + [logprob_dict(strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
 
 
-class LLM(Frontend):
-    """A checkpoint loaded for generation on the engine (see the module doc); its text side
-    (tokenizer, chat template, stop ids, defaults) is ``Frontend``'s.
+class TextStream:
+    """``LLM.stream``'s iterator: text pieces as they are ready; ``output`` (a ``RequestOutput``)
+    once it is exhausted. Each ``next`` steps the engine (under the ``LLM``'s lock) until the
+    completion has new text; a step serves every sequence in the engine, so other calls' requests
+    advance too, and the stream's advances while they run. ``close()`` (or leaving a ``with``
+    block, or dropping the iterator) stops the generation: its completion ends with
+    ``finish_reason`` "abort"."""
+
+    def __init__(self, llm: "LLM", request: _Request):
+        self._llm, self._request = llm, request
+        self.prompt = request.prompt
+        self._sent = 0  # characters of the completion's text handed out
+        self.output: Optional[RequestOutput] = None  # once the stream is exhausted (or closed)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        completion = self._request.completions[0]
+        while True:
+            text = completion.text
+            if len(text) > self._sent:
+                piece, self._sent = text[self._sent:], len(text)
+                return piece
+            if completion.finished:
+                if self.output is None:
+                    self.output = self._request.output()
+                raise StopIteration
+            if self._llm._step() is None:  # the engine holds nothing to run: it was aborted
+                self._llm._abort([self._request])
+
+    @property
+    def text(self) -> str:
+        """The whole completion (consumes what is left of the stream)."""
+        for _ in self:
+            pass
+        return self._request.completions[0].text
+
+    def close(self) -> None:
+        """Stop the generation (if it still runs)."""
+        self._llm._abort([self._request])
+        if self.output is None:
+            self.output = self._request.output()
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        request = getattr(self, "_request", None)
+        if request is not None and not request.finished:
+            self._llm._abort([request])
+
+
+class LLM:
+    """A checkpoint loaded for generation on the engine (see the module doc); its ``path``,
+    ``config``, ``tokenizer`` and ``chat_template`` are its ``checkpoint``'s.
 
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
@@ -145,11 +199,7 @@ class LLM(Frontend):
                 max_model_len = value
             else:
                 max_num_seqs = value
-        if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
-            raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not (is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
@@ -187,6 +237,7 @@ class LLM(Frontend):
             self.close()
             raise
         self._engine: Optional[Engine] = None
+        self._strings = TokenStrings(self.tokenizer)
         self._lock = threading.RLock()
         self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
         self._ids = itertools.count()
@@ -222,6 +273,19 @@ class LLM(Frontend):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ what it is
+    path = property(lambda self: self.checkpoint.path)
+    config = property(lambda self: self.checkpoint.config)
+    tokenizer = property(lambda self: self.checkpoint.tokenizer)
+    chat_template = property(lambda self: self.checkpoint.chat_template)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults (greedy when it has none)."""
+        return self.checkpoint.default_sampling_params()
+
+    def render_chat(self, messages: Sequence[Message], *args: Any, **kwargs: Any) -> str:
+        """The prompt text of a conversation (``Checkpoint.render_chat``)."""
+        return self.checkpoint.render_chat(messages, *args, **kwargs)
+
     @property
     def backend(self) -> str:
         """"Triton kernels (CUDA)", "Triton interpreter (CPU)" or "PyTorch reference ops (CPU)"."""
@@ -382,9 +446,9 @@ class LLM(Frontend):
             added: List[_Request] = []
             try:
                 for (text, ids, params), budget in zip(requests, budgets):
-                    stop_ids = self.stop_ids(params)
+                    stop_ids = self.checkpoint.stop_ids(params)
                     request = _Request(str(next(self._ids)), text, ids,
-                                       [Completion(j, self.tokenizer, params) for j in range(params.n)])
+                                       [Completion(j, self._strings, params) for j in range(params.n)])
                     added.append(request)
                     for c in request.completions:
                         seq = engine.add(ids, choice_params(params, c.index), budget, stop_ids)

@@ -1,6 +1,7 @@
 """What a request gives back, in vLLM's shapes (``RequestOutput``, ``CompletionOutput``, ``Logprob``),
 and one completion's output as its tokens arrive (``Completion``: incremental detokenization, stop
-strings, logprobs, the finish and stop reasons), which ``LLM`` and the server share."""
+strings, logprobs, the finish and stop reasons; ``TokenStrings``: each token's own text), which
+``LLM`` and the server share."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -157,85 +158,72 @@ def _automaton(stop: Tuple[str, ...]) -> Tuple[List[Dict[str, int]], List[int], 
     return goto, fail, depth, out
 
 
-class TextRow:
-    """One completion's text as its tokens arrive: incremental detokenization, then ``StopStrings``."""
+class TokenStrings:
+    """Each token id's own text, special tokens included (``Logprob.decoded_token``, the server's
+    logprobs; a piece of a multi-byte character decodes as U+FFFD), cached."""
 
-    def __init__(self, tokenizer: QwenTokenizer, params: SamplingParams):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
-        self.pieces: List[str] = []
+    def __init__(self, tokenizer: QwenTokenizer):
+        self.tokenizer = tokenizer
+        self._cache: Dict[int, str] = {}
 
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def push(self, token: int) -> str:
-        out = self.stops.push(self.detok.push(token))
-        self.pieces.append(out)
-        return out
-
-    def finish(self) -> str:
-        out = self.stops.push(self.detok.flush())
-        out += self.stops.flush()
-        self.pieces.append(out)
-        return out
-
-    def step(self, token: int, finish_reason: Optional[str],
-             stop_token_ids: Sequence[int]) -> Tuple[str, Optional[str], Union[int, str, None]]:
-        """The text ``token`` adds (none for a stop token: EOS or a stop token id, the engine's
-        ``finish_reason`` "stop"), and the finish and stop reasons when it ends the completion: a
-        stop string matched (the stop reason), or the engine finished it (a stop token id not EOS
-        is the stop reason). Its end adds the text still held back."""
-        text = self.push(token) if finish_reason != "stop" else ""
-        reason, stop_reason = finish_reason, None
-        if self.stops.matched is not None:
-            reason, stop_reason = "stop", self.stops.matched
-        elif finish_reason == "stop" and token in stop_token_ids:
-            stop_reason = token
-        if reason is not None:
-            text += self.finish()
-        return text, reason, stop_reason
+    def __call__(self, token: int) -> str:
+        s = self._cache.get(token)
+        if s is None:
+            s = self._cache[token] = self.tokenizer.decode([token])
+        return s
 
 
 class Completion:
     """One sequence's output as the engine hands over its tokens (``push``): the token ids, the text
-    (``TextRow``), the logprobs, and the finish and stop reasons of ``CompletionOutput``. A stop
-    string ends it (the caller aborts the sequence: ``finished`` turns true); tokens pushed after
-    the end are ignored."""
+    (incremental detokenization, then ``StopStrings``), the ``LogprobEntry`` of each token when the
+    params ask for logprobs (``entries``), and the finish and stop reasons of ``CompletionOutput``.
+    A stop string ends it (the caller aborts the sequence: ``finished`` turns true); tokens pushed
+    after the end are ignored. The token that ends it at the engine (EOS or a stop token id) adds
+    no text, and stays in ``token_ids`` and ``entries`` only with ``keep_stop_tokens`` (the
+    server's, which counts it)."""
 
-    def __init__(self, index: int, tokenizer: QwenTokenizer, params: SamplingParams):
-        self.index, self.tokenizer, self.params = index, tokenizer, params
-        self.row = TextRow(tokenizer, params)
+    def __init__(self, index: int, strings: TokenStrings, params: SamplingParams, keep_stop_tokens: bool = False):
+        self.index, self.strings, self.params, self.keep_stop_tokens = index, strings, params, keep_stop_tokens
+        self.detok = IncrementalDetokenizer(strings.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output)
+        self.text = ""
         self.token_ids: List[int] = []
-        self.logprobs: Optional[List[Dict[int, Logprob]]] = [] if params.logprobs is not None else None
-        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.entries: List[LogprobEntry] = []
         self.finish_reason: Optional[str] = None
-        self.stop_reason: Union[int, str, None] = None
+        self.stop_reason: Union[int, str, None] = None  # the stop string, or the stop token id (not EOS), that ended it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def push(self, token: int, logprobs: Optional[LogprobEntry], finish_reason: Optional[str]) -> str:
+    def push(self, token: int, entry: Optional[LogprobEntry], finish_reason: Optional[str]) -> str:
         """Take the next token (its ``LogprobEntry`` when the params ask for logprobs, the engine's
-        finish reason when it was the last); returns the text it adds."""
+        finish reason when it was the last); returns the text it adds, and at the end the text
+        still held back."""
         if self.finished:
             return ""
-        if finish_reason != "stop":  # EOS or a stop token id: not part of the output
+        if finish_reason != "stop" or self.keep_stop_tokens:
             self.token_ids.append(token)
-            if self.logprobs is not None:
-                self.logprobs.append(logprob_dict(self.text_of, token, logprobs))
-                self.cumulative_logprob += logprobs[0]
-        text, self.finish_reason, self.stop_reason = self.row.step(token, finish_reason, self.params.stop_token_ids)
+            if self.params.logprobs is not None:
+                self.entries.append(entry)
+        text = self.stops.push(self.detok.push(token)) if finish_reason != "stop" else ""
+        if self.stops.matched is not None:
+            finish_reason, self.stop_reason = "stop", self.stops.matched
+        elif finish_reason == "stop" and token in self.params.stop_token_ids:
+            self.stop_reason = token
+        if finish_reason is not None:
+            text += self.stops.push(self.detok.flush()) + self.stops.flush()
+            self.finish_reason = finish_reason
+        self.text += text
         return text
 
-    def text_of(self, token: int) -> str:
-        """A token's own text, special tokens included (``Logprob.decoded_token``)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
     def output(self) -> CompletionOutput:
-        return CompletionOutput(self.index, self.row.text, list(self.token_ids), self.cumulative_logprob,
-                                self.logprobs, self.finish_reason, self.stop_reason)
+        logprobs = cumulative = None
+        if self.params.logprobs is not None:
+            logprobs = [logprob_dict(self.strings, t, e) for t, e in zip(self.token_ids, self.entries)]
+            cumulative = sum((e[0] for e in self.entries), 0.0)
+        return CompletionOutput(self.index, self.text, list(self.token_ids), cumulative, logprobs,
+                                self.finish_reason, self.stop_reason)
 
 
 def logprob_dict(text: Callable[[int], str], token: int, entry: LogprobEntry) -> Dict[int, Logprob]:

@@ -1,21 +1,18 @@
 """The command line's flags: ``parse_args``, ``check_args`` (every problem in one ``UsageError``)
-and the prompts they name (``read_prompts``). Exit statuses are here too."""
+and the prompts they name (``read_prompts``)."""
 
 from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, prog_name
+from ..api.commands import DEVICE_PATTERN, UsageError, add_model_flags, prog_name
 from ..engine.prompts import MAX_MODEL_LEN
 
 if TYPE_CHECKING:
     import argparse
 
 
-USAGE_ERROR = 2
-RUNTIME_ERROR = 1
-INTERRUPTED = 130
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
 RENAMED_FLAGS = {"--max-new-tokens": "--max-tokens", "--max-seq-len": "--max-model-len",
                  "--max-batch-size": "--max-num-seqs", "--no-cuda-graph": "--enforce-eager"}
@@ -49,9 +46,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     m.add_argument("--model", help="a checkpoint directory (config.json, *.safetensors, tokenizer.json) or a "
                                    "Hugging Face Hub id ORG/NAME (downloaded once into the Hub cache); default: "
                                    "the shipped model, a small Qwen3 trained on Tiny Shakespeare")
-    m.add_argument("--revision", help="branch, tag or commit of a Hub id (default main)")
-    m.add_argument("--offline", action="store_true",
-                   help="use only the local Hub cache (as HF_HUB_OFFLINE=1 does)")
     i = p.add_argument_group("input")
     i.add_argument("--prompt", help="the prompt text (with --interactive: the first user turn)")
     i.add_argument("--batch-file", metavar="FILE", help="one prompt per line ('\\n'; blank lines skipped), '-' for "
@@ -89,19 +83,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     o.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each token's log-probability and the K most likely tokens' (0 to 20)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                   help="weights and KV cache dtype (default bf16 on CUDA, fp32 on CPU)")
     r.add_argument("--max-model-len", type=int, default=None,
                    help="positions a sequence (prompt and new tokens) holds at most (default: sized for the "
                         "prompts, grown as --interactive needs)")
     r.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoded together at most (default 256)")
     r.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
-    r.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
-                        "checkpoint runs in FP8 without it)")
-    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    r.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many GPUs of this host (a worker process each; default 1)")
+    add_model_flags(m, r)
     for old, new in RENAMED_FLAGS.items():
         dest = new[2:].replace("-", "_")
         if new == "--enforce-eager":

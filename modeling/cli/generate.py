@@ -20,44 +20,18 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ..api.commands import UsageError, load_checkpoint, load_llm, say, say_renamed
-from ..common import one_line
-from .args import (INTERRUPTED, PIPE_CLOSED, RENAMED_FLAGS, RUNTIME_ERROR, USAGE_ERROR, check_args, parse_args,
-                   read_prompts, sampling_params)
+from ..api.commands import UsageError, command_main, load_checkpoint, load_llm, say
+from .args import PIPE_CLOSED, RENAMED_FLAGS, check_args, parse_args, read_prompts, sampling_params
 from .interactive import interactive
-from .output import Totals, Writer, _silence_stdout, _tolerant_stdout, escape_line, json_output
+from .output import Totals, Writer, _tolerant_stdout, escape_line, json_output
 
 if TYPE_CHECKING:
     import argparse
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        _tolerant_stdout()
-        try:
-            a = parse_args(argv)
-        except SystemExit as e:  # argparse has printed its usage message (or --help)
-            return USAGE_ERROR if e.code else 0
-        say_renamed(argv, RENAMED_FLAGS)
-        check_args(a)
-        return run(a)
-    except UsageError as e:
-        say(f"error: {e}")
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        say("interrupted")
-        return INTERRUPTED
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
-        _silence_stdout()
-        return PIPE_CLOSED
-    except Exception as e:  # no tracebacks for users; the message says what failed
-        say(f"error: {type(e).__name__}: {one_line(e, typed=False)}")
-        try:  # e.g. stdout on a full disk: what is still buffered would fail again at exit
-            if sys.stdout is not None:
-                sys.stdout.flush()
-        except (OSError, ValueError):
-            _silence_stdout()
-        return RUNTIME_ERROR
+    _tolerant_stdout()
+    return command_main(argv, parse_args, RENAMED_FLAGS, check_args, run, PIPE_CLOSED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,45 +69,40 @@ def run(a: argparse.Namespace) -> int:
     if device.type == "cpu":
         why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
         say(f"note: {why}: running eagerly on the CPU ({backend_name(device, dtype).split(' (')[0]}), slowly")
-    if a.max_model_len is not None and a.max_model_len > config.max_position_embeddings:
-        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings "
-                         f"({config.max_position_embeddings})")
-    engine_args = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, enforce_eager=a.enforce_eager,
-                       quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
-
-    if a.interactive:
-        return interactive(a, ck, params, device, dtype, engine_args, out, template_kwargs)
-
-    if a.chat:
-        system = [{"role": "system", "content": a.system}] if a.system is not None else []
-        try:
-            prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}],
-                                                    add_generation_prompt=True, **template_kwargs)
-                            for p in prompts_text]
-        except ChatTemplateError as e:
-            raise UsageError(str(e)) from None
-    prompts = []
-    for i, text in enumerate(prompts_text):
-        try:
-            ids = tokenizer.encode(text)
-            check_ids(ids, f"prompt {i}", config.vocab_size)
-        except ValueError as e:
-            raise UsageError(f"prompt {i}: {e}") from None
-        prompts.append({"prompt_token_ids": ids})
-
-    longest = max(len(p["prompt_token_ids"]) for p in prompts)
-    limit = a.max_model_len or config.max_position_embeddings
-    if longest >= limit:
-        what = "--max-model-len" if a.max_model_len else "the model's max_position_embeddings"
-        raise UsageError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} positions ({what})")
-    if longest + params.max_tokens > limit:
-        what = "--max-tokens" if a.max_tokens is not None else "max tokens (the checkpoint's or the default)"
-        say(f"note: {what} cut to {limit - longest} for the longest prompt: a sequence holds {limit} positions")
-
+    if not a.interactive:
+        if a.chat:
+            system = [{"role": "system", "content": a.system}] if a.system is not None else []
+            try:
+                prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}],
+                                                        add_generation_prompt=True, **template_kwargs)
+                                for p in prompts_text]
+            except ChatTemplateError as e:
+                raise UsageError(str(e)) from None
+        prompts = []
+        for i, text in enumerate(prompts_text):
+            try:
+                ids = tokenizer.encode(text)
+                check_ids(ids, f"prompt {i}", config.vocab_size)
+            except ValueError as e:
+                raise UsageError(f"prompt {i}: {e}") from None
+            prompts.append({"prompt_token_ids": ids})
+        longest = max(len(p["prompt_token_ids"]) for p in prompts)
+        limit = a.max_model_len or config.max_position_embeddings
+        if longest >= limit:
+            what = "--max-model-len" if a.max_model_len else "the model's max_position_embeddings"
+            raise UsageError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} positions "
+                             f"({what})")
+        if longest + params.max_tokens > limit:
+            what = "--max-tokens" if a.max_tokens is not None else "max tokens (the checkpoint's or the default)"
+            say(f"note: {what} cut to {limit - longest} for the longest prompt: a sequence holds {limit} positions")
     totals = Totals(device, dtype, device.type == "cuda" and not a.enforce_eager)
-    llm = load_llm(ck, device, dtype, **engine_args)
+    llm = load_llm(ck, device, dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                   enforce_eager=a.enforce_eager, quantization=a.quantization,
+                   tensor_parallel_size=a.tensor_parallel_size)
     try:
-        if a.batch_file is None and not a.json:  # one prompt, streamed
+        if a.interactive:
+            interactive(a, llm, params, out, totals, template_kwargs)
+        elif a.batch_file is None and not a.json:  # one prompt, streamed
             stream = llm.stream(prompts[0], params)
             for piece in stream:
                 out.write(piece)

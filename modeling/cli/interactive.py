@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional
 
-from ..api.commands import load_llm, say
+from ..api.commands import say
 from .args import _unicode_problem
 from .output import Totals, Writer, json_output
 
@@ -44,9 +44,9 @@ def _line_reader():
     return read_pipe
 
 
-def interactive(a, ck, params, device, dtype, engine_args, out: Writer, template_kwargs) -> int:
-    """A multi-turn chat: each stdin line is a user turn, the reply streams to stdout (or one JSON
-    object with --json). ``/reset`` forgets the conversation (the system message stays), end of
+def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) -> None:
+    """A multi-turn chat with ``llm``: each stdin line is a user turn, the reply streams to stdout
+    (or one JSON object with --json; each reply counts in ``totals``). ``/reset`` forgets the conversation (the system message stays), end of
     input (Ctrl-D) leaves, Ctrl-C during a reply cuts it short (at the prompt: leaves, status 130).
     Each turn's prompt is the whole conversation so far (the engine's prefix cache reuses what it
     computed of it before, on models of attention layers)."""
@@ -54,8 +54,6 @@ def interactive(a, ck, params, device, dtype, engine_args, out: Writer, template
     from ..engine.prompts import ContextLengthError
     from ..model.device import DoesNotFit
 
-    totals = Totals(device, dtype, device.type == "cuda" and not a.enforce_eager)
-    llm = load_llm(ck, device, dtype, **engine_args)
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
     history: List[Dict[str, str]] = list(system)
     read = _line_reader()
@@ -108,5 +106,3 @@ def interactive(a, ck, params, device, dtype, engine_args, out: Writer, template
             out.write("\n")
         turn += 1
         history.append({"role": "assistant", "content": reply.text})
-    say(totals.line())
-    return 0

@@ -4,7 +4,6 @@ piece, JSON lines), the stats line (``Totals``, ``path_that_ran``). One line on 
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Dict, Optional
 
@@ -23,18 +22,6 @@ def _tolerant_stdout() -> None:
             out.reconfigure(errors="replace")
         except (ValueError, OSError, AttributeError):
             pass
-
-
-def _silence_stdout() -> None:
-    """After a broken pipe: point fd 1 at /dev/null, so the interpreter's final flush is quiet."""
-    try:
-        fd = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(fd, sys.stdout.fileno())
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 class Totals:

@@ -32,7 +32,7 @@ from ..common import is_int
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
 from .prefill_logprobs import PromptScores, prompt_rows
-from .prompts import MAX_MODEL_LEN, check_room, checked_token_ids
+from .prompts import check_engine_args, check_room, checked_token_ids
 from .runner import StepRunner
 from .sampler import SampledTokens, sample_sequences
 from .sampling_params import SamplingParams
@@ -129,11 +129,7 @@ class Engine:
         self.workers = workers
         self.model, self.tokenizer = model, tokenizer
         self._grammars: Optional[Grammars] = None  # made at the first structured request
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not (is_int(value) and value >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
-            raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
+        check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         hybrid = any(kind != "full_attention" for kind in c.layer_types)
         reserve = max_num_batched_tokens * c.hidden_size * 64 * model.dtype.itemsize  # the step's activations

@@ -1,7 +1,7 @@
 """The prompt checks every way in shares (``Engine.add``, ``LLM``, the server): token ids
 (``checked_token_ids``; ``check_ids`` for lists of ints), the room a request leaves in
-``max_model_len`` positions (``check_room``, ``ContextLengthError``) and the longest
-``max_model_len`` (``MAX_MODEL_LEN``). Imports no torch until a check runs, so the command line
+``max_model_len`` positions (``check_room``, ``ContextLengthError``), the longest
+``max_model_len`` (``MAX_MODEL_LEN``) and the engine's sizes (``check_engine_args``). Imports no torch until a check runs, so the command line
 can name ``MAX_MODEL_LEN`` from its first instant."""
 
 from collections.abc import Mapping
@@ -11,6 +11,17 @@ from ..common import is_int
 
 MAX_MODEL_LEN = 2**31 - 1
 """Positions and cache lengths are int32 on the device."""
+
+
+def check_engine_args(max_model_len: Any, max_num_seqs: Any, max_num_batched_tokens: Any) -> None:
+    """A ``ValueError`` naming the argument for a ``max_model_len`` that is not an integer in [2,
+    ``MAX_MODEL_LEN``] (None passes), or a ``max_num_seqs`` or ``max_num_batched_tokens`` that is not
+    an integer >= 1 (``LLM`` and ``Engine`` check theirs here)."""
+    if max_model_len is not None and not (is_int(max_model_len) and 2 <= max_model_len <= MAX_MODEL_LEN):
+        raise ValueError(f"max_model_len must be an integer in [2, {MAX_MODEL_LEN}] (or None), got {max_model_len!r}")
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not (is_int(value) and value >= 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 class ContextLengthError(ValueError):

@@ -6,12 +6,12 @@
   log line.
 - ``protocol``: request bodies validated into a ``Plan`` (prompts' token ids, each choice's
   ``SamplingParams``).
-- ``generation``: one request's choices in the engine, their text (``modeling.api.outputs.TextRow``) and
-  the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes and SSE events.
+- ``generation``: one request's choices in the engine, their text (``modeling.api.outputs.Completion``)
+  and the response or stream chunks built from it; ``responses``: OpenAI's JSON shapes and SSE events.
 - ``chat_output``: Qwen3's ``<think>`` block and Qwen's ``<tool_call>`` blocks parsed out of a reply.
-- ``engine_core``: the loop that steps the engine and reports each step (in the engine's process);
-  ``engine_process``: that process and its pipes; ``engine_loop``: the server's side of it
-  (``EngineClient`` hands each request its tokens), or the loop in a thread (``ThreadTransport``).
+- ``engine_loop``: the loop that steps the engine and reports each step (``EngineCore``, in the
+  engine's process or a thread, ``ThreadTransport``) and the server's side of it (``EngineClient``
+  hands each request its tokens); ``engine_process``: the engine's process and its pipes.
 - ``connections``: uvicorn's HTTP protocol with a deadline for each request's head and a cap on the
   connections open at once.
 - ``metrics``: Prometheus metrics; ``drain``: SIGTERM/SIGINT handling; ``errors``: OpenAI's error JSON.

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, DTYPE_CHOICES, UsageError, load_checkpoint, prog_name, say, say_renamed
+from ..api.commands import DEVICE_PATTERN, UsageError, add_model_flags, command_main, load_checkpoint, prog_name, say
 from .chat_output import TOOL_PARSERS
 
 API_KEY_ENV = "QWEN_API_KEY"
@@ -46,8 +46,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     m = p.add_argument_group("model")
     m.add_argument("--model", help="a checkpoint directory or a Hugging Face Hub id ORG/NAME; default: the shipped "
                                    "model, a small Qwen3 trained on Tiny Shakespeare")
-    m.add_argument("--revision", help="branch, tag or commit of a Hub id (default main)")
-    m.add_argument("--offline", action="store_true", help="use only the local Hub cache (as HF_HUB_OFFLINE=1 does)")
     m.add_argument("--served-model-name", help="the model id clients name and /v1/models lists (default: --model "
                                                f"as given, or {DEFAULT_MODEL_NAME!r} for the shipped model)")
     h = p.add_argument_group("http")
@@ -85,15 +83,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="new tokens in one engine step (default 8192)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the free device memory the KV cache pool takes (default 0.9; CUDA only)")
-    e.add_argument("--dtype", choices=DTYPE_CHOICES, help="weights and KV cache dtype (default bf16 on CUDA, "
-                                                          "fp32 on CPU)")
-    e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
     e.add_argument("--enforce-eager", action="store_true", help="run every engine step eagerly (no CUDA graphs)")
-    e.add_argument("--quantization", choices=["fp8"], default=None,
-                   help="fp8: quantise the layers' linear weights and experts to FP8 as they load (an FP8 "
-                        "checkpoint runs in FP8 without it)")
-    e.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many GPUs of this host (a worker process each; default 1)")
+    add_model_flags(m, e)
     e.add_argument("--memory-fraction", dest="gpu_memory_utilization", type=float, help=argparse.SUPPRESS)
     e.add_argument("--no-cuda-graph", dest="enforce_eager", action="store_const", const=True, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -130,23 +121,7 @@ def check_args(a: argparse.Namespace) -> None:
 def main(argv: Optional[Sequence[str]] = None, factory: Optional[Callable] = None) -> int:
     """The command line's exit status. ``factory``: ``EngineSpec.factory``, a stand-in engine (the
     server's host-path benchmark, ``bench.serve_paced``)."""
-    try:
-        a = parse_args(argv)
-    except SystemExit as e:
-        return 2 if e.code else 0
-    say_renamed(argv, RENAMED_FLAGS)
-    try:
-        check_args(a)
-        return serve(a, factory)
-    except UsageError as e:
-        say(f"error: {e}")
-        return 2
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    except Exception as e:  # one line, no traceback (a request's failures are logged by the server)
-        say(f"error: {type(e).__name__}: {' '.join(str(e).split())}")
-        return 1
+    return command_main(argv, parse_args, RENAMED_FLAGS, check_args, lambda a: serve(a, factory))
 
 
 def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
@@ -159,16 +134,12 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     except ImportError as e:
         raise UsageError(f"the server needs the 'serve' extra (missing {e.name}): "
                          "pip install 'qwen-triton-ops[serve]'") from None
-    from ..api.frontend import Frontend
     from .engine_loop import EngineClient
     from .engine_process import EngineSpec, EngineStartError, ProcessTransport
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("modeling.serve")
     ck = load_checkpoint(a)
-    limit = ck.config.max_position_embeddings
-    if a.max_model_len is not None and a.max_model_len > limit:
-        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
     spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
@@ -196,8 +167,8 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
             server.should_exit = True
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
-    state = ServerState(Frontend(ck), client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                                       a.body_timeout, a.strict_requests, a.tool_call_parser))
+    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
+                                         a.body_timeout, a.strict_requests, a.tool_call_parser))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))

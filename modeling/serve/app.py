@@ -24,13 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..api.frontend import Frontend
+from ..api.checkpoint import Checkpoint
+from ..api.outputs import TokenStrings
 from .engine_loop import EngineClient
 from .errors import APIError, error_body
 from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
-from .responses import SSE_DONE, Envelope, TokenStrings, sse, usage
+from .responses import SSE_DONE, Envelope, sse, usage
 from .structured import GrammarCheck
 from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
 
@@ -49,14 +50,14 @@ class Settings:
 
 
 class ServerState:
-    """What the routes share: the model's text side (``llm``: tokenizer, chat template, EOS ids), the
+    """What the routes share: the checkpoint (``ck``: tokenizer, chat template, EOS ids), the
     engine's client (``loop``: started with the app, stopped after it), the metrics, and the
     draining flag."""
 
-    def __init__(self, llm: Frontend, loop: EngineClient, settings: Settings):
-        self.llm, self.loop, self.settings = llm, loop, settings
-        self.strings = TokenStrings(llm.tokenizer)
-        self.grammars = GrammarCheck(llm.tokenizer, llm.config.vocab_size)
+    def __init__(self, ck: Checkpoint, loop: EngineClient, settings: Settings):
+        self.ck, self.loop, self.settings = ck, loop, settings
+        self.strings = TokenStrings(ck.tokenizer)
+        self.grammars = GrammarCheck(ck.tokenizer, ck.config.vocab_size)
         self.metrics = Metrics(loop)
         self.draining = False
         self.created = int(time.time())
@@ -150,7 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def model_card() -> Dict[str, Any]:
         return {"id": state.settings.served_model_name, "object": "model", "created": state.created,
-                "owned_by": "qwen-triton-ops", "root": str(state.llm.path), "max_model_len": state.loop.max_model_len}
+                "owned_by": "qwen-triton-ops", "root": str(state.ck.path), "max_model_len": state.loop.max_model_len}
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers send HEAD
     async def health():
@@ -181,13 +182,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def post_tokenize(request: Request):
         state.authorize(request)
         req = await read_request(request, tokenize_request)
-        return tokenize(req, state.llm, state.loop.max_model_len)
+        return tokenize(req, state.ck, state.loop.max_model_len)
 
     @app.post("/detokenize")
     async def post_detokenize(request: Request):
         state.authorize(request)
         req = await read_request(request, lambda body, strict: parse(DetokenizeRequest, body, strict))
-        return detokenize(req, state.llm)
+        return detokenize(req, state.ck)
 
     async def read_request(request: Request, parser: Callable[[bytes, bool], Any]) -> Any:
         """The request's body parsed (``parser(body, strict)``); a 404 if it names another model."""
@@ -216,9 +217,9 @@ def create_app(state: ServerState) -> FastAPI:
         req = await read_request(request, lambda body, strict: parse(
             ChatCompletionRequest if chat else CompletionRequest, body, strict))
         if chat:
-            plan = plan_chat(req, state.llm, state.loop.max_model_len, state.settings.tool_call_parser)
+            plan = plan_chat(req, state.ck, state.loop.max_model_len, state.settings.tool_call_parser)
         else:
-            plan = plan_completion(req, state.llm, state.loop.max_model_len)
+            plan = plan_completion(req, state.ck, state.loop.max_model_len)
         await state.grammars.check(plan.params[0].structured_outputs, plan.constraint_field)
         check_admission(state.loop, plan, state.settings.max_waiting)
         gen = Generation(plan, chat, state.loop, state.strings, arrival)

@@ -3,7 +3,7 @@
 The server process keeps the HTTP side (requests, tokenizer, chat templates, detokenization,
 streaming) and never loads the weights; a child process (``multiprocessing`` spawn: CUDA does not
 survive a fork) loads them, builds the ``Engine``, warms it up on CUDA, says it is ready, then
-runs ``engine_core.EngineCore``. The two share no interpreter: the event loop's Python never delays
+runs ``engine_loop.EngineCore``. The two share no interpreter: the event loop's Python never delays
 a step, and the engine's never delays a stream. Requests go to the child through a pipe that the
 event loop writes without blocking (``put``: what the pipe does not take now is written when it
 is writable, ``add_writer``), in ``multiprocessing.Connection``'s framing, so the child reads
@@ -234,7 +234,7 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..api.commands import UsageError
-    from .engine_core import EngineCore
+    from .engine_loop import EngineCore
 
     try:
         engine, info = (spec.factory or _build)(spec)

@@ -1,20 +1,19 @@
 """One API request in the engine: its choices (``n`` per prompt) submitted together, their tokens
-turned into text as they arrive (``modeling.api.outputs.TextRow``: incremental detokenization and stop
-strings, as ``LLM`` does; ``ChatOutput`` splits a chat reply into reasoning, content and tool
-calls), and the choices of the response or of each streamed chunk built from them."""
+turned into text as they arrive (each a ``modeling.api.outputs.Completion``: incremental
+detokenization and stop strings, as ``LLM``'s; ``ChatOutput`` splits a chat reply into reasoning,
+content and tool calls), and the choices of the response or of each streamed chunk built from them."""
 
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..api.outputs import TextRow
+from ..api.outputs import Completion, TokenStrings
 from ..engine.sampling_params import SamplingParams
 from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
-from .responses import (TokenStrings, chat_logprobs, completion_logprobs, new_call_id, prompt_logprobs, tool_call,
-                        tool_call_delta)
+from .responses import chat_logprobs, completion_logprobs, new_call_id, prompt_logprobs, tool_call, tool_call_delta
 
 
 class EngineError(Exception):
@@ -51,23 +50,20 @@ def merged(deltas: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-class Choice:
-    """One sequence of a request: choice ``index`` of ``prompt``."""
+class Choice(Completion):
+    """One sequence of a request: choice ``index`` of ``prompt`` (its stop token counts: it stays in
+    ``token_ids`` and ``entries``)."""
 
     def __init__(self, index: int, prompt: Prompt, params: SamplingParams, plan: Plan, chat: bool,
                  strings: TokenStrings):
-        self.index, self.prompt, self.params = index, prompt, params
-        self.row = TextRow(strings.tokenizer, params)
+        super().__init__(index, strings, params, keep_stop_tokens=True)
+        self.prompt = prompt
         self.chat = ChatOutput(plan.reasoning, plan.tool_calls, plan.prompt_text, plan.tool_form,
                                plan.tool_types) if chat else None
         self.parallel_tool_calls = plan.parallel_tool_calls
         self.rid: Optional[int] = None  # its request id in the engine, once submitted
-        self.token_ids: List[int] = []
-        self.logprobs: List[tuple] = []
-        self.text = self.reasoning = self.content = ""
+        self.reasoning = self.content = ""
         self.call_ids: Dict[int, str] = {}  # a streamed call's id, by its index
-        self.finish_reason: Optional[str] = None
-        self.stop_reason: Any = None  # the stop string, or the stop token id (not EOS), that ended it
         self.admitted: Optional[float] = None
         self.first_token: Optional[float] = None
         self.finished_at: Optional[float] = None
@@ -78,34 +74,30 @@ class Choice:
     def consume(self, events: List[TokenEvent]) -> Optional[Piece]:
         """Take this step's tokens; None once the choice has finished (tokens the engine sampled
         after a stop string matched, before its abort landed, are dropped)."""
-        if self.finish_reason is not None:
+        if self.finished:
             return None
-        piece, text, reason = Piece(), "", None
+        piece = Piece()
         now = time.perf_counter()
         for ev in events:
             if self.admitted is None:
                 self.admitted, self.first_token = ev.admitted, now
             if ev.prompt_logprobs is not None:
                 self.prompt_logprobs = ev.prompt_logprobs
-            self.token_ids.append(ev.token)
             piece.token_ids.append(ev.token)
             if ev.logprobs is not None:
-                self.logprobs.append(ev.logprobs)
                 piece.logprobs.append(ev.logprobs)
-            more, reason, self.stop_reason = self.row.step(ev.token, ev.finish_reason, self.params.stop_token_ids)
-            text += more
-            if reason is not None:
+            piece.text += self.push(ev.token, ev.logprobs, ev.finish_reason)
+            if self.finished:
                 break
-        self.text += text
-        piece.text = text
         if self.chat is not None:
-            piece.reasoning, piece.content, piece.call_deltas = self._split(text, reason is not None)
+            piece.reasoning, piece.content, piece.call_deltas = self._split(piece.text, self.finished)
         else:
-            piece.content = text
-        if reason is not None:
+            piece.content = piece.text
+        if self.finished:
             self.finished_at = now
-            self.finish_reason = piece.finish_reason = (
-                "tool_calls" if reason == "stop" and self.calls else reason)
+            if self.finish_reason == "stop" and self.calls:
+                self.finish_reason = "tool_calls"
+            piece.finish_reason = self.finish_reason
         return piece
 
     @property
@@ -153,7 +145,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return all(c.finished for c in self.choices)
 
     async def next(self) -> List[Tuple[Choice, Piece]]:
         """The pieces of the engine steps that reached this request since the last call, one per
@@ -180,7 +172,7 @@ class Generation:
             piece = c.consume(events)
             if piece is None:
                 continue
-            if c.row.stops.matched is not None:
+            if c.stops.matched is not None:
                 self.loop.abort(c.rid)  # the engine stops it at once
             out.append((c, piece))
         if self.done and self.finished_at is None:
@@ -190,7 +182,7 @@ class Generation:
     def abort(self) -> None:
         """Stop every unfinished choice (a client gone, a drain timeout, an error)."""
         for c in self.choices:
-            if c.rid is not None and c.finish_reason is None:
+            if c.rid is not None and not c.finished:
                 self.loop.abort(c.rid)
                 c.finish_reason = "abort"
 
@@ -244,7 +236,7 @@ class Generation:
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.plan.logprobs is not None:
             ids, entries = self._echo_logprobs(c) if self.plan.echo else ([], [])
-            out["logprobs"] = completion_logprobs(ids + c.token_ids, entries + c.logprobs, self.strings, 0)
+            out["logprobs"] = completion_logprobs(ids + c.token_ids, entries + c.entries, self.strings, 0)
         if self.plan.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs(c)
         if self.plan.return_token_ids:
@@ -268,7 +260,7 @@ class Generation:
         out = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
                "stop_reason": c.stop_reason}
         if self.plan.logprobs is not None:
-            out["logprobs"] = chat_logprobs(c.token_ids, c.logprobs, self.strings)
+            out["logprobs"] = chat_logprobs(c.token_ids, c.entries, self.strings)
         if self.plan.return_token_ids:
             out.update(prompt_token_ids=c.prompt.ids, token_ids=c.token_ids)
         return out

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..api.frontend import Frontend, TemplateKwargsError
+from ..api.checkpoint import Checkpoint, TemplateKwargsError
 from ..common import is_int
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
@@ -242,7 +242,7 @@ def _refuse_neutral(req: _Request) -> None:
             raise unsupported(name, why)
 
 
-def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
+def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
               structured: Optional[StructuredOutputs] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """The request's sampling values over the checkpoint's defaults (a 400 naming a bad value),
     with the output constraint ``structured`` (``structured.structured_of``) and the engine's
@@ -260,13 +260,13 @@ def _sampling(req: _Request, llm: Frontend, logprobs: Optional[int],
     limit = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if limit is not None and req.min_tokens > limit:
         raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
-    bias = _logit_bias(req.logit_bias, llm.config.vocab_size)
-    outside = [t for t in req.allowed_token_ids or () if not 0 <= t < llm.config.vocab_size]
+    bias = _logit_bias(req.logit_bias, ck.config.vocab_size)
+    outside = [t for t in req.allowed_token_ids or () if not 0 <= t < ck.config.vocab_size]
     if outside:
         raise invalid(f"'allowed_token_ids' {outside[:4]} lie outside the model's vocabulary "
-                      f"[0, {llm.config.vocab_size})", "allowed_token_ids")
+                      f"[0, {ck.config.vocab_size})", "allowed_token_ids")
     try:
-        return replace(llm.get_default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
+        return replace(ck.default_sampling_params(), **given, max_tokens=None, stop=tuple(stop),
                        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                        skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, min_tokens=req.min_tokens,
                        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=bias,
@@ -321,14 +321,14 @@ def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[i
     return out
 
 
-def _stop_ids(llm: Frontend, params: SamplingParams) -> List[int]:
+def _stop_ids(ck: Checkpoint, params: SamplingParams) -> List[int]:
     try:
-        return llm.stop_ids(params)
+        return ck.stop_ids(params)
     except ValueError as e:
         raise invalid(str(e), "stop_token_ids") from None
 
 
-def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
+def completion_prompts(prompt: Any, ck: Checkpoint) -> List[Prompt]:
     """``prompt`` as OpenAI takes it: a str, a list of str, a list of token ids, or a list of lists
     of token ids (a token id is an integer in the vocabulary, never a float or a bool)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(is_int, prompt))):
@@ -343,7 +343,7 @@ def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
         where = "prompt" if len(items) == 1 and item is prompt else f"prompt[{i}]"
         if isinstance(item, str):
             try:
-                ids = llm.tokenizer.encode(item)
+                ids = ck.tokenizer.encode(item)
             except ValueError as e:
                 raise invalid(f"'{where}': {e}", "prompt") from None
             if not ids:
@@ -351,7 +351,7 @@ def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
             out.append(Prompt(item, ids))
         elif isinstance(item, list):
             try:
-                out.append(Prompt(None, checked_token_ids(item, where, llm.config.vocab_size)))
+                out.append(Prompt(None, checked_token_ids(item, where, ck.config.vocab_size)))
             except ValueError as e:
                 raise invalid(str(e), "prompt") from None
         else:
@@ -359,7 +359,7 @@ def completion_prompts(prompt: Any, llm: Frontend) -> List[Prompt]:
     return out
 
 
-def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -> Plan:
+def plan_completion(req: CompletionRequest, ck: Checkpoint, max_model_len: int) -> Plan:
     """What a completion request runs. ``echo`` with ``logprobs`` asks the engine for the prompt's
     logprobs too (the larger of ``logprobs`` and ``prompt_logprobs`` top tokens), as vLLM does."""
     _refuse_neutral(req)
@@ -367,11 +367,11 @@ def plan_completion(req: CompletionRequest, llm: Frontend, max_model_len: int) -
     echoed = req.logprobs if req.echo else None
     asked = [k for k in (shown, echoed) if k is not None]
     structured, field = structured_of(req)
-    base = _sampling(req, llm, req.logprobs, structured, max(asked) if asked else None)
-    prompts = truncated(completion_prompts(req.prompt, llm), base.truncate_prompt_tokens)
-    default = llm.checkpoint.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
+    base = _sampling(req, ck, req.logprobs, structured, max(asked) if asked else None)
+    prompts = truncated(completion_prompts(req.prompt, ck), base.truncate_prompt_tokens)
+    default = ck.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
-    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n, req.stream), budget, _stop_ids(llm, base),
+    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n, req.stream), budget, _stop_ids(ck, base),
                 req.stream, _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo,
                 prompt_logprobs=shown, constraint_field=field)
 
@@ -430,7 +430,7 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str, Any]]]:
+def _tools(req: ChatCompletionRequest, ck: Checkpoint) -> Optional[List[Dict[str, Any]]]:
     """The tools to render, or None."""
     choice = req.tool_choice
     if not (choice in (None, "auto", "none", "required") or isinstance(choice, dict)):
@@ -439,7 +439,7 @@ def _tools(req: ChatCompletionRequest, llm: Frontend) -> Optional[List[Dict[str,
     if choice == "none":
         _check_tools(req.tools)
         return None
-    return render_tools(req.tools, llm)
+    return render_tools(req.tools, ck)
 
 
 def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
@@ -461,30 +461,29 @@ def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]
     return named
 
 
-def _mentions(llm: Frontend, text: str) -> bool:
+def _mentions(ck: Checkpoint, text: str) -> bool:
     """Whether ``text`` occurs in the checkpoint's chat template or in one of its named ones."""
-    template = llm.chat_template
+    template = ck.chat_template
     return any(text in source for source in (template.source, *template.named.values()))
 
 
-def tool_form(llm: Frontend, parser: Optional[str]) -> str:
+def tool_form(ck: Checkpoint, parser: Optional[str]) -> str:
     """The tool-call form to parse and force: ``parser`` (``--tool-call-parser``) when given, else
     "xml" when the chat template writes ``<function=`` calls, else "json"."""
     if parser is not None:
         return TOOL_PARSERS[parser]
-    return "xml" if _mentions(llm, "<function=") else "json"
+    return "xml" if _mentions(ck, "<function=") else "json"
 
 
-
-def render_tools(tools: Optional[List[Dict[str, Any]]], llm: Frontend) -> Optional[List[Dict[str, Any]]]:
+def render_tools(tools: Optional[List[Dict[str, Any]]], ck: Checkpoint) -> Optional[List[Dict[str, Any]]]:
     """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
     none; a 400 for tools given to a chat template that never reads them (they would be dropped
     unseen)."""
     _check_tools(tools)
     if not tools:
         return None
-    if not _mentions(llm, "tools"):
-        raise unsupported("tools", f"the checkpoint's chat template ({llm.chat_template.origin}) does not render tools")
+    if not _mentions(ck, "tools"):
+        raise unsupported("tools", f"the checkpoint's chat template ({ck.chat_template.origin}) does not render tools")
     return tools
 
 
@@ -495,13 +494,24 @@ def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
             raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
 
 
-def thinking_on(llm: Frontend, template_kwargs: Dict[str, Any]) -> bool:
+def render_chat(ck: Checkpoint, messages: List[Dict[str, Any]], add_generation_prompt: bool,
+                template_kwargs: Dict[str, Any], tools: Optional[List[Dict[str, Any]]]) -> str:
+    """The prompt text of a conversation (``Checkpoint.render_chat``), or a 400 saying why not."""
+    try:
+        return ck.render_chat(messages, add_generation_prompt, chat_template_kwargs=template_kwargs, tools=tools)
+    except TemplateKwargsError as e:
+        raise invalid(str(e), "chat_template_kwargs") from None
+    except (ChatTemplateError, ValueError) as e:
+        raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
+
+
+def thinking_on(ck: Checkpoint, template_kwargs: Dict[str, Any]) -> bool:
     """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
     the request did not pass ``enable_thinking: false``."""
-    return _mentions(llm, "<think>") and template_kwargs.get("enable_thinking", True) is not False
+    return _mentions(ck, "<think>") and template_kwargs.get("enable_thinking", True) is not False
 
 
-def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
+def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
     """What a chat request runs; ``tool_parser``: ``--tool-call-parser`` (None: from the template)."""
     _refuse_neutral(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -513,36 +523,34 @@ def plan_chat(req: ChatCompletionRequest, llm: Frontend, max_model_len: int, too
         raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                       "top_logprobs")
     messages = chat_messages(req.messages)
-    tools = _tools(req, llm)
+    tools = _tools(req, ck)
     kwargs = dict(req.chat_template_kwargs or {})
+    text = render_chat(ck, messages, req.add_generation_prompt, kwargs, tools)
     try:
-        text = llm.render_chat(messages, req.add_generation_prompt, chat_template_kwargs=kwargs, tools=tools)
-        ids = llm.tokenizer.encode(text)
-    except TemplateKwargsError as e:
-        raise invalid(str(e), "chat_template_kwargs") from None
-    except (ChatTemplateError, ValueError) as e:
+        ids = ck.tokenizer.encode(text)
+    except ValueError as e:
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
     if not ids:
         raise invalid("the rendered conversation is empty", "messages")
     structured, constraint = structured_of(req)
-    form = tool_form(llm, tool_parser)
+    form = tool_form(ck, tool_parser)
     forced = forced_tools(req, tools)
     if forced is not None:
         if structured is not None:
             raise invalid(f"'tool_choice' forces a call: no '{constraint}' with it", "tool_choice")
         structured, constraint = StructuredOutputs(grammar=forced_call_grammar(forced, form)), "tool_choice"
     shown = _prompt_logprobs(req)
-    base = _sampling(req, llm, (req.top_logprobs or 0) if req.logprobs else None, structured, shown)
+    base = _sampling(req, ck, (req.top_logprobs or 0) if req.logprobs else None, structured, shown)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
-    budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, llm.checkpoint.defaults.max_new_tokens,
+    budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, ck.defaults.max_new_tokens,
                      max_model_len, field, "messages")
     types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or ()}
-    return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(llm, base), req.stream,
+    return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(ck, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, prompt_logprobs=shown,
                 tool_calls=tools is not None,
-                parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(llm, kwargs),
+                parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(ck, kwargs),
                 prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
 
 

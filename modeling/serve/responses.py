@@ -7,8 +7,7 @@ import uuid
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..api.outputs import logprob_dict
-from ..api.tokenizer import QwenTokenizer
+from ..api.outputs import TokenStrings, logprob_dict
 from ..engine.sequence import LogprobEntry
 
 
@@ -26,21 +25,6 @@ SSE_DONE = "data: [DONE]\n\n"
 def usage(prompt_tokens: int, completion_tokens: int) -> Dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-class TokenStrings:
-    """Each token id's own text (as the logprobs show it; a piece of a multi-byte character
-    decodes as U+FFFD), cached."""
-
-    def __init__(self, tokenizer: QwenTokenizer):
-        self.tokenizer = tokenizer
-        self._cache: Dict[int, str] = {}
-
-    def __call__(self, token: int) -> str:
-        s = self._cache.get(token)
-        if s is None:
-            s = self._cache[token] = self.tokenizer.decode([token])
-        return s
 
 
 def completion_logprobs(tokens: Sequence[int], entries: Sequence[Optional[LogprobEntry]], strings: TokenStrings,

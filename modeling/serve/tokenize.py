@@ -12,11 +12,10 @@ import json
 from importlib import metadata
 from typing import Any, Dict, List, Optional
 
-from ..api.frontend import Frontend, TemplateKwargsError
-from ..chat.template import ChatTemplateError
+from ..api.checkpoint import Checkpoint
 from ..engine.prompts import checked_token_ids
 from .errors import invalid
-from .protocol import Fields, chat_messages, parse, render_tools
+from .protocol import Fields, chat_messages, parse, render_chat, render_tools
 
 PACKAGE = "qwen-triton-ops"
 
@@ -52,35 +51,29 @@ def tokenize_request(body: bytes, strict: bool) -> Fields:
     return parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body, strict)
 
 
-def tokenize(req: Fields, llm: Frontend, max_model_len: int) -> Dict[str, Any]:
+def tokenize(req: Fields, ck: Checkpoint, max_model_len: int) -> Dict[str, Any]:
     """The response of ``/tokenize``."""
     if isinstance(req, TokenizeChatRequest):
-        kwargs = dict(req.chat_template_kwargs or {})
-        try:
-            text = llm.render_chat(chat_messages(req.messages), req.add_generation_prompt, chat_template_kwargs=kwargs,
-                                   tools=render_tools(req.tools, llm))
-        except TemplateKwargsError as e:
-            raise invalid(str(e), "chat_template_kwargs") from None
-        except (ChatTemplateError, ValueError) as e:
-            raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
+        text = render_chat(ck, chat_messages(req.messages), req.add_generation_prompt,
+                           dict(req.chat_template_kwargs or {}), render_tools(req.tools, ck))
         where = "messages"
     else:
         text, where = req.prompt, "prompt"
     try:
-        ids = llm.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = ck.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     except ValueError as e:
         raise invalid(f"'{where}': {e}", where) from None
-    strs = [llm.tokenizer.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    strs = [ck.tokenizer.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def detokenize(req: DetokenizeRequest, llm: Frontend) -> Dict[str, Any]:
+def detokenize(req: DetokenizeRequest, ck: Checkpoint) -> Dict[str, Any]:
     """The response of ``/detokenize``: the ids' text, special tokens included (as vLLM's)."""
     try:
-        ids = checked_token_ids(req.tokens, "tokens", llm.config.vocab_size)
+        ids = checked_token_ids(req.tokens, "tokens", ck.config.vocab_size)
     except ValueError as e:
         raise invalid(str(e), "tokens") from None
-    return {"prompt": llm.tokenizer.decode(ids)}
+    return {"prompt": ck.tokenizer.decode(ids)}
 
 
 def version() -> Dict[str, str]:
