@@ -9,11 +9,12 @@ Rows (random weights, bf16, greedy, ms per decode step; one step decodes the who
 - ours: the engine's decode-only steps (``modeling.engine.Engine``: what ``LLM``, the command
   line and the server run), ``batch`` prompts of ``context`` tokens prefilled, then ``--steps``
   decode steps timed from their first token on (CUDA graphs captured, lookahead on, every token
-  read back on the host); with the decode kernels the step runner picks (``ours``: the
-  persistent kernel at batch 1 for Qwen3, the fused decode ops for Qwen3.5, op by op at batch
-  8) and each forced (``ours, persistent kernel`` / ``fused ops`` / ``op by op``:
-  ``Engine(decode_kernels=...)``), batch 1 at context 256 and 2048, batch 8 at context 256;
-  Qwen3.5's hybrid persistent kernel (``decode_hybrid_layers``) at batch 1 and 8, context 256;
+  read back on the host); with the decode kernels the step runner picks (``ours``:
+  ``modeling.engine.runner.decode_kernels``' table, which these rows choose) and each forced
+  (``ours, persistent kernel`` / ``fused ops`` / ``op by op``: ``Engine(decode_kernels=...)``),
+  batch 1 at context 256 and 2048, batch 8 at context 256; Qwen3.5's likewise (its hybrid
+  persistent kernel, ``decode_hybrid_layers``) at batch 1 and 8, context 256; with ``--all``
+  Qwen3-1.7B's persistent kernel and fused ops at batch 1;
 - ours, eager: the same steps without CUDA graphs (one Python launch per op);
 - ours, weights after the PDL wait: the fused step with ``fused_decode.PREFETCH`` off (each
   program of a fused GEMV streams its weights only after the previous kernel has finished);
@@ -272,6 +273,9 @@ def measure(args) -> dict:
         floor = weight_bytes(model) / bandwidth * 1e3
         row(name, "floor (weights / copy bandwidth)", 1, 0, floor)
         row(name, OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
+        if name == "qwen3-1.7b":
+            for kernels in ("persistent", "fused"):
+                row(name, f"{OURS}, {KERNEL_ROWS[kernels]}", 1, 256, ours_ms(model, 1, 256, args.steps, kernels))
         if name == "qwen3-0.6b":
             out["floor_ms"] = floor
             out["ours_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
@@ -282,7 +286,8 @@ def measure(args) -> dict:
             row(name, f"{OURS}, {KERNEL_ROWS['fused']}", 1, 2048, ours_ms(model, 1, 2048, args.steps, "fused"))
             row(name, OURS, 8, 256, ours_ms(model, 8, 256, args.steps))
             out["ours_b8_ms_per_step"] = out["rows"][-1]["ms_per_step"]
-            row(name, f"{OURS}, {KERNEL_ROWS['persistent']}", 8, 256, ours_ms(model, 8, 256, args.steps, "persistent"))
+            for kernels in ("fused", "persistent"):
+                row(name, f"{OURS}, {KERNEL_ROWS[kernels]}", 8, 256, ours_ms(model, 8, 256, args.steps, kernels))
             row(name, OURS, 32, 256, ours_ms(model, 32, 256, args.steps))
             default = kernel_profile(model)
             out["kernels_per_token"] = round(sum(n for n, _ in default.values()))
@@ -312,9 +317,10 @@ def measure(args) -> dict:
     row("qwen3.5-0.8b", OURS, 1, 256, ours_ms(model, 1, 256, args.steps))
     out["qwen3_5_b1_ms_per_token"] = out["rows"][-1]["ms_per_step"]
     row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['ops']}", 1, 256, ours_ms(model, 1, 256, args.steps, "ops"))
-    for batch in (1, 8):  # the hybrid persistent kernel, taken only where asked for
-        row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['persistent']}", batch, 256,
-            ours_ms(model, batch, 256, args.steps, "persistent"))
+    row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS['fused']}", 1, 256, ours_ms(model, 1, 256, args.steps, "fused"))
+    row("qwen3.5-0.8b", OURS, 8, 256, ours_ms(model, 8, 256, args.steps))
+    for kernels in ("fused", "ops", "persistent"):
+        row("qwen3.5-0.8b", f"{OURS}, {KERNEL_ROWS[kernels]}", 8, 256, ours_ms(model, 8, 256, args.steps, kernels))
     hybrid = kernel_profile(model)
     out["qwen3_5_kernels_per_token"] = round(sum(n for n, _ in hybrid.values()))
     print_profile("Qwen3.5 default decode step", hybrid)

@@ -17,7 +17,7 @@ Each case is timed as a CUDA graph of calls (bench.ops.bench_us) over enough cop
 that they do not sit in L2. Errors: ||fp8 - reference|| / ||reference|| against the op's PyTorch
 reference (the same quantisation), and against the bf16 weight's product in fp32 (what FP8 costs).
 
-`--models NAME ...` (qwen3-0.6b, qwen3-8b) also times batch-1 decode through the engine
+`--models NAME ...` (qwen3-0.6b, qwen3-1.7b, qwen3-8b) also times batch-1 decode through the engine
 (``bench.decode.ours_ms``: a 256-token prompt, then ``--steps`` decode steps, CUDA graphs) of a
 random bf16 checkpoint of that shape (written once under ``--checkpoints``) loaded as it is (our
 fastest bf16 path: the persistent kernel) and with ``quantization="fp8"`` (the default: the fused
@@ -96,6 +96,7 @@ def sweep(m, n, k):
 
 
 MODELS = {"qwen3-0.6b": QWEN3_0_6B,
+          "qwen3-1.7b": dict(QWEN3_0_6B, hidden_size=2048, intermediate_size=6144),
           "qwen3-8b": dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)}
 """--models: config.json fields of the random checkpoints (Qwen3-8B: its lm_head untied, in bf16)."""

@@ -300,7 +300,7 @@ def test_engine_decode_steps_through_the_hybrid_kernel_equal_the_default_steps()
     steps through the hybrid persistent kernel (``decode_kernels="persistent"``, over the pool's
     stacked caches and state slots, under the interpreter) give the greedy tokens of the default
     steps; three sequences in the 4-row graph shape (a padding row in the pool's padding slot),
-    then fewer as they finish. The kernel is never the default choice."""
+    then fewer as they finish. On the CPU the kernel is never the default choice."""
     from modeling import Engine
     from tests.test_engine import GREEDY, model_of, prompts_of
 

@@ -7,6 +7,7 @@ seeded sampling does not depend on the batch. float64 models: the PyTorch refere
 
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from modeling import QwenConfig
 from modeling.engine import Engine, Status
 from modeling.engine.prompts import ContextLengthError
+from modeling.engine.runner import decode_kernels
 from modeling.engine.sampling_params import SamplingParams
 from modeling.model.random_checkpoint import random_model
 from tests.helpers import recompute_greedy
@@ -390,3 +392,24 @@ def test_a_server_warm_up_captures_every_shape_and_changes_no_token():
     assert engine.capture_graphs() == 0
     assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.has_work()
     assert engine.generate(prompts, GREEDY, 6) == want
+
+
+def test_decode_kernel_table():
+    """``runner.decode_kernels``' table (measured on an H100): on CUDA one sequence of a model the
+    persistent kernels take, hidden size at most 2048 and at most 4096 positions, runs them (bf16 or
+    FP8, Qwen3 or Qwen3.5's hybrid kernel), wider models and longer engines the fused ops; two to
+    eight sequences the fused ops, more op by op; on the CPU one sequence the fused ops, more op by
+    op; a model the fused ops do not take (experts, tensor-parallel) always op by op."""
+    def model(hidden=1024, device="cuda", persistent=True, hybrid=False, fused=True):
+        return SimpleNamespace(supports_fused_decode=fused, supports_persistent_decode=persistent and not hybrid,
+                               supports_hybrid_persistent_decode=persistent and hybrid, device=torch.device(device),
+                               config=SimpleNamespace(hidden_size=hidden))
+    assert decode_kernels(model(), 1, 4096) == "persistent"
+    assert decode_kernels(model(hidden=2048, hybrid=True), 1, 4096) == "persistent"
+    assert decode_kernels(model(hidden=4096), 1, 4096) == "fused"
+    assert decode_kernels(model(hidden=4096, hybrid=True), 1, 4096) == "fused"
+    assert decode_kernels(model(), 1, 8192) == "fused"
+    assert decode_kernels(model(persistent=False), 1, 4096) == "fused"
+    assert [decode_kernels(model(), n, 4096) for n in (2, 8, 9)] == ["fused", "fused", "ops"]
+    assert [decode_kernels(model(device="cpu"), n, 4096) for n in (1, 2)] == ["fused", "ops"]
+    assert [decode_kernels(model(fused=False), n, 4096) for n in (1, 2)] == ["ops", "ops"]

@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwe
 
 import qwen_ops
 from modeling import LLM, Engine, QwenForCausalLM, SamplingParams
-from modeling.engine.runner import decode_kernels
 from modeling.model import fp8
 from modeling.model.config import ConfigError
 from modeling.model.loader import CheckpointError
@@ -237,19 +235,6 @@ def test_fused_decode_on_fp8_weights(tmp_path, family):
         persistent = greedy_logits(Engine(model, max_num_seqs=1, max_model_len=8, decode_kernels="persistent"), ids, 3)
         assert qwen_ops.kernel_calls["decode_layers"] > calls, "the persistent kernel did not run"
         assert_same_greedy_but_near_ties(persistent, ops, rel_tol=1e-5, tie=1e-4)
-
-
-def test_decode_kernel_table_keeps_fp8_models_off_the_persistent_kernel():
-    """``runner.decode_kernels``' table on CUDA: one sequence of a Qwen3 model takes the persistent
-    kernel, of the same model in FP8 the fused ops (the persistent kernel's FP8 tiles are not
-    measured against them yet), at most 4096 positions; two sequences op by op."""
-    def model(fp8):
-        return SimpleNamespace(supports_fused_decode=True, supports_persistent_decode=True, holds_fp8=fp8,
-                               device=torch.device("cuda"))
-    assert decode_kernels(model(False), 1, 4096) == "persistent"
-    assert decode_kernels(model(True), 1, 4096) == "fused"
-    assert decode_kernels(model(False), 1, 8192) == "fused"
-    assert decode_kernels(model(True), 2, 4096) == "ops"
 
 
 def test_quantization_fp8_at_load(tmp_path):

@@ -46,34 +46,45 @@ from .graphs import GraphCache
 from .step import Fields, Packed, StagedStep, StepBatch, fields, pack, table_offset
 
 PERSISTENT_MAX_LEN = 4096
-"""The longest ``max_model_len`` whose batch-1 decode steps take the persistent kernel by default."""
+"""The longest ``max_model_len`` whose one-row decode steps take the persistent kernels by default."""
+PERSISTENT_MAX_HIDDEN = 2048
+"""The widest ``hidden_size`` whose one-row decode steps take the persistent kernels by default."""
+FUSED_MAX_SEQS = 8
+"""The most rows a decode step takes the fused decode ops with on CUDA by default."""
 
 
 def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     """The kernels (``modeling.model.context.KERNELS``) of a decode-only step of ``num_seqs`` rows,
-    chosen by ``python -m bench.decode`` (the fastest of the three per case; docs/performance.md, decode):
+    the fastest measured per case (``python -m bench.decode``, H100, context 256; docs/performance.md,
+    decode):
 
-    ========================================  =============  ==========================================
-    step                                      kernels        measured against the others
-    ========================================  =============  ==========================================
-    1 row, Qwen3/Qwen2, CUDA,                 ``persistent`` faster than fused and op by op, at
-    ``max_model_len`` <= PERSISTENT_MAX_LEN                  context 256 and 2048
-    1 row, other models or longer contexts    ``fused``      faster than op by op (Qwen3.5-0.8B)
-    2 rows or more                            ``ops``        faster than persistent at batch 8
-    ========================================  =============  ==========================================
+    ===========================================  ==============  ========================================
+    step                                         kernels         measured against the others
+    ===========================================  ==============  ========================================
+    1 row on CUDA, a model the persistent        ``persistent``  faster than fused: Qwen3-0.6B and 1.7B
+    kernels take (Qwen3/Qwen2, FP8 too;                          (bf16 and FP8), Qwen3.5-0.8B (the hybrid
+    Qwen3.5), hidden_size <= 2048,                               kernel), context 256; Qwen3-0.6B at 2048
+    ``max_model_len`` <= PERSISTENT_MAX_LEN
+    1 row otherwise                              ``fused``       faster than persistent at hidden 4096
+                                                                 (Qwen3-8B bf16 and FP8, Qwen3.5-9B),
+                                                                 than op by op (Qwen3.5-0.8B)
+    2 to FUSED_MAX_SEQS rows on CUDA             ``fused``       faster than op by op and persistent at
+                                                                 batch 8 (Qwen3-0.6B, Qwen3.5-0.8B)
+    more rows, or the CPU                        ``ops``
+    ===========================================  ==============  ========================================
 
     A mixture-of-experts or tensor-parallel model decodes op by op (``supports_fused_decode``: the
-    fused ops fold the dense MLP only and sum no partial outputs over ranks). An FP8 model takes the
-    fused ops, which read its FP8 weights and scales, where a bf16 one would take the persistent
-    kernel: the persistent kernel's FP8 tiles (``decode_kernels="persistent"``) are not measured
-    against them yet. Qwen3.5's hybrid
-    persistent kernel (``decode_hybrid_layers``) runs only where asked for (``decode_kernels=
-    "persistent"``): it is not measured against the others yet.
+    fused ops fold the dense MLP only and sum no partial outputs over ranks). Qwen3.5's hybrid
+    kernel takes weights in the model's dtype only (an FP8 Qwen3.5 model takes the fused ops).
     """
-    if num_seqs > 1 or not model.supports_fused_decode:
+    if not model.supports_fused_decode:
         return "ops"
-    if model.supports_persistent_decode and not model.holds_fp8 and model.device.type == "cuda" and \
-            max_model_len <= PERSISTENT_MAX_LEN:
+    cuda = model.device.type == "cuda"
+    if num_seqs > 1:
+        return "fused" if cuda and num_seqs <= FUSED_MAX_SEQS else "ops"
+    persistent = model.supports_persistent_decode or model.supports_hybrid_persistent_decode
+    if persistent and cuda and max_model_len <= PERSISTENT_MAX_LEN and \
+            model.config.hidden_size <= PERSISTENT_MAX_HIDDEN:
         return "persistent"
     return "fused"
 

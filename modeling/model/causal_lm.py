@@ -88,9 +88,9 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_hybrid_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the hybrid persistent kernel
-        (``ops.decode_hybrid_layers``) when asked (``decode_kernels="persistent"``, never the
-        engine's default): Gated DeltaNet and gated attention layers, both (Qwen3.5), with per-head
-        q/k norms and no qkv bias, dense MLPs, every weight in the model's dtype, on one device."""
+        (``ops.decode_hybrid_layers``; when: ``modeling.engine.runner.decode_kernels``): Gated
+        DeltaNet and gated attention layers, both (Qwen3.5), with per-head q/k norms and no qkv
+        bias, dense MLPs, every weight in the model's dtype, on one device."""
         c = self.config
         return ({type(layer) for layer in self.layers} == {AttentionLayer, GatedDeltaNetLayer} and c.attn_output_gate
                 and c.qk_norm and not c.qkv_bias and not self.holds_fp8 and self.supports_fused_decode)
