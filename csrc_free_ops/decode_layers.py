@@ -56,8 +56,8 @@ import os
 import torch
 import triton.language as tl
 
-from .common import (_FP8_BLOCK, INTERPRET, LOG2E, cdiv, cuda_properties, device_buffer, fp32, kernel, next_power_of_2,
-                     softmax_headroom)
+from .common import (_FP8_BLOCK, INTERPRET, LOG2E, cdiv, cuda_properties, device_buffer, fp32, kernel,
+                     next_power_of_2, softmax_headroom)
 from .decode_layers_tasks import _attention_task, _gate_up_task, _qkv_task, _residual_task, _stamp
 
 PHASES = tl.constexpr(5)
@@ -98,7 +98,8 @@ def timeline_stamps(tasks: int, device: torch.device):
 def _decode_layers_kernel(
     x_ptr, out_ptr, pos_ptr, seqlens_ptr, bt_ptr,
     in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gu_w_ptr, down_w_ptr,
-    qkv_s_ptr, o_s_ptr, gu_s_ptr, down_s_ptr, kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
+    qkv_s_ptr, o_s_ptr, gu_s_ptr, down_s_ptr,
+    kc_ptr, vc_ptr, qkv_ptr, attn_ptr, h_ptr, act_ptr, po_ptr, plse_ptr, cnt_ptr, err_ptr, tl_ptr,
     M, NL, stride_bt, stride_kl, stride_kb, stride_kt, stride_kh, CACHE_LEN, BS,
     eps, offset, log2_theta, qk_scale,
     H: tl.constexpr, I: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
@@ -234,7 +235,8 @@ def decode_layers(x, positions, cache_seqlens, block_table, input_norm, qkv_weig
     args = (x, out, positions, cache_seqlens, block_table, input_norm, qkv_weight,
             qkv_bias if qkv_bias is not None else qkv_weight, q_norm if q_norm is not None else input_norm,
             k_norm if k_norm is not None else input_norm, o_weight, post_norm, gate_up_weight, down_weight,
-            *(s if s is not None else input_norm for s in scales), k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
+            *(s if s is not None else input_norm for s in scales),
+            k_cache, v_cache, qkv, attn, hmid, act, parts, lse, counters, error_flag(dev),
             stamps if stamps is not None else counters,
             m, nl, block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             block_table.shape[1] * bs, bs, eps, offset, math.log2(theta), d ** -0.5 * LOG2E)

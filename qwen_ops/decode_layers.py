@@ -118,12 +118,14 @@ def check_kv_caches(op: str, k_cache: Tensor, v_cache: Tensor, layers: str, num_
     return hk, d
 
 
-def check_stacked(op: str, shapes: dict) -> None:
-    """Each tensor of ``shapes`` (name -> (tensor or None, shape)) a float tensor, contiguous, of that shape."""
+def check_stacked(op: str, shapes: dict, fp8: tuple = ()) -> None:
+    """Each tensor of ``shapes`` (name -> (tensor or None, shape)) a float tensor (those named in
+    ``fp8``: float8_e4m3fn, their dtype checked by ``check_fp8_stacks``), contiguous, of that shape."""
     for name, (t, shape) in shapes.items():
         if t is None:
             continue
-        check_float(op, name, t)
+        if name not in fp8:
+            check_float(op, name, t)
         if tuple(t.shape) != shape or not t.is_contiguous():
             fail(op, f"{name} must be contiguous with shape {shape} (layers stacked), got {tuple(t.shape)}")
 
@@ -164,8 +166,9 @@ def check_fp8_stacks(op: str, x: Tensor, weights: dict, scales: dict) -> None:
     check_fp8_device(op, x)
     for name, t in scales.items():
         w = weights[name]
-        if w.dtype != torch.float8_e4m3fn:
-            fail(op, f"{name} must be float8_e4m3fn where {name}_scale_inv is given, got {w.dtype}")
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 3 or w.device != x.device:
+            fail(op, f"{name} must be float8_e4m3fn [NL, N, K] on {x.device} where {name}_scale_inv is given, "
+                     f"got {w.dtype} {tuple(w.shape)} on {w.device}")
         shape = (w.shape[0], cdiv(w.shape[1], FP8_BLOCK), cdiv(w.shape[2], FP8_BLOCK))
         if t.dtype not in SCALE_DTYPES or tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
             fail(op, f"{name}_scale_inv must be float32 or bfloat16, contiguous, with shape {shape} on {x.device} "
@@ -193,18 +196,11 @@ def _check(x, positions, cache_seqlens, block_table, input_norm, qkv_weight, qkv
         fail(op, "the model has no layers (k_cache's dim 0 is 0)")
     nqkv = (num_heads + 2 * hk) * d
     inter = down_weight.shape[-1] if down_weight.dim() == 3 else 0
-    stacked = {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
-               "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
-               "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
-               "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)),
-               "down_weight": (down_weight, (nl, hidden, inter))}
-    if fp8:  # their dtype is checked above; here their shapes and layout
-        for name in LINEAR_WEIGHTS:
-            w, shape = stacked.pop(name)
-            if tuple(w.shape) != shape or not w.is_contiguous() or w.device != x.device:
-                fail(op, f"{name} must be contiguous with shape {shape} (layers stacked) on {x.device}, got "
-                         f"{tuple(w.shape)} on {w.device}")
-    check_stacked(op, stacked)
+    check_stacked(op, {"input_norm": (input_norm, (nl, hidden)), "qkv_weight": (qkv_weight, (nl, nqkv, hidden)),
+                       "qkv_bias": (qkv_bias, (nl, nqkv)), "q_norm": (q_norm, (nl, d)), "k_norm": (k_norm, (nl, d)),
+                       "o_weight": (o_weight, (nl, hidden, num_heads * d)), "post_norm": (post_norm, (nl, hidden)),
+                       "gate_up_weight": (gate_up_weight, (nl, 2 * inter, hidden)),
+                       "down_weight": (down_weight, (nl, hidden, inter))}, LINEAR_WEIGHTS if fp8 else ())
     if inter == 0:
         fail(op, "down_weight's intermediate size is 0")
     if (q_norm is None) != (k_norm is None):

@@ -46,8 +46,9 @@ def _line_reader():
 
 def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) -> None:
     """A multi-turn chat with ``llm``: each stdin line is a user turn, the reply streams to stdout
-    (or one JSON object with --json; each reply counts in ``totals``). ``/reset`` forgets the conversation (the system message stays), end of
-    input (Ctrl-D) leaves, Ctrl-C during a reply cuts it short (at the prompt: leaves, status 130).
+    (or one JSON object with --json; each reply counts in ``totals``). ``/reset`` forgets the
+    conversation (the system message stays), end of input (Ctrl-D) leaves, Ctrl-C during a reply
+    cuts it short (at the prompt: leaves, status 130).
     Each turn's prompt is the whole conversation so far (the engine's prefix cache reuses what it
     computed of it before, on models of attention layers)."""
     from ..chat.template import ChatTemplateError

@@ -1,8 +1,8 @@
 """The prompt checks every way in shares (``Engine.add``, ``LLM``, the server): token ids
 (``checked_token_ids``; ``check_ids`` for lists of ints), the room a request leaves in
 ``max_model_len`` positions (``check_room``, ``ContextLengthError``), the longest
-``max_model_len`` (``MAX_MODEL_LEN``) and the engine's sizes (``check_engine_args``). Imports no torch until a check runs, so the command line
-can name ``MAX_MODEL_LEN`` from its first instant."""
+``max_model_len`` (``MAX_MODEL_LEN``) and the engine's sizes (``check_engine_args``). Imports no
+torch until a check runs, so the command line can name ``MAX_MODEL_LEN`` from its first instant."""
 
 from collections.abc import Mapping
 from typing import Any, List

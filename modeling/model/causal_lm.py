@@ -122,13 +122,12 @@ class QwenForCausalLM(nn.Module):
         if context.kernels == "persistent":
             x, pool = F.embedding(input_ids, self.embed_tokens), context.pool
             splits = qwen_ops.decode_layers_splits(batch.block_table.shape[1] * pool.kv[0].shape[2], input_ids.shape[0])
+            s = self._stacks
             if self._kinds is None:
-                s = self._stacks
                 x = ops.decode_layers(x, batch.positions, batch.seq_lens, batch.block_table, *s[:9], *pool.kv,
                                       c.rms_norm_eps, c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads,
                                       splits, *s[9:])
             else:
-                s = self._stacks
                 x = ops.decode_hybrid_layers(x, batch.positions, batch.seq_lens, batch.block_table, batch.state_slots,
                                              self._kinds, *s[:8], *pool.kv, *s[8:], *pool.states, c.rms_norm_eps,
                                              c.norm_offset, c.rope_theta, c.rotary_dim, c.num_attention_heads, splits)

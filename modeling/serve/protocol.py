@@ -511,7 +511,8 @@ def thinking_on(ck: Checkpoint, template_kwargs: Dict[str, Any]) -> bool:
     return _mentions(ck, "<think>") and template_kwargs.get("enable_thinking", True) is not False
 
 
-def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int, tool_parser: Optional[str] = None) -> Plan:
+def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
+              tool_parser: Optional[str] = None) -> Plan:
     """What a chat request runs; ``tool_parser``: ``--tool-call-parser`` (None: from the template)."""
     _refuse_neutral(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
