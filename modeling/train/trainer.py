@@ -253,32 +253,28 @@ class Trainer:
         _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
+        import torch
         try:
-            self._restore(read_state(self.state_path))
+            state = read_state(self.state_path)
+            with torch.no_grad():
+                for n, m, p in zip(self.names, self.master, self.params):
+                    m.copy_(state["weights"][n])
+                    if p is not m:
+                        p.copy_(m)
+            self.opt.load_state_dict(state["optimizer"])
+            self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+            b = state["best"]
+            self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
+            if state["best_weights"] is not None:
+                self.best_weights = [state["best_weights"][n] for n in self.names]
+            torch.set_rng_state(state["rng"]["cpu"])
+            self.data_gen.set_state(state["rng"]["data"])
+            if state["rng"]["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+            self.log = dict(state["log"], settings=self.log["settings"])  # overrides given on this command line
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # a state whose parts do not fit
             raise UsageError(f"--resume: {self.state_path} does not hold a state of this run "
                              f"({one_line(e, limit=200)})") from None
-
-    def _restore(self, state: Dict[str, Any]) -> None:
-        import torch
-        with torch.no_grad():
-            for n, m, p in zip(self.names, self.master, self.params):
-                m.copy_(state["weights"][n])
-                if p is not m:
-                    p.copy_(m)
-        self.opt.load_state_dict(state["optimizer"])
-        self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
-        b = state["best"]
-        self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
-        if state["best_weights"] is not None:
-            self.best_weights = [state["best_weights"][n] for n in self.names]
-        torch.set_rng_state(state["rng"]["cpu"])
-        self.data_gen.set_state(state["rng"]["data"])
-        if state["rng"]["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        log = state["log"]
-        log["settings"] = self.log["settings"]  # overrides given on this command line
-        self.log = log
 
     # ----- the loop
 
