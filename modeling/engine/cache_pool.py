@@ -96,10 +96,8 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_
 
 
 class CachePool:
-    """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec`` ((k, v) for attention,
-    (conv, state) for Gated DeltaNet). ``kv``: the attention layers' k and v stacked
-    [NA, num_blocks, block_size, Hk, D]; ``states``: the Gated DeltaNet layers' conv and state
-    stacked [NG, num_state_slots + 1, ...] (the entries are views of them)."""
+    """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec``, views of the stacked
+    ``kv`` and ``states`` (the module doc's layout)."""
 
     def __init__(self, model, size: PoolSize):
         dev = model.device
