@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..common import one_line
-from .constants import LOG_FILE, STATE_VERSION, UsageError
-from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
+from .constants import GENERATION_DEFAULTS, LOG_FILE, STATE_VERSION, UsageError
+from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer
 from .files import _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json, read_state
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
 
@@ -148,7 +148,10 @@ class Trainer:
         if a.resume:
             self._load_state()
         else:  # written once the settings have passed every check, before the first save
-            write_tokenizer_files(out, tok, a.seq_len)
+            from ..chat.template import CHATML_TEMPLATE
+            from ..model.random_checkpoint import write_tokenizer_files
+
+            write_tokenizer_files(out, tok, a.seq_len, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
             _fsync_files(out, ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
             _write_json(out / "config.json", cfg)
 
