@@ -73,11 +73,8 @@ def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> 
     if missing:
         raise ModelNotFound(f"{what} has no {' and no '.join(missing)}")
     for f in REQUIRED_FILES:
-        try:
-            with open_file(path / f):
-                pass
-        except ValueError as e:
-            raise ModelNotFound(f"{what}: {e}") from None
+        with open_file(path / f, lambda message: ModelNotFound(f"{what}: {message}")):
+            pass
     return path
 
 
