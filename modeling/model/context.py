@@ -10,11 +10,9 @@ The model reads these fields only (the engine's ``StepBatch`` and ``CachePool`` 
   ``states`` (those stacked over the layers, as the persistent decode kernels read them;
   ``modeling.engine.cache_pool``).
 
-``kernels`` (``KERNELS``) is how the layers compute: ``"ops"`` op by op (every step shape);
-``"fused"`` the decode ops (one new token a sequence: each norm folded into the projection after
-it, each residual add into the projection before it); ``"persistent"`` every layer in one
-persistent kernel (``QwenForCausalLM.supports_persistent_decode``, or for Qwen3.5
-``supports_hybrid_persistent_decode``). The step runner chooses
+``kernels`` (``KERNELS``) is how the layers compute: ``"ops"`` op by op (every step shape),
+``"fused"`` the fused decode ops, ``"persistent"`` every layer in one persistent kernel
+(``modeling.model.layers`` and ``QwenForCausalLM.forward``). The step runner chooses
 (``modeling.engine.runner.decode_kernels``); the model never does.
 """
 
