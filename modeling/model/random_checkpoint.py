@@ -64,9 +64,7 @@ QWEN3_5_0_8B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=10
                     linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
                     tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=262144,
                     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
-"""config.json fields of the Qwen3.5-0.8B text model (18 Gated DeltaNet layers with 16 key / 16
-value heads of 128, 6 gated attention layers with 8/2 heads of 256), for random models in GPU
-tests and benchmarks."""
+"""config.json fields of the Qwen3.5-0.8B text model, for random models in GPU tests and benchmarks."""
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
