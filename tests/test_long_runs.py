@@ -105,7 +105,7 @@ def test_many_generate_calls_keep_memory_and_graph_count_steady():
         tokens = engine.generate(prompts, sampling, max_new, stop)
         torch.cuda.synchronize()
         memory.append(torch.cuda.memory_allocated())
-        graphs.append(len(engine.runner.graphs.keys()))
+        graphs.append(len(engine.runner.graphs.graphs))
         results.append(tokens)
         assert all(0 <= t < config.vocab_size for row in tokens for t in row)
         assert all(len(row) <= max_new for row in tokens)

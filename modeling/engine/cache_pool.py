@@ -71,10 +71,9 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_
              reserve_bytes: int = 0, free_bytes: Optional[int] = None) -> PoolSize:
     """The pool for ``model``: one state slot per sequence (hybrid models), and as many KV blocks as
     ``gpu_memory_utilization`` of the device's free memory (the host's, on the CPU; ``free_bytes``
-    when given) holds after the slots and ``reserve_bytes`` (the step's activations), but never fewer than one full-length
-    sequence needs nor more than
-    ``max_num_seqs`` full-length sequences need. ``DoesNotFit`` (a ``MemoryError``) when one
-    full-length sequence does not fit."""
+    when given) holds after the slots and ``reserve_bytes`` (the step's activations), but never
+    fewer than one full-length sequence needs nor more than ``max_num_seqs`` full-length sequences
+    need. ``DoesNotFit`` (a ``MemoryError``) when one full-length sequence does not fit."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     slot_bytes = bytes_per_state_slot(model)
@@ -96,10 +95,8 @@ def size_for(model, block_size: int, max_num_seqs: int, max_model_len: int, gpu_
 
 
 class CachePool:
-    """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec`` ((k, v) for attention,
-    (conv, state) for Gated DeltaNet). ``kv``: the attention layers' k and v stacked
-    [NA, num_blocks, block_size, Hk, D]; ``states``: the Gated DeltaNet layers' conv and state
-    stacked [NG, num_state_slots + 1, ...] (the entries are views of them)."""
+    """``layers[i]``: layer i's pool entry, the tensors of its ``cache_spec``, views of the stacked
+    ``kv`` and ``states`` (the module doc's layout)."""
 
     def __init__(self, model, size: PoolSize):
         dev = model.device

@@ -11,11 +11,10 @@ while engine.has_work():
 A step: the scheduler picks the work (``modeling.engine.scheduler``), the runner packs it into one
 flat-token batch padded to a graph shape (``step.pack``, ``runner.StepRunner.prepare``), the model
 runs it over the cache pool (``QwenForCausalLM.forward`` with the step's context, in the CUDA
-graph of that shape),
-the sequences whose tokens are all computed sample their next token (``sampler.sample_sequences``,
-each with its own settings), sequences that ask for prompt logprobs get those of the prompt tokens
-the step computed (``prefill_logprobs``), finished ones free their blocks. ``add`` and ``abort`` may be called
-from any thread; ``step`` from one thread at a time.
+graph of that shape), the sequences whose tokens are all computed sample their next token
+(``sampler.sample_sequences``, each with its own settings), sequences that ask for prompt logprobs
+get those of the prompt tokens the step computed (``prefill_logprobs``), finished ones free their
+blocks. ``add`` and ``abort`` may be called from any thread; ``step`` from one thread at a time.
 """
 
 import random
@@ -53,9 +52,9 @@ prefix-cache granularity (a hit reuses whole blocks only)."""
 class EngineStats:
     """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
     (scheduling, packing the batch, committing its blocks; sampling a deferred step, the wait for
-    its masks included), ``launch_s`` (launching the step or
-    replaying its graph), ``sample_s`` (sampling up to the tokens on the host: this absorbs the
-    wait for the device, so a device-bound engine shows it largest)."""
+    its masks included), ``launch_s`` (launching the step or replaying its graph), ``sample_s``
+    (sampling up to the tokens on the host: this absorbs the wait for the device, so a
+    device-bound engine shows it largest)."""
 
     steps: int = 0
     decode_steps: int = 0  # steps where every sequence computed one token
@@ -76,12 +75,9 @@ class EngineStats:
 class _Launched:
     """A step on the device: the sequences that sample in it (in logits order), their rows of
     ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
-    step may be launched before they arrive (a decode-only step: the next step's inputs are its
-    tokens); ``prompt``: the prompt logprobs it computed, if any. A step launched ahead whose
-    sampling reads what the host has not seen yet (penalties' token counts, grammars and bad words:
-    ``needs_history``) keeps its ``logits`` and ``positions`` and samples (``Engine._sample``) once the
-    step before has been read, with the token masks built meanwhile in a worker thread (``masks``:
-    their future, ``token_masks.token_bitmask``'s bitmask)."""
+    step may be launched before they arrive (a decode-only step); ``prompt``: the prompt logprobs
+    it computed, if any. A deferred step (``Engine.step``) keeps its ``logits`` and ``positions``
+    until ``Engine._sample``; ``masks``: the future of its ``token_masks.token_bitmask``."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
@@ -215,17 +211,14 @@ class Engine:
     def step(self) -> List[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones included).
 
-        Lookahead: after a decode-only step, the next step is scheduled and launched before the host
-        reads the tokens of the one before (each sequence's next input is that token, written into
-        the batch on the device), so the host's scheduling and launch overlap the device's work.
-        ``step`` then returns the tokens of the step before the one it launched; a token a finished
-        sequence gets after its last is dropped. Where a row's sampling reads its tokens on the
-        host (``needs_history``: penalties, grammars, bad words of several tokens), the step
-        launched ahead runs its forward pass only and samples after the tokens before it are read:
-        its token masks are built in a worker thread (xgrammar and NumPy leave the GIL) while this
-        call returns its tokens and the next one schedules and packs its step, and it is sampled
-        just before that step needs its tokens (or before its own are read). All of it overlaps
-        the forward pass."""
+        Lookahead (docs/generate.md): after a decode-only step, the next step is scheduled and
+        launched before the host reads the tokens of the one before (each sequence's next input is
+        that token, written into the batch on the device), so ``step`` returns the tokens of the
+        step before the one it launched; a token a finished sequence gets after its last is dropped.
+        A step launched ahead whose sampling reads its tokens on the host (``needs_history``:
+        penalties, grammars, bad words of several tokens) runs its forward pass only and is sampled
+        once they are read, its token masks built meanwhile in a worker thread (xgrammar and NumPy
+        leave the GIL)."""
         if self.workers is None:
             return self._step()
         if self._failed is not None:

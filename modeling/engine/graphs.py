@@ -43,6 +43,3 @@ class GraphCache:
                 body()
             self.graphs[key] = graph
         return self.graphs[key].replay
-
-    def keys(self):
-        return self.graphs.keys()

@@ -23,14 +23,11 @@ Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run e
 CPU tests cover the padding. A step that scores prompt tokens (``prefill_logprobs``) runs its
 padded batch eagerly too, with more logits rows than a graph has.
 
-A step's inputs reach the device in two copies: ``step.pack`` writes the padded batch into a
-pinned host buffer laid out as the graph reads it (each shape's fields are views at the front of
-one device buffer, ``step.fields``), one transfer takes it over, and one copy puts its block table
-rows into the static table, unless the step's tables are those already there (the same table
-lists, none grown: a step of the same sequences between block boundaries). A released table is
-replaced by a new list, never refilled (``scheduler``), so the same list of the same length holds
-the same blocks. Two host buffers take turns, each reused only once its last transfer
-has run (an event), since the engine packs the next step while the device still runs this one.
+A step's inputs reach the device in two copies: the batch ``step.pack`` writes into a pinned host
+buffer, in one transfer, and its block table rows into the static table, unless the step's tables
+are those already there (the same table lists, none grown; a released table is replaced by a new
+list, never refilled: ``scheduler``). Two host buffers take turns, each reused only once its last
+transfer has run (an event), since the engine packs the next step while the device still runs this one.
 """
 
 from dataclasses import replace
@@ -55,27 +52,14 @@ FUSED_MAX_SEQS = 8
 
 def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     """The kernels (``modeling.model.context.KERNELS``) of a decode-only step of ``num_seqs`` rows,
-    the fastest measured per case (``python -m bench.decode``, H100, context 256; docs/performance.md,
-    decode):
-
-    ===========================================  ==============  ========================================
-    step                                         kernels         measured against the others
-    ===========================================  ==============  ========================================
-    1 row on CUDA, a model the persistent        ``persistent``  faster than fused: Qwen3-0.6B and 1.7B
-    kernels take (Qwen3/Qwen2, FP8 too;                          (bf16 and FP8), Qwen3.5-0.8B (the hybrid
-    Qwen3.5), hidden_size <= 2048,                               kernel), context 256; Qwen3-0.6B at 2048
-    ``max_model_len`` <= PERSISTENT_MAX_LEN
-    1 row otherwise                              ``fused``       faster than persistent at hidden 4096
-                                                                 (Qwen3-8B bf16 and FP8, Qwen3.5-9B),
-                                                                 than op by op (Qwen3.5-0.8B)
-    2 to FUSED_MAX_SEQS rows on CUDA             ``fused``       faster than op by op and persistent at
-                                                                 batch 8 (Qwen3-0.6B, Qwen3.5-0.8B)
-    more rows, or the CPU                        ``ops``
-    ===========================================  ==============  ========================================
-
-    A mixture-of-experts or tensor-parallel model decodes op by op (``supports_fused_decode``: the
-    fused ops fold the dense MLP only and sum no partial outputs over ranks). Qwen3.5's hybrid
-    kernel takes weights in the model's dtype only (an FP8 Qwen3.5 model takes the fused ops).
+    the fastest measured per case (``python -m bench.decode``, H100; docs/performance.md, "The step
+    runner's table"): one row on CUDA of a model the persistent kernels take (Qwen3 / Qwen2, FP8
+    too; Qwen3.5's hybrid kernel, weights in the model's dtype), hidden_size <=
+    ``PERSISTENT_MAX_HIDDEN`` and ``max_model_len`` <= ``PERSISTENT_MAX_LEN``: ``persistent``; one
+    row otherwise, or 2 to ``FUSED_MAX_SEQS`` rows on CUDA: ``fused``; more rows, or the CPU:
+    ``ops``. A mixture-of-experts or tensor-parallel model decodes op by op
+    (``supports_fused_decode``: the fused ops fold the dense MLP only and sum no partial outputs
+    over ranks).
     """
     if not model.supports_fused_decode:
         return "ops"

@@ -1,17 +1,14 @@
-"""Per-request sampling for a batch of sequences with different settings, on the device.
+"""Per-request sampling for a batch of sequences with different settings, on the device
+(docs/generate.md, "Sampling": the controls, their order, the draws).
 
-Every row has its own temperature, top-k, top-p, min-p, penalties, seed and logprobs count
-(``SamplingParams``); one code path serves a batch that mixes them (greedy rows take the argmax),
-and the batch pays only for the controls some row uses. ``sample_sequences`` builds the per-row
-tensors from the sequences; ``sample_rows``, ``apply_penalties`` and ``token_logprobs`` are pure
-tensor functions. vLLM's order: the logit bias, then the token mask (``token_masks``: allowed
-tokens, bad words, min_tokens, grammars; ``torch.ops.qwen.apply_token_bitmask``), then the
-penalties, then the temperature, then min-p, top-k and top-p; logprobs are of the raw logits. The randomness of row i is a counter-based stream: the
-uniform for vocabulary rank v is a hash of (seed_i, position_i, v), where position_i is the
-position of the token being sampled. So a request's tokens depend only on its own seed and
-logits, never on which other requests share its steps, and a seeded request is reproducible.
-The draw is the Gumbel-max race argmax(logits / T - log E), E = -log U: token t wins with probability
-softmax(logits / T)_t, with no host sync (``torch.multinomial`` has one).
+Every row has its own ``SamplingParams``; one code path serves a batch that mixes them (greedy
+rows take the argmax), and the batch pays only for the controls some row uses.
+``sample_sequences`` builds the per-row tensors from the sequences; ``sample_rows``,
+``apply_penalties`` and ``token_logprobs`` are pure tensor functions. The randomness of row i is a
+counter-based stream: the uniform of vocabulary entry v is a hash of (seed_i, position_i, v),
+position_i the position of the token being sampled, so a request's tokens depend only on its own
+seed and logits. The draw is the Gumbel-max race argmax(logits / T - log E), E = -log U: token t
+wins with probability softmax(logits / T)_t, with no host sync (``torch.multinomial`` has one).
 """
 
 from typing import List, NamedTuple, Optional, Tuple

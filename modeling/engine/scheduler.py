@@ -1,16 +1,13 @@
-"""Which sequences compute how many tokens in the next step.
+"""Which sequences compute how many tokens in the next step (docs/generate.md, "Scheduling").
 
 One rule serves prefill, decode and mixed steps: every running sequence computes
 ``tokens[num_computed:]``, cut to what is left of the step's token budget
-(``max_num_batched_tokens``), so a long prompt is prefilled in chunks over several steps while
-decoding sequences keep producing a token per step. Running sequences go first (oldest first),
-then waiting ones are admitted in arrival order while the budget, ``max_num_seqs`` and the free
-blocks allow. When a running sequence needs a block and none is free, the youngest running
-sequence is preempted: its blocks and state slot are released and it goes back to the front of
-the queue, to be recomputed from its tokens (prompt and output so far) when readmitted. A request
-is never dropped; one that cannot fit the pool even alone is refused when it is added. A sequence
-whose prompt logprobs are still to be computed is admitted without the prefix-cache lookup
-(``prefill_logprobs``).
+(``max_num_batched_tokens``). Running sequences go first (oldest first), then waiting ones are
+admitted in arrival order while the budget, ``max_num_seqs`` and the free blocks allow. When a
+running sequence needs a block and none is free, the youngest running sequence is preempted: its
+blocks and state slot are released and it goes back to the front of the queue, to be recomputed
+from its tokens when readmitted. A sequence whose prompt logprobs are still to be computed is
+admitted without the prefix-cache lookup (``prefill_logprobs``).
 """
 
 from collections import deque

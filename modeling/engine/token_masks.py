@@ -1,21 +1,19 @@
 """Which tokens a sequence may sample next: its token bitmask (xgrammar's layout: bit ``v % 32`` of
 int32 word ``v // 32`` allows token v), built on the host for the rows that exclude some, and
-applied on the device by ``torch.ops.qwen.apply_token_bitmask``.
+applied on the device by ``torch.ops.qwen.apply_token_bitmask`` (docs/generate.md, "Sampling").
 
 A sequence's ``TokenControls`` gather what excludes tokens (``SamplingParams``):
 ``allowed_token_ids`` and one-token ``bad_words`` (a fixed mask, made once), longer bad words (the
 word's last token while the output ends with its others), ``min_tokens`` (the stop tokens until
 then) and a grammar (``GrammarMatcher``: the tokens that keep the output in the grammar, filled
-per step). Longer bad words and grammars read the output so far: a step of such rows is not
-sampled before the host has read the step before (``needs_history``: the engine's step launched
-ahead runs its forward pass meanwhile). Should the bans leave a grammar row nothing, the grammar's
-mask wins (a grammar that must end gets its stop tokens).
+per step). Longer bad words and grammars read the output so far (``needs_history``). Should the
+bans leave a grammar row nothing, the grammar's mask wins (a grammar that must end gets its stop
+tokens).
 
-The masks are built on the host between reading a step's tokens and sampling the next one, so
-they must take less time than a forward pass: the rows held to a grammar alone (the common case)
-are filled together by xgrammar's ``BatchGrammarMatcher`` (one call into its C++), with
-their dead ends found in one pass over the bitmask; the other rows one by one (``fill``). The
-engine builds a step's masks in a worker thread while its own thread goes on (``Engine.step``).
+The masks are built on the host while the device runs a forward pass (``Engine.step``: in a
+worker thread), so they must take less time than one: the rows held to a grammar alone (the
+common case) are filled together by xgrammar's ``BatchGrammarMatcher`` (one call into its C++),
+with their dead ends found in one pass over the bitmask; the other rows one by one (``fill``).
 
 A grammar can reach a dead end: its output so far is a prefix of some instance, but no token of
 the vocabulary continues it (a vocabulary without single spaces, after a "," that the grammar

@@ -1,15 +1,10 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process, ranks 1 .. W-1 are worker
 processes it starts, one per device (``Workers``; ``LLM(..., tensor_parallel_size=W)`` and
-``python -m modeling.serve --tensor-parallel-size W``). Every rank holds its shard of the model
-(``modeling.model.tensor_parallel``) and a cache pool of its heads with rank 0's number of blocks,
-sized from the least memory any rank has free.
-
-Rank 0 schedules and samples. Each step it sends the workers the batch it staged
-(``step.StagedStep``: the packed bytes, the graph shape, the block table rows), before it runs
-the step itself, so every rank runs the same padded step, capturing a new graph shape at the same
-step (the collectives inside are captured on every rank together), and its collectives meet. Rank
-0 alone samples from the gathered logits, then broadcasts the sampled tokens: a worker keeps them
-for the next step's inputs that the lookahead leaves on the device (``StepBatch.pending``).
+``python -m modeling.serve --tensor-parallel-size W``). docs/modeling.md ("Tensor parallelism")
+describes the protocol: rank 0 schedules, sends each step's staged batch (``step.StagedStep``)
+before it runs the step itself, samples from the gathered logits and broadcasts the tokens, which a
+worker keeps for the inputs the lookahead leaves on the device (``StepBatch.pending``); every
+rank's pool is sized from the least memory any rank has free.
 
 Messages (a pipe per worker): ("free",): drop the pool and step runner, then meet rank 0 in
 ``least_free_memory`` (every rank's pool is sized from the fullest device's free memory);
@@ -18,13 +13,10 @@ Messages (a pipe per worker): ("free",): drop the pool and step runner, then mee
 run a step, then receive its sampled tokens; ("capture",): capture every graph shape; ("stop",).
 
 A worker that dies ends the engine with ``WorkerDied`` naming its rank: rank 0 checks the workers
-before each step, while it waits for a step's tokens (a collective replayed in a CUDA graph has no
-timeout of its own), and when a collective fails (gloo's fail when a peer's socket closes); every
-rank's process group has a timeout of ``TIMEOUT_S``. Any error in a step of rank 0 may leave the
-workers waiting for a collective it will not make: the engine then refuses further steps
-(``Engine.step``), and the server stops. ``Engine.drain`` finishes a step still in flight before
-an engine is dropped. Every process sets ``NCCL_ENV`` (no NVLink multicast: NCCL's NVLS, symmetric
-memory's and NVSHMEM's).
+before each step, while it waits for a step's tokens (``Workers.wait``: a collective replayed in a
+CUDA graph has no timeout of its own), and when a collective fails (``Engine.step``); every rank's
+process group has a timeout of ``TIMEOUT_S``. Every process sets ``NCCL_ENV`` (no NVLink
+multicast: NCCL's NVLS, symmetric memory's and NVSHMEM's).
 """
 
 import contextlib

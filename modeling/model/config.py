@@ -127,9 +127,8 @@ class QwenConfig:
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {_show(model_type)}: supported are {', '.join(MODEL_TYPES)}")
-        hybrid = model_type in HYBRID_MODEL_TYPES
         extra: Dict[str, Any] = {"quantization": _quantization(d)}  # the wrapper's, not text_config's
-        if hybrid:
+        if model_type in HYBRID_MODEL_TYPES:
             d = _qwen3_5_text(d)
             extra.update(_qwen3_5_fields(d, model_type))
         rope_theta, rotary_factor = rope_settings(d)

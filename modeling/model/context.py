@@ -6,16 +6,13 @@ The model reads these fields only (the engine's ``StepBatch`` and ``CachePool`` 
 - ``batch``: ``positions``, ``slot_mapping`` [N] (the tokens' positions and KV slots),
   ``cu_seqlens_q`` [S + 1], ``seq_lens`` [S], ``block_table`` [S, W], ``state_slots`` [S],
   ``continues`` [S], ``logits_rows`` [Ss], ``max_query_len`` (``modeling.engine.step``);
-- ``pool``: ``layers`` (layer i's entry: its ``DecoderLayer.cache_spec`` tensors), ``kv`` (the
-  attention layers' keys and values stacked [NA, num_blocks, block_size, Hk, D], the layout the
-  persistent decode kernels read) and ``states`` (the Gated DeltaNet layers' conv and recurrent
-  states stacked [NG, slots, ...], the hybrid kernel's).
+- ``pool``: ``layers`` (layer i's entry: its ``DecoderLayer.cache_spec`` tensors), ``kv`` and
+  ``states`` (those stacked over the layers, as the persistent decode kernels read them;
+  ``modeling.engine.cache_pool``).
 
-``kernels`` (``KERNELS``) is how the layers compute: ``"ops"`` op by op (every step shape);
-``"fused"`` the decode ops (one new token a sequence: each norm folded into the projection after
-it, each residual add into the projection before it); ``"persistent"`` every layer in one
-persistent kernel (``QwenForCausalLM.supports_persistent_decode``, or for Qwen3.5
-``supports_hybrid_persistent_decode``). The step runner chooses
+``kernels`` (``KERNELS``) is how the layers compute: ``"ops"`` op by op (every step shape),
+``"fused"`` the fused decode ops, ``"persistent"`` every layer in one persistent kernel
+(``modeling.model.layers`` and ``QwenForCausalLM.forward``). The step runner chooses
 (``modeling.engine.runner.decode_kernels``); the model never does.
 """
 

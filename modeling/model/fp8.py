@@ -10,21 +10,16 @@ unquantised (Qwen3.5's Gated DeltaNet in_proj_b and in_proj_a):
     linear(h, W) = cat(fp8_block_linear(h, W, W_scale_inv, bias[:N_8]), linear(h, W_tail, bias[N_8:]))
 
 A fused decode step (``kernels="fused"``) passes the scales to the fused decode ops, which read the
-FP8 weight as it is (``qwen::norm_linear``, ``linear_residual``, ``norm_gate_up_silu``,
-``norm_qkv_rope_store``); a tail takes a second ``norm_linear`` (``norm_linear`` here: the Gated
-DeltaNet in_proj, the one weight Qwen's checkpoints keep partly unquantised). A layer with a tail
-on any other weight decodes op by op (``DecoderLayer.supports_fused_decode``). The persistent
-decode kernel (``qwen::decode_layers``) takes a Qwen3 or Qwen2 model whose every layer holds its
-four linear weights in FP8, their scales stacked over the layers, when asked for
-(``decode_kernels="persistent"``); Qwen3.5's hybrid kernel takes weights in the model's dtype only.
+FP8 weight as it is; a tail takes a second ``norm_linear`` (``norm_linear`` here). Which decode
+kernels take FP8 weights: ``DecoderLayer.supports_fused_decode`` and
+``QwenForCausalLM.supports_persistent_decode``.
 
 A mixture-of-experts layer's experts X [E, N, K] (``SparseMoeBlock.EXPERT_WEIGHTS``) stay FP8 there
 too, expert by expert in the same format: X float8_e4m3fn, ``X_scale_inv`` [E, cdiv(N, 128),
 cdiv(K, 128)] fp32, both passed to ``fused_moe`` (weight-only: the activations are not quantised).
 
-Every FP8 weight where the FP8 kernels do not run (the CPU's PyTorch reference path, float64
-models, GPUs before compute capability 8.9), and any whose parts do not stack into one block grid
-(``modeling.model.loader``), is dequantised as it loads into the model's dtype.
+Where ``keeps_fp8`` is false, and where a weight's parts do not stack into one block grid
+(``modeling.model.loader``), an FP8 weight is dequantised as it loads into the model's dtype.
 """
 from typing import Iterable, Optional
 
@@ -42,7 +37,8 @@ BLOCK = 128
 
 def keeps_fp8(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether FP8 weights stay FP8 in a model of ``dtype`` on ``device``: where the ops run their
-    Triton kernels and those take FP8 (else the weights are dequantised)."""
+    Triton kernels and those take FP8 (not the CPU's reference ops, float64 models, GPUs before
+    compute capability 8.9; there the weights are dequantised)."""
     return runs_kernels(device.type, dtype) and qwen_ops.fp8_supported(device)
 
 

@@ -2,21 +2,13 @@
 
 ``resolve_model(name_or_path, revision=None, offline=None)`` returns the directory that
 ``QwenConfig.from_pretrained``, ``QwenTokenizer.from_pretrained`` and
-``QwenForCausalLM.from_pretrained`` read:
-
-- an existing local directory is returned as is, once it is checked to hold ``config.json`` and
-  ``tokenizer.json``, readable regular files (``modeling.model.files.open_file``: a FIFO or a link to a
-  device is refused without blocking);
-- otherwise ``ORG/NAME`` is fetched with ``huggingface_hub.snapshot_download`` into the Hub cache
-  (only the files a checkpoint needs: ``ALLOW_PATTERNS``), at ``revision`` (a branch, tag or commit
-  hash; default ``main``), with a tqdm progress bar on stderr. Offline (``offline=True``,
-  ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1``) or when the Hub cannot be reached, the snapshot
-  already in the local cache is used (``local_files_only=True``).
-
-Every failure to find a checkpoint is a ``ModelNotFound`` (a ``ValueError``) with a one-line
-message that names what is missing. The environment is read when ``resolve_model`` is called
-(not when huggingface_hub is imported), so ``HF_HUB_CACHE`` / ``HF_HOME`` / ``HF_HUB_OFFLINE``
-set later in the process take effect.
+``QwenForCausalLM.from_pretrained`` read: an existing local directory as it is, once
+``check_checkpoint_dir`` finds its files; otherwise the Hub id's snapshot, fetched with
+``huggingface_hub.snapshot_download`` into the Hub cache (only ``ALLOW_PATTERNS``), or the one
+already cached when offline or when the Hub cannot be reached. Every failure to find a checkpoint
+is a ``ModelNotFound`` (a ``ValueError``) with a one-line message that names what is missing. The
+environment is read when ``resolve_model`` is called (not when huggingface_hub is imported), so
+``HF_HUB_CACHE`` / ``HF_HOME`` / ``HF_HUB_OFFLINE`` set later in the process take effect.
 """
 
 import os
@@ -81,11 +73,8 @@ def check_checkpoint_dir(path: Union[str, Path], name: Optional[str] = None) -> 
     if missing:
         raise ModelNotFound(f"{what} has no {' and no '.join(missing)}")
     for f in REQUIRED_FILES:
-        try:
-            with open_file(path / f):
-                pass
-        except ValueError as e:
-            raise ModelNotFound(f"{what}: {e}") from None
+        with open_file(path / f, lambda message: ModelNotFound(f"{what}: {message}")):
+            pass
     return path
 
 

@@ -19,12 +19,12 @@ The residual stream is a pair (x, residual) whose value is x + residual: op by o
 output x waits to be added into the next norm (``add_rms_norm``); fused, x is the whole stream
 and residual is None. The first layer gets (embedding, None).
 
-``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes (``full_attention``:
-``AttentionLayer``; ``linear_attention``: ``GatedDeltaNetLayer``). Under tensor parallelism a layer
-is built from its rank's ``TensorParallel.local_config`` and holds its rank's shards; the output
-projections are followed by ``parallel.all_reduce`` (its input at world size 1). A layer of
-``config.moe_layers`` has ``mlp``, a ``modeling.model.moe.SparseMoeBlock``, in place of the dense
-MLP's two weights (``load_plan(..., fused_experts)``: the experts as the checkpoint holds them).
+``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes. Under tensor
+parallelism a layer is built from its rank's ``TensorParallel.local_config`` and holds its rank's
+shards; the output projections are followed by ``parallel.all_reduce`` (its input at world size
+1). A layer of ``config.moe_layers`` has ``mlp``, a ``modeling.model.moe.SparseMoeBlock``, in
+place of the dense MLP's two weights (``load_plan(..., fused_experts)``: the experts as the
+checkpoint holds them).
 
 Shapes: hidden = config.hidden_size, Hq/Hk query/key-value heads, D head_dim, I intermediate_size.
 """
@@ -180,13 +180,8 @@ class DecoderLayer(nn.Module):
 
 class AttentionLayer(DecoderLayer):
     """Full (causal, GQA) attention with RoPE, fused QKV; q/k RMSNorm per head on qwen3 and
-    Qwen3.5, a qkv bias on qwen2. Pool entry: keys and values (k, v) [num_blocks, block_size, Hk, D].
-
-    mix: ``qkv = linear(rms_norm(stream), qkv_weight, qkv_bias)``, q, k, v = views of qkv;
-    ``q, k = rope(q, k, positions, ..., q_norm, k_norm)``; no context: ``attention(q, k, v)``
-    (causal); in a step: ``kv_cache_store_slots(k, v, pool)`` at ``batch.slot_mapping``, then
-    ``paged_attention`` of each sequence's new tokens over its cached positions; ``linear(o,
-    o_weight)``. Fused, ``norm_qkv_rope_store`` does the norm, QKV, q/k norms, RoPE and the store.
+    Qwen3.5, a qkv bias on qwen2. Pool entry: keys and values (k, v) [num_blocks, block_size, Hk, D],
+    stored at ``batch.slot_mapping``; ``paged_attention`` reads each sequence's cached positions.
 
     Qwen3.5's gated attention (``config.attn_output_gate``): q_proj's rows hold per head
     ``[query (D) | gate (D)]``, so q and the gate are strided views of qkv [..., Hq, 2D]; the q/k
@@ -286,16 +281,12 @@ class GatedDeltaNetLayer(DecoderLayer):
     Sizes: Hk key heads of Dk, Hv value heads of Dv (value head h reads key head h // (Hv / Hk)),
     Kd = Hk * Dk, Vd = Hv * Dv, C = 2 * Kd + Vd conv channels, K the conv kernel size.
 
-    mix: ``proj = linear(rms_norm(stream), in_proj_weight)`` (in_proj_qkv, in_proj_z, in_proj_b,
-    in_proj_a fused: [..., C + Vd + 2Hv]); x, z, b, a = views of proj; the depthwise causal conv +
-    SiLU over x; q, k, v = views of its output; the gated delta rule (gates from a, b, A_log and
-    dt_bias; q and k L2-normed); ``o = gated_rms_norm(o, z, norm_weight)``; ``linear(o, out_weight)``.
-    No context: each row from a zero state (``causal_conv1d``, ``chunk_gated_delta_rule`` on fixed
-    lengths). In a step every sequence runs in one packed call per op (``causal_conv1d``, then
-    ``recurrent_gated_delta_rule_varlen`` for a decode step, where every sequence has one token,
-    or ``chunk_gated_delta_rule``, each with ``cu_seqlens``), continuing its slot's state where it has cached
-    positions (``batch.continues``), else from zeros, and leaving its state there. Positions are
-    unused.
+    mix: in_proj (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a fused: [..., C + Vd + 2Hv]), the
+    depthwise causal conv + SiLU over its qkv channels, the gated delta rule (gates from a, b, A_log
+    and dt_bias; q and k L2-normed), ``gated_rms_norm(o, z, norm_weight)``, out_proj. In a step
+    every sequence runs in one packed call per op, continuing its slot's state where it has cached
+    positions (``batch.continues``), else from zeros (as every row without a context), and leaving
+    its state there. Positions are unused.
     """
 
     MIXER_LINEAR_WEIGHTS = ("in_proj_weight", "out_weight")

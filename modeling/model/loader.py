@@ -16,14 +16,13 @@ and for a Gated DeltaNet layer (Qwen3.5), ``layers.{i}.in_proj_weight`` <- in_pr
 in_proj_b, in_proj_a. A mixture-of-experts layer's experts come one by one or fused
 (``fused_experts``: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
 
-FP8 (``config.quantization`` "fp8"; ``quantize=True`` quantises a bf16 / fp16 checkpoint the same
-way): ``X.weight`` F8_E4M3 beside ``X.weight_scale_inv`` [cdiv(N, 128), cdiv(K, 128)] (fused experts
-[E, N, K]: [E, cdiv(N, 128), cdiv(K, 128)]). Where ``modeling.model.fp8.keeps_fp8`` says so, a
-linear weight (``linear_targets``) whose quantised sources lead its plan, each but the last a whole
-number of 128-row blocks, stays FP8 with its unquantised sources as the tail, and experts
-(``expert_targets``) whose every source is quantised and stacks so stay FP8; any other quantised
-source is dequantised. Tensor parallelism: each rank reads only its slice of every split tensor
-(``split_plan``), replicated tensors whole.
+FP8 (``config.quantization`` "fp8", or ``quantize=True`` for a bf16 / fp16 checkpoint): the format
+is ``modeling.model.fp8``'s. Where ``fp8.keeps_fp8`` says so, a linear weight (``linear_targets``)
+whose quantised sources lead its plan, each but the last a whole number of 128-row blocks, stays
+FP8 with its unquantised sources as the tail, and experts (``expert_targets``) whose every source
+is quantised and stacks so stay FP8; any other quantised source is dequantised. Tensor
+parallelism: each rank reads only its slice of every split tensor (``split_plan``), replicated
+tensors whole.
 """
 
 import math

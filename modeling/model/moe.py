@@ -11,13 +11,9 @@ shared expert (of ``shared_expert_intermediate_size`` Is) behind a sigmoid gate.
 
 Parameters: ``router_weight`` [E (+1), H] (the router, then the shared expert's gate: one GEMM
 gives both), ``experts_gate_up`` [E, 2I, H] (each expert's [gate; up]), ``experts_down`` [E, H, I],
-``shared_gate_up`` [2Is, H], ``shared_down`` [H, Is]. FP8 (``modeling.model.fp8``): the experts
-with their ``*_scale_inv`` [E, cdiv(N, 128), cdiv(K, 128)] (``EXPERT_WEIGHTS``), the shared
-expert's two as a dense layer's linear weights (``LINEAR_WEIGHTS``); the router stays in the
-model's dtype. Checkpoints hold the experts either one by one
-(``mlp.experts.{e}.gate_proj.weight`` ...: the Hub's files) or fused (``mlp.experts.gate_up_proj``
-[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]: transformers 5's ``save_pretrained(...,
-save_original_format=False)``); ``plan`` names either.
+``shared_gate_up`` [2Is, H], ``shared_down`` [H, Is]; FP8: the experts (``EXPERT_WEIGHTS``) and the
+shared expert (``LINEAR_WEIGHTS``), the router stays in the model's dtype. ``plan`` reads the
+experts one by one or fused (docs/modeling.md, "Mixture of experts").
 """
 
 import torch

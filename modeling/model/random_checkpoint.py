@@ -2,25 +2,13 @@
 no download).
 
 ``build_random_checkpoint(path)`` writes a directory that ``QwenForCausalLM.from_pretrained`` and
-``QwenTokenizer.from_pretrained`` load like a real one:
-
-- ``tokenizer.json``: by default a byte-level BPE trained with the ``tokenizers`` library on a few
-  built-in sentences, with the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
-  (ids 0, 1, 2), so any text (any UTF-8) encodes and decodes; with ``tokenizer="words"`` a
-  word-level vocabulary of exactly ``vocab_size`` entries (``build_word_tokenizer``: ``<unk>`` and
-  pseudo-words, any sequence of their ids survives decode then encode) and no EOS anywhere, so
-  generation runs to its token limit on any server (the benchmarks' fixture);
-- ``config.json`` (``model_type: qwen3``, or ``qwen3_5_text`` with ``model_type="qwen3_5_text"``
-  among the sizes; vocab = the tokenizer's; ``torch_dtype`` = the weights'), ``tokenizer_config.json``,
-  ``generation_config.json`` (EOS: ``<|im_end|>`` and ``<|endoftext|>``; none with ``"words"``);
-- ``model.safetensors``: Hugging Face tensor names (``model.layers.0.self_attn.q_proj.weight``
-  ...) from ``modeling.model.loader.load_plan``, matrices ~ N(0, std^2), norm weights ~ 1 + N(0, std^2)
-  (Qwen3.5's zero-centred norms, which scale by 1 + weight: N(0, std^2)), float32 unless ``dtype``
-  says otherwise.
-
-``default_random_model_dir()`` is where ``python -m modeling.generate`` keeps it when run
-without ``--model``. ``random_model(config, ...)`` builds a random ``QwenForCausalLM`` in memory
-(no files; used by the GPU tests and the benchmark for full-size shapes): ``QWEN3_0_6B`` and
+``QwenTokenizer.from_pretrained`` load like a real one: ``config.json`` (``config_dict``), the
+tokenizer files (``build_tokenizer`` or ``build_word_tokenizer``, then ``write_tokenizer_files``)
+and ``model.safetensors`` under Hugging Face names (``modeling.model.loader.load_plan``, values
+from ``random_tensor``). ``ensure_random_checkpoint`` builds it once, by default in
+``default_random_model_dir()``, where ``python -m modeling.generate`` keeps it when run without
+``--model``. ``random_model(config, ...)`` builds a random ``QwenForCausalLM`` in memory (no
+files; used by the GPU tests and the benchmark for full-size shapes): ``QWEN3_0_6B`` and
 ``QWEN3_5_0_8B`` are the config.json fields of those shapes.
 """
 
@@ -76,9 +64,7 @@ QWEN3_5_0_8B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=10
                     linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
                     tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=262144,
                     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25))
-"""config.json fields of the Qwen3.5-0.8B text model (18 Gated DeltaNet layers with 16 key / 16
-value heads of 128, 6 gated attention layers with 8/2 heads of 256), for random models in GPU
-tests and benchmarks."""
+"""config.json fields of the Qwen3.5-0.8B text model, for random models in GPU tests and benchmarks."""
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 

@@ -3,20 +3,9 @@
 
 ``TensorParallel`` is a rank's place in the group and the collectives the layers need.
 ``SINGLE`` (world size 1) is the model as it runs on one device: every collective returns its
-input, no extra op runs.
-
-How the model splits over W ranks, rank r (shapes per rank):
-
-- column-parallel projections (QKV, gate_up, the Gated DeltaNet's in_proj and conv1d): rank r holds
-  the output rows of its heads (``heads``), so its output is its heads' activations, and every op
-  up to the next projection runs on its heads alone;
-- row-parallel projections (o_proj, down_proj, out_proj): rank r holds the input columns of its
-  heads, ``y_r = x_r W_r^T``, and ``y = sum_r y_r`` is one all-reduce (``all_reduce``). Qwen's
-  row-parallel projections have no bias;
-- the embedding (vocabulary-parallel): rank r holds rows [r V/W, (r+1) V/W); each rank looks up its
-  tokens, zeros for the others, and the all-reduce sums them (``embedding``);
-- the lm_head: rank r computes its vocabulary slice of the logits, gathered along the last dim
-  into the full logits on every rank (``gather_logits``).
+input, no extra op runs. docs/modeling.md ("Tensor parallelism") says which projections are
+column-parallel (each rank's heads' output rows), row-parallel (each rank's heads' input columns,
+summed by ``all_reduce``) and vocabulary-parallel (``embedding``, ``gather_logits``).
 
 Heads of a kind split evenly (``heads``): n >= W heads, n a multiple of W, rank r takes
 [r n/W, (r+1) n/W); n < W heads (key/value heads where there are fewer than ranks), W a multiple

@@ -7,32 +7,12 @@
 
 Like Liger-Kernel's `apply_liger_kernel_to_qwen3(model=...)`, but only module *instances* are
 patched (their `forward` is replaced through the instance attribute), never the classes, so other
-models in the process are untouched and `undo()` restores exactly what was there.
-
-| module (class name)   | patched forward                                                           |
-|-----------------------|---------------------------------------------------------------------------|
-| `*RMSNorm`            | `qwen::rms_norm` (the final norm, the layer norms, q_norm / k_norm)        |
-| `*MLP`                | `down_proj(qwen::silu_mul_split(gate_proj(x), up_proj(x)))`: the split-     |
-|                       | input SwiGLU op, so gate_proj / up_proj stay separate cuBLAS linears       |
-| `*Attention`          | q/k/v projections, then `qwen::rope` (RoPE from position_ids, with Qwen3's |
-|                       | q_norm / k_norm fused into it), then `qwen::attention_with_lse` (causal),  |
-|                       | then o_proj. apply_rotary_pos_emb and the cos/sin tables are not used.     |
-| `*ForCausalLM`        | with `labels`: `qwen::linear_cross_entropy` on the final hidden states and |
-|                       | lm_head.weight, no logits ([B, T, V] never exists; `logits` is None)      |
-| `*Model` (the decoder | with the attention patch, all layers full attention: called without an     |
-| stack)                | attention mask and with no cached tokens, it hands its layers no mask     |
-|                       | (`{"full_attention": None}`)                                              |
-
-The attention kernel runs when the layer gets no mask: the default `sdpa` implementation
-without padding, as in training on packed sequences. transformers decides that itself in eager
-mode, but under torch.compile some releases (5.17, for one) cannot prove that a mask is purely
-causal and build a [B, 1, T, T] one; the patched decoder stack skips that when the call had no mask
-and no cached tokens, so compiled training runs our attention too. With a mask (padding,
-`attn_implementation="eager"`) or a sliding window, the layer keeps our RoPE but calls the
-model's own attention function. A KV cache (generation) is updated as transformers does.
-Only the default RoPE (`rope_type` "default") and `hidden_act` "silu" are supported; other
-configurations raise ValueError. The model types and the RoPE settings are read as
-`modeling.model.config` reads a config.json.
+models in the process are untouched and `undo()` restores exactly what was there. docs/training.md
+("With transformers") tables what each `*RMSNorm`, `*MLP`, `*Attention`, `*ForCausalLM` and
+decoder stack (`*Model`) becomes, and when the attention falls back to the model's own function
+(a mask, a sliding window). Only the default RoPE (`rope_type` "default") and `hidden_act` "silu"
+are supported; other configurations raise ValueError. The model types and the RoPE settings are
+read as `modeling.model.config` reads a config.json.
 """
 import sys
 import types
@@ -152,8 +132,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 def _decoder_forward(self, *args, **kwargs):
     """The decoder stack's forward (patched only where every layer is full attention), told that
-    its masks are purely causal (None) when they are: no attention mask, no cached tokens (see the
-    module doc)."""
+    its masks are purely causal (None) when they are: no attention mask, no cached tokens (under
+    torch.compile some transformers releases would build a 4-D mask and send the layers to the
+    fallback)."""
     if (len(args) <= 1 and kwargs.get("attention_mask") is None
             and _holds_no_tokens(kwargs.get("cache", kwargs.get("past_key_values")))):
         kwargs["attention_mask"] = {"full_attention": None}  # transformers' precomputed-mask mapping

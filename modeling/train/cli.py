@@ -2,6 +2,7 @@
 lock (``OutLock``), the signals that stop a run (``StopSignals``), progress, ``main``."""
 
 import argparse
+import contextlib
 import fcntl
 import math
 import os
@@ -187,16 +188,6 @@ def _make_dir(path: Path, flag: str, created: Optional[List[Path]] = None) -> No
             created += [p for p in missing if os.path.isdir(p)]
 
 
-def _remove_empty(folders: Sequence[Path]) -> None:
-    """Remove ``folders`` (made by this invocation, parents first) that are still empty, deepest
-    first: a run refused after ``prepare`` leaves nothing behind."""
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:  # something was written in it
-            pass
-
-
 class OutLock:
     """An exclusive ``fcntl.flock`` on ``OUT/.train.lock`` (holding the holder's pid), taken without
     waiting: UsageError when another process holds it. ``release`` removes the file and unlocks."""
@@ -291,7 +282,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 lock.release()
         return 0
     except UsageError as e:
-        _remove_empty(created)
+        for folder in reversed(created):  # deepest first, each still empty: a refused run leaves nothing behind
+            with contextlib.suppress(OSError):  # something was written in it
+                folder.rmdir()
         notice(f"error: {e}")
         return 2
     except KeyboardInterrupt:

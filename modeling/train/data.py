@@ -2,10 +2,9 @@
 byte-level BPE tokenizer trained on the training split, and the validation windows and batches."""
 
 import math
-from pathlib import Path
 from typing import List, Tuple
 
-from .constants import DATA_LIMIT, GENERATION_DEFAULTS, MAX_SPEAKER, UsageError
+from .constants import DATA_LIMIT, MAX_SPEAKER, UsageError
 
 
 def read_text(path: str) -> str:
@@ -57,15 +56,6 @@ def train_tokenizer(text: str, vocab_size: int):
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UsageError(f"--vocab-size {vocab_size} is below the 256 byte symbols + {len(SPECIAL_TOKENS)} specials")
     return build_tokenizer(vocab_size, [text])
-
-
-def write_tokenizer_files(path: Path, tok, max_length: int) -> None:
-    """The tokenizer files of ``random_checkpoint.write_tokenizer_files`` with a ChatML template and
-    the sampling defaults ``GENERATION_DEFAULTS``."""
-    from ..chat.template import CHATML_TEMPLATE
-    from ..model.random_checkpoint import write_tokenizer_files as write
-
-    write(path, tok, max_length, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
 
 
 def bits_per_char(nats_per_token: float, n_tokens: int, n_chars: int) -> float:

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..common import one_line
-from .constants import LOG_FILE, STATE_VERSION, UsageError
-from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer, write_tokenizer_files
+from .constants import GENERATION_DEFAULTS, LOG_FILE, STATE_VERSION, UsageError
+from .data import bits_per_char, dialogue_chat, eval_batches, read_text, split_text, train_tokenizer
 from .files import _fsync_files, _minutes, _rate, _read_tokenizer, _replace_file, _versions, _write_json, read_state
 from .model_init import attach_dropout, build_model, count_parameters, hf_tensors, load_init_weights, model_config_dict
 
@@ -148,7 +148,10 @@ class Trainer:
         if a.resume:
             self._load_state()
         else:  # written once the settings have passed every check, before the first save
-            write_tokenizer_files(out, tok, a.seq_len)
+            from ..chat.template import CHATML_TEMPLATE
+            from ..model.random_checkpoint import write_tokenizer_files
+
+            write_tokenizer_files(out, tok, a.seq_len, {"chat_template": CHATML_TEMPLATE}, GENERATION_DEFAULTS)
             _fsync_files(out, ("tokenizer.json", "tokenizer_config.json", "generation_config.json"))
             _write_json(out / "config.json", cfg)
 
@@ -253,32 +256,28 @@ class Trainer:
         _replace_file(self.state_path, lambda f: torch.save(state, f))
 
     def _load_state(self) -> None:
+        import torch
         try:
-            self._restore(read_state(self.state_path))
+            state = read_state(self.state_path)
+            with torch.no_grad():
+                for n, m, p in zip(self.names, self.master, self.params):
+                    m.copy_(state["weights"][n])
+                    if p is not m:
+                        p.copy_(m)
+            self.opt.load_state_dict(state["optimizer"])
+            self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+            b = state["best"]
+            self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
+            if state["best_weights"] is not None:
+                self.best_weights = [state["best_weights"][n] for n in self.names]
+            torch.set_rng_state(state["rng"]["cpu"])
+            self.data_gen.set_state(state["rng"]["data"])
+            if state["rng"]["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+            self.log = dict(state["log"], settings=self.log["settings"])  # overrides given on this command line
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # a state whose parts do not fit
             raise UsageError(f"--resume: {self.state_path} does not hold a state of this run "
                              f"({one_line(e, limit=200)})") from None
-
-    def _restore(self, state: Dict[str, Any]) -> None:
-        import torch
-        with torch.no_grad():
-            for n, m, p in zip(self.names, self.master, self.params):
-                m.copy_(state["weights"][n])
-                if p is not m:
-                    p.copy_(m)
-        self.opt.load_state_dict(state["optimizer"])
-        self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
-        b = state["best"]
-        self.best_val, self.best_step, self.evals_since_best = b["val_loss"], b["step"], b["evals_since_best"]
-        if state["best_weights"] is not None:
-            self.best_weights = [state["best_weights"][n] for n in self.names]
-        torch.set_rng_state(state["rng"]["cpu"])
-        self.data_gen.set_state(state["rng"]["data"])
-        if state["rng"]["cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
-        log = state["log"]
-        log["settings"] = self.log["settings"]  # overrides given on this command line
-        self.log = log
 
     # ----- the loop
 
