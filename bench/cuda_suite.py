@@ -1,7 +1,8 @@
-"""The `cuda` test suite in one device call: its tests dealt into groups file by file and by the
-seconds an earlier run recorded (`deal`, `--times`: by default the newest
-bench/results/*-cuda-suite-times.tsv), several pytest processes per GPU at once (Triton compiles
-on the host's cores while the GPUs run).
+"""The `cuda` test suite in one device call: its tests cut into pieces file by file and by the
+seconds an earlier run recorded (`pieces`, `--times`: by default the newest
+bench/results/*-cuda-suite-times.tsv), which several pytest processes per GPU take from one queue,
+heaviest first (`run_queue`: a process that finishes early takes the next piece, so a wrong
+estimate costs little), while Triton compiles on the host's cores and the GPUs run.
 
     python -m bench.cuda_suite [--per-gpu N] [--gpus N] [--timeout 540] [-k EXPR] [--marker cuda] [--out DIR]
                                [--times TSV]
@@ -12,11 +13,13 @@ Without --per-gpu the processes per GPU come from its free memory and the host's
 GPU take turns on it (``QWEN_GPU_LOCK``, ``tests.helpers.gpu_memory_lock``), one ``HEAVY_BYTES`` at a
 time. Four processes on one 80 GB H100 with neither ran out of memory in three such tests at once.
 
-Prints one row per group (its GPU, pytest's summary line, time), the failures and the slowest
-tests, and writes each group's `pytest -v` log and every finished test's seconds (``times.tsv``,
-from tests/conftest.py's QWEN_TEST_TIMES) under --out/cuda_suite. Exit status 1 if a test failed or errored or a group ran past
---timeout (the tests it had not reached are then counted as not run). On two GPUs, eight
-groups run the whole suite within one device call, where one process needed several.
+Prints one row per process slot (its GPU, the pieces it ran, their tests passed and failed, its busy
+seconds), the totals, each failure's report and the slowest tests, and writes under --out/cuda_suite
+three files (a device call returns few): suite.log (every piece's `pytest -v` output, in the order
+they ended), failures.txt (each failed test's report, written as it fails: a piece cut at --timeout
+keeps them) and times.tsv (every finished test's seconds, from tests/conftest.py's
+QWEN_TEST_TIMES). Exit status 1 if a test failed or errored or a piece was cut or never started
+within --timeout (their tests are counted as not run).
 """
 import argparse
 import os
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 from bench import require_cuda
 
@@ -67,14 +70,13 @@ def collect(marker: str, kexpr: str | None) -> list[str]:
     return ids
 
 
-def deal(ids: list[str], n: int, seconds: Optional[dict] = None) -> list[list[str]]:
-    """`ids` (in collection order) into n groups of about equal time: each test weighs its recorded
-    seconds (``seconds``: id -> seconds, from an earlier run's times.tsv; the median of them for a
-    test not recorded, 1 each without any). A file's tests stay together, so a process compiles a
-    file's kernels once (dealt round-robin, every process compiled nearly every kernel, all at the
-    same time); a file weighing more than total / 2n is cut into contiguous pieces of at most that
-    (a test weighing more is a piece alone). Pieces go heaviest first to the lightest group; each
-    group keeps collection order."""
+def pieces(ids: list[str], n: int, seconds: Optional[dict] = None) -> list[list[str]]:
+    """`ids` (in collection order) cut into the pieces n processes take from one queue, heaviest
+    first: each test weighs its recorded seconds (``seconds``: id -> seconds, from an earlier run's
+    times.tsv; the median of them for a test not recorded, 1 each without any). A file's tests
+    stay together, so a process compiles a file's kernels once; a file weighing more than
+    total / 2n is cut into contiguous pieces of at most that (a test weighing more is a piece
+    alone). Each piece keeps collection order."""
     known = sorted((seconds or {}).values())
     default = known[len(known) // 2] if known else 1.0
     weight = [(seconds or {}).get(node, default) for node in ids]
@@ -86,13 +88,44 @@ def deal(ids: list[str], n: int, seconds: Optional[dict] = None) -> list[list[st
             runs[-1].append(i)
         else:
             runs.append([i])
-    groups: list[list[int]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for run in sorted(runs, key=lambda r: (-sum(weight[j] for j in r), r[0])):
-        g = min(range(n), key=lambda k: (loads[k], len(groups[k])))
-        groups[g].extend(run)
-        loads[g] += sum(weight[j] for j in run)
-    return [[ids[i] for i in sorted(g)] for g in groups]
+    runs.sort(key=lambda r: (-sum(weight[j] for j in r), r[0]))
+    return [[ids[j] for j in r] for r in runs]
+
+
+class Ran(NamedTuple):
+    """A piece's end: its slot, "exit N" or "cut" (killed at the deadline), its seconds."""
+    slot: int
+    status: str
+    seconds: float
+
+
+def run_queue(start: Callable[[int, int], subprocess.Popen], count: int, slots: int, timeout: float,
+              poll: float = 0.2) -> list[Optional[Ran]]:
+    """Run pieces 0..count-1 in order on `slots` slots at once: ``start(piece, slot)`` starts one
+    (its own process group); a slot that frees takes the next. At `timeout` seconds the running
+    pieces are killed ("cut") and the rest never start (None)."""
+    ran: list[Optional[Ran]] = [None] * count
+    running: dict = {}  # slot -> (piece, process, started)
+    deadline, nxt = time.time() + timeout, 0
+    while nxt < count or running:
+        for slot in range(slots):
+            if slot not in running and nxt < count and time.time() < deadline:
+                running[slot] = (nxt, start(nxt, slot), time.time())
+                nxt += 1
+        for slot, (piece, proc, t0) in list(running.items()):
+            if proc.poll() is not None:
+                ran[piece] = Ran(slot, f"exit {proc.returncode}", time.time() - t0)
+            elif time.time() >= deadline:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                ran[piece] = Ran(slot, "cut", time.time() - t0)
+            else:
+                continue
+            del running[slot]
+        if time.time() >= deadline:
+            break
+        time.sleep(poll)
+    return ran
 
 
 def recorded_seconds(path: Optional[Path]) -> dict:
@@ -126,12 +159,13 @@ def main():
     p.add_argument("--per-gpu", type=int, default=None,
                    help="pytest processes per GPU at once (default: from the GPUs' free memory and the cores)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
-    p.add_argument("--timeout", type=float, default=540.0, help="seconds for the whole run")
+    p.add_argument("--timeout", type=float, default=540.0,
+                   help="seconds for the whole run: then running pieces are cut and the rest never start")
     p.add_argument("-k", dest="kexpr", default=None, help="a pytest -k expression")
     p.add_argument("--marker", default="cuda", help="the pytest -m expression (default: cuda)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--times", type=Path, default=latest_times(),
-                   help="an earlier run's times.tsv, to deal the tests by time (default: the newest "
+                   help="an earlier run's times.tsv, to weigh the pieces by time (default: the newest "
                         "bench/results/*-cuda-suite-times.tsv)")
     a = p.parse_args()
     if a.gpus is None:
@@ -152,56 +186,68 @@ def main():
         sys.exit(f"no tests selected by -m {a.marker!r}" + (f" -k {a.kexpr!r}" if a.kexpr else ""))
     out = Path(a.out) / "cuda_suite"
     out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="cuda_suite-"))  # id lists, locks, per-process times
-    n = min(len(ids), a.gpus * a.per_gpu)
-    groups = deal(ids, n, recorded_seconds(a.times))
-    procs, t0 = [], time.time()
-    for g in range(n):
-        (scratch / f"group{g}.ids").write_text("\n".join(groups[g]) + "\n")
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g % a.gpus), "PYTHONUNBUFFERED": "1",
-               "QWEN_GPU_LOCK": str(scratch / f"gpu{g % a.gpus}.lock"),
-               "QWEN_TEST_TIMES": str(scratch / f"group{g}.times"),
+    scratch = Path(tempfile.mkdtemp(prefix="cuda_suite-"))  # id lists, locks, logs, times, failures
+    slots = min(len(ids), a.gpus * a.per_gpu)
+    queue = pieces(ids, slots, recorded_seconds(a.times))
+    (scratch / "failures").touch()
+
+    def start(piece: int, slot: int) -> subprocess.Popen:
+        (scratch / f"piece{piece}.ids").write_text("\n".join(queue[piece]) + "\n")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot % a.gpus), "PYTHONUNBUFFERED": "1",
+               "QWEN_GPU_LOCK": str(scratch / f"gpu{slot % a.gpus}.lock"),
+               "QWEN_TEST_TIMES": str(scratch / f"slot{slot}.times"), "QWEN_TEST_FAILURES": str(scratch / "failures"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        log = open(out / f"group{g}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-c", RUN_IDS, str(scratch / f"group{g}.ids"), "-v", "-p",
-                                        "no:cacheprovider", "-rfE", "--tb=short"], cwd=ROOT, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True), log, time.time()))
-    print(f"{len(ids)} tests in {n} groups over {a.gpus} GPU(s), dealt by "
+        with open(scratch / f"piece{piece}.log", "w") as log:
+            return subprocess.Popen([sys.executable, "-c", RUN_IDS, str(scratch / f"piece{piece}.ids"), "-v", "-p",
+                                     "no:cacheprovider", "-rfE", "--tb=short"], cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+
+    print(f"{len(ids)} tests in {len(queue)} pieces, {slots} processes over {a.gpus} GPU(s), pieces weighed by "
           + (f"the seconds in {a.times}" if a.times else "count") + f"; logs under {out}", flush=True)
-    rows, total, bad = [], dict.fromkeys(("PASSED", "FAILED", "SKIPPED", "ERROR", "not run"), 0), False
-    for g, (proc, log, started) in enumerate(procs):
-        try:
-            proc.wait(timeout=max(1.0, a.timeout - (time.time() - t0)))
-            status = f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            status = "TIMEOUT"
-        log.close()
-        text = (out / f"group{g}.log").read_text(errors="replace")
-        c = counts(text)
-        c["not run"] = max(0, len(groups[g]) - sum(c.values())) if status == "TIMEOUT" else 0
-        for k in total:
-            total[k] += c[k]
-        bad |= status == "TIMEOUT" or c["FAILED"] > 0 or c["ERROR"] > 0 or proc.returncode not in (0, 5)
-        summary = (f"cut: {c['PASSED']} passed, {c['FAILED']} failed, {c['not run']} not run" if status == "TIMEOUT" else
-                   next((ln.strip("= ") for ln in reversed(text.splitlines()) if re.search(r" in [0-9.]+s", ln)), status))
-        rows.append(f"| {g} | {g % a.gpus} | {summary} | {status} |")
-    print("\n| group | GPU | result | status |\n|---|---|---|---|", *rows, sep="\n")
+    t0 = time.time()
+    ran = run_queue(start, len(queue), slots, a.timeout)
+    total = dict.fromkeys(("PASSED", "FAILED", "SKIPPED", "ERROR", "not run"), 0)
+    per_slot = {slot: dict(pieces=0, PASSED=0, FAILED=0, seconds=0.0) for slot in range(slots)}
+    bad = False
+    with open(out / "suite.log", "w") as suite:
+        for piece in sorted((p for p in range(len(queue)) if ran[p]), key=lambda p: ran[p].seconds):
+            text = (scratch / f"piece{piece}.log").read_text(errors="replace")
+            suite.write(f"===== piece {piece} ({len(queue[piece])} tests), slot {ran[piece].slot}: "
+                        f"{ran[piece].status} after {ran[piece].seconds:.0f} s\n{text}\n")
+            c = counts(text)
+            for k in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+                total[k] += c[k]
+            total["not run"] += len(queue[piece]) - sum(c.values()) if ran[piece].status == "cut" else 0
+            row = per_slot[ran[piece].slot]
+            row["pieces"] += 1
+            row["PASSED"] += c["PASSED"]
+            row["FAILED"] += c["FAILED"] + c["ERROR"]
+            row["seconds"] += ran[piece].seconds
+            bad |= ran[piece].status not in ("exit 0", "exit 5") or c["FAILED"] > 0 or c["ERROR"] > 0
+    unstarted = [p for p in range(len(queue)) if ran[p] is None]
+    total["not run"] += sum(len(queue[p]) for p in unstarted)
+    bad |= bool(unstarted)
+    print("\n| slot | GPU | pieces | passed | failed | busy s |\n|---|---|---|---|---|---|")
+    for slot, row in per_slot.items():
+        print(f"| {slot} | {slot % a.gpus} | {row['pieces']} | {row['PASSED']} | {row['FAILED']} | {row['seconds']:.0f} |")
+    cut = sum(r is not None and r.status == "cut" for r in ran)
     print(f"\n{len(ids)} tests: " + ", ".join(f"{v} {k.lower()}" for k, v in total.items())
-          + f"; {time.time() - t0:.0f} s of wall time")
-    for g in range(n):
-        for line in (out / f"group{g}.log").read_text(errors="replace").splitlines():
-            if line.startswith(("FAILED ", "ERROR ")):
-                print(line)
+          + f"; {cut} pieces cut and {len(unstarted)} never started at the deadline; {time.time() - t0:.0f} s of wall time")
+    failures = (scratch / "failures").read_text(errors="replace")
+    (out / "failures.txt").write_text(failures)
+    if failures:
+        print("\nFailures (each report's last 25 lines; all of it in failures.txt):")
+        for report in re.split(r"^===== ", failures, flags=re.M)[1:]:
+            lines = report.splitlines()
+            print(f"===== {lines[0]}", *lines[1:][-25:], sep="\n")
     times = out / "times.tsv"
     with open(times, "w") as f:
-        for g in range(n):
-            path = scratch / f"group{g}.times"
+        for slot in range(slots):
+            path = scratch / f"slot{slot}.times"
             for line in path.read_text().splitlines() if path.exists() else []:
                 sec, node = line.split("\t", 1)
-                f.write(f"{sec}\t{g}\t{node}\n")
-    print("\n| seconds | group | slowest tests |\n|---|---|---|", *slowest(times), sep="\n")
+                f.write(f"{sec}\t{slot}\t{node}\n")
+    print("\n| seconds | slot | slowest tests |\n|---|---|---|", *slowest(times), sep="\n")
     sys.exit(1 if bad else 0)
 
 

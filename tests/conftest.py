@@ -93,7 +93,12 @@ _TEST_SECONDS: dict = {}
 
 def pytest_runtest_logreport(report):
     """With QWEN_TEST_TIMES set (``bench.cuda_suite`` sets it per process), each test's seconds
-    (setup, call and teardown) are appended to that file as it ends: a run cut short keeps them."""
+    (setup, call and teardown) are appended to that file as it ends, and with QWEN_TEST_FAILURES a
+    failed phase's report to that one as it fails: a run cut short keeps them."""
+    failures = os.environ.get("QWEN_TEST_FAILURES")
+    if failures and report.failed:
+        with open(failures, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
     path = os.environ.get("QWEN_TEST_TIMES")
     if not path:
         return

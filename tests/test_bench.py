@@ -51,32 +51,29 @@ def test_cuda_suite_sizes_its_processes_from_free_memory_and_cores():
         assert n == 1 or HEAVY_BYTES + (n - 1) * PROCESS_BYTES <= free, (free, n)
 
 
-def test_cuda_suite_deals_whole_files_balanced():
+def test_cuda_suite_cuts_whole_files_into_pieces_heaviest_first():
     """Without recorded times (each test weighs 1): every test once; a file of at most len(ids) / 2n
-    tests stays in one group; a longer one is cut into contiguous pieces; groups differ by at most
-    one piece, none is empty; each keeps collection order."""
-    from bench.cuda_suite import deal
+    tests is one piece; a longer one is cut into contiguous pieces of at most that; pieces come
+    heaviest first, each in collection order."""
+    from bench.cuda_suite import pieces
 
     sizes = {"a": 11, "b": 4, "c": 3, "d": 1, "e": 1}
     ids = [f"tests/test_{f}.py::t[{i}]" for f, k in sizes.items() for i in range(k)]
-    groups = deal(ids, 3)
-    assert sorted(sum(groups, [])) == sorted(ids) and len(sum(groups, [])) == len(ids)
-    piece = len(ids) / 6
-    for g in groups:
-        assert g == sorted(g, key=ids.index)
-    for f in ("c", "d", "e"):
-        assert sum(any(f"test_{f}.py" in i for i in g) for g in groups) == 1, f
-    a_parts = [[i for i in g if "test_a.py" in i] for g in groups]
-    assert all(len(p) <= 2 * piece for p in a_parts) and sum(map(bool, a_parts)) >= 2
-    assert max(map(len, groups)) - min(map(len, groups)) <= piece
-    assert all(all(deal(ids, k)) for k in range(1, len(ids) + 1))  # no group left empty
+    queue = pieces(ids, 3)
+    assert sorted(sum(queue, [])) == sorted(ids) and len(sum(queue, [])) == len(ids)
+    limit = len(ids) / 6
+    for piece in queue:
+        assert piece == sorted(piece, key=ids.index) and len(piece) <= limit
+        assert len({node.split("::")[0] for node in piece}) == 1
+    assert [len(p) for p in queue] == sorted((len(p) for p in queue), reverse=True)
+    for f, count in (("a", 4), ("b", 2), ("c", 1), ("d", 1), ("e", 1)):  # pieces of at most 3.33 tests
+        assert sum(any(f"test_{f}.py" in i for i in p) for p in queue) == count, f
 
 
-def test_cuda_suite_deals_by_recorded_seconds(tmp_path):
-    """With an earlier run's seconds, groups balance time, not counts: a slow test is a piece
-    alone, a file's tests stay together up to total / 2n seconds, an unrecorded test weighs the
-    median."""
-    from bench.cuda_suite import deal, recorded_seconds
+def test_cuda_suite_weighs_pieces_by_recorded_seconds(tmp_path):
+    """With an earlier run's seconds: a slow test is a piece alone and comes first, a file's tests
+    stay together up to total / 2n seconds, an unrecorded test weighs the median."""
+    from bench.cuda_suite import pieces, recorded_seconds
 
     ids = [f"tests/test_slow.py::t[{i}]" for i in range(2)] + [f"tests/test_fast.py::t[{i}]" for i in range(12)]
     ids.append("tests/test_new.py::t")
@@ -84,12 +81,55 @@ def test_cuda_suite_deals_by_recorded_seconds(tmp_path):
     times.write_text("".join(f"{60.0 if 'slow' in node else 5.0}\t0\t{node}\n" for node in ids[:-1]) + "junk\n")
     seconds = recorded_seconds(times)
     assert len(seconds) == 14 and seconds[ids[0]] == 60.0
-    groups = deal(ids, 3, seconds)
-    load = [sum(seconds.get(node, 5.0) for node in g) for g in groups]
-    assert sorted(sum(groups, [])) == sorted(ids)
-    assert [sum("slow" in node for node in g) for g in groups].count(1) == 2  # each slow test alone in a group
-    assert max(load) - min(load) <= 10.0, load  # 185 s in three groups of 60, 60 and 65
+    queue = pieces(ids, 3, seconds)  # 185 s: pieces of at most 30.8 s, but a 60 s test alone
+    assert queue[:2] == [[ids[0]], [ids[1]]]
+    assert [sum(seconds.get(n, 5.0) for n in p) for p in queue[2:]] == [30.0, 30.0, 5.0]
+    assert sorted(sum(queue, [])) == sorted(ids)
     assert recorded_seconds(tmp_path / "missing.tsv") == {}
+
+
+def test_cuda_suite_queue_runs_each_piece_once_and_cuts_at_the_deadline(tmp_path):
+    """run_queue: each piece starts once, on at most `slots` slots at once, a freed slot takes the
+    next; at the deadline a running piece is killed ("cut") and the rest never start."""
+    import subprocess
+
+    from bench.cuda_suite import run_queue
+
+    started = []
+
+    def start(piece, slot):
+        started.append((piece, slot))
+        assert len({s for p, s in started if not (tmp_path / f"{p}.done").exists()}) <= 2
+        code = f"open({str(tmp_path / f'{piece}.done')!r}, 'w').close(); raise SystemExit({piece % 2})"
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+    ran = run_queue(start, 5, 2, timeout=120, poll=0.01)
+    assert sorted(p for p, _ in started) == [0, 1, 2, 3, 4] and {s for _, s in started} <= {0, 1}
+    assert [r.status for r in ran] == ["exit 0", "exit 1", "exit 0", "exit 1", "exit 0"]
+    assert all((tmp_path / f"{p}.done").exists() for p in range(5))
+
+    def stuck(piece, slot):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+
+    ran = run_queue(stuck, 3, 1, timeout=1.0, poll=0.01)
+    assert ran[0].status == "cut" and ran[1:] == [None, None]
+
+
+def test_failed_reports_are_written_as_they_fail(tmp_path, monkeypatch):
+    """With QWEN_TEST_FAILURES set, a failed phase's report is appended at once (a piece cut later
+    keeps it); passing phases write nothing."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    path = tmp_path / "failures"
+    monkeypatch.setenv("QWEN_TEST_FAILURES", str(path))
+    conftest.pytest_runtest_logreport(SimpleNamespace(nodeid="t.py::ok", when="call", failed=False, duration=0.1,
+                                                      longreprtext=""))
+    assert not path.exists()
+    conftest.pytest_runtest_logreport(SimpleNamespace(nodeid="t.py::bad", when="call", failed=True, duration=0.1,
+                                                      longreprtext="assert 1 == 2"))
+    assert path.read_text() == "===== t.py::bad (call)\nassert 1 == 2\n"
 
 
 def test_test_times_are_written_as_each_test_ends(tmp_path, monkeypatch):
