@@ -19,7 +19,7 @@ config and records the fastest per shape as this GPU's table linear_decode
 models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
 (checked against cuBLAS: a config whose ||ours - cuBLAS|| / ||cuBLAS|| exceeds 1e-2 is not eligible), beside
 the strided tiled GEMM and cuBLAS. Records the fastest per (M class, N, K) as this GPU's table
-linear_prefill; writes prefill_sweep.md. `--shapes` (qwen3-0.6b, seed; or qwen3.5-0.8b)
+linear_prefill; writes prefill_sweep.md. `--shapes` (qwen3-0.6b, seed; or qwen3.5-0.8b, qwen3-8b)
 and `--linears` (qkv, o_proj, gate_up, down, lm_head; Qwen3.5's in_proj, out_proj) narrow it to some
 models and projections.
 
@@ -66,9 +66,10 @@ SHAPES = {
     "seed": dict(hidden=896, hq=8, hk=2, d=128, inter=4864, vocab=151936),
 }
 PREFILL_SHAPES = {**SHAPES, "qwen3.5-0.8b": dict(hidden=1024, hq=8, hk=2, d=256, inter=3584, vocab=248320, q_gate=True,
-                                                 in_proj=8224, value_dim=2048)}
+                                                 in_proj=8224, value_dim=2048),
+                  "qwen3-8b": dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936)}
 """--sweep-prefill's models: also Qwen3.5-0.8B's (gated attention: q_proj holds the query and its
-gate; Gated DeltaNet's fused in_proj and its out_proj)."""
+gate; Gated DeltaNet's fused in_proj and its out_proj) and Qwen3-8B's."""
 L2_BYTES = 60 << 20
 BF16 = torch.bfloat16
 
@@ -369,7 +370,7 @@ def rel_error(a, ref):
 
 
 TARGET_MODELS = {"qwen3-0.6b": SHAPES["qwen3-0.6b"],
-                 "qwen3-8b": dict(hidden=4096, hq=32, hk=8, d=128, inter=12288, vocab=151936),
+                 "qwen3-8b": PREFILL_SHAPES["qwen3-8b"],
                  "qwen3.5-0.8b": PREFILL_SHAPES["qwen3.5-0.8b"]}
 TARGET_HEADS = ((14, 2, 64), (16, 8, 128), (8, 2, 256))
 """--targets' attention heads (q / kv x head_dim): Qwen2.5-0.5B, Qwen3, Qwen3.5's gated attention."""
