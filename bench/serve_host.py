@@ -3,6 +3,7 @@
 
     python -m bench.serve_host [--concurrency 1 64] [--step-ms 2] [--rounds 8] [--client raw|httpx]
                                [--ceiling] [--profile] [--model DIR]
+    python -m bench.serve_host --step-ms 0 --model DIR --concurrency 1 --trace   # the real engine (a GPU)
 
 The stand-in steps every ``--step-ms`` while it has work and gives each running sequence one token
 a step, so its own rate at a level of c streams is c tokens a step (``engine_tokens_per_s``: c *
@@ -19,6 +20,9 @@ kept its pace unless this is below 1000 / step_ms), and CPU time from /proc/PID/
 process per engine step and per streamed token (``server_us_per_token``: what the cuts of the host
 path are measured by), the engine process's (the stand-in: mostly asleep), the client's.
 
+``--step-ms 0``: the real engine on ``--model``'s weights instead of the stand-in (``bench.serve_paced
+--step-ms 0``), so that ``--trace`` shows the server's hops around real steps on the machine that
+runs them (no steps/s: the engine keeps no counter).
 ``--client``: ``raw`` (default), ``bench.serve.RawClient``, a minimal asyncio socket client (HTTP/1.1 keep-alive, chunked
 transfer decoding, one ``json.loads`` per event), or ``httpx``, ``bench.serve``'s own client
 (``one``, what ``bench.serve`` used before ``RawClient``); an httpx client tops out below the server on a small machine,
@@ -46,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from bench.serve import (MAX_TOKENS, PROMPT_TOKENS, REQUEST_TIMEOUT, RawClient, StreamTally, free_port, make_prompts,
                          request_body, requests_at, start, summarize)
@@ -190,17 +195,22 @@ def ceiling(kind: str, prompts, levels, rounds: int, min_requests: int) -> None:
         proc.join()
 
 
-def measure(kind: str, port: int, server_pid: int, counter: str, prompts, c: int, n: int, step_ms: float) -> dict:
-    """One level of ``c`` streams: a warm-up round, then ``n`` requests measured."""
+def measure(kind: str, port: int, server_pid: int, counter: Optional[str], prompts, c: int, n: int,
+            step_ms: float) -> dict:
+    """One level of ``c`` streams: a warm-up round, then ``n`` requests measured (``counter``: the
+    stand-in's, None for the real engine)."""
     asyncio.run(run_level(kind, port, prompts[:c], c))
     engine = engine_pid(server_pid)
-    steps0, tokens0 = read_counter(counter)
+    steps0, tokens0 = read_counter(counter) if counter else (0, 0)
     server0, engine0, client0 = cpu_s(server_pid), cpu_s(engine), client_cpu_s()
     results, wall = asyncio.run(run_level(kind, port, prompts[:n], c))
     server_cpu, engine_cpu, client_cpu = cpu_s(server_pid) - server0, cpu_s(engine) - engine0, client_cpu_s() - client0
-    steps, tokens = (x - x0 for x, x0 in zip(read_counter(counter), (steps0, tokens0)))
     stats = summarize(results, wall)
-    engine_rate = c * 1e3 / step_ms
+    if counter:
+        steps, tokens = (x - x0 for x, x0 in zip(read_counter(counter), (steps0, tokens0)))
+    else:  # the real engine counts nothing for us: its tokens are what the clients got, its steps unknown
+        steps, tokens = math.nan, stats["tokens_per_s"] * wall
+    engine_rate = c * 1e3 / step_ms if step_ms else math.nan
     return dict(c=c, requests=n, wall_s=wall, tokens_per_s=stats["tokens_per_s"], engine_tokens_per_s=engine_rate,
                 of_engine=stats["tokens_per_s"] / engine_rate, ttft_p50_ms=stats["ttft_p50_ms"],
                 steps_per_s=steps / wall, server_cpu_s=server_cpu, server_us_per_step=server_cpu / steps * 1e6,
@@ -256,7 +266,8 @@ def build_model(path: Path) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_host", description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--step-ms", type=float, default=2.0, help="the stand-in engine's step (default 2)")
+    p.add_argument("--step-ms", type=float, default=2.0,
+                   help="the stand-in engine's step (default 2); 0: the real engine on --model's weights (a GPU)")
     p.add_argument("--rounds", type=int, default=8, help="requests per client at a level (default 8)")
     p.add_argument("--min-requests", type=int, default=8, help="requests of a level at least (default 8)")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw")
@@ -276,11 +287,15 @@ def main(argv=None) -> int:
         _, prompts = make_prompts(QwenTokenizer.from_pretrained(model), max(counts))
         if a.ceiling:
             ceiling(a.client, prompts, a.concurrency, a.rounds, a.min_requests)
-        port, counter, profile = free_port(), str(Path(tmp) / "counter"), str(Path(tmp) / "server.prof")
+        if a.step_ms == 0 and not a.model:
+            p.error("--step-ms 0 (the real engine) takes --model")
+        port, profile = free_port(), str(Path(tmp) / "server.prof")
+        counter = str(Path(tmp) / "counter") if a.step_ms else None
         trace = str(Path(tmp) / "trace.json")
         if a.trace and ( a.concurrency != [1] or a.ceiling):
             p.error("--trace takes --concurrency 1 and no --ceiling")
-        cmd = [sys.executable, "-m", "bench.serve_paced", "--step-ms", str(a.step_ms), "--counter", counter,
+        cmd = [sys.executable, "-m", "bench.serve_paced", "--step-ms", str(a.step_ms),
+               *(["--counter", counter] if counter else []),
                *(["--profile", profile] if a.profile else []), *(["--trace", trace] if a.trace else []), "--model", str(model), "--served-model-name",
                MODEL_NAME, "--port", str(port), "--max-num-seqs", str(max(a.concurrency)), "--log-level", "warning"]
         log = Path(tmp) / "server.log"

@@ -2,6 +2,7 @@
 path runs: what ``bench.serve_host`` measures.
 
     python -m bench.serve_paced [--step-ms 2] [--counter FILE] [--profile FILE] [modeling.serve flags]
+    python -m bench.serve_paced --step-ms 0 --trace FILE --model DIR [modeling.serve flags]   # the real engine
 
 The server is the real one (``modeling.serve.__main__.main``: its command line, app, engine
 process and pipes); only what its engine process builds differs (``EngineSpec.factory``): a
@@ -15,6 +16,9 @@ engine process's in FILE.engine (a line per request, written after its first tok
 what ``bench.serve_host --trace`` breaks a time to first token down with. The stamps come from
 wrappers around the server's functions (the same code runs inside them, a few microseconds
 more a request); a trace is for one stream at a time (c1): its stamps are matched in order.
+``--step-ms 0``: the real engine instead of the stand-in (``--model``'s weights loaded as
+``python -m modeling.serve`` loads them; no ``--counter``), so that a trace shows the server's hops
+around a real step on the machine that runs it.
 """
 import argparse
 import cProfile
@@ -231,22 +235,29 @@ def trace_engine(path: str) -> None:
         return handle(core, msg)
 
     def traced_step(core):
-        send, sent = core.send, []
+        send, sent, engine_step, ended = core.send, [], core.engine.step, []
 
         def traced_send(msg):
             send(msg)
             sent.append((msg, time.perf_counter()))
-        core.send = traced_send
+
+        def timed_step():
+            try:
+                return engine_step()
+            finally:
+                ended.append(time.perf_counter())
+        core.send, core.engine.step = traced_send, timed_step
         try:
             ok = step(core)
         finally:
             core.send = send
+            del core.engine.step  # the class's again
         for msg, t in sent:
             if msg[0] != "step":
                 continue
             for rid, *_ in msg[2]:
                 if rid in got:
-                    line = dict(rid=rid, engine_got=got.pop(rid), step_start=msg[1], step_end=core.engine.last_step_end,
+                    line = dict(rid=rid, engine_got=got.pop(rid), step_start=msg[1], step_end=ended[0],
                                 report_sent=t)
                     with open(path, "a") as f:
                         f.write(json.dumps(line) + "\n")
@@ -265,6 +276,16 @@ def paced_engine(spec, step_ms: float, counter: Optional[str], trace: Optional[s
                         backend=f"paced stand-in, {step_ms:g} ms a step", dtype="none")
 
 
+def real_engine(spec, trace: Optional[str] = None):
+    """``EngineSpec.factory`` of ``--step-ms 0``: the engine ``python -m modeling.serve`` builds
+    (``trace``: ``trace_engine`` to that file first)."""
+    from modeling.serve.engine_process import _build
+
+    if trace is not None:
+        trace_engine(trace)
+    return _build(spec)
+
+
 def read_counter(path: str):
     """(steps, tokens) from a ``--counter`` file."""
     with open(path, "rb") as f:
@@ -280,17 +301,23 @@ def new_counter(path: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve_paced", description=__doc__.splitlines()[0],
                                 epilog="Every other flag goes to python -m modeling.serve.")
-    p.add_argument("--step-ms", type=float, default=2.0, help="wall time of one engine step (default 2)")
+    p.add_argument("--step-ms", type=float, default=2.0,
+                   help="wall time of one engine step (default 2); 0: the real engine, no stand-in")
     p.add_argument("--counter", help="a file (created) the engine keeps its steps and tokens in")
     p.add_argument("--profile", help="write a cProfile of the server's process to this file at exit")
     p.add_argument("--trace", help="stamp each request's first token on its path: the server's to this file at "
                                    "exit, the engine's to this file + '.engine'")
     own, rest = p.parse_known_args(argv)
+    if own.step_ms < 0 or (own.step_ms == 0 and own.counter is not None):
+        p.error("--step-ms must be positive, or 0 (the real engine) without --counter")
     if own.counter is not None:
         new_counter(own.counter)
-    factory = functools.partial(paced_engine, step_ms=own.step_ms,
-                                counter=os.path.abspath(own.counter) if own.counter else None,
-                                trace=os.path.abspath(own.trace) + ".engine" if own.trace else None)
+    engine_trace = os.path.abspath(own.trace) + ".engine" if own.trace else None
+    if own.step_ms == 0:
+        factory = functools.partial(real_engine, trace=engine_trace)
+    else:
+        factory = functools.partial(paced_engine, step_ms=own.step_ms,
+                                    counter=os.path.abspath(own.counter) if own.counter else None, trace=engine_trace)
     if own.trace is not None:
         trace_server(os.path.abspath(own.trace))
     from modeling.serve.__main__ import main as serve_main
