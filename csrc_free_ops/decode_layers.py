@@ -37,9 +37,10 @@ SPIN_LIMIT polls sets the device's error flag (`error_flag`, never cleared by th
 on, so a broken schedule shows up as a flagged, wrong result instead of a hung device.
 
 Tiles hold their whole K in registers (rows x next_power_of_2(K) elements, `TILE_ELEMS`): one
-tile's loads go out together, before the wait. Every GEMV is elementwise products and a row sum in
-fp32 (M = 1..8 rows: no tensor-core tile would be full); attention uses tl.dot over a 16-row block
-of the group's heads.
+tile's loads go out together, before the wait. One sequence's GEMV is elementwise products and a
+row sum in fp32; two to eight sequences' (bf16, fp16 or fp32 weights) are one tensor-core product
+of all rows, K cut into chunks across the warps (`decode_layers_tasks._products`), rounded as the
+fused decode ops round. Attention uses tl.dot over a 16-row block of the group's heads.
 
 FP8 weights (the four linear weights float8_e4m3fn with their stacked block scales
 `*_weight_scale_inv` [NL, cdiv(N, 128), cdiv(K, 128)], Qwen's block format: csrc_free_ops/fp8.py):

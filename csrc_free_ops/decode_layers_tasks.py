@@ -12,6 +12,8 @@ of cached keys and values) before it waits on the phase before.
     _residual_task  out[m, rows] = res[m, rows] + round(a[m] @ w[rows]^T)  (o_proj and down)
     _gate_up_task   act[m, rows] = silu(g) * u of rms_norm(h[m]) @ w^T's gate and up rows
 
+A GEMV task multiplies its rows one at a time (`_gemv`: fp32 products and row sums) at one
+sequence or with FP8 weights, and all at once on the tensor cores (`_products`) at two to eight.
 With FP8 the GEMV tasks read float8_e4m3fn weight tiles and their block scales (`_tile_scales`),
 K in groups of one scale block (`_k_offsets`).
 
@@ -141,6 +143,50 @@ def _gemv(w, a, scales, FP8: tl.constexpr):
 
 
 @triton.jit
+def _rows(ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activation rows 0..M-1 as stored (zero past M and K), read through L2: [BLOCK_M, BLOCK_K]."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    return tl.load(ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _normed_rows(ptr, nw_ptr, M, K, eps, offset, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(a, rstd) of `_normed_row` for rows 0..M-1 at once: a [BLOCK_M, BLOCK_K] (bf16 where x is,
+    as `_normed_row` rounds it; else fp32), rstd [BLOCK_M]."""
+    x = _rows(ptr, M, K, BLOCK_M, BLOCK_K)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
+    rk = tl.arange(0, BLOCK_K)
+    a = xf * (tl.load(nw_ptr + rk, mask=rk < K, other=0.0).to(tl.float32) + offset)[None, :]
+    if x.dtype == tl.bfloat16:
+        a = a.to(tl.bfloat16)
+    return a, rstd
+
+
+@triton.jit
+def _products(a, w, NORMED: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] @ w [ROWS, BLOCK_K]^T -> [BLOCK_M, ROWS] fp32 on the tensor cores, rounded
+    as the fused decode ops round (their `_dot_widened`): normed rows (`_normed_rows`) to bf16 for bf16
+    weights, TF32 for fp16, exact fp32 for fp32; stored activations (`_rows`) as they are. K is cut
+    into C >= 4 chunks, the batch of one batched product, so that each warp holds its chunks of
+    both operands instead of the whole K (which spilled); the chunks' products are summed in fp32."""
+    R: tl.constexpr = w.shape[0]
+    BK: tl.constexpr = w.shape[1]
+    BM: tl.constexpr = a.shape[0]
+    C: tl.constexpr = max(4, BK // 1024)
+    w3 = tl.permute(tl.reshape(w, (R, C, BK // C)), (1, 0, 2))
+    a3 = tl.permute(tl.reshape(a, (BM, C, BK // C)), (1, 2, 0))
+    acc = tl.zeros((C, R, BM), dtype=tl.float32)
+    if NORMED and w.dtype == tl.float16:
+        acc = tl.dot(w3.to(tl.float32), a3.to(tl.float32), acc, input_precision="tf32")
+    else:
+        acc = dot(w3, a3.to(w.dtype), acc)
+    return tl.trans(tl.sum(acc, axis=0))
+
+
+@triton.jit
 def _rounded(y, dtype: tl.constexpr):
     return y.to(dtype).to(tl.float32)
 
@@ -178,13 +224,22 @@ def _qkv_task(x_ptr, nw_ptr, w_ptr, sw_ptr, b_ptr, qkv_ptr, cnt_ptr, err_ptr, ro
     w = _weight_tile(w_ptr, row0, N, K, K, ROWS, BK, FP8)
     scales = _tile_scales(sw_ptr, rn, N, K, BK, FP8)
     done = _wait(cnt_ptr, err_ptr, phase - 1, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
-    for m in tl.static_range(BLOCK_M):
-        if m < M:
-            a, rstd = _normed_row(x_ptr + m * K, nw_ptr, K, eps, offset, x_ptr.dtype.element_ty, BK, FP8)
-            y = _gemv(w, a, scales, FP8) * rstd
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            tl.store(qkv_ptr + m * N + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < N)
+    if BLOCK_M > 1 and not FP8 and BK >= 64:  # every row at once (`_products`)
+        rm = tl.arange(0, BLOCK_M)
+        a, rstd = _normed_rows(x_ptr, nw_ptr, M, K, eps, offset, BLOCK_M, BK)
+        y = _products(a, w, True) * rstd[:, None]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(qkv_ptr + rm[:, None] * N + rn[None, :], y.to(qkv_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                a, rstd = _normed_row(x_ptr + m * K, nw_ptr, K, eps, offset, x_ptr.dtype.element_ty, BK, FP8)
+                y = _gemv(w, a, scales, FP8) * rstd
+                if HAS_BIAS:
+                    y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+                tl.store(qkv_ptr + m * N + rn, y.to(qkv_ptr.dtype.element_ty), mask=rn < N)
     _finish(cnt_ptr, phase)
     return done
 
@@ -201,11 +256,19 @@ def _residual_task(a_ptr, w_ptr, sw_ptr, res_ptr, out_ptr, cnt_ptr, err_ptr, row
     scales = _tile_scales(sw_ptr, rn, N, K, BK, FP8)
     done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     dtype = out_ptr.dtype.element_ty
-    for m in tl.static_range(BLOCK_M):
-        if m < M:
-            y = _rounded(_gemv(w, _row(a_ptr + m * K, K, BK, FP8), scales, FP8), dtype)
-            y += tl.load(res_ptr + m * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + m * N + rn, y.to(dtype), mask=rn < N)
+    if BLOCK_M > 1 and not FP8 and BK >= 64:  # every row at once (`_products`)
+        rm = tl.arange(0, BLOCK_M)
+        ok = (rm[:, None] < M) & (rn[None, :] < N)
+        y = _rounded(_products(_rows(a_ptr, M, K, BLOCK_M, BK), w, False), dtype)
+        offs = rm[:, None] * N + rn[None, :]
+        y += tl.load(res_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + offs, y.to(dtype), mask=ok)
+    else:
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                y = _rounded(_gemv(w, _row(a_ptr + m * K, K, BK, FP8), scales, FP8), dtype)
+                y += tl.load(res_ptr + m * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + m * N + rn, y.to(dtype), mask=rn < N)
     _finish(cnt_ptr, phase + 1)
     return done
 
@@ -225,12 +288,20 @@ def _gate_up_task(h_ptr, nw_ptr, w_ptr, sw_ptr, act_ptr, cnt_ptr, err_ptr, row0,
     su = _tile_scales(sw_ptr, I + rn, 2 * I, K, BK, FP8)
     done = _wait(cnt_ptr, err_ptr, phase, target, done, SPIN_LIMIT, stamp_ptr, TIMELINE)
     dtype = act_ptr.dtype.element_ty
-    for m in tl.static_range(BLOCK_M):
-        if m < M:
-            a, rstd = _normed_row(h_ptr + m * K, nw_ptr, K, eps, offset, h_ptr.dtype.element_ty, BK, FP8)
-            gate = _rounded(_gemv(wg, a, sg, FP8) * rstd, dtype)
-            up = _rounded(_gemv(wu, a, su, FP8) * rstd, dtype)
-            tl.store(act_ptr + m * I + rn, (gate * tl.sigmoid(gate) * up).to(dtype), mask=rn < I)
+    if BLOCK_M > 1 and not FP8 and BK >= 64:  # every row at once (`_products`)
+        rm = tl.arange(0, BLOCK_M)
+        a, rstd = _normed_rows(h_ptr, nw_ptr, M, K, eps, offset, BLOCK_M, BK)
+        gate = _rounded(_products(a, wg, True) * rstd[:, None], dtype)
+        up = _rounded(_products(a, wu, True) * rstd[:, None], dtype)
+        tl.store(act_ptr + rm[:, None] * I + rn[None, :], (gate * tl.sigmoid(gate) * up).to(dtype),
+                 mask=(rm[:, None] < M) & (rn[None, :] < I))
+    else:
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                a, rstd = _normed_row(h_ptr + m * K, nw_ptr, K, eps, offset, h_ptr.dtype.element_ty, BK, FP8)
+                gate = _rounded(_gemv(wg, a, sg, FP8) * rstd, dtype)
+                up = _rounded(_gemv(wu, a, su, FP8) * rstd, dtype)
+                tl.store(act_ptr + m * I + rn, (gate * tl.sigmoid(gate) * up).to(dtype), mask=rn < I)
     _finish(cnt_ptr, phase + 1)
     return done
 
