@@ -1,10 +1,7 @@
-"""Where a model comes from, and the files beside its weights: ``Checkpoint`` (config, tokenizer,
-chat template, stop ids, generation defaults: cheap to load, so the command line checks its input
-against it before reading any weight; the server's HTTP process holds one alone, its engine with
-the weights running in a process of its own), ``load_config`` (one-line errors), and
-``default_model_dir``, the model used when none is named (the one shipped in
-``modeling/default_model``). Every file is read
-through ``modeling.model.files``: regular files only, each under a size limit."""
+"""Where a model comes from, and the files beside its weights: ``Checkpoint`` (cheap to load, so the
+command line checks its input against it before reading any weight, and the server's HTTP process
+holds one alone) and ``default_model_dir``. Every file is read through
+``modeling.model.files``: regular files only, each under a size limit."""
 
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -31,13 +28,6 @@ def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
     if notice is not None:
         notice("note: no model given: using the shipped default model, a small Qwen3 trained on Tiny Shakespeare")
     return DEFAULT_MODEL
-
-
-def load_config(path: Union[str, Path]) -> QwenConfig:
-    """``QwenConfig`` of a checkpoint directory (``QwenConfig.from_pretrained``): every problem with
-    config.json is a ``ConfigError`` with one line that says what is wrong (not a regular file, not
-    a JSON object, a missing field, a wrong type, a size out of bounds...)."""
-    return QwenConfig.from_pretrained(Path(path))
 
 
 Message = Mapping[str, Any]
@@ -76,7 +66,7 @@ class Checkpoint:
             path = default_model_dir(notice)
         else:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
-        config = load_config(path)
+        config = QwenConfig.from_pretrained(path)
         check_weights_size(path, config)
         return cls(path, config, QwenTokenizer.from_pretrained(path), generation_defaults(path))
 
