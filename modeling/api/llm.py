@@ -12,26 +12,19 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
     print(piece, end="", flush=True)
 ```
 
-- A call's prompts run together as one continuous batch in the ``modeling.engine.Engine`` (the
-  server's too), each with its own ``SamplingParams``: ``n`` completions, min-p, the penalties,
-  logprobs and a per-request seed. A seeded prompt's tokens depend on its seed and the model
-  only, not on the prompts beside it.
-- The checkpoint decides the format: ``chat`` renders the chat template it ships
-  (``modeling.chat.template.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
-  the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
-- A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``. Anything
-  else is refused with an error naming it, and so is a token id that is not an integer (a float
-  is never rounded).
+- A call's prompts run together as one continuous batch in the ``modeling.engine.Engine``, each
+  with its own ``SamplingParams``; a seeded prompt's tokens depend on its seed and the model only.
+- Without ``sampling_params`` the values come from the checkpoint's ``generation_config.json``;
+  ``chat`` renders the chat template it ships (ChatML when it ships none).
+- A prompt is a str or its token ids, ``{"prompt_token_ids": [...]}``; anything else, or a token
+  id that is not an integer, is refused with an error naming it.
 - Generation stops at the tokenizer's EOS ids (unless ``ignore_eos``), at ``stop_token_ids``, at a
   ``stop`` string (the text ends before it; the token ids keep the token that completed it), after
   ``max_tokens``, or at ``max_model_len`` positions.
-- The engine is sized on first use: for as many sequences as the call runs (a power of two, at
-  most ``max_num_seqs``; more wait their turn) and, with ``max_model_len=None``, for the longest
-  request of the call, rounded up to a power of two (at least ``MIN_AUTO_MODEL_LEN``); it is
-  built again, larger, when a later call needs more. Its cache pool takes at most
-  ``gpu_memory_utilization`` of the free device memory (``modeling.engine.cache_pool.size_for``;
-  ``DoesNotFit`` says what fits).
-- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``TextStream``.
+- The engine is sized on first use for the call's sequences (a power of two, at most
+  ``max_num_seqs``) and, with ``max_model_len=None``, its longest request (a power of two, at least
+  ``MIN_AUTO_MODEL_LEN``); it is built again, larger, when a later call needs more. Its cache pool
+  takes at most ``gpu_memory_utilization`` of the free device memory (``DoesNotFit`` says what fits).
 """
 
 import contextlib
@@ -79,6 +72,7 @@ REMOVED = {
 
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
+ParamsLike = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 class _Request:
@@ -109,11 +103,9 @@ class _Request:
 
 class TextStream:
     """``LLM.stream``'s iterator: text pieces as they are ready; ``output`` (a ``RequestOutput``)
-    once it is exhausted. Each ``next`` steps the engine (under the ``LLM``'s lock) until the
-    completion has new text; a step serves every sequence in the engine, so other calls' requests
-    advance too, and the stream's advances while they run. ``close()`` (or leaving a ``with``
-    block, or dropping the iterator) stops the generation: its completion ends with
-    ``finish_reason`` "abort"."""
+    once it is exhausted. Each ``next`` steps the engine until the completion has new text.
+    ``close()`` (or leaving a ``with`` block, or dropping the iterator) stops the generation: its
+    completion ends with ``finish_reason`` "abort"."""
 
     def __init__(self, llm: "LLM", request: _Request):
         self._llm, self._request = llm, request
@@ -204,10 +196,8 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        if isinstance(model, Checkpoint):
-            self.checkpoint = model
-        else:
-            self.checkpoint = Checkpoint.load(model, revision, offline, progress)
+        self.checkpoint = (model if isinstance(model, Checkpoint)
+                           else Checkpoint.load(model, revision, offline, progress))
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_model_len = max_model_len
@@ -298,8 +288,8 @@ class LLM:
             return self._engine_for(1, 1)
 
     # ------------------------------------------------------------------ text API
-    def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True) -> List[RequestOutput]:
+    def generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
         """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in
         order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
@@ -308,16 +298,14 @@ class LLM:
         outputs = dict(self._run(requests, use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
-    def iter_generate(self, prompts: PromptLike,
-                      sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                      *, use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
+    def iter_generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
+                      use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
         """``generate``, yielding (index of the prompt, its ``RequestOutput``) as each prompt's
         completions finish; leaving the loop early aborts the rest."""
         return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
-    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
-             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
+    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]], sampling_params: ParamsLike = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
              chat_template_kwargs: Optional[Mapping[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of a list of
@@ -338,9 +326,7 @@ class LLM:
         params = self._params(sampling_params, 0)
         if params.n != 1:
             raise ValueError(f"stream makes one completion: sampling_params.n must be 1, got {params.n}")
-        text, ids = self._prompt(prompt, 0, params)
-        request = self._add([(text, ids, params)])[0]
-        return TextStream(self, request)
+        return TextStream(self, self._add([(*self._prompt(prompt, 0, params), params)])[0])
 
     def stream_chat(self, messages: Sequence[Message], sampling_params: Optional[SamplingParams] = None,
                     **chat_kwargs: Any) -> TextStream:
@@ -504,32 +490,24 @@ class LLM:
         added = self._add(requests)
         index = {id(r): i for i, r in enumerate(added)}
         left = set(index)
-        bar = _progress(len(added), use_tqdm)
+        bar = None
+        if use_tqdm and added:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         try:
             while left:
                 stepped = self._step()
                 if stepped is None:  # nothing runs them: aborted by another thread
                     raise RuntimeError("the engine holds none of this call's requests any more")
-                done = []
                 for request, _, _ in stepped:
                     if id(request) in left and request.finished:
                         left.discard(id(request))
-                        done.append(request)
-                for request in done:
-                    if bar is not None:
-                        bar.update(1)
-                    yield index[id(request)], request.output()
+                        if bar is not None:
+                            bar.update(1)
+                        yield index[id(request)], request.output()
         finally:
             if left:
                 self._abort([r for r in added if id(r) in left])
             if bar is not None:
                 bar.close()
-
-
-def _progress(total: int, enabled: bool):
-    """A progress bar over a call's prompts (tqdm, on stderr), or None."""
-    if not enabled or total == 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
