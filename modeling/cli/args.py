@@ -17,16 +17,13 @@ PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
 RENAMED_FLAGS = {"--max-new-tokens": "--max-tokens", "--max-seq-len": "--max-model-len",
                  "--max-batch-size": "--max-num-seqs", "--no-cuda-graph": "--enforce-eager"}
 """Earlier flags that still work, with a note naming the new one."""
-REMOVED_FLAGS = {"--prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
-                                    "(--enforce-eager runs every step eagerly)",
-                 "--no-prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
-                                       "(--enforce-eager runs every step eagerly)"}
+REMOVED_FLAGS = dict.fromkeys(("--prefill-graph", "--no-prefill-graph"), "the engine captures prefill steps in CUDA "
+                              "graphs as it does decode steps (--enforce-eager runs every step eagerly)")
 """Earlier flags that mean nothing on the engine: refused, saying what to use."""
 BATCH_FILE_LIMIT = 64 << 20
 """Bytes --batch-file reads at most (a file, or standard input)."""
-# Only os, sys, typing, modeling.api.commands and modeling.engine.prompts (which import nothing heavy)
-# at the top of the command line's modules: Ctrl-C lands in main's handler from the first instant;
-# argparse, json, torch... are imported inside the functions.
+# At the top of the command line's modules, only modules that import nothing heavy (Ctrl-C lands in
+# main's handler from the first instant); argparse, json, torch... are imported inside the functions.
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -3,16 +3,11 @@
 Streams the completion of one prompt to stdout; with ``--batch-file`` prints each completion on
 one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` one JSON object per
 completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
-Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.api.checkpoint.default_model_dir``).
-
-The flags (and the sampling settings they name) are in ``args``, what is written in ``output``,
-``--interactive`` in ``interactive``; the checkpoint and the ``LLM`` come from
-``modeling.api.commands``; this module runs them (``main``, ``run``).
+The flags are in ``args``, what is written in ``output``, ``--interactive`` in ``interactive``.
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
-other failure (one line too); 130 interrupted (Ctrl-C, from the first instant: this module imports
-nothing heavy before its handlers are in place); 141 stdout closed by the reader (``| head``),
-quietly, as a process killed by SIGPIPE would. See docs/generate.md.
+other failure; 130 interrupted (Ctrl-C, from the first instant); 141 stdout closed by the reader
+(``| head``), quietly, as a process killed by SIGPIPE would. See docs/generate.md.
 """
 
 from __future__ import annotations
@@ -32,10 +27,6 @@ if TYPE_CHECKING:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     _tolerant_stdout()
     return command_main(argv, parse_args, RENAMED_FLAGS, check_args, run, PIPE_CLOSED)
-
-
-# ----------------------------------------------------------------------------------------------
-# the run
 
 
 def run(a: argparse.Namespace) -> int:

@@ -16,8 +16,7 @@ def _line_reader():
     stdin = sys.stdin
     if stdin is None:
         return lambda: None
-    tty = stdin.isatty() and sys.stdout.isatty()
-    if tty:
+    if stdin.isatty() and sys.stdout.isatty():
         try:
             import readline  # noqa: F401  (line editing for input())
         except ImportError:
