@@ -1,7 +1,5 @@
 """What a request gives back, in vLLM's shapes (``RequestOutput``, ``CompletionOutput``, ``Logprob``),
-and one completion's output as its tokens arrive (``Completion``: incremental detokenization, stop
-strings, logprobs, the finish and stop reasons; ``TokenStrings``: each token's own text), which
-``LLM`` and the server share."""
+and one completion's output as its tokens arrive (``Completion``), which ``LLM`` and the server share."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -80,15 +78,11 @@ class RequestOutput:
 
 
 class StopStrings:
-    """Text pieces in, the text to emit out, up to the first stop string. What could still be the
-    start of a stop string is held back until the next piece shows it is not.
-
-    A push finds, in the held-back text and the new piece, the match that starts first (at one
-    place, the longest). The stop strings are one Aho-Corasick automaton (``_automaton``, built
-    once per tuple of stop strings), so a push costs the length of its piece plus at most the
-    longest stop string, whatever their number; the text held back is never longer than the
-    longest stop string minus one. ``include``: the text emitted ends with the stop string that
-    matched (vLLM's ``include_stop_str_in_output``) instead of before it."""
+    """Text pieces in, the text to emit out, up to the first stop string (at one place, the longest).
+    What could still be the start of a stop string is held back until the next piece shows it is
+    not. One Aho-Corasick automaton (``_automaton``) matches them all: a push costs the length of
+    its piece plus at most the longest stop string. ``include``: the text emitted ends with the
+    stop string that matched (vLLM's ``include_stop_str_in_output``) instead of before it."""
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop, self.include = tuple(stop), include

@@ -1,11 +1,5 @@
-"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML token ids (``encode_chat``,
-with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming.
-
-``IncrementalDetokenizer`` steps ``tokenizers.decoders.DecodeStream`` (its windowed decode runs in
-Rust: faster a token than two ``decode`` calls from Python, which a server pays for every
-streamed token) and adds what DecodeStream lacks, ``flush``: the tail of a completion that ends
-inside a multi-byte character.
-"""
+"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML token ids (``chat``,
+with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming."""
 
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -87,11 +81,11 @@ class QwenTokenizer:
 class IncrementalDetokenizer:
     """Turns token ids, one at a time, into newly completed text.
 
-    Text ending in U+FFFD (an incomplete multi-byte UTF-8 character) is held back until the
-    following tokens complete it (``DecodeStream``: it decodes a short window of ids per step, the
-    ids since the last emitted text plus the ones before them, so that decoders which treat the
-    first token specially see the same context as in a full decode). ``flush`` returns what is
-    still held back, decoded the same way.
+    Steps ``tokenizers.decoders.DecodeStream`` (its windowed decode runs in Rust: faster a token
+    than two ``decode`` calls from Python, which a server pays for every streamed token): text
+    ending in U+FFFD (an incomplete multi-byte UTF-8 character) is held back until the following
+    tokens complete it. ``flush`` returns what is still held back, decoded the same way (the tail of
+    a completion that ends inside a character, which DecodeStream lacks).
     """
 
     def __init__(self, tokenizer: QwenTokenizer, skip_special_tokens: bool = False):
@@ -101,9 +95,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the last emitted text's window: flush's context
         self.read_offset = 0  # ids before this have been emitted
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token id; return the text it completes ('' if none yet)."""
@@ -118,8 +109,8 @@ class IncrementalDetokenizer:
         """The text still held back (an incomplete character decodes as U+FFFD)."""
         if self.read_offset == len(self.ids):
             return ""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.ids)
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         return text[len(prefix_text):]
@@ -153,7 +144,7 @@ def _token_ids(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any], field:
     return [tokenizer.token_to_id(token)]
 
 
-def _eos_ids(config: Mapping[str, Any], name: str = "config") -> List[int]:
+def _eos_ids(config: Mapping[str, Any], name: str) -> List[int]:
     """``eos_token_id`` of a config dict (an int, a list of ints, or absent/null) as a list;
     ``ValueError`` naming the file (``name``) for anything else."""
     ids = config.get("eos_token_id")
