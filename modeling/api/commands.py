@@ -6,6 +6,7 @@ command line handles Ctrl-C and bad input from its first instant, while torch is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -29,11 +30,9 @@ def say(msg: str) -> None:
     err = sys.stderr
     if err is None:
         return
-    try:
+    with contextlib.suppress(OSError, ValueError):
         err.write(msg + "\n")
         err.flush()
-    except (OSError, ValueError):
-        pass
 
 
 def prog_name(module: str, *script_names: str) -> str:
@@ -82,14 +81,12 @@ def command_main(argv: Optional[Sequence[str]], parse: Callable, renamed: Mappin
 
 def silence_stdout() -> None:
     """After a broken pipe: point fd 1 at /dev/null, so the interpreter's final flush is quiet."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         fd = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(fd, sys.stdout.fileno())
         finally:
             os.close(fd)
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def add_model_flags(model, engine) -> None:

@@ -14,15 +14,11 @@ Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "conten
 
 
 class QwenTokenizer:
-    """Encode/decode with a checkpoint's tokenizer.
-
-    ``eos_token_ids`` gathers the end-of-sequence ids from generation_config.json
-    (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and config.json
-    (``eos_token_id``), in that order, without repeats. ``pad_token_id`` comes from
-    tokenizer_config.json's ``pad_token`` (None if absent). Every file is read with
-    ``modeling.model.files`` (regular files only, each under its size limit); all but tokenizer.json may
-    be absent.
-    """
+    """Encode/decode with a checkpoint's tokenizer. ``eos_token_ids``: the end-of-sequence ids of
+    generation_config.json (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and
+    config.json (``eos_token_id``), in that order, without repeats; ``pad_token_id``:
+    tokenizer_config.json's ``pad_token`` (None if absent). All files but tokenizer.json may be absent
+    (each is read with ``modeling.model.files``)."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], pad_token_id: Optional[int] = None):
         self.tokenizer = tokenizer
@@ -61,8 +57,7 @@ class QwenTokenizer:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched;
         ``add_special_tokens``: what tokenizer.json's post-processor adds (none for Qwen's).
         ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``).
-        Through ``encode_batch_fast``, which skips the character offsets nothing here reads (faster,
-        and a server pays it on every request)."""
+        ``encode_batch_fast`` skips the character offsets nothing here reads (faster)."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         problem = unicode_error(text)

@@ -214,8 +214,7 @@ def _counted(iterable: Iterable[Any]) -> Iterator[Any]:
     for item in iterable:
         budget.iterate()
         if lazy:
-            leaf = _leaf_chars(item)
-            size = _Size(0, leaf) if leaf is not None else _measure(item)
+            size = _measure(item)
             values, chars = values + size.values + 1, chars + size.chars
             if values > max_values or chars > max_chars:
                 _check_size(_Size(values, chars), "a lazy sequence (map, select, batch, ...)")

@@ -42,7 +42,6 @@ def run(a: argparse.Namespace) -> int:
     from ..model.device import DoesNotFit, backend_name, resolve_device, resolve_dtype
 
     ck = load_checkpoint(a)
-    config, tokenizer = ck.config, ck.tokenizer
     params = sampling_params(a, ck)
     try:
         device = resolve_device(a.device)
@@ -72,13 +71,13 @@ def run(a: argparse.Namespace) -> int:
         prompts = []
         for i, text in enumerate(prompts_text):
             try:
-                ids = tokenizer.encode(text)
-                check_ids(ids, f"prompt {i}", config.vocab_size)
+                ids = ck.tokenizer.encode(text)
+                check_ids(ids, f"prompt {i}", ck.config.vocab_size)
             except ValueError as e:
                 raise UsageError(f"prompt {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
         longest = max(len(p["prompt_token_ids"]) for p in prompts)
-        limit = a.max_model_len or config.max_position_embeddings
+        limit = a.max_model_len or ck.config.max_position_embeddings
         if longest >= limit:
             what = "--max-model-len" if a.max_model_len else "the model's max_position_embeddings"
             raise UsageError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} positions "

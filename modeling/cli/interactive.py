@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Dict, List, Optional
 
@@ -17,10 +18,8 @@ def _line_reader():
     if stdin is None:
         return lambda: None
     if stdin.isatty() and sys.stdout.isatty():
-        try:
+        with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing for input())
-        except ImportError:
-            pass
 
         def read_tty() -> Optional[str]:
             try:
