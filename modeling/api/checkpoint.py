@@ -6,7 +6,7 @@ holds one alone) and ``default_model_dir``. Every file is read through
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
+from ..chat.template import ChatTemplate, GenerationDefaults, Message, generation_defaults
 from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
 from ..model.config import QwenConfig
 from ..model.hub import resolve_model
@@ -30,7 +30,6 @@ def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
     return DEFAULT_MODEL
 
 
-Message = Mapping[str, Any]
 RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
 """What ``render_chat`` gives the chat template itself: never a ``chat_template_kwargs`` key."""
 

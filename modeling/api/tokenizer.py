@@ -7,10 +7,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ..chat.template import format_chat
+from ..chat.template import Message, format_chat
 from ..model.files import TOKENIZER_LIMIT, read_file, read_json
-
-Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
 
 class QwenTokenizer:

@@ -178,11 +178,8 @@ def _strftime_now(format):
 class _TemplateDict:
     """``dict(...)`` in a template, without attribute access to the type itself."""
 
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
+    __call__ = staticmethod(dict)
+    fromkeys = staticmethod(dict.fromkeys)
 
 
 class _TemplateNamespace(Namespace):

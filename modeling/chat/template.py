@@ -93,9 +93,7 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Optional[Mapping[str, str]] = None,
                  origin: str = "<string>", named: Optional[Mapping[str, str]] = None,
                  limits: RenderLimits = RenderLimits()):
-        self.source = source
-        self.origin = origin
-        self.limits = limits
+        self.source, self.origin, self.limits = source, origin, limits
         self.special_tokens: Dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.named: Dict[str, str] = dict(named or {})
         self._compiled: Dict[str, Any] = {}

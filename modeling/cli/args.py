@@ -87,11 +87,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     r.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     add_model_flags(m, r)
     for old, new in RENAMED_FLAGS.items():
-        dest = new[2:].replace("-", "_")
-        if new == "--enforce-eager":
-            r.add_argument(old, dest=dest, action="store_const", const=True, help=argparse.SUPPRESS)
-        else:
-            r.add_argument(old, dest=dest, type=int, help=argparse.SUPPRESS)
+        kind = dict(action="store_const", const=True) if new == "--enforce-eager" else dict(type=int)
+        r.add_argument(old, dest=new[2:].replace("-", "_"), help=argparse.SUPPRESS, **kind)
     for old in REMOVED_FLAGS:
         r.add_argument(old, dest="removed_flag", action="store_const", const=old, help=argparse.SUPPRESS)
     return p.parse_args(argv)

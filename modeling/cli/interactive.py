@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 from typing import Dict, List, Optional
 
@@ -55,21 +56,13 @@ def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) ->
 
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
     history: List[Dict[str, str]] = list(system)
-    read = _line_reader()
-    first = a.prompt
     turn = 0
     if sys.stdin is not None and sys.stdin.isatty():
         say("chat: one line per turn; /reset starts over; Ctrl-D leaves")
-    while True:
-        if first is not None:
-            line, first = first, None
-        else:
-            line = read()
-            if line is None:
-                break
-            if isinstance(line, ValueError):
-                say(f"error: {line}")
-                continue
+    for line in itertools.chain([] if a.prompt is None else [a.prompt], iter(_line_reader(), None)):
+        if isinstance(line, ValueError):
+            say(f"error: {line}")
+            continue
         if not line.strip():
             continue
         if line.strip() == "/reset":
