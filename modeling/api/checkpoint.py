@@ -3,6 +3,7 @@ command line checks its input against it before reading any weight, and the serv
 holds one alone) and ``default_model_dir``. Every file is read through
 ``modeling.model.files``: regular files only, each under a size limit."""
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -48,7 +49,6 @@ class Checkpoint:
 
     def __init__(self, path: Path, config: QwenConfig, tokenizer: QwenTokenizer, defaults: GenerationDefaults):
         self.path, self.config, self.tokenizer, self.defaults = Path(path), config, tokenizer, defaults
-        self._chat_template: Optional[ChatTemplate] = None
         if len(tokenizer.eos_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"the tokenizer names {len(tokenizer.eos_token_ids)} EOS ids; at most {MAX_STOP_IDS} "
                              "stop ids are supported")
@@ -69,12 +69,10 @@ class Checkpoint:
         check_weights_size(path, config)
         return cls(path, config, QwenTokenizer.from_pretrained(path), generation_defaults(path))
 
-    @property
+    @cached_property
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (``ChatTemplateError`` if it is broken; ChatML if none)."""
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_pretrained(self.path)
-        return self._chat_template
+        return ChatTemplate.from_pretrained(self.path)
 
     def default_sampling_params(self) -> SamplingParams:
         """generation_config.json's sampling values (repetition penalty and min-p included) and

@@ -294,9 +294,7 @@ class LLM:
         order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
         (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
-        requests = self._requests(prompts, sampling_params)
-        outputs = dict(self._run(requests, use_tqdm))
-        return [outputs[i] for i in range(len(requests))]
+        return [o for _, o in sorted(self._run(self._requests(prompts, sampling_params), use_tqdm))]
 
     def iter_generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
                       use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:

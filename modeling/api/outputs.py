@@ -24,14 +24,13 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """Completion ``index`` of a request. ``text``: the new text, without the stop string that
-    ended it (with it when ``include_stop_str_in_output``); ``token_ids``: the new token ids,
-    without a stop token (EOS or ``stop_token_ids``),
-    with the token that completed a stop string; ``finish_reason``: ``"stop"`` (EOS, a stop token
-    id or a stop string), ``"length"`` (``max_tokens``, or ``max_model_len`` reached) or
-    ``"abort"``; ``stop_reason``: the stop string or stop token id (not EOS) that ended it, else
-    None. With ``SamplingParams.logprobs``: ``logprobs``, one dict a token id (the sampled one and
-    the top ``logprobs``) -> ``Logprob``, and ``cumulative_logprob``, their sum over the sampled
-    tokens; else both None."""
+    ended it (with it when ``include_stop_str_in_output``); ``token_ids``: the new token ids, without
+    a stop token (EOS or ``stop_token_ids``), with the token that completed a stop string;
+    ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"``
+    (``max_tokens``, or ``max_model_len`` reached) or ``"abort"``; ``stop_reason``: the stop string
+    or stop token id (not EOS) that ended it, else None. With ``SamplingParams.logprobs``:
+    ``logprobs``, one dict a token id (the sampled one and the top ``logprobs``) -> ``Logprob``, and
+    ``cumulative_logprob``, their sum over the sampled tokens; else both None."""
 
     index: int
     text: str
@@ -168,13 +167,11 @@ class TokenStrings:
 
 
 class Completion:
-    """One sequence's output as the engine hands over its tokens (``push``): the token ids, the text
-    (incremental detokenization, then ``StopStrings``), the ``LogprobEntry`` of each token when the
-    params ask for logprobs (``entries``), and the finish and stop reasons of ``CompletionOutput``.
-    A stop string ends it (the caller aborts the sequence: ``finished`` turns true); tokens pushed
-    after the end are ignored. The token that ends it at the engine (EOS or a stop token id) adds
-    no text, and stays in ``token_ids`` and ``entries`` only with ``keep_stop_tokens`` (the
-    server's, which counts it)."""
+    """One sequence's output as the engine hands over its tokens (``push``), the fields of
+    ``CompletionOutput`` (``output()``) and each token's ``LogprobEntry`` (``entries``) when the
+    params ask for logprobs. A stop string ends it (the caller then aborts the sequence); tokens
+    pushed after the end are ignored. The token that ends it at the engine (EOS or a stop token id)
+    adds no text, and stays in ``token_ids`` and ``entries`` only with ``keep_stop_tokens``."""
 
     def __init__(self, index: int, strings: TokenStrings, params: SamplingParams, keep_stop_tokens: bool = False):
         self.index, self.strings, self.params, self.keep_stop_tokens = index, strings, params, keep_stop_tokens

@@ -63,8 +63,7 @@ def run(a: argparse.Namespace) -> int:
         if a.chat:
             system = [{"role": "system", "content": a.system}] if a.system is not None else []
             try:
-                prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}],
-                                                        add_generation_prompt=True, **template_kwargs)
+                prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}], **template_kwargs)
                                 for p in prompts_text]
             except ChatTemplateError as e:
                 raise UsageError(str(e)) from None
