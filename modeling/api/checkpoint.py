@@ -103,8 +103,7 @@ class Checkpoint:
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:
             raise ValueError(f"stop_token_ids {outside[:4]} lie outside the model's vocabulary [0, {vocab})")
-        ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
-                                 + list(params.stop_token_ids)))
+        ids = list(dict.fromkeys((() if params.ignore_eos else self.tokenizer.eos_token_ids) + params.stop_token_ids))
         if len(ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(ids)} stop token ids (EOS and stop_token_ids): at most {MAX_STOP_IDS}")
         return ids

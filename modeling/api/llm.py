@@ -89,16 +89,11 @@ class _Request:
         return all(c.finished for c in self.completions)
 
     def output(self) -> RequestOutput:
+        entries = self.seqs[0].prompt_logprobs if self.seqs else None  # None unless asked for; as far as computed
+        prompt_logprobs = None if entries is None else [None] + [
+            logprob_dict(self.completions[0].strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
         return RequestOutput(self.request_id, self.prompt, list(self.ids), [c.output() for c in self.completions],
-                             self.finished, self.metrics, self.prompt_logprobs())
-
-    def prompt_logprobs(self):
-        """``RequestOutput.prompt_logprobs``: None unless asked for, else as far as computed."""
-        entries = self.seqs[0].prompt_logprobs if self.seqs else None
-        if entries is None:
-            return None
-        strings = self.completions[0].strings
-        return [None] + [logprob_dict(strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
+                             self.finished, self.metrics, prompt_logprobs)
 
 
 class TextStream:
@@ -472,8 +467,7 @@ class LLM:
                 now = time.perf_counter()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
-                text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None,
-                              seq.finish_reason)
+                text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None, seq.finish_reason)
                 if c.finished:
                     del self._tracked[seq.request_id]
                     if seq.status is not Status.FINISHED:  # a stop string: the engine does not know

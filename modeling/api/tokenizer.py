@@ -145,6 +145,5 @@ def _eos_ids(config: Mapping[str, Any], name: str) -> List[int]:
         return []
     values = ids if isinstance(ids, list) else [ids]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in values):
-        raise ValueError(f"{name}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
-                         f"got {ids!r}")
+        raise ValueError(f"{name}: eos_token_id must be a token id (an integer >= 0) or a list of them, got {ids!r}")
     return list(values)

@@ -166,19 +166,17 @@ def _text_size(value: Any) -> int:
 def _check_chars(amount: int, what: str) -> None:
     limit = _BUDGET.get().limits.max_chars
     if amount > limit:
-        raise LimitExceeded(f"{what} would make {amount} characters, "
-                            f"past RenderLimits.max_chars ({limit})")
+        raise LimitExceeded(f"{what} would make {amount} characters, past RenderLimits.max_chars ({limit})")
 
 
 def _check_size(size: _Size, what: str) -> None:
     """``size`` (measured, so perhaps partial once past a limit) within max_items and max_chars."""
     limits = _BUDGET.get().limits
     if size.values > limits.max_items:
-        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_items "
-                            f"({limits.max_items}) values")
+        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_items ({limits.max_items}) values")
     if size.chars > limits.max_chars:
-        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_chars "
-                            f"({limits.max_chars}) characters of text")
+        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_chars ({limits.max_chars}) characters "
+                            "of text")
 
 
 def _small(value: Any, budget: _Budget) -> bool:
