@@ -26,13 +26,10 @@ class UsageError(Exception):
 
 
 def say(msg: str) -> None:
-    """One line on stderr; never fails (stderr may be closed, a broken pipe, or ASCII-only)."""
-    err = sys.stderr
-    if err is None:
-        return
-    with contextlib.suppress(OSError, ValueError):
-        err.write(msg + "\n")
-        err.flush()
+    """One line on stderr; never fails (stderr may be None or closed, a broken pipe, or ASCII-only)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
 
 
 def prog_name(module: str, *script_names: str) -> str:

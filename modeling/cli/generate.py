@@ -12,20 +12,23 @@ other failure; 130 interrupted (Ctrl-C, from the first instant); 141 stdout clos
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..api.commands import UsageError, command_main, load_checkpoint, load_llm, say
 from .args import PIPE_CLOSED, RENAMED_FLAGS, check_args, parse_args, read_prompts, sampling_params
 from .interactive import interactive
-from .output import Totals, Writer, _tolerant_stdout, escape_line, json_output
+from .output import Totals, Writer, escape_line, json_output
 
 if TYPE_CHECKING:
     import argparse
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _tolerant_stdout()
+    if getattr(sys.stdout, "errors", None) == "strict":  # PYTHONIOENCODING=ascii: print '?' for what it cannot hold
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            sys.stdout.reconfigure(errors="replace")
     return command_main(argv, parse_args, RENAMED_FLAGS, check_args, run, PIPE_CLOSED)
 
 

@@ -1,27 +1,15 @@
-"""What the command line writes: stdout that survives a closed reader, ``Writer`` (stdout piece by
-piece, JSON lines), the stats line (``Totals``, ``path_that_ran``). One line on stderr is
-``modeling.api.commands.say``."""
+"""What the command line writes: ``Writer`` (stdout piece by piece, JSON lines), the stats line
+(``Totals``, ``path_that_ran``). One line on stderr is ``modeling.api.commands.say``."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
 from typing import Any, Dict
 
 
 def escape_line(text: str) -> str:
     """A completion on one line: backslash, newline and carriage return written as \\\\, \\n and \\r."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-
-
-def _tolerant_stdout() -> None:
-    """Characters the output encoding cannot hold (PYTHONIOENCODING=ascii) print as '?' instead of
-    raising UnicodeEncodeError (stderr already backslash-escapes them)."""
-    out = sys.stdout
-    if out is not None and getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure"):
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            out.reconfigure(errors="replace")
 
 
 class Totals:
