@@ -203,6 +203,11 @@ class LLM:
         fp8_weights = bool(quantization or self.config.quantization) and keeps_fp8(self.device, self.dtype)
         self.workers: Optional[Workers] = None
         self._closed = False
+        self._engine: Optional[Engine] = None
+        self._strings = TokenStrings(self.tokenizer)
+        self._lock = threading.RLock()
+        self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
+        self._ids = itertools.count()
         parallel = SINGLE
         if tensor_parallel_size > 1:
             parallel = TensorParallel(0, tensor_parallel_size)
@@ -221,23 +226,17 @@ class LLM:
         except BaseException:
             self.close()
             raise
-        self._engine: Optional[Engine] = None
-        self._strings = TokenStrings(self.tokenizer)
-        self._lock = threading.RLock()
-        self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
-        self._ids = itertools.count()
 
     def close(self) -> None:
         """Drop the engine (its running requests end with "abort"), stop the tensor-parallel
         workers and leave their process group; the LLM takes no calls after. Safe to call twice."""
-        with getattr(self, "_lock", None) or contextlib.nullcontext():
+        with self._lock:
             self._closed = True
-            engine, self._engine = getattr(self, "_engine", None), None
-            tracked = getattr(self, "_tracked", {})  # absent when a failed __init__ calls close
-            for _, c in tracked.values():
+            engine, self._engine = self._engine, None
+            for _, c in self._tracked.values():
                 if not c.finished:
                     c.finish_reason = "abort"
-            tracked.clear()
+            self._tracked.clear()
             if self.workers is not None:
                 broken = engine is not None and engine.failed
                 if engine is not None and not broken:

@@ -48,9 +48,6 @@ class QwenTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str) -> Optional[int]:
-        return self.tokenizer.token_to_id(token)
-
     def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched;
         ``add_special_tokens``: what tokenizer.json's post-processor adds (none for Qwen's).

@@ -251,10 +251,6 @@ class GenerationDefaults:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     """Sampling defaults from ``path/generation_config.json`` (greedy when the file is absent).

@@ -115,9 +115,8 @@ def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.removed_flag is not None:
         problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
-    given = {name: getattr(a, name) for name in (*SAMPLING_FLAGS, "seed", "logprobs")}
     try:
-        SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        SamplingParams(**{k: getattr(a, k) for k in (*SAMPLING_FLAGS, "seed", "logprobs") if getattr(a, k) is not None})
     except ValueError as e:
         problems += [_as_flag(problem) for problem in str(e).split(";")]
     if a.logprobs is not None and not a.json:
