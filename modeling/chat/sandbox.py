@@ -40,10 +40,6 @@ from .builtins import (_CHECKED_FILTERS, _bounded_filter, _GenerationBlock, _lip
                        _strftime_now, _TemplateDict, _TemplateNamespace)
 
 
-# ----------------------------------------------------------------------------------------------
-# str.format
-
-
 class _BoundedFormatter(SandboxedFormatter):
     """``str.format`` in templates: each field's width and precision are checked before the field
     is formatted, and the text made so far after."""
@@ -62,10 +58,6 @@ class _BoundedFormatter(SandboxedFormatter):
 
 class _BoundedEscapeFormatter(_BoundedFormatter, SandboxedEscapeFormatter):
     """``Markup.format``: the bounded formatter that escapes its fields."""
-
-
-# ----------------------------------------------------------------------------------------------
-# the environment
 
 
 def _check_node(method: str, args, lineno: Optional[int]) -> nodes.Call:

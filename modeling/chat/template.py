@@ -234,10 +234,6 @@ def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# generation_config.json
-
-
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Sampling defaults of a checkpoint, in ``SamplingParams``' terms: temperature 0 is greedy,
