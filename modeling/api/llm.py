@@ -327,9 +327,7 @@ class LLM:
 
     def max_new_tokens(self, params: SamplingParams) -> int:
         """``params.max_tokens``, else the checkpoint's ``max_new_tokens``, else ``DEFAULT_MAX_TOKENS``."""
-        if params.max_tokens is not None:
-            return params.max_tokens
-        return self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
+        return params.max_tokens or self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
 
     # ------------------------------------------------------------------ the requests
     def _params(self, params: Any, index: Optional[int]) -> SamplingParams:

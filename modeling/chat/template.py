@@ -195,12 +195,9 @@ def _plain(value: Any) -> Any:
     a placeholder ``<TypeName>``, as transformers does."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
+    for kind, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):  # subclasses
+        if isinstance(value, kind):
+            return plain(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
