@@ -616,10 +616,10 @@ def test_generation_defaults(tmp_path):
     # do_sample false or absent: greedy, whatever the other fields say (as transformers)
     for fields in (dict(qwen3, do_sample=False), dict(temperature=0.7, top_p=0.8), {}):
         d = generation_defaults(write_generation_config(tmp_path, **fields))
-        assert d == GenerationDefaults(0.0, 0, 1.0, None) and d.greedy
+        assert d == GenerationDefaults(0.0, 0, 1.0, None)
     # sampling with fields left out (or null): GenerationConfig's defaults
     d = generation_defaults(write_generation_config(tmp_path, do_sample=True, top_p=None, max_new_tokens=512))
-    assert d == GenerationDefaults(1.0, 50, 1.0, 512) and not d.greedy
+    assert d == GenerationDefaults(1.0, 50, 1.0, 512)
     assert generation_defaults(tmp_path / "generation_config.json") == d  # a file path works too
     (tmp_path / "generation_config.json").unlink()
     assert generation_defaults(tmp_path) == GenerationDefaults()  # no file: greedy

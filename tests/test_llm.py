@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling import LLM, CompletionOutput, QwenForCausalLM, QwenTokenizer, RequestOutput, SamplingParams, TextStream
-from modeling.api.checkpoint import Checkpoint, default_model_dir, load_config
+from modeling import (LLM, CompletionOutput, QwenConfig, QwenForCausalLM, QwenTokenizer, RequestOutput, SamplingParams,
+                      TextStream)
+from modeling.api.checkpoint import Checkpoint, default_model_dir
 from modeling.api.llm import DEFAULT_MAX_TOKENS
 from modeling.api.outputs import StopStrings
 from modeling.chat.template import ChatTemplate
@@ -425,7 +426,7 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
     assert steered.generate([]) == []
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"config.json is not a JSON object \(it holds a list\)"):
-        load_config(tmp_path)
+        QwenConfig.from_pretrained(tmp_path)
 
 
 def test_hub_id_and_default_model(steered, tmp_path, monkeypatch):

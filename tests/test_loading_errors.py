@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import save_file
 
 from modeling import CheckpointError, ConfigError, QwenConfig, QwenForCausalLM
-from modeling.api.checkpoint import load_config
 from modeling.model.files import SIDE_FILE_LIMIT, read_file
 from modeling.model.loader import INDEX_FILE, load_plan
 from modeling.model.random_checkpoint import MARKER, build_random_checkpoint
@@ -262,7 +261,7 @@ def test_side_file_larger_than_its_limit_is_refused_unread(tmp_path):
         f.truncate(1 << 30)
     with pytest.raises(ConfigError, match=r"^config.json is 1 GiB, larger than the 64 MiB this package reads of "
                                           r"such a file$"):
-        load_config(tmp_path)
+        QwenConfig.from_pretrained(tmp_path)
     assert SIDE_FILE_LIMIT == 64 << 20
 
 
@@ -285,7 +284,7 @@ def test_file_that_reports_no_size_is_read_within_the_limit(tmp_path):
 def test_unreadable_config_is_named(tmp_path, make, message):
     make(tmp_path / "config.json")
     with pytest.raises(ConfigError, match=message):
-        load_config(tmp_path)
+        QwenConfig.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------------- dtypes and values

@@ -258,7 +258,7 @@ FIELDS = sorted(set(BASE) | set(QWEN3_5) | {
 @pytest.mark.parametrize("base", ["qwen2", "qwen3", "qwen3_5_text", "qwen3_5"])
 def test_any_json_value_in_any_field_is_a_config_error_or_a_config(base):
     """Every field set to every kind of JSON value: from_dict returns a config or raises ConfigError,
-    never another exception (so load_config needs no guard of its own)."""
+    never another exception (so QwenConfig.from_pretrained needs no guard of its own)."""
     configs = {"qwen2": dict(BASE, model_type="qwen2"), "qwen3": dict(BASE, model_type="qwen3"),
                "qwen3_5_text": QWEN3_5, "qwen3_5": {"model_type": "qwen3_5", "text_config": QWEN3_5}}
     d = configs[base]

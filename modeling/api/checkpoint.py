@@ -1,15 +1,13 @@
-"""Where a model comes from, and the files beside its weights: ``Checkpoint`` (config, tokenizer,
-chat template, stop ids, generation defaults: cheap to load, so the command line checks its input
-against it before reading any weight; the server's HTTP process holds one alone, its engine with
-the weights running in a process of its own), ``load_config`` (one-line errors), and
-``default_model_dir``, the model used when none is named (the one shipped in
-``modeling/default_model``). Every file is read
-through ``modeling.model.files``: regular files only, each under a size limit."""
+"""Where a model comes from, and the files beside its weights: ``Checkpoint`` (cheap to load, so the
+command line checks its input against it before reading any weight, and the server's HTTP process
+holds one alone) and ``default_model_dir``. Every file is read through
+``modeling.model.files``: regular files only, each under a size limit."""
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from ..chat.template import ChatTemplate, GenerationDefaults, generation_defaults
+from ..chat.template import ChatTemplate, GenerationDefaults, Message, generation_defaults
 from ..engine.sampling_params import MAX_STOP_IDS, SamplingParams
 from ..model.config import QwenConfig
 from ..model.hub import resolve_model
@@ -33,14 +31,6 @@ def default_model_dir(notice: Optional[Callable[[str], None]] = None) -> Path:
     return DEFAULT_MODEL
 
 
-def load_config(path: Union[str, Path]) -> QwenConfig:
-    """``QwenConfig`` of a checkpoint directory (``QwenConfig.from_pretrained``): every problem with
-    config.json is a ``ConfigError`` with one line that says what is wrong (not a regular file, not
-    a JSON object, a missing field, a wrong type, a size out of bounds...)."""
-    return QwenConfig.from_pretrained(Path(path))
-
-
-Message = Mapping[str, Any]
 RENDER_ARGUMENTS = ("messages", "tools", "add_generation_prompt")
 """What ``render_chat`` gives the chat template itself: never a ``chat_template_kwargs`` key."""
 
@@ -59,7 +49,6 @@ class Checkpoint:
 
     def __init__(self, path: Path, config: QwenConfig, tokenizer: QwenTokenizer, defaults: GenerationDefaults):
         self.path, self.config, self.tokenizer, self.defaults = Path(path), config, tokenizer, defaults
-        self._chat_template: Optional[ChatTemplate] = None
         if len(tokenizer.eos_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"the tokenizer names {len(tokenizer.eos_token_ids)} EOS ids; at most {MAX_STOP_IDS} "
                              "stop ids are supported")
@@ -76,16 +65,14 @@ class Checkpoint:
             path = default_model_dir(notice)
         else:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
-        config = load_config(path)
+        config = QwenConfig.from_pretrained(path)
         check_weights_size(path, config)
         return cls(path, config, QwenTokenizer.from_pretrained(path), generation_defaults(path))
 
-    @property
+    @cached_property
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (``ChatTemplateError`` if it is broken; ChatML if none)."""
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_pretrained(self.path)
-        return self._chat_template
+        return ChatTemplate.from_pretrained(self.path)
 
     def default_sampling_params(self) -> SamplingParams:
         """generation_config.json's sampling values (repetition penalty and min-p included) and
@@ -116,8 +103,7 @@ class Checkpoint:
         outside = [t for t in params.stop_token_ids if t >= vocab]
         if outside:
             raise ValueError(f"stop_token_ids {outside[:4]} lie outside the model's vocabulary [0, {vocab})")
-        ids = list(dict.fromkeys(([] if params.ignore_eos else list(self.tokenizer.eos_token_ids))
-                                 + list(params.stop_token_ids)))
+        ids = list(dict.fromkeys((() if params.ignore_eos else self.tokenizer.eos_token_ids) + params.stop_token_ids))
         if len(ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(ids)} stop token ids (EOS and stop_token_ids): at most {MAX_STOP_IDS}")
         return ids

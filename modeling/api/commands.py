@@ -1,15 +1,12 @@
 """What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
-share: ``command_main`` (parse, check and run, each failure an exit status), ``UsageError`` (bad
-input: exit status 2), ``say`` (one line on stderr), ``prog_name``, the notes for deprecated flags
-(``say_renamed``), the model and engine flags both take (``add_model_flags``, ``DEVICE_PATTERN``),
-and the checkpoint and model their flags name (``load_checkpoint``, ``load_llm``), each failure a
-``UsageError`` naming the flag.
-
-Imports nothing heavy at the top: a command line handles Ctrl-C and bad input from its first
-instant, while torch is still loading."""
+share: ``command_main`` (parse, check and run, each failure an exit status), ``UsageError``, ``say``,
+``prog_name``, the flags both take (``add_model_flags``, ``DEVICE_PATTERN``), and the checkpoint and
+model those flags name (``load_checkpoint``, ``load_llm``). Imports nothing heavy at the top: a
+command line handles Ctrl-C and bad input from its first instant, while torch is still loading."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -29,15 +26,10 @@ class UsageError(Exception):
 
 
 def say(msg: str) -> None:
-    """One line on stderr; never fails (stderr may be closed, a broken pipe, or ASCII-only)."""
-    err = sys.stderr
-    if err is None:
-        return
-    try:
-        err.write(msg + "\n")
-        err.flush()
-    except (OSError, ValueError):
-        pass
+    """One line on stderr; never fails (stderr may be None or closed, a broken pipe, or ASCII-only)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
 
 
 def prog_name(module: str, *script_names: str) -> str:
@@ -50,7 +42,7 @@ def prog_name(module: str, *script_names: str) -> str:
 def command_main(argv: Optional[Sequence[str]], parse: Callable, renamed: Mapping[str, str], check: Callable,
                  run: Callable[..., int], pipe_closed: Optional[int] = None) -> int:
     """A command line's exit status: ``parse(argv)`` (argparse's own exit: ``USAGE_ERROR``, or 0 after
-    --help), a note for each ``renamed`` flag given, ``check(a)``, then ``run(a)``'s status. A
+    --help), a note for each ``renamed`` flag (old -> new) given, ``check(a)``, then ``run(a)``'s status. A
     ``UsageError`` is ``error: <message>`` and ``USAGE_ERROR``, Ctrl-C ``INTERRUPTED``, any other
     failure one line (no traceback) and ``RUNTIME_ERROR``; with ``pipe_closed``, a broken pipe (the
     reader went away, ``| head``) is that status, quietly."""
@@ -59,7 +51,10 @@ def command_main(argv: Optional[Sequence[str]], parse: Callable, renamed: Mappin
             a = parse(argv)
         except SystemExit as e:  # argparse has printed its usage message (or --help)
             return USAGE_ERROR if e.code else 0
-        say_renamed(argv, renamed)
+        given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
+        for old, new in renamed.items():
+            if old in given:
+                say(f"note: {old} is deprecated: use {new}")
         check(a)
         return run(a)
     except UsageError as e:
@@ -83,14 +78,12 @@ def command_main(argv: Optional[Sequence[str]], parse: Callable, renamed: Mappin
 
 def silence_stdout() -> None:
     """After a broken pipe: point fd 1 at /dev/null, so the interpreter's final flush is quiet."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         fd = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(fd, sys.stdout.fileno())
         finally:
             os.close(fd)
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def add_model_flags(model, engine) -> None:
@@ -108,28 +101,18 @@ def add_model_flags(model, engine) -> None:
                         help="split the model over this many GPUs of this host (a worker process each; default 1)")
 
 
-def say_renamed(argv: Optional[Sequence[str]], renamed: Mapping[str, str]) -> None:
-    """A note for each earlier flag of ``renamed`` (old -> new) given in ``argv`` (None: the
-    command line's), naming the new one."""
-    given = {arg.split("=", 1)[0] for arg in (sys.argv[1:] if argv is None else argv)}
-    for old, new in renamed.items():
-        if old in given:
-            say(f"note: {old} is deprecated: use {new}")
-
-
 def load_checkpoint(a: argparse.Namespace):
     """The ``Checkpoint`` of ``--model`` (``--revision``, ``--offline``); the shipped model without one.
     A ``UsageError`` also when ``--max-model-len`` exceeds its max_position_embeddings."""
     from ..model.hub import ModelNotFound
     from .checkpoint import Checkpoint
 
-    name = a.model
     try:
         ck = Checkpoint.load(a.model, a.revision, True if a.offline else None, progress=True, notice=say)
     except ModelNotFound as e:
         raise UsageError(f"--model {e}") from None
     except ValueError as e:  # ConfigError, the tokenizer's files, generation_config.json
-        where = f"--model {name!r}" if name is not None else "the default model"
+        where = f"--model {a.model!r}" if a.model is not None else "the default model"
         raise UsageError(f"{where}: {e}") from None
     limit = ck.config.max_position_embeddings
     if a.max_model_len is not None and a.max_model_len > limit:

@@ -12,26 +12,19 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
     print(piece, end="", flush=True)
 ```
 
-- A call's prompts run together as one continuous batch in the ``modeling.engine.Engine`` (the
-  server's too), each with its own ``SamplingParams``: ``n`` completions, min-p, the penalties,
-  logprobs and a per-request seed. A seeded prompt's tokens depend on its seed and the model
-  only, not on the prompts beside it.
-- The checkpoint decides the format: ``chat`` renders the chat template it ships
-  (``modeling.chat.template.ChatTemplate``; ChatML when it ships none), and without ``sampling_params``
-  the sampling values come from its ``generation_config.json`` (``get_default_sampling_params``).
-- A prompt is a str or, as in vLLM, its token ids: ``{"prompt_token_ids": [...]}``. Anything
-  else is refused with an error naming it, and so is a token id that is not an integer (a float
-  is never rounded).
+- A call's prompts run together as one continuous batch in the ``modeling.engine.Engine``, each
+  with its own ``SamplingParams``; a seeded prompt's tokens depend on its seed and the model only.
+- Without ``sampling_params`` the values come from the checkpoint's ``generation_config.json``;
+  ``chat`` renders the chat template it ships (ChatML when it ships none).
+- A prompt is a str or its token ids, ``{"prompt_token_ids": [...]}``; anything else, or a token
+  id that is not an integer, is refused with an error naming it.
 - Generation stops at the tokenizer's EOS ids (unless ``ignore_eos``), at ``stop_token_ids``, at a
   ``stop`` string (the text ends before it; the token ids keep the token that completed it), after
   ``max_tokens``, or at ``max_model_len`` positions.
-- The engine is sized on first use: for as many sequences as the call runs (a power of two, at
-  most ``max_num_seqs``; more wait their turn) and, with ``max_model_len=None``, for the longest
-  request of the call, rounded up to a power of two (at least ``MIN_AUTO_MODEL_LEN``); it is
-  built again, larger, when a later call needs more. Its cache pool takes at most
-  ``gpu_memory_utilization`` of the free device memory (``modeling.engine.cache_pool.size_for``;
-  ``DoesNotFit`` says what fits).
-- Outputs are in ``outputs`` (``RequestOutput``); ``stream`` is ``TextStream``.
+- The engine is sized on first use for the call's sequences (a power of two, at most
+  ``max_num_seqs``) and, with ``max_model_len=None``, its longest request (a power of two, at least
+  ``MIN_AUTO_MODEL_LEN``); it is built again, larger, when a later call needs more. Its cache pool
+  takes at most ``gpu_memory_utilization`` of the free device memory (``DoesNotFit`` says what fits).
 """
 
 import contextlib
@@ -79,6 +72,7 @@ REMOVED = {
 
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
+ParamsLike = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 class _Request:
@@ -95,25 +89,18 @@ class _Request:
         return all(c.finished for c in self.completions)
 
     def output(self) -> RequestOutput:
+        entries = self.seqs[0].prompt_logprobs if self.seqs else None  # None unless asked for; as far as computed
+        prompt_logprobs = None if entries is None else [None] + [
+            logprob_dict(self.completions[0].strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
         return RequestOutput(self.request_id, self.prompt, list(self.ids), [c.output() for c in self.completions],
-                             self.finished, self.metrics, self.prompt_logprobs())
-
-    def prompt_logprobs(self):
-        """``RequestOutput.prompt_logprobs``: None unless asked for, else as far as computed."""
-        entries = self.seqs[0].prompt_logprobs if self.seqs else None
-        if entries is None:
-            return None
-        strings = self.completions[0].strings
-        return [None] + [logprob_dict(strings, t, e) for t, e in zip(self.ids[1:], entries[1:])]
+                             self.finished, self.metrics, prompt_logprobs)
 
 
 class TextStream:
     """``LLM.stream``'s iterator: text pieces as they are ready; ``output`` (a ``RequestOutput``)
-    once it is exhausted. Each ``next`` steps the engine (under the ``LLM``'s lock) until the
-    completion has new text; a step serves every sequence in the engine, so other calls' requests
-    advance too, and the stream's advances while they run. ``close()`` (or leaving a ``with``
-    block, or dropping the iterator) stops the generation: its completion ends with
-    ``finish_reason`` "abort"."""
+    once it is exhausted. Each ``next`` steps the engine until the completion has new text.
+    ``close()`` (or leaving a ``with`` block, or dropping the iterator) stops the generation: its
+    completion ends with ``finish_reason`` "abort"."""
 
     def __init__(self, llm: "LLM", request: _Request):
         self._llm, self._request = llm, request
@@ -204,10 +191,8 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
-        if isinstance(model, Checkpoint):
-            self.checkpoint = model
-        else:
-            self.checkpoint = Checkpoint.load(model, revision, offline, progress)
+        self.checkpoint = (model if isinstance(model, Checkpoint)
+                           else Checkpoint.load(model, revision, offline, progress))
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_model_len = max_model_len
@@ -218,6 +203,11 @@ class LLM:
         fp8_weights = bool(quantization or self.config.quantization) and keeps_fp8(self.device, self.dtype)
         self.workers: Optional[Workers] = None
         self._closed = False
+        self._engine: Optional[Engine] = None
+        self._strings = TokenStrings(self.tokenizer)
+        self._lock = threading.RLock()
+        self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
+        self._ids = itertools.count()
         parallel = SINGLE
         if tensor_parallel_size > 1:
             parallel = TensorParallel(0, tensor_parallel_size)
@@ -236,23 +226,17 @@ class LLM:
         except BaseException:
             self.close()
             raise
-        self._engine: Optional[Engine] = None
-        self._strings = TokenStrings(self.tokenizer)
-        self._lock = threading.RLock()
-        self._tracked: Dict[int, Tuple[_Request, Completion]] = {}  # Sequence.request_id -> its completion
-        self._ids = itertools.count()
 
     def close(self) -> None:
         """Drop the engine (its running requests end with "abort"), stop the tensor-parallel
         workers and leave their process group; the LLM takes no calls after. Safe to call twice."""
-        with getattr(self, "_lock", None) or contextlib.nullcontext():
+        with self._lock:
             self._closed = True
-            engine, self._engine = getattr(self, "_engine", None), None
-            tracked = getattr(self, "_tracked", {})  # absent when a failed __init__ calls close
-            for _, c in tracked.values():
+            engine, self._engine = self._engine, None
+            for _, c in self._tracked.values():
                 if not c.finished:
                     c.finish_reason = "abort"
-            tracked.clear()
+            self._tracked.clear()
             if self.workers is not None:
                 broken = engine is not None and engine.failed
                 if engine is not None and not broken:
@@ -298,26 +282,22 @@ class LLM:
             return self._engine_for(1, 1)
 
     # ------------------------------------------------------------------ text API
-    def generate(self, prompts: PromptLike, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 *, use_tqdm: bool = True) -> List[RequestOutput]:
+    def generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
+                 use_tqdm: bool = True) -> List[RequestOutput]:
         """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in
         order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
         (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
-        requests = self._requests(prompts, sampling_params)
-        outputs = dict(self._run(requests, use_tqdm))
-        return [outputs[i] for i in range(len(requests))]
+        return [o for _, o in sorted(self._run(self._requests(prompts, sampling_params), use_tqdm))]
 
-    def iter_generate(self, prompts: PromptLike,
-                      sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                      *, use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
+    def iter_generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
+                      use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
         """``generate``, yielding (index of the prompt, its ``RequestOutput``) as each prompt's
         completions finish; leaving the loop early aborts the rest."""
         return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
-    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
-             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
+    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]], sampling_params: ParamsLike = None,
+             *, use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
              chat_template_kwargs: Optional[Mapping[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of a list of
@@ -338,9 +318,7 @@ class LLM:
         params = self._params(sampling_params, 0)
         if params.n != 1:
             raise ValueError(f"stream makes one completion: sampling_params.n must be 1, got {params.n}")
-        text, ids = self._prompt(prompt, 0, params)
-        request = self._add([(text, ids, params)])[0]
-        return TextStream(self, request)
+        return TextStream(self, self._add([(*self._prompt(prompt, 0, params), params)])[0])
 
     def stream_chat(self, messages: Sequence[Message], sampling_params: Optional[SamplingParams] = None,
                     **chat_kwargs: Any) -> TextStream:
@@ -349,9 +327,7 @@ class LLM:
 
     def max_new_tokens(self, params: SamplingParams) -> int:
         """``params.max_tokens``, else the checkpoint's ``max_new_tokens``, else ``DEFAULT_MAX_TOKENS``."""
-        if params.max_tokens is not None:
-            return params.max_tokens
-        return self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
+        return params.max_tokens or self.checkpoint.defaults.max_new_tokens or DEFAULT_MAX_TOKENS
 
     # ------------------------------------------------------------------ the requests
     def _params(self, params: Any, index: Optional[int]) -> SamplingParams:
@@ -488,8 +464,7 @@ class LLM:
                 now = time.perf_counter()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
-                text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None,
-                              seq.finish_reason)
+                text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None, seq.finish_reason)
                 if c.finished:
                     del self._tracked[seq.request_id]
                     if seq.status is not Status.FINISHED:  # a stop string: the engine does not know
@@ -504,32 +479,24 @@ class LLM:
         added = self._add(requests)
         index = {id(r): i for i, r in enumerate(added)}
         left = set(index)
-        bar = _progress(len(added), use_tqdm)
+        bar = None
+        if use_tqdm and added:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         try:
             while left:
                 stepped = self._step()
                 if stepped is None:  # nothing runs them: aborted by another thread
                     raise RuntimeError("the engine holds none of this call's requests any more")
-                done = []
                 for request, _, _ in stepped:
                     if id(request) in left and request.finished:
                         left.discard(id(request))
-                        done.append(request)
-                for request in done:
-                    if bar is not None:
-                        bar.update(1)
-                    yield index[id(request)], request.output()
+                        if bar is not None:
+                            bar.update(1)
+                        yield index[id(request)], request.output()
         finally:
             if left:
                 self._abort([r for r in added if id(r) in left])
             if bar is not None:
                 bar.close()
-
-
-def _progress(total: int, enabled: bool):
-    """A progress bar over a call's prompts (tqdm, on stderr), or None."""
-    if not enabled or total == 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)

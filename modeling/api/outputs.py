@@ -1,7 +1,5 @@
 """What a request gives back, in vLLM's shapes (``RequestOutput``, ``CompletionOutput``, ``Logprob``),
-and one completion's output as its tokens arrive (``Completion``: incremental detokenization, stop
-strings, logprobs, the finish and stop reasons; ``TokenStrings``: each token's own text), which
-``LLM`` and the server share."""
+and one completion's output as its tokens arrive (``Completion``), which ``LLM`` and the server share."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -26,14 +24,13 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """Completion ``index`` of a request. ``text``: the new text, without the stop string that
-    ended it (with it when ``include_stop_str_in_output``); ``token_ids``: the new token ids,
-    without a stop token (EOS or ``stop_token_ids``),
-    with the token that completed a stop string; ``finish_reason``: ``"stop"`` (EOS, a stop token
-    id or a stop string), ``"length"`` (``max_tokens``, or ``max_model_len`` reached) or
-    ``"abort"``; ``stop_reason``: the stop string or stop token id (not EOS) that ended it, else
-    None. With ``SamplingParams.logprobs``: ``logprobs``, one dict a token id (the sampled one and
-    the top ``logprobs``) -> ``Logprob``, and ``cumulative_logprob``, their sum over the sampled
-    tokens; else both None."""
+    ended it (with it when ``include_stop_str_in_output``); ``token_ids``: the new token ids, without
+    a stop token (EOS or ``stop_token_ids``), with the token that completed a stop string;
+    ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"``
+    (``max_tokens``, or ``max_model_len`` reached) or ``"abort"``; ``stop_reason``: the stop string
+    or stop token id (not EOS) that ended it, else None. With ``SamplingParams.logprobs``:
+    ``logprobs``, one dict a token id (the sampled one and the top ``logprobs``) -> ``Logprob``, and
+    ``cumulative_logprob``, their sum over the sampled tokens; else both None."""
 
     index: int
     text: str
@@ -80,15 +77,11 @@ class RequestOutput:
 
 
 class StopStrings:
-    """Text pieces in, the text to emit out, up to the first stop string. What could still be the
-    start of a stop string is held back until the next piece shows it is not.
-
-    A push finds, in the held-back text and the new piece, the match that starts first (at one
-    place, the longest). The stop strings are one Aho-Corasick automaton (``_automaton``, built
-    once per tuple of stop strings), so a push costs the length of its piece plus at most the
-    longest stop string, whatever their number; the text held back is never longer than the
-    longest stop string minus one. ``include``: the text emitted ends with the stop string that
-    matched (vLLM's ``include_stop_str_in_output``) instead of before it."""
+    """Text pieces in, the text to emit out, up to the first stop string (at one place, the longest).
+    What could still be the start of a stop string is held back until the next piece shows it is
+    not. One Aho-Corasick automaton (``_automaton``) matches them all: a push costs the length of
+    its piece plus at most the longest stop string. ``include``: the text emitted ends with the
+    stop string that matched (vLLM's ``include_stop_str_in_output``) instead of before it."""
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop, self.include = tuple(stop), include
@@ -174,13 +167,11 @@ class TokenStrings:
 
 
 class Completion:
-    """One sequence's output as the engine hands over its tokens (``push``): the token ids, the text
-    (incremental detokenization, then ``StopStrings``), the ``LogprobEntry`` of each token when the
-    params ask for logprobs (``entries``), and the finish and stop reasons of ``CompletionOutput``.
-    A stop string ends it (the caller aborts the sequence: ``finished`` turns true); tokens pushed
-    after the end are ignored. The token that ends it at the engine (EOS or a stop token id) adds
-    no text, and stays in ``token_ids`` and ``entries`` only with ``keep_stop_tokens`` (the
-    server's, which counts it)."""
+    """One sequence's output as the engine hands over its tokens (``push``), the fields of
+    ``CompletionOutput`` (``output()``) and each token's ``LogprobEntry`` (``entries``) when the
+    params ask for logprobs. A stop string ends it (the caller then aborts the sequence); tokens
+    pushed after the end are ignored. The token that ends it at the engine (EOS or a stop token id)
+    adds no text, and stays in ``token_ids`` and ``entries`` only with ``keep_stop_tokens``."""
 
     def __init__(self, index: int, strings: TokenStrings, params: SamplingParams, keep_stop_tokens: bool = False):
         self.index, self.strings, self.params, self.keep_stop_tokens = index, strings, params, keep_stop_tokens

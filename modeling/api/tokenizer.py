@@ -1,11 +1,5 @@
-"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML token ids (``encode_chat``,
-with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming.
-
-``IncrementalDetokenizer`` steps ``tokenizers.decoders.DecodeStream`` (its windowed decode runs in
-Rust: faster a token than two ``decode`` calls from Python, which a server pays for every
-streamed token) and adds what DecodeStream lacks, ``flush``: the tail of a completion that ends
-inside a multi-byte character.
-"""
+"""Qwen tokenizer: ``tokenizer.json`` through the ``tokenizers`` library, ChatML token ids (``chat``,
+with ``modeling.chat.template.format_chat``), and an incremental detokenizer for streaming."""
 
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -13,22 +7,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from ..chat.template import format_chat
+from ..chat.template import Message, format_chat
 from ..model.files import TOKENIZER_LIMIT, read_file, read_json
-
-Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
 
 class QwenTokenizer:
-    """Encode/decode with a checkpoint's tokenizer.
-
-    ``eos_token_ids`` gathers the end-of-sequence ids from generation_config.json
-    (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and config.json
-    (``eos_token_id``), in that order, without repeats. ``pad_token_id`` comes from
-    tokenizer_config.json's ``pad_token`` (None if absent). Every file is read with
-    ``modeling.model.files`` (regular files only, each under its size limit); all but tokenizer.json may
-    be absent.
-    """
+    """Encode/decode with a checkpoint's tokenizer. ``eos_token_ids``: the end-of-sequence ids of
+    generation_config.json (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and
+    config.json (``eos_token_id``), in that order, without repeats; ``pad_token_id``:
+    tokenizer_config.json's ``pad_token`` (None if absent). All files but tokenizer.json may be absent
+    (each is read with ``modeling.model.files``)."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], pad_token_id: Optional[int] = None):
         self.tokenizer = tokenizer
@@ -60,15 +48,11 @@ class QwenTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str) -> Optional[int]:
-        return self.tokenizer.token_to_id(token)
-
     def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are matched;
         ``add_special_tokens``: what tokenizer.json's post-processor adds (none for Qwen's).
         ``ValueError`` for text that is not a str or not valid Unicode (``unicode_error``).
-        Through ``encode_batch_fast``, which skips the character offsets nothing here reads (faster,
-        and a server pays it on every request)."""
+        ``encode_batch_fast`` skips the character offsets nothing here reads (faster)."""
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         problem = unicode_error(text)
@@ -87,11 +71,11 @@ class QwenTokenizer:
 class IncrementalDetokenizer:
     """Turns token ids, one at a time, into newly completed text.
 
-    Text ending in U+FFFD (an incomplete multi-byte UTF-8 character) is held back until the
-    following tokens complete it (``DecodeStream``: it decodes a short window of ids per step, the
-    ids since the last emitted text plus the ones before them, so that decoders which treat the
-    first token specially see the same context as in a full decode). ``flush`` returns what is
-    still held back, decoded the same way.
+    Steps ``tokenizers.decoders.DecodeStream`` (its windowed decode runs in Rust: faster a token
+    than two ``decode`` calls from Python, which a server pays for every streamed token): text
+    ending in U+FFFD (an incomplete multi-byte UTF-8 character) is held back until the following
+    tokens complete it. ``flush`` returns what is still held back, decoded the same way (the tail of
+    a completion that ends inside a character, which DecodeStream lacks).
     """
 
     def __init__(self, tokenizer: QwenTokenizer, skip_special_tokens: bool = False):
@@ -101,9 +85,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the last emitted text's window: flush's context
         self.read_offset = 0  # ids before this have been emitted
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Add one token id; return the text it completes ('' if none yet)."""
@@ -118,8 +99,8 @@ class IncrementalDetokenizer:
         """The text still held back (an incomplete character decodes as U+FFFD)."""
         if self.read_offset == len(self.ids):
             return ""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         self.prefix_offset = self.read_offset = len(self.ids)
         self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         return text[len(prefix_text):]
@@ -153,7 +134,7 @@ def _token_ids(tokenizer: Tokenizer, tokenizer_config: Mapping[str, Any], field:
     return [tokenizer.token_to_id(token)]
 
 
-def _eos_ids(config: Mapping[str, Any], name: str = "config") -> List[int]:
+def _eos_ids(config: Mapping[str, Any], name: str) -> List[int]:
     """``eos_token_id`` of a config dict (an int, a list of ints, or absent/null) as a list;
     ``ValueError`` naming the file (``name``) for anything else."""
     ids = config.get("eos_token_id")
@@ -161,6 +142,5 @@ def _eos_ids(config: Mapping[str, Any], name: str = "config") -> List[int]:
         return []
     values = ids if isinstance(ids, list) else [ids]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in values):
-        raise ValueError(f"{name}: eos_token_id must be a token id (an integer >= 0) or a list of them, "
-                         f"got {ids!r}")
+        raise ValueError(f"{name}: eos_token_id must be a token id (an integer >= 0) or a list of them, got {ids!r}")
     return list(values)

@@ -10,7 +10,7 @@ import time
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sized, ValuesView
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 from jinja2.runtime import LoopContext, Macro
 from jinja2.utils import Cycler, Namespace
@@ -70,7 +70,6 @@ def bounded(limits: "RenderLimits"):
 
 
 _SCALARS = frozenset({bool, int, float, type(None)})
-_TEXT = frozenset({str})
 _PLAIN = _SCALARS | {str, list, tuple, dict}
 _ITERATORS_OF_HELD_VALUES = frozenset(type(it) for it in (
     iter([]), reversed([]), iter(()), reversed(()), iter(""), iter("\xe9"), iter(range(0)), reversed(range(0)),
@@ -106,12 +105,11 @@ def _children(value: Any) -> Optional[Iterable[Any]]:
 def _leaf_chars(value: Any) -> Optional[int]:
     """The characters a string, bytes or number takes written out (an int's digits, a float's
     repr at most), 0 for None; None for anything else."""
-    kind = type(value)
-    if kind is str or kind is bytes or isinstance(value, (str, bytes)):
+    if isinstance(value, (str, bytes)):
         return len(value)
-    if kind is int or kind is bool or isinstance(value, int):
+    if isinstance(value, int):
         return value.bit_length() // 3 + 1
-    if kind is float or isinstance(value, float):
+    if isinstance(value, float):
         return 24
     return 0 if value is None else None
 
@@ -125,7 +123,7 @@ def _measure(value: Any) -> _Size:
         return _Size(0, leaf)
     if type(value) in (list, tuple):  # a flat list of strings or of integers, at C speed
         kinds = set(map(type, value))
-        if kinds <= _TEXT:
+        if kinds <= {str}:
             return _Size(len(value), sum(map(len, value)), 1 if value else 0)
         if kinds == {int}:
             return _Size(len(value), sum(map(int.bit_length, value)) // 3 + len(value), 1)
@@ -165,30 +163,20 @@ def _text_size(value: Any) -> int:
     return size.chars + 4 * size.values + 100
 
 
-Described = Union[str, Callable[[], str]]
-"""What an error names: a string, or a function giving it (to build it only for the error)."""
-
-
-def _described(what: Described) -> str:
-    return what if isinstance(what, str) else what()
-
-
-def _check_chars(amount: int, what: Described) -> None:
+def _check_chars(amount: int, what: str) -> None:
     limit = _BUDGET.get().limits.max_chars
     if amount > limit:
-        raise LimitExceeded(f"{_described(what)} would make {amount} characters, "
-                            f"past RenderLimits.max_chars ({limit})")
+        raise LimitExceeded(f"{what} would make {amount} characters, past RenderLimits.max_chars ({limit})")
 
 
-def _check_size(size: _Size, what: Described) -> None:
+def _check_size(size: _Size, what: str) -> None:
     """``size`` (measured, so perhaps partial once past a limit) within max_items and max_chars."""
     limits = _BUDGET.get().limits
     if size.values > limits.max_items:
-        raise LimitExceeded(f"{_described(what)} would hold more than RenderLimits.max_items "
-                            f"({limits.max_items}) values")
+        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_items ({limits.max_items}) values")
     if size.chars > limits.max_chars:
-        raise LimitExceeded(f"{_described(what)} would hold more than RenderLimits.max_chars "
-                            f"({limits.max_chars}) characters of text")
+        raise LimitExceeded(f"{what} would hold more than RenderLimits.max_chars ({limits.max_chars}) characters "
+                            "of text")
 
 
 def _small(value: Any, budget: _Budget) -> bool:
@@ -197,12 +185,12 @@ def _small(value: Any, budget: _Budget) -> bool:
     return kind in _SCALARS or (kind is str and len(value) <= budget.limits.max_chars)
 
 
-def _checked(value: Any, what: Described) -> Any:
+def _checked(value: Any, what: str) -> Any:
     """``value`` (what a call, filter or operator returned) once it is known to be within the limits."""
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if kind is str or isinstance(value, (str, bytes)):
+    if isinstance(value, (str, bytes)):
         _check_chars(len(value), what)
     elif _children(value) is not None:
         _check_size(_measure(value), what)
@@ -224,8 +212,7 @@ def _counted(iterable: Iterable[Any]) -> Iterator[Any]:
     for item in iterable:
         budget.iterate()
         if lazy:
-            leaf = _leaf_chars(item)
-            size = _Size(0, leaf) if leaf is not None else _measure(item)
+            size = _measure(item)
             values, chars = values + size.values + 1, chars + size.chars
             if values > max_values or chars > max_chars:
                 _check_size(_Size(values, chars), "a lazy sequence (map, select, batch, ...)")

@@ -98,7 +98,7 @@ def _batch(value, linecount, fill_with=None):
 @pass_eval_context
 def _slice(eval_ctx, value, slices, fill_with=None):
     if isinstance(slices, int):
-        fill = _measure(fill_with) if fill_with is not None else _Size(0, 0)
+        fill = _measure(fill_with)
         _check_size(_Size((fill.values + 2) * slices, fill.chars * slices), "slice")
     return jinja_filters.do_slice(eval_ctx, value, slices, fill_with)
 
@@ -178,11 +178,8 @@ def _strftime_now(format):
 class _TemplateDict:
     """``dict(...)`` in a template, without attribute access to the type itself."""
 
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
+    __call__ = staticmethod(dict)
+    fromkeys = staticmethod(dict.fromkeys)
 
 
 class _TemplateNamespace(Namespace):

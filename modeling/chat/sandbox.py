@@ -1,38 +1,23 @@
-"""The jinja2 sandbox chat templates render in: transformers' environment, with bounds on what one
-rendering may cost.
+"""The jinja2 sandbox chat templates render in: ``environment()``, transformers' chat template
+environment (``modeling.chat.template``) in ``BoundedSandbox``, which holds every rendering to the
+``RenderLimits`` it runs under (``with bounded(limits):``, a context variable: each thread keeps its
+own budget):
 
-``environment()`` is jinja2's ``ImmutableSandboxedEnvironment`` configured as transformers'
-``apply_chat_template`` configures it (``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols``
-extension, ``{% generation %}``, the globals ``raise_exception``, ``strftime_now``, ``dict`` and
-``namespace``, ``tojson`` without HTML escaping), in a subclass, ``BoundedSandbox``, that holds every
-rendering to the ``RenderLimits`` (``modeling.chat.template``) it runs under (``with bounded(limits):``, a
-context variable, so renderings in other threads keep their own budgets):
+- loop iterations: every ``{% for %}`` iteration, and every item drawn from a lazy sequence
+  (``map``, ``select``, ``batch``...), counts toward ``max_loop_iterations``;
+- sizes: no string, output or captured block over ``max_chars`` characters, no list, tuple, dict,
+  namespace or lazy sequence over ``max_items`` values (nested ones included, a shared one at every
+  place) or ``max_chars`` characters of text, no integer over ``MAX_INT_BITS``. A result that can
+  outgrow its inputs by more than a small factor (a width, a repeat count, a separator, an indent)
+  is sized from the arguments before the call; other results are measured after it;
+- time: ``max_seconds``, checked at every loop iteration, call and filter.
 
-- loop iterations: every ``{% for %}`` iteration, and every item a filter, call or loop draws from
-  a lazy sequence (``map``, ``select``, ``batch``...), counts toward ``max_loop_iterations``;
-- sizes: no string over ``max_chars`` characters, no list, tuple, dict or namespace over
-  ``max_items`` values (nested ones included, a shared one counted at every place it appears) or
-  ``max_chars`` characters of text, no lazy sequence yielding more than that in all, no output or
-  captured block (``{% set %}...{% endset %}``, a macro's text) over ``max_chars``, and no
-  integer over ``MAX_INT_BITS``. Where a result can outgrow its inputs by more than a small constant
-  factor (a width, a repeat count, a separator between many items, an indent on every line), its
-  size is worked out from the arguments before the call; other results are measured after it;
-- time: ``max_seconds`` from the start of the rendering, checked at every loop iteration, call and
-  filter (between those a template runs no more than its own text).
-
-How: ``_Bounds`` rewrites the template's tree so that ``{% for %}`` iterables, ``~`` and the list,
-tuple and dict literals built from variables go through the environment's ``checked_loop``,
-``checked_concat`` and ``checked_literal``; the sandbox's hooks ``call`` and ``call_binop``
-(``+ * ** %``) check calls and operators (``str.ljust`` / ``rjust`` / ``center`` / ``zfill`` /
-``expandtabs`` / ``replace`` / ``join`` / ``translate``, ``int.to_bytes``, macros taking
-``varargs``); ``str.format`` runs with a formatter that checks every field; every filter is wrapped,
-and ``center``, ``indent``, ``format``, ``replace``, ``join``, ``wordwrap``, ``urlize``, ``tojson``,
-``pprint``, ``batch``, ``slice`` and ``sum`` check their arguments first; ``range`` and ``lipsum``
-are checking versions; ``concat`` joins the output and every captured block. A bound passed raises
-``LimitExceeded`` with one line naming it.
-
-The budget and the size checks live in ``budget``, the checked filters and the globals in
-``builtins``; this module holds the environment, its hooks, the tree rewrite and the formatters.
+``_Bounds`` rewrites the template's tree so that ``{% for %}`` iterables, ``~`` and non-constant
+literals go through ``checked_loop``, ``checked_concat`` and ``checked_literal``; the hooks ``call``
+and ``call_binop`` (``+ * ** %``) check calls and operators; ``str.format`` runs with a checking
+formatter; ``concat`` joins the output and every captured block. A bound passed raises
+``LimitExceeded`` with one line naming it. The budget and size checks live in ``budget``, the
+checked filters and globals in ``builtins``.
 """
 
 from functools import lru_cache, update_wrapper
@@ -55,10 +40,6 @@ from .builtins import (_CHECKED_FILTERS, _bounded_filter, _GenerationBlock, _lip
                        _strftime_now, _TemplateDict, _TemplateNamespace)
 
 
-# ----------------------------------------------------------------------------------------------
-# str.format
-
-
 class _BoundedFormatter(SandboxedFormatter):
     """``str.format`` in templates: each field's width and precision are checked before the field
     is formatted, and the text made so far after."""
@@ -77,10 +58,6 @@ class _BoundedFormatter(SandboxedFormatter):
 
 class _BoundedEscapeFormatter(_BoundedFormatter, SandboxedEscapeFormatter):
     """``Markup.format``: the bounded formatter that escapes its fields."""
-
-
-# ----------------------------------------------------------------------------------------------
-# the environment
 
 
 def _check_node(method: str, args, lineno: Optional[int]) -> nodes.Call:
@@ -180,7 +157,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         result = super().call(__context, __obj, *args, **kwargs)
         if _small(result, budget):
             return result
-        return _checked(result, lambda: _callable_name(__obj))
+        return _checked(result, _callable_name(__obj))
 
     def call_binop(self, context, operator, left, right):
         """``+``, ``*``, ``**`` and ``%``: the size of the result checked before (``*``, ``**``,
@@ -198,7 +175,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             return result
         if kind is int:  # '+' adds a bit at a time
             _check_bits(result.bit_length(), repr(operator))
-        return _checked(result, lambda: repr(operator))
+        return _checked(result, repr(operator))
 
     def new_buffer(self) -> _Buffer:
         return _Buffer()

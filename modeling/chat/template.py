@@ -3,30 +3,21 @@
 ``ChatTemplate.from_pretrained(path)`` loads the template a checkpoint ships:
 ``chat_template.jinja``, else ``chat_template`` in ``tokenizer_config.json`` (a string, or a list of
 named templates: ``default``, and ``tool_use`` when tools are given), else ``chat_template.json``,
-else ChatML (``CHATML_TEMPLATE``, the same text as ``modeling.api.tokenizer.format_chat``).
+else ChatML (``CHATML_TEMPLATE``, the same text as ``format_chat``).
 
-``template.render(messages, add_generation_prompt=True, **kwargs)`` renders it the way
-transformers' ``apply_chat_template(..., tokenize=False)`` does: a jinja2
-``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
-extension and a ``{% generation %}`` block (rendered as its body), the globals
-``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (no underscore names), the
-``tojson`` filter as transformers defines it (``json.dumps``, no HTML escaping, ``ensure_ascii``
-false); the variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
-tokenizer's special tokens (``bos_token``, ``eos_token``, ... those that are set) and any extra
-keyword (``enable_thinking=False``). Everything the template sees is rebuilt from JSON types
-(dict, list, tuple, str, int, float, bool, None; anything else becomes the placeholder
-``"<TypeName>"``); messages are passed without their ``None`` values, and a message's reasoning
-(``reasoning_content``, ``thinking`` or ``reasoning``) is visible under ``reasoning_content`` and
-``thinking``, as in transformers 5.
+``template.render(messages, add_generation_prompt=True, **kwargs)`` renders it as transformers'
+``apply_chat_template(..., tokenize=False)`` does (its sandbox, globals and ``tojson``), with the
+variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the tokenizer's special
+tokens that are set (``bos_token``, ``eos_token``, ...) and any extra keyword
+(``enable_thinking=False``). Everything the template sees is rebuilt from JSON types (anything else
+becomes the placeholder ``"<TypeName>"``); messages are passed without their ``None`` values, and a
+message's reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under
+``reasoning_content`` and ``thinking``, as in transformers 5.
 
-A template is untrusted code: the sandbox (``modeling.chat.sandbox``) holds each rendering, in any
-thread, to the template's ``RenderLimits`` (loop iterations, the size of every string, list and
-dict it makes and of its output, and time); passing one raises ``RenderLimitError`` naming the
-template and the bound.
+A template is untrusted code: the sandbox (``modeling.chat.sandbox``) holds each rendering to the
+template's ``RenderLimits``; passing one raises ``RenderLimitError`` naming the template and the bound.
 
-``generation_defaults(path)`` reads ``generation_config.json`` into ``GenerationDefaults``
-(temperature, top-k, top-p, max_new_tokens, repetition penalty, min-p) for the command line to use
-unless flags override, and for ``Checkpoint.default_sampling_params``.
+``generation_defaults(path)`` reads ``generation_config.json`` into ``GenerationDefaults``.
 """
 
 import math
@@ -102,9 +93,7 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Optional[Mapping[str, str]] = None,
                  origin: str = "<string>", named: Optional[Mapping[str, str]] = None,
                  limits: RenderLimits = RenderLimits()):
-        self.source = source
-        self.origin = origin
-        self.limits = limits
+        self.source, self.origin, self.limits = source, origin, limits
         self.special_tokens: Dict[str, str] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.named: Dict[str, str] = dict(named or {})
         self._compiled: Dict[str, Any] = {}
@@ -206,12 +195,9 @@ def _plain(value: Any) -> Any:
     a placeholder ``<TypeName>``, as transformers does."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
+    for kind, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):  # subclasses
+        if isinstance(value, kind):
+            return plain(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -245,10 +231,6 @@ def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# generation_config.json
-
-
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Sampling defaults of a checkpoint, in ``SamplingParams``' terms: temperature 0 is greedy,
@@ -261,10 +243,6 @@ class GenerationDefaults:
     max_new_tokens: Optional[int] = None
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
 
 
 def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:

@@ -17,16 +17,13 @@ PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `yes | head -1`
 RENAMED_FLAGS = {"--max-new-tokens": "--max-tokens", "--max-seq-len": "--max-model-len",
                  "--max-batch-size": "--max-num-seqs", "--no-cuda-graph": "--enforce-eager"}
 """Earlier flags that still work, with a note naming the new one."""
-REMOVED_FLAGS = {"--prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
-                                    "(--enforce-eager runs every step eagerly)",
-                 "--no-prefill-graph": "the engine captures prefill steps in CUDA graphs as it does decode steps "
-                                       "(--enforce-eager runs every step eagerly)"}
+REMOVED_FLAGS = dict.fromkeys(("--prefill-graph", "--no-prefill-graph"), "the engine captures prefill steps in CUDA "
+                              "graphs as it does decode steps (--enforce-eager runs every step eagerly)")
 """Earlier flags that mean nothing on the engine: refused, saying what to use."""
 BATCH_FILE_LIMIT = 64 << 20
 """Bytes --batch-file reads at most (a file, or standard input)."""
-# Only os, sys, typing, modeling.api.commands and modeling.engine.prompts (which import nothing heavy)
-# at the top of the command line's modules: Ctrl-C lands in main's handler from the first instant;
-# argparse, json, torch... are imported inside the functions.
+# At the top of the command line's modules, only modules that import nothing heavy (Ctrl-C lands in
+# main's handler from the first instant); argparse, json, torch... are imported inside the functions.
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -90,11 +87,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     r.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     add_model_flags(m, r)
     for old, new in RENAMED_FLAGS.items():
-        dest = new[2:].replace("-", "_")
-        if new == "--enforce-eager":
-            r.add_argument(old, dest=dest, action="store_const", const=True, help=argparse.SUPPRESS)
-        else:
-            r.add_argument(old, dest=dest, type=int, help=argparse.SUPPRESS)
+        kind = dict(action="store_const", const=True) if new == "--enforce-eager" else dict(type=int)
+        r.add_argument(old, dest=new[2:].replace("-", "_"), help=argparse.SUPPRESS, **kind)
     for old in REMOVED_FLAGS:
         r.add_argument(old, dest="removed_flag", action="store_const", const=old, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -121,9 +115,8 @@ def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.removed_flag is not None:
         problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
-    given = {name: getattr(a, name) for name in (*SAMPLING_FLAGS, "seed", "logprobs")}
     try:
-        SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        SamplingParams(**{k: getattr(a, k) for k in (*SAMPLING_FLAGS, "seed", "logprobs") if getattr(a, k) is not None})
     except ValueError as e:
         problems += [_as_flag(problem) for problem in str(e).split(";")]
     if a.logprobs is not None and not a.json:

@@ -3,39 +3,33 @@
 Streams the completion of one prompt to stdout; with ``--batch-file`` prints each completion on
 one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` one JSON object per
 completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
-Without ``--model`` it uses the model shipped in ``modeling/default_model`` (``modeling.api.checkpoint.default_model_dir``).
-
-The flags (and the sampling settings they name) are in ``args``, what is written in ``output``,
-``--interactive`` in ``interactive``; the checkpoint and the ``LLM`` come from
-``modeling.api.commands``; this module runs them (``main``, ``run``).
+The flags are in ``args``, what is written in ``output``, ``--interactive`` in ``interactive``.
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
-other failure (one line too); 130 interrupted (Ctrl-C, from the first instant: this module imports
-nothing heavy before its handlers are in place); 141 stdout closed by the reader (``| head``),
-quietly, as a process killed by SIGPIPE would. See docs/generate.md.
+other failure; 130 interrupted (Ctrl-C, from the first instant); 141 stdout closed by the reader
+(``| head``), quietly, as a process killed by SIGPIPE would. See docs/generate.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..api.commands import UsageError, command_main, load_checkpoint, load_llm, say
 from .args import PIPE_CLOSED, RENAMED_FLAGS, check_args, parse_args, read_prompts, sampling_params
 from .interactive import interactive
-from .output import Totals, Writer, _tolerant_stdout, escape_line, json_output
+from .output import Totals, Writer, escape_line, json_output
 
 if TYPE_CHECKING:
     import argparse
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _tolerant_stdout()
+    if getattr(sys.stdout, "errors", None) == "strict":  # PYTHONIOENCODING=ascii: print '?' for what it cannot hold
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            sys.stdout.reconfigure(errors="replace")
     return command_main(argv, parse_args, RENAMED_FLAGS, check_args, run, PIPE_CLOSED)
-
-
-# ----------------------------------------------------------------------------------------------
-# the run
 
 
 def run(a: argparse.Namespace) -> int:
@@ -51,7 +45,6 @@ def run(a: argparse.Namespace) -> int:
     from ..model.device import DoesNotFit, backend_name, resolve_device, resolve_dtype
 
     ck = load_checkpoint(a)
-    config, tokenizer = ck.config, ck.tokenizer
     params = sampling_params(a, ck)
     try:
         device = resolve_device(a.device)
@@ -73,21 +66,20 @@ def run(a: argparse.Namespace) -> int:
         if a.chat:
             system = [{"role": "system", "content": a.system}] if a.system is not None else []
             try:
-                prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}],
-                                                        add_generation_prompt=True, **template_kwargs)
+                prompts_text = [ck.chat_template.render(system + [{"role": "user", "content": p}], **template_kwargs)
                                 for p in prompts_text]
             except ChatTemplateError as e:
                 raise UsageError(str(e)) from None
         prompts = []
         for i, text in enumerate(prompts_text):
             try:
-                ids = tokenizer.encode(text)
-                check_ids(ids, f"prompt {i}", config.vocab_size)
+                ids = ck.tokenizer.encode(text)
+                check_ids(ids, f"prompt {i}", ck.config.vocab_size)
             except ValueError as e:
                 raise UsageError(f"prompt {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
         longest = max(len(p["prompt_token_ids"]) for p in prompts)
-        limit = a.max_model_len or config.max_position_embeddings
+        limit = a.max_model_len or ck.config.max_position_embeddings
         if longest >= limit:
             what = "--max-model-len" if a.max_model_len else "the model's max_position_embeddings"
             raise UsageError(f"a prompt of {longest} tokens leaves no room for a new token in {limit} positions "

@@ -2,46 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Union
 
 from ..api.commands import say
 from .args import _unicode_problem
 from .output import Totals, Writer, json_output
 
 
-def _line_reader():
-    """Reads one turn: ``input()`` (line editing) when stdin and stdout are terminals, else raw lines
-    from stdin decoded as UTF-8. Returns None at end of input (Ctrl-D)."""
+def _lines() -> Iterator[Union[str, ValueError]]:
+    """The turns on stdin, up to the end of input (Ctrl-D): ``input()`` (line editing) when stdin and
+    stdout are terminals, else raw lines decoded as UTF-8 (a ``ValueError`` for one that is not)."""
     stdin = sys.stdin
     if stdin is None:
-        return lambda: None
-    tty = stdin.isatty() and sys.stdout.isatty()
-    if tty:
-        try:
+        return
+    if stdin.isatty() and sys.stdout.isatty():
+        with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing for input())
-        except ImportError:
-            pass
-
-        def read_tty() -> Optional[str]:
+        while True:
             try:
-                return input(">>> ")
+                yield input(">>> ")
             except EOFError:
                 say("")
-                return None
-
-        return read_tty
-
-    def read_pipe() -> Optional[str]:
-        raw = stdin.buffer.readline() if hasattr(stdin, "buffer") else stdin.readline().encode("utf-8")
-        if not raw:
-            return None
+                return
+    while raw := stdin.buffer.readline() if hasattr(stdin, "buffer") else stdin.readline().encode("utf-8"):
         try:
-            return raw.decode("utf-8").rstrip("\n").rstrip("\r")
+            yield raw.decode("utf-8").rstrip("\n").rstrip("\r")
         except UnicodeDecodeError as e:
-            return ValueError(f"the line is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")
-
-    return read_pipe
+            yield ValueError(f"the line is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")
 
 
 def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) -> None:
@@ -57,21 +47,13 @@ def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) ->
 
     system = [{"role": "system", "content": a.system}] if a.system is not None else []
     history: List[Dict[str, str]] = list(system)
-    read = _line_reader()
-    first = a.prompt
     turn = 0
     if sys.stdin is not None and sys.stdin.isatty():
         say("chat: one line per turn; /reset starts over; Ctrl-D leaves")
-    while True:
-        if first is not None:
-            line, first = first, None
-        else:
-            line = read()
-            if line is None:
-                break
-            if isinstance(line, ValueError):
-                say(f"error: {line}")
-                continue
+    for line in itertools.chain([] if a.prompt is None else [a.prompt], _lines()):
+        if isinstance(line, ValueError):
+            say(f"error: {line}")
+            continue
         if not line.strip():
             continue
         if line.strip() == "/reset":

@@ -1,27 +1,15 @@
-"""What the command line writes: stdout that survives a closed reader, ``Writer`` (stdout piece by
-piece, JSON lines), the stats line (``Totals``, ``path_that_ran``). One line on stderr is
-``modeling.api.commands.say``."""
+"""What the command line writes: ``Writer`` (stdout piece by piece, JSON lines), the stats line
+(``Totals``, ``path_that_ran``). One line on stderr is ``modeling.api.commands.say``."""
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Dict, Optional
+import math
+from typing import Any, Dict
 
 
 def escape_line(text: str) -> str:
     """A completion on one line: backslash, newline and carriage return written as \\\\, \\n and \\r."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-
-
-def _tolerant_stdout() -> None:
-    """Characters the output encoding cannot hold (PYTHONIOENCODING=ascii) print as '?' instead of
-    raising UnicodeEncodeError (stderr already backslash-escapes them)."""
-    out = sys.stdout
-    if out is not None and getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure"):
-        try:
-            out.reconfigure(errors="replace")
-        except (ValueError, OSError, AttributeError):
-            pass
 
 
 class Totals:
@@ -31,11 +19,9 @@ class Totals:
     def __init__(self, device, dtype, cuda_graph: bool):
         self.device, self.dtype, self.cuda_graph = device, dtype, cuda_graph
         self.launches = _kernel_launches()
-        self.prompt_tokens = self.new_tokens = self.decode_tokens = 0
+        self.requests = self.prompt_tokens = self.new_tokens = self.decode_tokens = 0
         self.first_token_ms = self.decode_ms = 0.0
-        self.start: Optional[float] = None
-        self.end: Optional[float] = None
-        self.requests = 0
+        self.start, self.end = math.inf, -math.inf  # the first arrival, the last finish
 
     def add(self, output) -> None:
         """A finished ``RequestOutput``."""
@@ -44,8 +30,7 @@ class Totals:
         self.prompt_tokens += len(output.prompt_token_ids)
         new = sum(generated_tokens(c) for c in output.outputs)
         self.new_tokens += new
-        self.start = m.arrival_time if self.start is None else min(self.start, m.arrival_time)
-        self.end = m.finished_time if self.end is None else max(self.end, m.finished_time)
+        self.start, self.end = min(self.start, m.arrival_time), max(self.end, m.finished_time)
         if m.first_token_time is not None:
             self.first_token_ms += (m.first_token_time - m.arrival_time) * 1e3
             if new > len(output.outputs):  # decode steps after the first token
@@ -53,7 +38,7 @@ class Totals:
                 self.decode_tokens += new / len(output.outputs) - 1
 
     def line(self) -> str:
-        seconds = (self.end - self.start) if self.start is not None else 0.0
+        seconds = (self.end - self.start) if self.requests else 0.0
         rate = f"{self.new_tokens / seconds:.1f}" if seconds else "nan"
         first = self.first_token_ms / self.requests if self.requests else 0.0
         per_token = self.decode_ms / self.decode_tokens if self.decode_tokens else 0.0
