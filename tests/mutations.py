@@ -435,6 +435,9 @@ MUTATIONS = [
              ("tests/test_fp8_checkpoints.py",)),
     Mutation("the persistent kernel's FP8 GEMV drops its block scales", "csrc_free_ops/decode_layers_tasks.py",
              "axis=2) * scales, axis=1)", "axis=2), axis=1)", ("tests/test_decode_layers.py",)),
+    Mutation("the persistent kernel's batched GEMV keeps one K chunk's products", "csrc_free_ops/decode_layers_tasks.py",
+             "return tl.trans(tl.sum(acc, axis=0))", "return tl.trans(tl.max(acc, axis=0))",
+             ("tests/test_decode_layers.py",)),
     # Tensor parallelism's processes (tests/test_tensor_parallel.py).
     Mutation("a worker keeps the lookahead's placeholder inputs", "modeling/engine/workers.py",
              "            batch.input_ids.index_copy_(0, dst, self.tokens.index_select(0, src))\n", "",
