@@ -41,13 +41,10 @@ class ReasoningSplitter:
             text = text.lstrip()
             self.lead = not text
         body = text.rstrip()
-        if final:
-            out, self.ws = (self.ws + body if body else ""), ""
-            return out
         if not body:
-            self.ws += text
+            self.ws = "" if final else self.ws + text
             return ""
-        out, self.ws = self.ws + body, text[len(body):]
+        out, self.ws = self.ws + body, "" if final else text[len(body):]
         return out
 
     def push(self, text: str) -> Tuple[str, str]:
@@ -228,7 +225,12 @@ class ChatOutput:
     def calls(self) -> List[Dict[str, str]]:
         return self.tools.calls if self.tools is not None else []
 
-    def _route(self, reasoning: str, content: str, final: bool) -> Tuple[str, str, List[Dict[str, Any]]]:
+    def push(self, text: str, final: bool = False) -> Tuple[str, str, List[Dict[str, Any]]]:
+        """The next piece of the reply; ``final``: it ends the reply (what was held back goes out)."""
+        reasoning, content = self.splitter.push(text) if self.splitter is not None else ("", text)
+        if final and self.splitter is not None:
+            r, c = self.splitter.finish()
+            reasoning, content = reasoning + r, content + c
         deltas: List[Dict[str, Any]] = []
         if self.tools is not None:
             content, deltas = self.tools.push(content)
@@ -236,11 +238,3 @@ class ChatOutput:
                 tail, more = self.tools.finish()
                 content, deltas = content + tail, deltas + more
         return reasoning, content, deltas
-
-    def push(self, text: str) -> Tuple[str, str, List[Dict[str, Any]]]:
-        reasoning, content = self.splitter.push(text) if self.splitter is not None else ("", text)
-        return self._route(reasoning, content, final=False)
-
-    def finish(self) -> Tuple[str, str, List[Dict[str, Any]]]:
-        reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
-        return self._route(reasoning, content, final=True)

@@ -68,10 +68,6 @@ def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], string
     return {"content": content, "refusal": None}
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def tool_call(call: Dict[str, str], call_id: str) -> Dict[str, Any]:
     """One parsed call (name, arguments) in OpenAI's shape."""
     return {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
