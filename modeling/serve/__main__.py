@@ -27,15 +27,6 @@ GC_GEN0_THRESHOLD = 20_000
 700): a stream allocates a few objects a token, nearly all freed by reference counting at once."""
 
 
-def tune_gc() -> None:
-    """Before serving: what start-up built (modules, the app, the tokenizer's side) lives as long as
-    the server, so it moves out of the collector's sight (``gc.freeze``), and young collections
-    run less often (``GC_GEN0_THRESHOLD``)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog_name("modeling.serve"),
@@ -143,8 +134,7 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
-        a.log_level.upper(),
-        factory, quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
+        a.log_level.upper(), factory, quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:
@@ -158,32 +148,27 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
              "max_num_seqs %d%s", name, ck.path, info["backend"], info["dtype"], a.host, a.port, info["num_blocks"],
              info["block_size"], info["max_model_len"], a.max_num_seqs, ", API key required" if a.api_key else "")
 
-    server = None
-    failed = []
-
-    def on_dead(error: BaseException) -> None:
-        failed.append(error)
-        if server is not None:
-            server.should_exit = True
+    def on_dead(error: BaseException) -> None:  # called once the app runs: ``server`` is set
+        server.should_exit = True
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
-    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                         a.body_timeout, a.strict_requests, a.tool_call_parser))
+    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes, a.body_timeout,
+                                             a.strict_requests, a.tool_call_parser))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))
     server = DrainingServer(config, state)
-    tune_gc()
+    gc.collect()  # what start-up built lives as long as the server: out of the collector's sight
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     try:
         server.run()
     finally:
         transport.stop(a.drain_timeout)  # the app's shutdown stopped it, unless uvicorn never started
-    if failed:
-        say(f"error: the engine failed: {failed[0]}")
+    if client.dead is not None:
+        say(f"error: the engine failed: {client.dead}")
         return 1
-    if not server.started:
-        return 1  # uvicorn has logged why (the port taken, ...)
-    return 0
+    return 0 if server.started else 1  # not started: uvicorn has logged why (the port taken, ...)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,10 @@ streaming) and never loads the weights; a child process (``multiprocessing`` spa
 survive a fork) loads them, builds the ``Engine``, warms it up on CUDA, says it is ready, then
 runs ``engine_loop.EngineCore``. The two share no interpreter: the event loop's Python never delays
 a step, and the engine's never delays a stream. Requests go to the child through a pipe that the
-event loop writes without blocking (``put``: what the pipe does not take now is written when it
-is writable, ``add_writer``), in ``multiprocessing.Connection``'s framing, so the child reads
-them with ``recv``; reports come back through another pipe the event loop reads when it is
-readable (``add_reader``), all it holds in one read. Not a ``multiprocessing`` queue: its feeder thread needs the
-interpreter to write, so a request waited for whatever Python the event loop ran next (a whole
-step's streaming at load).
+event loop writes without blocking (``put``), in ``multiprocessing.Connection``'s framing, so the
+child reads them with ``recv``; reports come back through another pipe the event loop reads when
+it is readable (``add_reader``). Not a ``multiprocessing`` queue: its feeder thread needs the
+interpreter to write, so a request would wait for whatever Python the event loop runs next.
 
 The child ignores SIGINT and SIGTERM (the server drains, then stops it: SIGKILL if it does not stop
 in time, or if the server is interrupted while the child starts) and exits by itself when the
@@ -218,11 +216,8 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
 
 def warm_up(engine) -> None:
     """Before the first client (with CUDA graphs): capture the graph of every step shape
-    (``Engine.capture_graphs``: each decode batch bucket, each prefill and mixed token and sequence
-    bucket), compiling every kernel on the way. A shape's first occurrence otherwise stalls every
-    running sequence while it compiles or captures (a first prefix-cache hit or a first step of 64
-    sequences held every client for seconds), and a server at concurrency 64 met new mixed shapes
-    for its first few hundred requests."""
+    (``Engine.capture_graphs``), compiling every kernel on the way; a shape's first occurrence
+    otherwise stalls every running sequence while it compiles or captures."""
     t0 = time.perf_counter()
     n = engine.capture_graphs()
     if n:
