@@ -30,7 +30,7 @@ from .engine_loop import EngineClient
 from .errors import APIError, error_body
 from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
+from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion
 from .responses import SSE_DONE, Envelope, sse, usage
 from .structured import GrammarCheck
 from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
@@ -73,8 +73,7 @@ class ServerState:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -181,8 +180,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def post_tokenize(request: Request):
         state.authorize(request)
-        req = await read_request(request, tokenize_request)
-        return tokenize(req, state.ck, state.loop.max_model_len)
+        return tokenize(await read_request(request, tokenize_request), state.ck, state.loop.max_model_len)
 
     @app.post("/detokenize")
     async def post_detokenize(request: Request):
@@ -193,8 +191,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def read_request(request: Request, parser: Callable[[bytes, bool], Any]) -> Any:
         """The request's body parsed (``parser(body, strict)``); a 404 if it names another model."""
         body = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout)
-        req = parser(body, state.settings.strict_requests)
-        requested_model(req, state.settings.served_model_name)
+        req, served = parser(body, state.settings.strict_requests), state.settings.served_model_name
+        if req.model is not None and req.model != served:
+            raise APIError(404, f"The model '{req.model}' does not exist (this server serves '{served}')", "model",
+                           "model_not_found")
         return req
 
     # plain Starlette routes: the handler takes the request as it is (FastAPI's dependency solving and

@@ -22,7 +22,7 @@ from ..api.checkpoint import Checkpoint, TemplateKwargsError
 from ..common import is_int
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
-from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params, choice_seed  # noqa: F401
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params
 from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
 from .chat_output import TOOL_PARSERS
@@ -54,10 +54,7 @@ class StreamOptions(Fields):
 
 
 class _Request(Fields):
-    """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
-    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens,
-    prompt_logprobs)."""
+    """Fields both endpoints take: OpenAI's and vLLM's extensions."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -232,13 +229,10 @@ class Plan:
 
 
 def _refuse_neutral(req: _Request) -> None:
+    neutral = {"best_of": req.n, "suffix": ""}  # besides None
     for name, why in REFUSED.items():
-        if name not in type(req).model_fields:
-            continue
-        value = getattr(req, name)
-        neutral = (value is None or (name == "best_of" and value == req.n)
-                   or (name == "suffix" and value == ""))
-        if not neutral:
+        value = getattr(req, name) if name in type(req).model_fields else None
+        if value is not None and (name not in neutral or value != neutral[name]):
             raise unsupported(name, why)
 
 
@@ -282,14 +276,10 @@ def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
 def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
     """OpenAI's ``logit_bias`` (token ids as strings) keyed by int (a 400 for a key that is no
     token id of the vocabulary); None when absent or empty."""
-    if not bias:
-        return None
-    out = {}
-    for key, value in bias.items():
+    for key in bias or ():
         if not (key.isdigit() and int(key) < vocab):
             raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
-        out[int(key)] = value
-    return out
+    return {int(key): value for key, value in bias.items()} if bias else None
 
 
 def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
@@ -338,24 +328,19 @@ def completion_prompts(prompt: Any, ck: Checkpoint) -> List[Prompt]:
     else:
         raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
                       "token ids (not empty)", "prompt")
-    out = []
+    out, vocab = [], ck.config.vocab_size
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 and item is prompt else f"prompt[{i}]"
-        if isinstance(item, str):
-            try:
-                ids = ck.tokenizer.encode(item)
-            except ValueError as e:
-                raise invalid(f"'{where}': {e}", "prompt") from None
-            if not ids:
-                raise invalid(f"'{where}' is empty", "prompt")
-            out.append(Prompt(item, ids))
-        elif isinstance(item, list):
-            try:
-                out.append(Prompt(None, checked_token_ids(item, where, ck.config.vocab_size)))
-            except ValueError as e:
-                raise invalid(str(e), "prompt") from None
-        else:
+        text = item if isinstance(item, str) else None
+        if text is None and not isinstance(item, list):
             raise invalid(f"'{where}' must be a string or a list of token ids", "prompt")
+        try:
+            ids = ck.tokenizer.encode(text) if text is not None else checked_token_ids(item, where, vocab)
+        except ValueError as e:  # the ids' errors name the prompt
+            raise invalid(f"'{where}': {e}" if text is not None else str(e), "prompt") from None
+        if not ids:
+            raise invalid(f"'{where}' is empty", "prompt")
+        out.append(Prompt(text, ids))
     return out
 
 
@@ -371,9 +356,10 @@ def plan_completion(req: CompletionRequest, ck: Checkpoint, max_model_len: int) 
     prompts = truncated(completion_prompts(req.prompt, ck), base.truncate_prompt_tokens)
     default = ck.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
-    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n, req.stream), budget, _stop_ids(ck, base),
-                req.stream, _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo,
-                prompt_logprobs=shown, constraint_field=field)
+    # choice j of each prompt; in a stream each computes the prompt logprobs (its first chunk echoes them)
+    params = [choice_params(base, j, req.stream) for _ in prompts for j in range(req.n)]
+    return Plan(prompts, req.n, params, budget, _stop_ids(ck, base), req.stream, _include_usage(req),
+                req.return_token_ids, req.logprobs, echo=req.echo, prompt_logprobs=shown, constraint_field=field)
 
 
 def _prompt_logprobs(req: _Request) -> Optional[int]:
@@ -387,12 +373,6 @@ def _prompt_logprobs(req: _Request) -> Optional[int]:
             raise invalid("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
         return None
     return k
-
-
-def _per_choice(base: SamplingParams, num_prompts: int, n: int, every: bool = False) -> List[SamplingParams]:
-    """Choice j of each prompt: ``choice_params``; every choice computes the prompt logprobs when
-    ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
-    return [choice_params(base, j, every) for _ in range(num_prompts) for j in range(n)]
 
 
 def _include_usage(req: _Request) -> bool:
@@ -548,15 +528,8 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
                      max_model_len, field, "messages")
     types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or ()}
-    return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(ck, base), req.stream,
+    return Plan(prompts, req.n, [choice_params(base, j) for j in range(req.n)], budget, _stop_ids(ck, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, prompt_logprobs=shown,
                 tool_calls=tools is not None,
                 parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(ck, kwargs),
                 prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
-
-
-def requested_model(req: _Request, served: str) -> None:
-    """A 404 when the request names a model other than the one served (None means it)."""
-    if req.model is not None and req.model != served:
-        raise APIError(404, f"The model '{req.model}' does not exist (this server serves '{served}')", "model",
-                       "model_not_found")
