@@ -240,10 +240,10 @@ class Generation:
         return {"prompt_logprobs": self.prompt_logprobs(self.choices[0])}
 
     def chat_choice(self, c: Choice) -> Dict[str, Any]:
-        message: Dict[str, Any] = {"role": "assistant", "content": c.content.strip() if c.calls else c.content}
-        if self.plan.tool_calls and c.calls:
-            message["content"] = message["content"] or None
-            message["tool_calls"] = [tool_call(call, c.call_id(i)) for i, call in enumerate(c.calls)]
+        message: Dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.calls:  # the reply's tool calls, parsed when the request gave tools
+            message.update(content=c.content.strip() or None,
+                           tool_calls=[tool_call(call, c.call_id(i)) for i, call in enumerate(c.calls)])
         if self.plan.reasoning:
             message["reasoning_content"] = c.reasoning or None
         out = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
@@ -302,11 +302,11 @@ class Generation:
 def check_admission(loop: EngineClient, plan: Plan, max_waiting: int) -> None:
     """A 429 when the request's sequences would take the waiting queue past ``max_waiting`` (a 400
     when they alone pass it: retrying would never help)."""
-    if plan.num_choices > max_waiting:
-        raise invalid(f"This request makes {plan.num_choices} sequences (prompts x n); at most {max_waiting} may "
+    num = len(plan.prompts) * plan.n
+    if num > max_waiting:
+        raise invalid(f"This request makes {num} sequences (prompts x n); at most {max_waiting} may "
                       "wait for the engine (--max-waiting)", "n")
     waiting = loop.counts()["waiting"]
-    if waiting + plan.num_choices > max_waiting:
-        raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds "
-                            f"{plan.num_choices} (at most {max_waiting} wait, --max-waiting). Retry later.",
-                       code="queue_full")
+    if waiting + num > max_waiting:
+        raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds {num} "
+                            f"(at most {max_waiting} wait, --max-waiting). Retry later.", code="queue_full")
