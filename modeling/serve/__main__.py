@@ -1,11 +1,8 @@
 """Command line: ``python -m modeling.serve --model DIR_OR_ORG/NAME`` (``qwen-serve``), an
 OpenAI-compatible HTTP server on the continuous-batching engine. See docs/serve.md.
 
-SIGTERM or SIGINT drains: the listening socket closes (new connections are refused, requests on
-open connections get 503), running requests finish, for ``--drain-timeout`` seconds at most
-(then they are aborted), and the process exits 0. A second signal aborts at once. Exit status:
-0 after a drain, 2 bad input (one line ``error: ...``), 1 another failure, the engine unusable
-included.
+Exit status: 0 after a drain (SIGTERM or SIGINT: ``drain.DrainingServer``), 2 bad input (one line
+``error: ...``), 1 another failure, the engine unusable included.
 """
 
 import argparse
@@ -30,9 +27,9 @@ GC_GEN0_THRESHOLD = 20_000
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog_name("modeling.serve"),
-        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an OpenAI-compatible HTTP API "
-                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the "
-                    "continuous-batching engine.",
+        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an "
+                    "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics) on the continuous-batching engine.",
         epilog="SIGTERM/SIGINT drain the server and exit 0. See docs/serve.md.")
     m = p.add_argument_group("model")
     m.add_argument("--model", help="a checkpoint directory or a Hugging Face Hub id ORG/NAME; default: the shipped "

@@ -1,5 +1,5 @@
 """The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /version, /health, /metrics.
+/detokenize, /version (``{"version": the package's version}``), /health, /metrics.
 
 A generation request is read (at most ``max_body_bytes``, else 413; within ``body_timeout`` seconds,
 else 408), validated into a ``Plan`` (``protocol``), admitted (429 past ``max_waiting`` waiting
@@ -15,6 +15,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from importlib import metadata
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
@@ -33,7 +34,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion
 from .responses import SSE_DONE, Envelope, sse, usage
 from .structured import GrammarCheck
-from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
+from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request
 
 log = logging.getLogger("modeling.serve")
 
@@ -46,7 +47,7 @@ class Settings:
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0
     strict_requests: bool = False  # refuse unknown fields (a 400) instead of logging and ignoring them
-    tool_call_parser: Optional[str] = None  # the tool-call form's parser (protocol.TOOL_PARSERS); None: from the template
+    tool_call_parser: Optional[str] = None  # --tool-call-parser (chat_output.TOOL_PARSERS); None: from the template
 
 
 class ServerState:
@@ -174,8 +175,11 @@ def create_app(state: ServerState) -> FastAPI:
         return model_card()
 
     @app.get("/version")
-    async def get_version():
-        return version()
+    async def get_version():  # the installed package's ("unknown" from a source tree not installed)
+        try:
+            return {"version": metadata.version("qwen-triton-ops")}
+        except metadata.PackageNotFoundError:
+            return {"version": "unknown"}
 
     @app.post("/tokenize")
     async def post_tokenize(request: Request):
@@ -278,15 +282,12 @@ def create_app(state: ServerState) -> FastAPI:
         if gen.closed:
             return
         gen.closed = True
-        m = state.metrics
-        t = gen.timings()
+        m, t = state.metrics, gen.timings()
         m.prompt_tokens.inc(gen.prompt_tokens)
         m.generation_tokens.inc(gen.completion_tokens)
-        m.e2e.observe(t["total"])
-        if t["queue"] is not None:
-            m.queue.observe(t["queue"])
-        if t["ttft"] is not None:
-            m.ttft.observe(t["ttft"])
+        for histogram, seconds in ((m.e2e, t["total"]), (m.queue, t["queue"]), (m.ttft, t["ttft"])):
+            if seconds is not None:
+                histogram.observe(seconds)
         for c in gen.choices:
             m.finished.labels(c.finish_reason).inc()
             if len(c.token_ids) > 1 and c.finished_at is not None:

@@ -202,12 +202,10 @@ class ToolCallParser:
                 deltas.append({"index": len(self.calls) - 1, **call})
 
     def finish(self) -> Tuple[str, List[Dict[str, Any]]]:
-        if self.inside and self.params is not None:
-            self.buf, self.inside = "", False
-            return "", self._end_xml()
-        rest = (TOOL_OPEN if self.inside else "") + self.buf
+        started = self.inside and self.params is not None  # an XML call: closed, the rest of its block dropped
+        rest = "" if started else (TOOL_OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
-        return rest, []
+        return rest, self._end_xml() if started else []
 
 
 class ChatOutput:

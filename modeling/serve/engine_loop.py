@@ -230,11 +230,8 @@ class EngineCore:
                 self.send(("failed", [rid], str(e)))
                 return
             self.seqs[rid], self.rids[seq.request_id] = seq, rid
-        elif msg[0] == "abort":
-            seq = self.seqs.get(msg[1])
-            if seq is not None:
-                self.engine.abort(seq)
-                self.forget(msg[1])
+        elif msg[0] == "abort" and msg[1] in self.seqs:
+            self.engine.abort(self.forget(msg[1]))
 
     def step(self) -> bool:
         """One engine step and its report; False once the engine is dead."""
@@ -248,8 +245,7 @@ class EngineCore:
             log.exception("engine step failed (%d in a row); failing the requests in the engine", self.failures)
             rids = list(self.seqs)
             for rid in rids:
-                self.engine.abort(self.seqs[rid])
-                self.forget(rid)
+                self.engine.abort(self.forget(rid))
             message = f"{type(e).__name__}: {e}"
             self.send(("failed", rids, message))
             self.dirty = True  # their blocks were freed: the KV usage the server last got is stale
@@ -261,7 +257,7 @@ class EngineCore:
                 self.send(("dead", message))
             return not dead
         self.failures = 0
-        events: List[Tuple[int, int, Optional[tuple], Optional[str]]] = []
+        events: List[tuple] = []
         for seq in sampled:
             rid = self.rids.get(seq.request_id)
             if rid is None:  # aborted meanwhile
@@ -278,10 +274,11 @@ class EngineCore:
         self.send(("step", t0, events, self.changes(), self.kv_usage()))
         return True
 
-    def forget(self, rid: int) -> None:
+    def forget(self, rid: int) -> Sequence:
         seq = self.seqs.pop(rid)
         del self.rids[seq.request_id]
         self.waiting.pop(rid, None)
+        return seq
 
     def changes(self) -> List[Tuple[int, bool]]:
         out = []
