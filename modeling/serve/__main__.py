@@ -9,6 +9,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -83,8 +84,6 @@ RENAMED_FLAGS = {"--memory-fraction": "--gpu-memory-utilization", "--no-cuda-gra
 
 
 def check_args(a: argparse.Namespace) -> None:
-    import re
-
     if not 0 <= a.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {a.port}")
     for flag, value in (("--max-waiting", a.max_waiting), ("--max-num-seqs", a.max_num_seqs),
@@ -135,8 +134,6 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:
-        if e.usage:
-            raise UsageError(str(e)) from None
         say(f"error: {e}")
         return 1
     info = transport.info

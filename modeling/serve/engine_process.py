@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..api.commands import UsageError
+
 START_POLL_S = 1.0
 """How often the child's wait for messages and the server's wait for the child's start look up."""
 READ_BYTES = 1 << 20
@@ -51,17 +53,12 @@ class EngineSpec:
 
 
 class EngineStartError(Exception):
-    """The child could not build the engine; ``usage``: a problem with the flags or the model
-    (exit status 2), not a crash."""
-
-    def __init__(self, message: str, usage: bool):
-        super().__init__(message)
-        self.usage = usage
+    """The child crashed building the engine (a problem with the flags or the model: ``UsageError``)."""
 
 
 class ProcessTransport:
     """Starts the child and waits until its engine is ready (``info``: max_model_len, num_blocks,
-    block_size, backend, dtype), or raises ``EngineStartError``."""
+    block_size, backend, dtype), or raises ``EngineStartError`` or ``UsageError``."""
 
     def __init__(self, spec: EngineSpec):
         import multiprocessing
@@ -93,10 +90,10 @@ class ProcessTransport:
         except EOFError:  # it exited without a word (killed, or crashed in the interpreter)
             self.proc.join()
             raise EngineStartError(f"the engine process exited with code {self.proc.exitcode} before it was ready "
-                                   "(see the log above)", False) from None
+                                   "(see the log above)") from None
         if msg[0] == "error":
             self.proc.join()
-            raise EngineStartError(msg[2], msg[1] == "usage")
+            raise (UsageError if msg[1] == "usage" else EngineStartError)(msg[2])
         return msg[1]
 
     def start(self, callback: Callable[[tuple], None], loop) -> None:
@@ -191,7 +188,7 @@ class ProcessTransport:
 def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
     """The ``Engine`` of ``spec`` (weights loaded, warmed up) and its "ready" info."""
     from ..api.checkpoint import Checkpoint
-    from ..api.commands import UsageError, load_llm
+    from ..api.commands import load_llm
     from ..engine import Engine
     from ..engine.sampling_params import SamplingParams
 
@@ -228,7 +225,6 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..api.commands import UsageError
     from .engine_loop import EngineCore
 
     try:
