@@ -15,8 +15,8 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request

@@ -211,17 +211,13 @@ class ToolCallParser:
 class ChatOutput:
     """A chat reply's text split into (reasoning, content, tool-call deltas) as it streams;
     ``reasoning`` and ``tool_calls`` say which parsers run (the plan's), ``form`` and ``types``
-    which tool-call form is parsed (``ToolCallParser``, whose ``calls`` are the reply's calls)."""
+    which tool-call form ``tools`` parses (a ``ToolCallParser``: its ``calls`` are the reply's)."""
 
     def __init__(self, reasoning: bool, tool_calls: bool, prompt_text: str, form: str = "json",
                  types: Optional[Dict[str, Dict[str, Any]]] = None):
         opened = prompt_text.rstrip().endswith(THINK_OPEN)
         self.splitter = ReasoningSplitter(opened, tool_calls) if reasoning else None
         self.tools = ToolCallParser(form, types) if tool_calls else None
-
-    @property
-    def calls(self) -> List[Dict[str, str]]:
-        return self.tools.calls if self.tools is not None else []
 
     def push(self, text: str, final: bool = False) -> Tuple[str, str, List[Dict[str, Any]]]:
         """The next piece of the reply; ``final``: it ends the reply (what was held back goes out)."""

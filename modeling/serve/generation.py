@@ -105,7 +105,7 @@ class Choice(Completion):
     @property
     def calls(self) -> List[Dict[str, str]]:
         """The reply's tool calls (name, arguments): the first only without parallel_tool_calls."""
-        calls = self.chat.calls if self.chat is not None else []
+        calls = self.chat.tools.calls if self.chat is not None and self.chat.tools is not None else []
         return calls if self.parallel_tool_calls else calls[:1]
 
     def call_id(self, index: int) -> str:
