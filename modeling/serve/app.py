@@ -20,7 +20,6 @@ from importlib import metadata
 from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -133,10 +132,6 @@ def create_app(state: ServerState) -> FastAPI:
         message = {404: f"No route {request.url.path}", 405: f"{request.method} is not allowed on "
                    f"{request.url.path}"}.get(e.status_code, str(e.detail))
         return error_response(request, e.status_code, message)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        return error_response(request, 400, str(e.errors()[0].get("msg", e)))
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, e: ClientDisconnect):
