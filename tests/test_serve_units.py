@@ -8,12 +8,12 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from modeling.engine.sampling_params import SamplingParams  # noqa: E402
+from modeling.engine.sampling_params import SamplingParams, choice_seed  # noqa: E402
 from modeling.serve.chat_output import ReasoningSplitter, ToolCallParser  # noqa: E402
 from modeling.serve.engine_loop import TokenEvent  # noqa: E402
 from modeling.serve.errors import APIError  # noqa: E402
 from modeling.serve.generation import Generation  # noqa: E402
-from modeling.serve.protocol import CompletionRequest, Plan, Prompt, choice_seed, parse  # noqa: E402
+from modeling.serve.protocol import CompletionRequest, Plan, Prompt, parse  # noqa: E402
 from modeling.api.outputs import TokenStrings  # noqa: E402
 
 
@@ -499,7 +499,7 @@ def test_engine_loop_add_abort_order_and_idle_state():
     assert drain_sink(a) == []
     steps = drain_sink(b)
     assert [[(e.token, e.finish_reason) for e in s] for s in steps] == [[(7, None)], [(7, "length")]]
-    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_cache_usage() == 0.0
+    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_usage == 0.0
     assert engine.seqs == [] and engine.blocks.num_free == engine.blocks.num_blocks
 
 
@@ -515,7 +515,7 @@ def test_failed_step_leaves_no_stale_kv_usage():
     got = drain_sink(sink)
     assert len(got) == 2 and [e.token for e in got[0]] == [7] and isinstance(got[1], EngineFailure)
     assert "device lost" in got[1].message
-    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_cache_usage() == 0.0
+    assert client.counts() == {"running": 0, "waiting": 0} and client.kv_usage == 0.0
 
 
 def test_submit_to_a_dead_engine_fails_at_once():
@@ -596,7 +596,7 @@ def test_requests_larger_than_the_pipe_reach_the_engine_whole_and_in_order(monke
 
         t.start(on_report, loop)
         for rid, n in enumerate(sizes):
-            t.put(("add", rid, [7] * n, None, 1, (), False))
+            t.put(("add", rid, [7] * n, None, 1, ()))
         assert t._pending  # the pipe did not take it all: the rest goes as it drains
         await asyncio.wait_for(done.wait(), 60)
         return got
@@ -660,7 +660,7 @@ def test_a_hung_engine_is_killed_and_the_server_exits():
         "from modeling.serve import engine_process as ep\n"
         "ep._child_main = t._engine_child_hung\n"
         "tr = ep.ProcessTransport(ep.EngineSpec('unused', None, None))\n"
-        "tr.put(('add', 0, [1] * 100000, None, 1, (), False))\n"
+        "tr.put(('add', 0, [1] * 100000, None, 1, ()))\n"
         "tr.stop(0.5)\n"
         "print('exitcode', tr.proc.exitcode, flush=True)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root)])}

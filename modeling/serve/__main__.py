@@ -1,17 +1,15 @@
 """Command line: ``python -m modeling.serve --model DIR_OR_ORG/NAME`` (``qwen-serve``), an
 OpenAI-compatible HTTP server on the continuous-batching engine. See docs/serve.md.
 
-SIGTERM or SIGINT drains: the listening socket closes (new connections are refused, requests on
-open connections get 503), running requests finish, for ``--drain-timeout`` seconds at most
-(then they are aborted), and the process exits 0. A second signal aborts at once. Exit status:
-0 after a drain, 2 bad input (one line ``error: ...``), 1 another failure, the engine unusable
-included.
+Exit status: 0 after a drain (SIGTERM or SIGINT: ``drain.DrainingServer``), 2 bad input (one line
+``error: ...``), 1 another failure, the engine unusable included.
 """
 
 import argparse
 import gc
 import logging
 import os
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -27,21 +25,12 @@ GC_GEN0_THRESHOLD = 20_000
 700): a stream allocates a few objects a token, nearly all freed by reference counting at once."""
 
 
-def tune_gc() -> None:
-    """Before serving: what start-up built (modules, the app, the tokenizer's side) lives as long as
-    the server, so it moves out of the collector's sight (``gc.freeze``), and young collections
-    run less often (``GC_GEN0_THRESHOLD``)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=prog_name("modeling.serve"),
-        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an OpenAI-compatible HTTP API "
-                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) on the "
-                    "continuous-batching engine.",
+        description="Serve a Qwen3, Qwen2/2.5 or Qwen3.5 checkpoint (dense or mixture of experts) over an "
+                    "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics) on the continuous-batching engine.",
         epilog="SIGTERM/SIGINT drain the server and exit 0. See docs/serve.md.")
     m = p.add_argument_group("model")
     m.add_argument("--model", help="a checkpoint directory or a Hugging Face Hub id ORG/NAME; default: the shipped "
@@ -95,8 +84,6 @@ RENAMED_FLAGS = {"--memory-fraction": "--gpu-memory-utilization", "--no-cuda-gra
 
 
 def check_args(a: argparse.Namespace) -> None:
-    import re
-
     if not 0 <= a.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {a.port}")
     for flag, value in (("--max-waiting", a.max_waiting), ("--max-num-seqs", a.max_num_seqs),
@@ -143,13 +130,10 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
     spec = EngineSpec(str(ck.path), a.device, a.dtype, dict(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager), WARMUP_PROMPT_TOKENS,
-        a.log_level.upper(),
-        factory, quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
+        a.log_level.upper(), factory, quantization=a.quantization, tensor_parallel_size=a.tensor_parallel_size)
     try:
         transport = ProcessTransport(spec)  # loads the weights in the engine's process, warms it up
     except EngineStartError as e:
-        if e.usage:
-            raise UsageError(str(e)) from None
         say(f"error: {e}")
         return 1
     info = transport.info
@@ -158,32 +142,27 @@ def serve(a: argparse.Namespace, factory: Optional[Callable] = None) -> int:
              "max_num_seqs %d%s", name, ck.path, info["backend"], info["dtype"], a.host, a.port, info["num_blocks"],
              info["block_size"], info["max_model_len"], a.max_num_seqs, ", API key required" if a.api_key else "")
 
-    server = None
-    failed = []
-
-    def on_dead(error: BaseException) -> None:
-        failed.append(error)
-        if server is not None:
-            server.should_exit = True
+    def on_dead(error: BaseException) -> None:  # called once the app runs: ``server`` is set
+        server.should_exit = True
 
     client = EngineClient(transport, info["max_model_len"], on_dead)
-    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes,
-                                         a.body_timeout, a.strict_requests, a.tool_call_parser))
+    state = ServerState(ck, client, Settings(name, a.api_key, a.max_waiting, a.max_body_bytes, a.body_timeout,
+                                             a.strict_requests, a.tool_call_parser))
     config = uvicorn.Config(create_app(state), host=a.host, port=a.port, log_level=a.log_level, access_log=False,
                             timeout_graceful_shutdown=a.drain_timeout, lifespan="on",
                             http=guarded_protocol(a.header_timeout, a.max_connections))
     server = DrainingServer(config, state)
-    tune_gc()
+    gc.collect()  # what start-up built lives as long as the server: out of the collector's sight
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     try:
         server.run()
     finally:
         transport.stop(a.drain_timeout)  # the app's shutdown stopped it, unless uvicorn never started
-    if failed:
-        say(f"error: the engine failed: {failed[0]}")
+    if client.dead is not None:
+        say(f"error: the engine failed: {client.dead}")
         return 1
-    if not server.started:
-        return 1  # uvicorn has logged why (the port taken, ...)
-    return 0
+    return 0 if server.started else 1  # not started: uvicorn has logged why (the port taken, ...)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /version, /health, /metrics.
+/detokenize, /version (``{"version": the package's version}``), /health, /metrics.
 
 A generation request is read (at most ``max_body_bytes``, else 413; within ``body_timeout`` seconds,
 else 408), validated into a ``Plan`` (``protocol``), admitted (429 past ``max_waiting`` waiting
@@ -16,10 +16,10 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Dict, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -30,10 +30,10 @@ from .engine_loop import EngineClient
 from .errors import APIError, error_body
 from .generation import ClientGone, EngineError, Generation, check_admission
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion, requested_model
+from .protocol import ChatCompletionRequest, CompletionRequest, parse, plan_chat, plan_completion
 from .responses import SSE_DONE, Envelope, sse, usage
 from .structured import GrammarCheck
-from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request, version
+from .tokenize import DetokenizeRequest, detokenize, tokenize, tokenize_request
 
 log = logging.getLogger("modeling.serve")
 
@@ -46,7 +46,7 @@ class Settings:
     max_body_bytes: int = 8 << 20
     body_timeout: float = 30.0
     strict_requests: bool = False  # refuse unknown fields (a 400) instead of logging and ignoring them
-    tool_call_parser: Optional[str] = None  # the tool-call form's parser (protocol.TOOL_PARSERS); None: from the template
+    tool_call_parser: Optional[str] = None  # --tool-call-parser (chat_output.TOOL_PARSERS); None: from the template
 
 
 class ServerState:
@@ -73,8 +73,7 @@ class ServerState:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
@@ -134,10 +133,6 @@ def create_app(state: ServerState) -> FastAPI:
                    f"{request.url.path}"}.get(e.status_code, str(e.detail))
         return error_response(request, e.status_code, message)
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        return error_response(request, 400, str(e.errors()[0].get("msg", e)))
-
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, e: ClientDisconnect):
         log.info("request %s %s 499: the client left while sending its body", request.method, request.url.path)
@@ -175,14 +170,16 @@ def create_app(state: ServerState) -> FastAPI:
         return model_card()
 
     @app.get("/version")
-    async def get_version():
-        return version()
+    async def get_version():  # the installed package's ("unknown" from a source tree not installed)
+        try:
+            return {"version": metadata.version("qwen-triton-ops")}
+        except metadata.PackageNotFoundError:
+            return {"version": "unknown"}
 
     @app.post("/tokenize")
     async def post_tokenize(request: Request):
         state.authorize(request)
-        req = await read_request(request, tokenize_request)
-        return tokenize(req, state.ck, state.loop.max_model_len)
+        return tokenize(await read_request(request, tokenize_request), state.ck, state.loop.max_model_len)
 
     @app.post("/detokenize")
     async def post_detokenize(request: Request):
@@ -193,8 +190,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def read_request(request: Request, parser: Callable[[bytes, bool], Any]) -> Any:
         """The request's body parsed (``parser(body, strict)``); a 404 if it names another model."""
         body = await read_body(request, state.settings.max_body_bytes, state.settings.body_timeout)
-        req = parser(body, state.settings.strict_requests)
-        requested_model(req, state.settings.served_model_name)
+        req, served = parser(body, state.settings.strict_requests), state.settings.served_model_name
+        if req.model is not None and req.model != served:
+            raise APIError(404, f"The model '{req.model}' does not exist (this server serves '{served}')", "model",
+                           "model_not_found")
         return req
 
     # plain Starlette routes: the handler takes the request as it is (FastAPI's dependency solving and
@@ -278,15 +277,12 @@ def create_app(state: ServerState) -> FastAPI:
         if gen.closed:
             return
         gen.closed = True
-        m = state.metrics
-        t = gen.timings()
+        m, t = state.metrics, gen.timings()
         m.prompt_tokens.inc(gen.prompt_tokens)
         m.generation_tokens.inc(gen.completion_tokens)
-        m.e2e.observe(t["total"])
-        if t["queue"] is not None:
-            m.queue.observe(t["queue"])
-        if t["ttft"] is not None:
-            m.ttft.observe(t["ttft"])
+        for histogram, seconds in ((m.e2e, t["total"]), (m.queue, t["queue"]), (m.ttft, t["ttft"])):
+            if seconds is not None:
+                histogram.observe(seconds)
         for c in gen.choices:
             m.finished.labels(c.finish_reason).inc()
             if len(c.token_ids) > 1 and c.finished_at is not None:

@@ -41,13 +41,10 @@ class ReasoningSplitter:
             text = text.lstrip()
             self.lead = not text
         body = text.rstrip()
-        if final:
-            out, self.ws = (self.ws + body if body else ""), ""
-            return out
         if not body:
-            self.ws += text
+            self.ws = "" if final else self.ws + text
             return ""
-        out, self.ws = self.ws + body, text[len(body):]
+        out, self.ws = self.ws + body, "" if final else text[len(body):]
         return out
 
     def push(self, text: str) -> Tuple[str, str]:
@@ -205,18 +202,16 @@ class ToolCallParser:
                 deltas.append({"index": len(self.calls) - 1, **call})
 
     def finish(self) -> Tuple[str, List[Dict[str, Any]]]:
-        if self.inside and self.params is not None:
-            self.buf, self.inside = "", False
-            return "", self._end_xml()
-        rest = (TOOL_OPEN if self.inside else "") + self.buf
+        started = self.inside and self.params is not None  # an XML call: closed, the rest of its block dropped
+        rest = "" if started else (TOOL_OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
-        return rest, []
+        return rest, self._end_xml() if started else []
 
 
 class ChatOutput:
     """A chat reply's text split into (reasoning, content, tool-call deltas) as it streams;
     ``reasoning`` and ``tool_calls`` say which parsers run (the plan's), ``form`` and ``types``
-    which tool-call form is parsed (``ToolCallParser``, whose ``calls`` are the reply's calls)."""
+    which tool-call form ``tools`` parses (a ``ToolCallParser``: its ``calls`` are the reply's)."""
 
     def __init__(self, reasoning: bool, tool_calls: bool, prompt_text: str, form: str = "json",
                  types: Optional[Dict[str, Dict[str, Any]]] = None):
@@ -224,11 +219,12 @@ class ChatOutput:
         self.splitter = ReasoningSplitter(opened, tool_calls) if reasoning else None
         self.tools = ToolCallParser(form, types) if tool_calls else None
 
-    @property
-    def calls(self) -> List[Dict[str, str]]:
-        return self.tools.calls if self.tools is not None else []
-
-    def _route(self, reasoning: str, content: str, final: bool) -> Tuple[str, str, List[Dict[str, Any]]]:
+    def push(self, text: str, final: bool = False) -> Tuple[str, str, List[Dict[str, Any]]]:
+        """The next piece of the reply; ``final``: it ends the reply (what was held back goes out)."""
+        reasoning, content = self.splitter.push(text) if self.splitter is not None else ("", text)
+        if final and self.splitter is not None:
+            r, c = self.splitter.finish()
+            reasoning, content = reasoning + r, content + c
         deltas: List[Dict[str, Any]] = []
         if self.tools is not None:
             content, deltas = self.tools.push(content)
@@ -236,11 +232,3 @@ class ChatOutput:
                 tail, more = self.tools.finish()
                 content, deltas = content + tail, deltas + more
         return reasoning, content, deltas
-
-    def push(self, text: str) -> Tuple[str, str, List[Dict[str, Any]]]:
-        reasoning, content = self.splitter.push(text) if self.splitter is not None else ("", text)
-        return self._route(reasoning, content, final=False)
-
-    def finish(self) -> Tuple[str, str, List[Dict[str, Any]]]:
-        reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
-        return self._route(reasoning, content, final=True)

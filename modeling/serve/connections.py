@@ -22,18 +22,13 @@ from .errors import error_body
 log = logging.getLogger("modeling.serve")
 
 
-def busy_response(max_connections: int) -> bytes:
-    """The raw HTTP response of a connection past ``max_connections``."""
-    body = json.dumps(error_body(503, f"The server holds its maximum of {max_connections} connections "
-                                      "(--max-connections). Retry later.", code="too_many_connections")).encode()
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
-
-
 def guarded_protocol(header_timeout: float, max_connections: int) -> type:
     """uvicorn's HTTP protocol class (httptools', else h11's) with the head deadline and the
     connection cap; given to ``uvicorn.Config(http=...)``."""
-    busy = busy_response(max_connections)
+    body = json.dumps(error_body(503, f"The server holds its maximum of {max_connections} connections "
+                                      "(--max-connections). Retry later.", code="too_many_connections")).encode()
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))  # the raw response past the cap
 
     class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

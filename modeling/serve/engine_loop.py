@@ -6,9 +6,8 @@ Handlers run on the server's asyncio event loop; the engine loop runs in a proce
 (``engine_process.ProcessTransport``, what ``python -m modeling.serve`` runs) or in a thread
 (``ThreadTransport``: an ``Engine`` of this process, as tests and embedders give ``create_app``).
 Either way the client gets the loop's messages on the event loop, one per step, and hands each
-request's tokens of that step to its ``Sink`` at once, so a handler awaits
-its tokens without polling and the engine never waits for a handler; a handler that finds several
-steps queued takes them together (``Generation.next``).
+request's tokens of that step to its ``Sink`` at once: a handler awaits its tokens without polling
+and the engine never waits for a handler.
 
 A failed step fails the requests in the engine at that moment (their sinks get an
 ``EngineFailure``: a 500 or an error event) and the loop goes on with new requests; when the engine
@@ -16,10 +15,9 @@ is dead (``MAX_CONSECUTIVE_FAILURES`` failed steps in a row, or its process exit
 ``dead`` is set, ``on_dead`` is called (the server then answers 503 and shuts down, exit status 1)
 and every request still in it fails.
 
-Messages are plain tuples (they cross a pipe); ``rid`` is the request id the server gave a
-sequence.
+Messages are plain tuples (they cross a pipe); ``rid`` is the request id the server gave a sequence.
 
-In:  ("add", rid, prompt_ids, params, max_tokens, stop_ids, logprobs) | ("abort", rid) | ("stop",)
+In:  ("add", rid, prompt_ids, params, max_tokens, stop_ids) | ("abort", rid) | ("stop",)
 Out: ("step", t0, events, changes, kv_usage): after each step, t0 its start (perf_counter, one
        clock for every process of the machine), events [(rid, token, logprob entry or None,
        finish reason or None, prompt logprobs or None)] of the sequences that got a token (the
@@ -53,11 +51,8 @@ MAX_CONSECUTIVE_FAILURES = 3
 
 @dataclass
 class TokenEvent:
-    """One sampled token of choice ``index``; ``logprobs`` its ``LogprobEntry`` when the request
-    asked for them; ``finish_reason`` the engine's ("stop", "length") when it was the last;
-    ``admitted`` the perf_counter time of the first step that ran the sequence;
-    ``prompt_logprobs`` the prompt's entries (``Sequence.prompt_logprobs``) with the first token,
-    when the choice's params ask for them."""
+    """One sampled token of choice ``index``, with its fields of the "step" report (see the module
+    doc); ``admitted``: the perf_counter time of the first step that ran the sequence."""
 
     index: int
     token: int
@@ -67,11 +62,11 @@ class TokenEvent:
     prompt_logprobs: Optional[list] = None
 
 
+@dataclass
 class EngineFailure:
     """Put in a sink when a step failed (``message`` says why) while the request was in the engine."""
 
-    def __init__(self, message: str):
-        self.message = message
+    message: str
 
 
 class Sink:
@@ -109,15 +104,15 @@ class _Entry:
 
 
 class EngineClient:
-    """``submit``, ``abort``, ``counts`` and ``kv_cache_usage`` from the event loop; ``start(loop)``
-    and ``stop`` around the server's life. ``max_model_len``: the engine's, for ``submit``'s check."""
+    """``submit``, ``abort`` and ``counts`` from the event loop; ``start(loop)`` and ``stop`` around the
+    server's life. ``max_model_len``: the engine's, for ``submit``'s check; ``kv_usage``: the fraction
+    of KV blocks some sequence holds, as of the engine's last report."""
 
-    def __init__(self, transport, max_model_len: int,
-                 on_dead: Optional[Callable[[BaseException], None]] = None):
+    def __init__(self, transport, max_model_len: int, on_dead: Optional[Callable[[BaseException], None]] = None):
         self.transport, self.max_model_len, self.on_dead = transport, max_model_len, on_dead
         self._entries: Dict[int, _Entry] = {}  # rid -> entry, while the sequence runs
         self._next_rid = 0
-        self._kv_usage = 0.0
+        self.kv_usage = 0.0
         self.dead: Optional[BaseException] = None
         self.stopped = False
 
@@ -142,8 +137,7 @@ class EngineClient:
             sink.put(EngineFailure(str(self.dead)))
             return rid
         self._entries[rid] = _Entry(sink, index, time.perf_counter())
-        self.transport.put(("add", rid, list(prompt_ids), params, max_tokens, tuple(stop_ids),
-                            params.logprobs is not None))
+        self.transport.put(("add", rid, list(prompt_ids), params, max_tokens, tuple(stop_ids)))
         return rid
 
     def abort(self, rid: int) -> None:
@@ -156,16 +150,12 @@ class EngineClient:
         waiting = sum(e.waiting for e in self._entries.values())
         return {"running": len(self._entries) - waiting, "waiting": waiting}
 
-    def kv_cache_usage(self) -> float:
-        """The fraction of KV blocks some sequence holds, as of the engine's last report."""
-        return self._kv_usage
-
     def on_message(self, msg: tuple) -> None:
         """An ``EngineCore`` report, on the event loop."""
         kind = msg[0]
         if kind in ("step", "status"):
             t0 = msg[1] if kind == "step" else time.perf_counter()
-            changes, self._kv_usage = msg[-2], msg[-1]
+            changes, self.kv_usage = msg[-2], msg[-1]
             for rid, waiting in changes:
                 e = self._entries.get(rid)
                 if e is not None:
@@ -210,7 +200,6 @@ class EngineCore:
         self.engine, self.send = engine, send
         self.seqs: Dict[int, Sequence] = {}  # rid -> its sequence, while it runs
         self.rids: Dict[int, int] = {}  # Sequence.request_id -> rid
-        self.wants_logprobs: Dict[int, bool] = {}
         self.waiting: Dict[int, bool] = {}  # rid -> the waiting state last reported
         self.failures = 0
         self.dirty = False  # adds or aborts not reported yet
@@ -234,18 +223,15 @@ class EngineCore:
     def handle(self, msg: tuple) -> None:
         self.dirty = True
         if msg[0] == "add":
-            _, rid, prompt_ids, params, max_tokens, stop_ids, logprobs = msg
+            _, rid, prompt_ids, params, max_tokens, stop_ids = msg
             try:
                 seq = self.engine.add(prompt_ids, params, max_tokens, stop_ids)
             except ValueError as e:  # the server checks what add checks: not expected
                 self.send(("failed", [rid], str(e)))
                 return
-            self.seqs[rid], self.rids[seq.request_id], self.wants_logprobs[rid] = seq, rid, logprobs
-        elif msg[0] == "abort":
-            seq = self.seqs.get(msg[1])
-            if seq is not None:
-                self.engine.abort(seq)
-                self.forget(msg[1])
+            self.seqs[rid], self.rids[seq.request_id] = seq, rid
+        elif msg[0] == "abort" and msg[1] in self.seqs:
+            self.engine.abort(self.forget(msg[1]))
 
     def step(self) -> bool:
         """One engine step and its report; False once the engine is dead."""
@@ -259,8 +245,7 @@ class EngineCore:
             log.exception("engine step failed (%d in a row); failing the requests in the engine", self.failures)
             rids = list(self.seqs)
             for rid in rids:
-                self.engine.abort(self.seqs[rid])
-                self.forget(rid)
+                self.engine.abort(self.forget(rid))
             message = f"{type(e).__name__}: {e}"
             self.send(("failed", rids, message))
             self.dirty = True  # their blocks were freed: the KV usage the server last got is stale
@@ -272,7 +257,7 @@ class EngineCore:
                 self.send(("dead", message))
             return not dead
         self.failures = 0
-        events: List[Tuple[int, int, Optional[tuple], Optional[str]]] = []
+        events: List[tuple] = []
         for seq in sampled:
             rid = self.rids.get(seq.request_id)
             if rid is None:  # aborted meanwhile
@@ -281,7 +266,7 @@ class EngineCore:
                 self.forget(rid)
                 self.send(("failed", [rid], seq.error))
                 continue
-            events.append((rid, seq.tokens[-1], seq.logprobs[-1] if self.wants_logprobs[rid] else None,
+            events.append((rid, seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None,
                            seq.finish_reason, seq.prompt_logprobs if seq.num_output == 1 else None))
             if seq.finish_reason is not None:
                 self.forget(rid)
@@ -289,10 +274,11 @@ class EngineCore:
         self.send(("step", t0, events, self.changes(), self.kv_usage()))
         return True
 
-    def forget(self, rid: int) -> None:
+    def forget(self, rid: int) -> Sequence:
         seq = self.seqs.pop(rid)
-        del self.rids[seq.request_id], self.wants_logprobs[rid]
+        del self.rids[seq.request_id]
         self.waiting.pop(rid, None)
+        return seq
 
     def changes(self) -> List[Tuple[int, bool]]:
         out = []

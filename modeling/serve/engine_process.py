@@ -5,12 +5,10 @@ streaming) and never loads the weights; a child process (``multiprocessing`` spa
 survive a fork) loads them, builds the ``Engine``, warms it up on CUDA, says it is ready, then
 runs ``engine_loop.EngineCore``. The two share no interpreter: the event loop's Python never delays
 a step, and the engine's never delays a stream. Requests go to the child through a pipe that the
-event loop writes without blocking (``put``: what the pipe does not take now is written when it
-is writable, ``add_writer``), in ``multiprocessing.Connection``'s framing, so the child reads
-them with ``recv``; reports come back through another pipe the event loop reads when it is
-readable (``add_reader``), all it holds in one read. Not a ``multiprocessing`` queue: its feeder thread needs the
-interpreter to write, so a request waited for whatever Python the event loop ran next (a whole
-step's streaming at load).
+event loop writes without blocking (``put``), in ``multiprocessing.Connection``'s framing, so the
+child reads them with ``recv``; reports come back through another pipe the event loop reads when
+it is readable (``add_reader``). Not a ``multiprocessing`` queue: its feeder thread needs the
+interpreter to write, so a request would wait for whatever Python the event loop runs next.
 
 The child ignores SIGINT and SIGTERM (the server drains, then stops it: SIGKILL if it does not stop
 in time, or if the server is interrupted while the child starts) and exits by itself when the
@@ -26,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Optional, Tuple
+
+from ..api.commands import UsageError
 
 START_POLL_S = 1.0
 """How often the child's wait for messages and the server's wait for the child's start look up."""
@@ -53,17 +53,12 @@ class EngineSpec:
 
 
 class EngineStartError(Exception):
-    """The child could not build the engine; ``usage``: a problem with the flags or the model
-    (exit status 2), not a crash."""
-
-    def __init__(self, message: str, usage: bool):
-        super().__init__(message)
-        self.usage = usage
+    """The child crashed building the engine (a problem with the flags or the model: ``UsageError``)."""
 
 
 class ProcessTransport:
     """Starts the child and waits until its engine is ready (``info``: max_model_len, num_blocks,
-    block_size, backend, dtype), or raises ``EngineStartError``."""
+    block_size, backend, dtype), or raises ``EngineStartError`` or ``UsageError``."""
 
     def __init__(self, spec: EngineSpec):
         import multiprocessing
@@ -95,10 +90,10 @@ class ProcessTransport:
         except EOFError:  # it exited without a word (killed, or crashed in the interpreter)
             self.proc.join()
             raise EngineStartError(f"the engine process exited with code {self.proc.exitcode} before it was ready "
-                                   "(see the log above)", False) from None
+                                   "(see the log above)") from None
         if msg[0] == "error":
             self.proc.join()
-            raise EngineStartError(msg[2], msg[1] == "usage")
+            raise (UsageError if msg[1] == "usage" else EngineStartError)(msg[2])
         return msg[1]
 
     def start(self, callback: Callable[[tuple], None], loop) -> None:
@@ -193,7 +188,7 @@ class ProcessTransport:
 def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
     """The ``Engine`` of ``spec`` (weights loaded, warmed up) and its "ready" info."""
     from ..api.checkpoint import Checkpoint
-    from ..api.commands import UsageError, load_llm
+    from ..api.commands import load_llm
     from ..engine import Engine
     from ..engine.sampling_params import SamplingParams
 
@@ -218,11 +213,8 @@ def _build(spec: EngineSpec) -> Tuple[Any, Dict[str, Any]]:
 
 def warm_up(engine) -> None:
     """Before the first client (with CUDA graphs): capture the graph of every step shape
-    (``Engine.capture_graphs``: each decode batch bucket, each prefill and mixed token and sequence
-    bucket), compiling every kernel on the way. A shape's first occurrence otherwise stalls every
-    running sequence while it compiles or captures (a first prefix-cache hit or a first step of 64
-    sequences held every client for seconds), and a server at concurrency 64 met new mixed shapes
-    for its first few hundred requests."""
+    (``Engine.capture_graphs``), compiling every kernel on the way; a shape's first occurrence
+    otherwise stalls every running sequence while it compiles or captures."""
     t0 = time.perf_counter()
     n = engine.capture_graphs()
     if n:
@@ -233,7 +225,6 @@ def _child_main(spec: EngineSpec, inbox, conn, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..api.commands import UsageError
     from .engine_loop import EngineCore
 
     try:

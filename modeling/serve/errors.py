@@ -31,7 +31,6 @@ def invalid(message: str, param: Optional[str] = None, code: Optional[str] = Non
     return APIError(400, message, param, code)
 
 
-def unsupported(param: str, detail: str = "") -> APIError:
+def unsupported(param: str, detail: str) -> APIError:
     """A 400 for a parameter this server does not implement (never silently ignored)."""
-    return APIError(400, f"'{param}' is not supported by this server{': ' + detail if detail else ''}", param,
-                    "unsupported_parameter")
+    return APIError(400, f"'{param}' is not supported by this server: {detail}", param, "unsupported_parameter")

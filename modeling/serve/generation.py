@@ -4,6 +4,7 @@ detokenization and stop strings, as ``LLM``'s; ``ChatOutput`` splits a chat repl
 content and tool calls), and the choices of the response or of each streamed chunk built from them."""
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -13,7 +14,7 @@ from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
-from .responses import chat_logprobs, completion_logprobs, new_call_id, prompt_logprobs, tool_call, tool_call_delta
+from .responses import chat_logprobs, completion_logprobs, prompt_logprobs, tool_call, tool_call_delta
 
 
 class EngineError(Exception):
@@ -90,9 +91,10 @@ class Choice(Completion):
             if self.finished:
                 break
         if self.chat is not None:
-            piece.reasoning, piece.content, piece.call_deltas = self._split(piece.text, self.finished)
-        else:
-            piece.content = piece.text
+            piece.reasoning, piece.content, deltas = self.chat.push(piece.text, self.finished)
+            piece.call_deltas = deltas if self.parallel_tool_calls else [d for d in deltas if d["index"] == 0]
+            self.reasoning += piece.reasoning
+            self.content += piece.content
         if self.finished:
             self.finished_at = now
             if self.finish_reason == "stop" and self.calls:
@@ -103,23 +105,12 @@ class Choice(Completion):
     @property
     def calls(self) -> List[Dict[str, str]]:
         """The reply's tool calls (name, arguments): the first only without parallel_tool_calls."""
-        calls = self.chat.calls if self.chat is not None else []
+        calls = self.chat.tools.calls if self.chat is not None and self.chat.tools is not None else []
         return calls if self.parallel_tool_calls else calls[:1]
 
     def call_id(self, index: int) -> str:
         """The id of the reply's call ``index``, made when its first delta goes out."""
-        return self.call_ids.setdefault(index, new_call_id())
-
-    def _split(self, text: str, final: bool) -> Tuple[str, str, List[Dict[str, Any]]]:
-        reasoning, content, deltas = self.chat.push(text)
-        if final:
-            r, c, more = self.chat.finish()
-            reasoning, content, deltas = reasoning + r, content + c, deltas + more
-        if not self.parallel_tool_calls:  # the first call only
-            deltas = [d for d in deltas if d["index"] == 0]
-        self.reasoning += reasoning
-        self.content += content
-        return reasoning, content, deltas
+        return self.call_ids.setdefault(index, f"call_{uuid.uuid4().hex[:24]}")
 
 
 class Generation:
@@ -215,7 +206,7 @@ class Generation:
 
     def _prompt_entries(self, c: Choice) -> list:
         """The prompt logprob entries of ``c``'s prompt: its own, else its prompt's first choice's
-        (the one that computes them for a whole response, ``protocol._per_choice``)."""
+        (the one that computes them for a whole response, ``choice_params``)."""
         own = c.prompt_logprobs
         return own if own is not None else self.choices[c.index - c.index % self.plan.n].prompt_logprobs
 
@@ -225,10 +216,8 @@ class Generation:
         k = self.plan.logprobs
         return c.prompt.ids, [None] + [(lp, top[:k]) for lp, top in self._prompt_entries(c)[1:]]
 
-    def prompt_logprobs(self, c: Choice) -> Optional[list]:
-        """vLLM's ``prompt_logprobs`` of ``c``'s prompt (``responses.prompt_logprobs``), None unless asked for."""
-        if self.plan.prompt_logprobs is None:
-            return None
+    def prompt_logprobs(self, c: Choice) -> list:
+        """vLLM's ``prompt_logprobs`` of ``c``'s prompt (``responses.prompt_logprobs``), when asked for."""
         return prompt_logprobs(c.prompt.ids, self._prompt_entries(c), self.strings, self.plan.prompt_logprobs)
 
     def completion_choice(self, c: Choice) -> Dict[str, Any]:
@@ -251,10 +240,10 @@ class Generation:
         return {"prompt_logprobs": self.prompt_logprobs(self.choices[0])}
 
     def chat_choice(self, c: Choice) -> Dict[str, Any]:
-        message: Dict[str, Any] = {"role": "assistant", "content": c.content.strip() if c.calls else c.content}
-        if self.plan.tool_calls and c.calls:
-            message["content"] = message["content"] or None
-            message["tool_calls"] = [tool_call(call, c.call_id(i)) for i, call in enumerate(c.calls)]
+        message: Dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.calls:  # the reply's tool calls, parsed when the request gave tools
+            message.update(content=c.content.strip() or None,
+                           tool_calls=[tool_call(call, c.call_id(i)) for i, call in enumerate(c.calls)])
         if self.plan.reasoning:
             message["reasoning_content"] = c.reasoning or None
         out = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason,
@@ -313,11 +302,11 @@ class Generation:
 def check_admission(loop: EngineClient, plan: Plan, max_waiting: int) -> None:
     """A 429 when the request's sequences would take the waiting queue past ``max_waiting`` (a 400
     when they alone pass it: retrying would never help)."""
-    if plan.num_choices > max_waiting:
-        raise invalid(f"This request makes {plan.num_choices} sequences (prompts x n); at most {max_waiting} may "
+    num = len(plan.prompts) * plan.n
+    if num > max_waiting:
+        raise invalid(f"This request makes {num} sequences (prompts x n); at most {max_waiting} may "
                       "wait for the engine (--max-waiting)", "n")
     waiting = loop.counts()["waiting"]
-    if waiting + plan.num_choices > max_waiting:
-        raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds "
-                            f"{plan.num_choices} (at most {max_waiting} wait, --max-waiting). Retry later.",
-                       code="queue_full")
+    if waiting + num > max_waiting:
+        raise APIError(429, f"The server is busy: {waiting} sequences are waiting and this request adds {num} "
+                            f"(at most {max_waiting} wait, --max-waiting). Retry later.", code="queue_full")

@@ -25,7 +25,7 @@ class Metrics:
         Gauge(PREFIX + "num_requests_waiting", "Sequences queued for the engine (or preempted).",
               registry=r).set_function(lambda: loop.counts()["waiting"])
         Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of the KV cache blocks held by sequences (0 to 1).",
-              registry=r).set_function(loop.kv_cache_usage)
+              registry=r).set_function(lambda: loop.kv_usage)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests served.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token, per request.",

@@ -3,12 +3,9 @@ strict JSON types), then turned into a ``Plan``: each prompt's token ids, each c
 ``SamplingParams``, the new-token budget, what to parse out of the text.
 
 Unknown fields are logged and ignored, as vLLM does (clients send vLLM's and other servers'
-extras), or refused with OpenAI's own message ("Unrecognized request argument supplied") when the
-server runs with ``--strict-requests``. The OpenAI parameters this server does not implement
-(``REFUSED``) are refused unless they hold their neutral value; OpenAI's informational fields
-(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and change nothing. Parameters left out take the
-checkpoint's generation_config.json values (temperature, top-k, top-p, min-p, repetition
-penalty), as vLLM does by default.
+extras), or refused under ``--strict-requests`` (``parse``). The OpenAI parameters this server does
+not implement (``REFUSED``) are refused unless neutral. Parameters left out take the checkpoint's
+generation_config.json values, as vLLM does by default.
 """
 
 import logging
@@ -22,7 +19,7 @@ from ..api.checkpoint import Checkpoint, TemplateKwargsError
 from ..common import is_int
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
-from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params, choice_seed  # noqa: F401
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params
 from ..engine.structured_outputs import StructuredOutputs
 from .errors import APIError, invalid, unsupported
 from .chat_output import TOOL_PARSERS
@@ -54,10 +51,7 @@ class StreamOptions(Fields):
 
 
 class _Request(Fields):
-    """Fields both endpoints take (OpenAI's, and vLLM's extensions top_k, min_p,
-    repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
-    min_tokens, include_stop_str_in_output, allowed_token_ids, bad_words, truncate_prompt_tokens,
-    prompt_logprobs)."""
+    """Fields both endpoints take: OpenAI's and vLLM's extensions."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -226,19 +220,12 @@ class Plan:
     tool_form: str = "json"  # the tool-call form parsed ("json" or "xml", chat_output)
     tool_types: Optional[Dict[str, Dict[str, Any]]] = None  # function -> parameter -> schema
 
-    @property
-    def num_choices(self) -> int:
-        return len(self.prompts) * self.n
-
 
 def _refuse_neutral(req: _Request) -> None:
+    neutral = {"best_of": req.n, "suffix": ""}  # besides None
     for name, why in REFUSED.items():
-        if name not in type(req).model_fields:
-            continue
-        value = getattr(req, name)
-        neutral = (value is None or (name == "best_of" and value == req.n)
-                   or (name == "suffix" and value == ""))
-        if not neutral:
+        value = getattr(req, name) if name in type(req).model_fields else None
+        if value is not None and (name not in neutral or value != neutral[name]):
             raise unsupported(name, why)
 
 
@@ -282,14 +269,10 @@ def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
 def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
     """OpenAI's ``logit_bias`` (token ids as strings) keyed by int (a 400 for a key that is no
     token id of the vocabulary); None when absent or empty."""
-    if not bias:
-        return None
-    out = {}
-    for key, value in bias.items():
+    for key in bias or ():
         if not (key.isdigit() and int(key) < vocab):
             raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
-        out[int(key)] = value
-    return out
+    return {int(key): value for key, value in bias.items()} if bias else None
 
 
 def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
@@ -302,8 +285,8 @@ def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
 
 def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[int], max_model_len: int,
             field: str, what: str) -> List[int]:
-    """New tokens per prompt: ``requested`` (a 400 if a prompt and it exceed the context), else
-    ``default`` cut to the room left, else all the room left."""
+    """New tokens per prompt: ``requested`` (``field``; a 400 if a prompt and it exceed the context),
+    else ``default`` cut to the room left, else all the room left; ``what``: the prompts' field."""
     if requested is not None and requested < 1:
         raise invalid(f"'{field}' must be an integer >= 1, got {requested}", field)
     out = []
@@ -311,8 +294,8 @@ def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[i
         room = max_model_len - len(p.ids)
         if room < 1:
             raise invalid(f"This model's maximum context length is {max_model_len} tokens; the {what} has "
-                          f"{len(p.ids)} tokens, which leaves no room for a new token. Shorten the {what}.",
-                          "messages" if what == "messages" else "prompt", "context_length_exceeded")
+                          f"{len(p.ids)} tokens, which leaves no room for a new token. Shorten the {what}.", what,
+                          "context_length_exceeded")
         if requested is not None and requested > room:
             raise invalid(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                           f"{len(p.ids) + requested} tokens ({len(p.ids)} in the {what}, {requested} in the "
@@ -338,24 +321,19 @@ def completion_prompts(prompt: Any, ck: Checkpoint) -> List[Prompt]:
     else:
         raise invalid("'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
                       "token ids (not empty)", "prompt")
-    out = []
+    out, vocab = [], ck.config.vocab_size
     for i, item in enumerate(items):
         where = "prompt" if len(items) == 1 and item is prompt else f"prompt[{i}]"
-        if isinstance(item, str):
-            try:
-                ids = ck.tokenizer.encode(item)
-            except ValueError as e:
-                raise invalid(f"'{where}': {e}", "prompt") from None
-            if not ids:
-                raise invalid(f"'{where}' is empty", "prompt")
-            out.append(Prompt(item, ids))
-        elif isinstance(item, list):
-            try:
-                out.append(Prompt(None, checked_token_ids(item, where, ck.config.vocab_size)))
-            except ValueError as e:
-                raise invalid(str(e), "prompt") from None
-        else:
+        text = item if isinstance(item, str) else None
+        if text is None and not isinstance(item, list):
             raise invalid(f"'{where}' must be a string or a list of token ids", "prompt")
+        try:
+            ids = ck.tokenizer.encode(text) if text is not None else checked_token_ids(item, where, vocab)
+        except ValueError as e:  # the ids' errors name the prompt
+            raise invalid(f"'{where}': {e}" if text is not None else str(e), "prompt") from None
+        if not ids:
+            raise invalid(f"'{where}' is empty", "prompt")
+        out.append(Prompt(text, ids))
     return out
 
 
@@ -364,16 +342,16 @@ def plan_completion(req: CompletionRequest, ck: Checkpoint, max_model_len: int) 
     logprobs too (the larger of ``logprobs`` and ``prompt_logprobs`` top tokens), as vLLM does."""
     _refuse_neutral(req)
     shown = _prompt_logprobs(req)
-    echoed = req.logprobs if req.echo else None
-    asked = [k for k in (shown, echoed) if k is not None]
+    asked = max((k for k in (shown, req.logprobs if req.echo else None) if k is not None), default=None)
     structured, field = structured_of(req)
-    base = _sampling(req, ck, req.logprobs, structured, max(asked) if asked else None)
+    base = _sampling(req, ck, req.logprobs, structured, asked)
     prompts = truncated(completion_prompts(req.prompt, ck), base.truncate_prompt_tokens)
     default = ck.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
     budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
-    return Plan(prompts, req.n, _per_choice(base, len(prompts), req.n, req.stream), budget, _stop_ids(ck, base),
-                req.stream, _include_usage(req), req.return_token_ids, req.logprobs, echo=req.echo,
-                prompt_logprobs=shown, constraint_field=field)
+    # choice j of each prompt; in a stream each computes the prompt logprobs (its first chunk echoes them)
+    params = [choice_params(base, j, req.stream) for _ in prompts for j in range(req.n)]
+    return Plan(prompts, req.n, params, budget, _stop_ids(ck, base), req.stream, _include_usage(req),
+                req.return_token_ids, req.logprobs, echo=req.echo, prompt_logprobs=shown, constraint_field=field)
 
 
 def _prompt_logprobs(req: _Request) -> Optional[int]:
@@ -387,12 +365,6 @@ def _prompt_logprobs(req: _Request) -> Optional[int]:
             raise invalid("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
         return None
     return k
-
-
-def _per_choice(base: SamplingParams, num_prompts: int, n: int, every: bool = False) -> List[SamplingParams]:
-    """Choice j of each prompt: ``choice_params``; every choice computes the prompt logprobs when
-    ``every`` (a stream: each echoes its prompt with them in its first chunk)."""
-    return [choice_params(base, j, every) for _ in range(num_prompts) for j in range(n)]
 
 
 def _include_usage(req: _Request) -> bool:
@@ -413,14 +385,12 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             raise invalid(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise unsupported(f"messages[{i}].content[{j}]", f"only text parts "
                                       f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
             raise invalid(f"'messages[{i}].content' must be a string, a list of text parts or null", "messages")
         if content is None and not (role == "assistant" and m.get("tool_calls")):
@@ -428,18 +398,6 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                           "tool_calls)", "messages")
         out.append({**m, "role": "system" if role == "developer" else role, "content": content or ""})
     return out
-
-
-def _tools(req: ChatCompletionRequest, ck: Checkpoint) -> Optional[List[Dict[str, Any]]]:
-    """The tools to render, or None."""
-    choice = req.tool_choice
-    if not (choice in (None, "auto", "none", "required") or isinstance(choice, dict)):
-        raise invalid(f"'tool_choice' must be \"auto\", \"none\", \"required\" or an object, got {choice!r}",
-                      "tool_choice")
-    if choice == "none":
-        _check_tools(req.tools)
-        return None
-    return render_tools(req.tools, ck)
 
 
 def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
@@ -475,23 +433,20 @@ def tool_form(ck: Checkpoint, parser: Optional[str]) -> str:
     return "xml" if _mentions(ck, "<function=") else "json"
 
 
-def render_tools(tools: Optional[List[Dict[str, Any]]], ck: Checkpoint) -> Optional[List[Dict[str, Any]]]:
+def render_tools(tools: Optional[List[Dict[str, Any]]], ck: Checkpoint,
+                 render: bool = True) -> Optional[List[Dict[str, Any]]]:
     """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
-    none; a 400 for tools given to a chat template that never reads them (they would be dropped
-    unseen)."""
-    _check_tools(tools)
-    if not tools:
-        return None
-    if not _mentions(ck, "tools"):
-        raise unsupported("tools", f"the checkpoint's chat template ({ck.chat_template.origin}) does not render tools")
-    return tools
-
-
-def _check_tools(tools: Optional[List[Dict[str, Any]]]) -> None:
+    none or when not ``render`` (``tool_choice`` "none"); a 400 for tools given to a chat template
+    that never reads them (they would be dropped unseen)."""
     for i, tool in enumerate(tools or []):
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+    if not tools or not render:
+        return None
+    if not _mentions(ck, "tools"):
+        raise unsupported("tools", f"the checkpoint's chat template ({ck.chat_template.origin}) does not render tools")
+    return tools
 
 
 def render_chat(ck: Checkpoint, messages: List[Dict[str, Any]], add_generation_prompt: bool,
@@ -505,18 +460,11 @@ def render_chat(ck: Checkpoint, messages: List[Dict[str, Any]], add_generation_p
         raise invalid(f"the chat template could not render these messages: {e}", "messages") from None
 
 
-def thinking_on(ck: Checkpoint, template_kwargs: Dict[str, Any]) -> bool:
-    """Whether the reply may hold a Qwen3 ``<think>`` block: the chat template knows the tag and
-    the request did not pass ``enable_thinking: false``."""
-    return _mentions(ck, "<think>") and template_kwargs.get("enable_thinking", True) is not False
-
-
 def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
               tool_parser: Optional[str] = None) -> Plan:
     """What a chat request runs; ``tool_parser``: ``--tool-call-parser`` (None: from the template)."""
     _refuse_neutral(req)
-    if req.max_tokens is not None and req.max_completion_tokens is not None \
-            and req.max_tokens != req.max_completion_tokens:
+    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
         raise invalid("'max_tokens' and 'max_completion_tokens' differ: give one", "max_completion_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
@@ -524,7 +472,11 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
         raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                       "top_logprobs")
     messages = chat_messages(req.messages)
-    tools = _tools(req, ck)
+    choice = req.tool_choice
+    if not (choice in (None, "auto", "none", "required") or isinstance(choice, dict)):
+        raise invalid(f"'tool_choice' must be \"auto\", \"none\", \"required\" or an object, got {choice!r}",
+                      "tool_choice")
+    tools = render_tools(req.tools, ck, render=choice != "none")
     kwargs = dict(req.chat_template_kwargs or {})
     text = render_chat(ck, messages, req.add_generation_prompt, kwargs, tools)
     try:
@@ -548,15 +500,9 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
                      max_model_len, field, "messages")
     types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or ()}
-    return Plan(prompts, req.n, _per_choice(base, 1, req.n), budget, _stop_ids(ck, base), req.stream,
+    # the reply may hold a <think> block: the template knows the tag and the request did not turn it off
+    thinking = _mentions(ck, "<think>") and kwargs.get("enable_thinking", True) is not False
+    return Plan(prompts, req.n, [choice_params(base, j) for j in range(req.n)], budget, _stop_ids(ck, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, prompt_logprobs=shown,
-                tool_calls=tools is not None,
-                parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=thinking_on(ck, kwargs),
-                prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
-
-
-def requested_model(req: _Request, served: str) -> None:
-    """A 404 when the request names a model other than the one served (None means it)."""
-    if req.model is not None and req.model != served:
-        raise APIError(404, f"The model '{req.model}' does not exist (this server serves '{served}')", "model",
-                       "model_not_found")
+                tool_calls=tools is not None, parallel_tool_calls=req.parallel_tool_calls is not False,
+                reasoning=thinking, prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)

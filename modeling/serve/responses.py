@@ -37,13 +37,10 @@ def completion_logprobs(tokens: Sequence[int], entries: Sequence[Optional[Logpro
         texts.append(strings(token))
         offsets.append(offset)
         offset += len(texts[-1])
-        if entry is None:
-            tops.append(None)
-            continue
-        lp, top = entry
-        d = {strings(t): v for t, v in top}
-        d.setdefault(texts[-1], lp)
-        tops.append(d)
+        top = None if entry is None else {strings(t): v for t, v in entry[1]}
+        if top is not None:
+            top.setdefault(texts[-1], entry[0])  # the sampled token, when not among the top
+        tops.append(top)
     return {"tokens": texts, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
@@ -66,10 +63,6 @@ def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], string
     content = [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
                for token, (lp, top) in zip(tokens, entries)]
     return {"content": content, "refusal": None}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def tool_call(call: Dict[str, str], call_id: str) -> Dict[str, Any]:

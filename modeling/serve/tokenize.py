@@ -1,23 +1,19 @@
-"""``/tokenize``, ``/detokenize`` and ``/version``, in vLLM's shapes.
+"""``/tokenize`` and ``/detokenize``, in vLLM's shapes.
 
 ``POST /tokenize`` takes a prompt (``{"prompt": str, "add_special_tokens": true}``) or a conversation
 (``{"messages": [...], "add_generation_prompt": true, "chat_template_kwargs", "tools"}``, rendered as
 ``/v1/chat/completions`` renders it) and answers ``{"count", "max_model_len", "tokens",
 "token_strs"}`` (``token_strs``: each token's string when ``return_token_strs`` is true, else
 null). ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``.
-``GET /version`` answers ``{"version": the package's version}``.
 """
 
 import json
-from importlib import metadata
 from typing import Any, Dict, List, Optional
 
 from ..api.checkpoint import Checkpoint
 from ..engine.prompts import checked_token_ids
 from .errors import invalid
 from .protocol import Fields, chat_messages, parse, render_chat, render_tools
-
-PACKAGE = "qwen-triton-ops"
 
 
 class TokenizeCompletionRequest(Fields):
@@ -74,11 +70,3 @@ def detokenize(req: DetokenizeRequest, ck: Checkpoint) -> Dict[str, Any]:
     except ValueError as e:
         raise invalid(str(e), "tokens") from None
     return {"prompt": ck.tokenizer.decode(ids)}
-
-
-def version() -> Dict[str, str]:
-    """The installed package's version (``unknown`` when it runs from a source tree not installed)."""
-    try:
-        return {"version": metadata.version(PACKAGE)}
-    except metadata.PackageNotFoundError:
-        return {"version": "unknown"}

@@ -1,6 +1,6 @@
 """Forced tool calls: ``tool_choice`` "required" (one call of any of the tools) or a named
 function (a call of that one), as an xgrammar EBNF grammar over the whole reply in the tool-call
-form of the template (``FORMS``):
+form of the template:
 
 - "json" (Qwen3, vLLM's ``hermes``): ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``,
   ARGS an instance of the function's ``parameters`` schema (compact JSON, as structured outputs
@@ -13,8 +13,6 @@ form of the template (``FORMS``):
 import json
 import re
 from typing import Any, Dict, List
-
-FORMS = ("json", "xml")
 
 
 def _literal(text: str) -> str:
