@@ -57,11 +57,7 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
 
 def buckets(limit: int) -> tuple:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
+    return tuple(1 << i for i in range((limit - 1).bit_length())) + (limit,)
 
 
 class StepRunner:
