@@ -127,8 +127,6 @@ def fields(buffer, t: int, s: int) -> Fields:
 class Packed(NamedTuple):
     """What ``pack`` leaves on the host: the step's sizes and its sequences' roles."""
 
-    num_tokens: int
-    width: int  # block table entries a sequence: the step's rows are [S, width] at ``table_offset``
     nbytes: int  # the packed prefix of the buffer to copy
     query_lens: List[int]
     starts: List[int]
@@ -183,5 +181,5 @@ def pack(work: Seq[Tuple["object", int]], shape: tuple, block_size: int, padding
     else:
         f.logits_rows[:len(sampling)] = cu[np.array(sampling, np.int64) + 1] - 1
         f.logits_rows[len(sampling):] = 0
-    return Packed(N, width, f.table_offset + 4 * S * width, qlens.tolist(), starts.tolist(), sampling, pending)
+    return Packed(f.table_offset + 4 * S * width, qlens.tolist(), starts.tolist(), sampling, pending)
 
