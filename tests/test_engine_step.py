@@ -32,7 +32,7 @@ def test_a_mixed_step_packs_every_field_and_pads_the_rest():
     c = sequence(list(range(300, 309)), computed=0, blocks=[4, 6], slot=1)  # a first chunk of 5: does not
     work, shape = [(a, 6), (b, 1), (c, 5)], ("mixed", 16, 8)
     out, f, buffer = packed(work, shape, width=3)
-    assert (out.num_tokens, out.width, out.query_lens, out.starts) == (12, 3, [6, 1, 5], [4, 2, 0])
+    assert (out.query_lens, out.starts) == ([6, 1, 5], [4, 2, 0])
     assert out.sampling == [0, 1] and out.pending == [] and out.nbytes == table_offset(16, 8) + 4 * 3 * 3
     positions = list(range(4, 10)) + [2] + list(range(0, 5))
     tables = [[7, 2, 5], [1], [4, 6]]
@@ -65,7 +65,7 @@ def test_an_empty_step_is_all_padding():
     """What a graph capture warms up on: nothing read out of bounds, nothing written but padding."""
     for shape, cu in ((("mixed", 8, 4), [0, 8, 8, 8, 8]), (("decode", 4, 4), [0, 1, 2, 3, 4])):
         out, f, _ = packed([], shape, width=0)
-        assert out.num_tokens == 0 and out.sampling == [] and out.nbytes == table_offset(*shape[1:])
+        assert out.sampling == [] and out.nbytes == table_offset(*shape[1:])
         assert f.cu_seqlens_q.tolist() == cu and not f.seq_lens.any()
         assert not f.input_ids.any() and not f.positions.any() and (f.slot_mapping == -1).all()
         assert (f.state_slots == PADDING_SLOT).all()

@@ -1,33 +1,23 @@
-"""The engine's steps in CUDA graphs on static buffers, one graph per padded shape.
+"""The engine's steps in CUDA graphs on static buffers, one graph per padded shape (docs/generate.md,
+"CUDA graphs").
 
-A decode-only step (every sequence computes one token) of S sequences runs in the graph of the
-smallest sequence bucket b >= S (1, 2, 4, ..., ``max_num_seqs``): rows [S, b) are padding
-sequences of one token that touch nothing (KV slot -1: not written; length 0: no keys read; the
-pool's padding state slot for recurrent layers).
+A decode-only step of S sequences runs in the graph of the smallest sequence bucket b >= S (1, 2,
+4, ..., ``max_num_seqs``); a prefill or mixed step of N tokens in S sequences in the graph of the
+smallest token bucket t >= N and sequence bucket s >= S + 1. Padding rows touch nothing (KV slot
+-1, length 0, the pool's padding state slot); a mixed step's sequence S holds its t - N padding
+tokens, and the logits of rows that do not sample are computed and dropped.
 
-A prefill or mixed step of N tokens in S sequences (a hybrid model's recurrent layers too: they
-take the step's sequences in one packed call per op) runs in the graph of the smallest token
-bucket t >= N and sequence bucket s >= S + 1 (powers of two, and the limits):
-sequence S is a padding sequence holding the t - N padding tokens (length 0: zeros out, slot -1),
-the rest of the s sequences are empty, and the logits of rows that do not sample are computed and
-dropped. The attention grid is sized for t queries a sequence, fixed per graph.
-
-The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count,
-which depends on shapes only, is fixed too. Graphs are captured the first time their shape
-occurs, or all at once (``capture_all``: a server does it before its first client, since a
-capture stalls every running sequence for tens of milliseconds), and share one memory pool.
-A decode graph keeps its own logits; the prefill and mixed graphs (about 80 shapes) write theirs
-into one shared [``max_num_seqs`` + 1, V] buffer, so that capturing every shape does not pin a
-logits tensor per shape (~1.8 GB at 256 sequences and Qwen3's vocabulary).
-Without CUDA graphs (the CPU, or ``enabled=False``) the same padded bodies run eagerly, so the
-CPU tests cover the padding. A step that scores prompt tokens (``prefill_logprobs``) runs its
-padded batch eagerly too, with more logits rows than a graph has.
+The block table is ``max_blocks`` wide in every graph, so the attention kernels' split count is
+fixed per shape. Graphs share one memory pool; a decode graph keeps its own logits, the prefill and
+mixed graphs write theirs into one shared [``max_num_seqs`` + 1, V] buffer (a logits tensor per
+shape would pin ~1.8 GB at 256 sequences and Qwen3's vocabulary). Without CUDA graphs (the CPU, or
+``enabled=False``) the same padded bodies run eagerly; so does a step that scores prompt tokens.
 
 A step's inputs reach the device in two copies: the batch ``step.pack`` writes into a pinned host
-buffer, in one transfer, and its block table rows into the static table, unless the step's tables
-are those already there (the same table lists, none grown; a released table is replaced by a new
-list, never refilled: ``scheduler``). Two host buffers take turns, each reused only once its last
-transfer has run (an event), since the engine packs the next step while the device still runs this one.
+buffer, and its block table rows into the static table, unless the step's tables are those already
+there (the same list objects, none grown; a released table is replaced by a new list, never
+refilled: ``scheduler``). Two host buffers take turns, each reused only once its last transfer has
+run (an event), since the engine packs the next step while the device still runs this one.
 """
 
 from dataclasses import replace
@@ -52,15 +42,7 @@ FUSED_MAX_SEQS = 8
 
 def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     """The kernels (``modeling.model.context.KERNELS``) of a decode-only step of ``num_seqs`` rows,
-    the fastest measured per case (``python -m bench.decode``, H100; docs/performance.md, "The step
-    runner's table"): one row on CUDA of a model the persistent kernels take (Qwen3 / Qwen2, FP8
-    too; Qwen3.5's hybrid kernel, weights in the model's dtype), hidden_size <=
-    ``PERSISTENT_MAX_HIDDEN`` and ``max_model_len`` <= ``PERSISTENT_MAX_LEN``: ``persistent``; one
-    row otherwise, or 2 to ``FUSED_MAX_SEQS`` rows on CUDA: ``fused``; more rows, or the CPU:
-    ``ops``. A mixture-of-experts or tensor-parallel model decodes op by op
-    (``supports_fused_decode``: the fused ops fold the dense MLP only and sum no partial outputs
-    over ranks).
-    """
+    the fastest measured per case (docs/generate.md, "Decode kernels"; docs/performance.md)."""
     if not model.supports_fused_decode:
         return "ops"
     cuda = model.device.type == "cuda"
@@ -75,11 +57,7 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
 
 def buckets(limit: int) -> tuple:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (limit,)
+    return tuple(1 << i for i in range((limit - 1).bit_length())) + (limit,)
 
 
 class StepRunner:
@@ -253,7 +231,6 @@ class StepRunner:
         return batch
 
     def _capture_new(self, key, eager: bool) -> None:
-        """Capture the graph of shape ``key`` if it is new (not for an ``eager`` step)."""
         if key not in self.replays and not eager:
             self.shape = key
             self.replays[key] = self.graphs.get(key, self._body(key))

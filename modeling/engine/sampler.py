@@ -1,13 +1,10 @@
 """Per-request sampling for a batch of sequences with different settings, on the device
 (docs/generate.md, "Sampling": the controls, their order, the draws).
 
-Every row has its own ``SamplingParams``; one code path serves a batch that mixes them (greedy
-rows take the argmax), and the batch pays only for the controls some row uses.
 ``sample_sequences`` builds the per-row tensors from the sequences; ``sample_rows``,
-``apply_penalties`` and ``token_logprobs`` are pure tensor functions. The randomness of row i is a
-counter-based stream: the uniform of vocabulary entry v is a hash of (seed_i, position_i, v),
-position_i the position of the token being sampled, so a request's tokens depend only on its own
-seed and logits. The draw is the Gumbel-max race argmax(logits / T - log E), E = -log U: token t
+``apply_penalties`` and ``token_logprobs`` are pure tensor functions. The uniform of row i's
+vocabulary entry v is a hash of (seed_i, position_i, v), position_i the position of the token
+being sampled; the draw is the Gumbel-max race argmax(logits / T - log E), E = -log U: token t
 wins with probability softmax(logits / T)_t, with no host sync (``torch.multinomial`` has one).
 """
 
@@ -208,11 +205,9 @@ class SampledTokens:
 def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None,
                      bitmask: Optional[Tensor] = None) -> SampledTokens:
     """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
-    ``params``, ``seed`` and position (``positions``, default ``len(tokens)``: the index of the token
-    being sampled), its logit bias and token mask (``controlled_logits``), and the logprobs its
-    ``params.logprobs`` asks for, of the raw logits (``token_logprobs``); ``bitmask``: the rows'
-    token masks when already built. A batch of greedy rows without penalties or logprobs is one
-    argmax."""
+    ``params``, ``seed`` and position (``positions``, default ``len(tokens)``), its logit bias and
+    token mask (``controlled_logits``; ``bitmask``: the rows' masks when already built), and the
+    logprobs its ``params.logprobs`` asks for, of the raw logits (``token_logprobs``)."""
     dev = logits.device
     params = [s.params for s in seqs]
     modes = {p.mode for p in params}

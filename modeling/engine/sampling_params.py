@@ -28,50 +28,24 @@ MAX_N = 128
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (vLLM's ``SamplingParams``, the fields below).
+    """How to pick tokens and when to stop (vLLM's ``SamplingParams``; each field's default, range
+    and effect: docs/generate.md, "Sampling").
 
-    Tokens, in vLLM's order: penalties on the raw logits, then the temperature, then min-p, top-k
-    and top-p; each request draws from its own counter-based stream (``modeling.engine.sampler``).
-
-    - ``temperature`` 0 means greedy; ``top_k`` 0 means no top-k (any k >= the vocabulary is the
-      same); ``top_p`` 1.0 means no top-p; ``seed`` None draws a fresh seed for the request.
-    - ``repetition_penalty`` (> 0, 1.0 off; transformers' and vLLM's): each token that occurs in
-      the prompt or the output so far has its logit l replaced by l / r if l > 0, else l * r.
-    - ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0 off; OpenAI's): with c_t the
-      count of token t in the output so far, ``l_t -= presence * (c_t > 0) + frequency * c_t``.
-    - ``min_p`` (in [0, 1], 0 off; transformers' ``MinPLogitsWarper``): after the temperature,
-      drop the tokens whose probability is below ``min_p`` times the most likely token's.
-    - ``logprobs`` (None: none; k in [0, 20]): each output token comes with its log-probability
-      and the k most likely tokens' (id, log-probability), best first. These are of the raw
-      model distribution, ``log_softmax(logits)`` before penalties and temperature (vLLM's
-      default, "raw_logprobs"), whatever the sampling settings.
-    - ``n``: completions of the prompt; completion i draws with ``choice_seed(seed, i)``, so the
-      first is the one ``n=1`` gives and a seeded request's completions are reproducible.
-    - ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's): added to the raw logits first;
-      stored as sorted (id, bias) pairs.
-    - ``allowed_token_ids`` (None: all): only these tokens may be sampled.
-    - ``bad_words`` (vLLM's): strings never generated. Each is tokenized as it is and with a
-      leading space; a word's last token is banned wherever the output's last tokens are the
-      word's others (a one-token word is banned everywhere).
-    - ``min_tokens``: the stop tokens (EOS and ``stop_token_ids``) are banned until this many
-      tokens were generated (stop strings still end the text).
-    - ``prompt_logprobs`` (None: none; k in [0, 20]): each prompt token after the first with its
-      log-probability given the tokens before it and the k most likely tokens', computed by the
-      engine's prefill steps (``prefill_logprobs``: no second forward; the prompt is not served
-      from the prefix cache).
-    - ``structured_outputs`` (a ``structured_outputs.StructuredOutputs``, or a dict of its fields;
-      None: free text): the output follows a JSON schema, a regex, a choice or a grammar
-      (xgrammar; the request's mask then allows only the tokens that keep it in the grammar).
-    Bans, grammars and ``allowed_token_ids`` set the logits of the tokens they exclude to -inf after the
-    bias, before the penalties; logprobs stay those of the raw logits.
+    Tokens, in vLLM's order: the logit bias, then the token mask (``allowed_token_ids``,
+    ``bad_words``, ``min_tokens``, ``structured_outputs``: excluded tokens' logits set to -inf),
+    then the penalties, the temperature, min-p, top-k and top-p; each request draws from its own
+    counter-based stream (``modeling.engine.sampler``). With c_t the count of token t in the output
+    so far, a token seen in the prompt or output has its logit l replaced by l / r if l > 0, else
+    l * r (``repetition_penalty``), then ``l_t -= presence * (c_t > 0) + frequency * c_t``.
+    ``logprobs`` are of the raw model distribution, ``log_softmax(logits)``, whatever the sampling
+    settings. Completion i of ``n`` draws with ``choice_seed(seed, i)``.
 
     Stopping: ``max_tokens`` new tokens at most (None: the caller's default; ``LLM`` takes the
     checkpoint's ``max_new_tokens``, else ``modeling.api.llm.DEFAULT_MAX_TOKENS``); ``stop``:
     strings that end a completion (a str or a sequence of them; the text returned stops before the
     first match, or after it with ``include_stop_str_in_output``); ``stop_token_ids``: token ids
-    that end it besides the tokenizer's EOS ids;
-    ``ignore_eos``: do not stop at EOS; ``skip_special_tokens``: leave special tokens out of the
-    text. ``truncate_prompt_tokens`` (None: off): a longer prompt keeps its last this many tokens.
+    that end it besides the tokenizer's EOS ids; ``ignore_eos``: do not stop at EOS;
+    ``skip_special_tokens``: leave special tokens out of the text.
     Lists are stored as tuples and dicts as sorted pairs (the params are hashable).
     """
 

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 
-
 class StagedStep(NamedTuple):
     """What a tensor-parallel worker needs to stage the batch rank 0 staged (``runner.StepRunner.load``):
     its graph shape ``key``, whether it runs ``eager``ly, the packed bytes ``data`` (uint8), the block
@@ -76,10 +75,9 @@ class StepBatch:
 
     @property
     def continues(self) -> Tensor:
-        """[S] bool: the sequence has cached positions (its first new token's position > 0), so a
-        recurrent layer continues the state in its slot instead of starting from zeros. Computed on the
-        device from ``seq_lens`` and ``cu_seqlens_q`` on first use, once per batch: a padded step
-        graph's padding sequences (length 0 cached) come out False, and the capture records it."""
+        """[S] bool: the sequence has cached positions, so a recurrent layer continues the state in
+        its slot instead of starting from zeros (padding sequences: False). Computed on the device on
+        first use, once per batch."""
         c = self.__dict__.get("_continues")
         if c is None:
             cu = self.cu_seqlens_q
@@ -129,8 +127,6 @@ def fields(buffer, t: int, s: int) -> Fields:
 class Packed(NamedTuple):
     """What ``pack`` leaves on the host: the step's sizes and its sequences' roles."""
 
-    num_tokens: int
-    width: int  # block table entries a sequence: the step's rows are [S, width] at ``table_offset``
     nbytes: int  # the packed prefix of the buffer to copy
     query_lens: List[int]
     starts: List[int]
@@ -185,5 +181,5 @@ def pack(work: Seq[Tuple["object", int]], shape: tuple, block_size: int, padding
     else:
         f.logits_rows[:len(sampling)] = cu[np.array(sampling, np.int64) + 1] - 1
         f.logits_rows[len(sampling):] = 0
-    return Packed(N, width, f.table_offset + 4 * S * width, qlens.tolist(), starts.tolist(), sampling, pending)
+    return Packed(f.table_offset + 4 * S * width, qlens.tolist(), starts.tolist(), sampling, pending)
 

@@ -88,9 +88,9 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_hybrid_persistent_decode(self) -> bool:
         """Whether decode steps may run every layer in the hybrid persistent kernel
-        (``ops.decode_hybrid_layers``; when: ``modeling.engine.runner.decode_kernels``): Gated
-        DeltaNet and gated attention layers, both (Qwen3.5), with per-head q/k norms and no qkv
-        bias, dense MLPs, every weight in the model's dtype, on one device."""
+        (``ops.decode_hybrid_layers``): Gated DeltaNet and gated attention layers, both (Qwen3.5),
+        with per-head q/k norms and no qkv bias, dense MLPs, every weight in the model's dtype, on
+        one device."""
         c = self.config
         return ({type(layer) for layer in self.layers} == {AttentionLayer, GatedDeltaNetLayer} and c.attn_output_gate
                 and c.qk_norm and not c.qkv_bias and not self.holds_fp8 and self.supports_fused_decode)
@@ -98,9 +98,7 @@ class QwenForCausalLM(nn.Module):
     @property
     def supports_fused_decode(self) -> bool:
         """Whether decode steps may take the fused decode ops (``kernels="fused"``): every layer's
-        (``DecoderLayer.supports_fused_decode``: a dense MLP, FP8 weights included; a
-        mixture-of-experts layer runs op by op) and the model on one device (a tensor-parallel one
-        runs op by op)."""
+        ``DecoderLayer.supports_fused_decode``, and the model on one device."""
         return self.parallel.world_size == 1 and all(layer.supports_fused_decode for layer in self.layers)
 
     @property
@@ -154,13 +152,11 @@ class QwenForCausalLM(nn.Module):
                                         ignore_index)
 
     def stack_layer_weights(self) -> None:
-        """Stack each weight the persistent decode kernel reads: ``STACKED`` over the layers
-        [NL, ...] (``decode_layers``), or for a hybrid model ``HYBRID_STACKED`` over every layer or
-        the layers of one kind (``decode_hybrid_layers``; the conv weights [NG, C, K]); the layers'
-        parameters become views of the stacks (no second copy). For an inference model that
-        supports a kernel; the engine calls it before it captures any step (a captured step reads
-        the weights by address, so they never move after). Made again if the parameters were
-        replaced since (``model.to(dtype)``)."""
+        """Stack each weight the persistent decode kernel reads (``STACKED``, or ``HYBRID_STACKED``
+        for a hybrid model; the conv weights [NG, C, K]); the layers' parameters become views of the
+        stacks (no second copy). For an inference model that supports a kernel; the engine calls it
+        before it captures any step (a captured step reads the weights by address). Made again if
+        the parameters were replaced since (``model.to(dtype)``)."""
         table = STACKED if self.supports_persistent_decode else HYBRID_STACKED
         groups = [([layer for layer in self.layers if kind is None or isinstance(layer, kind)], name)
                   for kind, names in table for name in names]
@@ -172,7 +168,7 @@ class QwenForCausalLM(nn.Module):
             raise ValueError("stack_layer_weights is for inference models: a parameter requires grad")
         if self._stacks is not None and all(t is None or getattr(layers[-1], name).data_ptr() == t[-1].data_ptr()
                                             for (layers, name), t in zip(groups, self._stacks)):
-            return  # stacked, and no parameter replaced since (``model.to`` makes new ones)
+            return
         stacks = []
         for layers, name in groups:
             params = [getattr(layer, name) for layer in layers]

@@ -1,30 +1,19 @@
 """The kinds of decoder layer, each declared in one class: parameters, load plan, the state it keeps
-in the engine's cache pool, and one forward.
+in the engine's cache pool, and one forward (docs/modeling.md, "Layer kinds": a kind is a
+``DecoderLayer`` subclass declaring ``init_mixer``, ``mixer_plan``, ``mixer_splits``, ``cache_spec``
+and ``mix``).
 
-Every layer is a pre-norm block, token mixer then SwiGLU MLP (``DecoderLayer``); a kind is a
-subclass that declares its mixer: ``init_mixer``, ``mixer_plan``, ``mixer_splits``, ``cache_spec``
-and ``mix`` (docs/modeling.md, "Layer kinds"). ``mixer_plan(config, hf)`` names the Hugging Face
-tensors under the prefix ``hf`` (e.g. ``"model.layers.3."``) concatenated along dim 0 to make each
-mixer parameter, with shapes.
-
-``forward(x, residual, positions, context)`` is the only forward. ``context`` is None for a
-training or scoring pass (x [B, T, hidden], each row a sequence from position 0, no cache) and a
-``modeling.model.context.LayerContext`` in an engine step (x [N, hidden], the step's flat tokens:
-prefill chunks and decode tokens of many sequences; the layer reads the step's batch and writes
-its pool entry). With ``context.fused`` (a decode step whose kernels the step runner chose so) the
-norms run inside the projections after them and the residual adds inside the projections before
-them: the same math in fewer kernels.
+``forward(x, residual, positions, context)``: ``context`` None for a training or scoring pass (x
+[B, T, hidden], each row a sequence from position 0, no cache), else a
+``modeling.model.context.LayerContext`` in an engine step (x [N, hidden], the step's flat tokens;
+the layer reads the step's batch and writes its pool entry). With ``context.fused`` the norms run
+inside the projections after them and the residual adds inside the projections before them.
 
 The residual stream is a pair (x, residual) whose value is x + residual: op by op, a block's
 output x waits to be added into the next norm (``add_rms_norm``); fused, x is the whole stream
-and residual is None. The first layer gets (embedding, None).
-
-``LAYER_TYPES`` maps the names of ``config.layer_types`` to these classes. Under tensor
-parallelism a layer is built from its rank's ``TensorParallel.local_config`` and holds its rank's
-shards; the output projections are followed by ``parallel.all_reduce`` (its input at world size
-1). A layer of ``config.moe_layers`` has ``mlp``, a ``modeling.model.moe.SparseMoeBlock``, in
-place of the dense MLP's two weights (``load_plan(..., fused_experts)``: the experts as the
-checkpoint holds them).
+and residual is None. The first layer gets (embedding, None). Under tensor parallelism a layer is
+built from its rank's ``TensorParallel.local_config`` and holds its shards; the output projections
+are followed by ``parallel.all_reduce``.
 
 Shapes: hidden = config.hidden_size, Hq/Hk query/key-value heads, D head_dim, I intermediate_size.
 """
@@ -66,10 +55,7 @@ class DecoderLayer(nn.Module):
 
     forward: ``mix``, then ``h = rms_norm(stream)``, the MLP of h added to the stream: the SwiGLU
     ``linear(silu_mul(linear(h, gate_up_weight)), down_weight)``, or with ``sparse`` (a layer of
-    ``config.moe_layers``) the routed experts ``mlp(h)``. The norms use ``config.norm_offset`` (1.0
-    on Qwen3.5: zero-centred weights).
-
-    ``config``: the rank's ``parallel.local_config`` (the model's config at world size 1).
+    ``config.moe_layers``) the routed experts ``mlp(h)``, a ``modeling.model.moe.SparseMoeBlock``.
 
     ``LINEAR_WEIGHTS``: the weights that may be FP8 (``modeling.model.fp8``), each with its
     ``<name>_scale_inv`` and ``<name>_tail`` (None unless the loader sets them); a sparse MLP's

@@ -1,28 +1,14 @@
 """Load a Hugging Face Qwen checkpoint (safetensors: ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json``) into the fused layout of ``modeling.model.causal_lm``
 (``load_state_dict``; ``check_weights_size``; ``CheckpointError``). docs/modeling.md ("Loading",
-"FP8", "Tensor parallelism") describes the checks, the reads and what stays FP8.
+"FP8", "Tensor parallelism") describes the checks, the fused tensors, the reads and what stays FP8.
 
 The plan (``load_plan``) names, for each model tensor, the checkpoint tensors concatenated along
-dim 0 to make it. Each layer's part comes from its class in ``modeling.model.layers.LAYER_TYPES``
-(``load_plan(config, "model.layers.{i}.")``); names start with ``config.weights_prefix``, and those
-under ``config.skipped_weight_prefixes`` are ignored. For an attention layer:
-
-- ``layers.{i}.qkv_weight`` [(Hq + 2*Hk) * D, hidden] <- q_proj, k_proj, v_proj weights
-- ``layers.{i}.qkv_bias``   [(Hq + 2*Hk) * D]         <- q_proj, k_proj, v_proj biases (qwen2)
-- ``layers.{i}.gate_up_weight`` [2 * I, hidden]       <- gate_proj, up_proj weights
-
-and for a Gated DeltaNet layer (Qwen3.5), ``layers.{i}.in_proj_weight`` <- in_proj_qkv, in_proj_z,
-in_proj_b, in_proj_a. A mixture-of-experts layer's experts come one by one or fused
-(``fused_experts``: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
-
-FP8 (``config.quantization`` "fp8", or ``quantize=True`` for a bf16 / fp16 checkpoint): the format
-is ``modeling.model.fp8``'s. Where ``fp8.keeps_fp8`` says so, a linear weight (``linear_targets``)
-whose quantised sources lead its plan, each but the last a whole number of 128-row blocks, stays
-FP8 with its unquantised sources as the tail, and experts (``expert_targets``) whose every source
-is quantised and stacks so stay FP8; any other quantised source is dequantised. Tensor
-parallelism: each rank reads only its slice of every split tensor (``split_plan``), replicated
-tensors whole.
+dim 0 to make it (each layer's part from its class in ``modeling.model.layers.LAYER_TYPES``).
+FP8: a linear weight (``linear_targets``) whose quantised sources lead its plan, each but the last
+a whole number of 128-row blocks, stays FP8 with its unquantised sources as the tail, and experts
+(``expert_targets``) whose every source is quantised and stacks so stay FP8, where
+``fp8.keeps_fp8`` says so; any other quantised source is dequantised.
 """
 
 import math
@@ -88,12 +74,8 @@ def split_plan(config: QwenConfig) -> SplitPlan:
 
 
 def checkpoint_files(path: Union[str, Path]) -> List[Path]:
-    """The safetensors files of a checkpoint directory: one file, or the shards of the index.
-
-    Shard names must be plain file names inside the directory (no absolute paths, no ``..``),
-    and every file must be a regular file (``modeling.model.files.open_file``: a FIFO or a device would
-    block or mislead the reader).
-    """
+    """The safetensors files of a checkpoint directory: one file, or the shards of the index (plain
+    file names inside the directory), each a regular file (``modeling.model.files.open_file``)."""
     path = Path(path)
     index = path / INDEX_FILE
     if os.path.lexists(index):
@@ -148,13 +130,8 @@ def load_state_dict(
 ) -> Dict[str, torch.Tensor]:
     """Read the checkpoint at ``path`` into the model's fused tensors on ``device`` in ``dtype``
     (FP8 weights, their ``*_scale_inv`` and ``*_tail``: see the module doc); with ``parallel``
-    (world size > 1) this rank's shards of them, each read as its slices only.
-
-    Every tensor is checked (names, shapes, floating dtypes) before any is loaded, and every
-    loaded tensor for NaN / inf (one ``isfinite`` reduction per tensor, read back once at the end).
-    A tied-embedding model needs no ``lm_head.weight``; one present anyway is ignored, as are
-    tensors under ``config.skipped_weight_prefixes``.
-    """
+    (world size > 1) this rank's shards of them, each read as its slices only. Every tensor's name,
+    shape and dtype is checked before any is loaded, and every loaded tensor for NaN / inf."""
     parallel.local_config(config)  # a model that does not split is refused before anything is read
     splits = split_plan(config) if parallel.world_size > 1 else {}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()
