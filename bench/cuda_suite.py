@@ -229,10 +229,12 @@ def main():
     bad |= bool(unstarted)
     print("\n| slot | GPU | pieces | passed | failed | busy s |\n|---|---|---|---|---|---|")
     for slot, row in per_slot.items():
-        print(f"| {slot} | {slot % a.gpus} | {row['pieces']} | {row['PASSED']} | {row['FAILED']} | {row['seconds']:.0f} |")
+        print(f"| {slot} | {slot % a.gpus} | {row['pieces']} | {row['PASSED']} | {row['FAILED']} | "
+              f"{row['seconds']:.0f} |")
     cut = sum(r is not None and r.status == "cut" for r in ran)
     print(f"\n{len(ids)} tests: " + ", ".join(f"{v} {k.lower()}" for k, v in total.items())
-          + f"; {cut} pieces cut and {len(unstarted)} never started at the deadline; {time.time() - t0:.0f} s of wall time")
+          + f"; {cut} pieces cut and {len(unstarted)} never started at the deadline; "
+          f"{time.time() - t0:.0f} s of wall time")
     failures = (scratch / "failures").read_text(errors="replace")
     (out / "failures.txt").write_text(failures)
     if failures:
