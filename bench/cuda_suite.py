@@ -99,11 +99,17 @@ class Ran(NamedTuple):
     seconds: float
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill a piece's process and everything it started (its own process group)."""
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
 def run_queue(start: Callable[[int, int], subprocess.Popen], count: int, slots: int, timeout: float,
-              poll: float = 0.2) -> list[Optional[Ran]]:
-    """Run pieces 0..count-1 in order on `slots` slots at once: ``start(piece, slot)`` starts one
-    (its own process group); a slot that frees takes the next. At `timeout` seconds the running
-    pieces are killed ("cut") and the rest never start (None)."""
+              poll: float = 0.2, stop: Callable[[subprocess.Popen], None] = kill_group) -> list[Optional[Ran]]:
+    """Run pieces 0..count-1 in order on `slots` slots at once: ``start(piece, slot)`` starts one;
+    a slot that frees takes the next. At `timeout` seconds the running pieces are stopped
+    (``stop``: "cut") and the rest never start (None)."""
     ran: list[Optional[Ran]] = [None] * count
     running: dict = {}  # slot -> (piece, process, started)
     deadline, nxt = time.time() + timeout, 0
@@ -116,8 +122,7 @@ def run_queue(start: Callable[[int, int], subprocess.Popen], count: int, slots: 
             if proc.poll() is not None:
                 ran[piece] = Ran(slot, f"exit {proc.returncode}", time.time() - t0)
             elif time.time() >= deadline:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+                stop(proc)
                 ran[piece] = Ran(slot, "cut", time.time() - t0)
             else:
                 continue

@@ -88,31 +88,43 @@ def test_cuda_suite_weighs_pieces_by_recorded_seconds(tmp_path):
     assert recorded_seconds(tmp_path / "missing.tsv") == {}
 
 
-def test_cuda_suite_queue_runs_each_piece_once_and_cuts_at_the_deadline(tmp_path):
+def test_cuda_suite_queue_runs_each_piece_once_and_cuts_at_the_deadline():
     """run_queue: each piece starts once, on at most `slots` slots at once, a freed slot takes the
-    next; at the deadline a running piece is killed ("cut") and the rest never start."""
-    import subprocess
-
+    next; at the deadline a running piece is stopped ("cut") and the rest never start."""
     from bench.cuda_suite import run_queue
 
-    started = []
+    started, running = [], set()
+
+    class Piece:  # a process that ends on its third poll, with exit status piece % 2
+        def __init__(self, piece):
+            self.piece, self.polls, self.returncode = piece, 0, None
+
+        def poll(self):
+            self.polls += 1
+            if self.polls == 3:
+                self.returncode = self.piece % 2
+                running.discard(self.piece)
+            return self.returncode
 
     def start(piece, slot):
         started.append((piece, slot))
-        assert len({s for p, s in started if not (tmp_path / f"{p}.done").exists()}) <= 2
-        code = f"open({str(tmp_path / f'{piece}.done')!r}, 'w').close(); raise SystemExit({piece % 2})"
-        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        running.add(piece)
+        assert len(running) <= 2
+        return Piece(piece)
 
-    ran = run_queue(start, 5, 2, timeout=120, poll=0.01)
+    ran = run_queue(start, 5, 2, timeout=120, poll=0.001, stop=lambda proc: pytest.fail("nothing was cut"))
     assert sorted(p for p, _ in started) == [0, 1, 2, 3, 4] and {s for _, s in started} <= {0, 1}
-    assert [r.status for r in ran] == ["exit 0", "exit 1", "exit 0", "exit 1", "exit 0"]
-    assert all((tmp_path / f"{p}.done").exists() for p in range(5))
+    assert [r.status for r in ran] == ["exit 0", "exit 1", "exit 0", "exit 1", "exit 0"] and not running
 
-    def stuck(piece, slot):
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    class Stuck:
+        returncode = None
 
-    ran = run_queue(stuck, 3, 1, timeout=1.0, poll=0.01)
-    assert ran[0].status == "cut" and ran[1:] == [None, None]
+        def poll(self):
+            return None
+
+    stopped = []
+    ran = run_queue(lambda piece, slot: Stuck(), 3, 1, timeout=0.05, poll=0.001, stop=stopped.append)
+    assert ran[0].status == "cut" and ran[1:] == [None, None] and len(stopped) == 1
 
 
 def test_failed_reports_are_written_as_they_fail(tmp_path, monkeypatch):
