@@ -5,7 +5,7 @@ never from each other.
 - `dot`, `tile_product`, `mm`: fp32-accumulating tile products; `mm(a, b, out)` is the one
   strided GEMM (out[M, N] = a[M, K] @ b[K, N] (+ bias[N]) (+ out)), split along K into fp32
   partials summed in a fixed order when the output has too few tiles to fill the GPU.
-- `FP8_BLOCK`, `fp8_block_scales`, `fp8_weight_tile_product`: weights in the block format of Qwen's
+- `FP8_BLOCK`, `fp8_block_scales`, `widen_e4m3`, `fp8_weight_tile_product`: weights in the block format of Qwen's
   FP8 checkpoints (float8_e4m3fn [N, K], each FP8_BLOCK x FP8_BLOCK block times its scale
   ws[n // FP8_BLOCK, k // FP8_BLOCK]): a block's scales (read by the FP8 experts' GEMV and the
   fused decode GEMVs), and the weight-only tile product (the dense FP8 GEMV's and the FP8 experts'
@@ -494,6 +494,42 @@ weight[n, k] * weight_scale_inv[n // FP8_BLOCK, k // FP8_BLOCK]; the last block 
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK)
 
 
+_E4M3_TO_BF16 = tl.constexpr("""{
+.reg .b32 lo, hi, sign, scale;
+mov.b32 scale, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+and.b32 sign, lo, 0x80008000;
+shr.b32 lo, lo, 4;
+and.b32 lo, lo, 0x07F007F0;
+or.b32 lo, lo, sign;
+mul.rn.bf16x2 $0, lo, scale;
+and.b32 sign, hi, 0x80008000;
+shr.b32 hi, hi, 4;
+and.b32 hi, hi, 0x07F007F0;
+or.b32 hi, hi, sign;
+mul.rn.bf16x2 $1, hi, scale;
+}""")
+"""Four e4m3 bytes ($2) to four bf16 ($0, $1): each byte's exponent and mantissa bits moved into a
+bf16's (bits 4-10), its sign into bit 15, then times 2^120 (bf16 0x7B80), the two formats' bias
+apart. Exact for every finite e4m3 value, subnormals included (a bf16 subnormal times 2^120 is
+normal); e4m3's NaN (0x7F, 0xFF) becomes +-480, which a checkpoint's weights never hold."""
+
+
+@triton.jit
+def widen_e4m3(w, dtype: tl.constexpr):
+    """float8_e4m3fn w in dtype, exactly (every finite e4m3 value is a bf16, fp16 and fp32 value).
+    To bf16 on the GPU by bit moves (`_E4M3_TO_BF16`): Triton's own conversion goes through fp16
+    and fp32 with two F2F instructions an element, a quarter-rate unit that caps an FP8 GEMV's
+    weight stream below the memory's bandwidth (the SASS of the fused decode GEMVs for sm_90)."""
+    if dtype == tl.bfloat16 and not _DOT_IN_FP32:
+        out = tl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                        is_pure=True, pack=4)
+    else:
+        out = w.to(dtype)
+    return out
+
+
 @triton.jit
 def fp8_block_scales(ws_ptr, rows, k, stride_wsn, stride_wsk):
     """The fp32 scales of an FP8 weight's rows `rows` at column k: ws[rows // FP8_BLOCK, k // FP8_BLOCK]."""
@@ -506,7 +542,7 @@ def fp8_weight_tile_product(a_ptr, w_ptr, ws_ptr, rm, rn, M, N, k_lo, k_hi, stri
     """fp32 [BLOCK_M, BLOCK_N] tile a[rm, k_lo:k_hi] @ dequant(w)[rn, k_lo:k_hi].T, weight-only: w is
     float8_e4m3fn [N, K] with block scales ws (`fp8_block_scales`), a in the model's dtype (both
     contiguous along K). Each BLOCK_K step is its own dot of a's tile with the FP8 tile widened to
-    a's dtype (exact: every e4m3 value is a bf16 and an fp16 value), scaled per column by its
+    a's dtype (`widen_e4m3`), scaled per column by its
     block's scale and added to the fp32 accumulator; BLOCK_K divides FP8_BLOCK and k_lo is a
     multiple of FP8_BLOCK, so a step never crosses a block. Rows past M and K past k_hi read zeros;
     columns past N read a valid (wrapped) row, for the caller to mask at the store. `rm` is int64
@@ -521,7 +557,7 @@ def fp8_weight_tile_product(a_ptr, w_ptr, ws_ptr, rm, rn, M, N, k_lo, k_hi, stri
         k_ok = rk < k_hi - k0
         a = tl.load(a_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        block = dot(a, w.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+        block = dot(a, widen_e4m3(w, a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
         acc += block * tl.load(ws_ptrs).to(tl.float32)[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

@@ -16,7 +16,7 @@ with ROWS (a head of ROWS rows in a head_block(ROWS) tile) rows past ROWS are no
 FP8 weights (FP8): weight [N, K] float8_e4m3fn with weight_scale_inv [cdiv(N, 128), cdiv(K, 128)],
 the factor of each 128 x 128 block (csrc_free_ops/fp8.py). BLOCK_K divides 128 and a slice starts
 at a multiple of BLOCK_K, so a K step lies inside one block column g: each step's tile is widened
-to x's dtype (exact: every e4m3 value is a bf16 and an fp16 value) and its fp32 product scaled per
+to x's dtype (`common.widen_e4m3`, exact) and its fp32 product scaled per
 output column by the scale of that column's row block in g (`_block_scales`, through
 `common.fp8_block_scales`):
 
@@ -45,7 +45,7 @@ is read from `part` twice, once in each order.
 import triton
 import triton.language as tl
 
-from .common import dot, fp8_block_scales, head_block, head_mask
+from .common import dot, fp8_block_scales, head_block, head_mask, widen_e4m3
 from .rope import rotary_cos_sin
 
 
@@ -99,10 +99,10 @@ def _block_scales(sw_ptr, rows, k0, stride_sn, stride_sk, FP8: tl.constexpr):
 @triton.jit
 def _weight_product(a, b, scales, acc, NORM: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
     """acc + a @ b for an `_input_slice` a and a `_weight_slice` b (`_dot_slice`); with FP8, b is
-    an e4m3 tile inside one scale block: widened to dtype (x's) and its fp32 product scaled per
+    an e4m3 tile inside one scale block: widened to dtype (x's, `widen_e4m3`) and its fp32 product scaled per
     column, acc + (a @ b) * scales."""
     if FP8:
-        acc += _dot_slice(a, b.to(dtype), tl.zeros(acc.shape, dtype=tl.float32), NORM) * scales[None, :]
+        acc += _dot_slice(a, widen_e4m3(b, dtype), tl.zeros(acc.shape, dtype=tl.float32), NORM) * scales[None, :]
     else:
         acc = _dot_slice(a, b, acc, NORM)
     return acc

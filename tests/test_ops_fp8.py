@@ -10,9 +10,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import qwen_ops
 from csrc_free_ops import fp8 as fp8_kernels
+from csrc_free_ops.common import widen_e4m3
 from csrc_free_ops.linear import DecodeConfig
 from qwen_ops import (dequantize_weight_fp8_block, fp8_block_linear_reference, fp8_quantize_per_token_group_reference,
                       quantize_weight_fp8_block)
@@ -165,6 +168,28 @@ def test_w8a8_tiles_and_wrong_configs(device):
         fp8_kernels.block_linear(x, w, s, None, DecodeConfig(16, BLOCK, 1))
 
 
+@triton.jit
+def _widen_kernel(w_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, widen_e4m3(tl.load(w_ptr + offs), out_ptr.dtype.element_ty))
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_widen_e4m3_is_exact(device, dtype):
+    """`widen_e4m3` (how the FP8 GEMVs widen weight tiles; bit moves to bf16 on the GPU) on every
+    finite e4m3 value, signed zeros and subnormals included: PyTorch's conversion, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # the two NaN codes: 1.0 instead
+    w = codes.view(torch.float8_e4m3fn)
+    out = torch.empty(256, dtype=dtype, device=device)
+    _widen_kernel[(1,)](w, out, N=256)
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+    wrong = (out.view(bits) != w.to(dtype).view(bits)).nonzero().flatten()
+    assert wrong.numel() == 0, f"{wrong.numel()} codes widen wrongly, first {int(codes[wrong[0]]):#04x}"
+
+
 def test_weight_format_round_trip():
     """quantize_weight_fp8_block: Qwen's checkpoint format (fp8 weight, fp32 weight_scale_inv of one
     value per 128 x 128 block, partial blocks at the edges), each block's largest magnitude 448;
@@ -287,6 +312,8 @@ print("quantize divides exactly:", "div.rn.f32" in quantize and "div.full" not i
 print("w8a8 takes FP8 wgmma on sm_90:", ".f32.e4m3.e4m3" in hopper and "wgmma.mma_async" in hopper)
 print("w8a8 takes FP8 mma on sm_89:", ".f32.e4m3.e4m3.f32" in ada and "mma.sync" in ada)
 print("the GEMV widens FP8 to bf16 tensor-core operands:", ".f32.bf16.bf16.f32" in gemv and "mma.sync" in gemv)
+print("the GEMV widens FP8 by bit moves, not through fp16 and fp32:", "mul.rn.bf16x2" in gemv and "e4m3x2" not in gemv
+      and "cvt.rn.bf16" not in gemv)
 experts = ptx(moe._grouped_gemm_kernel, dict(a_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", c_ptr="*bf16",
                                              topk_w_ptr="*fp32", sorted_ptr="*i32", expert_ids_ptr="*i32",
                                              post_ptr="*i32"),
@@ -301,12 +328,13 @@ def test_kernels_compile_for_hopper_and_ada():
     """No GPU needed: the kernels compiled for sm_90 (and the GEMM for sm_89, the first arch with FP8
     tensor cores) take the instructions the interpreter cannot show: the quantisation's IEEE
     division and round-to-nearest-even e4m3 conversion (what makes it bit-exact against PyTorch),
-    the GEMM's FP8 tensor-core dot, the GEMV's bf16 one, and the FP8 experts' grouped GEMM (64-deep
+    the GEMM's FP8 tensor-core dot, the GEMV's bf16 one (its e4m3 tiles widened by `widen_e4m3`'s bit
+    moves, none of the conversion unit's instructions), and the FP8 experts' grouped GEMM (64-deep
     steps within a weight block) Hopper's bf16 wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-c", HOPPER_PTX], env=env, capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 6 and all(line.endswith(" True") for line in lines), \
+    assert out.returncode == 0 and len(lines) == 7 and all(line.endswith(" True") for line in lines), \
         out.stdout + out.stderr
