@@ -397,18 +397,24 @@ def test_decode_kernel_table():
     """``runner.decode_kernels``' table (measured on an H100): on CUDA one sequence of a model the
     persistent kernels take, hidden size at most 2048 and at most 4096 positions, runs them (bf16 or
     FP8, Qwen3 or Qwen3.5's hybrid kernel), wider models and longer engines the fused ops; two to
-    eight sequences the fused ops, more op by op; on the CPU one sequence the fused ops, more op by
-    op; a model the fused ops do not take (experts, tensor-parallel) always op by op."""
-    def model(hidden=1024, device="cuda", persistent=True, hybrid=False, fused=True):
+    eight sequences the dense persistent kernel on 16-bit weights, else the fused ops, more op by
+    op; on the CPU one sequence the fused ops, more op by op; a model the fused ops do not take
+    (experts, tensor-parallel) always op by op."""
+    def model(hidden=1024, device="cuda", persistent=True, hybrid=False, fused=True, fp8=False):
         return SimpleNamespace(supports_fused_decode=fused, supports_persistent_decode=persistent and not hybrid,
                                supports_hybrid_persistent_decode=persistent and hybrid, device=torch.device(device),
-                               config=SimpleNamespace(hidden_size=hidden))
+                               config=SimpleNamespace(hidden_size=hidden), holds_fp8=fp8)
     assert decode_kernels(model(), 1, 4096) == "persistent"
     assert decode_kernels(model(hidden=2048, hybrid=True), 1, 4096) == "persistent"
     assert decode_kernels(model(hidden=4096), 1, 4096) == "fused"
     assert decode_kernels(model(hidden=4096, hybrid=True), 1, 4096) == "fused"
     assert decode_kernels(model(), 1, 8192) == "fused"
     assert decode_kernels(model(persistent=False), 1, 4096) == "fused"
-    assert [decode_kernels(model(), n, 4096) for n in (2, 8, 9)] == ["fused", "fused", "ops"]
+    assert [decode_kernels(model(), n, 4096) for n in (2, 8, 9)] == ["persistent", "persistent", "ops"]
+    assert decode_kernels(model(fp8=True), 1, 4096) == "persistent"
+    assert [decode_kernels(model(fp8=True), n, 4096) for n in (2, 8)] == ["fused", "fused"]
+    assert [decode_kernels(model(hybrid=True), n, 4096) for n in (2, 8, 9)] == ["fused", "fused", "ops"]
+    assert [decode_kernels(model(hidden=4096), n, 4096) for n in (2, 8)] == ["fused", "fused"]
+    assert decode_kernels(model(), 8, 8192) == "fused"
     assert [decode_kernels(model(device="cpu"), n, 4096) for n in (1, 2)] == ["fused", "ops"]
     assert [decode_kernels(model(fused=False), n, 4096) for n in (1, 2)] == ["ops", "ops"]

@@ -33,11 +33,12 @@ from .graphs import GraphCache
 from .step import Fields, Packed, StagedStep, StepBatch, fields, pack, table_offset
 
 PERSISTENT_MAX_LEN = 4096
-"""The longest ``max_model_len`` whose one-row decode steps take the persistent kernels by default."""
+"""The longest ``max_model_len`` whose decode steps take the persistent kernels by default."""
 PERSISTENT_MAX_HIDDEN = 2048
-"""The widest ``hidden_size`` whose one-row decode steps take the persistent kernels by default."""
+"""The widest ``hidden_size`` whose decode steps take the persistent kernels by default."""
 FUSED_MAX_SEQS = 8
-"""The most rows a decode step takes the fused decode ops with on CUDA by default."""
+"""The most rows a decode step takes the fused decode ops (or the dense persistent kernel, whose
+16-bit GEMV tasks take up to this many rows on tensor cores) with on CUDA by default."""
 
 
 def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
@@ -46,9 +47,12 @@ def decode_kernels(model, num_seqs: int, max_model_len: int) -> str:
     if not model.supports_fused_decode:
         return "ops"
     cuda = model.device.type == "cuda"
-    if num_seqs > 1:
-        return "fused" if cuda and num_seqs <= FUSED_MAX_SEQS else "ops"
-    persistent = model.supports_persistent_decode or model.supports_hybrid_persistent_decode
+    if num_seqs > 1 and not (cuda and num_seqs <= FUSED_MAX_SEQS):
+        return "ops"
+    if num_seqs > 1:  # the hybrid kernel and FP8 tiles take their rows one by one: slower than the fused ops
+        persistent = model.supports_persistent_decode and not model.holds_fp8
+    else:
+        persistent = model.supports_persistent_decode or model.supports_hybrid_persistent_decode
     if persistent and cuda and max_model_len <= PERSISTENT_MAX_LEN and \
             model.config.hidden_size <= PERSISTENT_MAX_HIDDEN:
         return "persistent"
