@@ -20,7 +20,6 @@ blocks. ``add`` and ``abort`` may be called from any thread; ``step`` from one t
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence as Seq
 
@@ -39,7 +38,7 @@ from .scheduler import Scheduler, StateSlots
 from .sequence import Sequence, Status
 from .step import to_device
 from .structured_outputs import Grammars
-from .token_masks import TokenControls, bad_word_ids, token_bitmask
+from .token_masks import TokenControls, bad_word_ids
 from .workers import WorkerDied, Workers, broadcast_tokens, least_free_memory
 
 BLOCK_SIZE = 16
@@ -51,8 +50,8 @@ prefix-cache granularity (a hit reuses whole blocks only)."""
 @dataclass
 class EngineStats:
     """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
-    (scheduling, packing the batch, committing its blocks; sampling a deferred step, the wait for
-    its masks included), ``launch_s`` (launching the step or replaying its graph), ``sample_s``
+    (scheduling, packing the batch, committing its blocks; sampling a deferred step, its token
+    masks included), ``launch_s`` (launching the step or replaying its graph), ``sample_s``
     (sampling up to the tokens on the host: this absorbs the wait for the device, so a
     device-bound engine shows it largest)."""
 
@@ -77,7 +76,7 @@ class _Launched:
     ``sampled.tokens`` by request id, the tokens on their way to the host, and whether the next
     step may be launched before they arrive (a decode-only step); ``prompt``: the prompt logprobs
     it computed, if any. A deferred step (``Engine.step``) keeps its ``logits`` and ``positions``
-    until ``Engine._sample``; ``masks``: the future of its ``token_masks.token_bitmask``."""
+    until ``Engine._sample``."""
 
     seqs: List[Sequence]
     rows: Dict[int, int]
@@ -86,7 +85,6 @@ class _Launched:
     prompt: Optional[PromptScores] = None
     logits: Optional[torch.Tensor] = None
     positions: Optional[List[int]] = None
-    masks: Optional[Future] = None
 
 
 def needs_history(seq: Sequence) -> bool:
@@ -150,7 +148,6 @@ class Engine:
         self._rng = random.Random()
         self.stats = EngineStats()
         self._inflight: Optional[_Launched] = None  # a launched step whose tokens the host has not read
-        self._mask_thread: Optional[ThreadPoolExecutor] = None  # builds deferred steps' token masks
         self._failed: Optional[str] = None  # a tensor-parallel step that raised: the workers are out of step
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, max_tokens: int,
@@ -217,8 +214,8 @@ class Engine:
         step before the one it launched; a token a finished sequence gets after its last is dropped.
         A step launched ahead whose sampling reads its tokens on the host (``needs_history``:
         penalties, grammars, bad words of several tokens) runs its forward pass only and is sampled
-        once they are read, its token masks built meanwhile in a worker thread (xgrammar and NumPy
-        leave the GIL)."""
+        as soon as they are read (its token masks built then), before the next step is scheduled:
+        the device needs its tokens when its forward pass ends, the next step's inputs only later."""
         if self.workers is None:
             return self._step()
         if self._failed is not None:
@@ -257,37 +254,30 @@ class Engine:
             self._inflight = self._launch(prev)
         out = self._finish(prev)
         nxt = self._inflight
-        if nxt is not None and nxt.sampled is None and nxt.seqs:  # its masks, while the host goes on
-            if self._mask_thread is None:
-                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="qwen-token-masks")
-            generated = [p - s.num_prompt for p, s in zip(nxt.positions, nxt.seqs)]
-            nxt.masks = self._mask_thread.submit(token_bitmask, list(nxt.seqs), self.model.config.vocab_size,
-                                                 generated, self.model.device.type == "cuda")
+        if nxt is not None and nxt.sampled is None and nxt.seqs:
+            t0 = time.perf_counter()
+            self._sample(nxt)
+            self.stats.schedule_s += time.perf_counter() - t0
         return out
 
     def _sample(self, launched: "_Launched") -> None:
-        """Sample a deferred step (its masks' thread joined; its logits stay in the step's buffers until
-        then) and send its tokens to the workers."""
-        bitmask = launched.masks.result() if launched.masks is not None else None
-        launched.sampled = sample_sequences(launched.logits, launched.seqs, launched.positions, bitmask)
-        launched.logits = launched.positions = launched.masks = None
+        """Sample a deferred step (its logits stay in the step's buffers until then; its token masks
+        read the output tokens the host has) and send its tokens to the workers."""
+        launched.sampled = sample_sequences(launched.logits, launched.seqs, launched.positions)
+        launched.logits = launched.positions = None
         if self.workers is not None:
             broadcast_tokens(launched.sampled.tokens)
 
     def _launch(self, prev: Optional["_Launched"]) -> Optional["_Launched"]:
-        """Schedule, build and launch a step (after ``prev``, whose tokens may still be on the device)."""
+        """Schedule, build and launch a step (after ``prev``, sampled, whose tokens may still be on the
+        device)."""
         t0 = time.perf_counter()
         with self._lock:  # an abort from another thread cannot release a block table while it is packed
             scheduled = self.scheduler.schedule()
             if not scheduled.work:
                 return None
             scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
-            if prev is not None and prev.sampled is None and prev.seqs and self.workers is not None:
-                self._sample(prev)  # before prepare: a new shape's capture runs collectives, which the workers
-                #                     meet only after this broadcast
             batch = self.runner.prepare(scheduled, eager=scored is not None)
-        if prev is not None and prev.sampled is None and prev.seqs:
-            self._sample(prev)  # after packing this step, so the masks' thread had that time
         dev = self.model.device
         pending = None  # [2, P]: the batch rows whose input is a token of the step before, and its rows there
         if batch.pending:

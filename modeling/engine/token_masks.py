@@ -10,8 +10,9 @@ per step). Longer bad words and grammars read the output so far (``needs_history
 bans leave a grammar row nothing, the grammar's mask wins (a grammar that must end gets its stop
 tokens).
 
-The masks are built on the host while the device runs a forward pass (``Engine.step``: in a
-worker thread), so they must take less time than one: the rows held to a grammar alone (the
+The masks are built on the host while the device runs a forward pass (``Engine.step``: once the
+tokens before are read, before the next step is packed), so they must take less time than one,
+together with the rest of the host's step: the rows held to a grammar alone (the
 common case) are filled together by xgrammar's ``BatchGrammarMatcher`` (one call into its C++),
 with their dead ends found in one pass over the bitmask; the other rows one by one (``fill``).
 
