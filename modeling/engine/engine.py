@@ -214,8 +214,8 @@ class Engine:
         step before the one it launched; a token a finished sequence gets after its last is dropped.
         A step launched ahead whose sampling reads its tokens on the host (``needs_history``:
         penalties, grammars, bad words of several tokens) runs its forward pass only and is sampled
-        as soon as they are read (its token masks built then), before the next step is scheduled:
-        the device needs its tokens when its forward pass ends, the next step's inputs only later."""
+        as soon as they are read (its token masks built then), before the next step is scheduled,
+        so its sampling runs on the device while the host packs the next step."""
         if self.workers is None:
             return self._step()
         if self._failed is not None:
