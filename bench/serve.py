@@ -25,7 +25,9 @@ The parts, in this order (``--only`` picks some):
 - ``engine``: the engine alone (no HTTP): the requests of the c64 level through ``Engine`` in this
   process with at most 64 in flight, and the c1 level's prompts each alone, after the server's
   warm-ups (``engine_alone``) (``engine_tokens_per_s_c64``: what the server's HTTP layer costs at
-  c64);
+  c64), then with c64 among the levels the json_schema level's requests held to ``JSON_SCHEMA``
+  (``engine_tokens_per_s_c64_json_schema``, ``engine_json_schema_ratio_c64``: the engine's share
+  of what structured output costs);
 - ``peer``: ``transformers serve DIR --continuous-batching --dtype bfloat16`` the same way, run as
   ``python -m transformers.cli.transformers`` (the ``transformers`` command's module) with this
   interpreter (it preloads the model it is pinned to before /health answers; its continuous
@@ -56,7 +58,8 @@ Keys: ``serve_tokens_per_s_c{c}``, ``serve_ttft_p50_ms_c{c}``, ``serve_ttft_p99_
 ``serve_tpot_p50_ms_c{c}``, ``serve_requests_per_s_c{c}``, ``serve_startup_s``, the same with
 ``transformers_`` for the peer, ``engine_tokens_per_s_c64``, ``engine_ttft_ms_c1`` (the engine's
 median time to first token of the c1 level's prompts, each alone: what ``serve_ttft_p50_ms_c1`` is
-compared with, median to median) and ``engine_ttft_min_ms_c1`` (the best of them);
+compared with, median to median), ``engine_ttft_min_ms_c1`` (the best of them),
+``engine_tokens_per_s_c64_json_schema`` and ``engine_json_schema_ratio_c64``;
 ``transformers_serve_error`` where the
 peer did not start or failed (its log says why). Required of a full run: ``serve_tokens_per_s_c64``,
 ``transformers_serve_tokens_per_s_c64``, ``serve_ttft_p50_ms_c1``, ``engine_tokens_per_s_c64``.
@@ -89,6 +92,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 from bench import gpu_slug, require_cuda
 
@@ -404,11 +408,13 @@ def measure(prefix: str, url: str, model: str, prompts, warm, levels, counts, re
             report(f"{prefix}_{key}_c64_json_schema", stats[key])
 
 
-def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) -> tuple[float, float, float]:
+def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int,
+                 json_ids=None) -> tuple[float, float, float, Optional[float]]:
     """The engine in this process as the server ran it: (output tokens/s over ``rate_ids`` at most
     ``max_num_seqs`` in flight; the median and the best time to first token, ms, of each of
-    ``ttft_ids`` alone). Warmed up as the server was: its start-up routine
-    (``engine_process.warm_up``), then ``warm_ids[:max_num_seqs]`` (the server's largest warm-up
+    ``ttft_ids`` alone; with ``json_ids``, output tokens/s over them held to ``JSON_SCHEMA``, after
+    a warm-up round of ``warm_ids[:max_num_seqs]`` held to it, else None). Warmed up as the server
+    was: its start-up routine (``engine_process.warm_up``), then ``warm_ids[:max_num_seqs]`` (the server's largest warm-up
     round) and one prompt alone (its c1 warm-up), ``warm_ids[max_num_seqs]``. The prompts measured
     are the server's c1 and c64 levels': never run before, as there (until 2026-12-03's last H200 run
     every measured prompt had run before on both sides, and the engine's rate was of a second pass
@@ -416,19 +422,20 @@ def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) ->
     first token runs from ``add`` to the step that returns the token."""
     import torch
 
-    from modeling import QwenForCausalLM
+    from modeling import QwenForCausalLM, QwenTokenizer, SamplingParams
     from modeling.engine import Engine
-    from modeling import SamplingParams
     from modeling.serve.engine_process import warm_up
 
     model = QwenForCausalLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
-    engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
+    engine = Engine(model, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                    tokenizer=QwenTokenizer.from_pretrained(path))
     warm_up(engine)
     greedy = SamplingParams()
+    held = SamplingParams(structured_outputs={"json": json.dumps(JSON_SCHEMA)})
 
-    def run(prompts) -> float:
+    def run(prompts, params=greedy) -> float:
         t0 = time.perf_counter()
-        tokens = sum(map(len, engine.generate(prompts, greedy, MAX_TOKENS)))
+        tokens = sum(map(len, engine.generate(prompts, params, MAX_TOKENS)))
         torch.cuda.synchronize()
         return tokens / (time.perf_counter() - t0)
 
@@ -444,9 +451,13 @@ def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int) ->
         while engine.has_work():
             engine.step()
     rate = run(rate_ids)
+    json_rate = None
+    if json_ids is not None:
+        run(warm_ids[:max_num_seqs], held)
+        json_rate = run(json_ids, held)
     del engine, model
     torch.cuda.empty_cache()
-    return rate, statistics.median(ttfts[1:]), min(ttfts[1:])
+    return rate, statistics.median(ttfts[1:]), min(ttfts[1:]), json_rate
 
 
 def main():
@@ -516,11 +527,15 @@ def main():
                 stop(ours)
 
         if "engine" in parts:
-            rate, ttft, best = engine_alone(ckpt, warm_ids, prompt_ids[slice(*ranges[1])],
-                                            prompt_ids[slice(*ranges[64])], 64)
+            rate, ttft, best, json_rate = engine_alone(ckpt, warm_ids, prompt_ids[slice(*ranges[1])],
+                                                       prompt_ids[slice(*ranges[64])], 64,
+                                                       prompt_ids[end:] if 64 in levels else None)
             report("engine_tokens_per_s_c64", rate)
             report("engine_ttft_ms_c1", ttft)
             report("engine_ttft_min_ms_c1", best)
+            if json_rate is not None:
+                report("engine_tokens_per_s_c64_json_schema", json_rate)
+                report("engine_json_schema_ratio_c64", json_rate / rate)
 
         if "peer" in parts:
             port = free_port()
