@@ -410,16 +410,15 @@ def measure(prefix: str, url: str, model: str, prompts, warm, levels, counts, re
 
 def engine_alone(path: Path, warm_ids, ttft_ids, rate_ids, max_num_seqs: int,
                  json_ids=None) -> tuple[float, float, float, Optional[float]]:
-    """The engine in this process as the server ran it: (output tokens/s over ``rate_ids`` at most
-    ``max_num_seqs`` in flight; the median and the best time to first token, ms, of each of
-    ``ttft_ids`` alone; with ``json_ids``, output tokens/s over them held to ``JSON_SCHEMA``, after
-    a warm-up round of ``warm_ids[:max_num_seqs]`` held to it, else None). Warmed up as the server
-    was: its start-up routine (``engine_process.warm_up``), then ``warm_ids[:max_num_seqs]`` (the server's largest warm-up
-    round) and one prompt alone (its c1 warm-up), ``warm_ids[max_num_seqs]``. The prompts measured
-    are the server's c1 and c64 levels': never run before, as there (until 2026-12-03's last H200 run
-    every measured prompt had run before on both sides, and the engine's rate was of a second pass
-    of the same requests: all prefix hits, against a quarter on the server). The clock of a time to
-    first token runs from ``add`` to the step that returns the token."""
+    """The engine in this process as the server ran it: (output tokens/s over ``rate_ids`` at most ``max_num_seqs`` in
+    flight; the median and the best time to first token, ms, of each of ``ttft_ids`` alone; with ``json_ids``, output
+    tokens/s over them held to ``JSON_SCHEMA``, after a warm-up round of ``warm_ids[:max_num_seqs]`` held to it, else
+    None). Warmed up as the server was: its start-up routine (``engine_process.warm_up``), then
+    ``warm_ids[:max_num_seqs]`` (the server's largest warm-up round) and one prompt alone (its c1 warm-up),
+    ``warm_ids[max_num_seqs]``. The prompts measured are the server's c1 and c64 levels': never run before, as there
+    (until 2026-12-03's last H200 run every measured prompt had run before on both sides, and the engine's rate was of a
+    second pass of the same requests: all prefix hits, against a quarter on the server). The clock of a time to first
+    token runs from ``add`` to the step that returns the token."""
     import torch
 
     from modeling import QwenForCausalLM, QwenTokenizer, SamplingParams
