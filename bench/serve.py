@@ -302,10 +302,11 @@ def summarize(results, wall: float) -> dict:
             "tokens_per_s": sum(r[2] for r in results) / wall}
 
 
-async def clients(url: str, model: str, prompts, c: int, schema=None) -> tuple[list, float, float]:
+async def clients(url: str, model: str, prompts, c: int, schema=None,
+                  timeout: float = REQUEST_TIMEOUT) -> tuple[list, float, float]:
     """``prompts`` sent by ``c`` clients of this process back to back, a ``RawClient`` connection
-    each: (results, start, end), the clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for
-    every process of the machine)."""
+    each, each request given ``timeout`` seconds: (results, start, end), the clock
+    ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the machine)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     todo, results = list(prompts), []
 
@@ -314,7 +315,7 @@ async def clients(url: str, model: str, prompts, c: int, schema=None) -> tuple[l
         try:
             while todo:
                 body = request_body(model, todo.pop(), schema)
-                results.append(await asyncio.wait_for(client.one(body), REQUEST_TIMEOUT))
+                results.append(await asyncio.wait_for(client.one(body), timeout))
         finally:
             client.close()
 
@@ -323,12 +324,13 @@ async def clients(url: str, model: str, prompts, c: int, schema=None) -> tuple[l
     return results, t0, time.perf_counter()
 
 
-def client_process(url: str, model: str, prompts, c: int, barrier, out, schema=None) -> None:
+def client_process(url: str, model: str, prompts, c: int, barrier, out, schema=None,
+                   timeout: float = REQUEST_TIMEOUT) -> None:
     """One client process of ``level``: starts with the others (``barrier``), puts its ``clients``
     triple on ``out``, or the traceback's text if it failed."""
     try:
         barrier.wait()
-        out.put(asyncio.run(clients(url, model, prompts, c, schema)))
+        out.put(asyncio.run(clients(url, model, prompts, c, schema, timeout)))
     except BaseException:
         out.put(traceback.format_exc())
 
@@ -340,14 +342,14 @@ def client_processes(c: int) -> int:
     return max(1, min(c, -(-c // CLIENTS_PER_PROCESS)))
 
 
-def level(url: str, model: str, prompts, c: int, schema=None) -> dict:
-    """``prompts`` sent by ``c`` clients back to back (held to ``schema`` when given), spread over
-    ``client_processes(c)`` processes (each its share of the clients and of the prompts, all
-    started at once); the level's wall time from the first process's start to the last one's end;
-    ``summarize`` of the results."""
+def level(url: str, model: str, prompts, c: int, schema=None, timeout: float = REQUEST_TIMEOUT) -> dict:
+    """``prompts`` sent by ``c`` clients back to back (held to ``schema`` when given; ``timeout``
+    seconds a request), spread over ``client_processes(c)`` processes (each its share of the
+    clients and of the prompts, all started at once); the level's wall time from the first
+    process's start to the last one's end; ``summarize`` of the results."""
     procs = client_processes(c)
     if procs == 1:
-        results, t0, t1 = asyncio.run(clients(url, model, prompts, c, schema))
+        results, t0, t1 = asyncio.run(clients(url, model, prompts, c, schema, timeout))
         return summarize(results, t1 - t0)
     import multiprocessing
 
@@ -355,13 +357,13 @@ def level(url: str, model: str, prompts, c: int, schema=None) -> dict:
     barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
     children = [ctx.Process(target=client_process, daemon=True,
                             args=(url, model, prompts[i::procs], c // procs + (i < c % procs), barrier, out,
-                                  schema))
+                                  schema, timeout))
                 for i in range(procs)]
     for child in children:
         child.start()
     try:
         barrier.wait(timeout=START_TIMEOUT)
-        shares, deadline = [], time.monotonic() + REQUEST_TIMEOUT * -(-len(prompts) // c)
+        shares, deadline = [], time.monotonic() + timeout * -(-len(prompts) // c)
         while len(shares) < procs:
             try:
                 shares.append(out.get(timeout=1.0))
