@@ -132,21 +132,18 @@ def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tens
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
-def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int],
-                      bitmask: Optional[Tensor] = None) -> Tensor:
+def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int]) -> Tensor:
     """logits [S, V] with each row's logit bias added (in fp32 or wider) and the tokens its
     ``TokenControls`` exclude set to -inf (``positions``: the index of each row's token being
-    sampled; ``bitmask``: the rows' ``token_bitmask`` when already built, else built here);
-    ``logits`` itself when no row has either."""
+    sampled; the rows' ``token_bitmask`` built here); ``logits`` itself when no row has either."""
     bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in s.params.logit_bias or ()]
     if bias:
         rows, ids, values = (to_device(np.array(column, dtype), logits.device)
                              for column, dtype in zip(zip(*bias), (np.int64, np.int64, np.float32)))
         wide = torch.promote_types(logits.dtype, torch.float32)
         logits = logits.to(wide).index_put((rows, ids), values.to(wide), accumulate=True)
-    if bitmask is None:
-        bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
-                                pin=logits.is_cuda)
+    bitmask = token_bitmask(seqs, logits.shape[-1], [p - s.num_prompt for p, s in zip(positions, seqs)],
+                            pin=logits.is_cuda)
     if bitmask is not None:  # pinned: the copy does not block the host
         logits = torch.ops.qwen.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
     return logits
@@ -202,18 +199,17 @@ class SampledTokens:
         return list(zip(tokens, entries))
 
 
-def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None,
-                     bitmask: Optional[Tensor] = None) -> SampledTokens:
+def sample_sequences(logits: Tensor, seqs: List[Sequence], positions: Optional[List[int]] = None) -> SampledTokens:
     """The next token of each sequence, logits [len(seqs), V] (row i is seqs[i]'s), each with its own
     ``params``, ``seed`` and position (``positions``, default ``len(tokens)``), its logit bias and
-    token mask (``controlled_logits``; ``bitmask``: the rows' masks when already built), and the
-    logprobs its ``params.logprobs`` asks for, of the raw logits (``token_logprobs``)."""
+    token mask (``controlled_logits``), and the logprobs its ``params.logprobs`` asks for, of the raw
+    logits (``token_logprobs``)."""
     dev = logits.device
     params = [s.params for s in seqs]
     modes = {p.mode for p in params}
     penalties = penalties_of(seqs, dev)
     positions = positions if positions is not None else [len(s.tokens) for s in seqs]
-    scores = controlled_logits(logits, seqs, positions, bitmask)
+    scores = controlled_logits(logits, seqs, positions)
     if modes == {"greedy"} and penalties is None:
         tokens = scores.argmax(dim=-1)
     else:
