@@ -494,22 +494,24 @@ weight[n, k] * weight_scale_inv[n // FP8_BLOCK, k // FP8_BLOCK]; the last block 
 _FP8_BLOCK = tl.constexpr(FP8_BLOCK)
 
 
-_E4M3_TO_BF16 = tl.constexpr("""{
-.reg .b32 lo, hi, sign, scale;
-mov.b32 scale, 0x7B807B80;
-prmt.b32 lo, $2, 0, 0x1404;
-prmt.b32 hi, $2, 0, 0x3424;
-and.b32 sign, lo, 0x80008000;
-shr.b32 lo, lo, 4;
-and.b32 lo, lo, 0x07F007F0;
-or.b32 lo, lo, sign;
-mul.rn.bf16x2 $0, lo, scale;
-and.b32 sign, hi, 0x80008000;
-shr.b32 hi, hi, 4;
-and.b32 hi, hi, 0x07F007F0;
-or.b32 hi, hi, sign;
-mul.rn.bf16x2 $1, hi, scale;
-}""")
+_E4M3_TO_BF16 = tl.constexpr(" ".join((
+    "{",
+    ".reg .b32 lo, hi, sign, scale;",
+    "mov.b32 scale, 0x7B807B80;",
+    "prmt.b32 lo, $2, 0, 0x1404;",
+    "prmt.b32 hi, $2, 0, 0x3424;",
+    "and.b32 sign, lo, 0x80008000;",
+    "shr.b32 lo, lo, 4;",
+    "and.b32 lo, lo, 0x07F007F0;",
+    "or.b32 lo, lo, sign;",
+    "mul.rn.bf16x2 $0, lo, scale;",
+    "and.b32 sign, hi, 0x80008000;",
+    "shr.b32 hi, hi, 4;",
+    "and.b32 hi, hi, 0x07F007F0;",
+    "or.b32 hi, hi, sign;",
+    "mul.rn.bf16x2 $1, hi, scale;",
+    "}",
+)))
 """Four e4m3 bytes ($2) to four bf16 ($0, $1): each byte's exponent and mantissa bits moved into a
 bf16's (bits 4-10), its sign into bit 15, then times 2^120 (bf16 0x7B80), the two formats' bias
 apart. Exact for every finite e4m3 value, subnormals included (a bf16 subnormal times 2^120 is
