@@ -41,10 +41,12 @@ forward), so that loop exists once. `plan` picks the mode from the host int max_
 Key blocks that every row of the tile sees in full run without masks or compares; the others
 mask the causal diagonal and the sequence end.
 
-Grid (tiles, Hk, NUM_SPLITS). Flash-decoding's KV splits: split s takes the key positions
-[s * SPLIT_LEN, (s + 1) * SPLIT_LEN). The split count comes from the shapes only (the tile
-count, Hk and the table's reach max_blocks_per_seq * block_size), never from device values, so
-one CUDA graph serves every length. With one split the kernel writes o; with several, each
+Grid (tiles, Hk, NUM_SPLITS). Flash-decoding's KV splits: the count comes from the shapes only
+(the tile count, Hk and the table's reach max_blocks_per_seq * block_size), never from device
+values, so one CUDA graph serves every length; the keys a tile sees, [0, kv_end), are shared
+among them on the device, split s taking [s * L, (s + 1) * L) with L = kv_end / NUM_SPLITS
+rounded up to whole key tiles (BLOCK_N), as the persistent decode kernel shares a sequence's
+length. A split cut from the reach would leave a short sequence's keys to the first splits. With one split the kernel writes o; with several, each
 program writes its rows' normalised partial output and base-2 log-sum-exp, and
 the combine pass (`_combine_kernel`, grid (N * Hq,)) weights and sums them.
 
@@ -166,7 +168,7 @@ def _attend_keys(q, kc_ptr, vc_ptr, table_row, stride_tb, n0, hi, q_pos, offs_n,
 def _paged_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, lens_ptr, table_ptr, o_ptr, po_ptr, plse_ptr,
     stride_qn, stride_qh, stride_cu, stride_lens, stride_ts, stride_tb,
-    N, HQ, NUM_SEQS, SEARCH_STEPS, NUM_BLOCKS, MAX_CONTEXT, SPLIT_LEN, NUM_SPLITS, qk_scale,
+    N, HQ, NUM_SEQS, SEARCH_STEPS, NUM_BLOCKS, MAX_CONTEXT, NUM_SPLITS, qk_scale,
     HK: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr, HEADROOM: tl.constexpr, P_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -199,8 +201,9 @@ def _paged_attention_kernel(
     q_pos = seq_len - qlen + t
     first_pos = seq_len - qlen + q_first  # the tile's first query; its last sees keys < kv_end
     kv_end = seq_len - qlen + min(q_first + BLOCK_Q, qlen)
-    lo = split * SPLIT_LEN
-    hi = min(lo + SPLIT_LEN, kv_end)
+    split_len = tl.cdiv(tl.cdiv(tl.maximum(kv_end, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = min(lo + split_len, kv_end)
     full_end = lo + tl.maximum(min(first_pos + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N  # every row sees [lo, full_end)
     table_row = table_ptr + seq.to(tl.int64) * stride_ts
     offs_n = tl.arange(0, BLOCK_N)
@@ -250,23 +253,21 @@ def _combine_kernel(po_ptr, plse_ptr, o_ptr, NUM_SPLITS, D: tl.constexpr, BLOCK_
     tl.store(o_ptr + row * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
 
 
-def split_plan(bsz: int, hk: int, cache_len: int, block_n: int, target: int):
-    """(num_splits, split_len): about `target` programs (`target_programs`), each split a whole
-    number of key blocks."""
-    splits = min(cdiv(cache_len, block_n), max(1, cdiv(target, bsz * hk)))
-    split_len = cdiv(cdiv(cache_len, splits), block_n) * block_n
-    return cdiv(cache_len, split_len), split_len
+def split_count(splits: int, cache_len: int, block_n: int) -> int:
+    """`splits` lowered so that sharing `cache_len` keys among them in whole key tiles of `block_n`
+    leaves none empty."""
+    return cdiv(cache_len, cdiv(cdiv(cache_len, splits), block_n) * block_n)
+
 
 class Plan(NamedTuple):
     """One paged_attention launch: the mode, the tile (BLOCK_Q tokens x GROUP heads in BLOCK_M
-    rows, BLOCK_N keys), the grid's tile count, the KV splits and the warps."""
+    rows, BLOCK_N keys), the grid's tile count, the KV split count and the warps."""
     one_tile_per_seq: bool
     block_q: int
     block_m: int
     block_n: int
     tiles: int
     num_splits: int
-    split_len: int
     num_warps: int
 
 
@@ -290,12 +291,9 @@ def plan(n: int, num_seqs: int, hk: int, group: int, d: int, max_query_len: int,
     tiles = num_seqs if one_tile else n // block_q + num_seqs
     warps = 4 if one_tile else tile_warps
     context = max(max_context, 1)
-    if num_splits is None:
-        num_splits, split_len = split_plan(tiles, hk, context, block_n, target)
-    else:
-        split_len = cdiv(cdiv(context, num_splits), block_n) * block_n
-        num_splits = cdiv(context, split_len)
-    return Plan(one_tile, block_q, block_m, block_n, tiles, num_splits, split_len, warps)
+    if num_splits is None:  # about `target` programs, at most one split a key tile of the reach
+        num_splits = min(cdiv(context, block_n), max(1, cdiv(target, tiles * hk)))
+    return Plan(one_tile, block_q, block_m, block_n, tiles, split_count(num_splits, context, block_n), warps)
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale: float, max_query_len: int,
@@ -321,9 +319,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
     _paged_attention_kernel[(p.tiles, hk, p.num_splits)](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o, part_out, part_lse,
         q.stride(0), q.stride(1), cu_seqlens_q.stride(0), seq_lens.stride(0), block_table.stride(0),
-        block_table.stride(1), n, hq, num_seqs, num_seqs.bit_length(), num_blocks, max_context, p.split_len,
-        p.num_splits, scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q,
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
+        block_table.stride(1), n, hq, num_seqs, num_seqs.bit_length(), num_blocks, max_context, p.num_splits,
+        scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q, BLOCK_M=p.block_m, BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
         WIDE_OFFSETS=k_cache.numel() >= 2**31, HEADROOM=headroom, P_SCALE=2.0 ** -headroom,
         num_warps=p.num_warps, num_stages=2, **pdl,
     )
