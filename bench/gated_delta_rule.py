@@ -18,6 +18,12 @@ l2-normalised q and k in the kernel, scale Dk^-0.5, zero initial state.
   against the fp64 recurrence of each sequence (states: all S final states).
 - `--kernels`: the device time of each kernel of one call of our chunk ops (torch.profiler, mean
   of 20 eager calls): the three chunk kernels `_wy_kernel`, `_state_kernel`, `_output_kernel`.
+- conv: the layer's short convolution (`torch.ops.qwen.causal_conv1d` with `cu_seqlens`, SiLU
+  fused) at Qwen3.5-0.8B's width, CONV_DIM channels of a CONV_PROJ-wide projection read through a
+  strided view as the model does, over the `--varlen` sequences and over each `--tokens` length
+  as one sequence, fresh states; beside transformers' PyTorch path on the same values (a
+  depthwise `F.conv1d` over [B, C, T], then SiLU); errors of y and of the final states against
+  float64.
 - decode: `torch.ops.qwen.recurrent_gated_delta_rule_varlen` (one sequence of one token continuing
   its state slot, gates fused) captured in a CUDA graph; `--decode-steps` consecutive steps
   continue from the fp64 prefill state with fresh tokens copied into the graph's static inputs;
@@ -32,6 +38,7 @@ import datetime
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -42,6 +49,9 @@ from qwen_ops.gated_delta_rule import gated_delta_gates_reference
 
 B, H, D = 1, 16, 128
 BF16 = torch.bfloat16
+CONV_DIM, CONV_PROJ, CONV_K = 2 * H * D + H * D, 8224, 4
+"""The conv's channels (q, k and v of every head), the width of the in_proj output they are a
+view of (q, k, v, z, then b and a), and its taps (Qwen3.5-0.8B)."""
 
 
 def rel_error(a, ref):
@@ -157,6 +167,37 @@ def bench_chunk_varlen(rows, seqs, length, fla_chunk, kernels):
         rows.append((what, "fla", t, ms, t / ms / 1e3, rel_error(o[0], ref_o), rel_error(s, ref_s)))
 
 
+def bench_conv(rows, seqs, length, device="cuda"):
+    """`seqs` packed sequences of `length` tokens through the layer's short convolution, fresh states."""
+    t = seqs * length
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(t, CONV_PROJ, generator=g, device=device).to(BF16)[:, :CONV_DIM]
+    w = (torch.randn(CONV_DIM, CONV_K, generator=g, device=device) * 0.5).to(BF16)
+    pool = torch.zeros(seqs, CONV_DIM, CONV_K - 1, dtype=BF16, device=device)
+    cu = torch.arange(0, t + 1, length, dtype=torch.int32, device=device)
+    slots = torch.arange(seqs, device=device)
+    cont = torch.zeros(seqs, dtype=torch.bool, device=device)
+    per_seq = x.double().reshape(seqs, length, CONV_DIM).transpose(1, 2)  # [S, C, L]
+    ref = F.silu(F.conv1d(F.pad(per_seq, (CONV_K - 1, 0)), w.double()[:, None, :], groups=CONV_DIM))
+    ref_state = F.pad(per_seq, (CONV_K - 1, 0))[..., -(CONV_K - 1):]
+
+    def ours():
+        return torch.ops.qwen.causal_conv1d(x, w, pool, cu, slots, cont)
+
+    def torch_path():  # transformers' Qwen3.5 fallback: [B, C, T], padded by K - 1, cut to T
+        xt = x.reshape(seqs, length, CONV_DIM).transpose(1, 2)
+        return F.silu(F.conv1d(xt, w[:, None, :], padding=CONV_K - 1, groups=CONV_DIM)[..., :length])
+
+    what = f"conv varlen {seqs}x{length}" if seqs > 1 else "conv"
+    y = ours()
+    err = (rel_error(y.reshape(seqs, length, CONV_DIM).transpose(1, 2), ref), rel_error(pool, ref_state))
+    ms = bench_ms(ours)
+    rows.append((what, "qwen (ours)", t, ms, t / ms / 1e3, *err))
+    y = torch_path()
+    ms = bench_ms(torch_path)
+    rows.append((what, "torch F.conv1d", t, ms, t / ms / 1e3, rel_error(y, ref), float("nan")))
+
+
 def bench_decode(rows, prefill_state, steps, fla_recurrent):
     """`steps` decode tokens from the prefill's fp64 state, each one a replay of a captured step."""
     x = make_inputs(steps, seed=1)
@@ -236,6 +277,9 @@ def main():
         prefill_state = prefill_state if prefill_state is not None else s
     if args.varlen[0] * args.varlen[1] > 0:
         bench_chunk_varlen(rows, *args.varlen, fla_chunk, args.kernels)
+        bench_conv(rows, *args.varlen)
+    for t in args.tokens:
+        bench_conv(rows, 1, t)
     if args.decode_steps > 0:
         bench_decode(rows, prefill_state, args.decode_steps, fla_recurrent)
     text = (f"# Gated DeltaNet, {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
