@@ -46,9 +46,9 @@ Grid (tiles, Hk, NUM_SPLITS). Flash-decoding's KV splits: the count comes from t
 values, so one CUDA graph serves every length; the keys a tile sees, [0, kv_end), are shared
 among them on the device, split s taking [s * L, (s + 1) * L) with L = kv_end / NUM_SPLITS
 rounded up to whole key tiles (BLOCK_N), as the persistent decode kernel shares a sequence's
-length. A split cut from the reach would leave a short sequence's keys to the first splits. With one split the kernel writes o; with several, each
-program writes its rows' normalised partial output and base-2 log-sum-exp, and
-the combine pass (`_combine_kernel`, grid (N * Hq,)) weights and sums them.
+length. A split cut from the reach would leave a short sequence's keys to the first splits.
+With one split the kernel writes o; with several, each program writes its rows' normalised
+partial output and base-2 log-sum-exp, and the combine pass (`_combine_kernel`, grid (N * Hq,)) weights and sums them.
 
 Device values are clamped, never checked (a check would cost a host sync; qwen_ops checks them
 on CPU tensors): cu_seqlens_q to [0, N], seq_lens to [0, max_blocks_per_seq * block_size], block
@@ -274,9 +274,10 @@ class Plan(NamedTuple):
 def plan(n: int, num_seqs: int, hk: int, group: int, d: int, max_query_len: int, max_context: int, itemsize: int,
          target: int, num_splits: "int | None" = None) -> Plan:
     """The launch for these shapes and host ints (see the module doc) on a device whose grids aim
-    for `target` programs (`target_programs`); `num_splits` overrides the split count (tests). Query tiles: 64 rows (32 at head_dim 256) and 8 warps for 16-bit operands,
-    16 x 16 tiles and 4 warps for fp32 (exact fp32 dots; the interpreter, where wide tiles cost
-    nothing, takes the 16-bit ones); at least one group of rows. One tile per sequence: as few
+    for `target` programs (`target_programs`); `num_splits` overrides the split count (tests).
+    Query tiles: 64 rows (32 at head_dim 256) and 8 warps for 16-bit operands, 16 x 16 tiles and 4
+    warps for fp32 (exact fp32 dots; the interpreter, where wide tiles cost nothing, takes the
+    16-bit ones); at least one group of rows. One tile per sequence: as few
     rows as its queries need (16 at least, for tl.dot), 4 warps. None of these spills registers
     on sm_90 (ptxas) at head_dims 64 to 256."""
     if itemsize == 4 and not INTERPRET:
@@ -320,7 +321,8 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, sc
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, o, part_out, part_lse,
         q.stride(0), q.stride(1), cu_seqlens_q.stride(0), seq_lens.stride(0), block_table.stride(0),
         block_table.stride(1), n, hq, num_seqs, num_seqs.bit_length(), num_blocks, max_context, p.num_splits,
-        scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q, BLOCK_M=p.block_m, BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
+        scale * LOG2E, HK=hk, GROUP=group, D=d, BLOCK_SIZE=block_size, BLOCK_Q=p.block_q, BLOCK_M=p.block_m,
+        BLOCK_N=p.block_n, ONE_TILE_PER_SEQ=p.one_tile_per_seq, SPLIT=p.num_splits > 1,
         WIDE_OFFSETS=k_cache.numel() >= 2**31, HEADROOM=headroom, P_SCALE=2.0 ** -headroom,
         num_warps=p.num_warps, num_stages=2, **pdl,
     )
