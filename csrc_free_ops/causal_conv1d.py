@@ -8,12 +8,10 @@ x [B, T, C] (last dim contiguous, other strides free), weight [C, K], state [B, 
 fp32 math, y in x's dtype.
 
 One kernel serves fixed-length and packed sequences (`causal_conv1d` without and with
-`cu_seqlens`). Program (b, t-range, c-block) of the fixed-length form computes the outputs of
-its T range for BLOCK_C channels, BLOCK_T rows at a time: it loads the K shifted [BLOCK_T,
-BLOCK_C] input tiles of a block as one [K, BLOCK_T, BLOCK_C] tile (rows before t = 0 from the
-state), so each input is read K times, from L1/L2, and sums over the taps in registers. Past the
-blocks that read the state, each block's tile is loaded while the block before it is computed;
-the weights are loaded once. The program of the first t-range also writes the new state.
+`cu_seqlens`). Program (b, t-range, c-block) of the fixed-length form computes the outputs of its T range for BLOCK_C channels: for each of the K
+taps it loads the [BLOCK_T, BLOCK_C] input tile shifted by the tap (rows before t = 0 come
+from the state), so each input is read K times, from L1/L2. The program of the first t-range
+also writes the new state.
 
 Packed sequences (x [N, C], cu_seqlens, a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same
@@ -33,30 +31,25 @@ from .gated_delta_rule_packing import num_slots, packed_tile, seq_block
 
 
 @triton.jit
-def _load_taps(x_cols, s_cols, t0, t_hi, taps, rows, cmask, keep, stride_xt, stride_sik, K: tl.constexpr,
-               WITH_STATE: tl.constexpr):
-    """[KB, BLOCK_T, BLOCK_C] inputs of output rows [t0, t0 + BLOCK_T) (those < t_hi): tap j of row t
-    is input position t + j - (K - 1); positions < 0 come from the old state (WITH_STATE, where
-    ``keep``), else are zeros, as are taps j >= K."""
+def _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt, stride_sik,
+                stride_wc, stride_wk, K: tl.constexpr, WITH_STATE: tl.constexpr):
+    """The outputs of rows [t0, t0 + BLOCK_T) (those < t_hi) for the program's channels; inputs at
+    positions < 0 come from the old state (WITH_STATE, where ``keep``), else are zeros."""
     t = t0 + rows
-    src = t[None, :] + taps[:, None] - (K - 1)  # [KB, BLOCK_T]
-    m = ((taps[:, None] < K) & (t[None, :] < t_hi))[:, :, None] & cmask[None, None, :]
-    xv = tl.load(x_cols[None] + tl.maximum(src, 0).to(tl.int64)[:, :, None] * stride_xt,
-                 mask=m & (src >= 0)[:, :, None], other=0.0)
-    if WITH_STATE:
-        xv += tl.load(s_cols[None] + (K - 1 + tl.minimum(src, 0))[:, :, None] * stride_sik,
-                      mask=tl.where(keep, m & (src < 0)[:, :, None], False), other=0.0).to(xv.dtype)
-    return xv
-
-
-@triton.jit
-def _store_rows(xv, w, y_rows, t0, t_hi, rows, cols, cmask, stride_yt):
-    """Rows [t0, t0 + BLOCK_T) (those < t_hi) of y = silu(sum_j w[j] * xv[j]), the taps' sum in fp32."""
-    acc = tl.sum(xv.to(tl.float32) * w[:, None, :], axis=0)
+    m = (t < t_hi)[:, None] & cmask[None, :]
+    acc = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = t + (j - (K - 1))  # input position read by tap j
+        w = tl.load(w_ptr + cols.to(tl.int64) * stride_wc + j * stride_wk, mask=cmask, other=0.0).to(tl.float32)
+        xv = tl.load(x_cols + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_xt,
+                     mask=m & (src >= 0)[:, None], other=0.0).to(tl.float32)
+        if WITH_STATE:
+            if j < K - 1:
+                xv += tl.load(s_cols + (K - 1 + tl.minimum(src, 0))[:, None] * stride_sik,
+                              mask=tl.where(keep, m & (src < 0)[:, None], False), other=0.0).to(tl.float32)
+        acc += xv * w[None, :]
     y = acc * tl.sigmoid(acc)
-    t = t0 + rows
-    tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_rows.dtype.element_ty),
-             mask=(t < t_hi)[:, None] & cmask[None, :])
+    tl.store(y_rows + t.to(tl.int64)[:, None] * stride_yt + cols[None, :], y.to(y_rows.dtype.element_ty), mask=m)
 
 
 @kernel
@@ -66,7 +59,7 @@ def _conv_kernel(
     stride_xb, stride_xt, stride_xc, stride_yb, stride_yt,
     stride_sib, stride_sic, stride_sik, stride_sob, stride_soc, stride_sok, stride_wc, stride_wk,
     K: tl.constexpr, HAS_STATE: tl.constexpr, VARLEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_SEQ: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_SEQ: tl.constexpr,
 ):
     """Fixed length: program (b, t-range, c-block), the state rows b. VARLEN: program (tile slot,
     0, c-block) of packed sequences (gated_delta_rule_packing), the state rows slot[seq], read
@@ -97,24 +90,17 @@ def _conv_kernel(
     s_cols = s_in_ptr + srow * stride_sib + cols.to(tl.int64)[None, :] * stride_sic
 
     rows = tl.arange(0, BLOCK_T)
-    taps = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + cols.to(tl.int64)[None, :] * stride_wc + taps[:, None] * stride_wk,
-                mask=(taps < K)[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_C], once
     # Blocks holding positions < K - 1 read the old state; the loop over the others has no state
-    # reads, and loads each block's inputs one block ahead, so that a program keeps two blocks of
-    # loads in flight.
+    # reads, so its taps' loads are free to overlap (a branch per tap in one loop serialised them).
     t_plain = t_lo
     if HAS_STATE:
         t_plain = t_lo + (tl.maximum(K - 1 - t_lo, 0) + BLOCK_T - 1) // BLOCK_T * BLOCK_T
         for t0 in range(t_lo, min(t_plain, t_hi), BLOCK_T):
-            xv = _load_taps(x_cols, s_cols, t0, t_hi, taps, rows, cmask, keep, stride_xt, stride_sik, K, True)
-            _store_rows(xv, w, y_rows, t0, t_hi, rows, cols, cmask, stride_yt)
-    xv = _load_taps(x_cols, s_cols, t_plain, t_hi, taps, rows, cmask, keep, stride_xt, stride_sik, K, False)
+            _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt,
+                        stride_sik, stride_wc, stride_wk, K, True)
     for t0 in range(t_plain, t_hi, BLOCK_T):
-        ahead = _load_taps(x_cols, s_cols, t0 + BLOCK_T, t_hi, taps, rows, cmask, keep, stride_xt, stride_sik, K,
-                           False)
-        _store_rows(xv, w, y_rows, t0, t_hi, rows, cols, cmask, stride_yt)
-        xv = ahead
+        _conv_block(x_cols, s_cols, w_ptr, y_rows, t0, t_hi, rows, cols, cmask, keep, stride_xt, stride_yt,
+                    stride_sik, stride_wc, stride_wk, K, False)
 
     # The new state [K-1, BLOCK_C]: column i is input position L - (K-1) + i (< 0: from the old
     # state). Read after the outputs (fewer live registers in the loop) and before it is stored: in
@@ -165,7 +151,7 @@ def _launch(x, weight, s_in, y, s_out):
         s_in_.stride(0), s_in_.stride(1), s_in_.stride(2), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         weight.stride(0), weight.stride(1),
         K=k, HAS_STATE=has_state, VARLEN=False, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_K=next_power_of_2(k), BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=1, num_warps=4,
+        BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=1, num_warps=4,
     )
 
 
@@ -210,6 +196,6 @@ def _packed(x, weight, conv_states, cu_seqlens, state_slots, continues):
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
         weight.stride(0), weight.stride(1),
         K=k, HAS_STATE=True, VARLEN=True, BLOCK_T=block_t, BLOCK_C=block_c,
-        BLOCK_K=next_power_of_2(k), BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=seq_block(s), num_warps=4,
+        BLOCK_S=next_power_of_2(k - 1), BLOCK_SEQ=seq_block(s), num_warps=4,
     )
     return y
