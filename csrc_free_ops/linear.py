@@ -162,7 +162,7 @@ def _tma_gemm_kernel(
     x, w, y, b_ptr, M, N, K, K_PER_SPLIT, PROGRAMS, stride_xm, stride_wn, stride_ym, stride_ys,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, DEVICE_DESCRIPTORS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SWIGLU: tl.constexpr = False,
 ):
     """Program p computes work items p, p + PROGRAMS, ... of SPLIT_K x (output tiles): the tile
     (pid_m, pid_n) over K slice s. One slice: y tile (+ bias) in y's dtype. Several: the fp32
@@ -173,12 +173,14 @@ def _tma_gemm_kernel(
     DEVICE_DESCRIPTORS, pointers from which each program makes its own descriptors in global
     scratch that Triton's launcher allocates. Host descriptors are faster for small GEMMs (no
     per-program descriptor write and fence); torch.compile can
-    only trace the pointer form. Under PDL a program lets the next kernel launch once its last
+    only trace the pointer form. SWIGLU (one slice, no bias): w holds 2N rows, the gate's then
+    the up projection's; the tile's products with rows n and N + n are taken side by side and
+    y = silu(gate) * up is stored (`linear_silu_mul`). Under PDL a program lets the next kernel launch once its last
     work item's main loop is done."""
     pdl_wait(USE_PDL)
     if DEVICE_DESCRIPTORS:
         x_desc = tl.make_tensor_descriptor(x, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w, [2 * N if SWIGLU else N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
         if SPLIT_K == 1:
             y_desc = tl.make_tensor_descriptor(y, [M, N], [stride_ym, 1], [BLOCK_M, BLOCK_N])
         else:
@@ -190,12 +192,17 @@ def _tma_gemm_kernel(
         pid_m, pid_n = grouped_tile(work % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         k_lo = (work // tiles) * K_PER_SPLIT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N if SWIGLU else 1), dtype=tl.float32)
         for k0 in range(k_lo, min(k_lo + K_PER_SPLIT, K), BLOCK_K):
             a = x_desc.load([pid_m * BLOCK_M, k0])
             b = w_desc.load([pid_n * BLOCK_N, k0])
             acc = dot(a, b.T, acc)
+            if SWIGLU:  # gate rows past N read up rows: their columns are not stored
+                up = dot(a, w_desc.load([N + pid_n * BLOCK_N, k0]).T, up)
         if work + PROGRAMS >= tiles * SPLIT_K:
             pdl_launch_dependents(USE_PDL)
+        if SWIGLU:
+            acc = acc * tl.sigmoid(acc) * up
         if HAS_BIAS:
             rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -211,11 +218,14 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, cfg: PrefillConfig) -> None:
+def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, cfg: PrefillConfig,
+               swiglu: bool = False) -> None:
     """Prefill GEMM into y2 through TMA descriptors (`tma_ok` must hold): y2 = x2 @ weight.T (+ bias).
-    Host-made descriptors, except under torch.compile's tracing (Inductor passes tensors)."""
+    Host-made descriptors, except under torch.compile's tracing (Inductor passes tensors). swiglu
+    (cfg.split_k 1, no bias): y2 [M, N] = silu(gate) * up of weight [2N, K]'s two halves, cfg's
+    block_n columns of each a tile."""
     m, k = x2.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     per = cdiv(cdiv(k, cfg.split_k), bk) * bk
     split = cdiv(k, per)
@@ -235,11 +245,33 @@ def tma_matmul(x2: torch.Tensor, weight: torch.Tensor, bias, y2: torch.Tensor, c
         x, w, y, bias if has_bias and split == 1 else weight, m, n, k, per, programs,
         x2.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
         SPLIT_K=split, HAS_BIAS=has_bias and split == 1, DEVICE_DESCRIPTORS=on_device,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_options(x2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SWIGLU=swiglu, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(x2),
     )
     if split > 1:
         reduce_slices(out, bias, y2)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> "torch.Tensor | None":
+    """silu(x @ gate.T) * (x @ up.T) -> [..., N] for weight [2N, K] (gate rows, then up rows) in one
+    GEMM whose tiles hold the two products side by side (`tma_matmul` with swiglu), or None where
+    that GEMM does not run (decode rows, empty inputs, inputs `tma_ok` refuses, a config that splits
+    K): the caller composes `linear` and `silu_mul` then. The tile: linear_prefill's config for (M, 2N, K), its
+    block_n halved between the two products, so a tile holds as many accumulators as that config's."""
+    n2, k = weight.shape
+    m = x.numel() // k if k else 0
+    if m <= DECODE_MAX_M or n2 == 0 or n2 % 2 or k == 0:
+        return None
+    cfg = prefill_config(m, n2, k, x.device, x.dtype)
+    if cfg.split_k > 1 or cfg.block_n < 32:
+        return None
+    x2 = flat_rows(x)
+    y = torch.empty((*x.shape[:-1], n2 // 2), dtype=x.dtype, device=x.device)
+    y2 = y.view(m, n2 // 2)
+    if not tma_ok(x2, weight, y2):
+        return None
+    tma_matmul(x2, weight, None, y2, cfg._replace(block_n=cfg.block_n // 2), swiglu=True)
+    return y
 
 
 def prefill_blocks(m: int, n: int, itemsize: int, target: int):

@@ -32,7 +32,8 @@ from .gated_delta_rule import (chunk_gated_delta_rule, chunk_gated_delta_rule_re
                                gated_delta_gates_reference, gated_rms_norm,
                                gated_rms_norm_reference, recurrent_gated_delta_rule_varlen,
                                recurrent_gated_delta_rule_varlen_reference)
-from .linear import linear, linear_backward, linear_backward_reference, linear_reference
+from .linear import (linear, linear_backward, linear_backward_reference, linear_reference, linear_silu_mul,
+                     linear_silu_mul_reference)
 from .moe import (fused_moe, fused_moe_reference, moe_align_block_size, moe_align_block_size_reference,
                   moe_topk_softmax, moe_topk_softmax_reference)
 from .norm import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_backward, rms_norm_backward_reference,
@@ -57,7 +58,8 @@ __all__ = [
     "DECODE_LAYERS_MAX_ROWS", "DECODE_HYBRID_ATTENTION", "DECODE_HYBRID_GATED_DELTANET", "decode_hybrid_layers", "decode_hybrid_layers_reference", "decode_layers", "decode_layers_reference", "decode_layers_splits", "reserve_decode_buffers", "kernel_calls",
     "linear", "linear_backward", "linear_backward_reference", "linear_cross_entropy", "linear_cross_entropy_backward",
     "linear_cross_entropy_backward_reference", "linear_cross_entropy_reference", "linear_cross_entropy_with_lse",
-    "linear_cross_entropy_with_lse_reference", "linear_reference", "rms_norm", "rms_norm_backward",
+    "linear_cross_entropy_with_lse_reference", "linear_reference", "linear_silu_mul",
+    "linear_silu_mul_reference", "rms_norm", "rms_norm_backward",
     "rms_norm_backward_reference", "rms_norm_reference", "rope", "rope_backward", "rope_backward_reference",
     "rope_reference", "silu_mul", "silu_mul_backward", "silu_mul_backward_reference", "silu_mul_reference",
     "silu_mul_split", "silu_mul_split_backward", "silu_mul_split_backward_reference", "silu_mul_split_reference",

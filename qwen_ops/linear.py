@@ -1,10 +1,16 @@
-"""qwen::linear: x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], and qwen::linear_backward.
+"""qwen::linear: x [..., K] @ weight[N, K].T (+ bias[N]) -> [..., N], qwen::linear_backward, and
+qwen::linear_silu_mul(x, gate_up_weight [2I, K]) = silu_mul(linear(x, gate_up_weight)) -> [..., I].
 
 M = prod(x.shape[:-1]) <= 16 (decode) takes the split-K kernel pair, larger M the
 tiled GEMM (csrc_free_ops/linear.py). fp32 accumulation, output in x's dtype.
 
 Backward: dx = dy @ W, dW = dy^T @ x, db = sum over rows of dy; gradients not asked for
 come back as empty tensors.
+
+linear_silu_mul (inference: no autograd) takes one GEMM whose tiles hold the gate and up products
+side by side and store silu(gate) * up, where the TMA GEMM runs (16-bit operands, M > 16 rows, a
+config that does not split K); elsewhere the linear and silu_mul kernels one after the other. Its
+output is not rounded to x's dtype between the GEMM and the SwiGLU, as the reference's is.
 """
 from typing import Optional
 
@@ -12,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from csrc_free_ops import activation as activation_kernels
 from csrc_free_ops import linear as kernels
 from csrc_free_ops.common import empty_contiguous_like
 
+from .activation import silu_mul_reference
 from .checks import check_float, check_same, fail
 from .registry import acc_dtype, define, last_dim_contiguous, no_grad_placeholder, register_autograd, to_dtype
 
@@ -110,3 +118,23 @@ def _backward(ctx, dy):
 
 
 register_autograd(linear, _backward, _setup)
+
+
+def linear_silu_mul_reference(x: Tensor, gate_up_weight: Tensor) -> Tensor:
+    return silu_mul_reference(linear_reference(x, gate_up_weight))
+
+
+def _check_silu_mul(x, gate_up_weight):
+    _check(x, gate_up_weight, None)
+    if gate_up_weight.shape[0] % 2:
+        fail("linear_silu_mul", f"gate_up_weight needs an even number of rows (gate, then up), got "
+                                f"{gate_up_weight.shape[0]}")
+
+
+def _silu_mul_kernel(x, gate_up_weight):
+    y = kernels.linear_silu_mul(x, gate_up_weight)
+    return activation_kernels.silu_mul(kernels.linear(x, gate_up_weight, None)) if y is None else y
+
+
+linear_silu_mul = define(linear_silu_mul_reference, _silu_mul_kernel, check=_check_silu_mul,
+                         fake=lambda x, gate_up_weight: x.new_empty((*x.shape[:-1], gate_up_weight.shape[0] // 2)))

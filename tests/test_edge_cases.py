@@ -189,6 +189,8 @@ CASES = [
     ("linear", "M=0 bias 3-d", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(4, 8, dt=dt, dev=dev),
                                                 _r(4, dt=dt, dev=dev))),
     ("linear", "N=0", lambda dt, dev: (_r(3, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev), _r(0, dt=dt, dev=dev))),
+    ("linear_silu_mul", "M=0", lambda dt, dev: (_r(2, 0, 8, dt=dt, dev=dev), _r(6, 8, dt=dt, dev=dev))),
+    ("linear_silu_mul", "I=0", lambda dt, dev: (_r(40, 8, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev))),
     ("linear_backward", "M=0", lambda dt, dev: (_r(0, 4, dt=dt, dev=dev), _r(0, 8, dt=dt, dev=dev),
                                                 _r(4, 8, dt=dt, dev=dev), True, True, True)),
     ("linear_backward", "N=0", lambda dt, dev: (_r(3, 0, dt=dt, dev=dev), _r(3, 8, dt=dt, dev=dev),

@@ -122,8 +122,7 @@ qwen.attention.default
 aten.view.default
 qwen.linear.default
 qwen.add_rms_norm.default
-qwen.linear.default
-qwen.silu_mul.default
+qwen.linear_silu_mul.default
 qwen.linear.default
 """)
     contexts = step_contexts(model)
@@ -145,8 +144,7 @@ qwen.paged_attention.default
 aten.view.default
 qwen.linear.default
 qwen.add_rms_norm.default
-qwen.linear.default
-qwen.silu_mul.default
+qwen.linear_silu_mul.default
 qwen.linear.default
 """)
     input_ids, context = contexts["decode"]

@@ -3,10 +3,10 @@ import torch
 import triton
 from triton.runtime import _allocation
 
-import qwen_ops  # noqa: F401
+import qwen_ops
 from csrc_free_ops import linear as linear_kernels
 from qwen_ops import linear_reference
-from tests.helpers import DEVICES, DTYPES, assert_close, poison_allocator, randn, require_tma
+from tests.helpers import DEVICES, DTYPES, REL_TOL, assert_close, poison_allocator, randn, require_tma
 
 # (M, K, N): decode (split-K) rows first, then prefill tiles; awkward K and N on purpose.
 CASES = {
@@ -142,3 +142,46 @@ def test_prefill_tma_refuses_broadcast_rows_and_wrong_configs(device):
         linear_kernels.linear(x[:4].contiguous(), w, None, config=prefill_cfg)
     with pytest.raises(ValueError, match="DecodeConfig for M = 40"):
         linear_kernels.linear(x.contiguous(), w, None, config=linear_kernels.DecodeConfig(16, 16, 1))
+
+
+# (M, K, I): decode rows and rows TMA refuses (I * 2 bytes not a multiple of 16) take linear then
+# silu_mul; the others the GEMM with the SwiGLU epilogue.
+SILU_MUL_CASES = {
+    "cpu": [(3, 64, 48, False), (40, 64, 48, True), (70, 200, 40, True), (33, 96, 100, False)],
+    "cuda": [(1, 1024, 3072, False), (32, 1024, 3072, True), (256, 1024, 3584, True), (2048, 1024, 3584, True),
+             (300, 4096, 12288, True), (777, 896, 4864, True), (40, 64, 100, False)],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_silu_mul_matches_reference(device, dtype, monkeypatch):
+    """The op against silu_mul(linear(...))'s reference; the fused GEMM runs exactly where TMA takes
+    16-bit operands above the decode rows (counted through the kernel module's entry)."""
+    fused = []
+    entry = linear_kernels.linear_silu_mul
+    monkeypatch.setattr(linear_kernels, "linear_silu_mul", lambda x, w: fused.append(entry(x, w)) or fused[-1])
+    for m, k, i, takes_tma in SILU_MUL_CASES[device]:
+        if takes_tma and device == "cuda":
+            require_tma(device)
+        x = randn(m, k, dtype=dtype, device=device)
+        w = randn(2 * i, k, dtype=dtype, device=device, scale=k ** -0.5)
+        fused.clear()
+        poison_allocator(device)
+        got = torch.ops.qwen.linear_silu_mul(x, w)
+        # two roundings to 16 bits (gate_up, the product) where the fallback runs: twice linear's bound
+        assert_close(got, qwen_ops.linear_silu_mul_reference(x, w), rel_tol=2 * REL_TOL[dtype],
+                     what=f"linear_silu_mul M{m} K{k} I{i}")
+        if device == "cuda" or qwen_ops.registry.runs_kernels("cpu", dtype):
+            assert [y is not None for y in fused] == [takes_tma and dtype != torch.float32], (m, k, i, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_silu_mul_opcheck_and_errors(device):
+    x = randn(2, 20, 32, dtype=torch.bfloat16, device=device)
+    w = randn(64, 32, dtype=torch.bfloat16, device=device, scale=0.2)
+    torch.library.opcheck(torch.ops.qwen.linear_silu_mul.default, (x, w))
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.linear_silu_mul: gate_up_weight needs an even number"):
+        torch.ops.qwen.linear_silu_mul(x, w[:63])
+    with pytest.raises(qwen_ops.QwenOpError, match="x's last dim is 32"):
+        torch.ops.qwen.linear_silu_mul(x, w[:, :16])

@@ -83,6 +83,17 @@ def module_linear(module: nn.Module, h: Tensor, name: str, bias: Optional[Tensor
     return linear(h, getattr(module, name), bias, scale_inv, tail)
 
 
+def module_gate_up_silu(module: nn.Module, h: Tensor) -> Tensor:
+    """``silu_mul(linear(h, gate_up_weight))`` of ``module``'s gate_up weight: one GEMM with the
+    SwiGLU in its epilogue (``linear_silu_mul``, inference only) for a 16-bit weight outside
+    autograd, else the two ops (``module_linear``, whose FP8 path and backward they have)."""
+    weight = module.gate_up_weight
+    if module.gate_up_weight_scale_inv is None and not (torch.is_grad_enabled() and (h.requires_grad or
+                                                                                    weight.requires_grad)):
+        return ops.linear_silu_mul(h, weight)
+    return ops.silu_mul(module_linear(module, h, "gate_up_weight"))
+
+
 def quantize(weight: Tensor) -> tuple[Tensor, Tensor]:
     """weight [..., N, K] -> (float8_e4m3fn [..., N, K], scale_inv fp32 [..., cdiv(N, 128), cdiv(K, 128)])
     (``qwen_ops.quantize_weight_fp8_block``; fused experts: one leading dim, quantised expert by expert)."""

@@ -138,7 +138,7 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(x, residual, self.post_norm, c.rms_norm_eps, c.norm_offset)
         if self.mlp is not None:
             return self.mlp(h), residual
-        down = fp8.module_linear(self, ops.silu_mul(fp8.module_linear(self, h, "gate_up_weight")), "down_weight")
+        down = fp8.module_linear(self, fp8.module_gate_up_silu(self, h), "down_weight")
         return self.parallel.all_reduce(down), residual
 
     def _project_in(self, x: Tensor, residual: Optional[Tensor], name: str, bias: Optional[Tensor],
