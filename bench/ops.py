@@ -140,6 +140,11 @@ def bench_model_ops(rows, cfg, m):
     sets = copies(lambda: (rnd(m, 2 * i),), m * 3 * i * 2)
     rows.append(("silu_mul", f"M={m} I={i}", bench_us(lambda gu: torch.ops.qwen.silu_mul(gu), sets), "eager",
                  bench_us(lambda gu: qwen_ops.silu_mul_reference(gu), sets), m * 3 * i * 2))
+    sets = copies(lambda: (rnd(m, h), rnd(2 * i, h, scale=h ** -0.5)), 2 * i * h * 2)
+    rows.append(("linear_silu_mul", f"M={m} I={i} K={h}",
+                 bench_us(lambda x, w: torch.ops.qwen.linear_silu_mul(x, w), sets), "linear + silu_mul",
+                 bench_us(lambda x, w: torch.ops.qwen.silu_mul(torch.ops.qwen.linear(x, w)), sets),
+                 (2 * i * h + m * h + m * i) * 2))
     qkv_dim = (hq + 2 * hk) * d
 
     def rope_set():
