@@ -175,8 +175,8 @@ def _tma_gemm_kernel(
     per-program descriptor write and fence); torch.compile can
     only trace the pointer form. SWIGLU (one slice, no bias): w holds 2N rows, the gate's then
     the up projection's; the tile's products with rows n and N + n are taken side by side and
-    y = silu(gate) * up is stored (`linear_silu_mul`). Under PDL a program lets the next kernel launch once its last
-    work item's main loop is done."""
+    y = silu(gate) * up is stored (`linear_silu_mul`). Under PDL a program lets the next kernel
+    launch once its last work item's main loop is done."""
     pdl_wait(USE_PDL)
     if DEVICE_DESCRIPTORS:
         x_desc = tl.make_tensor_descriptor(x, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
@@ -256,8 +256,9 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> "torch.Tensor | No
     """silu(x @ gate.T) * (x @ up.T) -> [..., N] for weight [2N, K] (gate rows, then up rows) in one
     GEMM whose tiles hold the two products side by side (`tma_matmul` with swiglu), or None where
     that GEMM does not run (decode rows, empty inputs, inputs `tma_ok` refuses, a config that splits
-    K): the caller composes `linear` and `silu_mul` then. The tile: linear_prefill's config for (M, 2N, K), its
-    block_n halved between the two products, so a tile holds as many accumulators as that config's."""
+    K): the caller composes `linear` and `silu_mul` then. The tile: linear_prefill's config for
+    (M, 2N, K), its block_n halved between the two products, so a tile holds as many accumulators
+    as that config's."""
     n2, k = weight.shape
     m = x.numel() // k if k else 0
     if m <= DECODE_MAX_M or n2 == 0 or n2 % 2 or k == 0:

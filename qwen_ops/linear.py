@@ -59,13 +59,12 @@ def linear_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, need_dx: bo
     return dx, dw, db
 
 
-def _check(x, weight, bias):
-    op = "linear"
+def _check(x, weight, bias, op="linear", name="weight"):
     check_float(op, "x", x)
-    check_float(op, "weight", weight, ndim=2)
-    check_same(op, "x", x, weight=weight, bias=bias)
+    check_float(op, name, weight, ndim=2)
+    check_same(op, "x", x, **{name: weight}, bias=bias)
     if weight.shape[1] != x.shape[-1]:
-        fail(op, f"weight is {tuple(weight.shape)} ([N, K]) but x's last dim is {x.shape[-1]}")
+        fail(op, f"{name} is {tuple(weight.shape)} ([N, K]) but x's last dim is {x.shape[-1]}")
     if x.shape[-1] == 0:
         fail(op, "x's last dim (K) must be positive")
     if bias is not None:
@@ -125,7 +124,7 @@ def linear_silu_mul_reference(x: Tensor, gate_up_weight: Tensor) -> Tensor:
 
 
 def _check_silu_mul(x, gate_up_weight):
-    _check(x, gate_up_weight, None)
+    _check(x, gate_up_weight, None, "linear_silu_mul", "gate_up_weight")
     if gate_up_weight.shape[0] % 2:
         fail("linear_silu_mul", f"gate_up_weight needs an even number of rows (gate, then up), got "
                                 f"{gate_up_weight.shape[0]}")

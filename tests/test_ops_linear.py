@@ -183,5 +183,8 @@ def test_linear_silu_mul_opcheck_and_errors(device):
     torch.library.opcheck(torch.ops.qwen.linear_silu_mul.default, (x, w))
     with pytest.raises(qwen_ops.QwenOpError, match="qwen.linear_silu_mul: gate_up_weight needs an even number"):
         torch.ops.qwen.linear_silu_mul(x, w[:63])
-    with pytest.raises(qwen_ops.QwenOpError, match="x's last dim is 32"):
+    with pytest.raises(qwen_ops.QwenOpError,
+                       match=r"qwen.linear_silu_mul: gate_up_weight is \(64, 16\) \(\[N, K\]\) but x's"):
         torch.ops.qwen.linear_silu_mul(x, w[:, :16])
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.linear_silu_mul: gate_up_weight has dtype"):
+        torch.ops.qwen.linear_silu_mul(x, w.float())
