@@ -88,8 +88,8 @@ def module_gate_up_silu(module: nn.Module, h: Tensor) -> Tensor:
     SwiGLU in its epilogue (``linear_silu_mul``, inference only) for a 16-bit weight outside
     autograd, else the two ops (``module_linear``, whose FP8 path and backward they have)."""
     weight = module.gate_up_weight
-    if module.gate_up_weight_scale_inv is None and not (torch.is_grad_enabled() and (h.requires_grad or
-                                                                                    weight.requires_grad)):
+    needs_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if module.gate_up_weight_scale_inv is None and not needs_grad:
         return ops.linear_silu_mul(h, weight)
     return ops.silu_mul(module_linear(module, h, "gate_up_weight"))
 
