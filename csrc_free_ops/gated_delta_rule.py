@@ -53,20 +53,21 @@ CHUNK = 64
 
 
 @triton.jit
-def _l2norm_rows(x, NORM: tl.constexpr):
-    """x [R, D] fp32 -> x * rsqrt(sum(x^2) + 1e-6) per row (transformers' / FLA's l2norm)."""
-    if NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-    return x
-
-
-@triton.jit
 def _l2norm_scale(x, NORM: tl.constexpr):
-    """The factor per row [R] of x [R, D] that _l2norm_rows multiplies by (1 without NORM)."""
+    """rsqrt(sum(x^2) + 1e-6) per row [R] of x [R, D], in fp32 (transformers' / FLA's l2norm);
+    1 without NORM."""
     if NORM:
         xf = x.to(tl.float32)
         return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
     return tl.full((x.shape[0],), 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _l2norm_rows(x, NORM: tl.constexpr):
+    """x [R, D] fp32 -> each row times its `_l2norm_scale` (x itself without NORM)."""
+    if NORM:
+        x = x * _l2norm_scale(x, NORM)[:, None]
+    return x
 
 
 @triton.jit
@@ -406,7 +407,7 @@ def _chunk(q, k, v, g, beta, scale, norm, o, h0, ht, packed=None):
             q.stride(0), q.stride(1), q.stride(2), *kn_strides,
             o.stride(0), o.stride(1), o.stride(2),
             NORM=norm, VARLEN=varlen, BT=CHUNK, DK=dk, DV=dv, BV=bv_o, BLOCK_S=block_s,
-            num_warps=4 if block_k <= 128 else 8,  # Dk = Dv = 128: 150 registers, no spills, 3 programs an SM (sm_90)
+            num_warps=4 if block_k <= 128 else 8,  # Dk = Dv = 128: 150 registers, 3 programs an SM (sm_90)
         )
 
 
