@@ -390,7 +390,9 @@ def _chunk(q, k, v, g, beta, scale, norm, o, h0, ht, packed=None):
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
             NORM=norm, VARLEN=varlen, BT=CHUNK, DK=dk, DV=dv, BLOCK_S=block_s,
-            num_warps=4 if block_k + block_v <= 256 else 8,  # Dk = Dv = 128: 237 registers, no spills (sm_90)
+            # Dk = Dv = 128: 237 registers at 4 warps, no spills (sm_90). With Dv <= 32 Triton 3.6 computes
+            # a wrong U at 4 warps for sm_90 (an H100: relative error near 1), a right one at 8.
+            num_warps=4 if block_k + block_v <= 256 and block_v > 32 else 8,
         )
     bv = _value_block(dk, dv, seqs * hv, target_programs(dev))
     has_h0 = h0 is not None
@@ -407,7 +409,9 @@ def _chunk(q, k, v, g, beta, scale, norm, o, h0, ht, packed=None):
             q.stride(0), q.stride(1), q.stride(2), *kn_strides,
             o.stride(0), o.stride(1), o.stride(2),
             NORM=norm, VARLEN=varlen, BT=CHUNK, DK=dk, DV=dv, BV=bv_o, BLOCK_S=block_s,
-            num_warps=4 if block_k <= 128 else 8,  # Dk = Dv = 128: 150 registers, 3 programs an SM (sm_90)
+            # Dk = Dv = 128: 150 registers at 4 warps, 3 programs an SM (sm_90). Value blocks of 32 columns
+            # or fewer with Dk >= 64 take 8: at 4 Triton 3.6 computes wrong outputs for sm_90 (an H100).
+            num_warps=4 if block_k <= 128 and (bv_o > 32 or block_k <= 32) else 8,
         )
 
 
