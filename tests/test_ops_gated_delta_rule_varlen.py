@@ -20,7 +20,8 @@ from tests.test_ops_gated_delta_rule import CHUNK_TOL, recurrence_fp64
 # (lengths, Hk, Hv, Dk, Dv)
 CHUNK_CASES = {
     "cpu": [([0, 1, 63, 64, 65, 130, 0, 2], 1, 2, 16, 32), ([5, 0, 70], 2, 2, 48, 16)],
-    "cuda": [([2048, 1, 1, 700, 0, 65, 130, 1, 3], 16, 32, 128, 128), ([64, 1, 1000, 63, 0], 16, 16, 128, 128)],
+    "cuda": [([2048, 1, 1, 700, 0, 65, 130, 1, 3], 16, 32, 128, 128), ([64, 1, 1000, 63, 0], 16, 16, 128, 128),
+             ([300, 0, 65], 2, 4, 64, 32)],  # the last: value heads of 32 columns
 }
 
 
@@ -135,7 +136,7 @@ def test_chunk_varlen_several_value_blocks(device, monkeypatch, nan_empty):
 # Decode steps (one token per sequence) with a padding sequence, and a few tokens per sequence.
 RECURRENT_CASES = {"cpu": [([1, 1, 0, 1, 3], 1, 2, 16, 32), ([1, 0, 2], 2, 2, 48, 16)],
                    "cuda": [([1] * 8, 16, 32, 128, 128), ([1, 0, 1, 1, 2, 0, 1], 16, 16, 128, 128),
-                            ([3, 3], 16, 16, 128, 128)]}
+                            ([3, 3], 16, 16, 128, 128), ([1, 1, 0, 1, 3], 1, 2, 32, 32), ([1, 2], 2, 2, 64, 16)]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
