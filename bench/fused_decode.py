@@ -1,6 +1,7 @@
 """The fused decode ops against the op sequences they replace, and their config sweep (GPU).
 
     python -m bench.fused_decode [--out DIR] [--sweep] [--fp8]
+    python -m bench.fused_decode [--out DIR] --rows M
 
 Each case is one decode-step projection of Qwen3-0.6B or Qwen3.5-0.8B at batch 1, bf16, timed
 as a CUDA graph of calls over enough input copies that the weights do not sit in L2
@@ -15,6 +16,10 @@ block format (``qwen_ops.quantize_weight_fp8_block``), each fused op against its
 weight (the FP8 weight bytes over the time against the copy bandwidth); --sweep then records the
 fastest config per case under float8_e4m3fn, which FP8 weights take before x's dtype's entry
 (``fused_decode.gemv_config``).
+
+--rows M: the same cases with M rows (M tokens of one step: a short prompt chunk such as a prefix
+hit's), the fused ops at their stored configs against the op sequences, which take the prefill
+GEMMs from 17 rows on; no step rows, no sweep.
 """
 import argparse
 import datetime
@@ -58,23 +63,23 @@ FP8_CASES = {
 """--fp8's cases: the projections an FP8 checkpoint holds in FP8 (its lm_head stays bf16)."""
 
 
-def make_args(op, n, k, extra, fp8: bool = False):
-    """A fresh argument tuple (the weight is the big part) for one call of the fused op; ``fp8``:
-    the weight in FP8, its scales last (the launchers' next positional argument)."""
+def make_args(op, n, k, extra, fp8: bool = False, rows: int = 1):
+    """A fresh argument tuple (the weight is the big part) for one call of the fused op on ``rows``
+    rows; ``fp8``: the weight in FP8, its scales last (the launchers' next positional argument)."""
     if fp8:
-        args = make_args(op, n, k, extra)
+        args = make_args(op, n, k, extra, rows=rows)
         i = 1 if op == "linear_residual" else 2
         weight, scales = qwen_ops.quantize_weight_fp8_block(args[i])
         return (*args[:i], weight, *args[i + 1:], scales)
-    x, nw = rnd(1, 1, k), rnd(k, scale=0.1) + 1
+    x, nw = rnd(1, rows, k), rnd(k, scale=0.1) + 1
     w = rnd(n, k, scale=k**-0.5)
-    if op == "norm_qkv_rope_store":  # x [N, K]; paged caches of 32 blocks of 16, position 300 at slot 300
+    if op == "norm_qkv_rope_store":  # x [N, K]; paged caches of 32 blocks of 16, positions from 300 at their slots
         cache = lambda: torch.zeros(32, 16, extra["hk"], extra["d"], dtype=torch.bfloat16, device="cuda")  # noqa: E731
-        pos = torch.full((1,), 300, device="cuda")
+        pos = torch.arange(300, 300 + rows, device="cuda")
         return (x[0], nw, w, None, rnd(extra["d"]) + 1, rnd(extra["d"]) + 1, cache(), cache(), pos, pos.clone(), EPS,
                 1.0 if extra["gated"] else 0.0, 1e6, extra["rot"], extra["hq"], extra["gated"])
     if op == "linear_residual":
-        return (x, w, rnd(1, 1, n))
+        return (x, w, rnd(1, rows, n))
     return (x, nw, w, None, EPS, 0.0) if op == "norm_linear" else (x, nw, w, EPS, 0.0)
 
 
@@ -91,16 +96,17 @@ def unfused(op, extra):
         qkv = ops.linear(h, w, b)
         d, hk = extra["d"], extra["hk"]
         q_rows = hq * d * (2 if gated else 1)
-        q = qkv[:, :q_rows].view(1, hq, -1)[..., :d]
-        k = qkv[:, q_rows : q_rows + hk * d].view(1, hk, d)
-        v = qkv[:, q_rows + hk * d :].view(1, hk, d)
+        m = qkv.shape[0]
+        q = qkv[:, :q_rows].view(m, hq, -1)[..., :d]
+        k = qkv[:, q_rows : q_rows + hk * d].view(m, hk, d)
+        v = qkv[:, q_rows + hk * d :].view(m, hk, d)
         q, k = ops.rope(q, k, pos, theta, rot, qn, kn, eps, offset)
         ops.kv_cache_store_slots(k, v, kc, vc, slots)
 
     return {
         "norm_qkv_rope_store": qkv,
         "linear_residual": lambda x, w, r: ops.add_rms_norm(ops.linear(x, w), r, r[0, 0], EPS)[1],
-        "norm_gate_up_silu": lambda x, nw, w, eps, off: ops.silu_mul(ops.linear(ops.add_rms_norm(x, x, nw, eps)[0], w)),
+        "norm_gate_up_silu": lambda x, nw, w, eps, off: ops.linear_silu_mul(ops.add_rms_norm(x, x, nw, eps)[0], w),
         "norm_linear": lambda x, nw, w, b, eps, off: ops.linear(ops.add_rms_norm(x, x, nw, eps)[0], w),
     }[op]
 
@@ -147,29 +153,34 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights (FP8_CASES) against bf16; --sweep records "
                     "their configs under float8_e4m3fn")
+    ap.add_argument("--rows", type=int, default=1, help="rows of each call (module doc); not with --sweep")
     args = ap.parse_args()
+    if args.rows < 1:
+        ap.error(f"--rows must be at least 1, got {args.rows}")
+    if args.rows > 1 and args.sweep:
+        ap.error("--sweep records batch-1 configs: run it without --rows")
     require_cuda("bench.fused_decode")
     torch.manual_seed(0)
     qwen_ops.reserve_semaphores("cuda")
     bw = copy_bandwidth()
     head = (f"# bench/fused_decode.py on {torch.cuda.get_device_name()}, {datetime.date.today()}, torch "
-            f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, batch 1, bf16"
-            f"{', FP8 weights' if args.fp8 else ''}")
+            f"{torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} TB/s, "
+            f"{f'{args.rows} rows' if args.rows > 1 else 'batch 1'}, bf16{', FP8 weights' if args.fp8 else ''}")
     lines = [head, ""]
     print(head, flush=True)
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "fused_decode.log"), "w")
-    if not args.fp8:
+    if not args.fp8 and args.rows == 1:
         lines += step_rows()
     peer = "bf16 weight us" if args.fp8 else "unfused us"
     lines += ["", f"| case | weight MB | fused us | %copy | {peer} | best config | best us |", "|---|---|---|---|---|---|---|"]
     best = {}
     for name, (op, n, k, extra) in (FP8_CASES if args.fp8 else CASES).items():
         nbytes = n * k * (1 if args.fp8 else 2)
-        sets = copies(lambda: make_args(op, n, k, extra, args.fp8), nbytes)
+        sets = copies(lambda: make_args(op, n, k, extra, args.fp8, args.rows), nbytes)
         t_fused = bench_us(fused(op), sets)
         if args.fp8:
-            t_peer = bench_us(fused(op), copies(lambda: make_args(op, n, k, extra), 2 * nbytes))
+            t_peer = bench_us(fused(op), copies(lambda: make_args(op, n, k, extra, rows=args.rows), 2 * nbytes))
         else:
             t_peer = bench_us(unfused(op, extra), sets)
         win = (t_fused, None)
@@ -194,7 +205,8 @@ def main():
         dtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
         lines += ["", f"recorded in {devices.record('fused_decode', torch.cuda.get_device_name(), dtype, best)}"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fused_decode_fp8.md" if args.fp8 else "fused_decode.md"), "w") as f:
+    name = "fused_decode" + ("_fp8" if args.fp8 else "") + (f"_rows{args.rows}" if args.rows > 1 else "")
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(lines[-1] if best else "", flush=True)
 
