@@ -7,6 +7,7 @@ seeded sampling does not depend on the batch. float64 models: the PyTorch refere
 
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -131,6 +132,27 @@ def test_a_graph_capture_warm_up_after_any_step_stays_in_bounds():
         runner._reset()
         runner._body(key)()
         assert torch.isfinite(runner.logits[key]).all()
+
+
+def test_stats_count_graph_captures_apart_from_scheduling(monkeypatch):
+    """A step shape's first step captures its graph inside ``prepare``: the engine's stats count that
+    host time as ``capture_s``, not as scheduling (a clock that moves only while a graph is made)."""
+    engine = Engine(model_of(QWEN3), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    make = engine.runner.graphs.get
+
+    def slow_make(key, body):
+        clock[0] += 10.0
+        return make(key, body)
+
+    monkeypatch.setattr(engine.runner.graphs, "get", slow_make)
+    engine.generate(prompts_of([20, 3]), GREEDY, 4)
+    shapes = len(engine.runner.replays)
+    assert shapes >= 2  # a mixed and a decode shape at least
+    assert engine.stats.capture_s == 10.0 * shapes
+    assert engine.stats.schedule_s == engine.stats.launch_s == engine.stats.sample_s == 0.0
+    assert f"graph capture {10.0 * shapes:.2f}" in engine.stats.describe()
 
 
 def test_hybrid_models_reuse_no_prefix():

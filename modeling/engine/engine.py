@@ -51,23 +51,26 @@ prefix-cache granularity (a hit reuses whole blocks only)."""
 class EngineStats:
     """Counters since the engine started. Host seconds, without a device sync: ``schedule_s``
     (scheduling, packing the batch, committing its blocks; sampling a deferred step, its token
-    masks included), ``launch_s`` (launching the step or replaying its graph), ``sample_s``
-    (sampling up to the tokens on the host: this absorbs the wait for the device, so a
-    device-bound engine shows it largest)."""
+    masks included), ``capture_s`` (capturing the CUDA graph of a step shape at its first step),
+    ``launch_s`` (launching the step or replaying its graph), ``sample_s`` (sampling up to the
+    tokens on the host: this absorbs the wait for the device, so a device-bound engine shows it
+    largest)."""
 
     steps: int = 0
     decode_steps: int = 0  # steps where every sequence computed one token
     prompt_tokens: int = 0  # tokens computed in prefill chunks (prefix-cache hits not counted)
     output_tokens: int = 0
     schedule_s: float = 0.0
+    capture_s: float = 0.0
     launch_s: float = 0.0
     sample_s: float = 0.0
 
     def describe(self) -> str:
-        busy = self.schedule_s + self.launch_s + self.sample_s
+        busy = self.schedule_s + self.capture_s + self.launch_s + self.sample_s
         return (f"{self.steps} steps ({self.decode_steps} decode-only), {self.prompt_tokens} prompt and "
                 f"{self.output_tokens} output tokens; host {busy:.2f} s: schedule {self.schedule_s:.2f}, "
-                f"launch {self.launch_s:.2f}, sample and wait {self.sample_s:.2f}")
+                f"graph capture {self.capture_s:.2f}, launch {self.launch_s:.2f}, sample and wait "
+                f"{self.sample_s:.2f}")
 
 
 @dataclass
@@ -272,12 +275,14 @@ class Engine:
         """Schedule, build and launch a step (after ``prev``, sampled, whose tokens may still be on the
         device)."""
         t0 = time.perf_counter()
+        captured = self.runner.capture_s
         with self._lock:  # an abort from another thread cannot release a block table while it is packed
             scheduled = self.scheduler.schedule()
             if not scheduled.work:
                 return None
             scored = None if scheduled.decode_only else prompt_rows(scheduled.work)  # a decode step scores none
             batch = self.runner.prepare(scheduled, eager=scored is not None)
+        captured = self.runner.capture_s - captured
         dev = self.model.device
         pending = None  # [2, P]: the batch rows whose input is a token of the step before, and its rows there
         if batch.pending:
@@ -319,7 +324,8 @@ class Engine:
         st = self.stats
         st.steps += 1
         st.decode_steps += scheduled.decode_only
-        st.schedule_s += (t1 - t0) + (time.perf_counter() - t2)
+        st.schedule_s += (t1 - t0 - captured) + (time.perf_counter() - t2)
+        st.capture_s += captured
         st.launch_s += t2 - t1
         lookahead = scheduled.decode_only and bool(seqs)
         return _Launched(seqs, {s.request_id: i for i, s in enumerate(seqs)}, sampled, lookahead, prompt,

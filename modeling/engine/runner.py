@@ -20,6 +20,7 @@ refilled: ``scheduler``). Two host buffers take turns, each reused only once its
 run (an event), since the engine packs the next step while the device still runs this one.
 """
 
+import time
 from dataclasses import replace
 from typing import Callable, Dict, Hashable, Optional, Tuple
 
@@ -104,6 +105,7 @@ class StepRunner:
         self.logits: Dict[Hashable, Tensor] = {}
         self.mixed_logits = torch.empty(S, model.config.vocab_size, dtype=model.dtype, device=dev)
         self.shape = None  # the key of the graph being captured
+        self.capture_s = 0.0  # host seconds spent capturing step graphs (``_capture_new``)
         self._tables: list = []  # the block tables (list objects) and their lengths in ``block_table`` now
         qwen_ops.reserve_decode_buffers(dev)  # before any capture: the decode kernels' per-device buffers
         if any(self.decode_kernels(s) == "persistent" for s in self.seq_buckets):
@@ -236,8 +238,10 @@ class StepRunner:
 
     def _capture_new(self, key, eager: bool) -> None:
         if key not in self.replays and not eager:
+            t0 = time.perf_counter()
             self.shape = key
             self.replays[key] = self.graphs.get(key, self._body(key))
+            self.capture_s += time.perf_counter() - t0
 
     def _copy_tables(self, key, nbytes: int, num_seqs: int, width: int) -> None:
         """Copy the staged block table rows [num_seqs, width] into the static table."""
