@@ -8,10 +8,10 @@ x [B, T, C] (last dim contiguous, other strides free), weight [C, K], state [B, 
 fp32 math, y in x's dtype.
 
 One kernel serves fixed-length and packed sequences (`causal_conv1d` without and with
-`cu_seqlens`). Program (b, t-range, c-block) of the fixed-length form computes the outputs of its T range for BLOCK_C channels: for each of the K
-taps it loads the [BLOCK_T, BLOCK_C] input tile shifted by the tap (rows before t = 0 come
-from the state), so each input is read K times, from L1/L2. The program of the first t-range
-also writes the new state.
+`cu_seqlens`). Program (b, t-range, c-block) of the fixed-length form computes the outputs of its
+T range for BLOCK_C channels: for each of the K taps it loads the [BLOCK_T, BLOCK_C] input tile
+shifted by the tap (rows before t = 0 come from the state), so each input is read K times, from
+L1/L2. The program of the first t-range also writes the new state.
 
 Packed sequences (x [N, C], cu_seqlens, a state pool, per-sequence slots and
 "continues" flags; prefill chunks and decode tokens of one engine step in one launch): the same

@@ -15,6 +15,8 @@ import torch
 
 from modeling import QwenConfig
 from modeling.engine import Engine, Status
+from modeling.engine import engine as engine_module
+from modeling.engine import runner as runner_module
 from modeling.engine.prompts import ContextLengthError
 from modeling.engine.runner import decode_kernels
 from modeling.engine.sampling_params import SamplingParams
@@ -136,10 +138,13 @@ def test_a_graph_capture_warm_up_after_any_step_stays_in_bounds():
 
 def test_stats_count_graph_captures_apart_from_scheduling(monkeypatch):
     """A step shape's first step captures its graph inside ``prepare``: the engine's stats count that
-    host time as ``capture_s``, not as scheduling (a clock that moves only while a graph is made)."""
+    host time as ``capture_s``, not as scheduling. The engine and the runner read a stand-in clock
+    that moves only while a graph is made (no real time is read or compared)."""
     engine = Engine(model_of(QWEN3), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     clock = [0.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    fake_time = SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(engine_module, "time", fake_time)
+    monkeypatch.setattr(runner_module, "time", fake_time)
     make = engine.runner.graphs.get
 
     def slow_make(key, body):
