@@ -1,6 +1,6 @@
 """Per-op benchmark on the GPU: every torch.ops.qwen op against its PyTorch peer.
 
-    python -m bench.ops [--out DIR] [--sweep-splitk]
+    python -m bench.ops [--out DIR] [--sweep-splitk [--shapes NAME ...] [--linears NAME ...]]
     python -m bench.ops [--out DIR] --sweep-attn-bwd
     python -m bench.ops [--out DIR] --sweep-prefill [--tokens 256 2048] [--shapes NAME ...] [--linears NAME ...]
     python -m bench.ops [--out DIR] --sweep-attn-fwd
@@ -11,9 +11,12 @@ vocab 151936) and the seed's (hidden 896, 8 q / 2 kv heads, head_dim 128, interm
 CUDA graph of calls (the host launch cost is not what we measure), cycling through
 enough copies of the inputs that they do not sit in L2. Bandwidth is the fewest bytes
 the op must move over the time, and "%copy" compares it with a device-to-device copy
-measured in the same run. --sweep-splitk also times every decode GEMM at each split-K
-config and records the fastest per shape as this GPU's table linear_decode
-(``csrc_free_ops.devices.record``: csrc_free_ops/tuning/<gpu>.json).
+measured in the same run.
+
+--sweep-splitk runs only the decode GEMM sweep (no ops table): every M = 1 linear of the
+`--shapes` models (`--linears` narrows the projections, as for --sweep-prefill) at each split-K
+config, beside cuBLAS; records the fastest per shape as this GPU's table linear_decode
+(``csrc_free_ops.devices.record``: csrc_free_ops/tuning/<gpu>.json) and writes splitk_sweep.md.
 
 --sweep-prefill runs only the prefill GEMM sweep (no ops table): every linear shape of both
 models at 256 and 2048 tokens (or --tokens), through the TMA GEMM at each tile config and K split
@@ -203,10 +206,11 @@ def bench_paged_decode(rows, cfg, cache_len, batch=1):
                  4 * batch * hk * d * 2))
 
 
-def sweep_splitk(cfgs):
-    """Time each decode GEMM at every (block_n, block_k, split_k); return the best per shape."""
+def sweep_splitk(cfgs, linears=None):
+    """Time each decode GEMM (the projections in `linears`, default all) at every (block_n, block_k,
+    split_k); return the best per shape."""
     best, table = {}, []
-    shapes = sorted({nk for cfg in cfgs for nk in linear_cases(cfg).values()})
+    shapes = sorted({nk for cfg in cfgs for name, nk in linear_cases(cfg).items() if linears is None or name in linears})
     for n, k in shapes:
         sets = copies(lambda: (rnd(1, k), rnd(n, k, scale=k ** -0.5)), n * k * 2)
         results = []
@@ -522,10 +526,10 @@ def main():
     ap.add_argument("--targets", action="store_true", help="only the summary keys (module doc), as JSON")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048], help="--sweep-prefill's M values")
     ap.add_argument("--shapes", nargs="+", choices=sorted(PREFILL_SHAPES), default=sorted(SHAPES),
-                    help="--sweep-prefill's models")
+                    help="--sweep-prefill's and --sweep-splitk's models")
     ap.add_argument("--linears", nargs="+", choices=("qkv", "o_proj", "gate_up", "down", "lm_head", "in_proj", "out_proj"),
                     default=None,
-                    help="--sweep-prefill's projections (default: all)")
+                    help="--sweep-prefill's and --sweep-splitk's projections (default: all)")
     args = ap.parse_args()
     require_cuda("bench.ops")
     os.makedirs(args.out, exist_ok=True)
@@ -567,7 +571,7 @@ def main():
     lines = [header,
              f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", ""]
     if args.sweep_splitk:
-        best, table = sweep_splitk(SHAPES.values())
+        best, table = sweep_splitk([PREFILL_SHAPES[name] for name in args.shapes], args.linears)
         lines += ["## decode GEMM (M=1): split-K sweep", "",
                   "| N | K | no split (us) | config | best (us) | best config | cuBLAS (us) | best %copy |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -575,6 +579,10 @@ def main():
             pct = 100 * (n * k * 2 / (tb * 1e-6)) / copy_bw
             lines.append(f"| {n} | {k} | {t1:.1f} | {tuple(c1)[:2]} | {tb:.1f} | {tuple(cb)[:3]} | {peer:.1f} | {pct:.0f}% |")
         lines += ["", f"recorded in {devices.record('linear_decode', gpu, BF16, best)}", ""]
+        with open(os.path.join(args.out, "splitk_sweep.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+        return
     rows = []
     for shape_name, cfg in SHAPES.items():
         for lname, (n, k) in linear_cases(cfg).items():
