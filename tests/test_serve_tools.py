@@ -112,7 +112,25 @@ def test_the_form_follows_the_template_and_tool_choice_errors(servers):
     assert_error(post(servers["json"], "/v1/chat/completions", {**body, "tool_choice": "required",
                                                                 "guided_regex": "a"}),
                  400, "tool_choice", "no 'guided_regex' with it")
+    assert_error(post(servers["json"], "/v1/chat/completions", {**body, "tool_choice": {"type": "function",
+                                                                 "function": "get_time"}}),
+                 400, "tool_choice", "must be")
     client = servers["xml"].client()
     reply = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
                                            max_tokens=8, temperature=0)
     assert reply.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("parameters, part", [
+    ("abc", "parameters"),
+    ({"type": "object", "properties": {"city": "string"}, "required": ["city"]}, "parameters.properties"),
+    ({"type": "object", "properties": {"city": {"type": "string"}}, "required": 5}, "parameters.required"),
+])
+def test_malformed_tool_parameters_are_a_400(servers, parameters, part):
+    """The parts of a tool's schema the server reads itself (the XML form's forced call reads
+    ``properties`` and ``required``) are checked, whatever ``tool_choice`` is."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    for choice in ("required", "auto"):
+        assert_error(post(servers["xml"], "/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOLS[0], bad],
+                                                               "tool_choice": choice}),
+                     400, "tools", rf"'tools\[1\]\.function\.{part}' must be")

@@ -410,7 +410,8 @@ def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]
         raise invalid("'tool_choice' forces a call, but no 'tools' are given", "tool_choice")
     if choice == "required":
         return tools
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise invalid("'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     named = [t for t in tools if t["function"]["name"] == name]
@@ -435,18 +436,36 @@ def tool_form(ck: Checkpoint, parser: Optional[str]) -> str:
 
 def render_tools(tools: Optional[List[Dict[str, Any]]], ck: Checkpoint,
                  render: bool = True) -> Optional[List[Dict[str, Any]]]:
-    """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``), or None for
-    none or when not ``render`` (``tool_choice`` "none"); a 400 for tools given to a chat template
-    that never reads them (they would be dropped unseen)."""
+    """``tools`` checked (each ``{"type": "function", "function": {"name": ...}}``, its
+    ``parameters`` as ``_check_parameters`` wants them), or None for none or when not ``render``
+    (``tool_choice`` "none"); a 400 for tools given to a chat template that never reads them (they
+    would be dropped unseen)."""
     for i, tool in enumerate(tools or []):
         fn = tool.get("function")
         if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
+        _check_parameters(fn.get("parameters"), f"tools[{i}].function.parameters")
     if not tools or not render:
         return None
     if not _mentions(ck, "tools"):
         raise unsupported("tools", f"the checkpoint's chat template ({ck.chat_template.origin}) does not render tools")
     return tools
+
+
+def _check_parameters(params: Any, where: str) -> None:
+    """A 400 (param ``tools``) unless the function's ``parameters`` schema is absent or a JSON
+    object whose ``properties``, if given, is an object of schema objects and whose ``required``,
+    if given, is a list of strings: the parts the server reads itself (forced calls, XML values)."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise invalid(f"'{where}' must be a JSON Schema object", "tools")
+    props = params.get("properties")
+    if props is not None and not (isinstance(props, dict) and all(isinstance(s, dict) for s in props.values())):
+        raise invalid(f"'{where}.properties' must be an object of JSON Schema objects", "tools")
+    required = params.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(k, str) for k in required)):
+        raise invalid(f"'{where}.required' must be a list of strings", "tools")
 
 
 def render_chat(ck: Checkpoint, messages: List[Dict[str, Any]], add_generation_prompt: bool,
