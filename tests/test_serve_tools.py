@@ -115,6 +115,10 @@ def test_the_form_follows_the_template_and_tool_choice_errors(servers):
     assert_error(post(servers["json"], "/v1/chat/completions", {**body, "tool_choice": {"type": "function",
                                                                  "function": "get_time"}}),
                  400, "tool_choice", "must be")
+    unconvertible = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
+    assert_error(post(servers["json"], "/v1/chat/completions", {"messages": MESSAGES, "tools": unconvertible,
+                                                                "tool_choice": "required"}),
+                 400, "tools", 'xgrammar cannot take the functions\' parameters: Unsupported type "strin"')
     client = servers["xml"].client()
     reply = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
                                            max_tokens=8, temperature=0)

@@ -356,6 +356,19 @@ def test_chat_plan_with_qwen3_template_renders_tools_and_thinking(qwen3_llm):
     assert plan.prompts[0].ids == qwen3_llm.tokenizer.encode(plan.prompt_text)
 
 
+def test_a_forced_call_without_xgrammar_is_a_400_naming_the_package(qwen3_llm, monkeypatch):
+    import sys
+
+    from modeling.serve.protocol import ChatCompletionRequest, plan_chat
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"}
+    with pytest.raises(APIError) as e:
+        plan_chat(parse(ChatCompletionRequest, json.dumps(body).encode()), qwen3_llm.checkpoint, 512)
+    assert (e.value.status, e.value.param) == (400, "tool_choice") and "pip install xgrammar" in e.value.message
+
+
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "first-call-only"])
 def test_streamed_chat_deltas_add_up_to_the_whole_message(llm, parallel):
     """Token by token through Generation.delta: the reasoning and content deltas concatenate to the

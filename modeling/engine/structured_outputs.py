@@ -85,6 +85,11 @@ class StructuredOutputs:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
 
+def refusal(e: RuntimeError) -> str:
+    """The reason of an error xgrammar raised, without its "[time] file.cc:line: " prefix."""
+    return str(e).strip().split(": ", 1)[-1] if ".cc:" in str(e) else str(e).strip()
+
+
 def choice_regex(choice: Sequence[str]) -> str:
     """A regular expression that matches exactly the strings of ``choice``."""
     special = set("\\^$.|?*+()[]{}/")
@@ -133,9 +138,8 @@ class Grammars:
             if kind == "choice":
                 return c.compile_regex(choice_regex(spec.choice))
             return c.compile_grammar(spec.grammar)
-        except RuntimeError as e:  # xgrammar's message: "[time] file.cc:line: reason"
-            reason = str(e).strip().split(": ", 1)[-1] if ".cc:" in str(e) else str(e).strip()
-            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot take it: {reason}") from None
+        except RuntimeError as e:
+            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot take it: {refusal(e)}") from None
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh ``xgrammar.GrammarMatcher`` of ``spec`` (compiled, or taken from the cache)."""

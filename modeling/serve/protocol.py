@@ -510,7 +510,13 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
     if forced is not None:
         if structured is not None:
             raise invalid(f"'tool_choice' forces a call: no '{constraint}' with it", "tool_choice")
-        structured, constraint = StructuredOutputs(grammar=forced_call_grammar(forced, form)), "tool_choice"
+        try:
+            grammar = forced_call_grammar(forced, form)
+        except ImportError as e:
+            raise invalid(str(e), "tool_choice") from None
+        except ValueError as e:
+            raise invalid(f"'tools': {e}", "tools") from None
+        structured, constraint = StructuredOutputs(grammar=grammar), "tool_choice"
     shown = _prompt_logprobs(req)
     base = _sampling(req, ck, (req.top_logprobs or 0) if req.logprobs else None, structured, shown)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

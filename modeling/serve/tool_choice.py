@@ -29,13 +29,16 @@ def _rename(ebnf: str, prefix: str) -> str:
 
 
 def _json_call(tools: List[Dict[str, Any]]) -> str:
-    from ..engine.structured_outputs import JSON_CHAR, LAX_CHAR, xgrammar
+    from ..engine.structured_outputs import JSON_CHAR, LAX_CHAR, refusal, xgrammar
 
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
                                                "arguments": t.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = str(xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    try:
+        body = str(xgrammar().Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    except RuntimeError as e:
+        raise ValueError(f"xgrammar cannot take the functions' parameters: {refusal(e)}") from None
     return ('root ::= "<tool_call>\\n" call_root "\\n</tool_call>"\n'
             + _rename(body.replace(LAX_CHAR, JSON_CHAR), "call_"))
 
@@ -71,6 +74,8 @@ def _xml_call(tools: List[Dict[str, Any]]) -> str:
 
 def forced_call_grammar(tools: List[Dict[str, Any]], form: str) -> str:
     """The EBNF grammar of a reply that is one call of one of ``tools`` (OpenAI's
-    ``{"type": "function", "function": {"name", "parameters"}}``), in ``form``."""
+    ``{"type": "function", "function": {"name", "parameters"}}``), in ``form``; a ``ValueError``
+    saying why when xgrammar cannot convert their ``parameters`` schemas ("json"), an
+    ``ImportError`` naming the package without xgrammar."""
     functions = [t["function"] for t in tools]
     return _json_call(functions) if form == "json" else _xml_call(functions)
