@@ -222,10 +222,22 @@ def test_bounded_json_strings_refuse_raw_control_characters(llm, monkeypatch):
     spec = StructuredOutputs(json={"type": "string", "maxLength": 4})
     for text, ok in (('"ab"', True), ('"a\x07', False), ('"a\t', False), ('"abcde', False)):
         assert grammars.matcher(spec).accept_string(text) is ok, text
-    assert grammars.compile(spec) is grammars.compile(StructuredOutputs(json='{"maxLength": 4, "type": "string"}'))
+    assert grammars.compile(spec) is grammars.compile(StructuredOutputs(json='{"type": "string", "maxLength": 4}'))
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     with pytest.raises(ImportError, match="structured outputs need the xgrammar package: pip install xgrammar"):
         Grammars(llm.tokenizer, 64)
+
+
+def test_json_properties_come_in_the_schemas_order(llm):
+    """An object's properties are generated in the order its schema lists them (OpenAI's and
+    vLLM's), not sorted by name."""
+    pytest.importorskip("xgrammar")
+    grammars = Grammars(llm.tokenizer, llm.model.config.vocab_size)
+    spec = StructuredOutputs(json={"type": "object", "properties": {"zeta": {"type": "integer"},
+                                                                    "alpha": {"type": "integer"}},
+                                   "required": ["zeta", "alpha"]})
+    assert grammars.matcher(spec).accept_string('{"zeta": 1, "alpha": 2}')
+    assert not grammars.matcher(spec).accept_string('{"alpha": 2, "zeta": 1}')
 
 
 def test_prompt_logprobs_are_the_models_own(llm, monkeypatch):

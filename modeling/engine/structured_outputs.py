@@ -41,7 +41,9 @@ def xgrammar():
 @dataclass(frozen=True)
 class StructuredOutputs:
     """One constraint on a request's output. ``json``: a JSON schema (a dict, or its JSON text;
-    stored as canonical JSON text, so equal schemas share a compiled grammar); ``json_object``:
+    stored as compact JSON text in the schema's own key order, the order an object's properties
+    are generated in, as OpenAI and vLLM keep it; equal schemas written alike share a compiled
+    grammar); ``json_object``:
     any JSON object; ``regex``: a regular expression the whole output matches; ``choice``: the
     output is one of these strings; ``grammar``: an EBNF grammar (xgrammar's, GBNF-like, rule
     ``root``). ``strict`` (json only): no properties beyond the schema's unless it allows them
@@ -68,7 +70,7 @@ class StructuredOutputs:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
