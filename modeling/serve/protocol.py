@@ -11,7 +11,7 @@ generation_config.json values, as vLLM does by default.
 import logging
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -244,9 +244,6 @@ def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
     if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:
         raise invalid(f"'stop' takes at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters together, "
                       f"got {len(stop)} of {sum(map(len, stop))}", "stop")
-    limit = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    if limit is not None and req.min_tokens > limit:
-        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({limit})", "min_tokens")
     bias = _logit_bias(req.logit_bias, ck.config.vocab_size)
     outside = [t for t in req.allowed_token_ids or () if not 0 <= t < ck.config.vocab_size]
     if outside:
@@ -264,6 +261,20 @@ def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
         first = str(e).split("; ")[0]
         name = re.match(r"(?:stop strings|(\w+))", first)
         raise invalid(str(e), (name.group(1) or "stop") if name else None) from None
+
+
+def _limit(req: _Request) -> Tuple[Optional[int], str]:
+    """The request's limit on new tokens (None when not given) and its field, ``max_completion_tokens``
+    when the request gives it, else ``max_tokens``; a 400 naming the field when the limit is below 1,
+    or naming ``min_tokens`` when that exceeds it."""
+    given = getattr(req, "max_completion_tokens", None)
+    field = "max_completion_tokens" if given is not None else "max_tokens"
+    limit = given if given is not None else req.max_tokens
+    if limit is not None and limit < 1:
+        raise invalid(f"'{field}' must be an integer >= 1, got {limit}", field)
+    if limit is not None and req.min_tokens > limit:
+        raise invalid(f"min_tokens ({req.min_tokens}) must not exceed {field} ({limit})", "min_tokens")
+    return limit, field
 
 
 def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
@@ -285,10 +296,9 @@ def truncated(prompts: List[Prompt], keep: Optional[int]) -> List[Prompt]:
 
 def _budget(prompts: List[Prompt], requested: Optional[int], default: Optional[int], max_model_len: int,
             field: str, what: str) -> List[int]:
-    """New tokens per prompt: ``requested`` (``field``; a 400 if a prompt and it exceed the context),
-    else ``default`` cut to the room left, else all the room left; ``what``: the prompts' field."""
-    if requested is not None and requested < 1:
-        raise invalid(f"'{field}' must be an integer >= 1, got {requested}", field)
+    """New tokens per prompt: ``requested`` (``field``, checked by ``_limit``; a 400 if a prompt and it
+    exceed the context), else ``default`` cut to the room left, else all the room left; ``what``: the
+    prompts' field."""
     out = []
     for p in prompts:
         room = max_model_len - len(p.ids)
@@ -344,10 +354,11 @@ def plan_completion(req: CompletionRequest, ck: Checkpoint, max_model_len: int) 
     shown = _prompt_logprobs(req)
     asked = max((k for k in (shown, req.logprobs if req.echo else None) if k is not None), default=None)
     structured, field = structured_of(req)
+    limit, limit_field = _limit(req)
     base = _sampling(req, ck, req.logprobs, structured, asked)
     prompts = truncated(completion_prompts(req.prompt, ck), base.truncate_prompt_tokens)
     default = ck.defaults.max_new_tokens or DEFAULT_COMPLETION_TOKENS
-    budget = _budget(prompts, req.max_tokens, default, max_model_len, "max_tokens", "prompt")
+    budget = _budget(prompts, limit, default, max_model_len, limit_field, "prompt")
     # choice j of each prompt; in a stream each computes the prompt logprobs (its first chunk echoes them)
     params = [choice_params(base, j, req.stream) for _ in prompts for j in range(req.n)]
     return Plan(prompts, req.n, params, budget, _stop_ids(ck, base), req.stream, _include_usage(req),
@@ -518,11 +529,10 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
             raise invalid(f"'tools': {e}", "tools") from None
         structured, constraint = StructuredOutputs(grammar=grammar), "tool_choice"
     shown = _prompt_logprobs(req)
+    limit, field = _limit(req)
     base = _sampling(req, ck, (req.top_logprobs or 0) if req.logprobs else None, structured, shown)
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompts = truncated([Prompt(text, ids)], base.truncate_prompt_tokens)
-    budget = _budget(prompts, req.max_completion_tokens or req.max_tokens, ck.defaults.max_new_tokens,
-                     max_model_len, field, "messages")
+    budget = _budget(prompts, limit, ck.defaults.max_new_tokens, max_model_len, field, "messages")
     types = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or ()}
     # the reply may hold a <think> block: the template knows the tag and the request did not turn it off
