@@ -563,6 +563,7 @@ def test_tokenize_detokenize_and_version(server, guarded):
     no_prompt = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert chat["tokens"][:no_prompt["count"]] == no_prompt["tokens"] and no_prompt["count"] < chat["count"]
     assert post(server, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": PROMPT}
+    assert post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}  # as vLLM answers
     assert_error(post(server, "/detokenize", {"tokens": [1, 2048]}), 400, "tokens", "vocabulary")
     assert_error(post(server, "/detokenize", {"tokens": [1.5]}), 400, "tokens", "")
     assert_error(post(server, "/tokenize", {}), 400, "prompt", "required")

@@ -4,7 +4,8 @@
 (``{"messages": [...], "add_generation_prompt": true, "chat_template_kwargs", "tools"}``, rendered as
 ``/v1/chat/completions`` renders it) and answers ``{"count", "max_model_len", "tokens",
 "token_strs"}`` (``token_strs``: each token's string when ``return_token_strs`` is true, else
-null). ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``.
+null). ``POST /detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}`` (``""`` for
+no tokens).
 """
 
 import json
@@ -64,7 +65,10 @@ def tokenize(req: Fields, ck: Checkpoint, max_model_len: int) -> Dict[str, Any]:
 
 
 def detokenize(req: DetokenizeRequest, ck: Checkpoint) -> Dict[str, Any]:
-    """The response of ``/detokenize``: the ids' text, special tokens included (as vLLM's)."""
+    """The response of ``/detokenize``: the ids' text, special tokens included, ``""`` for no ids
+    (as vLLM's)."""
+    if not req.tokens:
+        return {"prompt": ""}
     try:
         ids = checked_token_ids(req.tokens, "tokens", ck.config.vocab_size)
     except ValueError as e:
