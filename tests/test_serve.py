@@ -161,6 +161,7 @@ def test_models_health_and_unknown_model(server):
     assert client.models.retrieve(NAME).id == NAME
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.head(server.url + "/health").status_code == 200  # what load balancers send
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json() == {"status": "ok"}
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"

@@ -1,5 +1,5 @@
 """The HTTP routes (FastAPI): /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /version (``{"version": the package's version}``), /health, /metrics.
+/detokenize, /version (``{"version": the package's version}``), /health (and vLLM's /ping), /metrics.
 
 A generation request is read (at most ``max_body_bytes``, else 413; within ``body_timeout`` seconds,
 else 408), validated into a ``Plan`` (``protocol``), admitted (429 past ``max_waiting`` waiting
@@ -149,6 +149,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "owned_by": "qwen-triton-ops", "root": str(state.ck.path), "max_model_len": state.loop.max_model_len}
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers send HEAD
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's other name for it
     async def health():
         problem = state.unavailable()
         return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
