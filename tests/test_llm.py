@@ -321,6 +321,24 @@ def test_chat_uses_the_checkpoint_template(steered):
         steered.generate("Hello", SamplingParams(max_tokens=2, stop_token_ids=[5, 4096]))
 
 
+def test_chat_takes_openai_messages(steered):
+    """Content as a list of text parts and the "developer" role render as the server renders them;
+    a malformed message is a ValueError naming it, in which conversation when there are several."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    (plain,) = steered.chat(messages, SamplingParams(max_tokens=2))
+    (joined,) = steered.chat(parts, SamplingParams(max_tokens=2))
+    assert joined.prompt == plain.prompt and joined.token_ids == plain.token_ids
+    for bad, match in (([{"role": "user"}], r"'messages\[0\].content' is required"),
+                       ([{"role": "bot", "content": "x"}], r"'messages\[0\].role' must be one of"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                        r"'messages\[0\].content\[0\]' is not supported: only text parts"),
+                       ([messages, [{"content": "x"}]], r"conversation 1: 'messages\[0\].role'")):
+        with pytest.raises(ValueError, match=match):
+            steered.chat(bad, SamplingParams(max_tokens=2))
+
+
 def test_stream(steered):
     params = SamplingParams(max_tokens=6)
     stream = steered.stream("Hello", params)

@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..chat.messages import MessageError, template_messages
 from ..common import is_int
 from ..engine import Engine, Status
 from ..engine.prompts import ContextLengthError, check_engine_args, checked_token_ids
@@ -267,8 +268,10 @@ class LLM:
         return self.checkpoint.default_sampling_params()
 
     def render_chat(self, messages: Sequence[Message], *args: Any, **kwargs: Any) -> str:
-        """The prompt text of a conversation (``Checkpoint.render_chat``)."""
-        return self.checkpoint.render_chat(messages, *args, **kwargs)
+        """The prompt text of a conversation (``Checkpoint.render_chat``) in OpenAI's message form:
+        text parts joined, "developer" as "system" (``modeling.chat.messages``; a ``MessageError``,
+        a ValueError, naming a malformed message)."""
+        return self.checkpoint.render_chat(template_messages(messages), *args, **kwargs)
 
     @property
     def backend(self) -> str:
@@ -307,8 +310,14 @@ class LLM:
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), "
                              f"got {type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        texts = [self.render_chat(c, add_generation_prompt, enable_thinking, chat_template_kwargs, tools)
-                 for c in convs]
+        texts = []
+        for i, conv in enumerate(convs):
+            try:
+                texts.append(self.render_chat(conv, add_generation_prompt, enable_thinking, chat_template_kwargs, tools))
+            except MessageError as e:
+                if len(convs) == 1:
+                    raise
+                raise MessageError(f"conversation {i}: {e.detail}", e.field, e.unsupported) from None
         return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> TextStream:

@@ -69,6 +69,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     s.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
     s.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1: off")
     s.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    s.add_argument("--n", type=int, default=None, metavar="N",
+                   help="completions per prompt (default 1; printed as they finish, not streamed)")
     s.add_argument("--stop", action="append", metavar="STR", default=[],
                    help="end a completion at this string (left out of the output); repeatable. Generation "
                         "also stops at the tokenizer's EOS ids")
@@ -116,7 +118,7 @@ def check_args(a: argparse.Namespace) -> None:
     if a.removed_flag is not None:
         problems.append(f"{a.removed_flag} no longer means anything: {REMOVED_FLAGS[a.removed_flag]}")
     try:
-        SamplingParams(**{k: getattr(a, k) for k in (*SAMPLING_FLAGS, "seed", "logprobs") if getattr(a, k) is not None})
+        SamplingParams(**{k: getattr(a, k) for k in (*SAMPLING_FLAGS, "seed", "logprobs", "n") if getattr(a, k) is not None})
     except ValueError as e:
         problems += [_as_flag(problem) for problem in str(e).split(";")]
     if a.logprobs is not None and not a.json:
@@ -124,6 +126,8 @@ def check_args(a: argparse.Namespace) -> None:
     if a.interactive:
         if a.batch_file is not None:
             problems.append("--interactive reads the conversation from stdin: it takes no --batch-file")
+        if a.n not in (None, 1):
+            problems.append(f"--interactive writes one reply a turn: it takes no --n (got {a.n})")
     elif a.prompt is None and a.batch_file is None:
         problems.append("give a prompt: --prompt TEXT, --batch-file FILE or --interactive")
     elif a.prompt is not None and a.batch_file is not None:
@@ -211,17 +215,18 @@ def sampling_params(a: argparse.Namespace, ck):
     from ..api.llm import DEFAULT_MAX_TOKENS
 
     base = ck.default_sampling_params()
+    given = {name: getattr(a, name) for name in SAMPLING_FLAGS if getattr(a, name) is not None}
+    try:
+        params = replace(base, **given, seed=a.seed, max_tokens=a.max_tokens or base.max_tokens or DEFAULT_MAX_TOKENS,
+                         stop=tuple(a.stop), logprobs=a.logprobs, ignore_eos=a.ignore_eos, n=a.n or 1)
+    except ValueError as e:
+        raise UsageError("; ".join(_as_flag(problem) for problem in str(e).split(";"))) from None
     off = type(base)()
     taken = [f"{name.replace('_', '-')} {getattr(base, name):g}" for name in SAMPLING_FLAGS
              if getattr(a, name) is None and getattr(base, name) != getattr(off, name)
-             and (base.mode != "greedy" or name == "repetition_penalty")]
+             and (params.mode != "greedy" or name == "repetition_penalty")]  # what greedy ignores is not taken
     if a.max_tokens is None and base.max_tokens is not None:
         taken.append(f"max-tokens {base.max_tokens}")
     if taken:
         say(f"note: from the checkpoint's generation_config.json: {', '.join(taken)} (flags override)")
-    given = {name: getattr(a, name) for name in SAMPLING_FLAGS if getattr(a, name) is not None}
-    try:
-        return replace(base, **given, seed=a.seed, max_tokens=a.max_tokens or base.max_tokens or DEFAULT_MAX_TOKENS,
-                       stop=tuple(a.stop), logprobs=a.logprobs, ignore_eos=a.ignore_eos)
-    except ValueError as e:
-        raise UsageError("; ".join(_as_flag(problem) for problem in str(e).split(";"))) from None
+    return params

@@ -1,8 +1,8 @@
 """Command line: ``python -m modeling.generate --model DIR_OR_ORG/NAME --prompt "..."`` (``qwen-generate``).
 
-Streams the completion of one prompt to stdout; with ``--batch-file`` prints each completion on
-one line when it is done, ``[i] text`` (newlines escaped), or with ``--json`` one JSON object per
-completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
+Streams the completion of one prompt to stdout; with ``--batch-file`` (or ``--n`` above 1) prints
+each completion on one line when it is done, ``[i] text`` (``[i.j] text`` for completion j of
+prompt i with ``--n``; newlines escaped), or with ``--json`` one JSON object per completion; ``--interactive`` holds a multi-turn chat on stdin. One stats line ends on stderr.
 The flags are in ``args``, what is written in ``output``, ``--interactive`` in ``interactive``.
 
 Exit status: 0 done; 2 bad input (one line ``error: ...`` on stderr, never a traceback); 1 any
@@ -94,7 +94,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         if a.interactive:
             interactive(a, llm, params, out, totals, template_kwargs)
-        elif a.batch_file is None and not a.json:  # one prompt, streamed
+        elif a.batch_file is None and not a.json and params.n == 1:  # one prompt, streamed
             stream = llm.stream(prompts[0], params)
             for piece in stream:
                 out.write(piece)
@@ -104,10 +104,11 @@ def run(a: argparse.Namespace) -> int:
             # a progress bar over the prompts when stderr is a terminal (not in logs, pipes or tests)
             for i, o in llm.iter_generate(prompts, params, use_tqdm=sys.stderr is not None and sys.stderr.isatty()):
                 totals.add(o)
-                if a.json:
-                    out.json(json_output(o, i))
-                else:
-                    out.write(f"[{i}] {escape_line(o.text)}\n")
+                for j, c in enumerate(o.outputs):
+                    if a.json:
+                        out.json(json_output(o, i, j))
+                    else:
+                        out.write(f"[{i}] {escape_line(c.text)}\n" if params.n == 1 else f"[{i}.{j}] {escape_line(c.text)}\n")
     except ContextLengthError as e:
         raise UsageError(str(e)) from None
     except DoesNotFit as e:

@@ -91,10 +91,11 @@ class Writer:
         self.write(json.dumps(obj, ensure_ascii=not self.utf) + "\n")
 
 
-def json_output(o, index: int) -> Dict[str, Any]:
-    """One completed prompt as a JSON object (its first completion's text and tokens)."""
-    c, m = o.outputs[0], o.metrics
-    obj = {"index": index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+def json_output(o, index: int, completion: int = 0) -> Dict[str, Any]:
+    """One completion of a finished prompt (``RequestOutput`` ``o``, prompt ``index``) as a JSON object;
+    ``"completion"``: its number among the prompt's ``n``, given when there are several."""
+    c, m = o.outputs[completion], o.metrics
+    obj = {"index": index, **({"completion": completion} if len(o.outputs) > 1 else {}), "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
            "stop_reason": c.stop_reason, "prompt_tokens": len(o.prompt_token_ids),
            "timings": {"first_token_ms": round((m.first_token_time - m.arrival_time) * 1e3, 3)
                        if m.first_token_time is not None else None,

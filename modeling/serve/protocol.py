@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..api.checkpoint import Checkpoint, TemplateKwargsError
 from ..common import is_int
+from ..chat.messages import MessageError, template_messages
 from ..chat.template import ChatTemplateError
 from ..engine.prompts import checked_token_ids
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams, choice_params
@@ -34,7 +35,6 @@ MAX_STOP_CHARS = 1024
 """Characters of a request's stop strings together, at most."""
 DEFAULT_COMPLETION_TOKENS = 16
 """max_tokens of /v1/completions when neither the request nor generation_config.json says (OpenAI's)."""
-ROLES = ("system", "user", "assistant", "tool", "developer")
 
 log = logging.getLogger("modeling.serve")
 
@@ -385,30 +385,12 @@ def _include_usage(req: _Request) -> bool:
 
 
 def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The messages as the chat template takes them: content parts of type "text" joined into one
-    string, "developer" as "system"; other content parts are refused (text only)."""
-    if not messages:
-        raise invalid("'messages' must hold at least one message", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if role not in ROLES:
-            raise invalid(f"'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise unsupported(f"messages[{i}].content[{j}]", f"only text parts "
-                                      f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}")
-            content = "".join(part["text"] for part in content)
-        elif content is not None and not isinstance(content, str):
-            raise invalid(f"'messages[{i}].content' must be a string, a list of text parts or null", "messages")
-        if content is None and not (role == "assistant" and m.get("tool_calls")):
-            raise invalid(f"'messages[{i}].content' is required (null only for an assistant message with "
-                          "tool_calls)", "messages")
-        out.append({**m, "role": "system" if role == "developer" else role, "content": content or ""})
-    return out
+    """The messages as the chat template takes them (``modeling.chat.messages``), or a 400 naming
+    the malformed one (a content part that is not text: "not supported")."""
+    try:
+        return template_messages(messages)
+    except MessageError as e:
+        raise (unsupported(e.field, e.detail) if e.unsupported else invalid(e.detail, "messages")) from None
 
 
 def forced_tools(req: ChatCompletionRequest, tools: Optional[List[Dict[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
