@@ -50,7 +50,7 @@ from csrc_free_ops import private_apis
 from csrc_free_ops.launch import INTERPRET, _through_triton, traced
 
 from . import plans
-from .checks import INDEX_DTYPES, KERNEL_DTYPES
+from .checks import INDEX_DTYPES, KERNEL_DTYPES, fail
 
 _lib = torch.library.Library("qwen", "FRAGMENT")
 
@@ -64,6 +64,9 @@ if private_apis.TORCH:
     """The dispatch key sets an op's Autograd kernel sees for plain CPU / CUDA tensors: no mode,
     tensor subclass, functionalization, autocast or functorch transform in play."""
 _impls: dict = {}  # op name -> {"CPU": on_cpu, "CUDA": on_cuda}
+_with_backward: set = set()
+"""Names of the ops `register_autograd` gave a backward; any other op refuses an input that needs a
+gradient while grad mode is on (`_refuse_grad`)."""
 plan_tables: dict = {}
 """op name -> its launch plans (signature -> replay function, or False where a call cannot be replayed)."""
 
@@ -91,6 +94,16 @@ def runs_kernels(device_type: str, dtype: torch.dtype) -> bool:
     return dtype in DISPATCH_DTYPES and (device_type == "cuda" or INTERPRET)
 
 
+def _refuse_grad(name: str, args) -> None:
+    """A QwenOpError when autograd would record a call of op `name`, which has no backward (PyTorch
+    would run it and let its inputs' gradients silently miss it)."""
+    if name not in _with_backward and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        fail(name, "has no backward, and an input requires grad: call it under torch.no_grad() or "
+                   "torch.inference_mode(), or on tensors that do not require grad (docs/training.md lists "
+                   "the ops with a backward)")
+
+
 def define(reference: Callable, kernel: Callable, check: Callable, fake: Callable,
            mutates_args: Iterable[str] = (), dispatch_arg: int = 0, check_values: Optional[Callable] = None,
            traceable: bool = True):
@@ -108,6 +121,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
 
     def on_cpu(*args):
         args += defaults[len(args):]
+        _refuse_grad(name, args)
         check(*args)
         if check_values is not None:
             check_values(*args)
@@ -123,6 +137,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
 
     def on_cuda(*args):
         args += defaults[len(args):]
+        _refuse_grad(name, args)
         if key is not None and plans.enabled and not _through_triton():
             signature = key(*args)
             replay = table.get(signature)
@@ -145,6 +160,7 @@ def define(reference: Callable, kernel: Callable, check: Callable, fake: Callabl
 
     def fake_impl(*args):
         args += defaults[len(args):]
+        _refuse_grad(name, args)
         check(*args)
         return fake(*args)
 
@@ -209,6 +225,7 @@ def register_autograd(op, backward: Callable, setup_context: Callable):
     forward redispatches and calls setup_context(ctx, inputs, output) (inputs with their defaults
     filled in), and whose backward is `backward(ctx, *grads)`. Where the private dispatch API is off,
     `torch.library.register_autograd` itself."""
+    _with_backward.add(op._opname)
     if not private_apis.TORCH:
         torch.library.register_autograd(op, backward, setup_context=setup_context, lib=_lib)
         return

@@ -534,6 +534,39 @@ def test_backward_bad_input_raises():
         ops.silu_mul_split(torch.randn(3, 8), torch.randn(3, 7))
 
 
+def test_ops_without_a_backward_refuse_inputs_that_need_grad():
+    """An op with no backward raises (on either CPU path and under fake tensors) when grad mode is on
+    and an input requires grad, instead of letting that input's gradient silently miss it; under
+    no_grad it runs, and ops with a backward differentiate. A Qwen3.5 model's loss, which needs
+    such ops, says so rather than returning zero gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from modeling import QwenConfig
+    from modeling.model.random_checkpoint import random_model
+
+    x, g = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16)
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.sigmoid_mul: has no backward, and an input requires grad"):
+        ops.sigmoid_mul(x, g)
+    with pytest.raises(qwen_ops.QwenOpError, match="qwen.sigmoid_mul: has no backward"):
+        ops.sigmoid_mul(g, x)
+    with FakeTensorMode(), pytest.raises(qwen_ops.QwenOpError, match="qwen.sigmoid_mul: has no backward"):
+        ops.sigmoid_mul(torch.empty(3, 16, requires_grad=True), torch.empty(3, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ops.sigmoid_mul(x, g), x * torch.sigmoid(g))
+    ops.rms_norm(x, torch.ones(16), 1e-6).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    config = QwenConfig.from_dict(dict(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]))
+    model = random_model(config, dtype=torch.float32).requires_grad_(True)
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.raises(qwen_ops.QwenOpError, match="has no backward"):
+        model.loss(ids)
+    with torch.no_grad():
+        assert torch.isfinite(model.loss(ids))
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_matmul_split_k_and_accumulate(device):
