@@ -8,6 +8,7 @@ the text-level ones (``stop``, ``skip_special_tokens``) as they build a completi
 import hashlib
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
@@ -24,6 +25,9 @@ MAX_STOP_IDS = 16
 """Stop token ids (EOS and ``stop_token_ids``) a request may name, at most."""
 MAX_N = 128
 """``SamplingParams.n`` at most (OpenAI's limit)."""
+ITERABLE_FIELDS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+"""The fields that take a collection: any iterable is read into a tuple once, before the checks (a
+str and a mapping stay as they are)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class SamplingParams:
     first match, or after it with ``include_stop_str_in_output``); ``stop_token_ids``: token ids
     that end it besides the tokenizer's EOS ids; ``ignore_eos``: do not stop at EOS;
     ``skip_special_tokens``: leave special tokens out of the text.
-    Lists are stored as tuples and dicts as sorted pairs (the params are hashable).
+    Lists (any iterable, a generator too, read once) are stored as tuples and dicts as sorted pairs
+    (the params are hashable).
     """
 
     temperature: float = 0.0
@@ -74,6 +79,10 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
+        for name in ITERABLE_FIELDS:  # read once: a generator is checked and stored whole
+            value = getattr(self, name)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+                object.__setattr__(self, name, tuple(value))
         values = {name: getattr(self, name) for name, *_ in VALUE_CHECKS}
         problems = [f"{name} {text}, got {values[name]!r}" for name, *check, text in VALUE_CHECKS
                     if not ((name in OPTIONAL and values[name] is None) or in_range(values[name], *check))]
