@@ -415,6 +415,8 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
         resolve_dtype("int8", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[2, 2147483647\]"):
         LLM(steered.checkpoint, max_model_len=1, **F64)
+    with pytest.raises(ValueError, match=r"max_model_len 10000 exceeds the model's max_position_embeddings \(4096\)"):
+        LLM(steered.checkpoint, max_model_len=10000, **F64)
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         LLM(steered.checkpoint, max_num_seqs=0, **F64)
     with pytest.raises(ValueError, match="is empty"):

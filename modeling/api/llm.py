@@ -40,7 +40,7 @@ import torch
 
 from ..common import is_int
 from ..engine import Engine, Status
-from ..engine.prompts import ContextLengthError, check_engine_args, checked_token_ids
+from ..engine.prompts import ContextLengthError, check_engine_args, check_model_len, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
@@ -157,11 +157,12 @@ class LLM:
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
     (default CUDA if available); ``dtype``: default bf16 on CUDA, fp32 on the CPU.
-    ``max_model_len``: positions a sequence (prompt and output) holds at most (None: sized per
-    call, grown as needed); ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
-    CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights and
-    experts as they load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
+    ``max_model_len``: positions a sequence (prompt and output) holds at most, up to the model's
+    max_position_embeddings (None: sized per call, grown as needed); ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``gpu_memory_utilization``: the engine's
+    (``modeling.engine.Engine``); ``enforce_eager``: no CUDA graphs. ``quantization``: None, or
+    "fp8" to quantise the layers' linear weights and experts as they load (``modeling.model.fp8``;
+    an FP8 checkpoint runs in FP8 without it).
     ``tensor_parallel_size``: split the model over that many devices (``cuda:0`` .. on a GPU host;
     on the CPU, processes over gloo): this process is rank 0 and starts the others as workers
     (``modeling.engine.workers``); ``close()`` stops them.
@@ -193,6 +194,7 @@ class LLM:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         self.checkpoint = (model if isinstance(model, Checkpoint)
                            else Checkpoint.load(model, revision, offline, progress))
+        check_model_len(max_model_len, self.config.max_position_embeddings)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_model_len = max_model_len
