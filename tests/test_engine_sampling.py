@@ -267,8 +267,10 @@ def test_sampling_mode_and_the_other_values_checked():
     assert [SamplingParams(temperature=t, top_k=k, top_p=p).mode for t, k, p in
             [(0.0, 0, 1.0), (0.7, 1, 1.0), (0.7, 0, 1.0), (0.7, 40, 1.0), (0.7, 0, 0.9)]] == \
         ["greedy", "greedy", "sample", "top", "top"]
+    every = SamplingParams(temperature=0.7, top_k=-1)  # vLLM's "every token": off, as 0
+    assert every == SamplingParams(temperature=0.7) and every.top_k == 0 and every.mode == "sample"
     for bad, word in [(dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-                      (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                      (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                       (dict(top_p=float("nan")), "top_p"), (dict(seed=-3), "seed"), (dict(n=0), "n"),
                       (dict(n=1.0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"),
                       (dict(stop_token_ids=[-1]), "stop_token_ids")]:

@@ -416,7 +416,7 @@ def bad_checkpoints(tmp_path, ckpt):
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "1e300"], "temperature must be a finite number"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"], "--top-p must lie in (0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "1.5"], "--top-p must lie in (0, 1]"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-1"], "--top-k must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-2"], "--top-k must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "99999999999999999999"], "--top-k must be an integer in [0, 2**63)"),
     (["--model", "{ckpt}", "--prompt", "hi", "--min-p", "1.5"], "--min-p must lie in [0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty must lie in [-2, 2]"),

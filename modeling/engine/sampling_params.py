@@ -120,6 +120,8 @@ class SamplingParams:
         for name, kind, *_ in VALUE_CHECKS:
             if values[name] is not None:
                 object.__setattr__(self, name, kind(values[name]))
+        if self.top_k == -1:  # vLLM's "every token": off, stored as 0
+            object.__setattr__(self, "top_k", 0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "stop", stop)
@@ -193,7 +195,7 @@ def _is_unicode(s: str) -> bool:
 
 VALUE_CHECKS = (
     ("temperature", float, 0, FLOAT32_MAX, False, "must be a finite number >= 0 (at most 3.4e38, float32's largest)"),
-    ("top_k", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63) (0 disables it)"),
+    ("top_k", int, -1, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63) or -1 (0 and -1 disable it)"),
     ("top_p", float, 0, 1, True, "must lie in (0, 1] (1 disables it)"),
     ("seed", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63)"),
     ("min_p", float, 0, 1, False, "must lie in [0, 1] (0 disables it)"),
