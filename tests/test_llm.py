@@ -107,6 +107,21 @@ def test_logprobs_and_progress_bar(llm, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_sampled_tokens_have_their_rank(llm):
+    """A sampled token's ``Logprob.rank`` when it is not among the top logprobs (vLLM's): 1 + the
+    vocabulary entries more likely under the raw distribution, recomputed from the model's logits
+    (greedy: 1)."""
+    (greedy,) = llm.generate("Hello", SamplingParams(max_tokens=4, logprobs=0, ignore_eos=True), use_tqdm=False)
+    assert [e[t].rank for t, e in zip(greedy.token_ids, greedy.outputs[0].logprobs)] == [1] * 4
+    params = SamplingParams(temperature=3.0, seed=3, max_tokens=8, logprobs=0, ignore_eos=True)
+    (drawn,) = llm.generate("Hello", params, use_tqdm=False)
+    start = len(drawn.prompt_token_ids)
+    with torch.no_grad():
+        lp = llm.model(torch.tensor([drawn.prompt_token_ids + drawn.token_ids]))[0, start - 1:-1].log_softmax(-1)
+    want = [1 + (row > row[t]).sum().item() for row, t in zip(lp, drawn.token_ids)]
+    assert [e[t].rank for t, e in zip(drawn.token_ids, drawn.outputs[0].logprobs)] == want and max(want) > 1
+
+
 def test_stops_at_eos_by_default(eos_first):
     (out,) = eos_first.generate(["Hello"], SamplingParams(max_tokens=5))
     assert out.finish_reason == "stop" and out.token_ids == [] and out.text == "" and out.stop_reason is None

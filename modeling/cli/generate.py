@@ -105,7 +105,7 @@ def run(a: argparse.Namespace) -> int:
             for i, o in llm.iter_generate(prompts, params, use_tqdm=sys.stderr is not None and sys.stderr.isatty()):
                 totals.add(o)
                 if a.json:
-                    out.json(json_output(o, i))
+                    out.json(json_output(o, i, a.logprobs))
                 else:
                     out.write(f"[{i}] {escape_line(o.text)}\n")
     except ContextLengthError as e:

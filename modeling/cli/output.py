@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def escape_line(text: str) -> str:
@@ -91,8 +91,9 @@ class Writer:
         self.write(json.dumps(obj, ensure_ascii=not self.utf) + "\n")
 
 
-def json_output(o, index: int) -> Dict[str, Any]:
-    """One completed prompt as a JSON object (its first completion's text and tokens)."""
+def json_output(o, index: int, logprobs: Optional[int]) -> Dict[str, Any]:
+    """One completed prompt as a JSON object (its first completion's text and tokens; with
+    ``logprobs`` k, each token's log-probability and the k most likely tokens')."""
     c, m = o.outputs[0], o.metrics
     obj = {"index": index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
            "stop_reason": c.stop_reason, "prompt_tokens": len(o.prompt_token_ids),
@@ -102,7 +103,6 @@ def json_output(o, index: int) -> Dict[str, Any]:
     if c.logprobs is not None:
         obj["logprobs"] = [{"token_id": token, "logprob": entry[token].logprob,
                             "top_logprobs": [{"token_id": t, "logprob": lp.logprob}
-                                             for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)
-                                             if lp.rank is not None]}
+                                             for t, lp in list(entry.items())[:logprobs]]}
                            for token, entry in zip(c.token_ids, c.logprobs)]
     return obj
