@@ -81,7 +81,7 @@ class _Request:
 
     def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion]):
         self.request_id, self.prompt, self.ids, self.completions = request_id, prompt, ids, completions
-        self.metrics = RequestMetrics(time.perf_counter())
+        self.metrics = RequestMetrics(time.time())
         self.seqs: list = []
 
     @property
@@ -447,7 +447,7 @@ class LLM:
                         if not c.finished:
                             c.finish_reason = "abort"
                 if r.metrics.finished_time is None:
-                    r.metrics.finished_time = time.perf_counter()
+                    r.metrics.finished_time = time.time()
 
     def _step(self) -> Optional[List[Tuple[_Request, Completion, str]]]:
         """One engine step: (request, completion, new text) of each completion that got a token
@@ -463,7 +463,7 @@ class LLM:
                 request, c = tracked
                 if seq.error is not None:
                     raise RuntimeError(f"request {request.request_id}: {seq.error}")
-                now = time.perf_counter()
+                now = time.time()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None, seq.finish_reason)

@@ -47,8 +47,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Host clock (``time.perf_counter``) seconds: when the request was added, when its first
-    token reached the host, when its last completion finished."""
+    """Wall-clock timestamps (``time.time()`` seconds, as vLLM's): when the request was added, when
+    its first token reached the host, when its last completion finished."""
 
     arrival_time: float
     first_token_time: Optional[float] = None
