@@ -125,6 +125,12 @@ def test_sampled_tokens_have_their_rank(llm):
     assert [e[t].rank for t, e in zip(drawn.token_ids, drawn.outputs[0].logprobs)] == want and max(want) > 1
 
 
+def test_a_bad_word_of_whitespace_is_its_token(steered):
+    """bad_words=["\\n"]: the newline token is never generated (only an empty word is refused)."""
+    out = steered.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True, bad_words=["\n"]), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and steered.tokenizer.encode("\n")[0] not in out.token_ids
+
+
 def test_stops_at_eos_by_default(eos_first):
     (out,) = eos_first.generate(["Hello"], SamplingParams(max_tokens=5))
     assert out.finish_reason == "stop" and out.token_ids == [] and out.text == "" and out.stop_reason is None
@@ -477,7 +483,11 @@ def test_sampling_params_validation():
                             (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
                             (dict(max_tokens=0), "max_tokens must be"), (dict(stop=[""]), "non-empty strings"),
                             (dict(stop=["\udcff"]), "not valid Unicode"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-                            (dict(top_k=True), "top_k must be")]:
+                            (dict(top_k=True), "top_k must be"),
+                            (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+                            (dict(skip_special_tokens=1), "skip_special_tokens must be True or False"),
+                            (dict(include_stop_str_in_output=None), "include_stop_str_in_output must be True or"),
+                            (dict(bad_words=[""]), "bad_words must be a sequence of non-empty strings")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
 

@@ -25,6 +25,8 @@ MAX_STOP_IDS = 16
 """Stop token ids (EOS and ``stop_token_ids``) a request may name, at most."""
 MAX_N = 128
 """``SamplingParams.n`` at most (OpenAI's limit)."""
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+"""The fields that are True or False (a bool, nothing else: "no" is refused, not read as True)."""
 ITERABLE_FIELDS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
 """The fields that take a collection: any iterable is read into a tuple once, before the checks (a
 str and a mapping stay as they are)."""
@@ -86,6 +88,8 @@ class SamplingParams:
         values = {name: getattr(self, name) for name, *_ in VALUE_CHECKS}
         problems = [f"{name} {text}, got {values[name]!r}" for name, *check, text in VALUE_CHECKS
                     if not ((name in OPTIONAL and values[name] is None) or in_range(values[name], *check))]
+        problems += [f"{name} must be True or False, got {getattr(self, name)!r}" for name in BOOL_FIELDS
+                     if not isinstance(getattr(self, name), bool)]
         problems += self._control_errors()
         if isinstance(self.structured_outputs, Mapping):
             try:
@@ -122,8 +126,6 @@ class SamplingParams:
                 object.__setattr__(self, name, kind(values[name]))
         if self.top_k == -1:  # vLLM's "every token": off, stored as 0
             object.__setattr__(self, "top_k", 0)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.logit_bias is not None:
@@ -156,8 +158,8 @@ class SamplingParams:
                 errors.append(f"allowed_token_ids must be a non-empty sequence of token ids (integers >= 0), got {ids!r}")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if isinstance(self.bad_words, str) or not hasattr(words, "__iter__") \
-                or not all(isinstance(w, str) and w.strip() and _is_unicode(w) for w in words):
-            errors.append(f"bad_words must be a sequence of non-blank strings, got {self.bad_words!r}")
+                or not all(isinstance(w, str) and w and _is_unicode(w) for w in words):
+            errors.append(f"bad_words must be a sequence of non-empty strings, got {self.bad_words!r}")
         return errors
 
     @property
