@@ -108,6 +108,18 @@ def test_logprobs_and_progress_bar(llm, capsys):
     assert "Processed prompts" in capsys.readouterr().err
     llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert capsys.readouterr().err == ""
+    made = []  # vLLM's use_tqdm may be a callable (a tqdm class) that makes the bar
+
+    def quiet_bar(**kwargs):
+        from tqdm import tqdm
+
+        made.append(kwargs)
+        return tqdm(**kwargs, disable=True)
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=quiet_bar)
+    assert [m["total"] for m in made] == [2] and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="use_tqdm must be True, False or a callable .* got 'yes'"):
+        llm.generate("a", SamplingParams(max_tokens=2), use_tqdm="yes")
 
 
 def test_sampled_tokens_have_their_rank(llm):
@@ -441,6 +453,8 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
         LLM(steered.checkpoint, max_model_len=1, **F64)
     with pytest.raises(ValueError, match=r"max_model_len 10000 exceeds the model's max_position_embeddings \(4096\)"):
         LLM(steered.checkpoint, max_model_len=10000, **F64)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must lie in \(0, 1\], got True"):
+        LLM(steered.checkpoint, gpu_memory_utilization=True, **F64)
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         LLM(steered.checkpoint, max_num_seqs=0, **F64)
     with pytest.raises(ValueError, match="is empty"):

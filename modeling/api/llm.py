@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -73,6 +73,8 @@ REMOVED = {
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
 ParamsLike = Union[SamplingParams, Sequence[SamplingParams], None]
+ProgressLike = Union[bool, Callable[..., Any]]
+"""``use_tqdm``: whether to show a progress bar, or a callable that makes it (a tqdm class), as vLLM's."""
 
 
 class _Request:
@@ -188,7 +190,8 @@ class LLM:
             else:
                 max_num_seqs = value
         check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
-        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+        if not (isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+                and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
@@ -285,22 +288,23 @@ class LLM:
 
     # ------------------------------------------------------------------ text API
     def generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
+                 use_tqdm: ProgressLike = True) -> List[RequestOutput]:
         """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in
         order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
-        (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
+        (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts (tqdm's,
+        or what a callable given here makes with tqdm's arguments, as vLLM's)."""
         return [o for _, o in sorted(self._run(self._requests(prompts, sampling_params), use_tqdm))]
 
     def iter_generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
-                      use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
+                      use_tqdm: ProgressLike = False) -> Iterator[Tuple[int, RequestOutput]]:
         """``generate``, yielding (index of the prompt, its ``RequestOutput``) as each prompt's
         completions finish; leaving the loop early aborts the rest."""
         return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]], sampling_params: ParamsLike = None,
-             *, use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
-             chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+             *, use_tqdm: ProgressLike = True, add_generation_prompt: bool = True,
+             enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of a list of
         them, rendered with the checkpoint's chat template. ``enable_thinking=False`` is Qwen3's
@@ -476,16 +480,21 @@ class LLM:
                 out.append((request, c, text))
             return out
 
-    def _run(self, requests, use_tqdm: bool) -> Iterator[Tuple[int, RequestOutput]]:
+    def _run(self, requests, use_tqdm: ProgressLike) -> Iterator[Tuple[int, RequestOutput]]:
         """Add ``requests``, step the engine until each finishes, yield (index, output) as they do."""
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False or a callable that makes the progress bar (a tqdm "
+                             f"class), got {use_tqdm!r}")
         added = self._add(requests)
         index = {id(r): i for i, r in enumerate(added)}
         left = set(index)
         bar = None
         if use_tqdm and added:
-            from tqdm import tqdm
+            make = use_tqdm
+            if make is True:
+                from tqdm import tqdm as make
 
-            bar = tqdm(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+            bar = make(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         try:
             while left:
                 stepped = self._step()
