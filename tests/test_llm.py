@@ -459,8 +459,12 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
         LLM(steered.checkpoint, max_num_seqs=0, **F64)
     with pytest.raises(ValueError, match="is empty"):
         steered.generate([""])
-    with pytest.raises(ValueError, match="not valid UTF-8"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the text is not valid UTF-8"):
         steered.generate(["caf\udce9"])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the text holds a lone surrogate U\+D800 at character 2"):
+        steered.generate(["ok", "ab\ud800"])
+    with pytest.raises(TypeError, match="model must be a Hub id ORG/NAME or a checkpoint directory .* got int"):
+        LLM(123, **F64)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         steered.generate(["a"], [SamplingParams(), SamplingParams()])
     assert steered.generate([]) == []

@@ -30,6 +30,7 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 import contextlib
 import gc
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -195,6 +196,9 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if not (model is None or isinstance(model, (str, os.PathLike, Checkpoint))):
+            raise TypeError(f"model must be a Hub id ORG/NAME or a checkpoint directory (a str or a path), a "
+                            f"Checkpoint, or None for the shipped model, got {type(model).__name__}")
         self.checkpoint = (model if isinstance(model, Checkpoint)
                            else Checkpoint.load(model, revision, offline, progress))
         check_model_len(max_model_len, self.config.max_position_embeddings)
@@ -376,7 +380,10 @@ class LLM:
             raise ValueError(f"prompts[{index}] must be a str or a {{{TOKEN_IDS_KEY!r}: [...]}} dict, "
                              f"got {type(prompt).__name__}")
         else:
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            try:
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            except ValueError as e:  # not valid Unicode: "the text holds a lone surrogate ..."
+                raise ValueError(f"prompts[{index}]: {e}") from None
             if not ids:
                 raise ValueError(f"prompts[{index}] is empty")
         return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
