@@ -89,7 +89,7 @@ class PacedEngine:
         for seq in out:
             seq.status = Status.RUNNING
             token = 1 + (seq.request_id * 31 + seq.num_output) % 997
-            seq.append(token, None if seq.logprobs is None else (0.0, [(token, 0.0)]))
+            seq.append(token, None if seq.logprobs is None else (0.0, [(token, 0.0)], 1))
         self.seqs = [seq for seq in self.seqs if seq.finish_reason is None]
         for seq in out:
             if seq.finish_reason is not None:

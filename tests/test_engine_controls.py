@@ -136,6 +136,18 @@ def test_include_stop_str_in_output_and_truncate_prompt_tokens(llm):
                         use_tqdm=False)[0].prompt_token_ids == ids
 
 
+def test_collections_may_be_generators(llm):
+    """Each collection field takes any iterable, a generator too: read once, checked and stored whole."""
+    given = dict(stop=["x"], stop_token_ids=[5], logit_bias=[(3, 1.0)], allowed_token_ids=[49, 50], bad_words=["ab"])
+    params = SamplingParams(**{k: (v for v in values) for k, values in given.items()},
+                            structured_outputs={"choice": (c for c in ["a", "b"])})
+    assert params == SamplingParams(**given, structured_outputs={"choice": ["a", "b"]})
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, allowed_token_ids=(t for t in [49])), use_tqdm=False)[0]
+    assert out.token_ids == [49, 49, 49]
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be a non-empty sequence .* got \(\)"):
+        SamplingParams(allowed_token_ids=iter([]))
+
+
 def test_structured_outputs_hold_and_leave_unconstrained_rows_alone(llm):
     """A JSON schema, a choice and a regex in one batch with a free row: each constrained output
     holds, and the free row is what it is alone (its logits row untouched by the bitmask)."""
@@ -262,8 +274,8 @@ def test_prompt_logprobs_are_the_models_own(llm, monkeypatch):
         entry = out.prompt_logprobs[i]
         assert entry[ids[i]].logprob == pytest.approx(lp[ids[i]].item(), abs=1e-5)
         top = lp.topk(3)
-        assert [t for t, v in entry.items() if v.rank is not None] == top.indices.tolist()
-        assert [entry[t].rank for t in top.indices.tolist()] == [1, 2, 3]
+        assert list(entry)[:3] == top.indices.tolist() and [entry[t].rank for t in list(entry)[:3]] == [1, 2, 3]
+        assert entry[ids[i]].rank == 1 + (lp > lp[ids[i]]).sum().item()  # among the top 3 or not
     assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
     with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)

@@ -13,12 +13,13 @@ from tests.test_engine import QWEN3, QWEN3_5, model_of, prompts_of
 
 def check_prompt_logprobs(model, prompt, entries, k):
     """``entries`` (a ``Sequence.prompt_logprobs``) are the reference's: None first, then each
-    prompt token's log-probability and the k most likely tokens'."""
+    prompt token's log-probability, the k most likely tokens' and its rank."""
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1].float(), dim=-1)
     assert len(entries) == len(prompt) and entries[0] is None
-    for i, (chosen, top) in enumerate(entries[1:]):
+    for i, (chosen, top, rank) in enumerate(entries[1:]):
         assert chosen == pytest.approx(lp[i, prompt[i + 1]].item(), abs=1e-5)
+        assert rank == 1 + (lp[i] > lp[i, prompt[i + 1]]).sum().item()
         want = lp[i].topk(k)
         assert [t for t, _ in top] == want.indices.tolist()
         assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-5)

@@ -214,8 +214,10 @@ def test_logprobs_are_of_the_raw_logits(vocab):
         if rows[i].get("logprobs") is None:
             continue
         k = min(rows[i]["logprobs"], vocab)
-        chosen, top = entry
+        chosen, top, rank = entry
         assert isinstance(chosen, float) and chosen == pytest.approx(raw[i, token].item(), abs=1e-5)
+        same = logits[i].log_softmax(-1)  # the sampler's own fp32 values: no near-tie decided differently
+        assert rank == 1 + (same > same[token]).sum().item()
         want = raw[i].topk(k)
         assert [t for t, _ in top] == want.indices.tolist()
         assert [lp for _, lp in top] == pytest.approx(want.values.tolist(), abs=1e-5)
@@ -229,11 +231,12 @@ def test_logprobs_are_of_the_raw_logits(vocab):
 def test_token_logprobs_shapes_and_values():
     logits = torch.randn(3, 37, dtype=torch.bfloat16)
     tokens = torch.tensor([0, 36, 5])
-    chosen, values, ids = token_logprobs(logits, tokens, 4)
+    chosen, values, ids, ranks = token_logprobs(logits, tokens, 4)
     assert chosen.dtype == torch.float32 and values.shape == ids.shape == (3, 4)
     ref = logits.float().log_softmax(-1)
     torch.testing.assert_close(chosen, ref[torch.arange(3), tokens])
     torch.testing.assert_close(values, ref.topk(4).values)
+    assert ranks.tolist() == [1 + sum(v > ref[r, t] for v in ref[r]).item() for r, t in enumerate(tokens.tolist())]
     assert token_logprobs(logits, tokens, 0)[1].shape == (3, 0)
 
 
@@ -267,8 +270,10 @@ def test_sampling_mode_and_the_other_values_checked():
     assert [SamplingParams(temperature=t, top_k=k, top_p=p).mode for t, k, p in
             [(0.0, 0, 1.0), (0.7, 1, 1.0), (0.7, 0, 1.0), (0.7, 40, 1.0), (0.7, 0, 0.9)]] == \
         ["greedy", "greedy", "sample", "top", "top"]
+    every = SamplingParams(temperature=0.7, top_k=-1)  # vLLM's "every token": off, as 0
+    assert every == SamplingParams(temperature=0.7) and every.top_k == 0 and every.mode == "sample"
     for bad, word in [(dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-                      (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                      (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
                       (dict(top_p=float("nan")), "top_p"), (dict(seed=-3), "seed"), (dict(n=0), "n"),
                       (dict(n=1.0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"),
                       (dict(stop_token_ids=[-1]), "stop_token_ids")]:
@@ -300,14 +305,14 @@ def test_boundary_values_are_accepted_as_plain_numbers():
 
 def test_sequence_records_one_entry_per_output_token():
     asked = seq_of([1, 2], [], logprobs=1)
-    asked.append(5, (-0.5, [(5, -0.5)]))
-    assert asked.logprobs == [(-0.5, [(5, -0.5)])] and asked.output_ids == [5]
+    asked.append(5, (-0.5, [(5, -0.5)], 1))
+    assert asked.logprobs == [(-0.5, [(5, -0.5)], 1)] and asked.output_ids == [5]
     with pytest.raises(ValueError, match="logprobs entry"):
         asked.append(6)
     plain = seq_of([1, 2], [])
     assert plain.logprobs is None
     with pytest.raises(ValueError, match="logprobs entry"):
-        plain.append(6, (-0.1, []))
+        plain.append(6, (-0.1, [], 1))
     assert plain.output_ids == []  # a refused append records nothing
 
 
@@ -360,11 +365,11 @@ def test_llm_applies_every_control_as_the_engine_does(llms):
     while engine.has_work():
         engine.step()
     assert out.token_ids == seq.output_ids and len(out.logprobs) == 6
-    for token, entry, (chosen, top) in zip(out.token_ids, out.logprobs, seq.logprobs):
-        assert entry[token].logprob == chosen
-        assert [(t, lp.logprob, lp.rank) for t, lp in entry.items() if lp.rank is not None] == \
-            [(t, lp, rank) for rank, (t, lp) in enumerate(top, 1)]
-    assert out.cumulative_logprob == pytest.approx(sum(chosen for chosen, _ in seq.logprobs))
+    for token, entry, (chosen, top, rank) in zip(out.token_ids, out.logprobs, seq.logprobs):
+        places = {t: place for place, (t, _) in enumerate(top, 1)}
+        assert entry[token].logprob == chosen and entry[token].rank == places.get(token, rank)
+        assert [(t, lp.logprob, lp.rank) for t, lp in entry.items()][:len(top)] == [(t, lp, places[t]) for t, lp in top]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen for chosen, _, _ in seq.logprobs))
 
 
 def test_llm_takes_the_checkpoint_defaults_whole(llms):
@@ -410,12 +415,13 @@ def test_engine_applies_penalties_and_returns_logprobs():
     assert penalised.output_ids == want
     assert want != reference_greedy(model, prompts[0], new)[0]  # the penalties changed the greedy tokens
     assert len(penalised.logprobs) == new
-    for token, step, (chosen, top) in zip(want, logits, penalised.logprobs):
+    for token, step, (chosen, top, rank) in zip(want, logits, penalised.logprobs):
         raw = step.log_softmax(-1)
-        assert chosen == pytest.approx(raw[token].item(), abs=1e-9)
+        assert chosen == pytest.approx(raw[token].item(), abs=1e-9) and rank == 1 + (raw > raw[token]).sum().item()
         assert [t for t, _ in top] == raw.topk(4).indices.tolist()
     assert plain.output_ids == recompute_greedy(model, prompts[1:2], new)[0]
-    assert [top for _, top in plain.logprobs] == [[] for _ in range(new)]
-    assert all(chosen <= 0 for chosen, _ in plain.logprobs) and drawn.logprobs is None
+    assert [top for _, top, _ in plain.logprobs] == [[] for _ in range(new)]
+    assert [rank for _, _, rank in plain.logprobs] == [1] * new  # greedy: the argmax, rank 1 with no top token
+    assert all(chosen <= 0 for chosen, _, _ in plain.logprobs) and drawn.logprobs is None
     again = Engine(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
     assert again.generate(prompts[2:], drawn.params, new) == [drawn.output_ids]  # seeded: the batch does not matter

@@ -158,6 +158,19 @@ def test_streamed_text_equals_decoded_tokens(ckpt, capsys):
         assert "Triton interpreter (CPU)" in stats and "reference" not in notice
 
 
+def test_json_logprobs_hold_the_top_k(ckpt, capsys):
+    """--json --logprobs K: each token's log-probability and the K most likely tokens', best first
+    (a sampled token outside them, which has a rank too, is not among them)."""
+    code, out, err = run_main(capsys, "--model", ckpt, "--prompt", "Hello", "--max-tokens", 8, "--json",
+                              "--logprobs", 2, "--temperature", 3, "--seed", 3, "--device", "cpu")
+    assert code == 0, err
+    (obj,) = json_lines(out)
+    assert [e["token_id"] for e in obj["logprobs"]] == obj["token_ids"]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+               for e in obj["logprobs"])
+    assert any(e["token_id"] not in [t["token_id"] for t in e["top_logprobs"]] for e in obj["logprobs"])
+
+
 def test_batch_file_and_chat(ckpt, capsys, tmp_path):
     batch = tmp_path / "prompts.txt"
     batch.write_text("The quick brown fox\n\nHello world\nWhat is the capital of France?\n")
@@ -439,7 +452,7 @@ def bad_checkpoints(tmp_path, ckpt):
     (["--model", "{ckpt}", "--prompt", "hi", "--temperature", "1e300"], "temperature must be a finite number"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"], "--top-p must lie in (0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-p", "1.5"], "--top-p must lie in (0, 1]"),
-    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-1"], "--top-k must be"),
+    (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "-2"], "--top-k must be"),
     (["--model", "{ckpt}", "--prompt", "hi", "--top-k", "99999999999999999999"], "--top-k must be an integer in [0, 2**63)"),
     (["--model", "{ckpt}", "--prompt", "hi", "--min-p", "1.5"], "--min-p must lie in [0, 1]"),
     (["--model", "{ckpt}", "--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty must lie in [-2, 2]"),

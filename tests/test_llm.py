@@ -6,6 +6,7 @@ check, the earlier arguments; and ``import modeling`` staying light."""
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +55,9 @@ def test_generate_matches_recomputing(llm, ckpt):
     """Greedy outputs of a call's prompts (one continuous batch in the engine) in vLLM's shapes: the
     model's own greedy tokens without a cache, up to EOS."""
     prompts = ["The meaning of life is", "Hello world, 世界 🙂", "x"]
+    before = time.time()
     outs = llm.generate(prompts, SamplingParams(max_tokens=7))
+    after = time.time()
     model = QwenForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
     tok = QwenTokenizer.from_pretrained(ckpt)
     want = recompute_greedy(model, [tok.encode(p) for p in prompts], 7)
@@ -68,7 +71,7 @@ def test_generate_matches_recomputing(llm, ckpt):
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
         assert c.logprobs is None and c.cumulative_logprob is None
         m = o.metrics
-        assert m.arrival_time <= m.first_token_time <= m.finished_time
+        assert before <= m.arrival_time <= m.first_token_time <= m.finished_time <= after  # wall-clock, as vLLM's
     assert llm.generate("x", SamplingParams(max_tokens=7))[0].token_ids == outs[2].token_ids  # a str is one prompt
     assert llm.backend == "PyTorch reference ops (CPU)"
 
@@ -105,6 +108,39 @@ def test_logprobs_and_progress_bar(llm, capsys):
     assert "Processed prompts" in capsys.readouterr().err
     llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert capsys.readouterr().err == ""
+    made = []  # vLLM's use_tqdm may be a callable (a tqdm class) that makes the bar
+
+    def quiet_bar(**kwargs):
+        from tqdm import tqdm
+
+        made.append(kwargs)
+        return tqdm(**kwargs, disable=True)
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=quiet_bar)
+    assert [m["total"] for m in made] == [2] and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="use_tqdm must be True, False or a callable .* got 'yes'"):
+        llm.generate("a", SamplingParams(max_tokens=2), use_tqdm="yes")
+
+
+def test_sampled_tokens_have_their_rank(llm):
+    """A sampled token's ``Logprob.rank`` when it is not among the top logprobs (vLLM's): 1 + the
+    vocabulary entries more likely under the raw distribution, recomputed from the model's logits
+    (greedy: 1)."""
+    (greedy,) = llm.generate("Hello", SamplingParams(max_tokens=4, logprobs=0, ignore_eos=True), use_tqdm=False)
+    assert [e[t].rank for t, e in zip(greedy.token_ids, greedy.outputs[0].logprobs)] == [1] * 4
+    params = SamplingParams(temperature=3.0, seed=3, max_tokens=8, logprobs=0, ignore_eos=True)
+    (drawn,) = llm.generate("Hello", params, use_tqdm=False)
+    start = len(drawn.prompt_token_ids)
+    with torch.no_grad():
+        lp = llm.model(torch.tensor([drawn.prompt_token_ids + drawn.token_ids]))[0, start - 1:-1].log_softmax(-1)
+    want = [1 + (row > row[t]).sum().item() for row, t in zip(lp, drawn.token_ids)]
+    assert [e[t].rank for t, e in zip(drawn.token_ids, drawn.outputs[0].logprobs)] == want and max(want) > 1
+
+
+def test_a_bad_word_of_whitespace_is_its_token(steered):
+    """bad_words=["\\n"]: the newline token is never generated (only an empty word is refused)."""
+    out = steered.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True, bad_words=["\n"]), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and steered.tokenizer.encode("\n")[0] not in out.token_ids
 
 
 def test_stops_at_eos_by_default(eos_first):
@@ -433,12 +469,20 @@ def test_devices_dtypes_and_bad_arguments(steered, tmp_path):
         resolve_dtype("int8", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"max_model_len must be an integer in \[2, 2147483647\]"):
         LLM(steered.checkpoint, max_model_len=1, **F64)
+    with pytest.raises(ValueError, match=r"max_model_len 10000 exceeds the model's max_position_embeddings \(4096\)"):
+        LLM(steered.checkpoint, max_model_len=10000, **F64)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must lie in \(0, 1\], got True"):
+        LLM(steered.checkpoint, gpu_memory_utilization=True, **F64)
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         LLM(steered.checkpoint, max_num_seqs=0, **F64)
     with pytest.raises(ValueError, match="is empty"):
         steered.generate([""])
-    with pytest.raises(ValueError, match="not valid UTF-8"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the text is not valid UTF-8"):
         steered.generate(["caf\udce9"])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the text holds a lone surrogate U\+D800 at character 2"):
+        steered.generate(["ok", "ab\ud800"])
+    with pytest.raises(TypeError, match="model must be a Hub id ORG/NAME or a checkpoint directory .* got int"):
+        LLM(123, **F64)
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         steered.generate(["a"], [SamplingParams(), SamplingParams()])
     assert steered.generate([]) == []
@@ -475,7 +519,11 @@ def test_sampling_params_validation():
                             (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
                             (dict(max_tokens=0), "max_tokens must be"), (dict(stop=[""]), "non-empty strings"),
                             (dict(stop=["\udcff"]), "not valid Unicode"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-                            (dict(top_k=True), "top_k must be")]:
+                            (dict(top_k=True), "top_k must be"),
+                            (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+                            (dict(skip_special_tokens=1), "skip_special_tokens must be True or False"),
+                            (dict(include_stop_str_in_output=None), "include_stop_str_in_output must be True or"),
+                            (dict(bad_words=[""]), "bad_words must be a sequence of non-empty strings")]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
 

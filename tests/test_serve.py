@@ -432,7 +432,7 @@ def assert_error(r: httpx.Response, status: int, param=None, match: str = "") ->
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", r"\[-100, 100\]"),
     ({"prompt": "x", "allowed_token_ids": [2048]}, "allowed_token_ids", "outside the model's vocabulary"),
     ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens", "must not exceed max_tokens"),
-    ({"prompt": "x", "bad_words": [" "]}, "bad_words", "non-blank"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words", "non-empty"),
     ({"prompt": "x", "guided_regex": "a["}, "guided_regex", "Unclosed"),
     ({"prompt": "x", "guided_choice": []}, "guided_choice", "non-empty list"),
     ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "one output constraint"),

@@ -199,6 +199,17 @@ def test_without_max_tokens_a_prompt_near_the_context_gets_the_room_left(llm):
     assert plan.max_tokens == [512 - len(plan.prompts[0].ids)]
 
 
+def test_top_k_minus_one_is_off_by_sampling_params_rule(llm):
+    """vLLM's top_k -1 reaches SamplingParams, which reads it as off (0); below -1 is a 400 naming top_k."""
+    from modeling.serve.protocol import plan_completion
+
+    plan = plan_completion(parse(CompletionRequest, b'{"prompt": [5], "top_k": -1}'), llm.checkpoint, 512)
+    assert plan.params[0].top_k == 0
+    with pytest.raises(APIError) as e:
+        plan_completion(parse(CompletionRequest, b'{"prompt": [5], "top_k": -2}'), llm.checkpoint, 512)
+    assert e.value.status == 400 and e.value.param == "top_k"
+
+
 def test_steps_queued_for_a_request_are_merged_into_one_piece(llm):
     """A handler that fell behind the engine takes every queued step at once: one piece per choice
     with all their tokens (and the same text as one step at a time), then waits for the next."""

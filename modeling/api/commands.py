@@ -104,6 +104,7 @@ def add_model_flags(model, engine) -> None:
 def load_checkpoint(a: argparse.Namespace):
     """The ``Checkpoint`` of ``--model`` (``--revision``, ``--offline``); the shipped model without one.
     A ``UsageError`` also when ``--max-model-len`` exceeds its max_position_embeddings."""
+    from ..engine.prompts import check_model_len
     from ..model.hub import ModelNotFound
     from .checkpoint import Checkpoint
 
@@ -114,9 +115,10 @@ def load_checkpoint(a: argparse.Namespace):
     except ValueError as e:  # ConfigError, the tokenizer's files, generation_config.json
         where = f"--model {a.model!r}" if a.model is not None else "the default model"
         raise UsageError(f"{where}: {e}") from None
-    limit = ck.config.max_position_embeddings
-    if a.max_model_len is not None and a.max_model_len > limit:
-        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's max_position_embeddings ({limit})")
+    try:
+        check_model_len(a.max_model_len, ck.config.max_position_embeddings, "--max-model-len")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return ck
 
 

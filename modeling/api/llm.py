@@ -30,18 +30,19 @@ for piece in llm.stream("Once upon a time"):       # text pieces as the tokens a
 import contextlib
 import gc
 import itertools
+import os
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..chat.messages import MessageError, template_messages
 from ..common import is_int
 from ..engine import Engine, Status
-from ..engine.prompts import ContextLengthError, check_engine_args, checked_token_ids
+from ..engine.prompts import ContextLengthError, check_engine_args, check_model_len, checked_token_ids
 from ..engine.sampling_params import SamplingParams, choice_params
 from ..model.causal_lm import QwenForCausalLM
 from ..model.device import backend_name, check_weights_fit, resolve_device, resolve_dtype
@@ -74,6 +75,8 @@ REMOVED = {
 Prompt = Union[str, Mapping[str, Sequence[int]]]
 PromptLike = Union[Prompt, Sequence[Prompt]]
 ParamsLike = Union[SamplingParams, Sequence[SamplingParams], None]
+ProgressLike = Union[bool, Callable[..., Any]]
+"""``use_tqdm``: whether to show a progress bar, or a callable that makes it (a tqdm class), as vLLM's."""
 
 
 class _Request:
@@ -82,7 +85,7 @@ class _Request:
 
     def __init__(self, request_id: str, prompt: Optional[str], ids: List[int], completions: List[Completion]):
         self.request_id, self.prompt, self.ids, self.completions = request_id, prompt, ids, completions
-        self.metrics = RequestMetrics(time.perf_counter())
+        self.metrics = RequestMetrics(time.time())
         self.seqs: list = []
 
     @property
@@ -158,11 +161,12 @@ class LLM:
     ``model``: a local checkpoint directory, a Hub id ``ORG/NAME`` (``revision``, ``offline``), a
     loaded ``Checkpoint``, or None for ``default_model_dir()``. ``device``: ``cuda[:N]`` / ``cpu``
     (default CUDA if available); ``dtype``: default bf16 on CUDA, fp32 on the CPU.
-    ``max_model_len``: positions a sequence (prompt and output) holds at most (None: sized per
-    call, grown as needed); ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``gpu_memory_utilization``: the engine's (``modeling.engine.Engine``); ``enforce_eager``: no
-    CUDA graphs. ``quantization``: None, or "fp8" to quantise the layers' linear weights and
-    experts as they load (``modeling.model.fp8``; an FP8 checkpoint runs in FP8 without it).
+    ``max_model_len``: positions a sequence (prompt and output) holds at most, up to the model's
+    max_position_embeddings (None: sized per call, grown as needed); ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``gpu_memory_utilization``: the engine's
+    (``modeling.engine.Engine``); ``enforce_eager``: no CUDA graphs. ``quantization``: None, or
+    "fp8" to quantise the layers' linear weights and experts as they load (``modeling.model.fp8``;
+    an FP8 checkpoint runs in FP8 without it).
     ``tensor_parallel_size``: split the model over that many devices (``cuda:0`` .. on a GPU host;
     on the CPU, processes over gloo): this process is rank 0 and starts the others as workers
     (``modeling.engine.workers``); ``close()`` stops them.
@@ -188,12 +192,17 @@ class LLM:
             else:
                 max_num_seqs = value
         check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
-        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+        if not (isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+                and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if not (model is None or isinstance(model, (str, os.PathLike, Checkpoint))):
+            raise TypeError(f"model must be a Hub id ORG/NAME or a checkpoint directory (a str or a path), a "
+                            f"Checkpoint, or None for the shipped model, got {type(model).__name__}")
         self.checkpoint = (model if isinstance(model, Checkpoint)
                            else Checkpoint.load(model, revision, offline, progress))
+        check_model_len(max_model_len, self.config.max_position_embeddings)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_model_len = max_model_len
@@ -286,22 +295,23 @@ class LLM:
 
     # ------------------------------------------------------------------ text API
     def generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
-                 use_tqdm: bool = True) -> List[RequestOutput]:
+                 use_tqdm: ProgressLike = True) -> List[RequestOutput]:
         """Complete each prompt (a prompt or a list of them); one ``RequestOutput`` per prompt, in
         order. A prompt is a str, or its token ids as ``{"prompt_token_ids": [...]}`` (its output's
         ``prompt`` is then None). ``sampling_params``: one for all, one per prompt, or None
-        (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts."""
+        (``get_default_sampling_params``). ``use_tqdm``: a progress bar over the prompts (tqdm's,
+        or what a callable given here makes with tqdm's arguments, as vLLM's)."""
         return [o for _, o in sorted(self._run(self._requests(prompts, sampling_params), use_tqdm))]
 
     def iter_generate(self, prompts: PromptLike, sampling_params: ParamsLike = None, *,
-                      use_tqdm: bool = False) -> Iterator[Tuple[int, RequestOutput]]:
+                      use_tqdm: ProgressLike = False) -> Iterator[Tuple[int, RequestOutput]]:
         """``generate``, yielding (index of the prompt, its ``RequestOutput``) as each prompt's
         completions finish; leaving the loop early aborts the rest."""
         return self._run(self._requests(prompts, sampling_params), use_tqdm)
 
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]], sampling_params: ParamsLike = None,
-             *, use_tqdm: bool = True, add_generation_prompt: bool = True, enable_thinking: Optional[bool] = None,
-             chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+             *, use_tqdm: ProgressLike = True, add_generation_prompt: bool = True,
+             enable_thinking: Optional[bool] = None, chat_template_kwargs: Optional[Mapping[str, Any]] = None,
              tools: Optional[List[Dict[str, Any]]] = None) -> List[RequestOutput]:
         """Reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of a list of
         them, rendered with the checkpoint's chat template. ``enable_thinking=False`` is Qwen3's
@@ -379,7 +389,10 @@ class LLM:
             raise ValueError(f"prompts[{index}] must be a str or a {{{TOKEN_IDS_KEY!r}: [...]}} dict, "
                              f"got {type(prompt).__name__}")
         else:
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            try:
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            except ValueError as e:  # not valid Unicode: "the text holds a lone surrogate ..."
+                raise ValueError(f"prompts[{index}]: {e}") from None
             if not ids:
                 raise ValueError(f"prompts[{index}] is empty")
         return text, ids[-params.truncate_prompt_tokens:] if params.truncate_prompt_tokens else ids
@@ -454,7 +467,7 @@ class LLM:
                         if not c.finished:
                             c.finish_reason = "abort"
                 if r.metrics.finished_time is None:
-                    r.metrics.finished_time = time.perf_counter()
+                    r.metrics.finished_time = time.time()
 
     def _step(self) -> Optional[List[Tuple[_Request, Completion, str]]]:
         """One engine step: (request, completion, new text) of each completion that got a token
@@ -470,7 +483,7 @@ class LLM:
                 request, c = tracked
                 if seq.error is not None:
                     raise RuntimeError(f"request {request.request_id}: {seq.error}")
-                now = time.perf_counter()
+                now = time.time()
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = now
                 text = c.push(seq.tokens[-1], seq.logprobs[-1] if seq.logprobs is not None else None, seq.finish_reason)
@@ -483,16 +496,21 @@ class LLM:
                 out.append((request, c, text))
             return out
 
-    def _run(self, requests, use_tqdm: bool) -> Iterator[Tuple[int, RequestOutput]]:
+    def _run(self, requests, use_tqdm: ProgressLike) -> Iterator[Tuple[int, RequestOutput]]:
         """Add ``requests``, step the engine until each finishes, yield (index, output) as they do."""
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm must be True, False or a callable that makes the progress bar (a tqdm "
+                             f"class), got {use_tqdm!r}")
         added = self._add(requests)
         index = {id(r): i for i, r in enumerate(added)}
         left = set(index)
         bar = None
         if use_tqdm and added:
-            from tqdm import tqdm
+            make = use_tqdm
+            if make is True:
+                from tqdm import tqdm as make
 
-            bar = tqdm(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+            bar = make(total=len(added), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         try:
             while left:
                 stepped = self._step()

@@ -14,7 +14,8 @@ from .tokenizer import IncrementalDetokenizer, QwenTokenizer
 @dataclass
 class Logprob:
     """A token's log-probability under the raw model distribution; ``rank``: 1 for the most likely
-    token (None for a sampled token outside the requested top ``logprobs``); its text."""
+    token (a top token's place among the top ones; another token's 1 + the number of vocabulary
+    entries more likely, as vLLM's); its text."""
 
     logprob: float
     rank: Optional[int] = None
@@ -46,8 +47,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Host clock (``time.perf_counter``) seconds: when the request was added, when its first
-    token reached the host, when its last completion finished."""
+    """Wall-clock timestamps (``time.time()`` seconds, as vLLM's): when the request was added, when
+    its first token reached the host, when its last completion finished."""
 
     arrival_time: float
     first_token_time: Optional[float] = None
@@ -219,10 +220,10 @@ class Completion:
 
 def logprob_dict(text: Callable[[int], str], token: int, entry: LogprobEntry) -> Dict[int, Logprob]:
     """A token's ``LogprobEntry`` as vLLM gives it: token id -> ``Logprob`` of the top tokens
-    (ranked from 1) and of ``token`` (rank None when it is not among them); ``text``: a token
-    id's text (``decoded_token``)."""
-    chosen, top = entry
-    out = {tid: Logprob(lp, rank, text(tid)) for rank, (tid, lp) in enumerate(top, 1)}
+    (ranked from 1, best first), then of ``token`` when it is not among them (with its own rank);
+    ``text``: a token id's text (``decoded_token``)."""
+    chosen, top, rank = entry
+    out = {tid: Logprob(lp, place, text(tid)) for place, (tid, lp) in enumerate(top, 1)}
     if token not in out:
-        out[token] = Logprob(chosen, None, text(token))
+        out[token] = Logprob(chosen, rank, text(token))
     return out

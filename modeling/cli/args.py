@@ -61,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="new tokens per completion at most (default: generation_config.json's max_new_tokens, else 64)")
     s.add_argument("--temperature", type=float, default=None, help="0: greedy (the default without "
                                                                    "generation_config.json sampling values)")
-    s.add_argument("--top-k", type=int, default=None, help="0: off")
+    s.add_argument("--top-k", type=int, default=None, help="0 or -1: off")
     s.add_argument("--top-p", type=float, default=None, help="1: off")
     s.add_argument("--min-p", type=float, default=None, help="drop tokens below this times the most likely one's "
                                                              "probability; 0: off")

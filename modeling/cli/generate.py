@@ -106,7 +106,7 @@ def run(a: argparse.Namespace) -> int:
                 totals.add(o)
                 for j, c in enumerate(o.outputs):
                     if a.json:
-                        out.json(json_output(o, i, j))
+                        out.json(json_output(o, i, a.logprobs, j))
                     else:
                         out.write(f"[{i}] {escape_line(c.text)}\n" if params.n == 1 else f"[{i}.{j}] {escape_line(c.text)}\n")
     except ContextLengthError as e:

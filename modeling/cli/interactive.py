@@ -84,7 +84,7 @@ def interactive(a, llm, params, out: Writer, totals: Totals, template_kwargs) ->
         reply = stream.output
         totals.add(reply)
         if a.json:
-            out.json(json_output(reply, turn))
+            out.json(json_output(reply, turn, a.logprobs))
         else:
             out.write("\n")
         turn += 1

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 
 def escape_line(text: str) -> str:
@@ -91,11 +91,13 @@ class Writer:
         self.write(json.dumps(obj, ensure_ascii=not self.utf) + "\n")
 
 
-def json_output(o, index: int, completion: int = 0) -> Dict[str, Any]:
-    """One completion of a finished prompt (``RequestOutput`` ``o``, prompt ``index``) as a JSON object;
-    ``"completion"``: its number among the prompt's ``n``, given when there are several."""
+def json_output(o, index: int, logprobs: Optional[int], completion: int = 0) -> Dict[str, Any]:
+    """Completion ``completion`` of a finished prompt (``RequestOutput`` ``o``, prompt ``index``) as a
+    JSON object (``"completion"``: its number among the prompt's ``n``, given when there are several;
+    with ``logprobs`` k, each token's log-probability and the k most likely tokens')."""
     c, m = o.outputs[completion], o.metrics
-    obj = {"index": index, **({"completion": completion} if len(o.outputs) > 1 else {}), "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+    obj = {"index": index, **({"completion": completion} if len(o.outputs) > 1 else {}), "text": c.text,
+           "token_ids": c.token_ids, "finish_reason": c.finish_reason,
            "stop_reason": c.stop_reason, "prompt_tokens": len(o.prompt_token_ids),
            "timings": {"first_token_ms": round((m.first_token_time - m.arrival_time) * 1e3, 3)
                        if m.first_token_time is not None else None,
@@ -103,7 +105,6 @@ def json_output(o, index: int, completion: int = 0) -> Dict[str, Any]:
     if c.logprobs is not None:
         obj["logprobs"] = [{"token_id": token, "logprob": entry[token].logprob,
                             "top_logprobs": [{"token_id": t, "logprob": lp.logprob}
-                                             for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 1 << 30)
-                                             if lp.rank is not None]}
+                                             for t, lp in list(entry.items())[:logprobs]]}
                            for token, entry in zip(c.token_ids, c.logprobs)]
     return obj

@@ -7,7 +7,8 @@ given tokens 0..i-1. A step that computes a sequence's positions start..start+n-
 logits of each row at a position p < L - 1 whose entry is still missing (p + 1 >= len(entries)):
 
     lp = log_softmax(logits of row p) (fp32, or the model's dtype if wider)
-    entry p + 1 = (lp[prompt[p + 1]], the k largest of lp with their token ids, best first)
+    entry p + 1 = (lp[prompt[p + 1]], the k largest of lp with their token ids, best first,
+                   1 + the number of entries of lp larger than lp[prompt[p + 1]])
 
 so a prompt split over several steps fills its entries chunk by chunk, and a sequence preempted
 and recomputed is not scored twice. Such a step runs eagerly, outside the CUDA graphs
@@ -71,16 +72,17 @@ def prompt_rows(work: Seq[Tuple[Sequence, int]]) -> Optional[PromptRows]:
 class PromptScores:
     """One step's prompt-logprob entries on the device; ``collect`` appends them to their sequences."""
 
-    def __init__(self, seqs: List[Sequence], counts: List[int], parts: List[Tuple[Tensor, Tensor, Tensor]]):
+    def __init__(self, seqs: List[Sequence], counts: List[int], parts: List[Tuple[Tensor, Tensor, Tensor, Tensor]]):
         self.seqs, self.counts, self.parts = seqs, counts, parts
 
     def collect(self) -> None:
         """Append each sequence's entries (its own ``params.prompt_logprobs`` top tokens); a
         sequence finished meanwhile (aborted) is left as it is."""
-        chosen, values, ids = (torch.cat(column).tolist() for column in zip(*self.parts))
+        chosen, values, ids, ranks = (torch.cat(column).tolist() for column in zip(*self.parts))
         r = 0
         for seq, count in zip(self.seqs, self.counts):
             k = seq.params.prompt_logprobs
             if seq.status is not Status.FINISHED:
-                seq.prompt_logprobs += [(chosen[j], list(zip(ids[j][:k], values[j][:k]))) for j in range(r, r + count)]
+                seq.prompt_logprobs += [(chosen[j], list(zip(ids[j][:k], values[j][:k])), ranks[j])
+                                        for j in range(r, r + count)]
             r += count

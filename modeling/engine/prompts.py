@@ -1,8 +1,9 @@
 """The prompt checks every way in shares (``Engine.add``, ``LLM``, the server): token ids
 (``checked_token_ids``; ``check_ids`` for lists of ints), the room a request leaves in
 ``max_model_len`` positions (``check_room``, ``ContextLengthError``), the longest
-``max_model_len`` (``MAX_MODEL_LEN``) and the engine's sizes (``check_engine_args``). Imports no
-torch until a check runs, so the command line can name ``MAX_MODEL_LEN`` from its first instant."""
+``max_model_len`` (``MAX_MODEL_LEN``), the engine's sizes (``check_engine_args``) and the
+``max_model_len`` a model holds (``check_model_len``). Imports no torch until a check runs, so the
+command line can name ``MAX_MODEL_LEN`` from its first instant."""
 
 from collections.abc import Mapping
 from typing import Any, List
@@ -22,6 +23,14 @@ def check_engine_args(max_model_len: Any, max_num_seqs: Any, max_num_batched_tok
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
         if not (is_int(value) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_model_len(max_model_len: Any, positions: int, name: str = "max_model_len") -> None:
+    """A ``ValueError`` for a ``max_model_len`` above the model's ``positions`` (its
+    max_position_embeddings; None passes); ``name``: the argument or flag it names (``LLM`` and the
+    command lines check theirs here)."""
+    if max_model_len is not None and max_model_len > positions:
+        raise ValueError(f"{name} {max_model_len} exceeds the model's max_position_embeddings ({positions})")
 
 
 class ContextLengthError(ValueError):

@@ -123,13 +123,15 @@ def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     return torch.where((temperature == 0) | (top_k == 1), greedy, drawn)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tensor, Tensor]:
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Of the raw distribution log_softmax(logits), logits [R, V], tokens [R] int64, 0 <= k <= V:
     (each token's log-probability [R], the k largest log-probabilities [R, k] best first, their
-    token ids [R, k] int64), in fp32 or wider."""
+    token ids [R, k] int64, each token's rank [R] int64: 1 + the number of entries of its row with a
+    larger log-probability), in fp32 or wider."""
     logprobs = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(dim=-1)
     top = logprobs.topk(k, dim=-1)
-    return logprobs.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
+    chosen = logprobs.gather(-1, tokens[:, None])
+    return chosen[:, 0], top.values, top.indices, (logprobs > chosen).sum(dim=-1) + 1
 
 
 def controlled_logits(logits: Tensor, seqs: List[Sequence], positions: List[int]) -> Tensor:
@@ -171,7 +173,7 @@ class SampledTokens:
     on the device (the engine feeds it to the next step without waiting); the host copies are
     issued without blocking, and ``collect`` waits for them only."""
 
-    def __init__(self, tokens: Tensor, logprobs: Optional[Tuple[Tensor, Tensor, Tensor]], asking: List[int],
+    def __init__(self, tokens: Tensor, logprobs: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]], asking: List[int],
                  counts: List[int]):
         self.tokens, self.asking, self.counts = tokens, asking, counts
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda
@@ -186,16 +188,16 @@ class SampledTokens:
         return self._event is None or self._event.query()
 
     def collect(self) -> List[Tuple[int, Optional[LogprobEntry]]]:
-        """(token, ``LogprobEntry`` or None) of each row: the sampled token's log-probability and the
-        row's ``params.logprobs`` most likely tokens'."""
+        """(token, ``LogprobEntry`` or None) of each row: the sampled token's log-probability, the
+        row's ``params.logprobs`` most likely tokens' and the sampled token's rank."""
         if self._event is not None:
             self._event.synchronize()
         tokens, *logprobs = (t.tolist() for t in self._host)
         entries: List[Optional[LogprobEntry]] = [None] * len(tokens)
         if self.asking:
-            chosen, top_values, top_ids = logprobs
+            chosen, top_values, top_ids, ranks = logprobs
             for j, (i, n) in enumerate(zip(self.asking, self.counts)):
-                entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+                entries[i] = (chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])), ranks[j])
         return list(zip(tokens, entries))
 
 

@@ -8,6 +8,7 @@ the text-level ones (``stop``, ``skip_special_tokens``) as they build a completi
 import hashlib
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
@@ -24,6 +25,11 @@ MAX_STOP_IDS = 16
 """Stop token ids (EOS and ``stop_token_ids``) a request may name, at most."""
 MAX_N = 128
 """``SamplingParams.n`` at most (OpenAI's limit)."""
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+"""The fields that are True or False (a bool, nothing else: "no" is refused, not read as True)."""
+ITERABLE_FIELDS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
+"""The fields that take a collection: any iterable is read into a tuple once, before the checks (a
+str and a mapping stay as they are)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,8 @@ class SamplingParams:
     first match, or after it with ``include_stop_str_in_output``); ``stop_token_ids``: token ids
     that end it besides the tokenizer's EOS ids; ``ignore_eos``: do not stop at EOS;
     ``skip_special_tokens``: leave special tokens out of the text.
-    Lists are stored as tuples and dicts as sorted pairs (the params are hashable).
+    Lists (any iterable, a generator too, read once) are stored as tuples and dicts as sorted pairs
+    (the params are hashable).
     """
 
     temperature: float = 0.0
@@ -74,9 +81,15 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
+        for name in ITERABLE_FIELDS:  # read once: a generator is checked and stored whole
+            value = getattr(self, name)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+                object.__setattr__(self, name, tuple(value))
         values = {name: getattr(self, name) for name, *_ in VALUE_CHECKS}
         problems = [f"{name} {text}, got {values[name]!r}" for name, *check, text in VALUE_CHECKS
                     if not ((name in OPTIONAL and values[name] is None) or in_range(values[name], *check))]
+        problems += [f"{name} must be True or False, got {getattr(self, name)!r}" for name in BOOL_FIELDS
+                     if not isinstance(getattr(self, name), bool)]
         problems += self._control_errors()
         if isinstance(self.structured_outputs, Mapping):
             try:
@@ -111,8 +124,8 @@ class SamplingParams:
         for name, kind, *_ in VALUE_CHECKS:
             if values[name] is not None:
                 object.__setattr__(self, name, kind(values[name]))
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.top_k == -1:  # vLLM's "every token": off, stored as 0
+            object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.logit_bias is not None:
@@ -145,8 +158,8 @@ class SamplingParams:
                 errors.append(f"allowed_token_ids must be a non-empty sequence of token ids (integers >= 0), got {ids!r}")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if isinstance(self.bad_words, str) or not hasattr(words, "__iter__") \
-                or not all(isinstance(w, str) and w.strip() and _is_unicode(w) for w in words):
-            errors.append(f"bad_words must be a sequence of non-blank strings, got {self.bad_words!r}")
+                or not all(isinstance(w, str) and w and _is_unicode(w) for w in words):
+            errors.append(f"bad_words must be a sequence of non-empty strings, got {self.bad_words!r}")
         return errors
 
     @property
@@ -184,7 +197,7 @@ def _is_unicode(s: str) -> bool:
 
 VALUE_CHECKS = (
     ("temperature", float, 0, FLOAT32_MAX, False, "must be a finite number >= 0 (at most 3.4e38, float32's largest)"),
-    ("top_k", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63) (0 disables it)"),
+    ("top_k", int, -1, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63) or -1 (0 and -1 disable it)"),
     ("top_p", float, 0, 1, True, "must lie in (0, 1] (1 disables it)"),
     ("seed", int, 0, INT64_LIMIT - 1, False, "must be an integer in [0, 2**63)"),
     ("min_p", float, 0, 1, False, "must lie in [0, 1] (0 disables it)"),

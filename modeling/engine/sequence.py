@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from .token_masks import TokenControls
 
 
-LogprobEntry = Tuple[float, List[Tuple[int, float]]]
-"""An output token's log-probability, then the top-k tokens' (id, log-probability), best first."""
+LogprobEntry = Tuple[float, List[Tuple[int, float]], int]
+"""A token's log-probability, the top-k tokens' (id, log-probability) best first, and the token's
+rank (1 + the number of vocabulary entries of a larger log-probability)."""
 
 
 class Status(enum.Enum):

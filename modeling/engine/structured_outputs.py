@@ -14,6 +14,7 @@ items, no other whitespace), so an instance's length is bounded when its schema 
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -72,9 +73,12 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
             object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
-            object.__setattr__(self, "choice", tuple(self.choice))
+            choice = self.choice
+            if isinstance(choice, Iterable) and not isinstance(choice, str):
+                choice = tuple(choice)  # read once: a generator is checked and stored whole
+            if not (isinstance(choice, tuple) and choice and all(isinstance(c, str) for c in choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {choice!r}")
+            object.__setattr__(self, "choice", choice)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):

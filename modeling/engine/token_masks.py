@@ -112,13 +112,14 @@ class TokenControls:
 
 def bad_word_ids(tokenizer, bad_words: Seq[str]) -> List[List[int]]:
     """Each bad word's token ids, as vLLM tokenizes them: the word with its leading whitespace
-    stripped, and with one leading space when that spells it with other tokens of the same count
-    (the word inside a text)."""
+    stripped (a word of whitespace alone, "\\n", as it is), and with one leading space when that
+    spells it with other tokens of the same count (the word inside a text)."""
     out: List[List[int]] = []
     for word in bad_words:
-        plain = tokenizer.encode(word.lstrip())
+        word = word.lstrip() or word
+        plain = tokenizer.encode(word)
         out.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip())
+        spaced = tokenizer.encode(" " + word)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
     return out

@@ -214,7 +214,7 @@ class Generation:
         """The echoed prompt's token ids and their entries (None for the first, then ``logprobs``
         top tokens each): what precedes the completion's in the legacy logprobs."""
         k = self.plan.logprobs
-        return c.prompt.ids, [None] + [(lp, top[:k]) for lp, top in self._prompt_entries(c)[1:]]
+        return c.prompt.ids, [None] + [(lp, top[:k], rank) for lp, top, rank in self._prompt_entries(c)[1:]]
 
     def prompt_logprobs(self, c: Choice) -> list:
         """vLLM's ``prompt_logprobs`` of ``c``'s prompt (``responses.prompt_logprobs``), when asked for."""

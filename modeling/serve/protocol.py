@@ -236,9 +236,8 @@ def _sampling(req: _Request, ck: Checkpoint, logprobs: Optional[int],
     ``prompt_logprobs``."""
     if req.n < 1 or req.n > MAX_N:
         raise invalid(f"'n' must be an integer in [1, {MAX_N}], got {req.n}", "n")
-    given = {name: getattr(req, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+    given = {name: getattr(req, name) for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
                                                    "frequency_penalty", "repetition_penalty", "seed")}
-    given["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM's -1 also means off
     given = {k: v for k, v in given.items() if v is not None}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or sum(map(len, stop)) > MAX_STOP_CHARS:

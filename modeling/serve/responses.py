@@ -48,10 +48,10 @@ def completion_logprobs(tokens: Sequence[int], entries: Sequence[Optional[Logpro
 def prompt_logprobs(ids: Sequence[int], entries: Sequence[Optional[LogprobEntry]], strings: TokenStrings,
                     k: int) -> List[Optional[Dict[int, Dict[str, Any]]]]:
     """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {token id:
-    {logprob, rank, decoded_token}} of its k most likely tokens (ranked from 1) and of itself (rank
-    null when not among them); ``entries`` as ``Sequence.prompt_logprobs``, at least k top tokens."""
-    return [None] + [{t: asdict(v) for t, v in logprob_dict(strings, token, (lp, top[:k])).items()}
-                     for token, (lp, top) in zip(ids[1:], entries[1:])]
+    {logprob, rank, decoded_token}} of its k most likely tokens (ranked from 1) and of itself (its
+    own rank when not among them); ``entries`` as ``Sequence.prompt_logprobs``, at least k top tokens."""
+    return [None] + [{t: asdict(v) for t, v in logprob_dict(strings, token, (lp, top[:k], rank)).items()}
+                     for token, (lp, top, rank) in zip(ids[1:], entries[1:])]
 
 
 def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], strings: TokenStrings) -> Dict[str, Any]:
@@ -61,7 +61,7 @@ def chat_logprobs(tokens: Sequence[int], entries: Sequence[LogprobEntry], string
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     content = [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
-               for token, (lp, top) in zip(tokens, entries)]
+               for token, (lp, top, _) in zip(tokens, entries)]
     return {"content": content, "refusal": None}
 
 
