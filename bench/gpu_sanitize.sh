@@ -129,8 +129,8 @@ for s in $expanded; do
       python3 -c "from modeling.model.random_checkpoint import build_random_checkpoint as b; b('$CKPT')" || true
     fi
     cmd=(python3 -m modeling.generate --model "$CKPT" --device cuda --prompt "The meaning of life is"
-         --max-new-tokens 16 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 0)
-    [ "$graph" = 0 ] && cmd+=(--no-cuda-graph)
+         --max-tokens 16 --temperature 0.8 --top-k 20 --top-p 0.9 --seed 0)
+    [ "$graph" = 0 ] && cmd+=(--enforce-eager)
   fi
   if [ "${EACH:-0}" != 1 ] || [ -z "$files" ]; then
     echo "== $s ($caching, ${left}s left): ${cmd[*]}"
