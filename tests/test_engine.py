@@ -268,6 +268,11 @@ def test_requests_that_cannot_fit_are_refused():
     assert engine.generate([list(range(54))], GREEDY, 10)[0] == recompute_greedy(engine.model, [list(range(54))], 10)[0]
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         Engine(engine.model, max_num_seqs=0)
+    positions = engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len {positions + 1} exceeds the model's "
+                                         f"max_position_embeddings \\({positions}\\)"):
+        Engine(engine.model, max_num_seqs=2, max_model_len=positions + 1)
+    assert Engine(engine.model, max_num_seqs=1, max_num_batched_tokens=64).max_model_len == positions
 
 
 def test_the_kernels_path_equals_recomputing():

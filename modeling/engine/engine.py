@@ -30,7 +30,7 @@ from ..common import is_int
 from .block_manager import BlockManager
 from .cache_pool import CachePool, size_for
 from .prefill_logprobs import PromptScores, prompt_rows
-from .prompts import check_engine_args, check_room, checked_token_ids
+from .prompts import check_engine_args, check_model_len, check_room, checked_token_ids
 from .runner import StepRunner
 from .sampler import SampledTokens, sample_sequences
 from .sampling_params import SamplingParams
@@ -127,7 +127,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self._grammars: Optional[Grammars] = None  # made at the first structured request
         check_engine_args(max_model_len, max_num_seqs, max_num_batched_tokens)
-        self.max_model_len = min(max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        check_model_len(max_model_len, c.max_position_embeddings)
+        self.max_model_len = max_model_len or c.max_position_embeddings
         hybrid = any(kind != "full_attention" for kind in c.layer_types)
         reserve = max_num_batched_tokens * c.hidden_size * 64 * model.dtype.itemsize  # the step's activations
         free = None
