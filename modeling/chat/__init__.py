@@ -1,2 +1,3 @@
 """Chat templates: ``template`` (``ChatTemplate``, render limits, the checkpoint's generation
-defaults) and the bounded Jinja sandbox they render in (``sandbox``). Nothing is imported here."""
+defaults), the bounded Jinja sandbox they render in (``sandbox``) and OpenAI-style chat messages as a
+template reads them (``messages``). Nothing is imported here."""
