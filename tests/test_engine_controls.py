@@ -171,6 +171,9 @@ def test_structured_outputs_errors():
         SamplingParams(structured_outputs={"json": {}, "regex": "a"})
     with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
         SamplingParams(structured_outputs={"choice": "ab"})
+    for bad in ({"json_object": "yes"}, {"json": {}, "strict": 0}):  # not coerced to bools
+        with pytest.raises(ValueError, match="structured_outputs.(json_object|strict) must be a bool"):
+            SamplingParams(structured_outputs=bad)
     pytest.importorskip("xgrammar")
     engine = Engine(model_of(QWEN3), max_num_seqs=2, max_model_len=64)
     with pytest.raises(ValueError, match="structured_outputs needs the engine's tokenizer"):

@@ -58,6 +58,9 @@ class StructuredOutputs:
     strict: bool = True
 
     def __post_init__(self):
+        for name in ("json_object", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}, got "
@@ -83,8 +86,6 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
-        object.__setattr__(self, "json_object", bool(self.json_object))
-        object.__setattr__(self, "strict", bool(self.strict))
 
     @property
     def kind(self) -> str:
