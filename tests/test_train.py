@@ -267,3 +267,15 @@ def test_shipped_sizes_fit_the_file_limit():
         n = train.count_parameters(QwenForCausalLM(config))
     assert 5e6 <= n <= 8e6, n
     assert 2 * n < 16e6  # bf16 model.safetensors
+
+
+def test_epochs_given_set_the_length_over_a_presets_steps():
+    """--epochs without --steps decides the length even where the preset (tiny: 20 steps) has steps;
+    --steps given still wins, and without either the preset's steps stand."""
+    from modeling.train.cli import parse_args
+
+    base = ["--preset", "tiny", "--out", "unused"]
+    assert parse_args(base).steps == 20
+    a = parse_args([*base, "--epochs", "0.5"])
+    assert a.steps is None and a.epochs == 0.5
+    assert parse_args([*base, "--epochs", "0.5", "--steps", "7"]).steps == 7

@@ -207,6 +207,11 @@ def test_bad_flags_and_inputs_fail_in_one_line_and_write_nothing(tmp_path):
         (["--out", out, "--state", tmp_path], f"--state {tmp_path}: exists and is not a regular file"),
         (["--out", tmp_path / "garbled", "--resume"], "is not a resume state (torch.load: "),
         (["--out", tmp_path / "old", "--resume"], "resume state version 1, expected 2"),
+        (["--out", out, "--stop-at", "0", "--patience", "-1"], "--stop-at must be >= 1, got 0; --patience must be >= 0"),
+        (["--out", out, "--max-chars", "-5"], "--max-chars must be >= 1, got -5"),
+        (["--out", out, "--warmup-steps", "-5", "--state-every", "-1", "--train-eval-tokens", "-5"],
+         "--warmup-steps must be >= 0, got -5; --state-every must be >= 0, got -1; --train-eval-tokens must be >= 0"),
+        (["--out", out, "--head-dim", "24"], "the model flags make no valid model: unsupported head_dim 24"),
     ]
     before = sorted(tmp_path.rglob("*"))
     p = isolated("-c", MAIN_EACH, json.dumps([[*RUN, *map(str, argv)] for argv, _ in cases]))

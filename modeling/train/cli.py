@@ -48,7 +48,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     g.add_argument("--layers", type=int)
     g.add_argument("--heads", type=int, help="query heads")
     g.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
-    g.add_argument("--head-dim", type=int, help="16, 32, 64, 128 or 256")
+    g.add_argument("--head-dim", type=int, help="a multiple of 16, at most 256")
     g.add_argument("--intermediate-size", type=int)
     g.add_argument("--rope-theta", type=float, default=10000.0)
     g.add_argument("--init-std", type=float, default=0.02)
@@ -84,7 +84,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.set_defaults(**PRESETS[pre.preset])
     a = p.parse_args(argv)
     a.given = {k for k in vars(a) if _was_given(argv, k)}
+    _epochs_over_preset_steps(a)
     return a
+
+
+def _epochs_over_preset_steps(a: argparse.Namespace) -> None:
+    """--epochs given without --steps sets the length, over a preset's (or a resumed run's) steps."""
+    if "epochs" in a.given and "steps" not in a.given:
+        a.steps = None
 
 
 def _was_given(argv: Optional[Sequence[str]], dest: str) -> bool:
@@ -128,6 +135,10 @@ def check_args(a: argparse.Namespace) -> None:
         problems.append(f"--chat-fraction {a.chat_fraction:g} of --batch-size {a.batch_size} is no sequence")
     if a.seq_len is not None and a.seq_len < 2:
         problems.append("--seq-len must be >= 2")
+    for name, low in (("stop_at", 1), ("max_chars", 1), ("warmup_steps", 0), ("patience", 0), ("state_every", 0),
+                      ("train_eval_tokens", 0)):
+        if getattr(a, name) is not None and getattr(a, name) < low:
+            problems.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -157,6 +168,7 @@ def prepare(a: argparse.Namespace, created: Optional[List[Path]] = None) -> Tupl
             for k, v in saved.items():
                 if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
                     setattr(a, k, v)
+            _epochs_over_preset_steps(a)
             missing = [f for f in ("tokenizer.json", "config.json") if not (out / f).is_file()]
             if missing:
                 raise UsageError(f"--resume: {out} has no {', '.join(missing)}")

@@ -65,7 +65,7 @@ class Trainer:
     def __init__(self, a: argparse.Namespace, out: Path, state_path: Path, notice, stop: "StopSignals"):
         import torch
 
-        from ..model.config import QwenConfig
+        from ..model.config import ConfigError, QwenConfig
         from ..model.device import DTYPES
 
         self.a, self.out, self.state_path, self.notice, self.stop = a, out, state_path, notice, stop
@@ -81,7 +81,10 @@ class Trainer:
             tok = train_tokenizer(train_text, a.vocab_size)
         vocab = tok.get_vocab_size(with_added_tokens=True)
         cfg = model_config_dict(a, vocab)
-        self.config = QwenConfig.from_dict(cfg)
+        try:
+            self.config = QwenConfig.from_dict(cfg)
+        except ConfigError as e:  # a flag combination the model does not take (--head-dim 24, --heads 3 --kv-heads 2)
+            raise UsageError(f"the model flags make no valid model: {e}") from None
 
         def encode(s):
             return torch.tensor(tok.encode(s, add_special_tokens=False).ids, dtype=torch.long, device=self.device)
