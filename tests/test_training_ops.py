@@ -565,6 +565,8 @@ def test_ops_without_a_backward_refuse_inputs_that_need_grad():
         model.loss(ids)
     with torch.no_grad():
         assert torch.isfinite(model.loss(ids))
+        with pytest.raises(ValueError, match=r"loss takes input_ids \[B, T\] .*got input_ids \(8,\)"):
+            model.loss(ids[0])
 
 
 @pytest.mark.launcher

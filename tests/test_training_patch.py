@@ -137,6 +137,25 @@ def test_patch_num_items_in_batch_and_generation():
         assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False), ref_gen)  # KV cache path
 
 
+def test_patch_once_at_a_time_and_return_dict_false():
+    """A patched model refuses a second patch until the first is undone (undoing two in creation
+    order left it patched); return_dict=False gives a tuple, as transformers does."""
+    model = _model("qwen3", "cpu")
+    ids = torch.randint(0, TINY["vocab_size"], (2, 10))
+    ref = model(ids, labels=ids).loss
+    handle = patch_transformers(model)
+    with pytest.raises(ValueError, match="patched already: undo\\(\\) that patch first"):
+        patch_transformers(model)
+    out = model(ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple)
+    assert_close(out[0], ref, 1e-5, what="the tuple's loss")
+    assert isinstance(model(ids, return_dict=False)[0], torch.Tensor)  # the logits
+    handle.undo()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    patch_transformers(model).undo()  # a fresh patch once the first is undone
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_patch_rejects_unsupported_configs():
     with pytest.raises(ValueError, match="rope_type 'linear'"):
         patch_transformers(_model("qwen3", "cpu", rope_parameters={"rope_type": "linear", "factor": 2.0,

@@ -146,6 +146,9 @@ class QwenForCausalLM(nn.Module):
         [B, T, V] logits are never built. For training, with ``requires_grad_(True)``, on one device."""
         if self.parallel.world_size > 1:
             raise ValueError("loss takes a model on one device, not a tensor-parallel one")
+        if input_ids.dim() != 2 or (labels is not None and labels.shape != input_ids.shape):
+            raise ValueError(f"loss takes input_ids [B, T] (and labels of its shape), got input_ids "
+                             f"{tuple(input_ids.shape)}" + ("" if labels is None else f", labels {tuple(labels.shape)}"))
         h = self._final_hidden(input_ids)
         targets = (input_ids if labels is None else labels)[:, 1:]
         return ops.linear_cross_entropy(h[:, :-1].reshape(-1, h.shape[-1]), self._head(), targets.reshape(-1),

@@ -49,6 +49,8 @@ class TransformersPatch:
                 del module.forward
             module.__dict__.pop("_qwen_rope_theta", None)
         self._saved.clear()
+        if self.model.__dict__.get("_qwen_patch") is self:
+            del self.model.__dict__["_qwen_patch"]
 
     @property
     def active(self) -> bool:
@@ -161,16 +163,19 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, shift_labels=No
     outputs = self.model(input_ids=input_ids, **kwargs)
     hidden = outputs[0]
     extra = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    as_tuple = return_dict is False  # transformers' return_dict=False: the output's fields as a tuple
     if labels is None and shift_labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(loss=None, logits=self.lm_head(hidden[:, keep, :]), **extra)
+        out = CausalLMOutputWithPast(loss=None, logits=self.lm_head(hidden[:, keep, :]), **extra)
+        return out.to_tuple() if as_tuple else out
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     shift_labels = shift_labels.reshape(-1).to(hidden.device)
     loss = ops.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shift_labels, -100)
     if num_items is not None:  # transformers' gradient-accumulation convention: sum / num_items_in_batch
         loss = loss * (shift_labels != -100).sum() / num_items
-    return CausalLMOutputWithPast(loss=loss, logits=None, **extra)
+    out = CausalLMOutputWithPast(loss=loss, logits=None, **extra)
+    return out.to_tuple() if as_tuple else out
 
 
 def patch_transformers(model, *, rms_norm: bool = True, swiglu: bool = True, attention: bool = True,
@@ -183,6 +188,8 @@ def patch_transformers(model, *, rms_norm: bool = True, swiglu: bool = True, att
         raise ValueError(f"patch_transformers: model_type {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
     if swiglu and getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"patch_transformers: hidden_act {config.hidden_act!r} is not silu")
+    if model.__dict__.get("_qwen_patch") is not None:
+        raise ValueError("patch_transformers: this model is patched already: undo() that patch first")
     theta = _rope_theta(config) if attention else None
     handle = TransformersPatch(model)
     try:
@@ -203,4 +210,5 @@ def patch_transformers(model, *, rms_norm: bool = True, swiglu: bool = True, att
     except Exception:
         handle.undo()
         raise
+    model.__dict__["_qwen_patch"] = handle  # the patch undo() takes back (one at a time)
     return handle
