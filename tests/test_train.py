@@ -121,6 +121,15 @@ def test_resume_continues_from_the_saved_step(trained, tmp_path):
         torch.testing.assert_close(w[name], w_ref[name], rtol=1e-6, atol=1e-7)
 
 
+def test_resume_refuses_settings_it_would_not_take(trained, capsys):
+    """--resume takes the saved run's settings: one given again with another value is an error
+    naming it (it used to be dropped without a word); the same value, or a resumable setting, is not."""
+    assert train.main(["--out", str(trained), "--resume", "--lr", "0.5", "--seed", "7", "--no-progress",
+                       "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume continues the saved run's settings: --lr, --seed cannot change" in err
+
+
 def test_refuses_to_overwrite_a_run(trained, capsys):
     assert train.main([*TINY, "--out", str(trained), *STEPS]) == 2
     assert "--resume" in capsys.readouterr().err

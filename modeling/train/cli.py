@@ -100,6 +100,17 @@ def _was_given(argv: Optional[Sequence[str]], dest: str) -> bool:
     return any(x == flag or x.startswith(flag + "=") for x in (sys.argv[1:] if argv is None else argv))
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _same_setting(dest: str, given: Any, saved: Any) -> bool:
+    """Whether a setting given again on --resume is the saved one (paths compared resolved)."""
+    if dest in ("data", "init") and given is not None and saved is not None:
+        return Path(given).resolve() == Path(saved).resolve()
+    return given == saved
+
+
 def check_args(a: argparse.Namespace) -> None:
     problems = []
     if a.plot is None and a.out is None:
@@ -165,6 +176,12 @@ def prepare(a: argparse.Namespace, created: Optional[List[Path]] = None) -> Tupl
             if not os.path.lexists(state_path):
                 raise UsageError(f"--resume: no resume state at {state_path}")
             saved = read_state(state_path)["args"]
+            fixed = [k for k in sorted(a.given) if k in saved and k not in RESUME_OVERRIDES and k not in PER_INVOCATION
+                     and not _same_setting(k, getattr(a, k), saved[k])]
+            if fixed:
+                raise UsageError(f"--resume continues the saved run's settings: {', '.join(_flag(k) for k in fixed)} "
+                                 f"cannot change (of the run's settings only "
+                                 f"{', '.join(_flag(k) for k in RESUME_OVERRIDES)} may be given again)")
             for k, v in saved.items():
                 if k not in PER_INVOCATION and not (k in RESUME_OVERRIDES and k in a.given):
                     setattr(a, k, v)
