@@ -96,7 +96,7 @@ def _epochs_over_preset_steps(a: argparse.Namespace) -> None:
 
 def _was_given(argv: Optional[Sequence[str]], dest: str) -> bool:
     flags = {"progress": "--no-progress", "plot_after": "--no-plot"}
-    flag = flags.get(dest, "--" + dest.replace("_", "-"))
+    flag = flags.get(dest, _flag(dest))
     return any(x == flag or x.startswith(flag + "=") for x in (sys.argv[1:] if argv is None else argv))
 
 
@@ -123,7 +123,7 @@ def check_args(a: argparse.Namespace) -> None:
     for name in ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "head_dim", "intermediate_size",
                  "seq_len", "batch_size", "eval_every", "log_every", "eval_batch_size"):
         if getattr(a, name) is None or getattr(a, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+            problems.append(f"{_flag(name)} must be >= 1")
     if a.steps is None and (a.epochs is None or not 0 < a.epochs < math.inf):
         problems.append("give --steps N or --epochs E > 0 (finite)")
     if a.steps is not None and a.steps < 1:
@@ -134,14 +134,14 @@ def check_args(a: argparse.Namespace) -> None:
                                  ("grad_clip", 0.0, False), ("init_std", 0.0, False), ("rope_theta", 0.0, False)):
         value = getattr(a, name)
         if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
-            problems.append(f"--{name.replace('_', '-')} must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+            problems.append(f"{_flag(name)} must be a finite number {'>=' if inclusive else '>'} {low:g}, "
                             f"got {value}")
     for name, interval in (("beta1", "[0, 1)"), ("beta2", "[0, 1)"), ("dropout", "[0, 1)"), ("val_fraction", "(0, 1)"),
                            ("chat_fraction", "[0, 1]")):
         value = getattr(a, name)
         above = 0 <= value if interval[0] == "[" else 0 < value  # "[" and "]" include the bound
         if not (above and (value <= 1 if interval[-1] == "]" else value < 1)):
-            problems.append(f"--{name.replace('_', '-')} must be in {interval}, got {value}")
+            problems.append(f"{_flag(name)} must be in {interval}, got {value}")
     if 0 < a.chat_fraction <= 1 and a.batch_size and round(a.batch_size * a.chat_fraction) < 1:
         problems.append(f"--chat-fraction {a.chat_fraction:g} of --batch-size {a.batch_size} is no sequence")
     if a.seq_len is not None and a.seq_len < 2:
@@ -149,7 +149,7 @@ def check_args(a: argparse.Namespace) -> None:
     for name, low in (("stop_at", 1), ("max_chars", 1), ("warmup_steps", 0), ("patience", 0), ("state_every", 0),
                       ("train_eval_tokens", 0)):
         if getattr(a, name) is not None and getattr(a, name) < low:
-            problems.append(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
+            problems.append(f"{_flag(name)} must be >= {low}, got {getattr(a, name)}")
     if problems:
         raise UsageError("; ".join(problems))
 
