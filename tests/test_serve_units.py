@@ -199,6 +199,20 @@ def test_without_max_tokens_a_prompt_near_the_context_gets_the_room_left(llm):
     assert plan.max_tokens == [512 - len(plan.prompts[0].ids)]
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "9" * 5000, "1.0", " 1", "-1", "2048"])
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400(llm, key):
+    """A key that is no decimal token id of the vocabulary is a 400 naming logit_bias, never a 500:
+    "\u00b2" passes str.isdigit but not int(), and int() refuses a string of more than 4300 digits."""
+    from modeling.serve.protocol import plan_completion
+
+    req = parse(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {key: 1}}).encode())
+    with pytest.raises(APIError) as e:
+        plan_completion(req, llm.checkpoint, 512)
+    assert e.value.status == 400 and e.value.param == "logit_bias" and "token ids in [0, 2048)" in e.value.message
+    ok = parse(CompletionRequest, json.dumps({"prompt": "x", "logit_bias": {"0047": 5, "2047": -1}}).encode())
+    assert plan_completion(ok, llm.checkpoint, 512).params[0].logit_bias == ((47, 5.0), (2047, -1.0))
+
+
 def test_top_k_minus_one_is_off_by_sampling_params_rule(llm):
     """vLLM's top_k -1 reaches SamplingParams, which reads it as off (0); below -1 is a 400 naming top_k."""
     from modeling.serve.protocol import plan_completion

@@ -278,9 +278,11 @@ def _limit(req: _Request) -> Tuple[Optional[int], str]:
 
 def _logit_bias(bias: Optional[Dict[str, float]], vocab: int) -> Optional[Dict[int, float]]:
     """OpenAI's ``logit_bias`` (token ids as strings) keyed by int (a 400 for a key that is no
-    token id of the vocabulary); None when absent or empty."""
+    token id of the vocabulary: not decimal digits alone, or too large); None when absent or empty."""
     for key in bias or ():
-        if not (key.isdigit() and int(key) < vocab):
+        # isdecimal, not isdigit: "\u00b2" is a digit int() refuses; the length bound keeps int() from
+        # refusing a key of thousands of digits
+        if not (key.isdecimal() and len(key.lstrip("0")) <= len(str(vocab)) and int(key) < vocab):
             raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias")
     return {int(key): value for key, value in bias.items()} if bias else None
 
