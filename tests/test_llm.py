@@ -513,6 +513,8 @@ def test_sampling_params_validation():
     p = SamplingParams(temperature=0.7, top_k=5, stop="x", stop_token_ids=[3])
     assert p.stop == ("x",) and p.stop_token_ids == (3,) and hash(p) == hash(SamplingParams(0.7, 5, stop=["x"],
                                                                                           stop_token_ids=(3,)))
+    # None is vLLM's default of stop, stop_token_ids and bad_words (code passes a request's None on)
+    assert SamplingParams(stop=None, stop_token_ids=None, bad_words=None) == SamplingParams()
     for kwargs, message in [(dict(temperature=1e300), "temperature must be a finite number"),
                             (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
                             (dict(max_tokens=0), "max_tokens must be"), (dict(stop=[""]), "non-empty strings"),

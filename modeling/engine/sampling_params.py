@@ -30,6 +30,8 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"
 ITERABLE_FIELDS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
 """The fields that take a collection: any iterable is read into a tuple once, before the checks (a
 str and a mapping stay as they are)."""
+NONE_IS_EMPTY = ("stop", "stop_token_ids", "bad_words")
+"""The collections whose None means none (vLLM's default for them): stored as ``()``."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class SamplingParams:
     that end it besides the tokenizer's EOS ids; ``ignore_eos``: do not stop at EOS;
     ``skip_special_tokens``: leave special tokens out of the text.
     Lists (any iterable, a generator too, read once) are stored as tuples and dicts as sorted pairs
-    (the params are hashable).
+    (the params are hashable); ``stop``, ``stop_token_ids`` and ``bad_words`` take None for none, as
+    vLLM's do.
     """
 
     temperature: float = 0.0
@@ -81,6 +84,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self):
+        for name in NONE_IS_EMPTY:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         for name in ITERABLE_FIELDS:  # read once: a generator is checked and stored whole
             value = getattr(self, name)
             if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
