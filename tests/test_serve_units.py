@@ -146,6 +146,22 @@ def test_stop_string_ends_a_choice_and_later_tokens_are_dropped(llm):
     assert gen.completion_tokens == len(c.token_ids) < len(tokens)
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_streamed_choice_names_its_stop_reason_as_the_whole_one_does(llm, chat):
+    """vLLM's stream choices carry ``stop_reason`` on both endpoints: null until the choice
+    finishes, then the stop string (or stop token id) that ended it, as in the whole response."""
+    params = SamplingParams(stop=("light",))
+    plan = Plan([Prompt("x", [1])], 1, [params], [50], [2], True, False, False, None)
+    gen = Generation(plan, chat, None, TokenStrings(llm.tokenizer), 0.0)
+    c = gen.choices[0]
+    deltas = [gen.delta(c, p) for t in llm.tokenizer.encode("What light through yonder")
+              if (p := c.consume([TokenEvent(0, t, None, None, 0.0)])) is not None]
+    deltas = [d for d in deltas if d is not None]
+    whole = gen.chat_choice(c) if chat else gen.completion_choice(c)
+    assert whole["stop_reason"] == "light" and deltas[-1]["finish_reason"] == "stop"
+    assert [d["stop_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["light"]
+
+
 class RecordingLoop:
     """An engine client that takes submits and records aborts."""
 

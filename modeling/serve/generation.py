@@ -268,8 +268,8 @@ class Generation:
         return []
 
     def delta(self, c: Choice, p: Piece) -> Optional[Dict[str, Any]]:
-        """A streamed chunk's choice for piece ``p`` of ``c``, or None when it carries nothing a
-        client would see."""
+        """A streamed chunk's choice for piece ``p`` of ``c`` (its ``stop_reason`` null until the
+        chunk that finishes it), or None when it carries nothing a client would see."""
         extra = self.plan.return_token_ids or self.plan.logprobs is not None
         out: Dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": p.finish_reason}
         if self.chat:
@@ -290,10 +290,10 @@ class Generation:
             if not text and not extra and p.finish_reason is None:
                 return None
             out["text"] = text
-            out["stop_reason"] = c.stop_reason if p.finish_reason else None
             if self.plan.logprobs is not None:
                 out["logprobs"] = completion_logprobs(ids, entries, self.strings, c.lp_offset)
                 c.lp_offset += sum(len(self.strings(t)) for t in ids)
+        out["stop_reason"] = c.stop_reason if p.finish_reason else None  # both endpoints, as vLLM's
         if self.plan.return_token_ids:
             out["token_ids"] = p.token_ids
         return out
