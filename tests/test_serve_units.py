@@ -162,6 +162,60 @@ def test_a_streamed_choice_names_its_stop_reason_as_the_whole_one_does(llm, chat
     assert [d["stop_reason"] for d in deltas] == [None] * (len(deltas) - 1) + ["light"]
 
 
+@pytest.fixture(scope="module")
+def app():
+    """The app on an engine of this process, through TestClient: the shipped model in float64 (the
+    PyTorch reference ops, not the Triton interpreter: seconds a test), eager."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from modeling.api.llm import LLM
+    from modeling.engine import Engine
+    from modeling.serve.app import ServerState, Settings, create_app
+    from modeling.serve.engine_loop import EngineClient, ThreadTransport
+
+    llm = LLM(None, device="cpu", dtype=torch.float64, progress=False)
+    engine = Engine(llm.model, max_num_seqs=8, max_model_len=128, enforce_eager=True)
+    state = ServerState(llm.checkpoint, EngineClient(ThreadTransport(engine), engine.max_model_len, lambda e: None),
+                        Settings("m"))
+    with TestClient(create_app(state)) as client:
+        yield client
+
+
+def sse_chunks(client, path: str, body: dict) -> list:
+    """The JSON chunks of a stream (``[DONE]`` checked and left out)."""
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]", lines
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(app, llm, echo):
+    """vLLM's places: a completion choice holds its prompt's ids, streamed in its first chunk (the
+    echo's, when it echoes); a chat response holds them beside ``choices``, streamed in the first
+    chunks (the role's), never per choice."""
+    ids = llm.tokenizer.encode("ROMEO:")
+    body = {"prompt": "ROMEO:", "max_tokens": 3, "n": 2, "seed": 0, "temperature": 1.0, "return_token_ids": True,
+            "echo": echo}
+    whole = app.post("/v1/completions", json=body).json()
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [ids, ids]
+    chunks = sse_chunks(app, "/v1/completions", body)
+    for index in (0, 1):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+        assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c.get("token_ids", [])] == whole["choices"][index]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "return_token_ids": True}
+    reply = app.post("/v1/chat/completions", json=chat).json()
+    prompt = reply["prompt_token_ids"]
+    assert prompt[-3:] == llm.tokenizer.encode("<|im_start|>assistant\n")[-3:]
+    assert all("prompt_token_ids" not in c and len(c["token_ids"]) == 3 for c in reply["choices"])
+    chunks = sse_chunks(app, "/v1/chat/completions", chat)
+    assert [c.get("prompt_token_ids") for c in chunks[:2]] == [prompt, prompt]
+    assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
+    assert all("prompt_token_ids" not in c for c in chunks[2:])
+
+
 class RecordingLoop:
     """An engine client that takes submits and records aborts."""
 

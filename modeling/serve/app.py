@@ -255,7 +255,8 @@ def create_app(state: ServerState) -> FastAPI:
         include = gen.plan.include_usage
         status = 499
         try:  # one write per engine step: its chunks (one per choice) together, the last with [DONE]
-            events = [envelope.chunk([d], include) for d in gen.first_deltas()]
+            first = gen.first_chunk_fields()
+            events = [envelope.chunk([d], include, **first) for d in gen.first_deltas()]
             while not gen.done:
                 if events:
                     yield "".join(events)

@@ -71,6 +71,7 @@ class Choice(Completion):
         self.lp_offset = 0  # text_offset of the next streamed logprob (completions)
         self.prompt_logprobs: Optional[list] = None  # its prompt's entries, when its params ask for them
         self.echoed = False  # its streamed echo is sent (with logprobs: in its first chunk)
+        self.ids_sent = False  # its prompt's ids are streamed (return_token_ids: in its first chunk)
 
     def consume(self, events: List[TokenEvent]) -> Optional[Piece]:
         """Take this step's tokens; None once the choice has finished (tokens the engine sampled
@@ -234,10 +235,20 @@ class Generation:
 
     def response_fields(self) -> Dict[str, Any]:
         """A whole response's top-level fields beside the choices: a chat response's
-        ``prompt_logprobs`` (vLLM's: one prompt), when asked for."""
-        if not self.chat or self.plan.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": self.prompt_logprobs(self.choices[0])}
+        ``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's: one prompt), when asked for."""
+        out: Dict[str, Any] = {}
+        if self.chat and self.plan.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
+        if self.chat and self.plan.return_token_ids:
+            out["prompt_token_ids"] = self.choices[0].prompt.ids
+        return out
+
+    def first_chunk_fields(self) -> Dict[str, Any]:
+        """The top-level fields of a stream's first chunks (``first_deltas``'): a chat stream's
+        ``prompt_token_ids`` with ``return_token_ids``, as vLLM sends them."""
+        if self.chat and self.plan.return_token_ids:
+            return {"prompt_token_ids": self.choices[0].prompt.ids}
+        return {}
 
     def chat_choice(self, c: Choice) -> Dict[str, Any]:
         message: Dict[str, Any] = {"role": "assistant", "content": c.content}
@@ -251,7 +262,7 @@ class Generation:
         if self.plan.logprobs is not None:
             out["logprobs"] = chat_logprobs(c.token_ids, c.entries, self.strings)
         if self.plan.return_token_ids:
-            out.update(prompt_token_ids=c.prompt.ids, token_ids=c.token_ids)
+            out["token_ids"] = c.token_ids  # the prompt's ids: beside the choices (response_fields)
         return out
 
     def first_deltas(self) -> List[Dict[str, Any]]:
@@ -263,9 +274,17 @@ class Generation:
         if self.plan.echo and self.plan.logprobs is None:
             for c in self.choices:
                 c.echoed = True
-            return [{"index": c.index, "text": self._echo(c), "logprobs": None, "finish_reason": None}
-                    for c in self.choices]
+            return [self._with_prompt_ids(c, {"index": c.index, "text": self._echo(c), "logprobs": None,
+                                              "finish_reason": None}) for c in self.choices]
         return []
+
+    def _with_prompt_ids(self, c: Choice, out: Dict[str, Any]) -> Dict[str, Any]:
+        """A streamed completion choice ``out`` of ``c``, with its prompt's ids when it is the first
+        (``return_token_ids``; vLLM's place for them in a stream)."""
+        if self.plan.return_token_ids and not c.ids_sent:
+            c.ids_sent = True
+            out["prompt_token_ids"] = c.prompt.ids
+        return out
 
     def delta(self, c: Choice, p: Piece) -> Optional[Dict[str, Any]]:
         """A streamed chunk's choice for piece ``p`` of ``c`` (its ``stop_reason`` null until the
@@ -293,6 +312,7 @@ class Generation:
             if self.plan.logprobs is not None:
                 out["logprobs"] = completion_logprobs(ids, entries, self.strings, c.lp_offset)
                 c.lp_offset += sum(len(self.strings(t)) for t in ids)
+            self._with_prompt_ids(c, out)
         out["stop_reason"] = c.stop_reason if p.finish_reason else None  # both endpoints, as vLLM's
         if self.plan.return_token_ids:
             out["token_ids"] = p.token_ids

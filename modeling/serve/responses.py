@@ -95,9 +95,12 @@ class Envelope:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": use, **extra}
 
-    def chunk(self, choices: List[Dict[str, Any]], include_usage: bool, use: Optional[Dict[str, int]] = None) -> str:
+    def chunk(self, choices: List[Dict[str, Any]], include_usage: bool, use: Optional[Dict[str, int]] = None,
+              **extra: Any) -> str:
         """One streamed chunk as its SSE event (the text of ``sse`` of the chunk's object, its
-        fields in the same order, from a prefix encoded once)."""
+        fields in the same order, from a prefix encoded once); ``extra``: top-level fields after
+        ``usage`` (vLLM's ``prompt_token_ids``)."""
         body = ",".join(map(JSON.encode, choices))
-        tail = f'],"usage":{JSON.encode(use)}}}' if include_usage else "]}"
-        return f"data: {self._chunk_head}{body}{tail}\n\n"
+        tail = f'],"usage":{JSON.encode(use)}' if include_usage else "]"
+        tail += "".join(f',"{k}":{JSON.encode(v)}' for k, v in extra.items())
+        return f"data: {self._chunk_head}{body}{tail}}}\n\n"
