@@ -216,6 +216,29 @@ def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(app, llm, echo):
     assert all("prompt_token_ids" not in c for c in chunks[2:])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_each_choices_running_usage_in_its_chunks(app, path):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk of a
+    choice carries the usage so far, its prompt's tokens and its own tokens; the last chunk the
+    request's whole usage. Without it the choices' chunks carry ``usage: null``, as OpenAI's."""
+    body = {"max_tokens": 4, "n": 2, "seed": 1, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"prompt": "ROMEO:"} if "chat" not in path else {"messages": [{"role": "user", "content": "Hi"}]})
+    chunks = sse_chunks(app, path, body)
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 8
+    prompt = final["prompt_tokens"]
+    counts = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        counts[choice["index"]] += len(choice.get("token_ids", []))
+        n = counts[choice["index"]]
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    assert counts == {0: 4, 1: 4}
+    body["stream_options"] = {"include_usage": True}
+    assert all(c["usage"] is None for c in sse_chunks(app, path, body)[:-1])
+
+
 class RecordingLoop:
     """An engine client that takes submits and records aborts."""
 

@@ -252,16 +252,19 @@ def create_app(state: ServerState) -> FastAPI:
                                               **gen.response_fields()))
 
     async def stream(request: Request, gen: Generation, envelope: Envelope):
-        include = gen.plan.include_usage
+        include, running = gen.plan.include_usage, gen.plan.continuous_usage
+
+        def chunk(d: Dict[str, Any], **extra: Any) -> str:  # one choice's, with its usage so far if asked
+            return envelope.chunk([d], include, gen.choice_usage(d["index"]) if running else None, **extra)
+
         status = 499
         try:  # one write per engine step: its chunks (one per choice) together, the last with [DONE]
             first = gen.first_chunk_fields()
-            events = [envelope.chunk([d], include, **first) for d in gen.first_deltas()]
+            events = [chunk(d, **first) for d in gen.first_deltas()]
             while not gen.done:
                 if events:
                     yield "".join(events)
-                events = [envelope.chunk([d], include) for c, piece in await gen.next()
-                          if (d := gen.delta(c, piece)) is not None]
+                events = [chunk(d) for c, piece in await gen.next() if (d := gen.delta(c, piece)) is not None]
             if include:
                 events.append(envelope.chunk([], True, usage(gen.prompt_tokens, gen.completion_tokens)))
             status = 200

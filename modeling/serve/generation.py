@@ -14,7 +14,7 @@ from .chat_output import ChatOutput
 from .engine_loop import EngineClient, EngineFailure, Sink, TokenEvent
 from .errors import APIError, invalid
 from .protocol import Plan, Prompt
-from .responses import chat_logprobs, completion_logprobs, prompt_logprobs, tool_call, tool_call_delta
+from .responses import chat_logprobs, completion_logprobs, prompt_logprobs, tool_call, tool_call_delta, usage
 
 
 class EngineError(Exception):
@@ -186,6 +186,12 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+    def choice_usage(self, index: int) -> Dict[str, int]:
+        """Choice ``index``'s usage so far (vLLM's ``continuous_usage_stats``): its prompt's tokens
+        and its own tokens."""
+        c = self.choices[index]
+        return usage(len(c.prompt.ids), len(c.token_ids))
 
     def timings(self) -> Dict[str, Optional[float]]:
         """Seconds from arrival: ``queue`` (to the first admission), ``ttft`` (to the first token),

@@ -48,6 +48,7 @@ class Fields(BaseModel):
 
 class StreamOptions(Fields):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk its choice's usage so far
 
 
 class _Request(Fields):
@@ -212,6 +213,7 @@ class Plan:
     logprobs: Optional[int]  # top logprobs per token when asked for logprobs, else None
     echo: bool = False  # with logprobs, the echoed prompt's tokens get theirs (the engine's prompt logprobs)
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs shown (top tokens per prompt token), else None
+    continuous_usage: bool = False  # each streamed chunk carries its choice's usage so far (with include_usage)
     tool_calls: bool = False  # parse Qwen's <tool_call> blocks out of the reply
     parallel_tool_calls: bool = True  # False: the first tool call of a reply only
     reasoning: bool = False  # parse Qwen3's <think> block out of the reply
@@ -363,7 +365,8 @@ def plan_completion(req: CompletionRequest, ck: Checkpoint, max_model_len: int) 
     # choice j of each prompt; in a stream each computes the prompt logprobs (its first chunk echoes them)
     params = [choice_params(base, j, req.stream) for _ in prompts for j in range(req.n)]
     return Plan(prompts, req.n, params, budget, _stop_ids(ck, base), req.stream, _include_usage(req),
-                req.return_token_ids, req.logprobs, echo=req.echo, prompt_logprobs=shown, constraint_field=field)
+                req.return_token_ids, req.logprobs, echo=req.echo, prompt_logprobs=shown, constraint_field=field,
+                continuous_usage=_continuous_usage(req))
 
 
 def _prompt_logprobs(req: _Request) -> Optional[int]:
@@ -383,6 +386,11 @@ def _include_usage(req: _Request) -> bool:
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
     return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _continuous_usage(req: _Request) -> bool:
+    """vLLM's ``continuous_usage_stats``: only with ``include_usage`` (alone it changes nothing, as in vLLM)."""
+    return _include_usage(req) and req.stream_options.continuous_usage_stats
 
 
 def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -523,4 +531,5 @@ def plan_chat(req: ChatCompletionRequest, ck: Checkpoint, max_model_len: int,
     return Plan(prompts, req.n, [choice_params(base, j) for j in range(req.n)], budget, _stop_ids(ck, base), req.stream,
                 _include_usage(req), req.return_token_ids, base.logprobs, prompt_logprobs=shown,
                 tool_calls=tools is not None, parallel_tool_calls=req.parallel_tool_calls is not False,
-                reasoning=thinking, prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types)
+                reasoning=thinking, prompt_text=text, constraint_field=constraint, tool_form=form, tool_types=types,
+                continuous_usage=_continuous_usage(req))
