@@ -239,6 +239,24 @@ def test_continuous_usage_stats_put_each_choices_running_usage_in_its_chunks(app
     assert all(c["usage"] is None for c in sse_chunks(app, path, body)[:-1])
 
 
+@pytest.mark.parametrize("part, unsupported, message", [
+    ({"type": "text"}, False, "'messages[0].content[0].text' must be a string, got NoneType"),
+    ({"type": "text", "text": 5}, False, "'messages[0].content[0].text' must be a string, got int"),
+    ({"type": "image_url", "image_url": {}}, True, "only text parts"),
+    ("hi", True, "only text parts"),
+])
+def test_a_malformed_text_part_is_invalid_not_unsupported(part, unsupported, message):
+    """A text part without a string ``text`` is a malformed message (a 400 naming it), not a kind of
+    part the server does not take (``unsupported_parameter``, "only text parts ..., got 'text'")."""
+    from modeling.serve.protocol import chat_messages
+
+    with pytest.raises(APIError) as e:
+        chat_messages([{"role": "user", "content": [part]}])
+    assert e.value.status == 400 and message in e.value.message
+    assert (e.value.code, e.value.param) == (("unsupported_parameter", "messages[0].content[0]") if unsupported
+                                             else (None, "messages"))
+
+
 class RecordingLoop:
     """An engine client that takes submits and records aborts."""
 

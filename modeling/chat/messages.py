@@ -36,10 +36,13 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> List[Dict[str, A
         content = m.get("content")
         if isinstance(content, (list, tuple)):
             for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, Mapping) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                     raise MessageError(f"only text parts ({{\"type\": \"text\", \"text\": ...}}), got {kind!r}",
                                        f"messages[{i}].content[{j}]", unsupported=True)
+                if not isinstance(part.get("text"), str):  # a text part, malformed
+                    raise MessageError(f"'messages[{i}].content[{j}].text' must be a string, got "
+                                       f"{type(part.get('text')).__name__}")
             content = "".join(part["text"] for part in content)
         elif content is not None and not isinstance(content, str):
             raise MessageError(f"'messages[{i}].content' must be a string, a list of text parts or null")
