@@ -1,6 +1,8 @@
 """modeling.serve in process: the reply parsers (Qwen3 <think>, Qwen <tool_call>), a chat choice built
-from tokens, per-choice seeds, request parsing, the command line's checks, and an engine whose
-steps fail (the app stays up, then reports itself unusable). No model runs here."""
+from tokens, per-choice seeds, request parsing, the command line's checks, an engine whose steps
+fail (the app stays up, then reports itself unusable), and the streamed fields of a few requests
+through TestClient (the ``app`` fixture: the shipped model in float64 on the PyTorch reference ops,
+seconds a test)."""
 import json
 
 import pytest
