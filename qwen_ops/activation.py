@@ -18,12 +18,12 @@ from .registry import acc_dtype, define, last_dim_contiguous, register_autograd,
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
     gate, up = to_dtype(gate_up, acc_dtype(gate_up)).chunk(2, dim=-1)
-    return to_dtype(F.silu(gate) * up, gate_up.dtype)
+    return to_dtype(F.silu(gate) * up, gate_up.dtype).contiguous()  # the kernel's layout, not gate_up's strides
 
 
 def silu_mul_split_reference(gate: Tensor, up: Tensor) -> Tensor:
     dt = acc_dtype(gate)
-    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
+    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype).contiguous()
 
 
 def _grads(dy, gate, up):
@@ -41,7 +41,7 @@ def silu_mul_backward_reference(dy: Tensor, gate_up: Tensor) -> Tensor:
 
 def silu_mul_split_backward_reference(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     dg, du = _grads(dy, gate, up)
-    return dg.to(gate.dtype), du.to(gate.dtype)
+    return dg.to(gate.dtype).contiguous(), du.to(gate.dtype).contiguous()
 
 
 def _check(gate_up: Tensor, dy: Tensor | None = None):
@@ -108,7 +108,7 @@ register_autograd(silu_mul_split, _silu_mul_split_bwd, _setup)
 
 def sigmoid_mul_reference(x: Tensor, gate: Tensor) -> Tensor:
     dt = acc_dtype(x)
-    return (x.to(dt) * torch.sigmoid(gate.to(dt))).to(x.dtype)
+    return (x.to(dt) * torch.sigmoid(gate.to(dt))).to(x.dtype).contiguous()
 
 
 def _check_sigmoid_mul(x, gate):

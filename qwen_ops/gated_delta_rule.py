@@ -178,7 +178,7 @@ def gated_rms_norm_reference(x: Tensor, z: Tensor, weight: Tensor, eps: float) -
     xf = x.to(dt)
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * normed  # type promotion as transformers: rounded to x's dtype when weight has it
-    return (y.to(dt) * F.silu(z.to(dt))).to(x.dtype)
+    return (y.to(dt) * F.silu(z.to(dt))).to(x.dtype).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- checks

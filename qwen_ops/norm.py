@@ -34,7 +34,7 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.
 
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                            offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    summed = (x.to(acc_dtype(x)) + residual.to(acc_dtype(x))).to(x.dtype)
+    summed = (x.to(acc_dtype(x)) + residual.to(acc_dtype(x))).to(x.dtype).contiguous()
     return rms_norm_reference(summed, weight, eps, offset), summed
 
 

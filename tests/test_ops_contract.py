@@ -178,3 +178,30 @@ def test_autograd_kernel_skips_the_dispatcher_only_for_plain_tensors(device):
         direct = torch.ops.qwen.rms_norm(x[None], w, 1e-6)
     with torch.inference_mode():
         assert torch.equal(direct, torch.ops.qwen.rms_norm(x[None], w, 1e-6))
+
+
+def _transposed(*shape):
+    """A float64 tensor of `shape` that is dense but not contiguous (its first two dims swapped in memory)."""
+    return torch.randn(shape[1], shape[0], *shape[2:], dtype=torch.float64).transpose(0, 1)
+
+
+REFERENCE_PATH = {  # float64 always takes the reference (as every CPU call does without the interpreter)
+    "add_rms_norm": lambda: (_transposed(4, 3, 8), _transposed(4, 3, 8), torch.randn(8, dtype=torch.float64), 1e-6),
+    "silu_mul": lambda: (_transposed(4, 3, 8),),
+    "silu_mul_split": lambda: (_transposed(4, 3, 8), _transposed(4, 3, 8)),
+    "silu_mul_split_backward": lambda: tuple(_transposed(4, 3, 8) for _ in range(3)),
+    "sigmoid_mul": lambda: (_transposed(4, 3, 8), _transposed(4, 3, 8)),
+    "gated_rms_norm": lambda: (_transposed(4, 3, 8), _transposed(4, 3, 8), torch.randn(8, dtype=torch.float64), 1e-6),
+}
+
+
+@pytest.mark.parametrize("name", REFERENCE_PATH)
+def test_reference_path_outputs_are_contiguous_as_the_fake_kernel_says(name):
+    """Outputs are new contiguous tensors on every path: an elementwise reference on a dense
+    transposed input would otherwise return the input's strides, which the fake kernel does not
+    (torch.compile's generated code asserts the fake strides and fails)."""
+    args = REFERENCE_PATH[name]()
+    outs = getattr(torch.ops.qwen, name)(*args)
+    for i, t in enumerate(outs if isinstance(outs, tuple) else (outs,)):
+        assert t.is_contiguous(), f"{name} output {i}: strides {t.stride()} for shape {tuple(t.shape)}"
+    torch.library.opcheck(getattr(torch.ops.qwen, name).default, args, test_utils="test_faketensor")
