@@ -116,6 +116,9 @@ def rope_backward_reference(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, positi
 
 def _check_backward(dq, dk, q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight, norm_eps, norm_offset):
     _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight)
+    check_float("rope_backward", "dq", dq)  # the kernel reads the gradients' heads with unit stride
+    check_float("rope_backward", "dk", dk)
+    check_same("rope_backward", "q", q, dq=dq, dk=dk)
     if dq.shape != q.shape or dk.shape != k.shape:
         fail("rope_backward", f"dq {tuple(dq.shape)} / dk {tuple(dk.shape)} must match q {tuple(q.shape)} / k {tuple(k.shape)}")
 

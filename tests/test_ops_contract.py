@@ -115,6 +115,12 @@ ERRORS = [
     ("attention", lambda: (torch.randn(1, 4, 2, 40), torch.randn(1, 4, 1, 40), torch.randn(1, 4, 1, 40), 0.1), "head_dim 40 is not supported"),
     ("attention", lambda: (torch.randn(1, 4, 3, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "multiple of kv heads"),
     ("attention", lambda: (torch.randn(1, 5, 2, 16), torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0.1), "Sk >= Sq"),
+    ("rope_backward", lambda: (torch.randn(2, 4, 16, 2)[..., 0], torch.randn(2, 2, 16), torch.randn(2, 4, 16),
+                               torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.long), 1e4, 16),
+     "dq must be contiguous in its last dim"),
+    ("rope_backward", lambda: (torch.randn(2, 4, 16), torch.randn(2, 2, 16).double(), torch.randn(2, 4, 16),
+                               torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.long), 1e4, 16),
+     "dk has dtype torch.float64 but q has torch.float32"),
 ]
 
 
