@@ -158,7 +158,10 @@ def _check_backward(do, q, k, v, o, lse, scale, causal, dlse):
         check_float(op, name, t, ndim=4)
         if t.shape != q.shape:
             fail(op, f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
+    check_same(op, "q", q, do=do, o=o)  # the kernels' dots take do with q's, k's and v's dtype
     for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and t.device != q.device:
+            fail(op, f"{name} is on {t.device} but q is on {q.device}")
         if t is not None and (tuple(t.shape) != (q.shape[0], q.shape[2], q.shape[1]) or not t.is_contiguous()):
             fail(op, f"{name} must be contiguous [B, Hq, Sq] = {(q.shape[0], q.shape[2], q.shape[1])}, got {tuple(t.shape)}")
 

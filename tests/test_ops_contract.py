@@ -121,6 +121,8 @@ ERRORS = [
     ("rope_backward", lambda: (torch.randn(2, 4, 16), torch.randn(2, 2, 16).double(), torch.randn(2, 4, 16),
                                torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.long), 1e4, 16),
      "dk has dtype torch.float64 but q has torch.float32"),
+    ("attention_backward", lambda: (torch.randn(1, 4, 2, 16).bfloat16(), *(torch.randn(1, 4, 2, 16) for _ in range(4)),
+                                    None, 0.25), "do has dtype torch.bfloat16 but q has torch.float32"),
 ]
 
 
