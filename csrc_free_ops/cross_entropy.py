@@ -173,7 +173,7 @@ def linear_cross_entropy_backward(grad_loss, grad_lse, hidden, weight, targets, 
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    targets = targets.contiguous()
+    targets, lse = targets.contiguous(), lse.contiguous()  # read at unit stride
     dlse = lse if grad_lse is None else grad_lse.to(torch.float32).contiguous()
     scale = grad_loss.to(torch.float32) / (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
     dh_acc = torch.empty((n, h), dtype=torch.float32, device=dev) if need_dh else None

@@ -90,6 +90,22 @@ def _check(hidden, weight, targets):
         fail(op, f"targets is on {targets.device} but hidden is on {hidden.device}")
 
 
+def _check_backward(grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, need_dhidden, need_dweight):
+    """The forward's checks, and the gradients and lse: grad_loss one value, grad_lse (or None) and lse
+    [N], floating, on hidden's device."""
+    op = "linear_cross_entropy_backward"
+    _check(hidden, weight, targets)
+    n = hidden.shape[0]
+    for name, t, shape in (("grad_loss", grad_loss, None), ("grad_lse", grad_lse, (n,)), ("lse", lse, (n,))):
+        if t is None:
+            continue
+        if not t.is_floating_point() or (t.numel() != 1 if shape is None else tuple(t.shape) != shape):
+            what = "one value (the loss's gradient)" if shape is None else f"shape {shape} (a value a row)"
+            fail(op, f"{name} must be a float tensor of {what}, got {t.dtype} of shape {tuple(t.shape)}")
+        if t.device != hidden.device:
+            fail(op, f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+
 def _check_targets(targets: Tensor, ignore_index: int, vocab: int):
     """Value check, CPU tensors only (free there; a host sync on CUDA, where such a target makes the loss NaN)."""
     outside = _outside_vocab(targets, ignore_index, vocab).nonzero()
@@ -123,8 +139,7 @@ linear_cross_entropy_with_lse = define(
 
 linear_cross_entropy_backward = define(
     linear_cross_entropy_backward_reference, _backward_kernel,
-    check=lambda grad_loss, grad_lse, hidden, weight, targets, *args: _check(hidden, weight, targets),
-    fake=_fake_backward, dispatch_arg=2,
+    check=_check_backward, fake=_fake_backward, dispatch_arg=2,
     check_values=lambda grad_loss, grad_lse, hidden, weight, targets, lse, ignore_index, *args:
     _check_targets(targets, ignore_index, weight.shape[0]))
 

@@ -284,6 +284,28 @@ def test_linear_cross_entropy_chunks_slices_ignore_and_lse(device, monkeypatch):
     assert_close(ops.linear_cross_entropy(hid, w, wide[:, 0]), loss, what="lce with strided targets")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_backward_checks_grad_loss_grad_lse_and_lse(device):
+    """Called directly, the backward op takes lse and grad_lse as any [N] float tensors (strided
+    ones too: the kernel gets them contiguous) and refuses others with an error naming them, where
+    a short lse would have been read past its end and a strided one read as if contiguous."""
+    n, h, v = 5, 16, 12
+    hid, w = randn(n, h, dtype=torch.float32, device=device), randn(v, h, dtype=torch.float32, device=device)
+    t = torch.tensor([1, -100, 0, 11, 5], device=device)
+    _, lse = ops.linear_cross_entropy_with_lse(hid, w, t, -100)
+    one, grad_lse = torch.tensor(1.0, device=device), randn(n, dtype=torch.float32, device=device)
+    strided = lambda x: torch.stack([x, torch.full_like(x, 1e4)], dim=1)[:, 0]  # noqa: E731  (stride 2)
+    got = ops.linear_cross_entropy_backward(one, strided(grad_lse), hid, w, t, strided(lse), -100, True, True)
+    want = qwen_ops.linear_cross_entropy_backward_reference(one, grad_lse, hid, w, t, lse, -100, True, True)
+    for g, r, name in zip(got, want, ("dhidden", "dweight")):
+        assert_close(g, r, what=f"{name} with strided lse and grad_lse")
+    bad = {"lse": (one, None, lse[:3]), "grad_lse": (one, grad_lse[:, None], lse),
+           "grad_loss": (torch.ones(2, device=device), None, lse)}
+    for name, (gl, gs, ls) in bad.items():
+        with pytest.raises(qwen_ops.QwenOpError, match=rf"qwen\.linear_cross_entropy_backward: {name} must"):
+            ops.linear_cross_entropy_backward(gl, gs, hid, w, t, ls, -100, True, True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "reference"])
 def test_linear_cross_entropy_rejects_targets_outside_the_vocabulary_on_cpu(dtype):
     """A target that is neither ignore_index nor in [0, V) raises one error naming targets, on the
