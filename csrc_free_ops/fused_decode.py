@@ -67,6 +67,7 @@ from .common import (FP8_BLOCK, INTERPRET, MAX_TILES, arrive, cdiv, empty_contig
                      target_programs, tuned)
 from .fused_decode_blocks import (_block_scales, _gemv_slice, _head_values, _input_slice, _program_slice,
                                   _rotated_head, _sum_row_slices, _sum_slices, _weight_product, _weight_slice)
+from .rope import fp32_position
 
 
 class GemvConfig(NamedTuple):
@@ -234,7 +235,7 @@ def _qkv_kernel(
             head = tile // QW
             q_ptrs = q_ptr + rm[:, None] * stride_qm + head * (QW * D) + d[None, :]
             if tile % QW == 0:
-                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.float32)
+                pos = fp32_position(tl.load(pos_ptr + rm, mask=row_ok, other=0))  # NaN past +-2^24, as rope's
                 q = _rotated_head(part_ptr, b_ptr, qn_ptr, rm, tile * D, pos, mask, rstd, stride_ps, stride_pm, eps,
                                   offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
                 tl.store(q_ptrs, q.to(dtype), mask=mask)
@@ -247,7 +248,7 @@ def _qkv_kernel(
             in_cache = mask & ((slot >= 0) & (slot < SLOTS))[:, None]
             if tile < QT + HK:
                 hk = tile - QT
-                pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.float32)
+                pos = fp32_position(tl.load(pos_ptr + rm, mask=row_ok, other=0))  # NaN past +-2^24, as rope's
                 k = _rotated_head(part_ptr, b_ptr, kn_ptr, rm, tile * D, pos, mask, rstd, stride_ps,
                                   stride_pm, eps, offset, log2_theta, SPLIT_K, HAS_BIAS, HAS_QK_NORM, D, ROT, dtype)
                 dst = kc_ptr + slot[:, None] * stride_ks + hk * stride_kh + d[None, :]

@@ -46,7 +46,7 @@ from .linear import linear_reference
 from .norm import rms_norm_reference
 from .paged_attention import kv_cache_store_slots_reference
 from .registry import acc_dtype, define, to_dtype
-from .rope import rope_reference
+from .rope import check_positions, rope_reference
 
 
 def _dequantized(weight: Tensor, weight_scale_inv: Optional[Tensor], x: Tensor) -> Tensor:
@@ -204,4 +204,5 @@ norm_gate_up_silu = define(norm_gate_up_silu_reference, kernels.norm_gate_up_sil
                            traceable=False)
 
 norm_qkv_rope_store = define(norm_qkv_rope_store_reference, kernels.norm_qkv_rope_store, check=_check_qkv,
-                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), traceable=False)
+                             fake=_fake_qkv, mutates_args=("k_cache", "v_cache"), traceable=False,
+                             check_values=lambda *args: check_positions(args[8], "norm_qkv_rope_store"))

@@ -82,12 +82,12 @@ def _check(q, k, positions, theta, rotary_dim, q_norm_weight, k_norm_weight):
                 fail(op, f"{name} must have shape ({d},), got {tuple(w.shape)}")
 
 
-def _check_positions(positions: Tensor):
+def check_positions(positions: Tensor, op: str = "rope"):
     """Value check, CPU tensors only (free there; a host sync on CUDA, where the kernels write NaN instead)."""
     if positions.numel():
         lo, hi = int(positions.min()), int(positions.max())
         if lo < -MAX_POSITION or hi > MAX_POSITION:
-            fail("rope", f"positions must lie in [-2^24, 2^24] (the angles are fp32, exact for integers up to "
+            fail(op, f"positions must lie in [-2^24, 2^24] (the angles are fp32, exact for integers up to "
                          f"2^24 only), got values in [{lo}, {hi}]")
 
 
@@ -138,10 +138,10 @@ rope = define(rope_reference, kernels.rope,
               check=lambda q, k, positions, theta, rotary_dim, qw, kw, eps, offset:
               _check(q, k, positions, theta, rotary_dim, qw, kw),
               fake=lambda q, k, *args: (empty_contiguous_like(q), empty_contiguous_like(k)),
-              check_values=lambda q, k, positions, *args: _check_positions(positions))
+              check_values=lambda q, k, positions, *args: check_positions(positions))
 
 rope_backward = define(rope_backward_reference, _backward_kernel, check=_check_backward, fake=_fake_backward,
-                       dispatch_arg=2, check_values=lambda dq, dk, q, k, positions, *args: _check_positions(positions))
+                       dispatch_arg=2, check_values=lambda dq, dk, q, k, positions, *args: check_positions(positions))
 
 
 def _setup(ctx, inputs, output):

@@ -115,6 +115,30 @@ def test_norm_qkv_rope_store(device, dtype):
 
 @pytest.mark.launcher
 @pytest.mark.parametrize("device", DEVICES)
+def test_qkv_positions_past_2_24(device):
+    """As rope's: the launcher (no value check on CUDA: it would cost a host sync) writes NaN in the
+    rotated dims of q and of the stored k of a row whose position is past +-2^24, where fp32 angles
+    are off by a radian or more, as the reference does; on CPU tensors the op refuses such positions."""
+    torch.manual_seed(0)
+    rot = 8
+    args = qkv_args(4, 40, 4, 2, 16, rot, False, False, True, torch.float32, device)
+    args[8] = torch.tensor([3, 2**24 + 1, -2**24 - 1, 2**40], device=device)  # rows 1, 2: padding slots
+    storage = args[6]._base
+    expected = torch.full_like(storage, float("nan"))
+    ref = qwen_ops.norm_qkv_rope_store_reference(*args[:6], expected[0, 1:-1], expected[1, 1:-1], *args[8:])
+    q = kernels.norm_qkv_rope_store(*args)
+    assert ref[1:, :, :rot].isnan().all() and not ref[0].isnan().any() and not ref[..., rot:].isnan().any()
+    for what, got, want in (("q", q, ref), ("cache", storage, expected)):
+        same_nan = torch.equal(got.isnan(), want.isnan())
+        assert same_nan, f"{what}: NaN where the reference has none, or the reverse"
+        assert_close(got[~want.isnan()], want[~want.isnan()], what=what)
+    if device == "cpu":
+        with pytest.raises(qwen_ops.QwenOpError, match=r"qwen\.norm_qkv_rope_store: positions must lie in \[-2\^24"):
+            torch.ops.qwen.norm_qkv_rope_store(*args)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_every_split_factor(device, split_k):
     """Every K split (uneven slices included) ends in the same result: the last program to arrive
