@@ -185,7 +185,7 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
         "conv_weight": (conv_weight, (ng, channels, taps)), "A_log": (A_log, (ng, hv)), "dt_bias": (dt_bias, (ng, hv)),
         "norm_weight": (norm_weight, (ng, dv)), "out_weight": (out_weight, (ng, hidden, vd)),
         "conv_states": (conv_states, (ng, pool, channels, taps - 1))})
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias), ("ssm_states", ssm_states)):  # fp32: not in check_same
         if t.device != x.device:
             fail(op, f"{name} is on {t.device} but x is on {x.device}")
     check_step(op, m, positions, cache_seqlens, block_table, theta, rotary_dim, d, num_splits)

@@ -140,6 +140,7 @@ def test_decode_hybrid_layers_errors():
         "in_proj_weight must be contiguous with shape": dict(in_proj_weight=args[16][:, :-1]),
         "conv_states must be contiguous with shape": dict(conv_states=args[22][..., :-1]),
         "ssm_states must be float32": dict(ssm_states=args[23].double()),
+        "ssm_states is on meta but x is on cpu": dict(ssm_states=args[23].to("meta")),  # another device
         "state_slots must be int64": dict(state_slots=args[4].int()),
         "num_heads": dict(num_heads=0),
         "rotary_dim": dict(rotary_dim=7),
