@@ -60,6 +60,8 @@ def _check_split(gate, up, dy=None):
     op = "silu_mul_split" if dy is None else "silu_mul_split_backward"
     check_float(op, "gate", gate)
     check_float(op, "up", up)
+    if dy is not None:
+        check_float(op, "dy", dy)
     check_same(op, "gate", gate, up=up, dy=dy)
     if up.shape != gate.shape or (dy is not None and dy.shape != gate.shape):
         fail(op, f"gate {tuple(gate.shape)}, up {tuple(up.shape)}" + ("" if dy is None else f" and dy {tuple(dy.shape)}")

@@ -69,6 +69,8 @@ def _check_backward(dy, x, weight, eps, offset=0.0, dsum=None):
     op = "rms_norm_backward"
     _check(op, x, weight)
     check_float(op, "dy", dy)
+    if dsum is not None:
+        check_float(op, "dsum", dsum)  # read with unit stride, as dy
     check_same(op, "x", x, dy=dy, dsum=dsum)
     if dy.shape != x.shape or (dsum is not None and dsum.shape != x.shape):
         fail(op, f"dy {tuple(dy.shape)} / dsum must have x's shape {tuple(x.shape)}")

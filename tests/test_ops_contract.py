@@ -123,6 +123,10 @@ ERRORS = [
      "dk has dtype torch.float64 but q has torch.float32"),
     ("attention_backward", lambda: (torch.randn(1, 4, 2, 16).bfloat16(), *(torch.randn(1, 4, 2, 16) for _ in range(4)),
                                     None, 0.25), "do has dtype torch.bfloat16 but q has torch.float32"),
+    ("rms_norm_backward", lambda: (torch.randn(2, 8), torch.randn(2, 8), torch.randn(8), 1e-6, 0.0,
+                                   torch.randn(2, 8, 2)[..., 0]), "dsum must be contiguous in its last dim"),
+    ("silu_mul_split_backward", lambda: (torch.randn(2, 8, 2)[..., 0], torch.randn(2, 8), torch.randn(2, 8)),
+     "dy must be contiguous in its last dim"),
 ]
 
 
