@@ -191,6 +191,8 @@ def _check(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, i
     check_step(op, m, positions, cache_seqlens, block_table, theta, rotary_dim, d, num_splits)
     if state_slots.dtype != torch.int64 or tuple(state_slots.shape) != (m,):
         fail(op, f"state_slots must be int64 of shape ({m},), got {state_slots.dtype} {tuple(state_slots.shape)}")
+    if m > 1 and state_slots.stride(0) != 1:
+        fail(op, f"state_slots must be contiguous (the kernel reads row m at m), got strides {state_slots.stride()}")
 
 
 def _check_values(x, positions, cache_seqlens, block_table, state_slots, layer_kinds, *rest):

@@ -132,8 +132,8 @@ def check_stacked(op: str, shapes: dict, fp8: tuple = ()) -> None:
 
 def check_step(op: str, m: int, positions: Tensor, cache_seqlens: Tensor, block_table: Tensor, theta: float,
                rotary_dim: int, head_dim: int, num_splits: int) -> None:
-    """The step's rows (positions, cache_seqlens [M] int32, block_table [M, max_blocks] int32), RoPE
-    and the attention splits."""
+    """The step's rows (positions, cache_seqlens [M] int32, contiguous; block_table [M, max_blocks] int32),
+    RoPE and the attention splits."""
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         fail(op, f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
     if not 0.0 < theta < float("inf"):
@@ -142,6 +142,9 @@ def check_step(op: str, m: int, positions: Tensor, cache_seqlens: Tensor, block_
         fail(op, f"num_splits must be in [1, 64], got {num_splits}")
     check_index(op, "positions", positions, (m,))
     check_index(op, "cache_seqlens", cache_seqlens, (m,))
+    for name, t in (("positions", positions), ("cache_seqlens", cache_seqlens)):
+        if m > 1 and t.stride(0) != 1:
+            fail(op, f"{name} must be contiguous (the kernel reads row m at m), got strides {t.stride()}")
     if cache_seqlens.dtype != torch.int32 or block_table.dtype != torch.int32:
         fail(op, f"cache_seqlens and block_table must be int32, got {cache_seqlens.dtype} and {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != m or block_table.shape[1] == 0 or block_table.stride(1) != 1:

@@ -142,6 +142,8 @@ def test_decode_hybrid_layers_errors():
         "ssm_states must be float32": dict(ssm_states=args[23].double()),
         "ssm_states is on meta but x is on cpu": dict(ssm_states=args[23].to("meta")),  # another device
         "state_slots must be int64": dict(state_slots=args[4].int()),
+        "state_slots must be contiguous": dict(state_slots=torch.stack([args[4], args[4]], 1)[:, 0]),
+        "positions must be contiguous": dict(positions=torch.stack([args[1], args[1]], 1)[:, 0]),
         "num_heads": dict(num_heads=0),
         "rotary_dim": dict(rotary_dim=7),
         "block_table must be": dict(block_table=args[3][:, :0]),

@@ -130,6 +130,12 @@ def test_decode_layers_errors():
             a[names.index(name)] = value
         with pytest.raises(qwen_ops.QwenOpError, match=message):
             torch.ops.qwen.decode_layers(*a)
+    args = _args(*CASES["cpu"][2], torch.float32, "cpu")  # two rows: the kernel reads row m at m
+    for i, name in ((1, "positions"), (2, "cache_seqlens")):
+        a = list(args)
+        a[i] = torch.stack([args[i], args[i]], 1)[:, 0]
+        with pytest.raises(qwen_ops.QwenOpError, match=f"{name} must be contiguous"):
+            torch.ops.qwen.decode_layers(*a)
 
 
 def test_tile_rows():
