@@ -336,6 +336,31 @@ def test_llm_refuses_a_split_that_does_not_fit(checkpoints):
         LLM(path, device="cpu", dtype="float32", tensor_parallel_size=3, progress=False)
 
 
+def test_fp8_quantization_with_a_split_is_refused_before_any_process_starts(checkpoints, monkeypatch, capsys):
+    """``quantization="fp8"`` takes a model on one device: with ``tensor_parallel_size`` 2 it is
+    refused at once, naming both, and no worker is started (one would fail loading, with a
+    traceback of its own); both command lines refuse the two flags together in one line."""
+    import modeling.api.llm as llm_module
+    from modeling.generate import main as generate_main
+    from modeling.serve.__main__ import main as serve_main
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(llm_module, "start_workers", no_workers)
+    path = str(checkpoints["qwen3-2-kv-heads"])
+    with pytest.raises(ValueError, match="quantization='fp8' .* tensor_parallel_size 2"):
+        llm_module.LLM(path, device="cpu", dtype="float32", quantization="fp8", tensor_parallel_size=2,
+                       progress=False)
+    flags = ["--model", path, "--device", "cpu", "--quantization", "fp8", "--tensor-parallel-size", "2"]
+    for main, argv in ((generate_main, ["--prompt", "hi", *flags]), (serve_main, flags)):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --quantization fp8"), err
+        assert "--tensor-parallel-size 2" in err[0]
+
+
 def test_tp_bench_rows_on_the_cpu(checkpoints):
     """``bench.decode --tp``'s rows (``bench.tensor_parallel.decode_rows``): the checkpoint loaded at
     sizes 1 and 2 in turn (the workers stopped between), each size's ms a token and the ratio."""

@@ -197,6 +197,9 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         if not (is_int(tensor_parallel_size) and tensor_parallel_size >= 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if quantization is not None and tensor_parallel_size > 1:  # before any worker starts
+            raise ValueError(f"quantization={quantization!r} takes a model on one device, not tensor_parallel_size "
+                             f"{tensor_parallel_size}")
         if not (model is None or isinstance(model, (str, os.PathLike, Checkpoint))):
             raise TypeError(f"model must be a Hub id ORG/NAME or a checkpoint directory (a str or a path), a "
                             f"Checkpoint, or None for the shipped model, got {type(model).__name__}")

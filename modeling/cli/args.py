@@ -152,6 +152,9 @@ def check_args(a: argparse.Namespace) -> None:
         problems.append(f"--max-num-seqs must be >= 1, got {a.max_num_seqs}")
     if a.tensor_parallel_size < 1:
         problems.append(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
+    elif a.quantization is not None and a.tensor_parallel_size > 1:
+        problems.append(f"--quantization {a.quantization} takes a model on one device, not --tensor-parallel-size "
+                        f"{a.tensor_parallel_size}")
     if a.device is not None:
         if not re.fullmatch(DEVICE_PATTERN, a.device):
             problems.append(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
