@@ -418,6 +418,23 @@ def test_cli_refuses_bad_flags(argv, problem, capsys):
     assert err[-1].startswith("error: ") and problem in err[-1] and len(err) <= 2  # a note, then the error
 
 
+@pytest.mark.parametrize("argv, problem", [
+    (["--drain-timeout", "nan"], "--drain-timeout must be a finite number of seconds >= 0, got nan"),
+    (["--drain-timeout", "inf"], "--drain-timeout must be a finite number of seconds >= 0, got inf"),
+    (["--device", "cpu:1"], "--device cpu:1: the CPU has no index (use --device cpu)"),
+])
+def test_flags_are_checked_before_the_model_loads(argv, problem):
+    """Values every later check would let through (a NaN drain timeout cuts every running request
+    at once; an infinite one fails the exit), and a device the engine's process would refuse only
+    once started, are refused by the flags' check, as the other command line does."""
+    from modeling.api.commands import UsageError
+    from modeling.serve.__main__ import check_args, parse_args
+
+    with pytest.raises(UsageError) as e:
+        check_args(parse_args(argv))
+    assert str(e.value) == problem
+
+
 def test_engine_failures_fail_the_requests_then_the_server(llm, monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, UsageError, add_model_flags, prog_name
+from ..api.commands import UsageError, add_model_flags, device_problem, prog_name
 from ..engine.prompts import MAX_MODEL_LEN
 
 if TYPE_CHECKING:
@@ -110,8 +110,6 @@ def _as_flag(problem: str) -> str:
 
 def check_args(a: argparse.Namespace) -> None:
     """Every problem with the flags alone, in one message (before any model is read)."""
-    import re
-
     from ..engine.sampling_params import SamplingParams
 
     problems = []
@@ -155,11 +153,9 @@ def check_args(a: argparse.Namespace) -> None:
     elif a.quantization is not None and a.tensor_parallel_size > 1:
         problems.append(f"--quantization {a.quantization} takes a model on one device, not --tensor-parallel-size "
                         f"{a.tensor_parallel_size}")
-    if a.device is not None:
-        if not re.fullmatch(DEVICE_PATTERN, a.device):
-            problems.append(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
-        elif a.device.startswith("cpu:") and a.device != "cpu:0":
-            problems.append(f"--device {a.device}: the CPU has no index (use --device cpu)")
+    problem = device_problem(a.device)
+    if problem:
+        problems.append(problem)
     if a.revision is not None and a.model is None:
         problems.append("--revision needs --model ORG/NAME")
     if problems:

@@ -9,11 +9,10 @@ import argparse
 import gc
 import logging
 import os
-import re
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..api.commands import DEVICE_PATTERN, UsageError, add_model_flags, command_main, load_checkpoint, prog_name, say
+from ..api.commands import UsageError, add_model_flags, command_main, device_problem, load_checkpoint, prog_name, say
 from .chat_output import TOOL_PARSERS
 
 API_KEY_ENV = "QWEN_API_KEY"
@@ -98,13 +97,14 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--max-model-len must be >= 2, got {a.max_model_len}")
     if not 0 < a.gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must lie in (0, 1], got {a.gpu_memory_utilization}")
-    if a.drain_timeout < 0:
-        raise UsageError(f"--drain-timeout must be >= 0, got {a.drain_timeout}")
+    if not 0 <= a.drain_timeout < float("inf"):
+        raise UsageError(f"--drain-timeout must be a finite number of seconds >= 0, got {a.drain_timeout}")
     for flag, value in (("--header-timeout", a.header_timeout), ("--body-timeout", a.body_timeout)):
         if not 0 < value < float("inf"):
             raise UsageError(f"{flag} must be a finite number of seconds > 0, got {value}")
-    if a.device is not None and not re.fullmatch(DEVICE_PATTERN, a.device):
-        raise UsageError(f"--device must be cuda, cuda:N or cpu, got {a.device!r}")
+    problem = device_problem(a.device)
+    if problem:
+        raise UsageError(problem)
     a.api_key = a.api_key or os.environ.get(API_KEY_ENV) or None  # an empty key is no key
 
 
