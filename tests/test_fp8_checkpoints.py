@@ -439,3 +439,18 @@ def test_command_line_quantization_flag(tmp_path, capsys):
     code = main(["--model", str(tmp_path), "--prompt", "w1", "--quantization", "int4"])
     err = capsys.readouterr().err
     assert code == 2 and "argument --quantization: invalid choice: 'int4'" in err and "Traceback" not in err
+
+
+def test_scales_beside_a_weight_that_is_not_fp8_are_refused(tmp_path):
+    """A ``weight_scale_inv`` beside a weight stored in bf16 (a checkpoint dequantised without
+    dropping its scales) is refused naming both: the loader would otherwise multiply the bf16
+    values by the scales, or cast them to e4m3, and load a wrong model without a word."""
+    hf = random_hf("qwen3")
+    write_fp8_checkpoint(hf, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = fp8.dequantize(tensors[name], tensors[name + "_scale_inv"], torch.bfloat16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' has dtype BF16, but {name}_scale_inv beside it makes "
+                                              "it an FP8 weight: it must be F8_E4M3"):
+        QwenForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

@@ -311,12 +311,15 @@ def _check(handles: Dict, expected: Dict[str, Shape], scales: Dict[str, Shape], 
         if found != shape:
             what = "the weight's blocks of 128 call for" if name in scales else "the config expects"
             raise CheckpointError(f"tensor {name!r} has shape {list(found)}, {what} {list(shape)}")
-        fp8_weight = name + SCALE_SUFFIX in scales
-        if tensor.get_dtype() not in FLOAT_DTYPES and not (fp8_weight and tensor.get_dtype() == FP8_DTYPE):
-            allowed = ", ".join(FLOAT_DTYPES) + (f" or {FP8_DTYPE}" if fp8_weight else "")
+        if name + SCALE_SUFFIX in scales:  # read as e4m3 blocks times their scales: nothing else is
+            if tensor.get_dtype() != FP8_DTYPE:
+                raise CheckpointError(f"tensor {name!r} has dtype {tensor.get_dtype()}, but {name + SCALE_SUFFIX} "
+                                      f"beside it makes it an FP8 weight: it must be {FP8_DTYPE}")
+        elif tensor.get_dtype() not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.get_dtype()}: weights must be floating point "
-                                  f"({allowed})" + ("" if fp8_weight or name in scales else
-                                                    f"; an {FP8_DTYPE} weight needs its {name + SCALE_SUFFIX}"))
+                                  f"({', '.join(FLOAT_DTYPES)})" + ("" if name in scales else
+                                                                   f"; an {FP8_DTYPE} weight needs its "
+                                                                   f"{name + SCALE_SUFFIX}"))
 
 
 def _names(names: Sequence[str], shown: int = 10) -> str:
