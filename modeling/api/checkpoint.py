@@ -67,7 +67,7 @@ class Checkpoint:
             path = resolve_model(model, revision=revision, offline=offline, progress=progress)
         config = QwenConfig.from_pretrained(path)
         check_weights_size(path, config)
-        return cls(path, config, QwenTokenizer.from_pretrained(path), generation_defaults(path))
+        return cls(path, config, QwenTokenizer.from_pretrained(path, config.vocab_size), generation_defaults(path))
 
     @cached_property
     def chat_template(self) -> ChatTemplate:

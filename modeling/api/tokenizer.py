@@ -16,7 +16,8 @@ class QwenTokenizer:
     generation_config.json (``eos_token_id``, int or list), tokenizer_config.json (``eos_token``) and
     config.json (``eos_token_id``), in that order, without repeats; ``pad_token_id``:
     tokenizer_config.json's ``pad_token`` (None if absent). All files but tokenizer.json may be absent
-    (each is read with ``modeling.model.files``)."""
+    (each is read with ``modeling.model.files``). ``from_pretrained(path, vocab_size)``: an EOS id at or
+    above the model's ``vocab_size`` (one it can never produce) is a ``ValueError`` naming its file."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int], pad_token_id: Optional[int] = None):
         self.tokenizer = tokenizer
@@ -24,7 +25,7 @@ class QwenTokenizer:
         self.pad_token_id = pad_token_id
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, Path]) -> "QwenTokenizer":
+    def from_pretrained(cls, path: Union[str, Path], vocab_size: Optional[int] = None) -> "QwenTokenizer":
         path = Path(path)
         data = read_file(path / "tokenizer.json", TOKENIZER_LIMIT)
         try:
@@ -32,9 +33,16 @@ class QwenTokenizer:
         except Exception as e:  # the Rust side raises plain Exception: a ValueError with its text
             raise ValueError(f"tokenizer.json: {' '.join(str(e).split()) or type(e).__name__}") from None
         tokenizer_config = read_json(path / "tokenizer_config.json", optional=True)
-        eos = _eos_ids(read_json(path / "generation_config.json", optional=True), "generation_config.json")
-        eos += _token_ids(tokenizer, tokenizer_config, "eos_token")
-        eos += _eos_ids(read_json(path / "config.json", optional=True), "config.json")
+        eos = []
+        for ids, where in ((_eos_ids(read_json(path / "generation_config.json", optional=True),
+                                     "generation_config.json"), "generation_config.json: eos_token_id"),
+                           (_token_ids(tokenizer, tokenizer_config, "eos_token"), "tokenizer_config.json: eos_token"),
+                           (_eos_ids(read_json(path / "config.json", optional=True), "config.json"),
+                            "config.json: eos_token_id")):
+            outside = [i for i in ids if vocab_size is not None and i >= vocab_size]
+            if outside:
+                raise ValueError(f"{where} {outside[0]} lies outside the model's vocabulary [0, {vocab_size})")
+            eos += ids
         pad = _token_ids(tokenizer, tokenizer_config, "pad_token")
         return cls(tokenizer, list(dict.fromkeys(eos)), pad[0] if pad else None)
 
