@@ -633,6 +633,8 @@ def test_generation_defaults(tmp_path):
     (dict(do_sample=True, top_p=0), "top_p"),
     (dict(do_sample=True, top_p=1.5), "top_p"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(do_sample="false", temperature=0.7), "do_sample"),  # not read as true: a string is no flag
+    (dict(do_sample=1), "do_sample"),
 ])
 def test_generation_defaults_bad_values(tmp_path, fields, field):
     with pytest.raises(ValueError, match=f"generation_config.json: {field} must "):

@@ -253,7 +253,8 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
     GenerationConfig's default (temperature 1.0, top-k 50, top-p 1.0). ``min_p`` is a sampling
     control too (taken with ``do_sample`` only; absent: off); ``repetition_penalty`` applies to
     greedy decoding as well (absent: 1.0, off). ``max_new_tokens`` is taken when present. Raises
-    ``ValueError`` naming the field for a value outside ``SamplingParams``' range for it.
+    ``ValueError`` naming the field for a value outside ``SamplingParams``' range for it, and for a
+    ``do_sample`` that is not a JSON boolean (the string "false" would otherwise read as true).
     """
     from ..engine.sampling_params import VALUE_CHECKS, in_range
 
@@ -272,7 +273,10 @@ def generation_defaults(path: Union[str, Path]) -> GenerationDefaults:
         return kind(v)
 
     max_new, rep = value("max_new_tokens", None, "max_tokens"), value("repetition_penalty", 1.0)
-    if not config.get("do_sample", False):
+    do_sample = config.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):  # "false" is not true
+        raise ValueError(f"generation_config.json: do_sample must be true or false (a JSON boolean), got {do_sample!r}")
+    if not do_sample:
         return GenerationDefaults(max_new_tokens=max_new, repetition_penalty=rep)
     return GenerationDefaults(value("temperature", 1.0), value("top_k", 50), value("top_p", 1.0), max_new, rep,
                               value("min_p", 0.0))
