@@ -639,3 +639,26 @@ def test_generation_defaults(tmp_path):
 def test_generation_defaults_bad_values(tmp_path, fields, field):
     with pytest.raises(ValueError, match=f"generation_config.json: {field} must "):
         generation_defaults(write_generation_config(tmp_path, **fields))
+
+
+def test_tool_call_arguments_sent_as_a_json_string_render_as_the_object():
+    """An assistant turn's ``tool_calls`` as OpenAI clients send them back, ``arguments`` a JSON
+    string, reach the template as the object (vLLM's rule): Qwen3.5's XML template writes each
+    parameter of it, as for an object, and the caller's messages are left as they were."""
+    from modeling.chat.messages import template_messages
+
+    def convo(arguments):
+        return [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+    sent = convo('{"city": "Paris", "days": 3}')
+    for name in ("qwen3_5", "qwen3"):
+        template = ChatTemplate(QWEN_TEMPLATES[name])
+        assert template.render(template_messages(sent)) == template.render(convo({"city": "Paris", "days": 3}))
+    assert "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>" in \
+        ChatTemplate(QWEN_TEMPLATES["qwen3_5"]).render(template_messages(sent))
+    assert sent == convo('{"city": "Paris", "days": 3}')
+    not_an_object = template_messages(convo("not json"))[1]["tool_calls"][0]["function"]["arguments"]
+    assert not_an_object == "not json"  # left for the template as it is

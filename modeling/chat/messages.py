@@ -4,10 +4,14 @@ template reads.
 ``template_messages(messages)``: a non-empty list of dicts, each with a ``role`` (one of
 ``ROLES``; "developer" becomes "system") and a ``content`` that is a string, a list of text parts
 (``{"type": "text", "text": ...}``, joined into one string) or null (only for an assistant
-message with ``tool_calls``: it becomes ""). Other keys (``tool_calls``, ``reasoning_content``,
-``name``, ...) pass through. A malformed message raises ``MessageError`` naming it; a content part
-of another kind (an image) raises it with ``unsupported`` set (text only).
+message with ``tool_calls``: it becomes ""). An assistant message's ``tool_calls`` whose
+``function.arguments`` is a string holding a JSON object get that object instead (OpenAI sends
+arguments as a JSON string, templates iterate them as a mapping: vLLM parses them the same way);
+other keys (``reasoning_content``, ``name``, ...) pass through. A malformed message raises
+``MessageError`` naming it; a content part of another kind (an image) raises it with
+``unsupported`` set (text only).
 """
+import json
 from typing import Any, Dict, List, Mapping, Sequence
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -50,4 +54,20 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> List[Dict[str, A
             raise MessageError(f"'messages[{i}].content' is required (null only for an assistant message with "
                                "tool_calls)")
         out.append({**m, "role": "system" if role == "developer" else role, "content": content or ""})
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            out[-1]["tool_calls"] = [_with_object_arguments(call) for call in m["tool_calls"]]
     return out
+
+
+def _with_object_arguments(call: Any) -> Any:
+    """``call`` (an OpenAI tool call) with ``function.arguments`` parsed when it is a string holding a
+    JSON object (a copy; anything else as it is)."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    args = fn.get("arguments") if isinstance(fn, Mapping) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}} if isinstance(parsed, dict) else call
