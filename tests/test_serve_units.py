@@ -96,6 +96,22 @@ def test_an_xml_call_cut_short_is_closed():
         assert calls == [{"name": "f", "arguments": args}] and content == "", text
 
 
+def test_an_xml_parameter_without_its_closing_tag_ends_at_the_next_tag():
+    """A parameter whose </parameter> never comes ends where the next <parameter=, </function> or
+    </tool_call> starts (vLLM's qwen3_coder rule), whole or streamed a character at a time; one still
+    open at the end of the text is dropped."""
+    types = {"f": {"a": {"type": "integer"}, "b": {"type": "string"}}}
+    for text, args in (("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx\ny\n</parameter>\n</function>\n"
+                        "</tool_call>", '{"a": 1, "b": "x\\ny"}'),
+                       ("<tool_call>\n<function=f>\n<parameter=b>\nx\n</function>\n</tool_call>", '{"b": "x"}'),
+                       ("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx\n</tool_call>",
+                        '{"a": 1, "b": "x"}'),
+                       ("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx", '{"a": 1}')):
+        for pieces in ([text], list(text)):
+            content, _, calls = parse_calls(ToolCallParser("xml", types), pieces)
+            assert calls == [{"name": "f", "arguments": args}] and content == "", (text, len(pieces))
+
+
 @pytest.mark.parametrize("opened", [True, False])
 def test_a_tool_call_ends_the_reasoning(opened):
     text = ("" if opened else "<think>\n") + "I will call it.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"

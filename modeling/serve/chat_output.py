@@ -84,7 +84,10 @@ class ReasoningSplitter:
 
 
 XML_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
-XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?"
+                           r"(?:(</parameter>)|(?=<parameter=|</function>)|\Z)", re.S)
+"""A parameter: it ends at ``</parameter>``, else where the next tag starts (vLLM's qwen3_coder
+rule), else at the end of the text (taken only when ``</tool_call>`` ended the block there)."""
 XML_END = re.compile(r"\s*</function>")
 
 
@@ -119,7 +122,8 @@ class ToolCallParser:
 
     ``form`` "json": a ``<tool_call>`` block becomes one delta when it closes, if it parses
     (``parse_tool_call``). ``form`` "xml": a block streams. Its first delta (name, arguments "")
-    goes out once ``<function=NAME>`` is read, then one per parameter as it closes (``"key":
+    goes out once ``<function=NAME>`` is read, then one per parameter as it closes (at
+    ``</parameter>``, or without it at the next ``<parameter=``, ``</function>`` or ``</tool_call>``; ``"key":
     value``, after the object's "{" or ", "; values by ``xml_value`` with ``types``: function name ->
     parameter -> schema), then "}" at ``</function>`` (``{}`` without parameters), so the
     arguments joined are ``json.dumps`` of the parameters. A block that does not start a call (no
@@ -140,7 +144,8 @@ class ToolCallParser:
         return {"index": len(self.calls) - 1, "arguments": fragment}
 
     def _stream_xml(self) -> List[Dict[str, Any]]:
-        """The deltas of what the buffer holds of the XML block, up to ``</tool_call>``."""
+        """The deltas of what the buffer holds of the XML block, up to ``</tool_call>`` (which ends a
+        parameter left open)."""
         end = self.buf.find(TOOL_CLOSE)
         region = self.buf if end < 0 else self.buf[:end]
         deltas, pos = [], 0
@@ -153,7 +158,8 @@ class ToolCallParser:
             deltas.append({"index": len(self.calls) - 1, "name": self.calls[-1]["name"], "arguments": ""})
         types = self.types.get(self.calls[-1]["name"], {})
         while not self.closed:
-            if (m := XML_PARAMETER.match(region, pos)) is not None:
+            m = XML_PARAMETER.match(region, pos)
+            if m is not None and (m.group(3) or m.end() < len(region) or end >= 0):
                 key = m.group(1).strip()
                 value = json.dumps(xml_value(key, m.group(2), types), ensure_ascii=False)
                 deltas.append(self._delta(("{" if not self.params else ", ") + json.dumps(key) + ": " + value))
