@@ -121,6 +121,26 @@ def test_a_tool_call_ends_the_reasoning(opened):
     assert without[1] == ""  # without tools, the tag is reasoning text like any other
 
 
+@pytest.mark.parametrize("call", ['<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+                                  "<tool_call>\n<function=f>\n</function>\n</tool_call>"], ids=["json", "xml"])
+def test_a_tool_call_tag_mentioned_in_the_reasoning_does_not_end_it(call):
+    """Only a <tool_call> that a call follows (``{`` or ``<function=``, after whitespace) ends the
+    think block, as vLLM's qwen3 parser decides: one the reasoning merely mentions stays reasoning,
+    and the call after </think> is the reply's, whole or streamed a character at a time."""
+    from modeling.serve.chat_output import ChatOutput
+
+    text = "<think>\nI answer with a <tool_call> block, or <tool_call>\nnot yet.\n</think>\n\n" + call
+    form = "xml" if "<function=" in call else "json"
+    whole = ChatOutput(True, True, "<|im_start|>assistant\n", form).push(text, final=True)
+    streamed = ChatOutput(True, True, "<|im_start|>assistant\n", form)
+    pieces = [streamed.push(ch) for ch in text] + [streamed.push("", final=True)]
+    for reasoning, content, deltas in (whole, ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces),
+                                               [d for p in pieces for d in p[2]])):
+        assert reasoning == "I answer with a <tool_call> block, or <tool_call>\nnot yet."
+        assert content == "" and [d.get("name") for d in deltas if "name" in d] == ["f"]
+    assert streamed.tools.calls == [{"name": "f", "arguments": "{}"}]
+
+
 @pytest.fixture(scope="module")
 def llm():
     from modeling.api.llm import LLM

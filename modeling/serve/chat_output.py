@@ -3,8 +3,8 @@
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, or Qwen3.5's and Qwen3-Coder's XML,
 ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``. Both
 parsers take the text piece by piece as it streams and hold back what could still be the start
-of a tag, so a streamed reply and the same reply parsed whole agree. A ``<tool_call>`` inside the
-think block ends it (the model went on to call without closing it).
+of a tag, so a streamed reply and the same reply parsed whole agree. A ``<tool_call>`` that starts a
+call inside the think block ends it (the model went on to call without closing it).
 """
 
 import json
@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_STARTS = ("{", "<function=")
+"""What follows a ``<tool_call>`` that starts a call (after whitespace), in either form."""
 TOOL_PARSERS = {"hermes": "json", "qwen3_json": "json", "qwen3_xml": "xml", "qwen3_coder": "xml"}
 """``--tool-call-parser`` names (vLLM's for the same forms) and the form each parses."""
 
@@ -27,7 +29,9 @@ class ReasoningSplitter:
     opened it (``opened``: templates that end the prompt with ``<think>``), else when it starts
     with ``<think>`` (after whitespace); ``</think>`` ends it. The whitespace around the tags, and
     at the end, is dropped (Qwen writes ``<think>\\n...\\n</think>\\n\\n``). An unclosed block (the
-    reply cut by max_tokens) is all reasoning."""
+    reply cut by max_tokens) is all reasoning. With ``tool_calls``, a ``<tool_call>`` that a call
+    follows (``CALL_STARTS``, after whitespace) ends it too; one the reasoning only mentions is
+    reasoning text (vLLM's qwen3 parser looks ahead the same way)."""
 
     def __init__(self, opened: bool, tool_calls: bool = False):
         self.mode = "reasoning" if opened else "start"
@@ -63,6 +67,15 @@ class ReasoningSplitter:
                 found = [(i, tag) for tag in self.ends if (i := self.buf.find(tag)) >= 0]
                 if found:
                     i, tag = min(found)
+                    after = self.buf[i + len(tag):].lstrip()
+                    if tag == TOOL_OPEN and not after.startswith(CALL_STARTS):
+                        if any(start.startswith(after) for start in CALL_STARTS):  # it may still start a call
+                            reasoning += self._emit(self.buf[:i], final=False)
+                            self.buf = self.buf[i:]
+                            return reasoning, content
+                        reasoning += self._emit(self.buf[:i + len(tag)], final=False)  # a mention
+                        self.buf = self.buf[i + len(tag):]
+                        continue
                     reasoning += self._emit(self.buf[:i], final=True)
                     rest = self.buf[i + len(THINK_CLOSE):] if tag == THINK_CLOSE else self.buf[i:]
                     self.buf, self.mode, self.lead = rest, "content", True
