@@ -96,6 +96,16 @@ def test_an_xml_call_cut_short_is_closed():
         assert calls == [{"name": "f", "arguments": args}] and content == "", text
 
 
+@pytest.mark.parametrize("form, call", [("json", '{"name": "f", "arguments": {}}'), ("xml", "<function=f>\n</function>")])
+def test_a_tool_call_tag_mentioned_in_the_content_leaves_the_next_call_whole(form, call):
+    """A <tool_call> that no call follows (``{`` or ``<function=`` after whitespace, by the form) is
+    content text: the block the reply opens next is its call, whole or streamed a character at a time."""
+    text = f"Use a <tool_call> tag:\n<tool_call>\n{call}\n</tool_call>"
+    for pieces in ([text], list(text)):
+        content, _, calls = parse_calls(ToolCallParser(form), pieces)
+        assert calls == [{"name": "f", "arguments": "{}"}] and content == "Use a <tool_call> tag:\n", len(pieces)
+
+
 def test_an_xml_parameter_without_its_closing_tag_ends_at_the_next_tag():
     """A parameter whose </parameter> never comes ends where the next <parameter=, </function> or
     </tool_call> starts (vLLM's qwen3_coder rule), whole or streamed a character at a time; one still

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_STARTS = ("{", "<function=")
-"""What follows a ``<tool_call>`` that starts a call (after whitespace), in either form."""
+"""What follows a ``<tool_call>`` that starts a call (after whitespace): JSON's, XML's."""
 TOOL_PARSERS = {"hermes": "json", "qwen3_json": "json", "qwen3_xml": "xml", "qwen3_coder": "xml"}
 """``--tool-call-parser`` names (vLLM's for the same forms) and the form each parses."""
 
@@ -96,6 +96,7 @@ class ReasoningSplitter:
         return "", self._emit(rest, final=True)
 
 
+LEAD = re.compile(r"\s*")
 XML_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
 XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?"
                            r"(?:(</parameter>)|(?=<parameter=|</function>)|\Z)", re.S)
@@ -139,9 +140,10 @@ class ToolCallParser:
     ``</parameter>``, or without it at the next ``<parameter=``, ``</function>`` or ``</tool_call>``; ``"key":
     value``, after the object's "{" or ", "; values by ``xml_value`` with ``types``: function name ->
     parameter -> schema), then "}" at ``</function>`` (``{}`` without parameters), so the
-    arguments joined are ``json.dumps`` of the parameters. A block that does not start a call (no
-    ``<function=``), or a JSON block that does not parse, stays in the content as written, as
-    does an unclosed one at the end; an XML call already started ends at ``</tool_call>`` or at
+    arguments joined are ``json.dumps`` of the parameters. A ``<tool_call>`` that no call follows
+    (``CALL_STARTS``' of the form, after whitespace) is content text, and the next one may open a
+    call; a block that does not start a call, or a JSON block that does not parse, stays in the
+    content as written, as does an unclosed one at the end; an XML call already started ends at ``</tool_call>`` or at
     the end of the text, its arguments closed, whatever else the block holds."""
 
     def __init__(self, form: str = "json", types: Optional[Dict[str, Dict[str, Any]]] = None):
@@ -204,6 +206,13 @@ class ToolCallParser:
                     return content, deltas
                 content, self.buf, self.inside = content + self.buf[:i], self.buf[i + len(TOOL_OPEN):], True
                 continue
+            if self.params is None:
+                start = CALL_STARTS[self.form == "xml"]
+                k = LEAD.match(self.buf).end()
+                head = self.buf[k:k + len(start)]
+                if not start.startswith(head):  # no call follows: the tag is content text
+                    content, self.inside = content + TOOL_OPEN, False
+                    continue
             if self.form == "xml":
                 deltas += self._stream_xml()
             i = self.buf.find(TOOL_CLOSE)
