@@ -235,6 +235,10 @@ def test_null_fields_take_their_defaults():
     assert (c.tie_word_embeddings, c.num_key_value_heads, c.max_position_embeddings) == (False, 4, 32768)
     assert (c.rms_norm_eps, c.rope_theta, c.head_dim, c.layer_types) == (1e-6, 10000.0, 16, ("full_attention",) * 2)
     assert QwenConfig.from_dict(QWEN3_5 | {"partial_rotary_factor": None}).rotary_dim == 8  # Qwen3.5's 0.25
+    for null in ({"hidden_act": None}, {"rope_scaling": {"rope_type": None, "type": None}}):
+        assert QwenConfig.from_dict(dict(BASE, model_type="qwen3", **null)) == QwenConfig.from_dict(dict(BASE, model_type="qwen3"))
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert QwenConfig.from_dict(dict(BASE, model_type="qwen3", quantization_config=fp8 | {"fmt": None})).quantization == "fp8"
 
 
 def test_from_pretrained_names_the_file(tmp_path):

@@ -197,7 +197,7 @@ def rope_settings(d: Mapping[str, Any]) -> Tuple[Optional[float], float]:
     rope_theta is None when the config names none. A ``rope_type`` other than ``default`` (YaRN
     etc.) is a ConfigError."""
     rope = _object(d, "rope_parameters") or _object(d, "rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = next((rope[k] for k in ("rope_type", "type") if rope.get(k) is not None), "default")
     if rope_type != "default":
         raise ConfigError(f"unsupported rope_type {_show(rope_type)}: only 'default' RoPE is implemented")
     theta = _number(rope if rope.get("rope_theta") is not None else d, "rope_theta", None)
@@ -377,7 +377,9 @@ def _quantization(d: Mapping[str, Any]) -> Optional[str]:
     if q is None:
         return None
     for name, want in FP8_QUANTIZATION.items():
-        got = q.get(name, want if name == "fmt" else None)
+        got = q.get(name)
+        if got is None and name == "fmt":  # absent or null: e4m3, the only format Qwen's FP8 checkpoints use
+            got = want
         if got != want:
             raise ConfigError(f"unsupported quantization_config {name} {_show(got)}: only Qwen's FP8 checkpoints load "
                               f"(quant_method 'fp8', fmt 'e4m3', activation_scheme 'dynamic', weight_block_size "
@@ -388,7 +390,7 @@ def _quantization(d: Mapping[str, Any]) -> Optional[str]:
 def _reject_unsupported_features(d: Mapping[str, Any], model_type: str) -> None:
     if _bool(d, "use_sliding_window", False):
         raise ConfigError("unsupported use_sliding_window=true: only full attention is implemented")
-    if d.get("hidden_act", "silu") != "silu":
+    if d.get("hidden_act") not in (None, "silu"):
         raise ConfigError(f"unsupported hidden_act {_show(d['hidden_act'])}: only 'silu' is implemented")
     if model_type in ("qwen3", "qwen3_moe") and _bool(d, "attention_bias", False):
         raise ConfigError(f"unsupported attention_bias=true for {model_type}: Qwen3 checkpoints have no attention bias")
