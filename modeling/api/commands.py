@@ -1,6 +1,6 @@
 """What the two command lines (``python -m modeling.generate`` and ``python -m modeling.serve``)
 share: ``command_main`` (parse, check and run, each failure an exit status), ``UsageError``, ``say``,
-``prog_name``, the flags both take (``add_model_flags``, ``device_problem``), and the checkpoint and
+``prog_name``, the flags both take (``add_model_flags``, ``device_problem``, ``quantization_problem``), and the checkpoint and
 model those flags name (``load_checkpoint``, ``load_llm``). Imports nothing heavy at the top: a
 command line handles Ctrl-C and bad input from its first instant, while torch is still loading."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
@@ -104,14 +105,21 @@ def add_model_flags(model, engine) -> None:
 def device_problem(device: Optional[str]) -> Optional[str]:
     """What is wrong with a ``--device`` value on its face (not cuda, cuda:N or cpu; an index on the
     CPU), or None; whether a CUDA device exists is the model's loading to say."""
-    import re
-
     if device is None:
         return None
     if not re.fullmatch(DEVICE_PATTERN, device):
         return f"--device must be cuda, cuda:N or cpu, got {device!r}"
     if device.startswith("cpu:") and device != "cpu:0":
         return f"--device {device}: the CPU has no index (use --device cpu)"
+    return None
+
+
+def quantization_problem(quantization: Optional[str], tensor_parallel_size: int) -> Optional[str]:
+    """What is wrong with ``--quantization`` beside ``--tensor-parallel-size`` (quantisation at load
+    takes a model on one device), or None."""
+    if quantization is not None and tensor_parallel_size > 1:
+        return (f"--quantization {quantization} takes a model on one device, not --tensor-parallel-size "
+                f"{tensor_parallel_size}")
     return None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..api.commands import UsageError, add_model_flags, device_problem, prog_name
+from ..api.commands import UsageError, add_model_flags, device_problem, prog_name, quantization_problem
 from ..engine.prompts import MAX_MODEL_LEN
 
 if TYPE_CHECKING:
@@ -150,12 +150,7 @@ def check_args(a: argparse.Namespace) -> None:
         problems.append(f"--max-num-seqs must be >= 1, got {a.max_num_seqs}")
     if a.tensor_parallel_size < 1:
         problems.append(f"--tensor-parallel-size must be >= 1, got {a.tensor_parallel_size}")
-    elif a.quantization is not None and a.tensor_parallel_size > 1:
-        problems.append(f"--quantization {a.quantization} takes a model on one device, not --tensor-parallel-size "
-                        f"{a.tensor_parallel_size}")
-    problem = device_problem(a.device)
-    if problem:
-        problems.append(problem)
+    problems += filter(None, (quantization_problem(a.quantization, a.tensor_parallel_size), device_problem(a.device)))
     if a.revision is not None and a.model is None:
         problems.append("--revision needs --model ORG/NAME")
     if problems:

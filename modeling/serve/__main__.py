@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
-from ..api.commands import UsageError, add_model_flags, command_main, device_problem, load_checkpoint, prog_name, say
+from ..api.commands import (UsageError, add_model_flags, command_main, device_problem, load_checkpoint, prog_name,
+                            quantization_problem, say)
 from .chat_output import TOOL_PARSERS
 
 API_KEY_ENV = "QWEN_API_KEY"
@@ -90,9 +91,9 @@ def check_args(a: argparse.Namespace) -> None:
                         ("--max-connections", a.max_connections), ("--tensor-parallel-size", a.tensor_parallel_size)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    if a.quantization is not None and a.tensor_parallel_size > 1:
-        raise UsageError(f"--quantization {a.quantization} takes a model on one device, not --tensor-parallel-size "
-                         f"{a.tensor_parallel_size}")
+    problem = quantization_problem(a.quantization, a.tensor_parallel_size)
+    if problem:
+        raise UsageError(problem)
     if a.max_model_len is not None and a.max_model_len < 2:
         raise UsageError(f"--max-model-len must be >= 2, got {a.max_model_len}")
     if not 0 < a.gpu_memory_utilization <= 1:

@@ -242,11 +242,9 @@ class Generation:
     def response_fields(self) -> Dict[str, Any]:
         """A whole response's top-level fields beside the choices: a chat response's
         ``prompt_logprobs`` and ``prompt_token_ids`` (vLLM's: one prompt), when asked for."""
-        out: Dict[str, Any] = {}
+        out = self.first_chunk_fields()
         if self.chat and self.plan.prompt_logprobs is not None:
             out["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
-        if self.chat and self.plan.return_token_ids:
-            out["prompt_token_ids"] = self.choices[0].prompt.ids
         return out
 
     def first_chunk_fields(self) -> Dict[str, Any]:
